@@ -1,0 +1,1 @@
+"""lomo_kernels."""

@@ -1,0 +1,77 @@
+"""Bit-exact rounding helpers shared by every backend's reference semantics.
+
+The Triton interpreter truncates fp32 -> bf16 casts while GPUs round to nearest even, so
+every backend rounds explicitly on the fp32 bit pattern. These torch versions define the
+exact bits the Triton, C++ and CUDA kernels must produce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_HASH_MUL_1 = 0x7FEB352D
+_HASH_MUL_2 = 0x846CA68B
+_SEED_SALT = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 tensors holding uint32 values, without int64 overflow."""
+    lo = constant & 0xFFFF
+    hi = constant >> 16
+    return (x * lo + ((x * hi) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit integer finaliser ("lowbias32"): a bijection with good avalanche, on int64 holding uint32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _HASH_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _HASH_MUL_2)
+    return x ^ (x >> 16)
+
+
+def mix32_int(x: int) -> int:
+    """The same finaliser on a Python int (used on the host to derive a per-call key)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _HASH_MUL_1) & MASK32
+    x ^= x >> 15
+    x = (x * _HASH_MUL_2) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """Folds a 64-bit seed into the 32-bit key the kernels take as an argument."""
+    seed &= (1 << 64) - 1
+    return mix32_int(seed & MASK32) ^ mix32_int((seed >> 32) ^ _SEED_SALT)
+
+
+def random_bits16(index: torch.Tensor, key: int) -> torch.Tensor:
+    """16 random bits per flat element index: mix32(mix32(lo32(i) ^ key) ^ hi32(i)) >> 16."""
+    lo = index & MASK32
+    hi = index >> 32
+    return mix32(mix32(lo ^ key) ^ hi) >> 16
+
+
+def fp32_to_bf16_bits(value: torch.Tensor, random16: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 bit patterns (int64 in [0, 65535]) of fp32 `value`.
+
+    Round to nearest even, or stochastically when `random16` (uniform 16-bit integers) is
+    given: add them below the kept bits and truncate. NaN stays a quiet NaN; inf stays inf.
+    """
+    bits = value.contiguous().view(torch.int32).to(torch.int64) & MASK32
+    is_nan = torch.isnan(value)
+    if random16 is None:
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    else:
+        is_inf = torch.isinf(value)
+        rounded = torch.where(is_inf, bits >> 16, (bits + random16) >> 16)
+    rounded = torch.where(is_nan, (bits >> 16) | 0x0040, rounded)
+    return rounded & 0xFFFF
+
+
+def bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bf16 tensor whose bit patterns are `bits` (int64 in [0, 65535])."""
+    signed = torch.where(bits >= 0x8000, bits - 0x10000, bits)
+    return signed.to(torch.int16).view(torch.bfloat16)

@@ -1,0 +1,94 @@
+"""Pure-PyTorch backend: the executable specification of every fused op.
+
+Always available, on any device. The Triton, C++ and CUDA backends must produce the same
+results (bit-identical rounding rules; fp32 arithmetic may differ by fused multiply-adds).
+It is written for clarity, not speed: it materialises fp32 temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._rounding import bf16_from_bits, fp32_to_bf16_bits, random_bits16, seed_key
+
+
+def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | float:
+    """scalar * tensor[0] in fp32 on the tensor's device (no host sync), or the plain scalar."""
+    if tensor is None:
+        return scalar
+    return tensor.reshape(-1)[0].to(torch.float32) * scalar
+
+
+def _write_back(param: torch.Tensor, new: torch.Tensor, keep: torch.Tensor,
+                stochastic_rounding: bool, seed: int) -> None:
+    """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
+    flat = param.view(-1)
+    if param.dtype == torch.bfloat16:
+        random16 = None
+        if stochastic_rounding:
+            index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
+            random16 = random_bits16(index, seed_key(seed))
+        rounded = bf16_from_bits(fp32_to_bf16_bits(new, random16))
+    else:
+        rounded = new.to(param.dtype)
+    flat.copy_(torch.where(keep, flat, rounded))
+
+
+def sgd_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+) -> None:
+    """One LOMO step on one contiguous parameter, in place.
+
+    g = fp32(grad) * inv_scale; elements with non-finite g leave their parameter unchanged
+    and set found_inf; g = clamp(g, -clip_value, clip_value); g *= clip_coef;
+    p = p * (1 - lr * weight_decay) - lr * g, rounded back to param.dtype.
+    When skip_if is non-zero nothing is written at all.
+    """
+    lr_eff = _effective(lr, lr_tensor)
+    g = grad.reshape(-1).to(torch.float32) * _effective(inv_scale, inv_scale_tensor)
+    bad = ~torch.isfinite(g)
+    if clip_value is not None:
+        g = g.clamp(-clip_value, clip_value)
+    if clip_coef_tensor is not None or clip_coef != 1.0:
+        g = g * _effective(clip_coef, clip_coef_tensor)
+    p = param.reshape(-1).to(torch.float32)
+    new = p * (1.0 - lr_eff * weight_decay) - lr_eff * g
+    keep = bad
+    if skip_if is not None:
+        keep = keep | (skip_if.reshape(-1)[0] != 0)
+    _write_back(param, new, keep, stochastic_rounding, seed)
+    if found_inf is not None:
+        flag = bad.any().to(found_inf.dtype)
+        if skip_if is not None:
+            flag = torch.where(skip_if.reshape(-1)[0] != 0, torch.zeros_like(flag), flag)
+        found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))
+
+
+def grad_sumsq_(
+    grad: torch.Tensor,
+    *,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    sumsq: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 if any element is inf/nan."""
+    g = grad.reshape(-1).to(torch.float32) * _effective(inv_scale, inv_scale_tensor)
+    sumsq.add_(torch.dot(g, g).to(sumsq.dtype).reshape(sumsq.shape))
+    if found_inf is not None:
+        flag = (~torch.isfinite(g)).any().to(found_inf.dtype)
+        found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))

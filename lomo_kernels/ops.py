@@ -1,0 +1,177 @@
+"""The fused LOMO ops, registered with torch.library so compiled training loops can call them.
+
+    fused_sgd_update_  one LOMO/SGD step on one parameter, one pass over memory
+    grad_sumsq_        sum of squares of a (scaled) gradient + inf/nan flag, one pass
+    clip_coef_from_sumsq  device-side clip-by-norm coefficient
+
+Runtime scalars (lr, inv_scale, clip_coef) may be Python floats or 1-element fp32 tensors on
+the parameter's device; with tensors nothing forces a host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from ._checks import check_finite, check_pair, check_scalar_tensor
+
+Scalar = float | torch.Tensor
+
+
+@torch.library.custom_op("lomo_kernels::sgd_update_", mutates_args=("param", "found_inf"))
+def _sgd_update_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    backend: str,
+) -> None:
+    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
+    if skip_if is None:
+        skip_if = found_inf
+    backends.resolve(param.device, backend).sgd_update_(
+        param,
+        grad.contiguous(),
+        lr=lr,
+        lr_tensor=lr_tensor,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+        weight_decay=weight_decay,
+        found_inf=found_inf,
+        skip_if=skip_if,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )
+
+
+@_sgd_update_op.register_fake
+def _(param, grad, lr, lr_tensor, inv_scale, inv_scale_tensor, clip_value, clip_coef,
+      clip_coef_tensor, weight_decay, found_inf, skip_if, stochastic_rounding, seed, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
+def _grad_sumsq_op(
+    grad: torch.Tensor,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    sumsq: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    backend: str,
+) -> None:
+    backends.resolve(grad.device, backend).grad_sumsq_(
+        grad.contiguous(),
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        sumsq=sumsq,
+        found_inf=found_inf,
+    )
+
+
+@_grad_sumsq_op.register_fake
+def _(grad, inv_scale, inv_scale_tensor, sumsq, found_inf, backend):
+    return None
+
+
+def _split(name: str, value: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
+    """A runtime scalar as (python factor, optional device tensor factor)."""
+    if isinstance(value, torch.Tensor):
+        check_scalar_tensor(name, value, device)
+        return 1.0, value
+    check_finite(name, value)
+    return float(value), None
+
+
+def fused_sgd_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: Scalar,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    weight_decay: float = 0.0,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    backend: str | None = None,
+) -> None:
+    """Applies one LOMO step to `param` in place, reading `grad` and `param` once.
+
+    In fp32: ``g = grad * inv_scale``; an element whose ``g`` is inf/nan keeps its parameter
+    value and sets ``found_inf``; ``g = clamp(g, -clip_value, clip_value)``;
+    ``g *= clip_coef``; ``param = param * (1 - lr * weight_decay) - lr * g``, written back in
+    the parameter's dtype (bf16/fp16 round to nearest even, or stochastically for bf16 with
+    ``stochastic_rounding=True``, reproducible from ``seed`` and the element index).
+
+    ``found_inf`` (1-element fp32) is only ever raised to 1. When ``skip_if`` is given and
+    non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
+    ``skip_if`` is omitted, ``found_inf``'s own value on entry acts as the skip flag.
+    """
+    check_pair(param, grad)
+    device = param.device
+    lr_f, lr_t = _split("lr", lr, device)
+    if lr_t is None:
+        check_finite("lr", lr_f, non_negative=True)
+    inv_f, inv_t = _split("inv_scale", inv_scale, device)
+    coef_f, coef_t = _split("clip_coef", 1.0 if clip_coef is None else clip_coef, device)
+    if clip_value is not None:
+        check_finite("clip_value", clip_value, positive=True)
+    check_finite("weight_decay", weight_decay)
+    check_scalar_tensor("found_inf", found_inf, device)
+    check_scalar_tensor("skip_if", skip_if, device)
+    if stochastic_rounding and param.dtype != torch.bfloat16:
+        raise ValueError(
+            f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
+        )
+    if param.numel() == 0:
+        return
+    torch.ops.lomo_kernels.sgd_update_(
+        param, grad, lr_f, lr_t, inv_f, inv_t,
+        None if clip_value is None else float(clip_value),
+        coef_f, coef_t, float(weight_decay), found_inf, skip_if,
+        bool(stochastic_rounding), int(seed), backends.requested_backend(backend),
+    )
+
+
+def grad_sumsq_(
+    grad: torch.Tensor,
+    sumsq: torch.Tensor,
+    *,
+    inv_scale: Scalar = 1.0,
+    found_inf: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """``sumsq += sum((fp32(grad) * inv_scale) ** 2)``; raises ``found_inf`` to 1 on inf/nan.
+
+    One pass over ``grad``; ``sumsq`` and ``found_inf`` are 1-element fp32 device tensors.
+    """
+    check_pair(grad, grad)
+    check_scalar_tensor("sumsq", sumsq, grad.device)
+    check_scalar_tensor("found_inf", found_inf, grad.device)
+    inv_f, inv_t = _split("inv_scale", inv_scale, grad.device)
+    if grad.numel() == 0:
+        return
+    torch.ops.lomo_kernels.grad_sumsq_(
+        grad, inv_f, inv_t, sumsq, found_inf, backends.requested_backend(backend)
+    )
+
+
+def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """``min(1, max_norm / (sqrt(sumsq) + eps))`` as a 1-element device tensor (no host sync)."""
+    check_finite("max_norm", max_norm, positive=True)
+    return torch.clamp(max_norm / (sumsq.sqrt() + eps), max=1.0)

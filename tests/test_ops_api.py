@@ -1,0 +1,114 @@
+"""Registration with torch.library, backend selection and input validation."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lomo_kernels import backends, ops
+
+
+def _sample_update_args(param_dtype=torch.bfloat16):
+    param = torch.randn(33, dtype=param_dtype)
+    grad = torch.randn(33, dtype=torch.float16)
+    return (param, grad, 0.1, torch.tensor([0.5]), 0.25, None, 1.0, 1.0, torch.tensor([0.9]),
+            0.01, torch.zeros(1), None, False, 0, "torch")
+
+
+@pytest.mark.parametrize("name", ["torch", "cpp"])
+def test_opcheck_update(name):
+    args = list(_sample_update_args())
+    args[-1] = name
+    torch.library.opcheck(torch.ops.lomo_kernels.sgd_update_.default, tuple(args))
+
+
+@pytest.mark.parametrize("name", ["torch", "cpp"])
+def test_opcheck_sumsq(name):
+    args = (torch.randn(100, dtype=torch.bfloat16), 0.5, None, torch.zeros(1), torch.zeros(1),
+            name)
+    torch.library.opcheck(torch.ops.lomo_kernels.grad_sumsq_.default, args)
+
+
+def test_compiled_function_calls_op_without_graph_break():
+    torch._dynamo.reset()
+
+    def step(param, grad, lr, found_inf):
+        ops.fused_sgd_update_(param, grad, lr=lr, found_inf=found_inf, weight_decay=0.1)
+        return found_inf + 0
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    p_eager = torch.randn(1000, dtype=torch.bfloat16)
+    p_comp = p_eager.clone()
+    g = torch.randn(1000)
+    for lr in (0.1, 0.05, 0.01):  # lr in a tensor: new values must not recompile
+        lr_t = torch.tensor([lr])
+        step(p_eager, g, lr_t, torch.zeros(1))
+        compiled(p_comp, g, lr_t, torch.zeros(1))
+    assert torch.equal(p_eager, p_comp)
+
+
+def test_env_var_selects_backend(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
+    assert backends.backend_name(backends.resolve(torch.device("cpu"))) == "torch"
+    monkeypatch.setenv(backends.ENV_VAR, "cpp")
+    assert backends.backend_name(backends.resolve(torch.device("cpu"))) == "cpp"
+    # An explicit argument wins over the environment.
+    assert backends.backend_name(backends.resolve(torch.device("cpu"), "torch")) == "torch"
+
+
+def test_auto_prefers_cpp_on_cpu(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    assert backends.backend_name(backends.resolve(torch.device("cpu"))) == "cpp"
+
+
+def test_unknown_backend_is_a_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="unknown lomo_kernels backend 'cuda'"):
+        backends.resolve(torch.device("cpu"), "cuda")
+    monkeypatch.setenv(backends.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="LOMO_KERNELS_BACKEND"):
+        backends.resolve(torch.device("cpu"))
+
+
+def test_unavailable_backend_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    backends._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = backends.resolve(torch.device("cpu"), "triton")
+        second = backends.resolve(torch.device("cpu"), "triton")
+    assert backends.backend_name(first) == backends.backend_name(second) == "cpp"
+    messages = [str(w.message) for w in caught if "triton" in str(w.message)]
+    assert len(messages) == 1 and "TRITON_INTERPRET" in messages[0]
+
+
+BAD_CALLS = {
+    "sparse grad": (lambda: (torch.zeros(4, 4), torch.zeros(4, 4).to_sparse(), {}), "sparse"),
+    "int param": (lambda: (torch.zeros(4, dtype=torch.int32), torch.zeros(4), {}), "int32"),
+    "float64 grad": (lambda: (torch.zeros(4), torch.zeros(4, dtype=torch.float64), {}),
+                     "float64"),
+    "numel mismatch": (lambda: (torch.zeros(4), torch.zeros(5), {}), "elements"),
+    "non-contiguous param": (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4), {}),
+                             "contiguous"),
+    "negative lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": -1.0}), "lr must be >= 0"),
+    "nan lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": float("nan")}), "finite"),
+    "clip_value 0": (lambda: (torch.zeros(4), torch.zeros(4), {"clip_value": 0.0}),
+                     "clip_value must be > 0"),
+    "lr tensor fp64": (lambda: (torch.zeros(4), torch.zeros(4),
+                                {"lr": torch.tensor([0.1], dtype=torch.float64)}), "float32"),
+    "found_inf shape": (lambda: (torch.zeros(4), torch.zeros(4), {"found_inf": torch.zeros(2)}),
+                        "1-element"),
+    "meta grad": (lambda: (torch.zeros(4), torch.zeros(4, device="meta"), {}), "meta"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS.keys())
+def test_bad_input_raises_before_writing(case):
+    make, message = BAD_CALLS[case]
+    param, grad, kwargs = make()
+    kwargs.setdefault("lr", 0.1)
+    before = param.clone()
+    with pytest.raises((TypeError, ValueError), match=message):
+        ops.fused_sgd_update_(param, grad, **kwargs)
+    assert torch.equal(param, before)
