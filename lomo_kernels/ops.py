@@ -138,6 +138,8 @@ def fused_sgd_update_(
         raise ValueError(
             f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
         )
+    if not 0 <= int(seed) < 2**63:
+        raise ValueError(f"lomo_kernels: seed must be in [0, 2**63), got {seed}")
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.sgd_update_(

@@ -1,0 +1,226 @@
+// Per-element LOMO math shared by the CPU (lomo_cpu.cpp) and CUDA (lomo_cuda.cu) kernels.
+//
+// The executable specification is lomo_kernels/backends/reference.py together with
+// lomo_kernels/_rounding.py; every rule below reproduces those bit for bit:
+//   * fp32 arithmetic is rounded after every operation, in the reference's order (no fused
+//     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
+//     use -ffp-contract=off; device code uses the explicit _rn intrinsics.
+//   * fp32 -> bf16 rounds on the bit pattern (nearest even, or stochastic with a hash).
+//   * fp16 conversions are exact IEEE (round to nearest even, subnormals kept).
+//
+// No torch headers here: nvcc compiles this alone.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define LOMO_HD __host__ __device__
+#define LOMO_INLINE __forceinline__
+#elif defined(_MSC_VER)
+#define LOMO_HD
+#define LOMO_INLINE __forceinline
+#else
+#define LOMO_HD
+#define LOMO_INLINE inline __attribute__((always_inline))
+#endif
+
+#if defined(__clang__) && !defined(__CUDA_ARCH__)
+// Clang honours the standard pragma; GCC needs -ffp-contract=off on the command line.
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+namespace lomo {
+
+// Dtype codes shared by the CUDA launchers and their binding.
+enum DtypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// ---------------------------------------------------------------------------------------
+// Bit casts and correctly rounded fp32 arithmetic
+// ---------------------------------------------------------------------------------------
+
+LOMO_HD LOMO_INLINE uint32_t bits_of(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+#endif
+}
+
+LOMO_HD LOMO_INLINE float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+// One rounding per operation, never contracted into an FMA (the reference has none).
+LOMO_HD LOMO_INLINE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+LOMO_HD LOMO_INLINE float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// 1 when v is inf or nan (a bit test: stays correct under any floating-point flags).
+LOMO_HD LOMO_INLINE uint32_t is_nonfinite(float v) {
+  return (bits_of(v) & 0x7F800000u) == 0x7F800000u ? 1u : 0u;
+}
+
+// ---------------------------------------------------------------------------------------
+// Hash for stochastic rounding (_rounding.mix32 / random_bits16)
+// ---------------------------------------------------------------------------------------
+
+LOMO_HD LOMO_INLINE uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// 16 random bits of flat element index (hi << 32 | lo) under the per-call key.
+LOMO_HD LOMO_INLINE uint32_t random_bits16(uint32_t lo, uint32_t hi, uint32_t key) {
+  return mix32(mix32(lo ^ key) ^ hi) >> 16;
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16 (as uint16 bit patterns)
+// ---------------------------------------------------------------------------------------
+
+LOMO_HD LOMO_INLINE float bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+// Round to nearest even on the bit pattern; nan becomes a quiet nan, inf stays inf.
+LOMO_HD LOMO_INLINE uint16_t f32_to_bf16_rne(float v) {
+  const uint32_t b = bits_of(v);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (b >> 16) | 0x0040u;
+  return (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
+
+// Stochastic rounding: add 16 uniform bits below the kept ones, then truncate.
+LOMO_HD LOMO_INLINE uint16_t f32_to_bf16_sr(float v, uint32_t random16) {
+  const uint32_t b = bits_of(v);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  const uint32_t add = mag >= 0x7F800000u ? 0u : random16;  // inf/nan are not perturbed
+  const uint32_t out = (b + add) >> 16;
+  return (uint16_t)(mag > 0x7F800000u ? (out | 0x0040u) : out);
+}
+
+// ---------------------------------------------------------------------------------------
+// fp16 (as uint16 bit patterns)
+// ---------------------------------------------------------------------------------------
+
+// Exact fp16 -> fp32 with integer operations and selects only, so compilers vectorise it
+// (GCC 12 leaves _Float16 conversions scalar).
+LOMO_HD LOMO_INLINE float fp16_to_f32_portable(uint16_t h) {
+  const uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+  const uint32_t mag = (uint32_t)h & 0x7FFFu;
+  // Subnormal or zero: mag * 2^-24 is exact in fp32.
+  const float small = (float)(int32_t)mag * 5.9604644775390625e-8f;
+  // Normal: move exponent/mantissa into place and rebias 15 -> 127; inf/nan need 255.
+  uint32_t big = (mag << 13) + (112u << 23);
+  big = mag >= 0x7C00u ? big + (112u << 23) : big;
+  const uint32_t out = mag < 0x0400u ? bits_of(small) : big;
+  return float_of(out | sign);
+}
+
+// Exact fp32 -> fp16, round to nearest even, overflow to inf, subnormals kept.
+LOMO_HD LOMO_INLINE uint16_t f32_to_fp16_portable(float v) {
+  const uint32_t b = bits_of(v);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  // Normal range: rebias 127 -> 15 and round away the low 13 mantissa bits (a carry
+  // correctly bumps the exponent).
+  const uint32_t rebiased = mag - (112u << 23);
+  const uint32_t normal = (rebiased + 0x0FFFu + ((rebiased >> 13) & 1u)) >> 13;
+  // Below 2^-14: adding 0.5 leaves the fp16 subnormal count, rounded to nearest even by
+  // the fp32 addition itself, in the low mantissa bits.
+  const uint32_t subnormal = bits_of(float_of(mag) + 0.5f) - 0x3F000000u;
+  uint32_t out = mag < 0x38800000u ? subnormal : normal;
+  out = mag >= 0x477FF000u ? 0x7C00u : out;                     // rounds to inf
+  out = mag > 0x7F800000u ? (0x7E00u | ((mag >> 13) & 0x03FFu)) : out;  // quiet nan
+  return (uint16_t)(out | sign);
+}
+
+LOMO_HD LOMO_INLINE float fp16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  return fp16_to_f32_portable(h);
+#endif
+}
+
+LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(v));
+#else
+  return f32_to_fp16_portable(v);
+#endif
+}
+
+// Storage traits: T is the stored type, load() widens to fp32, round() narrows (nearest even).
+struct Fp32 {
+  using T = float;
+  static constexpr int code = kFloat32;
+  LOMO_HD LOMO_INLINE static float load(T v) { return v; }
+  LOMO_HD LOMO_INLINE static T round(float v) { return v; }
+};
+
+struct Fp16 {
+  using T = uint16_t;
+  static constexpr int code = kFloat16;
+  LOMO_HD LOMO_INLINE static float load(T v) { return fp16_to_f32(v); }
+  LOMO_HD LOMO_INLINE static T round(float v) { return f32_to_fp16(v); }
+};
+
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int code = kBFloat16;
+  LOMO_HD LOMO_INLINE static float load(T v) { return bf16_to_f32(v); }
+  LOMO_HD LOMO_INLINE static T round(float v) { return f32_to_bf16_rne(v); }
+};
+
+// ---------------------------------------------------------------------------------------
+// The update of one element
+// ---------------------------------------------------------------------------------------
+
+// Scalars exactly as the reference computes them (each already rounded to fp32).
+struct SgdScalars {
+  float inv_scale;  // grad multiplier: inv_scale * inv_scale_tensor
+  float clip;       // clamp bound; +inf when clipping by value is off
+  float coef;       // clip_coef * clip_coef_tensor; 1 when off (x * 1 == x)
+  float lr;         // lr * lr_tensor
+  float decay;      // 1 - lr * weight_decay
+};
+
+// Returns the new fp32 parameter value; bad = 1 when the unscaled gradient is inf/nan, in
+// which case the caller keeps the old parameter bits.
+LOMO_HD LOMO_INLINE float sgd_element(float grad, float param, const SgdScalars& s,
+                                      uint32_t& bad) {
+  float g = mul_rn(grad, s.inv_scale);
+  bad = is_nonfinite(g);
+  // torch.clamp(g, -clip, clip) as selects; a nan g is never written, so its path is moot.
+  g = g < -s.clip ? -s.clip : g;
+  g = g > s.clip ? s.clip : g;
+  g = mul_rn(g, s.coef);
+  return sub_rn(mul_rn(param, s.decay), mul_rn(s.lr, g));
+}
+
+}  // namespace lomo

@@ -1,0 +1,368 @@
+"""Machinery shared by Lomo and AdaLomo: per-parameter hooks that update inside backward.
+
+Each trainable parameter gets one post-accumulate-grad hook. During `fused_backward` the hook
+updates that parameter with a fused op and frees its gradient; during `grad_norm` it only
+accumulates the gradient's squared norm and inf/nan flag on the device. Flags, norms, clip
+coefficients, the loss scale and the learning rate stay in device tensors, so backward never
+waits for the host. A step's overflow is copied to the host without blocking and reported
+at the next call.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from .._checks import SUPPORTED_DTYPES
+from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
+
+SERVED_DEVICE_TYPES = ("cpu", "cuda")
+
+GRAD_ACCUMULATION_ERROR = (
+    "LOMO updates each parameter inside backward and frees its gradient at once, so "
+    "gradients cannot be accumulated over micro-batches. Call optimizer.fused_backward(loss) "
+    "(or grad_norm(loss) first) instead of loss.backward(), once per optimizer step, and use "
+    "a larger batch instead of gradient accumulation."
+)
+
+_IDLE, _NORM, _UPDATE = "idle", "norm", "update"
+
+
+@dataclass
+class _DeviceScalars:
+    """Per-device 1-element fp32 tensors the kernels read (one set per device in use)."""
+
+    device: torch.device
+    sumsq: torch.Tensor = field(init=False)
+    norm_found_inf: torch.Tensor = field(init=False)
+    update_found_inf: torch.Tensor = field(init=False)
+    no_skip: torch.Tensor = field(init=False)
+    clip_coef: torch.Tensor = field(init=False)
+    lr: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(1, device=self.device)
+
+        self.sumsq, self.norm_found_inf, self.update_found_inf = zeros(), zeros(), zeros()
+        self.no_skip, self.clip_coef = zeros(), torch.ones(1, device=self.device)
+
+
+def check_lr(lr: Any) -> float:
+    if isinstance(lr, torch.Tensor):
+        raise TypeError("lr must be a Python number; the optimizer keeps it in a device tensor")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) \
+            or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    return float(lr)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters (tied ones once), after checking every one can be served."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"pass the model (an nn.Module), not {type(model).__name__}: LOMO registers a hook "
+            "on each of its trainable parameters"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"module {name!r} produces sparse gradients (sparse=True); LOMO updates dense "
+                "parameters in place: construct it with sparse=False"
+            )
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (requires_grad=True): "
+                         "nothing for the optimizer to update")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        name = names.get(id(p), "?")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; the fused kernels update "
+                            "float32, float16 and bfloat16 parameters: cast the model first")
+        if p.device.type not in SERVED_DEVICE_TYPES:
+            raise ValueError(f"parameter {name!r} is on {p.device}, which no lomo_kernels "
+                             f"backend serves ({', '.join(SERVED_DEVICE_TYPES)}); move the "
+                             "model (a meta-device model must be materialised first)")
+        if p.layout != torch.strided or not p.is_contiguous():
+            raise ValueError(f"parameter {name!r} is not a contiguous dense tensor; "
+                             "make it contiguous before building the optimizer")
+    return params
+
+
+class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+    """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
+
+    def __init__(self, model: nn.Module, defaults: dict[str, Any], *,
+                 clip_grad_norm: float | None, clip_grad_value: float | None,
+                 backend: str | None) -> None:
+        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm)
+                                               and clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm should be positive, got {clip_grad_norm}.")
+        if clip_grad_value is not None and not (math.isfinite(clip_grad_value)
+                                                and clip_grad_value > 0):
+            raise ValueError(f"clip_grad_value should be positive, got {clip_grad_value}.")
+        check_lr(defaults["lr"])
+        params = trainable_parameters(model)
+        super().__init__([{"params": params}], defaults)
+        self.model = model
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_value = clip_grad_value
+        self.backend = backend
+        self.step_count = 0
+        self._phase = _IDLE
+        self._norm_ready = False
+        self._scalars: dict[torch.device, _DeviceScalars] = {}
+        self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self._report: torch.Tensor | None = None
+        self._report_event: Any = None
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- overridables -----------------------------------------------------------------
+    def _loss_scaler(self) -> DynamicLossScaler | None:
+        return None
+
+    def _static_inv_scale(self) -> float:
+        return 1.0
+
+    def _needs_detection_pass(self) -> bool:
+        """Whether an inf/nan check must precede the update (fp16: make overflow atomic)."""
+        return self.clip_grad_norm is not None
+
+    @abc.abstractmethod
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero."""
+
+    def _after_step(self, found_inf: torch.Tensor) -> None:
+        """Bookkeeping after a completed step (loss scaler update)."""
+
+    # -- hooks ------------------------------------------------------------------------
+    def _scalars_for(self, device: torch.device) -> _DeviceScalars:
+        scalars = self._scalars.get(device)
+        if scalars is None:
+            scalars = self._scalars[device] = _DeviceScalars(device)
+        return scalars
+
+    def _inv_scale_for(self, device: torch.device) -> float | torch.Tensor:
+        scaler = self._loss_scaler()
+        if scaler is None:
+            return self._static_inv_scale()
+        if scaler.device == device:
+            return scaler.inv_scale
+        return scaler.inv_scale.to(device, non_blocking=True)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None  # the gradient is dropped as soon as it has been used
+        if self._phase == _IDLE:
+            raise RuntimeError(GRAD_ACCUMULATION_ERROR)
+        if grad is None:
+            return
+        if grad.layout != torch.strided:
+            raise TypeError("lomo_kernels: a sparse gradient reached the optimizer; LOMO "
+                            "needs dense gradients")
+        scalars = self._scalars_for(param.device)
+        if self._phase == _NORM:
+            ops.grad_sumsq_(grad, scalars.sumsq, inv_scale=self._inv_scale_for(param.device),
+                            found_inf=scalars.norm_found_inf, backend=self.backend)
+            return
+        group = self.param_groups[self._group_of[id(param)]]
+        skip_if = scalars.norm_found_inf if self._norm_ready else scalars.no_skip
+        self._update(param, grad, group, scalars, skip_if)
+
+    # -- public API -------------------------------------------------------------------
+    def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
+
+        Keeps the graph (retain_graph=True) for the following `fused_backward(loss)`. Returns
+        the total norm as a device tensor (no host sync).
+        """
+        self._check_loss(loss)
+        self._report_previous_step()
+        self._prepare_scalars()
+        for scalars in self._scalars.values():
+            scalars.sumsq.zero_()
+            scalars.norm_found_inf.zero_()
+        self._run_backward(loss, _NORM, retain_graph=True)
+        total_sumsq = self._combine(lambda s: s.sumsq)
+        found = self._combine(lambda s: s.norm_found_inf)
+        self.last_grad_norm = total_sumsq.sqrt()
+        for device, scalars in self._scalars.items():
+            scalars.norm_found_inf.copy_(found.to(device, non_blocking=True))
+            if self.clip_grad_norm is not None:
+                coef = ops.clip_coef_from_sumsq(total_sumsq, self.clip_grad_norm)
+                scalars.clip_coef.copy_(coef.to(device, non_blocking=True))
+        self._norm_ready = True
+        return self.last_grad_norm
+
+    def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
+        """Backward with the update applied to each parameter as its gradient is ready.
+
+        `lr` sets the learning rate of every param group (as lomo-optim does); omitted, the
+        groups' own lr is used, so torch.optim.lr_scheduler schedulers work.
+        """
+        self._check_loss(loss)
+        if lr is not None:
+            lr = check_lr(lr)
+            for group in self.param_groups:
+                group["lr"] = lr
+        for group in self.param_groups:
+            check_lr(group["lr"])
+        if not self._norm_ready and self._needs_detection_pass():
+            self.grad_norm(loss)
+        else:
+            self._report_previous_step()
+            self._prepare_scalars()
+        try:
+            self._run_backward(loss, _UPDATE, retain_graph=False)
+        finally:
+            detection = self._norm_ready
+            self._norm_ready = False
+        found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
+        self._after_step(found)
+        self._queue_report(found, atomic=detection)
+        self.step_count += 1
+        self._opt_called = True  # lets lr schedulers know the step happened
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """No-op: the update already happened inside `fused_backward`.
+
+        Kept so frameworks that call `optimizer.step()` keep working. A closure is called
+        (under grad) and its loss returned, but it updates nothing by itself.
+        """
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    # -- helpers ----------------------------------------------------------------------
+    def _check_loss(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("the loss must be a scalar tensor")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: nothing to back-propagate")
+
+    def _prepare_scalars(self) -> None:
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                scalars = self._scalars_for(p.device)
+                lr_t = scalars.lr.get(group_index)
+                if lr_t is None:
+                    lr_t = scalars.lr[group_index] = torch.zeros(1, device=p.device)
+                if p.grad is not None:
+                    p.grad = None  # stale gradients would be summed into this step's
+        for group_index, group in enumerate(self.param_groups):
+            for scalars in self._scalars.values():
+                if group_index in scalars.lr:
+                    scalars.lr[group_index].fill_(group["lr"])
+        for scalars in self._scalars.values():
+            scalars.update_found_inf.zero_()
+
+    def _run_backward(self, loss: torch.Tensor, phase: str, retain_graph: bool) -> None:
+        scaler = self._loss_scaler()
+        if scaler is not None:
+            loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
+        elif self._static_inv_scale() != 1.0:
+            loss = loss / self._static_inv_scale()
+        self._phase = phase
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._phase = _IDLE
+
+    def _combine(self, pick: Any) -> torch.Tensor:
+        """Sum of one per-device scalar over devices, on the first device."""
+        values = [pick(s) for s in self._scalars.values()]
+        total = values[0].clone()
+        for v in values[1:]:
+            total += v.to(total.device, non_blocking=True)
+        return total
+
+    def _queue_report(self, found: torch.Tensor, atomic: bool) -> None:
+        """Copies the step's overflow flags to the host without waiting for them."""
+        scaler = self._loss_scaler()
+        at_min = scaler.overflow_at_min if scaler is not None else torch.zeros_like(found)
+        flags = torch.cat([found.reshape(1), at_min.to(found.device).reshape(1),
+                           torch.full_like(found.reshape(1), float(atomic))])
+        if flags.device.type == "cuda":
+            if self._report is None:
+                self._report = torch.empty(3, pin_memory=True)
+            self._report.copy_(flags, non_blocking=True)
+            self._report_event = torch.cuda.Event()
+            self._report_event.record()
+        else:
+            self._report = flags
+            self._report_event = None
+
+    def _report_previous_step(self) -> None:
+        """Reads the last step's overflow flags (long finished) and reports them."""
+        if self._report is None:
+            return
+        if self._report_event is not None:
+            self._report_event.synchronize()
+        found, at_min, atomic = (float(x) for x in self._report.numpy())
+        self._report = None
+        self.last_step_skipped = bool(found) and bool(atomic)
+        if at_min and self._loss_scaler() is not None \
+                and self._loss_scaler().raise_error_at_min_scale:
+            raise FloatingPointError(
+                "Current loss scale already at minimum - cannot decrease scale anymore. "
+                "The gradients overflow even unscaled: lower the learning rate or check the "
+                "data; pass loss_scale_args={'raise_error_at_min_scale': False} to go on."
+            )
+        if found and not atomic:
+            warnings.warn(
+                f"step {self.step_count - 1}: inf/nan gradient elements were found during the "
+                "update; those elements were left unchanged, the rest of the step was applied. "
+                "Set clip_grad_norm (or use fp16 loss scaling) to check before updating, "
+                "which makes an overflowing step change nothing.",
+                RuntimeWarning, stacklevel=3)
+
+    def flush_report(self) -> None:
+        """Reports the last step's overflow now (at the end of training, for example)."""
+        self._report_previous_step()
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        scaler = self._loss_scaler()
+        state["lomo"] = {"step_count": self.step_count,
+                         "loss_scaler": None if scaler is None else scaler.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("lomo", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self.step_count = int(extra["step_count"])
+            self._load_scaler_state(extra["loss_scaler"])
+
+    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        """Subclasses with a loss scaler restore it here."""
+
+
+def split_loss_scale_args(args: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(args) - set(LOSS_SCALE_KEYS) - {"dtype"}
+    if unknown:
+        raise ValueError(f"unknown loss_scale_args {sorted(unknown)}; "
+                         f"accepted: {', '.join(LOSS_SCALE_KEYS)}")
+    return {k: v for k, v in args.items() if k != "dtype"}

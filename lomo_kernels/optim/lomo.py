@@ -1,0 +1,103 @@
+"""Lomo: lomo-optim's API on fused, sync-free kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from .._rounding import mix32_int
+from ._in_backward import (
+    InBackwardOptimizer,
+    _DeviceScalars,
+    split_loss_scale_args,
+    trainable_parameters,
+)
+from .loss_scaler import DynamicLossScaler
+
+
+class Lomo(InBackwardOptimizer):
+    """LOw-Memory Optimization: SGD applied to each parameter inside backward.
+
+    Drop-in for ``lomo_optim.Lomo`` (same arguments and defaults, ``fused_backward(loss, lr)``
+    and ``grad_norm(loss)``). Differences, all fixes: ``lr`` may be omitted (the param groups'
+    lr is used, so lr schedulers work); fp16 loss scaling is switched on by the dtype of the
+    trainable parameters (not of the loss) and its scale grows back after ``scale_window``
+    clean steps; an overflowing fp16 step changes nothing; with ``clip_grad_norm``,
+    ``fused_backward`` runs the norm pass itself when ``grad_norm`` was not called for this
+    loss; ``state_dict()`` carries the step count and the loss scaler.
+
+    Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
+    of the write-back; seeded from ``seed``, the step and the parameter index) and
+    ``backend`` ('triton', 'cpp', 'torch' or None for automatic).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        weight_decay: float = 0.0,
+        loss_scale_args: dict[str, Any] | None = None,
+        *,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+        backend: str | None = None,
+    ) -> None:
+        # Validate everything before hooks are attached to the model's parameters.
+        if not math.isfinite(float(weight_decay)):
+            raise ValueError(f"weight_decay must be finite, got {weight_decay}")
+        scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
+        if any(p.dtype == torch.float16 for p in trainable_parameters(model)):
+            DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
+        defaults = {"lr": lr, "weight_decay": float(weight_decay),
+                    "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value}
+        super().__init__(model, defaults, clip_grad_norm=clip_grad_norm,
+                         clip_grad_value=clip_grad_value, backend=backend)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(seed)
+        params = self.param_groups[0]["params"]
+        # transformers models return an fp32 loss from fp16 weights: decide by the weights.
+        self.loss_scaler: DynamicLossScaler | None = None
+        if any(p.dtype == torch.float16 for p in params):
+            self.loss_scaler = DynamicLossScaler(params[0].device, **scale_args)
+
+    def _loss_scaler(self) -> DynamicLossScaler | None:
+        return self.loss_scaler
+
+    def _needs_detection_pass(self) -> bool:
+        # fp16 overflows are common: find them before any parameter changes.
+        return self.loss_scaler is not None or self.clip_grad_norm is not None
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+        use_sr = self.stochastic_rounding and param.dtype == torch.bfloat16
+        seed = 0
+        if use_sr:
+            # Distinct per (seed, step, parameter); kept below 2**63 for the int64 schema.
+            step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
+            seed = step_key << 32 | self._index_of[id(param)]
+        inv_scale = self._inv_scale_for(param.device)
+        torch.ops.lomo_kernels.sgd_update_(
+            param, grad,
+            1.0, scalars.lr[self._group_of[id(param)]],
+            1.0 if isinstance(inv_scale, torch.Tensor) else inv_scale,
+            inv_scale if isinstance(inv_scale, torch.Tensor) else None,
+            group["clip_grad_value"],
+            1.0, scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+            group["weight_decay"],
+            scalars.update_found_inf, skip_if,
+            use_sr, seed, ops.backends.requested_backend(self.backend),
+        )
+
+    def _after_step(self, found_inf: torch.Tensor) -> None:
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf.to(self.loss_scaler.device))
+
+    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        if state is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state)

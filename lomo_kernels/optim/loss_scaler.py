@@ -1,0 +1,108 @@
+"""Dynamic loss scaling that lives on the device: no host sync to scale, check or adjust.
+
+Same knobs and rules as lomo-optim's DynamicLossScaler (which itself follows DeepSpeed's),
+with its defect fixed: after `scale_window` clean steps the scale grows again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+LOSS_SCALE_KEYS = (
+    "init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift",
+    "consecutive_hysteresis", "raise_error_at_min_scale",
+)
+
+
+class DynamicLossScaler:
+    """Loss scale, hysteresis and iteration counters held in device tensors.
+
+    `update(found_inf)` applies one step's outcome with tensor ops only. Whether the step hit
+    the minimum scale (an error with `raise_error_at_min_scale`) is kept in a device flag the
+    optimizer reads without stalling the device.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        delayed_shift: int = 1,
+        consecutive_hysteresis: bool = False,
+        raise_error_at_min_scale: bool = True,
+    ) -> None:
+        for name, value in (("init_scale", init_scale), ("min_scale", min_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"loss_scale_args: {name} must be finite and > 0, got {value}")
+        if not scale_factor > 1:
+            raise ValueError(f"loss_scale_args: scale_factor must be > 1, got {scale_factor}")
+        if int(scale_window) < 1 or int(delayed_shift) < 1:
+            raise ValueError("loss_scale_args: scale_window and delayed_shift must be >= 1")
+        self.device = device
+        self.scale_factor = float(scale_factor)
+        self.scale_window = int(scale_window)
+        self.min_scale = float(min_scale)
+        self.delayed_shift = int(delayed_shift)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
+        self.scale = torch.full((1,), float(init_scale), device=device)
+        self.inv_scale = torch.reciprocal(self.scale)
+        self.hysteresis = torch.full((1,), self.delayed_shift, device=device, dtype=torch.int64)
+        self.cur_iter = torch.zeros(1, device=device, dtype=torch.int64)
+        self.last_overflow_iter = torch.full((1,), -1, device=device, dtype=torch.int64)
+        # Raised when an overflow happens while the scale is already at its minimum.
+        self.overflow_at_min = torch.zeros(1, device=device)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """One step's bookkeeping, given the step's overflow flag (1-element, on device)."""
+        overflow = found_inf.reshape(1) != 0
+        shift_now = (self.hysteresis == 1) | (self.delayed_shift == 1)
+        at_min = self.scale <= self.min_scale
+        self.overflow_at_min.copy_((overflow & shift_now & at_min).float())
+        lowered = torch.clamp(self.scale / self.scale_factor, min=self.min_scale)
+        since = self.cur_iter - self.last_overflow_iter
+        grow = ~overflow & (torch.remainder(since, self.scale_window) == 0)
+        new_scale = torch.where(overflow & shift_now, lowered, self.scale)
+        new_scale = torch.where(grow, self.scale * self.scale_factor, new_scale)
+        restore = ~overflow & (grow | self.consecutive_hysteresis)
+        new_hyst = torch.where(overflow & ~shift_now, self.hysteresis - 1, self.hysteresis)
+        new_hyst = torch.where(restore, torch.full_like(new_hyst, self.delayed_shift), new_hyst)
+        self.last_overflow_iter.copy_(torch.where(overflow, self.cur_iter,
+                                                  self.last_overflow_iter))
+        self.scale.copy_(new_scale)
+        self.hysteresis.copy_(new_hyst)
+        self.cur_iter.add_(1)
+        torch.reciprocal(self.scale, out=self.inv_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale.item(),
+            "hysteresis": int(self.hysteresis.item()),
+            "cur_iter": int(self.cur_iter.item()),
+            "last_overflow_iter": int(self.last_overflow_iter.item()),
+            "scale_factor": self.scale_factor,
+            "scale_window": self.scale_window,
+            "min_scale": self.min_scale,
+            "delayed_shift": self.delayed_shift,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "raise_error_at_min_scale": self.raise_error_at_min_scale,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale_factor = float(state["scale_factor"])
+        self.scale_window = int(state["scale_window"])
+        self.min_scale = float(state["min_scale"])
+        self.delayed_shift = int(state["delayed_shift"])
+        self.consecutive_hysteresis = bool(state["consecutive_hysteresis"])
+        self.raise_error_at_min_scale = bool(state["raise_error_at_min_scale"])
+        self.scale.fill_(float(state["scale"]))
+        self.hysteresis.fill_(int(state["hysteresis"]))
+        self.cur_iter.fill_(int(state["cur_iter"]))
+        self.last_overflow_iter.fill_(int(state["last_overflow_iter"]))
+        self.overflow_at_min.zero_()
+        torch.reciprocal(self.scale, out=self.inv_scale)

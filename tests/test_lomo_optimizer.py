@@ -1,0 +1,195 @@
+"""Lomo against torch.optim.SGD and lomo_optim.Lomo, and its mechanics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import batch, clone, max_abs_diff, max_rel_diff, tiny_llama
+
+import lomo_kernels
+from lomo_kernels import Lomo
+
+STEPS = 10
+
+
+def train_ours(model, steps=STEPS, lr=0.05, call_grad_norm=False, **kwargs):
+    opt = Lomo(model, lr=lr, **kwargs)
+    for step in range(steps):
+        loss = model(**batch(step)).loss
+        if call_grad_norm:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss, lr)
+    return opt
+
+
+def train_sgd(model, steps=STEPS, lr=0.05, weight_decay=0.0, clip_grad_norm=None,
+              clip_grad_value=None):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+    for step in range(steps):
+        loss = model(**batch(step)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_grad_value)
+        opt.step()
+
+
+def train_official(model, steps=STEPS, lr=0.05, clip_grad_norm=None, **kwargs):
+    lomo_optim = pytest.importorskip("lomo_optim")
+    opt = lomo_optim.Lomo(model, lr=lr, clip_grad_norm=clip_grad_norm, **kwargs)
+    for step in range(steps):
+        loss = model(**batch(step)).loss
+        if clip_grad_norm is not None:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss, lr)
+
+
+CONFIGS = {
+    "plain": {},
+    "weight_decay": {"weight_decay": 0.1},
+    "clip_norm": {"clip_grad_norm": 0.5},
+    "all": {"weight_decay": 0.1, "clip_grad_norm": 0.5, "clip_grad_value": 0.01},
+}
+
+
+@pytest.mark.parametrize("config", ["plain", "weight_decay", "clip_norm"])
+def test_fp32_equals_torch_sgd(backend, config):
+    kwargs = CONFIGS[config]
+    ours, ref = tiny_llama(), tiny_llama()
+    train_ours(ours, backend=backend, **kwargs)
+    train_sgd(ref, **kwargs)
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def test_fp32_clip_value_equals_sgd_after_clip_grad_value(backend):
+    ours, ref = tiny_llama(), tiny_llama()
+    train_ours(ours, backend=backend, clip_grad_value=0.01)
+    train_sgd(ref, clip_grad_value=0.01)
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_fp32_parity_with_lomo_optim(config):
+    kwargs = CONFIGS[config]
+    ours, official = tiny_llama(), tiny_llama()
+    train_ours(ours, call_grad_norm="clip_grad_norm" in kwargs, **kwargs)
+    train_official(official, **kwargs)
+    assert max_rel_diff(ours, official) <= 1e-6
+
+
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_bf16_parity_with_lomo_optim(config):
+    # Both round every step's result to bf16; measure each against the same math in fp32
+    # and require ours to be no further from it than twice the official's own distance.
+    kwargs = CONFIGS[config]
+    exact = tiny_llama()
+    ours, official = tiny_llama(torch.bfloat16), tiny_llama(torch.bfloat16)
+    train_ours(ours, **kwargs)
+    train_official(official, **kwargs)
+    train_official(exact, **kwargs)
+    ours_err, official_err = max_abs_diff(ours, exact), max_abs_diff(official, exact)
+    assert ours_err <= 2 * official_err + 1e-3
+    assert max_abs_diff(ours, official) <= 2 * official_err + 1e-3
+
+
+def test_loss_falls_bf16_stochastic_rounding():
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.2, stochastic_rounding=True, seed=3)
+    fixed = batch(0)
+    first = model(**fixed).loss.item()
+    for _ in range(15):
+        opt.fused_backward(model(**fixed).loss)
+    assert model(**fixed).loss.item() < first - 0.3
+
+
+def test_lr_from_param_groups_follows_scheduler():
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    for step in range(6):
+        opt.fused_backward(ours(**batch(step)).loss)
+        opt.step()  # a documented no-op, as frameworks call it
+        sched.step()
+        ref_opt.zero_grad()
+        ref(**batch(step)).loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def test_tied_parameters_updated_once():
+    ours, ref = tiny_llama(tie_word_embeddings=True), tiny_llama(tie_word_embeddings=True)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    train_ours(ours, steps=3)
+    train_sgd(ref, steps=3)
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def test_frozen_parameters_untouched():
+    model = tiny_llama()
+    frozen = model.model.layers[0].self_attn.q_proj.weight
+    frozen.requires_grad_(False)
+    before = frozen.clone()
+    train_ours(model, steps=2)
+    assert torch.equal(frozen, before)
+
+
+def test_plain_backward_is_refused_with_explanation():
+    model = tiny_llama()
+    Lomo(model, lr=0.1)
+    with pytest.raises(RuntimeError, match="gradients cannot be accumulated"):
+        model(**batch(0)).loss.backward()
+
+
+def test_step_is_a_no_op_and_closure_is_called():
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.1)
+    before = [p.clone() for p in model.parameters()]
+    assert opt.step() is None
+    assert opt.step(lambda: torch.tensor(3.0)).item() == 3.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_state_dict_resume_is_exact_fp16():
+    # fp16 exercises the loss scaler state; resume must continue bit-identically.
+    def run(model, opt, steps):
+        for step in steps:
+            opt.fused_backward(model(**batch(step)).loss, 0.05)
+
+    straight = tiny_llama(torch.float16)
+    opt = Lomo(straight, loss_scale_args={"init_scale": 2.0**20, "scale_window": 3})
+    run(straight, opt, range(8))
+
+    first = tiny_llama(torch.float16)
+    opt1 = Lomo(first, loss_scale_args={"init_scale": 2.0**20, "scale_window": 3})
+    run(first, opt1, range(4))
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_opt = opt1.state_dict()
+
+    resumed = tiny_llama(torch.float16, seed=123)
+    resumed.load_state_dict(saved_model)
+    opt2 = Lomo(resumed)
+    opt2.load_state_dict(saved_opt)
+    assert opt2.loss_scaler.scale.item() == opt1.loss_scaler.scale.item()
+    run(resumed, opt2, range(4, 8))
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp16_scale_grows_after_window_and_drops_on_overflow():
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.01, loss_scale_args={"init_scale": 2.0**10, "scale_window": 2})
+    scales = []
+    for step in range(5):
+        opt.fused_backward(model(**batch(step)).loss)
+        scales.append(opt.loss_scaler.scale.item())
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
+
+
+def test_package_exports():
+    assert lomo_kernels.Lomo is Lomo

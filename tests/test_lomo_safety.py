@@ -1,0 +1,172 @@
+"""Lomo's fault handling: overflow steps change nothing, no host syncs, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import batch, tiny_llama
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lomo_kernels import Lomo
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def unchanged(model, snap):
+    return all(torch.equal(p.view(torch.uint8), s.view(torch.uint8))
+               for p, s in zip(model.parameters(), snap, strict=True))
+
+
+def poison(param, steps_to_poison, counter):
+    """Gradient hook writing an inf into `param`'s gradient on the chosen steps."""
+    def hook(grad):
+        step = counter["step"]
+        if step in steps_to_poison:
+            grad = grad.clone()
+            grad.view(-1)[grad.numel() // 2] = float("inf")
+        return grad
+    param.register_hook(hook)
+
+
+@pytest.mark.parametrize("bad_step", [0, 3], ids=["first_step", "step3"])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no_clip", "clip_norm"])
+def test_fp16_overflow_step_changes_nothing_and_halves_scale(bad_step, clip):
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=clip, loss_scale_args={"init_scale": 2.0**12})
+    counter = {"step": 0}
+    poison(model.model.layers[1].mlp.down_proj.weight, {bad_step}, counter)
+    for step in range(6):
+        counter["step"] = step
+        before, scale_before = snapshot(model), opt.loss_scaler.scale.item()
+        opt.fused_backward(model(**batch(step)).loss)
+        if step == bad_step:
+            assert unchanged(model, before)
+            assert opt.loss_scaler.scale.item() == scale_before / 2
+        else:
+            assert not unchanged(model, before)
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.flush_report()
+    assert not opt.last_step_skipped
+
+
+def test_fp16_overflow_reported_as_skipped():
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05)
+    counter = {"step": 0}
+    poison(model.model.embed_tokens.weight, {0}, counter)
+    opt.fused_backward(model(**batch(0)).loss)
+    opt.flush_report()
+    assert opt.last_step_skipped
+
+
+def test_fp16_overflow_at_min_scale_raises():
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05, loss_scale_args={"init_scale": 1.0, "min_scale": 1.0})
+    counter = {"step": 0}
+    poison(model.lm_head.weight, {0}, counter)
+    opt.fused_backward(model(**batch(0)).loss)
+    with pytest.raises(FloatingPointError, match="minimum"):
+        opt.fused_backward(model(**batch(1)).loss)
+
+
+def test_bf16_overflow_with_clip_norm_changes_nothing():
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
+    counter = {"step": 0}
+    poison(model.model.layers[0].self_attn.o_proj.weight, {0}, counter)
+    before = snapshot(model)
+    opt.fused_backward(model(**batch(0)).loss)
+    assert unchanged(model, before)
+
+
+def test_bf16_overflow_without_check_is_contained_and_reported():
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05)
+    counter = {"step": 0}
+    target = model.model.layers[0].self_attn.o_proj.weight
+    poison(target, {0}, counter)
+    before = target.detach().clone()
+    opt.fused_backward(model(**batch(0)).loss)
+    middle = target.numel() // 2
+    assert target.view(-1)[middle] == before.view(-1)[middle]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match="inf/nan gradient elements"):
+        opt.flush_report()
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any device->host scalar read (.item(), float(t), bool(t))."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host sync inside fused_backward")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,clip", [(torch.float16, None), (torch.bfloat16, 1.0),
+                                        (torch.float32, None)], ids=["fp16", "bf16_clip", "fp32"])
+def test_no_host_sync_in_fused_backward(dtype, clip):
+    model = tiny_llama(dtype)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=clip, clip_grad_value=1.0, weight_decay=0.01)
+    for step in range(3):
+        loss = model(**batch(step)).loss
+        with NoHostSync():
+            opt.fused_backward(loss)
+
+
+BAD_MODELS = {
+    "no trainable": (lambda m: [p.requires_grad_(False) for p in m.parameters()],
+                     {}, ValueError, "no trainable parameters"),
+    "float64": (lambda m: m.double(), {}, TypeError, "float64"),
+    "clip_grad_norm 0": (lambda m: None, {"clip_grad_norm": 0.0}, ValueError, "positive"),
+    "clip_grad_norm negative": (lambda m: None, {"clip_grad_norm": -1.0}, ValueError,
+                                "positive"),
+    "negative lr": (lambda m: None, {"lr": -0.1}, ValueError, "lr must be"),
+    "nan lr": (lambda m: None, {"lr": float("nan")}, ValueError, "lr must be"),
+    "bad loss_scale_args": (lambda m: m.half(), {"loss_scale_args": {"init": 1}}, ValueError,
+                            "unknown loss_scale_args"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MODELS.keys())
+def test_bad_configuration_raises_before_any_change(case):
+    prepare, kwargs, error, message = BAD_MODELS[case]
+    model = tiny_llama()
+    prepare(model)
+    before = snapshot(model)
+    with pytest.raises(error, match=message):
+        Lomo(model, **kwargs)
+    assert unchanged(model, before)
+    # No hook was left behind: a plain backward still works.
+    if any(p.requires_grad for p in model.parameters()):
+        model(**batch(0)).loss.backward()
+
+
+def test_sparse_embedding_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="sparse"):
+        Lomo(model)
+
+
+def test_meta_device_refused():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta"):
+        Lomo(model)
+
+
+@pytest.mark.parametrize("lr", [-1.0, float("inf")])
+def test_bad_lr_at_step_raises_before_any_change(lr):
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.1)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.fused_backward(model(**batch(0)).loss, lr)
+    assert unchanged(model, before)
+
+
+def test_not_a_model_refused():
+    with pytest.raises(TypeError, match="pass the model"):
+        Lomo(list(torch.nn.Linear(2, 2).parameters()))

@@ -1,0 +1,176 @@
+"""Static GPU checks of the Triton kernels, without a GPU.
+
+The kernels are compiled ahead of time for sm_80 and sm_90 with the specialisation the JIT
+gives an aligned parameter, and the PTX is checked: every bulk load and store is 128 bits
+wide and nothing lives in local memory (no register spills). Compilation runs in a
+subprocess without TRITON_INTERPRET, which the interpreter tests set in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs in the subprocess; prints one JSON object.
+_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from lomo_kernels.triton_kernels import sgd_update as m
+
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+UPDATES = [(bf16, bf16, False), (fp16, fp16, False), (fp32, fp32, False), (bf16, fp32, False),
+           (bf16, bf16, True)]
+SUMSQ = [bf16, fp16, fp32]
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+def sass_local_bytes(cubin, tmp):
+    # Local memory of the final machine code (ptxas spills), when the tool is available.
+    if not os.path.exists(CUOBJDUMP):
+        return None
+    with open(tmp, "wb") as f:
+        f.write(cubin)
+    out = subprocess.run([CUOBJDUMP, "-res-usage", tmp], capture_output=True, text=True).stdout
+    found = re.findall(r"LOCAL:(\d+)", out)
+    return max(int(x) for x in found) if found else None
+
+
+def compile_one(fn, signature, constexprs, attrs, arch):
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                    attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": m.NUM_WARPS})
+    ptx = k.asm["ptx"]
+    return {
+        "ld_v4": len(re.findall(r"\bld\.global(?:\.[\w:]+)*\.v4\.", ptx)),
+        "st_v4": len(re.findall(r"\bst\.global(?:\.[\w:]+)*\.v4\.", ptx)),
+        "local": len(re.findall(r"\.local\b", ptx)),
+        "sass_local": sass_local_bytes(k.asm["cubin"], sys.argv[1]),
+        "n_bulk_divisible": attrs.get((fn.arg_names.index("n_bulk"),)) == [["tt.divisibility", 16]],
+    }
+
+
+records = []
+for arch in (80, 90):
+    for param, grad, sr in UPDATES:
+        rec = compile_one(*m.aot_update(param, grad, stochastic_rounding=sr), arch)
+        rec.update(kernel="update", param=str(param), grad=str(grad), sr=sr, arch=arch)
+        records.append(rec)
+    for grad in SUMSQ:
+        rec = compile_one(*m.aot_grad_sumsq(grad), arch)
+        rec.update(kernel="sumsq", param=None, grad=str(grad), sr=False, arch=arch)
+        records.append(rec)
+
+# The AOT specialisation must be the one the JIT computes for the same launch.
+mismatches = []
+try:
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+except ImportError:
+    native_specialize_impl = None
+if native_specialize_impl is not None:
+    for kernel, (_, args) in [
+        (m._sgd_update_kernel, m.sgd_update_args(
+            torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
+            lr=0.1, lr_tensor=torch.ones(1), inv_scale=1.0, inv_scale_tensor=None,
+            clip_value=None, clip_coef=1.0, clip_coef_tensor=None, weight_decay=0.0,
+            found_inf=torch.zeros(1), skip_if=None, stochastic_rounding=True, seed=7)),
+        (m._grad_sumsq_kernel, m.grad_sumsq_args(
+            torch.empty(4 * m.BLOCK + 1, dtype=fp16), inv_scale=0.5, inv_scale_tensor=None,
+            sumsq=torch.zeros(1), found_inf=None)),
+    ]:
+        signature, constexprs, attrs = m.aot_signature(kernel, args)
+        for i, p in enumerate(kernel.params):
+            if p.is_constexpr:
+                continue
+            ty, spec = native_specialize_impl(BaseBackend, args[p.name], False,
+                                              not p.do_not_specialize, True)
+            mine = (signature[p.name], (i,) in attrs and attrs[(i,)] != [])
+            jit = (ty, spec == "D")
+            if ty == "constexpr":
+                mine, jit = (signature[p.name], constexprs.get(p.name)), (ty, spec)
+            if mine != jit:
+                mismatches.append(f"{kernel.__name__}.{p.name}: aot {mine} jit {jit}")
+
+runtime_constexprs = {
+    k.__name__: sorted(p.name for p in k.params if p.is_constexpr)
+    for k in (m._sgd_update_kernel, m._grad_sumsq_kernel)
+}
+print(json.dumps({"records": records, "mismatches": mismatches,
+                  "checked_spec": native_specialize_impl is not None,
+                  "constexprs": runtime_constexprs,
+                  "elems_per_thread": m.BLOCK // (32 * m.NUM_WARPS)}))
+"""
+
+_ITEMSIZE = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cubin = tmp_path_factory.mktemp("aot") / "kernel.cubin"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(cubin)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _record_ids(compiled: dict) -> list[str]:
+    return [f"{r['kernel']}-{r['param']}-{r['grad']}-sr{r['sr']}-sm{r['arch']}"
+            for r in compiled["records"]]
+
+
+def test_every_variant_compiled_for_both_architectures(compiled: dict) -> None:
+    ids = _record_ids(compiled)
+    assert len(ids) == len(set(ids)) == 16
+    assert {r["arch"] for r in compiled["records"]} == {80, 90}
+
+
+def test_bulk_bound_and_pointers_are_specialised_divisible(compiled: dict) -> None:
+    assert all(r["n_bulk_divisible"] for r in compiled["records"])
+
+
+def test_bulk_loads_and_stores_are_128_bit(compiled: dict) -> None:
+    per_thread = compiled["elems_per_thread"]
+    for rec, name in zip(compiled["records"], _record_ids(compiled), strict=True):
+        grad_bytes = per_thread * _ITEMSIZE[rec["grad"]]
+        if rec["kernel"] == "update":
+            param_bytes = per_thread * _ITEMSIZE[rec["param"]]
+            # Every bulk byte of grad and param moves in 16-byte vectors.
+            assert rec["ld_v4"] == (grad_bytes + param_bytes) // 16, name
+            assert rec["st_v4"] == param_bytes // 16, name
+        else:
+            assert rec["ld_v4"] == grad_bytes // 16, name
+            assert rec["st_v4"] == 0, name
+
+
+def test_no_local_memory(compiled: dict) -> None:
+    for rec, name in zip(compiled["records"], _record_ids(compiled), strict=True):
+        assert rec["local"] == 0, name
+        assert rec["sass_local"] in (None, 0), name
+
+
+def test_aot_specialisation_matches_jit(compiled: dict) -> None:
+    if not compiled["checked_spec"]:
+        pytest.skip("this triton has no native_specialize_impl to compare with")
+    assert compiled["mismatches"] == []
+
+
+def test_runtime_values_are_not_constexpr(compiled: dict) -> None:
+    assert compiled["constexprs"] == {
+        "_sgd_update_kernel": sorted(["PARAM_KIND", "GRAD_KIND", "HAS_CLIP_VALUE",
+                                      "HAS_CLIP_COEF", "STOCHASTIC_ROUNDING", "BLOCK"]),
+        "_grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),
+    }
