@@ -5,7 +5,7 @@
 """
 
 from . import ops
-from .optim import DynamicLossScaler, Lomo
+from .optim import AdaLomo, DynamicLossScaler, Lomo
 
-__all__ = ["Lomo", "DynamicLossScaler", "ops"]
+__all__ = ["AdaLomo", "Lomo", "DynamicLossScaler", "ops"]
 __version__ = "0.1.0"

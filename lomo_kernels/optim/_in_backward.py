@@ -29,7 +29,8 @@ GRAD_ACCUMULATION_ERROR = (
     "LOMO updates each parameter inside backward and frees its gradient at once, so "
     "gradients cannot be accumulated over micro-batches. Call optimizer.fused_backward(loss) "
     "(or grad_norm(loss) first) instead of loss.backward(), once per optimizer step, and use "
-    "a larger batch instead of gradient accumulation."
+    "a larger batch instead of gradient accumulation. With transformers.Trainer use "
+    "lomo_kernels.integrations.hf_trainer.LomoTrainer."
 )
 
 _IDLE, _NORM, _UPDATE = "idle", "norm", "update"

@@ -97,10 +97,11 @@ def _from_fp32(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.con
             lo = offs.to(tl.uint32)
             hi = (offs >> 32).to(tl.uint32)
             random16 = _mix32(_mix32(lo ^ key) ^ hi) >> 16
-            rounded = tl.where(magnitude == 0x7F800000, bits >> 16, (bits + random16) >> 16)
+            # inf has 16 zero low bits, so adding random16 cannot carry: it stays inf.
+            rounded = (bits + random16) >> 16
         else:
             # Round to nearest even; wraps only for NaN patterns, replaced below.
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = (bits + 0x8000) >> 16
         rounded = tl.where(magnitude > 0x7F800000, (bits >> 16) | 0x40, rounded)
         return rounded.to(tl.int16)
 

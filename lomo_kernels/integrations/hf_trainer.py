@@ -1,0 +1,78 @@
+"""transformers.Trainer that trains with lomo_kernels' Lomo or AdaLomo.
+
+    from lomo_kernels.integrations.hf_trainer import LomoTrainer
+    args = TrainingArguments(..., optim="lomo", learning_rate=1e-3, weight_decay=0.01,
+                             max_grad_norm=1.0)
+    LomoTrainer(model=model, args=args, train_dataset=ds).train()
+
+`optim="adalomo"` selects AdaLomo. Unlike `Trainer(optim="lomo")`, weight decay and
+`max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, fp16
+weights work, and gradient accumulation (impossible with LOMO) is refused up front. A
+`Lomo`/`AdaLomo` passed through `optimizers=(opt, scheduler)` is used as given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..optim import AdaLomo, Lomo
+from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
+
+
+class LomoTrainer(Trainer):
+    """A Trainer whose training step calls `optimizer.fused_backward(loss)`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        targs = self.args
+        if targs.gradient_accumulation_steps > 1:
+            raise ValueError(f"gradient_accumulation_steps={targs.gradient_accumulation_steps}: "
+                             + GRAD_ACCUMULATION_ERROR)
+        if targs.fp16:
+            raise ValueError("fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on "
+                             "the backward Lomo runs itself: load the model in float16 "
+                             "instead (Lomo then scales the loss dynamically), or use bf16")
+        given = self.optimizer
+        if given is not None and not isinstance(given, InBackwardOptimizer):
+            raise TypeError("LomoTrainer trains with lomo_kernels.Lomo or AdaLomo, "
+                            f"got {type(given).__name__}")
+        # Clipping happens inside the optimizer (it needs the norm before any update); the
+        # Trainer's own clipping would only see freed gradients.
+        self.lomo_max_grad_norm = targs.max_grad_norm if targs.max_grad_norm else None
+        targs.max_grad_norm = 0.0
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> InBackwardOptimizer:
+        if self.optimizer is None:
+            name = str(getattr(self.args.optim, "value", self.args.optim)).lower()
+            if name not in ("lomo", "adalomo"):
+                raise ValueError(f"LomoTrainer needs TrainingArguments(optim='lomo' or "
+                                 f"'adalomo'), got optim={name!r}")
+            cls = Lomo if name == "lomo" else AdaLomo
+            self.optimizer = cls(
+                self.model,
+                lr=self.args.learning_rate,
+                clip_grad_norm=self.lomo_max_grad_norm,
+                weight_decay=self.args.weight_decay,
+            )
+        return self.optimizer
+
+    def _lomo(self) -> InBackwardOptimizer:
+        opt = self.optimizer
+        while not isinstance(opt, InBackwardOptimizer):  # accelerate wraps the optimizer
+            opt = opt.optimizer
+        return opt
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        # The learning rate comes from the param groups, which the scheduler sets.
+        self._lomo().fused_backward(loss)
+        return loss.detach()

@@ -1,0 +1,102 @@
+"""AdaLomo: lomo-optim's AdaLomo API on fused factored-moment kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._in_backward import InBackwardOptimizer, _DeviceScalars, trainable_parameters
+
+
+class AdaLomo(InBackwardOptimizer):
+    """LOMO with Adafactor-style factored second moments (no first moment), in backward.
+
+    Drop-in for ``lomo_optim.AdaLomo`` (same arguments and defaults). Differences, all
+    fixes: the moments live in ``self.state`` on each parameter's device, only for trainable
+    parameters, and ``state_dict()`` carries them with the step count; a gradient with
+    inf/nan leaves the parameter and its moments unchanged (fp16 and clip-by-norm runs check
+    every gradient first, so an overflowing step changes nothing at all); ``lr`` may be
+    omitted so lr schedulers work; no fp32 copy of any whole tensor is made.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        loss_scale: float = 2**10,
+        eps: tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        weight_decay: float = 0.0,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        # Validate everything before hooks are attached to the model's parameters.
+        params = trainable_parameters(model)
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"loss_scale must be finite and > 0, got {loss_scale}")
+        if len(eps) != 2 or not all(math.isfinite(e) and e >= 0 for e in eps):
+            raise ValueError(f"eps must be two finite numbers >= 0, got {eps}")
+        if not (math.isfinite(clip_threshold) and clip_threshold > 0):
+            raise ValueError(f"clip_threshold must be > 0, got {clip_threshold}")
+        if not (math.isfinite(decay_rate) and decay_rate < 0):
+            raise ValueError(f"decay_rate must be < 0 (beta2_t = 1 - t**decay_rate), "
+                             f"got {decay_rate}")
+        if not math.isfinite(float(weight_decay)):
+            raise ValueError(f"weight_decay must be finite, got {weight_decay}")
+        defaults = {"lr": lr, "eps": tuple(eps), "weight_decay": float(weight_decay),
+                    "clip_threshold": float(clip_threshold), "decay_rate": float(decay_rate),
+                    "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value}
+        super().__init__(model, defaults, clip_grad_norm=clip_grad_norm,
+                         clip_grad_value=clip_grad_value, backend=backend)
+        self.loss_scale = float(loss_scale)
+        self._fp16 = any(p.dtype == torch.float16 for p in params)
+        from ..adalomo_ops import init_adalomo_state
+
+        for p in params:
+            self.state[p] = init_adalomo_state(p)
+
+    def _static_inv_scale(self) -> float:
+        return 1.0 / self.loss_scale
+
+    def _needs_detection_pass(self) -> bool:
+        return self._fp16 or self.clip_grad_norm is not None
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+        from ..adalomo_ops import adalomo_update_
+
+        t = self.step_count + 1  # lomo-optim counts the step before its backward
+        beta2 = 1.0 - math.pow(t, group["decay_rate"])
+        adalomo_update_(
+            param, grad, self.state[param],
+            lr=scalars.lr[self._group_of[id(param)]],
+            beta2=beta2,
+            eps=group["eps"],
+            clip_threshold=group["clip_threshold"],
+            weight_decay=group["weight_decay"],
+            inv_scale=self._static_inv_scale(),
+            clip_value=group["clip_grad_value"],
+            clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+            found_inf=scalars.update_found_inf,
+            skip_if=skip_if,
+            backend=self.backend,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim casts floating state to the parameter's dtype; the moments stay fp32.
+        state_dict = dict(state_dict)
+        moments = state_dict.pop("state", {})
+        super().load_state_dict({**state_dict, "state": {}})
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, values in moments.items():
+            param = params[index]
+            self.state[param] = {
+                k: v.to(device=param.device, dtype=torch.float32).clone()
+                for k, v in values.items()
+            }
