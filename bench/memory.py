@@ -26,7 +26,7 @@ MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 MMAP_VALUE = "65536"
 THREADS = 2
 LR = 1e-3
-MB = 1e6  # decimal megabytes, as in the published table
+MB = 2**20  # MiB, the unit of the figures in MEASURING.md
 
 CONFIGS = ("forward_nograd", "forward_graph", "sgd", "adamw", "official_lomo", "lomo",
            "lomo_clip", "adalomo")

@@ -14,45 +14,210 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
 
 #include "lomo_math.h"
 
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
 constexpr int64_t kGrain = 32768;
 
-// One span [begin, end) of the update; returns non-zero if any unscaled grad was inf/nan.
+// The update of n consecutive elements, one at a time. lo/hi: 32-bit halves of the flat
+// index of element 0 (the block never crosses a multiple of 2^32, so lo + i cannot wrap).
 template <class P, class G, bool kStochastic>
-uint32_t update_span(typename P::T* __restrict param, const typename G::T* __restrict grad,
-                     int64_t begin, int64_t end, const lomo::SgdScalars s, uint32_t key) {
+uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __restrict g,
+                         int64_t n, uint32_t lo, uint32_t hi, const lomo::SgdScalars s,
+                         uint32_t key) {
   uint32_t any_bad = 0;
-  while (begin < end) {
-    // The hash takes the index as two 32-bit halves: keep the high half fixed per inner
-    // loop so the loop runs on 32-bit lanes.
-    const int64_t stop = kStochastic ? std::min(end, ((begin >> 32) + 1) << 32) : end;
-    const uint32_t hi = static_cast<uint32_t>(begin >> 32);
-    const uint32_t lo = static_cast<uint32_t>(begin);
-    typename P::T* __restrict p = param + begin;
-    const typename G::T* __restrict g = grad + begin;
-    const int64_t n = stop - begin;
-    for (int64_t i = 0; i < n; ++i) {
-      const typename P::T old = p[i];
+  for (int64_t i = 0; i < n; ++i) {
+    const typename P::T old = p[i];
+    uint32_t bad;
+    const float updated = lomo::sgd_element(G::load(g[i]), P::load(old), s, bad);
+    typename P::T out;
+    if constexpr (kStochastic) {
+      out = lomo::f32_to_bf16_sr(updated,
+                                 lomo::random_bits16(lo + static_cast<uint32_t>(i), hi, key));
+    } else {
+      out = P::round(updated);
+    }
+    p[i] = bad ? old : out;
+    any_bad |= bad;
+  }
+  return any_bad;
+}
+
+// bf16 params: two elements per 32-bit word. The even element is word << 16, the odd one
+// word & 0xFFFF0000, and the result is reassembled the same way, so the vector loop needs
+// no 16 <-> 32-bit lane packing (about 20% fewer instructions than update_elements).
+template <class G>
+LOMO_INLINE void load_pair(const typename G::T* g, int64_t k, float& even, float& odd) {
+  if constexpr (std::is_same_v<G, lomo::Bf16>) {
+    uint32_t w;
+    memcpy(&w, g + 2 * k, sizeof(w));
+    even = lomo::float_of(w << 16);
+    odd = lomo::float_of(w & 0xFFFF0000u);
+  } else {
+    even = G::load(g[2 * k]);
+    odd = G::load(g[2 * k + 1]);
+  }
+}
+
+// Rounded bf16 bits of v in the high half of a word, low half zero (f32_to_bf16_rne << 16).
+LOMO_INLINE uint32_t bf16_rne_high(float v) {
+  const uint32_t b = lomo::bits_of(v);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t quiet_nan = (b | 0x00400000u) & 0xFFFF0000u;
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
+}
+
+template <class G, bool kStochastic>
+uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restrict g, int64_t n,
+                           uint32_t lo, uint32_t hi, const lomo::SgdScalars s, uint32_t key) {
+  uint32_t any_bad = 0;
+  const int64_t pairs = n / 2;
+  for (int64_t k = 0; k < pairs; ++k) {
+    uint32_t word;
+    memcpy(&word, p + 2 * k, sizeof(word));
+    float g_even, g_odd;
+    load_pair<G>(g, k, g_even, g_odd);
+    uint32_t bad_even, bad_odd;
+    const float u_even =
+        lomo::sgd_element(g_even, lomo::float_of(word << 16), s, bad_even);
+    const float u_odd =
+        lomo::sgd_element(g_odd, lomo::float_of(word & 0xFFFF0000u), s, bad_odd);
+    uint32_t out_even, out_odd;
+    if constexpr (kStochastic) {
+      const uint32_t index = lo + static_cast<uint32_t>(2 * k);
+      out_even = lomo::f32_to_bf16_sr(u_even, lomo::random_bits16(index, hi, key));
+      out_odd = static_cast<uint32_t>(
+                    lomo::f32_to_bf16_sr(u_odd, lomo::random_bits16(index + 1u, hi, key)))
+                << 16;
+    } else {
+      out_even = bf16_rne_high(u_even) >> 16;
+      out_odd = bf16_rne_high(u_odd);
+    }
+    out_even = bad_even ? (word & 0xFFFFu) : out_even;
+    out_odd = bad_odd ? (word & 0xFFFF0000u) : out_odd;
+    const uint32_t out = out_even | out_odd;
+    memcpy(p + 2 * k, &out, sizeof(out));
+    any_bad |= bad_even | bad_odd;
+  }
+  if (n & 1) {
+    any_bad |= update_elements<lomo::Bf16, G, kStochastic>(
+        p + n - 1, g + n - 1, 1, lo + static_cast<uint32_t>(n - 1), hi, s, key);
+  }
+  return any_bad;
+}
+
+#if defined(__F16C__) && defined(__AVX__)
+// fp16 operands: the portable integer conversions cost ~25 vector instructions per 16
+// elements; F16C converts in one. GCC does not vectorise _Float16 conversions itself, so
+// stage tiles through fp32 buffers with the F16C intrinsics (exact IEEE, like the
+// portable path) and keep the math loop plain.
+constexpr bool kHaveF16C = true;
+constexpr int64_t kTile = 256;
+
+void halves_to_floats(const uint16_t* src, float* dst) {
+  for (int64_t k = 0; k < kTile; k += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+    _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(h));
+  }
+}
+
+void floats_to_halves(const float* src, uint16_t* dst) {
+  for (int64_t k = 0; k < kTile; k += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), h);
+  }
+}
+
+template <class P, class G, bool kStochastic>
+uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restrict g, int64_t n,
+                      uint32_t lo, uint32_t hi, const lomo::SgdScalars s, uint32_t key) {
+  constexpr bool kHalfP = std::is_same_v<P, lomo::Fp16>;
+  constexpr bool kHalfG = std::is_same_v<G, lomo::Fp16>;
+  alignas(64) float g_tile[kTile];
+  alignas(64) float p_tile[kTile];
+  alignas(64) float u_tile[kTile];
+  alignas(64) uint32_t bad_tile[kTile];
+  alignas(64) uint16_t h_tile[kTile];
+  uint32_t any_bad = 0;
+  int64_t i = 0;
+  for (; i + kTile <= n; i += kTile) {
+    typename P::T* __restrict pp = p + i;
+    const typename G::T* __restrict gg = g + i;
+    if constexpr (kHalfG) halves_to_floats(gg, g_tile);
+    if constexpr (kHalfP) halves_to_floats(pp, p_tile);
+    for (int64_t j = 0; j < kTile; ++j) {
+      const float gv = kHalfG ? g_tile[j] : G::load(gg[j]);
+      const float pv = kHalfP ? p_tile[j] : P::load(pp[j]);
       uint32_t bad;
-      const float updated = lomo::sgd_element(G::load(g[i]), P::load(old), s, bad);
-      typename P::T out;
-      if constexpr (kStochastic) {
-        out = lomo::f32_to_bf16_sr(
-            updated, lomo::random_bits16(lo + static_cast<uint32_t>(i), hi, key));
-      } else {
-        out = P::round(updated);
-      }
-      p[i] = bad ? old : out;
+      u_tile[j] = lomo::sgd_element(gv, pv, s, bad);
+      bad_tile[j] = bad;
       any_bad |= bad;
     }
+    if constexpr (kHalfP) {
+      floats_to_halves(u_tile, h_tile);
+      for (int64_t j = 0; j < kTile; ++j) pp[j] = bad_tile[j] ? pp[j] : h_tile[j];
+    } else {
+      for (int64_t j = 0; j < kTile; ++j) {
+        typename P::T out;
+        if constexpr (kStochastic) {
+          out = lomo::f32_to_bf16_sr(
+              u_tile[j],
+              lomo::random_bits16(lo + static_cast<uint32_t>(i + j), hi, key));
+        } else {
+          out = P::round(u_tile[j]);
+        }
+        pp[j] = bad_tile[j] ? pp[j] : out;
+      }
+    }
+  }
+  return any_bad | update_elements<P, G, kStochastic>(p + i, g + i, n - i,
+                                                       lo + static_cast<uint32_t>(i), hi, s,
+                                                       key);
+}
+#else
+constexpr bool kHaveF16C = false;
+#endif
+
+// Picks the loop shape for a dtype pair. Same results whichever is taken.
+template <class P, class G, bool kStochastic>
+uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
+                      uint32_t hi, const lomo::SgdScalars& s, uint32_t key) {
+  constexpr bool kAnyHalf = std::is_same_v<P, lomo::Fp16> || std::is_same_v<G, lomo::Fp16>;
+  if constexpr (kHaveF16C && kAnyHalf) {
+#if defined(__F16C__) && defined(__AVX__)
+    return update_tiled<P, G, kStochastic>(p, g, n, lo, hi, s, key);
+#endif
+  } else if constexpr (std::is_same_v<P, lomo::Bf16>) {
+    return update_bf16_pairs<G, kStochastic>(p, g, n, lo, hi, s, key);
+  } else {
+    return update_elements<P, G, kStochastic>(p, g, n, lo, hi, s, key);
+  }
+}
+
+// One span [begin, end) of the update; returns non-zero if any unscaled grad was inf/nan.
+template <class P, class G, bool kStochastic>
+uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t begin,
+                     int64_t end, const lomo::SgdScalars& s, uint32_t key) {
+  uint32_t any_bad = 0;
+  while (begin < end) {
+    // The hash takes the index as two 32-bit halves: keep the high half fixed per block
+    // so the loops run on 32-bit lanes.
+    const int64_t stop = kStochastic ? std::min(end, ((begin >> 32) + 1) << 32) : end;
+    any_bad |= update_block<P, G, kStochastic>(
+        param + begin, grad + begin, stop - begin, static_cast<uint32_t>(begin),
+        static_cast<uint32_t>(begin >> 32), s, key);
     begin = stop;
   }
   return any_bad;

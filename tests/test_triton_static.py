@@ -121,15 +121,23 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cubin = tmp_path_factory.mktemp("aot") / "kernel.cubin"
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(cubin)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, str(cubin)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _record_ids(compiled: dict) -> list[str]:
-    return [f"{r['kernel']}-{r['param']}-{r['grad']}-sr{r['sr']}-sm{r['arch']}"
-            for r in compiled["records"]]
+    return [
+        f"{r['kernel']}-{r['param']}-{r['grad']}-sr{r['sr']}-sm{r['arch']}"
+        for r in compiled["records"]
+    ]
 
 
 def test_every_variant_compiled_for_both_architectures(compiled: dict) -> None:
@@ -170,7 +178,15 @@ def test_aot_specialisation_matches_jit(compiled: dict) -> None:
 
 def test_runtime_values_are_not_constexpr(compiled: dict) -> None:
     assert compiled["constexprs"] == {
-        "_sgd_update_kernel": sorted(["PARAM_KIND", "GRAD_KIND", "HAS_CLIP_VALUE",
-                                      "HAS_CLIP_COEF", "STOCHASTIC_ROUNDING", "BLOCK"]),
+        "_sgd_update_kernel": sorted(
+            [
+                "PARAM_KIND",
+                "GRAD_KIND",
+                "HAS_CLIP_VALUE",
+                "HAS_CLIP_COEF",
+                "STOCHASTIC_ROUNDING",
+                "BLOCK",
+            ]
+        ),
         "_grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),
     }

@@ -51,10 +51,20 @@ def sgd_update_(
     from ..triton_kernels.sgd_update import sgd_update
 
     sgd_update(
-        param, grad, lr=lr, lr_tensor=lr_tensor, inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor, weight_decay=weight_decay, found_inf=found_inf,
-        skip_if=skip_if, stochastic_rounding=stochastic_rounding, seed=seed,
+        param,
+        grad,
+        lr=lr,
+        lr_tensor=lr_tensor,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+        weight_decay=weight_decay,
+        found_inf=found_inf,
+        skip_if=skip_if,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
     )
 
 
@@ -73,5 +83,10 @@ def grad_sumsq_(
     """
     from ..triton_kernels.sgd_update import grad_sumsq
 
-    grad_sumsq(grad, inv_scale=inv_scale, inv_scale_tensor=inv_scale_tensor, sumsq=sumsq,
-               found_inf=found_inf)
+    grad_sumsq(
+        grad,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        sumsq=sumsq,
+        found_inf=found_inf,
+    )

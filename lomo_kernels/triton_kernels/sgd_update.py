@@ -28,8 +28,8 @@ NUM_WARPS = 8
 _ALIGN = 16
 
 # Kind codes of the element types the kernels load and store.
-_FP32, _FP16, _BF16 = 0, 1, 2
-_KIND = {torch.float32: _FP32, torch.float16: _FP16, torch.bfloat16: _BF16}
+_FP32, _FP16, _BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_KIND = {torch.float32: _FP32.value, torch.float16: _FP16.value, torch.bfloat16: _BF16.value}
 
 _MUL_1 = tl.constexpr(_rounding._HASH_MUL_1)
 _MUL_2 = tl.constexpr(_rounding._HASH_MUL_2)
@@ -76,7 +76,7 @@ def _mix32(x):
 
 @triton.jit
 def _to_fp32(raw, KIND: tl.constexpr):
-    if KIND == 2:
+    if KIND == _BF16:
         # bf16 bits are the top half of the fp32 bits: exact, no cast.
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
@@ -86,9 +86,9 @@ def _to_fp32(raw, KIND: tl.constexpr):
 @triton.jit
 def _from_fp32(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
     """`value` in the parameter's storage type; bf16 as int16 bits per `fp32_to_bf16_bits`."""
-    if KIND == 0:
+    if KIND == _FP32:
         return value
-    elif KIND == 1:
+    elif KIND == _FP16:
         return value.to(tl.float16)
     else:
         bits = value.to(tl.uint32, bitcast=True)
@@ -101,16 +101,29 @@ def _from_fp32(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.con
             rounded = (bits + random16) >> 16
         else:
             # Round to nearest even; wraps only for NaN patterns, replaced below.
-            rounded = (bits + 0x8000) >> 16
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(magnitude > 0x7F800000, (bits >> 16) | 0x40, rounded)
         return rounded.to(tl.int16)
 
 
 @triton.jit
-def _update_chunk(param_ptr, grad_ptr, offs, mask, lr, decay, inv_scale, clip_value,
-                  clip_coef, key, PARAM_KIND: tl.constexpr, GRAD_KIND: tl.constexpr,
-                  HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
-                  STOCHASTIC_ROUNDING: tl.constexpr):
+def _update_chunk(
+    param_ptr,
+    grad_ptr,
+    offs,
+    mask,
+    lr,
+    decay,
+    inv_scale,
+    clip_value,
+    clip_coef,
+    key,
+    PARAM_KIND: tl.constexpr,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+):
     """Updates the elements `offs[mask]`; returns 1 if any gradient was non-finite, else 0."""
     g = _to_fp32(tl.load(grad_ptr + offs, mask=mask, other=0), GRAD_KIND) * inv_scale
     finite = tl.abs(g) < float("inf")
@@ -129,22 +142,35 @@ def _update_chunk(param_ptr, grad_ptr, offs, mask, lr, decay, inv_scale, clip_va
 
 @triton.jit(do_not_specialize=["n", "key"])
 def _sgd_update_kernel(
-    param_ptr, grad_ptr, n_bulk, n,
-    lr, decay, weight_decay, inv_scale, clip_value, clip_coef, key,
-    lr_tensor_ptr, inv_scale_tensor_ptr, clip_coef_tensor_ptr, found_inf_ptr, skip_if_ptr,
-    PARAM_KIND: tl.constexpr, GRAD_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
-    STOCHASTIC_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
+    param_ptr,
+    grad_ptr,
+    n_bulk,
+    n,
+    lr,
+    decay,
+    weight_decay,
+    inv_scale,
+    clip_value,
+    clip_coef,
+    key,
+    lr_tensor_ptr,
+    inv_scale_tensor_ptr,
+    clip_coef_tensor_ptr,
+    found_inf_ptr,
+    skip_if_ptr,
+    PARAM_KIND: tl.constexpr,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """p = p * decay - lr * clip(g * inv_scale) * clip_coef on one flat parameter.
 
     A `*_tensor_ptr`, `found_inf_ptr` or `skip_if_ptr` that is None selects the code path
     without it (None arguments are compile-time constants).
     """
-    if skip_if_ptr is not None:
-        run = tl.load(skip_if_ptr) == 0
-    else:
-        run = True
+    run = tl.load(skip_if_ptr) == 0 if skip_if_ptr is not None else True
     if run:
         lr_eff = lr
         decay_eff = decay
@@ -161,17 +187,45 @@ def _sgd_update_kernel(
 
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        bad = _update_chunk(param_ptr, grad_ptr, offs, offs < n_bulk, lr_eff, decay_eff,
-                            inv_scale_eff, clip_value, clip_coef_eff, ukey, PARAM_KIND,
-                            GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, STOCHASTIC_ROUNDING)
+        bad = _update_chunk(
+            param_ptr,
+            grad_ptr,
+            offs,
+            offs < n_bulk,
+            lr_eff,
+            decay_eff,
+            inv_scale_eff,
+            clip_value,
+            clip_coef_eff,
+            ukey,
+            PARAM_KIND,
+            GRAD_KIND,
+            HAS_CLIP_VALUE,
+            HAS_CLIP_COEF,
+            STOCHASTIC_ROUNDING,
+        )
         if pid == tl.num_programs(0) - 1:
             tail = n_bulk.to(tl.int64) + tl.arange(0, 16)
-            tail_bad = _update_chunk(param_ptr, grad_ptr, tail, tail < n, lr_eff, decay_eff,
-                                     inv_scale_eff, clip_value, clip_coef_eff, ukey, PARAM_KIND,
-                                     GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF,
-                                     STOCHASTIC_ROUNDING)
+            tail_bad = _update_chunk(
+                param_ptr,
+                grad_ptr,
+                tail,
+                tail < n,
+                lr_eff,
+                decay_eff,
+                inv_scale_eff,
+                clip_value,
+                clip_coef_eff,
+                ukey,
+                PARAM_KIND,
+                GRAD_KIND,
+                HAS_CLIP_VALUE,
+                HAS_CLIP_COEF,
+                STOCHASTIC_ROUNDING,
+            )
             bad = tl.maximum(bad, tail_bad)
-        if found_inf_ptr is not None:
+        # A compile-time branch around a run-time one; `and` would compile both sides.
+        if found_inf_ptr is not None:  # noqa: SIM102
             if bad > 0:
                 tl.atomic_max(found_inf_ptr, 1.0)
 
@@ -186,8 +240,15 @@ def _sumsq_chunk(grad_ptr, offs, mask, inv_scale, GRAD_KIND: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n"])
 def _grad_sumsq_kernel(
-    grad_ptr, n_bulk, n, inv_scale, inv_scale_tensor_ptr, sumsq_ptr, found_inf_ptr,
-    GRAD_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    grad_ptr,
+    n_bulk,
+    n,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    sumsq_ptr,
+    found_inf_ptr,
+    GRAD_KIND: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """sumsq += sum((g * inv_scale) ** 2) with one atomic add per program."""
     if inv_scale_tensor_ptr is not None:
@@ -201,7 +262,7 @@ def _grad_sumsq_kernel(
         total += tail_total
         bad = tl.maximum(bad, tail_bad)
     tl.atomic_add(sumsq_ptr, total, sem="relaxed")
-    if found_inf_ptr is not None:
+    if found_inf_ptr is not None:  # noqa: SIM102 (compile-time branch, see above)
         if bad > 0:
             tl.atomic_max(found_inf_ptr, 1.0)
 
@@ -335,8 +396,11 @@ def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
     for index, param in enumerate(kernel.params):
         value = args[param.name]
         specialize = not param.do_not_specialize
-        if param.is_constexpr or value is None or (type(value) is int and value == 1
-                                                   and specialize):
+        if (
+            param.is_constexpr
+            or value is None
+            or (type(value) is int and value == 1 and specialize)
+        ):
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
             continue
@@ -356,25 +420,40 @@ def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def aot_update(param_dtype: torch.dtype, grad_dtype: torch.dtype, *,
-               stochastic_rounding: bool = False) -> tuple[Any, dict, dict, dict]:
+def aot_update(
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, *, stochastic_rounding: bool = False
+) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the update with every optional input given,
     for an aligned parameter whose numel is not a multiple of 16."""
     n = 2 * BLOCK + 5
     flag = torch.zeros(1)
     _, args = sgd_update_args(
-        torch.empty(n, dtype=param_dtype), torch.empty(n, dtype=grad_dtype),
-        lr=1e-3, lr_tensor=torch.ones(1), inv_scale=1.0, inv_scale_tensor=torch.ones(1),
-        clip_value=1.0, clip_coef=1.0, clip_coef_tensor=torch.ones(1), weight_decay=0.1,
-        found_inf=flag, skip_if=torch.zeros(1), stochastic_rounding=stochastic_rounding,
-        seed=12345)
+        torch.empty(n, dtype=param_dtype),
+        torch.empty(n, dtype=grad_dtype),
+        lr=1e-3,
+        lr_tensor=torch.ones(1),
+        inv_scale=1.0,
+        inv_scale_tensor=torch.ones(1),
+        clip_value=1.0,
+        clip_coef=1.0,
+        clip_coef_tensor=torch.ones(1),
+        weight_decay=0.1,
+        found_inf=flag,
+        skip_if=torch.zeros(1),
+        stochastic_rounding=stochastic_rounding,
+        seed=12345,
+    )
     return (_sgd_update_kernel, *aot_signature(_sgd_update_kernel, args))
 
 
 def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the sum of squares, as `aot_update`."""
     n = 2 * BLOCK + 5
-    _, args = grad_sumsq_args(torch.empty(n, dtype=grad_dtype), inv_scale=1.0,
-                              inv_scale_tensor=torch.ones(1), sumsq=torch.zeros(1),
-                              found_inf=torch.zeros(1))
+    _, args = grad_sumsq_args(
+        torch.empty(n, dtype=grad_dtype),
+        inv_scale=1.0,
+        inv_scale_tensor=torch.ones(1),
+        sumsq=torch.zeros(1),
+        found_inf=torch.zeros(1),
+    )
     return (_grad_sumsq_kernel, *aot_signature(_grad_sumsq_kernel, args))

@@ -1,0 +1,563 @@
+// CPU kernels of the fused AdaLomo passes, with their torch binding.
+// Semantics: lomo_kernels/adalomo_backends/reference.py (fp32 math; reductions here are
+// accumulated in double in fixed blocks, so results do not depend on scheduling).
+//
+// Threads: at::parallel_for over blocks of rows and columns (factored tensors) or over
+// fixed 32K-element chunks (1-D tensors and the elementwise passes). Temporaries are
+// per-block vectors of at most rows or cols entries, never a copy of a whole tensor.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "adalomo_math.h"
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
+constexpr int64_t kGrain = 32768;
+// Independent accumulators so the row loops vectorise (no reassociation is allowed).
+constexpr int kLanes = 8;
+
+template <class F>
+void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
+  switch (type) {
+    case at::kFloat:
+      f(lomo::Fp32{});
+      break;
+    case at::kHalf:
+      f(lomo::Fp16{});
+      break;
+    case at::kBFloat16:
+      f(lomo::Bf16{});
+      break;
+    default:
+      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", type);
+  }
+}
+
+float read_scalar(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device().is_cpu(),
+              "lomo_kernels: scalar tensors must be 1-element fp32 CPU tensors");
+  return *t.const_data_ptr<float>();
+}
+
+// scalar * tensor[0] in fp32, as reference._effective computes it.
+float effective(double scalar, const OptTensor& t) {
+  const float s = static_cast<float>(scalar);
+  return t.has_value() ? lomo::mul_rn(read_scalar(*t), s) : s;
+}
+
+adalomo::GradScalars grad_scalars(double inv_scale, const OptTensor& inv_scale_tensor,
+                                  std::optional<double> clip_value, double clip_coef,
+                                  const OptTensor& clip_coef_tensor) {
+  adalomo::GradScalars s;
+  s.inv_scale = effective(inv_scale, inv_scale_tensor);
+  s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
+                                  : std::numeric_limits<float>::infinity();
+  s.coef = effective(clip_coef, clip_coef_tensor);
+  return s;
+}
+
+// (b, 1 - b): with a Python beta2 the complement is computed in double, as the reference.
+std::pair<float, float> beta_pair(double beta2, const OptTensor& beta2_tensor) {
+  if (beta2_tensor.has_value()) {
+    const float b = effective(beta2, beta2_tensor);
+    return {b, lomo::sub_rn(1.0f, b)};
+  }
+  return {static_cast<float>(beta2), static_cast<float>(1.0 - beta2)};
+}
+
+float* workspace_stats(at::Tensor& workspace) {
+  TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
+                  workspace.device().is_cpu() && workspace.numel() >= adalomo::kNumSlots,
+              "lomo_kernels: the workspace must be a contiguous fp32 CPU tensor");
+  return workspace.data_ptr<float>() + workspace.numel() - adalomo::kNumSlots;
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "lomo_kernels: ", what,
+              " must be a contiguous CPU tensor");
+}
+
+void check_state(const at::Tensor& t, int64_t numel, const char* what) {
+  check_cpu(t, what);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == numel, "lomo_kernels: ", what,
+              " must be fp32 with ", numel, " elements");
+}
+
+// True when this call must do nothing: the SKIP slot or the caller's skip_if is non-zero.
+bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
+  if (stats[adalomo::kSkip] != 0.0f) return true;
+  return skip_if.has_value() && read_scalar(*skip_if) != 0.0f;  // nan skips too
+}
+
+void raise_found_inf(const OptTensor& found_inf) {
+  if (!found_inf.has_value()) return;
+  TORCH_CHECK(found_inf->scalar_type() == at::kFloat && found_inf->numel() == 1,
+              "lomo_kernels: found_inf must be a 1-element fp32 tensor");
+  float* f = found_inf->data_ptr<float>();
+  if (!(*f >= 1.0f)) *f = 1.0f;
+}
+
+void add_to(float* dst, double value) {
+  *dst = static_cast<float>(static_cast<double>(*dst) + value);
+}
+
+// A split of [rows, cols] into row_blocks x col_blocks blocks of work, one per thread at
+// most; small tensors run on the calling thread.
+struct Blocks {
+  int64_t row_blocks, col_blocks;
+  int64_t row_begin(int64_t b, int64_t rows) const { return rows * b / row_blocks; }
+  int64_t col_begin(int64_t b, int64_t cols) const { return cols * b / col_blocks; }
+};
+
+Blocks make_blocks(int64_t rows, int64_t cols) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t by_size = std::max<int64_t>(1, rows * cols / kGrain);
+  const int64_t total = std::min(threads, by_size);
+  Blocks b;
+  b.row_blocks = std::min(total, rows);
+  b.col_blocks = std::max<int64_t>(1, std::min(total / b.row_blocks, cols / 1024));
+  return b;
+}
+
+// ----------------------------------------------------------------------------- factored
+
+template <class P, class G>
+void stats_block(const typename G::T* grad, const typename P::T* param, int64_t cols,
+                 int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                 const adalomo::GradScalars& s, float eps0, double* row_part,
+                 double* col_part, double& p_sum, uint32_t& bad) {
+  double p_acc[kLanes] = {};
+  uint32_t any_bad = 0;
+  for (int64_t i = r0; i < r1; ++i) {
+    const typename G::T* g_row = grad + i * cols;
+    const typename P::T* p_row = param + i * cols;
+    double r_acc[kLanes] = {};
+    int64_t j = c0;
+    for (; j + kLanes <= c1; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        uint32_t b;
+        const float g = adalomo::grad_g(G::load(g_row[j + l]), s, b);
+        const double u = static_cast<double>(lomo::mul_rn(g, g) + eps0);
+        r_acc[l] += u;
+        col_part[j + l - c0] += u;
+        const double p = static_cast<double>(P::load(p_row[j + l]));
+        p_acc[l] += p * p;
+        any_bad |= b;
+      }
+    }
+    for (int l = 0; j < c1; ++j, ++l) {
+      uint32_t b;
+      const float g = adalomo::grad_g(G::load(g_row[j]), s, b);
+      const double u = static_cast<double>(lomo::mul_rn(g, g) + eps0);
+      r_acc[l] += u;
+      col_part[j - c0] += u;
+      const double p = static_cast<double>(P::load(p_row[j]));
+      p_acc[l] += p * p;
+      any_bad |= b;
+    }
+    double total = 0.0;
+    for (int l = 0; l < kLanes; ++l) total += r_acc[l];
+    row_part[i] = total;
+  }
+  for (int l = 0; l < kLanes; ++l) p_sum += p_acc[l];
+  bad |= any_bad;
+}
+
+void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
+                     const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
+                     double inv_scale, const OptTensor& inv_scale_tensor,
+                     std::optional<double> clip_value, double clip_coef,
+                     const OptTensor& clip_coef_tensor, double eps0) {
+  check_cpu(grad, "grad");
+  check_cpu(param, "param");
+  TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
+              "lomo_kernels: bad factored shape");
+  const int64_t rows = grad.numel() / cols;
+  float* stats = workspace_stats(workspace);
+  TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
+              "lomo_kernels: workspace size does not match the parameter");
+  if (skipped_on_entry(stats, skip_if)) {
+    stats[adalomo::kSkip] = 1.0f;
+    return;
+  }
+  const adalomo::GradScalars s =
+      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
+  const float eps = static_cast<float>(eps0);
+  const Blocks blocks = make_blocks(rows, cols);
+  const int64_t n_blocks = blocks.row_blocks * blocks.col_blocks;
+  // Partials: row sums per column block, column sums per row block, p^2 per block.
+  std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
+  std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
+  std::vector<double> p_part(static_cast<size_t>(n_blocks), 0.0);
+  std::atomic<uint32_t> bad{0};
+  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+    using P = decltype(p_tag);
+    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+      using G = decltype(g_tag);
+      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
+      at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
+          const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
+          const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
+          uint32_t local_bad = 0;
+          stats_block<P, G>(g, p, cols, r0, r1, c0, c1, s, eps, row_part.data() + cb * rows,
+                            col_part.data() + rb * cols + c0, p_part[b], local_bad);
+          if (local_bad != 0) bad.store(1, std::memory_order_relaxed);
+        }
+      });
+    });
+  });
+  float* ws = workspace.data_ptr<float>();
+  at::parallel_for(0, rows + cols, kGrain, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      double total = 0.0;
+      if (k < rows) {
+        for (int64_t cb = 0; cb < blocks.col_blocks; ++cb) total += row_part[cb * rows + k];
+      } else {
+        for (int64_t rb = 0; rb < blocks.row_blocks; ++rb) {
+          total += col_part[rb * cols + (k - rows)];
+        }
+      }
+      add_to(ws + k, total);
+    }
+  });
+  double p_total = 0.0;
+  for (double v : p_part) p_total += v;
+  add_to(stats + adalomo::kPSumsq, p_total);
+  if (bad.load(std::memory_order_relaxed) != 0) {
+    stats[adalomo::kSkip] = 1.0f;
+    raise_found_inf(found_inf);
+  }
+}
+
+void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
+                       at::Tensor workspace, double beta2, const OptTensor& beta2_tensor) {
+  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
+  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
+  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
+  float* stats = workspace_stats(workspace);
+  TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
+              "lomo_kernels: workspace size does not match the moments");
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
+  const float* ws = workspace.data_ptr<float>();
+  float* R = exp_avg_sq_row.data_ptr<float>();
+  float* C = exp_avg_sq_col.data_ptr<float>();
+  const float fcols = static_cast<float>(cols), frows = static_cast<float>(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    R[i] = lomo::mul_rn(R[i], b) + lomo::mul_rn(ws[i] / fcols, omb);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    C[j] = lomo::mul_rn(C[j], b) + lomo::mul_rn(ws[rows + j] / frows, omb);
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < rows; ++i) total += R[i];
+  stats[adalomo::kRSum] = static_cast<float>(total);
+}
+
+// c_j = rsqrt(C_j): one vector per call (cols entries), reused by every row.
+std::vector<float> col_factors(const at::Tensor& exp_avg_sq_col) {
+  const float* C = exp_avg_sq_col.const_data_ptr<float>();
+  std::vector<float> c(static_cast<size_t>(exp_avg_sq_col.numel()));
+  for (size_t j = 0; j < c.size(); ++j) c[j] = adalomo::rsqrt_f(C[j]);
+  return c;
+}
+
+// Calls f(row, col_begin, col_end, flat_begin) for the row segments of [begin, end).
+template <class F>
+void for_row_segments(int64_t begin, int64_t end, int64_t cols, F&& f) {
+  while (begin < end) {
+    const int64_t i = begin / cols, j0 = begin % cols;
+    const int64_t j1 = std::min(cols, j0 + (end - begin));
+    f(i, j0, j1, begin);
+    begin += j1 - j0;
+  }
+}
+
+template <class G>
+double norm_span(const typename G::T* grad, const float* R, const float* c, float mean,
+                 int64_t cols, int64_t begin, int64_t end, const adalomo::GradScalars& s) {
+  double acc[kLanes] = {};
+  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
+    const float r = adalomo::rsqrt_f(R[i] / mean);
+    const typename G::T* g_row = grad + flat - j0;
+    for (int64_t j = j0; j < j1; ++j) {
+      uint32_t bad;
+      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
+                                        adalomo::grad_g(G::load(g_row[j]), s, bad));
+      acc[j % kLanes] += static_cast<double>(update) * static_cast<double>(update);
+    }
+  });
+  double total = 0.0;
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
+                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double inv_scale,
+                    const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
+                    double clip_coef, const OptTensor& clip_coef_tensor) {
+  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
+  check_cpu(grad, "grad");
+  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
+  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
+  TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
+  float* stats = workspace_stats(workspace);
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s =
+      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
+  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
+  const std::vector<float> c = col_factors(exp_avg_sq_col);
+  const float* R = exp_avg_sq_row.const_data_ptr<float>();
+  const int64_t n = grad.numel();
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  // Fixed chunks summed in order: the result does not depend on the thread count.
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+    using G = decltype(g_tag);
+    const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t k = first; k < last; ++k) {
+        partial[k] = norm_span<G>(g, R, c.data(), mean, cols, k * kGrain,
+                                  std::min(n, (k + 1) * kGrain), s);
+      }
+    });
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  add_to(stats + adalomo::kUSumsq, total);
+}
+
+template <class P, class G>
+void apply_span(typename P::T* param, const typename G::T* grad, const float* R,
+                const float* c, float mean, int64_t cols, int64_t begin, int64_t end,
+                const adalomo::GradScalars& s, const adalomo::StepScalars& step) {
+  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
+    const float r = adalomo::rsqrt_f(R[i] / mean);
+    typename P::T* p_row = param + flat - j0;
+    const typename G::T* g_row = grad + flat - j0;
+    for (int64_t j = j0; j < j1; ++j) {
+      uint32_t bad;
+      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
+                                        adalomo::grad_g(G::load(g_row[j]), s, bad));
+      p_row[j] = P::round(adalomo::apply(P::load(p_row[j]), update, step));
+    }
+  });
+}
+
+void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
+                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double lr,
+                     const OptTensor& lr_tensor, double eps1, double clip_threshold,
+                     double weight_decay, double inv_scale, const OptTensor& inv_scale_tensor,
+                     std::optional<double> clip_value, double clip_coef,
+                     const OptTensor& clip_coef_tensor) {
+  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
+  check_cpu(param, "param");
+  check_cpu(grad, "grad");
+  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
+  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
+  TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
+              "lomo_kernels: param/grad do not match the moments");
+  float* stats = workspace_stats(workspace);
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s =
+      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
+  const int64_t n = param.numel();
+  const adalomo::StepScalars step = adalomo::step_scalars(
+      stats, static_cast<float>(n), effective(lr, lr_tensor), static_cast<float>(eps1),
+      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
+  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
+  const std::vector<float> c = col_factors(exp_avg_sq_col);
+  const float* R = exp_avg_sq_row.const_data_ptr<float>();
+  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+    using P = decltype(p_tag);
+    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+      using G = decltype(g_tag);
+      auto* p = static_cast<typename P::T*>(param.data_ptr());
+      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        apply_span<P, G>(p, g, R, c.data(), mean, cols, begin, end, s, step);
+      });
+    });
+  });
+}
+
+// ----------------------------------------------------------------------------- 1-D
+
+struct VectorPartial {
+  double u_sumsq = 0.0, p_sumsq = 0.0;
+  uint32_t bad = 0;
+};
+
+template <class P, class G>
+VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* param,
+                                const float* v, int64_t begin, int64_t end,
+                                const adalomo::GradScalars& s, float b, float omb,
+                                float eps0) {
+  double u_acc[kLanes] = {}, p_acc[kLanes] = {};
+  uint32_t any_bad = 0;
+  for (int64_t k = begin; k < end; ++k) {
+    uint32_t bad;
+    const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
+    const float update =
+        lomo::mul_rn(adalomo::rsqrt_f(adalomo::moment(v[k], g, b, omb, eps0)), g);
+    const double p = static_cast<double>(P::load(param[k]));
+    u_acc[k % kLanes] += static_cast<double>(update) * static_cast<double>(update);
+    p_acc[k % kLanes] += p * p;
+    any_bad |= bad;
+  }
+  VectorPartial out;
+  for (int l = 0; l < kLanes; ++l) {
+    out.u_sumsq += u_acc[l];
+    out.p_sumsq += p_acc[l];
+  }
+  out.bad = any_bad;
+  return out;
+}
+
+void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
+                   const at::Tensor& exp_avg_sq, at::Tensor workspace,
+                   const OptTensor& found_inf, const OptTensor& skip_if, double beta2,
+                   const OptTensor& beta2_tensor, double eps0, double inv_scale,
+                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
+                   double clip_coef, const OptTensor& clip_coef_tensor) {
+  const int64_t n = param.numel();
+  check_cpu(grad, "grad");
+  check_cpu(param, "param");
+  check_state(exp_avg_sq, n, "exp_avg_sq");
+  TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
+  float* stats = workspace_stats(workspace);
+  if (skipped_on_entry(stats, skip_if)) {
+    stats[adalomo::kSkip] = 1.0f;
+    return;
+  }
+  const adalomo::GradScalars s =
+      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
+  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
+  const float eps = static_cast<float>(eps0);
+  const float* v = exp_avg_sq.const_data_ptr<float>();
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<VectorPartial> partial(static_cast<size_t>(chunks));
+  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+    using P = decltype(p_tag);
+    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+      using G = decltype(g_tag);
+      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
+      at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+        for (int64_t k = first; k < last; ++k) {
+          partial[k] = vector_stats_span<P, G>(g, p, v, k * kGrain,
+                                               std::min(n, (k + 1) * kGrain), s, b, omb, eps);
+        }
+      });
+    });
+  });
+  VectorPartial total;
+  for (const VectorPartial& part : partial) {
+    total.u_sumsq += part.u_sumsq;
+    total.p_sumsq += part.p_sumsq;
+    total.bad |= part.bad;
+  }
+  add_to(stats + adalomo::kUSumsq, total.u_sumsq);
+  add_to(stats + adalomo::kPSumsq, total.p_sumsq);
+  if (total.bad != 0) {
+    stats[adalomo::kSkip] = 1.0f;
+    raise_found_inf(found_inf);
+  }
+}
+
+template <class P, class G>
+void vector_apply_span(typename P::T* param, const typename G::T* grad, float* v,
+                       int64_t begin, int64_t end, const adalomo::GradScalars& s, float b,
+                       float omb, float eps0, const adalomo::StepScalars& step) {
+  for (int64_t k = begin; k < end; ++k) {
+    uint32_t bad;
+    const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
+    const float v_new = adalomo::moment(v[k], g, b, omb, eps0);
+    v[k] = v_new;
+    param[k] = P::round(
+        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step));
+  }
+}
+
+void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_sq,
+                   at::Tensor workspace, double beta2, const OptTensor& beta2_tensor,
+                   double eps0, double lr, const OptTensor& lr_tensor, double eps1,
+                   double clip_threshold, double weight_decay, double inv_scale,
+                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
+                   double clip_coef, const OptTensor& clip_coef_tensor) {
+  const int64_t n = param.numel();
+  check_cpu(grad, "grad");
+  check_cpu(param, "param");
+  check_state(exp_avg_sq, n, "exp_avg_sq");
+  TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
+  float* stats = workspace_stats(workspace);
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s =
+      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
+  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
+  const adalomo::StepScalars step = adalomo::step_scalars(
+      stats, static_cast<float>(n), effective(lr, lr_tensor), static_cast<float>(eps1),
+      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
+  const float eps = static_cast<float>(eps0);
+  float* v = exp_avg_sq.data_ptr<float>();
+  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+    using P = decltype(p_tag);
+    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+      using G = decltype(g_tag);
+      auto* p = static_cast<typename P::T*>(param.data_ptr());
+      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        vector_apply_span<P, G>(p, g, v, begin, end, s, b, omb, eps, step);
+      });
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lomo_kernels AdaLomo CPU kernels";
+  m.def("factored_stats_", &factored_stats_, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
+        py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
+        py::arg("cols"), py::arg("inv_scale"), py::arg("inv_scale_tensor"),
+        py::arg("clip_value"), py::arg("clip_coef"), py::arg("clip_coef_tensor"),
+        py::arg("eps0"));
+  m.def("factored_moments_", &factored_moments_, "AdaLomo row/column moments",
+        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
+        py::arg("beta2"), py::arg("beta2_tensor"));
+  m.def("factored_norm_", &factored_norm_, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
+        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
+        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
+        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+  m.def("factored_apply_", &factored_apply_, "AdaLomo pass C (>= 2-D)", py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
+        py::arg("workspace"), py::arg("lr"), py::arg("lr_tensor"), py::arg("eps1"),
+        py::arg("clip_threshold"), py::arg("weight_decay"), py::arg("inv_scale"),
+        py::arg("inv_scale_tensor"), py::arg("clip_value"), py::arg("clip_coef"),
+        py::arg("clip_coef_tensor"));
+  m.def("vector_stats_", &vector_stats_, "AdaLomo pass A1 (1-D)", py::arg("grad"),
+        py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
+        py::arg("skip_if"), py::arg("beta2"), py::arg("beta2_tensor"), py::arg("eps0"),
+        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
+        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+  m.def("vector_apply_", &vector_apply_, "AdaLomo pass C1 (1-D)", py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"),
+        py::arg("beta2_tensor"), py::arg("eps0"), py::arg("lr"), py::arg("lr_tensor"),
+        py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
+        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
+        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+}

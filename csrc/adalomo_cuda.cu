@@ -1,0 +1,491 @@
+// CUDA kernels of the fused AdaLomo passes and their extern "C" launchers (adalomo_cuda.h).
+// Semantics: lomo_kernels/adalomo_backends/reference.py. Builds with nvcc alone (no torch).
+//
+// Factored tensors ([rows, cols]): a block of 8 warps owns 128 columns and a group of rows;
+// each warp walks rows, every lane handling 4 columns 32 apart, so each warp load covers 32
+// consecutive elements. Row partial sums are warp-reduced and added atomically once per row
+// and block; column partial sums stay in registers over the row group and are added
+// atomically once per block. 1-D tensors use grid-stride loops. Math is fp32; the products
+// go through __fmul_rn so no FMA contraction changes the rounding of the reference.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "adalomo_cuda.h"
+#include "adalomo_math.h"
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kColsPerLane = 4;
+constexpr int kTileCols = 32 * kColsPerLane;
+// Resident blocks per SM the launchers aim for (2048 threads / kThreads).
+constexpr int kBlocksPerSm = 8;
+constexpr int kMaxGridY = 65535;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block, valid in thread 0; every thread must call it.
+__device__ float block_sum(float v) {
+  __shared__ float scratch[kWarps];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  }
+  __syncthreads();
+  return total;
+}
+
+// flag = max(flag, 1): integer max orders non-negative floats like floats, and any negative
+// float (sign bit set) below 1.0f.
+__device__ __forceinline__ void raise_to_one(float* flag) {
+  atomicMax(reinterpret_cast<int*>(flag), __float_as_int(1.0f));
+}
+
+// Whether this block runs, decided once by thread 0 so that the whole block agrees even
+// while other blocks are raising the SKIP slot.
+__device__ bool block_runs(const float* stats, const float* skip_if) {
+  __shared__ int run;
+  if (threadIdx.x == 0) {
+    bool r = *reinterpret_cast<const volatile float*>(stats + adalomo::kSkip) == 0.0f;
+    if (skip_if != nullptr) r = r && (*skip_if == 0.0f);  // nan skips too
+    run = r ? 1 : 0;
+  }
+  __syncthreads();
+  return run != 0;
+}
+
+__device__ adalomo::GradScalars resolve(const AdalomoGradArgs& a) {
+  adalomo::GradScalars s;
+  s.inv_scale = a.inv_scale_tensor != nullptr ? __fmul_rn(*a.inv_scale_tensor, a.inv_scale)
+                                              : a.inv_scale;
+  s.clip = a.has_clip_value ? a.clip_value : __int_as_float(0x7F800000);
+  s.coef = a.clip_coef_tensor != nullptr ? __fmul_rn(*a.clip_coef_tensor, a.clip_coef)
+                                         : a.clip_coef;
+  return s;
+}
+
+__device__ void resolve_beta(const AdalomoBetaArgs& a, float& b, float& one_minus_b) {
+  if (a.beta2_tensor != nullptr) {
+    b = __fmul_rn(*a.beta2_tensor, a.beta2);
+    one_minus_b = __fsub_rn(1.0f, b);
+  } else {
+    b = a.beta2;
+    one_minus_b = a.one_minus_beta2;
+  }
+}
+
+__device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const float* stats,
+                                             float numel) {
+  const float lr = a.lr_tensor != nullptr ? __fmul_rn(*a.lr_tensor, a.lr) : a.lr;
+  return adalomo::step_scalars(stats, numel, lr, a.eps1, a.clip_threshold, a.weight_decay);
+}
+
+// ----------------------------------------------------------------------------- factored
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+factored_stats_kernel(const typename G::T* __restrict__ grad,
+                      const typename P::T* __restrict__ param, float* __restrict__ ws,
+                      float* found_inf, const float* skip_if, int64_t rows, int64_t cols,
+                      int64_t rows_per_block, AdalomoGradArgs grad_args, float eps0) {
+  float* stats = ws + rows + cols;
+  if (!block_runs(stats, skip_if)) {
+    if (threadIdx.x == 0) raise_to_one(stats + adalomo::kSkip);
+    return;
+  }
+  const adalomo::GradScalars s = resolve(grad_args);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row1 = min(row0 + rows_per_block, rows);
+  float col_acc[kColsPerLane] = {};
+  float p_acc = 0.0f;
+  uint32_t bad = 0;
+  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
+    const int64_t base = i * cols;
+    float row_acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) {
+      const int64_t j = col0 + lane + 32 * k;
+      if (j < cols) {
+        uint32_t b;
+        const float g = adalomo::grad_g(G::load(grad[base + j]), s, b);
+        const float u = __fmul_rn(g, g) + eps0;
+        row_acc += u;
+        col_acc[k] += u;
+        const float p = P::load(param[base + j]);
+        p_acc += __fmul_rn(p, p);
+        bad |= b;
+      }
+    }
+    row_acc = warp_sum(row_acc);
+    if (lane == 0) atomicAdd(ws + i, row_acc);
+  }
+  __shared__ float col_scratch[kWarps][kTileCols];
+#pragma unroll
+  for (int k = 0; k < kColsPerLane; ++k) col_scratch[warp][lane + 32 * k] = col_acc[k];
+  const float p_total = block_sum(p_acc);  // its barrier also publishes col_scratch
+  if (threadIdx.x < kTileCols && col0 + threadIdx.x < cols) {
+    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) total += col_scratch[w][threadIdx.x];
+    atomicAdd(ws + rows + col0 + threadIdx.x, total);
+  }
+  const int any_bad = __syncthreads_or(bad != 0);
+  if (threadIdx.x == 0) {
+    atomicAdd(stats + adalomo::kPSumsq, p_total);
+    if (any_bad) {
+      raise_to_one(stats + adalomo::kSkip);
+      if (found_inf != nullptr) raise_to_one(found_inf);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+factored_moments_kernel(float* __restrict__ row_state, float* __restrict__ col_state,
+                        float* __restrict__ ws, int64_t rows, int64_t cols,
+                        AdalomoBetaArgs beta) {
+  float* stats = ws + rows + cols;
+  if (stats[adalomo::kSkip] != 0.0f) return;  // final after pass A: uniform
+  float b, one_minus_b;
+  resolve_beta(beta, b, one_minus_b);
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  float row_value = 0.0f;
+  if (k < rows) {
+    row_value = __fmul_rn(row_state[k], b) +
+                __fmul_rn(ws[k] / static_cast<float>(cols), one_minus_b);
+    row_state[k] = row_value;
+  } else if (k < rows + cols) {
+    const int64_t j = k - rows;
+    col_state[j] = __fmul_rn(col_state[j], b) +
+                   __fmul_rn(ws[rows + j] / static_cast<float>(rows), one_minus_b);
+  }
+  const float total = block_sum(row_value);
+  if (threadIdx.x == 0 && static_cast<int64_t>(blockIdx.x) * kThreads < rows) {
+    atomicAdd(stats + adalomo::kRSum, total);
+  }
+}
+
+template <class G>
+__global__ void __launch_bounds__(kThreads)
+factored_norm_kernel(const typename G::T* __restrict__ grad,
+                     const float* __restrict__ row_state, const float* __restrict__ col_state,
+                     float* __restrict__ ws, int64_t rows, int64_t cols,
+                     int64_t rows_per_block, AdalomoGradArgs grad_args) {
+  float* stats = ws + rows + cols;
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s = resolve(grad_args);
+  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row1 = min(row0 + rows_per_block, rows);
+  float c[kColsPerLane];
+#pragma unroll
+  for (int k = 0; k < kColsPerLane; ++k) {
+    const int64_t j = col0 + lane + 32 * k;
+    c[k] = j < cols ? adalomo::rsqrt_f(col_state[j]) : 0.0f;
+  }
+  float acc = 0.0f;
+  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
+    const int64_t base = i * cols;
+    const float r = adalomo::rsqrt_f(row_state[i] / mean);
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) {
+      const int64_t j = col0 + lane + 32 * k;
+      if (j < cols) {
+        uint32_t b;
+        const float update =
+            __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b));
+        acc += __fmul_rn(update, update);
+      }
+    }
+  }
+  const float total = block_sum(acc);
+  if (threadIdx.x == 0) atomicAdd(stats + adalomo::kUSumsq, total);
+}
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
+                      const float* __restrict__ row_state, const float* __restrict__ col_state,
+                      const float* __restrict__ ws, int64_t rows, int64_t cols,
+                      int64_t rows_per_block, AdalomoStepArgs step_args,
+                      AdalomoGradArgs grad_args) {
+  const float* stats = ws + rows + cols;
+  if (stats[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s = resolve(grad_args);
+  const adalomo::StepScalars step =
+      resolve_step(step_args, stats, static_cast<float>(rows * cols));
+  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row1 = min(row0 + rows_per_block, rows);
+  float c[kColsPerLane];
+#pragma unroll
+  for (int k = 0; k < kColsPerLane; ++k) {
+    const int64_t j = col0 + lane + 32 * k;
+    c[k] = j < cols ? adalomo::rsqrt_f(col_state[j]) : 0.0f;
+  }
+  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
+    const int64_t base = i * cols;
+    const float r = adalomo::rsqrt_f(row_state[i] / mean);
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) {
+      const int64_t j = col0 + lane + 32 * k;
+      if (j < cols) {
+        uint32_t b;
+        const float update =
+            __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b));
+        param[base + j] = P::round(adalomo::apply(P::load(param[base + j]), update, step));
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- 1-D
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+vector_stats_kernel(const typename G::T* __restrict__ grad,
+                    const typename P::T* __restrict__ param, const float* __restrict__ v,
+                    float* __restrict__ ws, float* found_inf, const float* skip_if, int64_t n,
+                    AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args) {
+  if (!block_runs(ws, skip_if)) {
+    if (threadIdx.x == 0) raise_to_one(ws + adalomo::kSkip);
+    return;
+  }
+  const adalomo::GradScalars s = resolve(grad_args);
+  float b, one_minus_b;
+  resolve_beta(beta, b, one_minus_b);
+  float u_acc = 0.0f, p_acc = 0.0f;
+  uint32_t bad = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
+       k += stride) {
+    uint32_t bk;
+    const float g = adalomo::grad_g(G::load(grad[k]), s, bk);
+    const float update =
+        __fmul_rn(adalomo::rsqrt_f(adalomo::moment(v[k], g, b, one_minus_b, eps0)), g);
+    u_acc += __fmul_rn(update, update);
+    const float p = P::load(param[k]);
+    p_acc += __fmul_rn(p, p);
+    bad |= bk;
+  }
+  const float u_total = block_sum(u_acc);
+  const float p_total = block_sum(p_acc);
+  const int any_bad = __syncthreads_or(bad != 0);
+  if (threadIdx.x == 0) {
+    atomicAdd(ws + adalomo::kUSumsq, u_total);
+    atomicAdd(ws + adalomo::kPSumsq, p_total);
+    if (any_bad) {
+      raise_to_one(ws + adalomo::kSkip);
+      if (found_inf != nullptr) raise_to_one(found_inf);
+    }
+  }
+}
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
+                    float* __restrict__ v, const float* __restrict__ ws, int64_t n,
+                    AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step_args,
+                    AdalomoGradArgs grad_args) {
+  if (ws[adalomo::kSkip] != 0.0f) return;
+  const adalomo::GradScalars s = resolve(grad_args);
+  float b, one_minus_b;
+  resolve_beta(beta, b, one_minus_b);
+  const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(n));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
+       k += stride) {
+    uint32_t bad;
+    const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
+    const float v_new = adalomo::moment(v[k], g, b, one_minus_b, eps0);
+    v[k] = v_new;
+    const float update = __fmul_rn(adalomo::rsqrt_f(v_new), g);
+    param[k] = P::round(adalomo::apply(P::load(param[k]), update, step));
+  }
+}
+
+// ----------------------------------------------------------------------------- launch helpers
+
+int sm_count() {
+  static int cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (device < 64 && cached[device] > 0) return cached[device];
+  int count = 1;
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  if (count < 1) count = 1;
+  if (device < 64) cached[device] = count;
+  return count;
+}
+
+// Grid of the factored passes: 128-column blocks times row groups, about one wave.
+struct FactoredGrid {
+  dim3 grid;
+  int64_t rows_per_block;
+};
+
+FactoredGrid factored_grid(int64_t rows, int64_t cols) {
+  const int64_t col_blocks = (cols + kTileCols - 1) / kTileCols;
+  const int64_t target = static_cast<int64_t>(sm_count()) * kBlocksPerSm;
+  int64_t groups = target / col_blocks;
+  groups = groups < 1 ? 1 : groups;
+  const int64_t max_groups = (rows + kWarps - 1) / kWarps;
+  groups = groups > max_groups ? max_groups : groups;
+  int64_t rows_per_block = (rows + groups - 1) / groups;
+  groups = (rows + rows_per_block - 1) / rows_per_block;
+  if (groups > kMaxGridY) {
+    groups = kMaxGridY;
+    rows_per_block = (rows + groups - 1) / groups;
+    groups = (rows + rows_per_block - 1) / rows_per_block;
+  }
+  FactoredGrid out;
+  out.grid = dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups), 1);
+  out.rows_per_block = rows_per_block;
+  return out;
+}
+
+unsigned vector_blocks(int64_t n) {
+  const int64_t needed = (n + kThreads - 1) / kThreads;
+  const int64_t target = static_cast<int64_t>(sm_count()) * kBlocksPerSm;
+  return static_cast<unsigned>(needed < target ? (needed < 1 ? 1 : needed) : target);
+}
+
+template <class F>
+bool dispatch_one(int code, F&& f) {
+  switch (code) {
+    case lomo::kFloat32:
+      f(lomo::Fp32{});
+      return true;
+    case lomo::kFloat16:
+      f(lomo::Fp16{});
+      return true;
+    case lomo::kBFloat16:
+      f(lomo::Bf16{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <class F>
+bool dispatch_two(int param_code, int grad_code, F&& f) {
+  bool ok = false;
+  dispatch_one(param_code, [&](auto p_tag) {
+    ok = dispatch_one(grad_code, [&](auto g_tag) { f(p_tag, g_tag); });
+  });
+  return ok;
+}
+
+int launch_status(bool dispatched) {
+  if (!dispatched) return static_cast<int>(cudaErrorInvalidValue);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
+                                int param_dtype, float* workspace, float* found_inf,
+                                const float* skip_if, int64_t rows, int64_t cols,
+                                AdalomoGradArgs grad_args, float eps0, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const FactoredGrid g = factored_grid(rows, cols);
+  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
+    using P = decltype(p_tag);
+    using G = decltype(g_tag);
+    factored_stats_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
+        static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
+        workspace, found_inf, skip_if, rows, cols, g.rows_per_block, grad_args, eps0);
+  });
+  return launch_status(ok);
+}
+
+int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
+                                  float* workspace, int64_t rows, int64_t cols,
+                                  AdalomoBetaArgs beta, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const unsigned blocks = static_cast<unsigned>((rows + cols + kThreads - 1) / kThreads);
+  factored_moments_kernel<<<blocks, kThreads, 0, stream>>>(exp_avg_sq_row, exp_avg_sq_col,
+                                                           workspace, rows, cols, beta);
+  return launch_status(true);
+}
+
+int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
+                               const float* exp_avg_sq_col, float* workspace, int64_t rows,
+                               int64_t cols, AdalomoGradArgs grad_args, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const FactoredGrid g = factored_grid(rows, cols);
+  const bool ok = dispatch_one(grad_dtype, [&](auto g_tag) {
+    using G = decltype(g_tag);
+    factored_norm_kernel<G><<<g.grid, kThreads, 0, stream>>>(
+        static_cast<const typename G::T*>(grad), exp_avg_sq_row, exp_avg_sq_col, workspace,
+        rows, cols, g.rows_per_block, grad_args);
+  });
+  return launch_status(ok);
+}
+
+int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
+                                const float* exp_avg_sq_row, const float* exp_avg_sq_col,
+                                const float* workspace, int64_t rows, int64_t cols,
+                                AdalomoStepArgs step, AdalomoGradArgs grad_args,
+                                cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const FactoredGrid g = factored_grid(rows, cols);
+  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
+    using P = decltype(p_tag);
+    using G = decltype(g_tag);
+    factored_apply_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
+        static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
+        exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, g.rows_per_block, step,
+        grad_args);
+  });
+  return launch_status(ok);
+}
+
+int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
+                              int param_dtype, const float* exp_avg_sq, float* workspace,
+                              float* found_inf, const float* skip_if, int64_t n,
+                              AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args,
+                              cudaStream_t stream) {
+  if (n <= 0) return 0;
+  const unsigned blocks = vector_blocks(n);
+  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
+    using P = decltype(p_tag);
+    using G = decltype(g_tag);
+    vector_stats_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
+        exp_avg_sq, workspace, found_inf, skip_if, n, beta, eps0, grad_args);
+  });
+  return launch_status(ok);
+}
+
+int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
+                              float* exp_avg_sq, const float* workspace, int64_t n,
+                              AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step,
+                              AdalomoGradArgs grad_args, cudaStream_t stream) {
+  if (n <= 0) return 0;
+  const unsigned blocks = vector_blocks(n);
+  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
+    using P = decltype(p_tag);
+    using G = decltype(g_tag);
+    vector_apply_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
+        static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
+        exp_avg_sq, workspace, n, beta, eps0, step, grad_args);
+  });
+  return launch_status(ok);
+}
+
+}  // extern "C"

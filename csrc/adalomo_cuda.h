@@ -1,0 +1,74 @@
+// extern "C" launchers of the AdaLomo CUDA kernels (adalomo_cuda.cu). Plain C types only,
+// so the kernels build with nvcc alone and any binding (adalomo_cuda_binding.cpp for torch)
+// can call them. Every launcher enqueues exactly one kernel on `stream` and returns the
+// cudaError_t of the launch (0 on success). Pointers are device pointers; optional ones may
+// be NULL. Dtype codes: 0 fp32, 1 fp16, 2 bf16 (lomo::DtypeCode).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// How to turn a stored gradient value into the fp32 g of the math.
+typedef struct {
+  float inv_scale;                // multiplied by *inv_scale_tensor when that is not NULL
+  const float* inv_scale_tensor;
+  int has_clip_value;             // clamp to [-clip_value, clip_value] when non-zero
+  float clip_value;
+  float clip_coef;                // multiplied by *clip_coef_tensor when that is not NULL
+  const float* clip_coef_tensor;
+} AdalomoGradArgs;
+
+// beta2 (times *beta2_tensor when not NULL) and 1 - beta2 computed by the caller in double
+// (used only when beta2_tensor is NULL).
+typedef struct {
+  float beta2;
+  float one_minus_beta2;
+  const float* beta2_tensor;
+} AdalomoBetaArgs;
+
+// lr (times *lr_tensor when not NULL) and the hyper-parameters of the final pass.
+typedef struct {
+  float lr;
+  const float* lr_tensor;
+  float eps1;
+  float clip_threshold;
+  float weight_decay;
+} AdalomoStepArgs;
+
+int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
+                                int param_dtype, float* workspace, float* found_inf,
+                                const float* skip_if, int64_t rows, int64_t cols,
+                                AdalomoGradArgs grad_args, float eps0, cudaStream_t stream);
+
+int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
+                                  float* workspace, int64_t rows, int64_t cols,
+                                  AdalomoBetaArgs beta, cudaStream_t stream);
+
+int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
+                               const float* exp_avg_sq_col, float* workspace, int64_t rows,
+                               int64_t cols, AdalomoGradArgs grad_args, cudaStream_t stream);
+
+int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
+                                const float* exp_avg_sq_row, const float* exp_avg_sq_col,
+                                const float* workspace, int64_t rows, int64_t cols,
+                                AdalomoStepArgs step, AdalomoGradArgs grad_args,
+                                cudaStream_t stream);
+
+int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
+                              int param_dtype, const float* exp_avg_sq, float* workspace,
+                              float* found_inf, const float* skip_if, int64_t n,
+                              AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args,
+                              cudaStream_t stream);
+
+int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
+                              float* exp_avg_sq, const float* workspace, int64_t n,
+                              AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step,
+                              AdalomoGradArgs grad_args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

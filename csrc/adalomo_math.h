@@ -1,0 +1,70 @@
+// Per-element AdaLomo math shared by the CPU (adalomo_cpu.cpp) and CUDA (adalomo_cuda.cu)
+// kernels. Semantics: lomo_kernels/adalomo_backends/reference.py. No torch headers: nvcc
+// compiles this alone.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "lomo_math.h"
+
+namespace adalomo {
+
+// Workspace slots after the row and column sums (adalomo_backends.P_SUMSQ etc.).
+enum Slot : int { kPSumsq = 0, kUSumsq = 1, kSkip = 2, kRSum = 3, kNumSlots = 4 };
+
+// Gradient scalars, each already resolved to fp32 (python factor times device tensor).
+struct GradScalars {
+  float inv_scale;  // grad multiplier (1 / loss scale)
+  float clip;       // clamp bound; +inf when clipping by value is off
+  float coef;       // clip-by-norm coefficient; 1 when off
+};
+
+// The fp32 g of the math; bad = 1 when grad * inv_scale is inf/nan.
+LOMO_HD LOMO_INLINE float grad_g(float grad, const GradScalars& s, uint32_t& bad) {
+  float g = lomo::mul_rn(grad, s.inv_scale);
+  bad = lomo::is_nonfinite(g);
+  g = g < -s.clip ? -s.clip : g;
+  g = g > s.clip ? s.clip : g;
+  return lomo::mul_rn(g, s.coef);
+}
+
+LOMO_HD LOMO_INLINE float rsqrt_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(x);
+#else
+  return 1.0f / sqrtf(x);
+#endif
+}
+
+LOMO_HD LOMO_INLINE float max_f(float a, float b) { return a < b ? b : a; }
+
+// (scale, decay) of the final pass from the workspace sums.
+struct StepScalars {
+  float scale;  // lr_t / max(1, rms(update) / clip_threshold)
+  float decay;  // 1 - lr_t * weight_decay
+};
+
+LOMO_HD LOMO_INLINE StepScalars step_scalars(const float* stats, float numel, float lr,
+                                             float eps1, float clip_threshold,
+                                             float weight_decay) {
+  const float lr_t = lomo::mul_rn(lr, max_f(sqrtf(stats[kPSumsq] / numel), eps1));
+  const float u_rms = sqrtf(stats[kUSumsq] / numel);
+  StepScalars out;
+  out.scale = lr_t / max_f(u_rms / clip_threshold, 1.0f);
+  out.decay = lomo::sub_rn(1.0f, lomo::mul_rn(lr_t, weight_decay));
+  return out;
+}
+
+// v_new = b * v + (g*g + eps0) * (1 - b), without contraction (matches the reference).
+LOMO_HD LOMO_INLINE float moment(float v, float g, float b, float one_minus_b, float eps0) {
+  const float u = lomo::mul_rn(g, g) + eps0;
+  return lomo::mul_rn(v, b) + lomo::mul_rn(u, one_minus_b);
+}
+
+// p * decay - scale * update, in fp32.
+LOMO_HD LOMO_INLINE float apply(float p, float update, const StepScalars& s) {
+  return lomo::sub_rn(lomo::mul_rn(p, s.decay), lomo::mul_rn(s.scale, update));
+}
+
+}  // namespace adalomo

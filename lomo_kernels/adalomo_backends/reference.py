@@ -1,0 +1,321 @@
+"""Pure-PyTorch AdaLomo passes: the executable specification, on any device.
+
+All math is fp32. Tensors are visited in bounded tiles (at most `CHUNK` elements), so no
+fp32 copy of a whole parameter or gradient is ever made; vectors (moments, row/column sums)
+are small and handled whole. Nothing here reads a tensor value on the host: skip decisions
+are `torch.where` selects on the device.
+
+Per element: ``g = clamp(fp32(grad) * inv_scale, -clip_value, clip_value) * clip_coef``
+(non-finite ``grad * inv_scale`` marks the parameter as skipped and raises found_inf),
+``u = g*g + eps0``. Factored ([rows, cols]): R += (1-b) * (mean_j u - R), C likewise over i,
+``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``. 1-D: ``v = b*v + (1-b)*u``,
+``update = g * rsqrt(v)``. Then ``lr_t = lr * max(eps1, rms(p))``,
+``p = p * (1 - lr_t*wd) - lr_t / max(1, rms(update)/clip_threshold) * update``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .._rounding import bf16_from_bits, fp32_to_bf16_bits
+
+# Elements per tile: large enough to amortise per-op overhead, small enough to bound the
+# fp32 temporaries (a few of 256 KiB each).
+CHUNK = 1 << 16
+
+# Workspace slots, as in `adalomo_backends/__init__.py` (not imported: that module imports
+# this one).
+P_SUMSQ, U_SUMSQ, SKIP, R_SUM = 0, 1, 2, 3
+
+
+def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | float:
+    """scalar * tensor[0] as an fp32 0-d device tensor (no host sync), or the plain scalar."""
+    if tensor is None:
+        return scalar
+    return tensor.reshape(-1)[0].to(torch.float32) * scalar
+
+
+def _tiles(rows: int, cols: int) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) tiles of at most CHUNK elements covering a [rows, cols] matrix."""
+    cols_per = min(cols, CHUNK)
+    rows_per = max(1, CHUNK // cols_per)
+    for r0 in range(0, rows, rows_per):
+        for c0 in range(0, cols, cols_per):
+            yield r0, min(r0 + rows_per, rows), c0, min(c0 + cols_per, cols)
+
+
+def _spans(n: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, CHUNK):
+        yield start, min(start + CHUNK, n)
+
+
+class _GradTransform:
+    """Turns stored gradient values into the fp32 g of the math (scalars resolved once)."""
+
+    def __init__(self, inv_scale: float, inv_scale_tensor: torch.Tensor | None,
+                 clip_value: float | None, clip_coef: float,
+                 clip_coef_tensor: torch.Tensor | None) -> None:
+        self.inv_scale = _effective(inv_scale, inv_scale_tensor)
+        self.clip_value = clip_value
+        self.has_coef = clip_coef_tensor is not None or clip_coef != 1.0
+        self.clip_coef = _effective(clip_coef, clip_coef_tensor)
+
+    def __call__(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, finite mask of grad * inv_scale) for one tile."""
+        g = grad.to(torch.float32) * self.inv_scale
+        finite = torch.isfinite(g)
+        if self.clip_value is not None:
+            g = g.clamp(-self.clip_value, self.clip_value)
+        if self.has_coef:
+            g = g * self.clip_coef
+        return g, finite
+
+
+def _stats_slots(workspace: torch.Tensor) -> torch.Tensor:
+    return workspace[workspace.numel() - 4:]
+
+
+def _skip_on_entry(stats: torch.Tensor, skip_if: torch.Tensor | None) -> torch.Tensor:
+    skip = stats[SKIP] != 0
+    if skip_if is not None:
+        skip = skip | (skip_if.reshape(-1)[0] != 0)
+    return skip
+
+
+def _record_flags(stats: torch.Tensor, found_inf: torch.Tensor | None, skip_in: torch.Tensor,
+                  bad: torch.Tensor) -> None:
+    """SKIP |= skip_in | bad; found_inf raised to 1 on bad unless skipped on entry."""
+    stats[SKIP] = torch.where(skip_in | bad, torch.ones_like(stats[SKIP]), stats[SKIP])
+    if found_inf is not None:
+        raise_it = bad & ~skip_in
+        flat = found_inf.view(-1)
+        flat.copy_(torch.where(raise_it, torch.clamp(flat, min=1.0), flat))
+
+
+def _step_scalars(stats: torch.Tensor, numel: int, lr: float, lr_tensor: torch.Tensor | None,
+                  eps1: float, clip_threshold: float,
+                  weight_decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, decay): lr_t / max(1, rms(update) / clip_threshold) and 1 - lr_t * wd."""
+    lr_eff = _effective(lr, lr_tensor)
+    p_rms = torch.sqrt(stats[P_SUMSQ] / numel)
+    lr_t = lr_eff * torch.clamp(p_rms, min=eps1)
+    u_rms = torch.sqrt(stats[U_SUMSQ] / numel)
+    scale = lr_t / torch.clamp(u_rms / clip_threshold, min=1.0)
+    return scale, 1.0 - lr_t * weight_decay
+
+
+def _store(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
+    """Writes fp32 `new` into `param_tile` in its dtype (bf16: nearest even on the bits)."""
+    if param_tile.dtype == torch.bfloat16:
+        rounded = bf16_from_bits(fp32_to_bf16_bits(new)).view(new.shape)
+    else:
+        rounded = new.to(param_tile.dtype)
+    param_tile.copy_(torch.where(skip, param_tile, rounded))
+
+
+# ----------------------------------------------------------------------------- factored
+
+
+def factored_stats_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    *,
+    cols: int,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    eps0: float,
+) -> None:
+    """Pass A: row sums and column sums of u, sum of p^2, non-finite flag."""
+    rows = grad.numel() // cols
+    g2, p2 = grad.view(rows, cols), param.view(rows, cols)
+    row_acc, col_acc = workspace[:rows], workspace[rows:rows + cols]
+    stats = _stats_slots(workspace)
+    skip_in = _skip_on_entry(stats, skip_if)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
+                               clip_coef_tensor)
+    bad = torch.zeros((), dtype=torch.bool, device=grad.device)
+    for r0, r1, c0, c1 in _tiles(rows, cols):
+        g, finite = transform(g2[r0:r1, c0:c1])
+        u = g * g + eps0
+        row_acc[r0:r1] += u.sum(dim=1)
+        col_acc[c0:c1] += u.sum(dim=0)
+        p = p2[r0:r1, c0:c1].to(torch.float32)
+        stats[P_SUMSQ] += (p * p).sum()
+        bad = bad | ~finite.all()
+    _record_flags(stats, found_inf, skip_in, bad)
+
+
+def factored_moments_(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+) -> None:
+    """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    stats = _stats_slots(workspace)
+    skip = stats[SKIP] != 0
+    b = _effective(beta2, beta2_tensor)
+    for state, acc, count in ((exp_avg_sq_row, workspace[:rows], cols),
+                              (exp_avg_sq_col, workspace[rows:rows + cols], rows)):
+        new = state * b + (acc / count) * (1.0 - b)
+        state.copy_(torch.where(skip, state, new))
+    stats[R_SUM] = exp_avg_sq_row.sum()
+
+
+def _factors(exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor,
+             stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, c): rsqrt(R / mean(R)) and rsqrt(C); vectors, not tensor-sized."""
+    mean = stats[R_SUM] / exp_avg_sq_row.numel()
+    return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
+
+
+def factored_norm_(
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+) -> None:
+    """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2)."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    stats = _stats_slots(workspace)
+    r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
+                               clip_coef_tensor)
+    g2 = grad.view(rows, cols)
+    for r0, r1, c0, c1 in _tiles(rows, cols):
+        g, _ = transform(g2[r0:r1, c0:c1])
+        update = (r[r0:r1, None] * c[None, c0:c1]) * g
+        stats[U_SUMSQ] += (update * update).sum()
+
+
+def factored_apply_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+) -> None:
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    stats = _stats_slots(workspace)
+    skip = stats[SKIP] != 0
+    scale, decay = _step_scalars(stats, param.numel(), lr, lr_tensor, eps1, clip_threshold,
+                                 weight_decay)
+    r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
+                               clip_coef_tensor)
+    g2, p2 = grad.view(rows, cols), param.view(rows, cols)
+    for r0, r1, c0, c1 in _tiles(rows, cols):
+        g, _ = transform(g2[r0:r1, c0:c1])
+        update = (r[r0:r1, None] * c[None, c0:c1]) * g
+        tile = p2[r0:r1, c0:c1]
+        _store(tile, tile.to(torch.float32) * decay - scale * update, skip)
+
+
+# ----------------------------------------------------------------------------- 1-D
+
+
+def _vector_update(transform: _GradTransform, grad: torch.Tensor, v: torch.Tensor,
+                   b: torch.Tensor | float, eps0: float):
+    """(update, new v, finite mask) of one span."""
+    g, finite = transform(grad)
+    v_new = v * b + (g * g + eps0) * (1.0 - b)
+    return torch.rsqrt(v_new) * g, v_new, finite
+
+
+def vector_stats_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    *,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+    eps0: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+) -> None:
+    """Pass A1: U_SUMSQ += sum(g^2 / v_new), P_SUMSQ += sum(p^2); v itself is not written."""
+    stats = _stats_slots(workspace)
+    skip_in = _skip_on_entry(stats, skip_if)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
+                               clip_coef_tensor)
+    b = _effective(beta2, beta2_tensor)
+    g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
+    bad = torch.zeros((), dtype=torch.bool, device=grad.device)
+    for s0, s1 in _spans(g1.numel()):
+        update, _, finite = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+        stats[U_SUMSQ] += (update * update).sum()
+        p = p1[s0:s1].to(torch.float32)
+        stats[P_SUMSQ] += (p * p).sum()
+        bad = bad | ~finite.all()
+    _record_flags(stats, found_inf, skip_in, bad)
+
+
+def vector_apply_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+    eps0: float,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+) -> None:
+    """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
+    stats = _stats_slots(workspace)
+    skip = stats[SKIP] != 0
+    scale, decay = _step_scalars(stats, param.numel(), lr, lr_tensor, eps1, clip_threshold,
+                                 weight_decay)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
+                               clip_coef_tensor)
+    b = _effective(beta2, beta2_tensor)
+    g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
+    for s0, s1 in _spans(g1.numel()):
+        update, v_new, _ = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+        tile = p1[s0:s1]
+        _store(tile, tile.to(torch.float32) * decay - scale * update, skip)
+        v1[s0:s1] = torch.where(skip, v1[s0:s1], v_new)

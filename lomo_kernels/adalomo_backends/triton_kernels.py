@@ -1,0 +1,337 @@
+"""Triton kernels of the fused AdaLomo passes (one launch per pass).
+
+Factored tensors ([rows, cols]) run on 2-D tiles: program (pid_m, pid_n) owns a block of
+BLOCK_N columns and a contiguous group of rows, walked BLOCK_M rows at a time. Row partial
+sums are added atomically per tile row; column partials stay in registers over the whole row
+group and are added atomically once. 1-D tensors run on flat blocks. All math is fp32, all
+offsets int64; runtime values (sizes, lr, beta2, scales, clip values) are kernel arguments,
+`tl.constexpr` only selects code paths and tile shapes. bf16 travels as int16 bit patterns
+and is rounded to nearest even on the bits, so the interpreter (whose fp32 -> bf16 cast
+truncates) and the GPU write the same values.
+
+The workspace layout is the one of `adalomo_backends/__init__.py`: row sums, column sums,
+then the P_SUMSQ, U_SUMSQ, SKIP, R_SUM slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Slot offsets after the row/column sums (adalomo_backends.P_SUMSQ etc.).
+P_SUMSQ = tl.constexpr(0)
+U_SUMSQ = tl.constexpr(1)
+SKIP = tl.constexpr(2)
+R_SUM = tl.constexpr(3)
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# triton.jit picks interpreter or compiler when a kernel is decorated (see the backend).
+DECORATED_FOR_INTERPRETER = interpret_mode()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _load_fp32(ptr, offs, mask, KIND: tl.constexpr):
+    """fp32 values of a 0 = fp32, 1 = fp16, 2 = bf16 (as int16 bits) tensor."""
+    raw = tl.load(ptr + offs, mask=mask, other=0)
+    if KIND == 2:
+        # bf16 bits are the top half of the fp32 bits: exact, no cast.
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _store_param(ptr, offs, mask, value, KIND: tl.constexpr):
+    """Stores fp32 `value` in the parameter's dtype, rounding to nearest even."""
+    if KIND == 0:
+        tl.store(ptr + offs, value, mask=mask)
+    elif KIND == 1:
+        tl.store(ptr + offs, value.to(tl.float16), mask=mask)
+    else:
+        bits = value.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # NaN stays a quiet NaN (the carry above could turn it into inf).
+        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded)
+        tl.store(ptr + offs, rounded.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _scalar(value, tensor_ptr):
+    """value * tensor[0] when a device tensor is given (None is a compile-time constant)."""
+    if tensor_ptr is not None:
+        value = value * tl.load(tensor_ptr)
+    return value
+
+
+@triton.jit
+def _beta(beta2, one_minus_beta2, beta2_tensor_ptr):
+    """(b, 1 - b); with a device beta2 the complement is computed here in fp32."""
+    if beta2_tensor_ptr is not None:
+        b = beta2 * tl.load(beta2_tensor_ptr)
+        return b, 1.0 - b
+    else:
+        return beta2, one_minus_beta2
+
+
+@triton.jit
+def _grad(grad_ptr, offs, mask, inv_scale, clip_value, clip_coef, GRAD_KIND: tl.constexpr,
+          HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr):
+    """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
+    g = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
+    finite = tl.abs(g) < float("inf")
+    if HAS_CLIP_VALUE:
+        g = tl.minimum(tl.maximum(g, -clip_value), clip_value)
+    if HAS_CLIP_COEF:
+        g = g * clip_coef
+    return g, finite
+
+
+@triton.jit
+def _runs(stats_ptr, skip_if_ptr):
+    """True unless the SKIP slot or the caller's skip_if is non-zero (NaN skips too)."""
+    run = tl.load(stats_ptr + SKIP) == 0
+    if skip_if_ptr is not None:
+        run = run & (tl.load(skip_if_ptr) == 0)
+    return run
+
+
+@triton.jit
+def _raise_flags(stats_ptr, found_inf_ptr, bad):
+    if bad > 0:
+        tl.atomic_max(stats_ptr + SKIP, 1.0)
+        if found_inf_ptr is not None:
+            tl.atomic_max(found_inf_ptr, 1.0)
+
+
+@triton.jit
+def _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay):
+    """(scale, decay) = (lr_t / max(1, rms(update) / clip_threshold), 1 - lr_t * wd)."""
+    lr_t = _scalar(lr, lr_tensor_ptr) * tl.maximum(
+        tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1)
+    u_rms = tl.sqrt_rn(tl.load(stats_ptr + U_SUMSQ) / numel_f)
+    scale = lr_t / tl.maximum(u_rms / clip_threshold, 1.0)
+    return scale, 1.0 - lr_t * weight_decay
+
+
+@triton.jit
+def _row_group(rows, rows_per_prog, BLOCK_M: tl.constexpr):
+    """(first row, end row, iterations) of this program's row group."""
+    row_start = tl.program_id(0).to(tl.int64) * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, rows)
+    return row_start, row_end, tl.cdiv(row_end - row_start, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------- factored
+
+
+@triton.jit
+def factored_stats_kernel(
+    grad_ptr, param_ptr, ws_ptr, found_inf_ptr, skip_if_ptr,
+    rows, cols, rows_per_prog,
+    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr, eps0,
+    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Pass A: row/column sums of u = g*g + eps0, sum of p^2, non-finite flag."""
+    stats_ptr = ws_ptr + rows + cols
+    if _runs(stats_ptr, skip_if_ptr):
+        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
+        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols_idx < cols
+        col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+        p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        bad = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for it in range(0, n_iter):
+            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows_idx < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows_idx[:, None] * cols + cols_idx[None, :]
+            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
+                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            u = tl.where(mask, g * g + eps0, 0.0)
+            tl.atomic_add(ws_ptr + rows_idx, tl.sum(u, axis=1), mask=row_mask, sem="relaxed")
+            col_sum += tl.sum(u, axis=0)
+            p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
+            p_sum += p * p
+            bad = tl.maximum(bad, (~finite).to(tl.int32))
+        tl.atomic_add(ws_ptr + rows + cols_idx, col_sum, mask=col_mask, sem="relaxed")
+        tl.atomic_add(stats_ptr + P_SUMSQ, tl.sum(p_sum), sem="relaxed")
+        _raise_flags(stats_ptr, found_inf_ptr, tl.max(bad))
+    else:
+        tl.atomic_max(stats_ptr + SKIP, 1.0)
+
+
+@triton.jit
+def factored_moments_kernel(
+    row_state_ptr, col_state_ptr, ws_ptr, rows, cols, n_row_blocks,
+    beta2, one_minus_beta2, beta2_tensor_ptr,
+    BLOCK: tl.constexpr,
+):
+    """R and C from the pass-A sums (programs [0, n_row_blocks) do R); R_SUM += sum(R)."""
+    stats_ptr = ws_ptr + rows + cols
+    if tl.load(stats_ptr + SKIP) == 0:
+        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
+        pid = tl.program_id(0).to(tl.int64)
+        if pid < n_row_blocks:
+            idx = pid * BLOCK + tl.arange(0, BLOCK)
+            mask = idx < rows
+            acc = tl.load(ws_ptr + idx, mask=mask, other=0.0)
+            new = tl.load(row_state_ptr + idx, mask=mask, other=0.0) * b + (acc / cols) * omb
+            tl.store(row_state_ptr + idx, new, mask=mask)
+            tl.atomic_add(stats_ptr + R_SUM, tl.sum(tl.where(mask, new, 0.0)), sem="relaxed")
+        else:
+            idx = (pid - n_row_blocks) * BLOCK + tl.arange(0, BLOCK)
+            mask = idx < cols
+            acc = tl.load(ws_ptr + rows + idx, mask=mask, other=0.0)
+            new = tl.load(col_state_ptr + idx, mask=mask, other=0.0) * b + (acc / rows) * omb
+            tl.store(col_state_ptr + idx, new, mask=mask)
+
+
+@triton.jit
+def factored_norm_kernel(
+    grad_ptr, row_state_ptr, col_state_ptr, ws_ptr,
+    rows, cols, rows_per_prog,
+    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr, HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2)."""
+    stats_ptr = ws_ptr + rows + cols
+    if tl.load(stats_ptr + SKIP) == 0:
+        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
+        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        mean = tl.load(stats_ptr + R_SUM) / rows
+        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols_idx < cols
+        c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for it in range(0, n_iter):
+            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows_idx < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows_idx[:, None] * cols + cols_idx[None, :]
+            r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
+            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
+                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            update = (r[:, None] * c[None, :]) * g
+            acc += tl.where(mask, update * update, 0.0)
+        tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
+
+
+@triton.jit
+def factored_apply_kernel(
+    param_ptr, grad_ptr, row_state_ptr, col_state_ptr, ws_ptr,
+    rows, cols, rows_per_prog, numel_f,
+    lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay,
+    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped)."""
+    stats_ptr = ws_ptr + rows + cols
+    if tl.load(stats_ptr + SKIP) == 0:
+        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
+        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        scale, decay = _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1,
+                                     clip_threshold, weight_decay)
+        mean = tl.load(stats_ptr + R_SUM) / rows
+        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols_idx < cols
+        c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
+        for it in range(0, n_iter):
+            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows_idx < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows_idx[:, None] * cols + cols_idx[None, :]
+            r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
+            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
+                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            update = (r[:, None] * c[None, :]) * g
+            p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
+            _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
+
+
+# ----------------------------------------------------------------------------- 1-D
+
+
+@triton.jit
+def _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv, clip_value, coef,
+                   GRAD_KIND: tl.constexpr, HAS_CLIP_VALUE: tl.constexpr,
+                   HAS_CLIP_COEF: tl.constexpr):
+    """(update, v_new, finite) of one block; masked lanes give update 0."""
+    g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
+                      HAS_CLIP_VALUE, HAS_CLIP_COEF)
+    v_new = tl.load(v_ptr + offs, mask=mask, other=1.0) * b + (g * g + eps0) * omb
+    return tl.math.rsqrt(v_new) * g, v_new, finite
+
+
+@triton.jit
+def vector_stats_kernel(
+    grad_ptr, param_ptr, v_ptr, ws_ptr, found_inf_ptr, skip_if_ptr, n,
+    beta2, one_minus_beta2, beta2_tensor_ptr, eps0,
+    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Pass A1: U_SUMSQ += sum(update^2), P_SUMSQ += sum(p^2); v is read, not written."""
+    if _runs(ws_ptr, skip_if_ptr):
+        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
+        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
+        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        update, v_new, finite = _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv,
+                                               clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE,
+                                               HAS_CLIP_COEF)
+        tl.atomic_add(ws_ptr + U_SUMSQ, tl.sum(tl.where(mask, update * update, 0.0)),
+                      sem="relaxed")
+        p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
+        tl.atomic_add(ws_ptr + P_SUMSQ, tl.sum(p * p), sem="relaxed")
+        _raise_flags(ws_ptr, found_inf_ptr, tl.max((~finite).to(tl.int32)))
+    else:
+        tl.atomic_max(ws_ptr + SKIP, 1.0)
+
+
+@triton.jit
+def vector_apply_kernel(
+    param_ptr, grad_ptr, v_ptr, ws_ptr, n, numel_f,
+    beta2, one_minus_beta2, beta2_tensor_ptr, eps0,
+    lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay,
+    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped)."""
+    if tl.load(ws_ptr + SKIP) == 0:
+        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
+        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
+        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        scale, decay = _step_scalars(ws_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold,
+                                     weight_decay)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        update, v_new, finite = _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv,
+                                               clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE,
+                                               HAS_CLIP_COEF)
+        tl.store(v_ptr + offs, v_new, mask=mask)
+        p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
+        _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)

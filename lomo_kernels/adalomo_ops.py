@@ -1,0 +1,580 @@
+"""The fused AdaLomo passes, registered with torch.library, and the per-parameter step.
+
+AdaLomo is Adafactor without a first moment (see `adalomo_update_` for the math). One step
+of one parameter runs as a few fused passes; each pass is one op, one kernel launch:
+
+    >= 2 dims, viewed as [rows, cols = shape[-1]]:
+      adalomo_factored_stats_    pass A: reads grad + param; row/column sums of u = g*g + eps0,
+                                 sum p^2, non-finite flag
+      adalomo_factored_moments_  the row/column moments R, C (vectors) and sum(R)
+      adalomo_factored_norm_     pass B: reads grad; sum of update^2
+      adalomo_factored_apply_    pass C: reads grad + param, writes param
+    1-D:
+      adalomo_vector_stats_      pass A1: reads grad, param, v; sum of update^2, sum p^2
+      adalomo_vector_apply_      pass C1: reads grad, param, v; writes param and v
+
+Every pass accumulates into, or reads from, one zeroed fp32 workspace per parameter and step
+(see `adalomo_backends`). Runtime scalars (lr, beta2, inv_scale, clip_coef) may be Python
+floats or 1-element fp32 tensors on the parameter's device; nothing reads a device value on
+the host, so a step never synchronises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import adalomo_backends, backends
+from ._checks import check_finite, check_pair, check_scalar_tensor
+from .ops import Scalar, _split
+
+__all__ = [
+    "adalomo_update_",
+    "init_adalomo_state",
+    "adalomo_workspace",
+    "adalomo_factored_stats_",
+    "adalomo_factored_moments_",
+    "adalomo_factored_norm_",
+    "adalomo_factored_apply_",
+    "adalomo_vector_stats_",
+    "adalomo_vector_apply_",
+]
+
+
+def _impl(device: torch.device, backend: str):
+    return adalomo_backends.resolve(device, backend)
+
+
+# ----------------------------------------------------------------------------- registrations
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_factored_stats_",
+                         mutates_args=("workspace", "found_inf"))
+def _factored_stats_op(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    cols: int,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    eps0: float,
+    backend: str,
+) -> None:
+    _impl(grad.device, backend).factored_stats_(
+        grad.contiguous(), param, workspace, found_inf, skip_if, cols=cols,
+        inv_scale=inv_scale, inv_scale_tensor=inv_scale_tensor, clip_value=clip_value,
+        clip_coef=clip_coef, clip_coef_tensor=clip_coef_tensor, eps0=eps0,
+    )
+
+
+@_factored_stats_op.register_fake
+def _(grad, param, workspace, found_inf, skip_if, cols, inv_scale, inv_scale_tensor,
+      clip_value, clip_coef, clip_coef_tensor, eps0, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_factored_moments_",
+                         mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"))
+def _factored_moments_op(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _impl(workspace.device, backend).factored_moments_(
+        exp_avg_sq_row, exp_avg_sq_col, workspace, beta2=beta2, beta2_tensor=beta2_tensor
+    )
+
+
+@_factored_moments_op.register_fake
+def _(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2, beta2_tensor, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_factored_norm_", mutates_args=("workspace",))
+def _factored_norm_op(
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _impl(grad.device, backend).factored_norm_(
+        grad.contiguous(), exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+    )
+
+
+@_factored_norm_op.register_fake
+def _(grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, inv_scale_tensor,
+      clip_value, clip_coef, clip_coef_tensor, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_factored_apply_", mutates_args=("param",))
+def _factored_apply_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _impl(param.device, backend).factored_apply_(
+        param, grad.contiguous(), exp_avg_sq_row, exp_avg_sq_col, workspace, lr=lr,
+        lr_tensor=lr_tensor, eps1=eps1, clip_threshold=clip_threshold,
+        weight_decay=weight_decay, inv_scale=inv_scale, inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value, clip_coef=clip_coef, clip_coef_tensor=clip_coef_tensor,
+    )
+
+
+@_factored_apply_op.register_fake
+def _(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, lr, lr_tensor, eps1,
+      clip_threshold, weight_decay, inv_scale, inv_scale_tensor, clip_value, clip_coef,
+      clip_coef_tensor, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_vector_stats_",
+                         mutates_args=("workspace", "found_inf"))
+def _vector_stats_op(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+    eps0: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _impl(grad.device, backend).vector_stats_(
+        grad.contiguous(), param, exp_avg_sq, workspace, found_inf, skip_if, beta2=beta2,
+        beta2_tensor=beta2_tensor, eps0=eps0, inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+    )
+
+
+@_vector_stats_op.register_fake
+def _(grad, param, exp_avg_sq, workspace, found_inf, skip_if, beta2, beta2_tensor, eps0,
+      inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor, backend):
+    return None
+
+
+@torch.library.custom_op("lomo_kernels::adalomo_vector_apply_",
+                         mutates_args=("param", "exp_avg_sq"))
+def _vector_apply_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: float,
+    beta2_tensor: torch.Tensor | None,
+    eps0: float,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _impl(param.device, backend).vector_apply_(
+        param, grad.contiguous(), exp_avg_sq, workspace, beta2=beta2,
+        beta2_tensor=beta2_tensor, eps0=eps0, lr=lr, lr_tensor=lr_tensor, eps1=eps1,
+        clip_threshold=clip_threshold, weight_decay=weight_decay, inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+    )
+
+
+@_vector_apply_op.register_fake
+def _(param, grad, exp_avg_sq, workspace, beta2, beta2_tensor, eps0, lr, lr_tensor, eps1,
+      clip_threshold, weight_decay, inv_scale, inv_scale_tensor, clip_value, clip_coef,
+      clip_coef_tensor, backend):
+    return None
+
+
+# ----------------------------------------------------------------------------- validation
+
+GradArgs = tuple[float, torch.Tensor | None, float | None, float, torch.Tensor | None]
+
+
+def _grad_args(inv_scale: Scalar, clip_value: float | None, clip_coef: Scalar | None,
+               device: torch.device) -> GradArgs:
+    """(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor) as the ops take."""
+    inv_f, inv_t = _split("inv_scale", inv_scale, device)
+    coef_f, coef_t = _split("clip_coef", 1.0 if clip_coef is None else clip_coef, device)
+    if clip_value is not None:
+        check_finite("clip_value", clip_value, positive=True)
+        clip_value = float(clip_value)
+    return inv_f, inv_t, clip_value, coef_f, coef_t
+
+
+def _beta2_args(beta2: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
+    beta2_f, beta2_t = _split("beta2", beta2, device)
+    if beta2_t is None and not 0.0 <= beta2_f <= 1.0:
+        raise ValueError(f"lomo_kernels: beta2 must be in [0, 1], got {beta2_f}")
+    return beta2_f, beta2_t
+
+
+def _lr_args(lr: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
+    lr_f, lr_t = _split("lr", lr, device)
+    if lr_t is None:
+        check_finite("lr", lr_f, non_negative=True)
+    return lr_f, lr_t
+
+
+def _check_state(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"lomo_kernels: state {name!r} must be a tensor, got {type(t)}")
+    if t.dtype != torch.float32 or t.numel() != numel or not t.is_contiguous():
+        raise ValueError(
+            f"lomo_kernels: state {name!r} must be a contiguous float32 tensor of {numel} "
+            f"elements, got shape {tuple(t.shape)} dtype {t.dtype}"
+        )
+    if t.device != device:
+        raise ValueError(
+            f"lomo_kernels: state {name!r} is on {t.device} but the parameter is on {device}"
+        )
+
+
+def _check_workspace(workspace: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    _check_state("workspace", workspace, adalomo_backends.workspace_numel(shape), device)
+
+
+def _rows_cols(shape: torch.Size) -> tuple[int, int]:
+    cols = shape[-1]
+    return shape.numel() // cols, cols
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def init_adalomo_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zeroed fp32 second-moment state of `param`, on its device.
+
+    Tensors with >= 2 dims get factored moments ``exp_avg_sq_row`` [numel // shape[-1]] and
+    ``exp_avg_sq_col`` [shape[-1]]; 0-d and 1-D tensors get ``exp_avg_sq`` [numel].
+    """
+    options = {"dtype": torch.float32, "device": param.device}
+    if param.dim() >= 2:
+        rows, cols = _rows_cols(param.shape)
+        return {"exp_avg_sq_row": torch.zeros(rows, **options),
+                "exp_avg_sq_col": torch.zeros(cols, **options)}
+    return {"exp_avg_sq": torch.zeros(param.numel(), **options)}
+
+
+def adalomo_workspace(param: torch.Tensor) -> torch.Tensor:
+    """The zeroed fp32 workspace one step of `param` needs (one allocation, one launch)."""
+    return torch.zeros(adalomo_backends.workspace_numel(param.shape), dtype=torch.float32,
+                       device=param.device)
+
+
+def adalomo_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: Scalar,
+    beta2: Scalar,
+    eps: tuple[float, float] = (1e-30, 1e-3),
+    clip_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """One AdaLomo step of `param` in place, with its second moments in `state`.
+
+    In fp32: ``g = clamp(grad * inv_scale, -clip_value, clip_value) * clip_coef``,
+    ``u = g*g + eps[0]``. With >= 2 dims ([rows, cols], cols = shape[-1]):
+    ``R = beta2*R + (1-beta2)*mean_j u``, ``C = beta2*C + (1-beta2)*mean_i u``,
+    ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``; 1-D: ``v = beta2*v + (1-beta2)*u``,
+    ``update = g * rsqrt(v)``. Then ``update /= max(1, rms(update) / clip_threshold)``,
+    ``lr_t = lr * max(eps[1], rms(param))``, ``param = param*(1 - lr_t*wd) - lr_t*update``,
+    written back in the parameter's dtype (round to nearest even).
+
+    `state` is filled by `init_adalomo_state` when empty. If any ``grad * inv_scale`` is
+    inf/nan, the parameter and its moments keep their exact bits and ``found_inf`` (1-element
+    fp32) is raised to 1. When ``skip_if`` is given and non-zero, nothing is written at all.
+    `lr`, `beta2`, `inv_scale`, `clip_coef` may be 1-element fp32 device tensors; the step
+    never synchronises with the host. Factored: 5 launches (zeroing the workspace, 3 passes
+    over grad, 2 over param); 1-D: 3 launches.
+    """
+    check_pair(param, grad)
+    device = param.device
+    if not (isinstance(eps, tuple | list) and len(eps) == 2):
+        raise TypeError(f"lomo_kernels: eps must be a pair (eps0, eps1), got {eps!r}")
+    eps0, eps1 = float(eps[0]), float(eps[1])
+    check_finite("eps[0]", eps0, non_negative=True)
+    check_finite("eps[1]", eps1, non_negative=True)
+    check_finite("clip_threshold", clip_threshold, positive=True)
+    check_finite("weight_decay", weight_decay)
+    lr_f, lr_t = _lr_args(lr, device)
+    beta2_f, beta2_t = _beta2_args(beta2, device)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    check_scalar_tensor("found_inf", found_inf, device)
+    check_scalar_tensor("skip_if", skip_if, device)
+    if not state:
+        state.update(init_adalomo_state(param))
+    if param.numel() == 0:
+        return
+    name = backends.requested_backend(backend)
+    grad = grad.contiguous()  # once here rather than in each pass
+    workspace = adalomo_workspace(param)
+    ops = torch.ops.lomo_kernels
+    wd = float(weight_decay)
+    threshold = float(clip_threshold)
+    if param.dim() >= 2:
+        rows, cols = _rows_cols(param.shape)
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        _check_state("exp_avg_sq_row", row, rows, device)
+        _check_state("exp_avg_sq_col", col, cols, device)
+        ops.adalomo_factored_stats_(grad, param, workspace, found_inf, skip_if, cols, *ga,
+                                    eps0, name)
+        ops.adalomo_factored_moments_(row, col, workspace, beta2_f, beta2_t, name)
+        ops.adalomo_factored_norm_(grad, row, col, workspace, *ga, name)
+        ops.adalomo_factored_apply_(param, grad, row, col, workspace, lr_f, lr_t, eps1,
+                                    threshold, wd, *ga, name)
+    else:
+        v = state["exp_avg_sq"]
+        _check_state("exp_avg_sq", v, param.numel(), device)
+        ops.adalomo_vector_stats_(grad, param, v, workspace, found_inf, skip_if, beta2_f,
+                                  beta2_t, eps0, *ga, name)
+        ops.adalomo_vector_apply_(param, grad, v, workspace, beta2_f, beta2_t, eps0, lr_f,
+                                  lr_t, eps1, threshold, wd, *ga, name)
+
+
+def _check_factored(param_or_grad: torch.Tensor, row: torch.Tensor | None,
+                    col: torch.Tensor | None, workspace: torch.Tensor) -> None:
+    if param_or_grad.dim() < 2:
+        raise ValueError("lomo_kernels: factored passes need a tensor with >= 2 dims")
+    rows, cols = _rows_cols(param_or_grad.shape)
+    device = param_or_grad.device
+    if row is not None:
+        _check_state("exp_avg_sq_row", row, rows, device)
+    if col is not None:
+        _check_state("exp_avg_sq_col", col, cols, device)
+    _check_workspace(workspace, param_or_grad.shape, device)
+
+
+def adalomo_factored_stats_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    eps0: float = 1e-30,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pass A of a >= 2-D parameter: one read of grad and param.
+
+    Adds the row sums and column sums of ``u = g*g + eps0`` and ``sum(param^2)`` into
+    `workspace`; a non-finite ``grad * inv_scale`` sets its SKIP slot and raises `found_inf`.
+    With ``skip_if`` non-zero it only sets SKIP.
+    """
+    check_pair(param, grad)
+    _check_factored(param, None, None, workspace)
+    check_finite("eps0", eps0, non_negative=True)
+    check_scalar_tensor("found_inf", found_inf, param.device)
+    check_scalar_tensor("skip_if", skip_if, param.device)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, param.device)
+    if param.numel() == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_factored_stats_(
+        grad, param, workspace, found_inf, skip_if, param.shape[-1], *ga, float(eps0),
+        backends.requested_backend(backend))
+
+
+def adalomo_factored_moments_(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    beta2: Scalar,
+    backend: str | None = None,
+) -> None:
+    """Updates R and C from the sums of pass A (unless SKIP is set) and stores sum(R)."""
+    device = workspace.device
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    _check_state("exp_avg_sq_row", exp_avg_sq_row, rows, device)
+    _check_state("exp_avg_sq_col", exp_avg_sq_col, cols, device)
+    _check_state("workspace", workspace, rows + cols + adalomo_backends.NUM_SLOTS, device)
+    beta2_f, beta2_t = _beta2_args(beta2, device)
+    if rows * cols == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_factored_moments_(
+        exp_avg_sq_row, exp_avg_sq_col, workspace, beta2_f, beta2_t,
+        backends.requested_backend(backend))
+
+
+def adalomo_factored_norm_(
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
+    check_pair(grad, grad)
+    _check_factored(grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, grad.device)
+    if grad.numel() == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_factored_norm_(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, *ga,
+        backends.requested_backend(backend))
+
+
+def adalomo_factored_apply_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    lr: Scalar,
+    eps1: float = 1e-3,
+    clip_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pass C: ``param = param * decay - scale * update`` unless SKIP is set.
+
+    ``lr_t = lr * max(eps1, rms(param))``, ``scale = lr_t / max(1, rms(update) /
+    clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums.
+    """
+    check_pair(param, grad)
+    _check_factored(param, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    lr_f, lr_t = _lr_args(lr, param.device)
+    check_finite("eps1", eps1, non_negative=True)
+    check_finite("clip_threshold", clip_threshold, positive=True)
+    check_finite("weight_decay", weight_decay)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, param.device)
+    if param.numel() == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_factored_apply_(
+        param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, lr_f, lr_t, float(eps1),
+        float(clip_threshold), float(weight_decay), *ga, backends.requested_backend(backend))
+
+
+def adalomo_vector_stats_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    beta2: Scalar,
+    eps0: float = 1e-30,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pass A1 of a 1-D parameter: one read of grad, param and v (v is not written).
+
+    Adds ``sum((g * rsqrt(v_new))^2)`` (``v_new = beta2*v + (1-beta2)*(g*g + eps0)``) and
+    ``sum(param^2)`` to the workspace; flags as `adalomo_factored_stats_`.
+    """
+    check_pair(param, grad)
+    device = param.device
+    _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
+    _check_state("workspace", workspace, adalomo_backends.NUM_SLOTS, device)
+    beta2_f, beta2_t = _beta2_args(beta2, device)
+    check_finite("eps0", eps0, non_negative=True)
+    check_scalar_tensor("found_inf", found_inf, device)
+    check_scalar_tensor("skip_if", skip_if, device)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    if param.numel() == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_vector_stats_(
+        grad, param, exp_avg_sq, workspace, found_inf, skip_if, beta2_f, beta2_t,
+        float(eps0), *ga, backends.requested_backend(backend))
+
+
+def adalomo_vector_apply_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    lr: Scalar,
+    beta2: Scalar,
+    eps0: float = 1e-30,
+    eps1: float = 1e-3,
+    clip_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    inv_scale: Scalar = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pass C1: ``v = v_new``, ``param = param * decay - scale * g * rsqrt(v_new)`` unless
+    SKIP is set (scalars as in `adalomo_factored_apply_`)."""
+    check_pair(param, grad)
+    device = param.device
+    _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
+    _check_state("workspace", workspace, adalomo_backends.NUM_SLOTS, device)
+    lr_f, lr_t = _lr_args(lr, device)
+    beta2_f, beta2_t = _beta2_args(beta2, device)
+    check_finite("eps0", eps0, non_negative=True)
+    check_finite("eps1", eps1, non_negative=True)
+    check_finite("clip_threshold", clip_threshold, positive=True)
+    check_finite("weight_decay", weight_decay)
+    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    if param.numel() == 0:
+        return
+    torch.ops.lomo_kernels.adalomo_vector_apply_(
+        param, grad, exp_avg_sq, workspace, beta2_f, beta2_t, float(eps0), lr_f, lr_t,
+        float(eps1), float(clip_threshold), float(weight_decay), *ga,
+        backends.requested_backend(backend))

@@ -1,0 +1,507 @@
+"""C++ CPU backend against the reference backend (bit for bit) and float64 math (1 ulp).
+
+The first run JIT-builds the extension (about a minute); later runs load it from the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from lomo_kernels.backends import cpp_backend, reference
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMBOS = [(p, g) for p in DTYPES for g in DTYPES]
+SIZES = [1, 7, 15, 16, 4097, 278011, 2**20 + 3]
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_extension() -> None:
+    # A failed build is a test failure here, not a skip: the reason says what broke.
+    assert cpp_backend.is_available("cpu"), cpp_backend.unavailable_reason("cpu")
+
+
+def _options(kind: str) -> dict:
+    """Option sets: no-ops, Python-float scalars, and device-tensor scalars."""
+    if kind == "plain":
+        return dict(lr=1e-2, lr_tensor=None, inv_scale=1.0, inv_scale_tensor=None,
+                    clip_value=None, clip_coef=1.0, clip_coef_tensor=None, weight_decay=0.0)
+    if kind == "full":
+        return dict(lr=2e-2, lr_tensor=None, inv_scale=1 / 1024, inv_scale_tensor=None,
+                    clip_value=1.5, clip_coef=0.75, clip_coef_tensor=None, weight_decay=0.1)
+    if kind == "tensors":
+        return dict(lr=0.5, lr_tensor=torch.tensor([3e-2]), inv_scale=2.0,
+                    inv_scale_tensor=torch.tensor([1 / 4096]), clip_value=2.0, clip_coef=1.0,
+                    clip_coef_tensor=torch.tensor([0.6]), weight_decay=0.05)
+    raise ValueError(kind)
+
+
+def _grad_scale(kind: str) -> float:
+    # Gradients arrive multiplied by the loss scale that inv_scale undoes.
+    return {"plain": 1.0, "full": 1024.0, "tensors": 2048.0}[kind]
+
+
+def _make_param(n: int, dtype: torch.dtype, seed: int, specials: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    tiny = torch.finfo(dtype).tiny
+    fixed = [0.0, -0.0, tiny / 4, -tiny / 2, tiny, 1.0, -2.0]
+    if specials:
+        fixed += [NAN, INF, -INF]
+    for i, v in enumerate(fixed):  # odd positions; the grads' specials sit at even ones
+        if 2 * i + 1 < n:
+            p[2 * i + 1] = v
+    return p.to(dtype)
+
+
+def _make_grad(n: int, dtype: torch.dtype, seed: int, scale: float, specials: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = torch.randn(n, generator=gen) * scale
+    if specials and n >= 8:
+        g[2], g[4], g[6] = INF, -INF, NAN
+        g[n - 1] = NAN
+    return g.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.dtype])
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-identical; for fp16/fp32 a nan only has to be a nan (torch's payloads vary)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan_got, nan_want = got.isnan(), want.isnan()
+    assert torch.equal(nan_got, nan_want), "nan positions differ"
+    if got.dtype == torch.bfloat16:  # the bf16 nan rule is specified in _rounding.py
+        mismatch = _bits(got) != _bits(want)
+    else:
+        mismatch = (_bits(got) != _bits(want)) & ~nan_got
+    count = int(mismatch.sum())
+    if count:
+        i = int(mismatch.nonzero()[0])
+        raise AssertionError(f"{count} elements differ, first at {i}: {got[i]} vs {want[i]}")
+
+
+def _run(module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0) -> None:
+    module.sgd_update_(param, grad, **opts, found_inf=found, skip_if=skip,
+                       stochastic_rounding=sr, seed=seed)
+
+
+def _both(param, grad, opts, *, sr=False, seed=0, with_skip=False):
+    """Runs the C++ and reference updates on copies; returns (params, found_inf flags)."""
+    outs, flags = [], []
+    for module in (cpp_backend, reference):
+        p = param.clone()
+        found = torch.zeros(1)
+        skip = torch.zeros(1) if with_skip else None
+        _run(module, p, grad, opts, found=found, skip=skip, sr=sr, seed=seed)
+        outs.append(p)
+        flags.append(found)
+    return outs, flags
+
+
+# ---------------------------------------------------------------------------------------
+# Bit-exactness against the reference backend
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_matches_reference_bitwise(pdt: str, gdt: str, size: int) -> None:
+    kind = ("plain", "full", "tensors")[size % 3]
+    param = _make_param(size, DTYPES[pdt], seed=size, specials=True)
+    grad = _make_grad(size, DTYPES[gdt], seed=size, scale=_grad_scale(kind), specials=True)
+    (got, want), (f_got, f_want) = _both(param, grad, _options(kind), with_skip=True)
+    assert_same_bits(got, want)
+    assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("kind", ["plain", "full", "tensors"])
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_option_sets_match_reference(pdt: str, gdt: str, kind: str) -> None:
+    n = 50_021
+    param = _make_param(n, DTYPES[pdt], seed=7, specials=True)
+    grad = _make_grad(n, DTYPES[gdt], seed=7, scale=_grad_scale(kind), specials=True)
+    (got, want), (f_got, f_want) = _both(param, grad, _options(kind))
+    assert_same_bits(got, want)
+    assert f_got.item() == f_want.item() == 1.0
+
+
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_unaligned_views_match_reference(pdt: str, gdt: str) -> None:
+    # Views at odd storage offsets, updated in place: odd starts for the paired bf16 loop and
+    # the F16C tiles; the elements around the views must stay untouched.
+    n = 2**18 + 5
+    pbuf = _make_param(n + 3, DTYPES[pdt], seed=3, specials=True)
+    grad = _make_grad(n + 3, DTYPES[gdt], seed=3, scale=1024.0, specials=True)[3 : n + 3]
+    buffers = []
+    for module in (cpp_backend, reference):
+        buf = pbuf.clone()
+        _run(module, buf[1 : n + 1], grad, _options("full"), found=torch.zeros(1))
+        buffers.append(buf)
+    assert_same_bits(buffers[0], buffers[1])
+
+
+def test_decay_scalar_paths_match_reference() -> None:
+    # A Python-float lr forms 1 - lr*wd in double, a tensor lr in fp32: both reproduced.
+    param = _make_param(10_007, torch.float32, seed=11, specials=False)
+    grad = _make_grad(10_007, torch.float32, seed=11, scale=1.0, specials=False)
+    for lr, lr_tensor, wd in [(0.1, None, 0.3), (1.0, torch.tensor([0.1]), 0.3),
+                              (0.37, torch.tensor([0.71]), 0.013)]:
+        opts = _options("plain") | dict(lr=lr, lr_tensor=lr_tensor, weight_decay=wd)
+        (got, want), _ = _both(param, grad, opts)
+        assert_same_bits(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# Error bound against float64 math
+# ---------------------------------------------------------------------------------------
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype` at |x| (x in float64); subnormal spacing below the normal range."""
+    tiny = torch.finfo(dtype).tiny
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(tiny)))
+    return torch.exp2(exponent - MANTISSA_BITS[dtype])
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _float64_update(param, grad, opts):
+    """The update in float64 from the fp32-rounded scalars; also the kernel's skip mask."""
+    lr = _f32(opts["lr"])
+    if opts["lr_tensor"] is not None:
+        lr = _f32(opts["lr_tensor"].item() * lr)
+        decay = _f32(1.0 - _f32(lr * _f32(opts["weight_decay"])))
+    else:
+        decay = _f32(1.0 - opts["lr"] * opts["weight_decay"])
+    inv = _f32(opts["inv_scale"])
+    if opts["inv_scale_tensor"] is not None:
+        inv = _f32(opts["inv_scale_tensor"].item() * inv)
+    coef = _f32(opts["clip_coef"])
+    if opts["clip_coef_tensor"] is not None:
+        coef = _f32(opts["clip_coef_tensor"].item() * coef)
+    bad = ~torch.isfinite(grad.float() * inv)  # the kernel's test is on the fp32 product
+    g = grad.double() * inv
+    if opts["clip_value"] is not None:
+        clip = _f32(opts["clip_value"])
+        g = g.clamp(-clip, clip)
+    g = g * coef
+    p = param.double()
+    return p * decay - lr * g, lr * g, bad
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_within_one_ulp_of_float64(pdt: str, gdt: str, size: int) -> None:
+    kind = ("full", "tensors", "plain")[size % 3]
+    opts = _options(kind)
+    pdtype = DTYPES[pdt]
+    param = _make_param(size, pdtype, seed=size + 5, specials=False)
+    grad = _make_grad(size, DTYPES[gdt], seed=size + 5, scale=_grad_scale(kind), specials=True)
+    exact, step, bad = _float64_update(param, grad, opts)
+    got = param.clone()
+    found = torch.zeros(1)
+    _run(cpp_backend, got, grad, opts, found=found)
+
+    assert torch.equal(_bits(got)[bad], _bits(param)[bad]), "skipped elements were written"
+    assert found.item() == float(bool(bad.any()))
+    ok = ~bad
+    err = (got.double() - exact).abs()[ok]
+    if pdtype == torch.float32:
+        # The fp32 arithmetic bound: 1 ulp of the largest magnitude involved.
+        scale = torch.maximum(param.double().abs(), step.abs())
+        scale = torch.maximum(scale, exact.abs())[ok]
+        bound = _ulp(scale, torch.float32)
+    else:
+        bound = _ulp(got.double()[ok], pdtype)
+    worst = (err / bound).max().item() if ok.any() else 0.0
+    assert worst <= 1.0, f"error {worst:.3f} ulp"
+
+
+# ---------------------------------------------------------------------------------------
+# Stochastic rounding
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 7, 15, 16, 4097, 278011, 2**20 + 3], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_stochastic_rounding_matches_reference(gdt: str, size: int) -> None:
+    param = _make_param(size, torch.bfloat16, seed=size, specials=True)
+    grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=True)
+    for seed in (0, 12345, 2**63 + 2**40 + 17):
+        (got, want), (f_got, f_want) = _both(param, grad, _options("full"), sr=True, seed=seed)
+        assert_same_bits(got, want)
+        assert torch.equal(f_got, f_want)
+
+
+def test_stochastic_rounding_ignored_for_other_dtypes() -> None:
+    for pdt in (torch.float32, torch.float16):
+        param = _make_param(4099, pdt, seed=1, specials=False)
+        grad = _make_grad(4099, pdt, seed=1, scale=1.0, specials=False)
+        a, b = param.clone(), param.clone()
+        _run(cpp_backend, a, grad, _options("plain"), sr=True, seed=5)
+        _run(cpp_backend, b, grad, _options("plain"), sr=False)
+        assert_same_bits(a, b)
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded() -> None:
+    # 1 - 1e-3 * 0.3 lies between two bf16 neighbours; SR must hit it on average.
+    n = 2**20
+    param = torch.ones(n, dtype=torch.bfloat16)
+    grad = torch.full((n,), 0.3, dtype=torch.float32)
+    opts = _options("plain") | dict(lr=1e-3)
+    exact = 1.0 - _f32(_f32(1e-3) * _f32(0.3))
+    runs = []
+    for seed in (1, 2):
+        p = param.clone()
+        _run(cpp_backend, p, grad, opts, sr=True, seed=seed)
+        assert set(p.unique().float().tolist()) == {1.0 - 2**-8, 1.0}
+        runs.append(p)
+        assert abs(p.double().mean().item() - exact) < 1e-5  # ~10 standard errors
+    assert not torch.equal(runs[0], runs[1])
+    again = param.clone()
+    _run(cpp_backend, again, grad, opts, sr=True, seed=1)
+    assert torch.equal(again, runs[0])
+
+
+# ---------------------------------------------------------------------------------------
+# found_inf / skip_if
+# ---------------------------------------------------------------------------------------
+
+
+def _finite_case(dtype=torch.bfloat16, n=4099):
+    return (_make_param(n, dtype, seed=2, specials=False),
+            _make_grad(n, dtype, seed=2, scale=1.0, specials=False))
+
+
+def test_found_inf_set_and_bad_elements_kept() -> None:
+    param, grad = _finite_case()
+    grad[10] = INF
+    grad[4000] = NAN
+    p = param.clone()
+    found = torch.zeros(1)
+    _run(cpp_backend, p, grad, _options("plain"), found=found)
+    assert found.item() == 1.0
+    assert _bits(p)[10] == _bits(param)[10] and _bits(p)[4000] == _bits(param)[4000]
+    changed = _bits(p) != _bits(param)
+    assert changed.sum() > 3000  # the finite elements were updated
+
+
+def test_found_inf_never_reset() -> None:
+    param, grad = _finite_case()
+    found = torch.ones(1)
+    _run(cpp_backend, param, grad, _options("plain"), found=found)
+    assert found.item() == 1.0
+    found = torch.zeros(1)
+    _run(cpp_backend, param, grad, _options("plain"), found=found)
+    assert found.item() == 0.0
+
+
+def test_overflow_after_unscale_counts_as_non_finite() -> None:
+    param, grad = _finite_case(torch.float32)
+    grad[5] = 3e38
+    p = param.clone()
+    found = torch.zeros(1)
+    _run(cpp_backend, p, grad, _options("plain") | dict(inv_scale=4.0), found=found)
+    assert found.item() == 1.0
+    assert _bits(p)[5] == _bits(param)[5]
+
+
+@pytest.mark.parametrize("flag", [1.0, -3.0, NAN])
+def test_skip_if_writes_nothing(flag: float) -> None:
+    param, grad = _finite_case()
+    grad[3] = INF
+    p = param.clone()
+    found = torch.zeros(1)
+    _run(cpp_backend, p, grad, _options("full"), found=found, skip=torch.tensor([flag]))
+    assert torch.equal(_bits(p), _bits(param))
+    assert found.item() == 0.0
+
+
+def test_skip_if_zero_updates() -> None:
+    param, grad = _finite_case()
+    (got, want), _ = _both(param, grad, _options("full"), with_skip=True)
+    assert_same_bits(got, want)
+    assert not torch.equal(_bits(got), _bits(param))
+
+
+def test_skip_if_aliasing_found_inf() -> None:
+    # The GradScaler pattern: one flag both read (skip) and written (found).
+    param, grad = _finite_case()
+    bad_grad = grad.clone()
+    bad_grad[0] = INF
+    flag = torch.zeros(1)
+    first = param.clone()
+    _run(cpp_backend, first, bad_grad, _options("plain"), found=flag, skip=flag)
+    assert flag.item() == 1.0
+    assert not torch.equal(_bits(first), _bits(param))  # read 0 before writing 1
+    second = first.clone()
+    _run(cpp_backend, second, grad, _options("plain"), found=flag, skip=flag)
+    assert torch.equal(_bits(second), _bits(first))
+
+
+def test_found_inf_none_is_fine() -> None:
+    param, grad = _finite_case(torch.float16)
+    grad[1] = NAN
+    (got, want), _ = _both(param, grad, _options("plain"))
+    p = param.clone()
+    _run(cpp_backend, p, grad, _options("plain"))
+    assert_same_bits(p, want)
+
+
+# ---------------------------------------------------------------------------------------
+# Other properties
+# ---------------------------------------------------------------------------------------
+
+
+def test_independent_of_thread_count() -> None:
+    param = _make_param(2**20 + 3, torch.bfloat16, seed=9, specials=True)
+    grad = _make_grad(2**20 + 3, torch.float32, seed=9, scale=1024.0, specials=True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            p = param.clone()
+            _run(cpp_backend, p, grad, _options("full"), sr=True, seed=3)
+            results.append(p)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_bits(results[0]), _bits(results[1]))
+
+
+def test_bumps_version_counter() -> None:
+    param, grad = _finite_case()
+    before = param._version
+    _run(cpp_backend, param, grad, _options("plain"))
+    assert param._version > before
+
+
+def test_empty_tensor() -> None:
+    param = torch.empty(0, dtype=torch.bfloat16)
+    _run(cpp_backend, param, torch.empty(0), _options("full"), found=torch.zeros(1))
+    sumsq = torch.zeros(1)
+    cpp_backend.grad_sumsq_(torch.empty(0), inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq,
+                            found_inf=None)
+    assert sumsq.item() == 0.0
+
+
+def test_cuda_unavailable_has_reason() -> None:
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert not cpp_backend.is_available("cuda")
+    assert cpp_backend.unavailable_reason("cuda")
+    assert cpp_backend.unavailable_reason("cpu") == ""
+
+
+# ---------------------------------------------------------------------------------------
+# Gradient sum of squares
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_vs_float64(gdt: str, size: int) -> None:
+    grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=False)
+    inv_t = torch.tensor([0.5])
+    inv = _f32(_f32(0.5) * _f32(1 / 512))
+    g32 = grad.float() * inv
+    exact = 1.25 + (g32.double() ** 2).sum().item()
+    sumsq = torch.tensor([1.25])
+    found = torch.zeros(1)
+    cpp_backend.grad_sumsq_(grad, inv_scale=1 / 512, inv_scale_tensor=inv_t, sumsq=sumsq,
+                            found_inf=found)
+    # Accumulated in double; only the final fp32 rounding remains.
+    assert math.isclose(sumsq.item(), exact, rel_tol=2**-23)
+    assert found.item() == 0.0
+    ref_sumsq = torch.tensor([1.25])
+    reference.grad_sumsq_(grad, inv_scale=1 / 512, inv_scale_tensor=inv_t, sumsq=ref_sumsq,
+                          found_inf=None)
+    assert math.isclose(ref_sumsq.item(), exact, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_non_finite(gdt: str) -> None:
+    grad = _make_grad(100_003, DTYPES[gdt], seed=4, scale=1.0, specials=False)
+    grad[77_777] = INF
+    sumsq, found = torch.zeros(1), torch.zeros(1)
+    cpp_backend.grad_sumsq_(grad, inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq,
+                            found_inf=found)
+    assert found.item() == 1.0 and sumsq.item() == INF
+
+
+def test_grad_sumsq_independent_of_thread_count() -> None:
+    grad = _make_grad(2**20 + 3, torch.float32, seed=5, scale=1.0, specials=False)
+    threads = torch.get_num_threads()
+    sums = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            s = torch.zeros(1)
+            cpp_backend.grad_sumsq_(grad, inv_scale=1.0, inv_scale_tensor=None, sumsq=s,
+                                    found_inf=None)
+            sums.append(s.item())
+    finally:
+        torch.set_num_threads(threads)
+    assert sums[0] == sums[1]
+
+
+# ---------------------------------------------------------------------------------------
+# The portable fp16 conversions of lomo_math.h (used where F16C is absent and for tails)
+# ---------------------------------------------------------------------------------------
+
+_SWEEP = r"""
+#include "lomo_math.h"
+#include <cstdio>
+#include <cstring>
+int main() {
+  unsigned long bad_up = 0, bad_down = 0;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const uint16_t hb = static_cast<uint16_t>(h);
+    _Float16 x;
+    memcpy(&x, &hb, 2);
+    const float want = static_cast<float>(x), got = lomo::fp16_to_f32_portable(hb);
+    const bool both_nan = want != want && got != got;
+    if (lomo::bits_of(want) != lomo::bits_of(got) && !both_nan) ++bad_up;
+  }
+  uint64_t u = 0;
+  do {  // every fp32 bit pattern
+    const float f = lomo::float_of(static_cast<uint32_t>(u));
+    const _Float16 r = static_cast<_Float16>(f);
+    uint16_t want;
+    memcpy(&want, &r, 2);
+    if (want != lomo::f32_to_fp16_portable(f)) ++bad_down;
+  } while (++u < (1ull << 32));
+  printf("%lu %lu\n", bad_up, bad_down);
+  return 0;
+}
+"""
+
+
+def test_portable_fp16_conversions_exhaustive(tmp_path: Path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    src = tmp_path / "sweep.cpp"
+    src.write_text(_SWEEP)
+    exe = tmp_path / "sweep"
+    build = subprocess.run(
+        [cxx, "-std=c++17", "-O2", "-march=native", f"-I{CSRC}", str(src), "-o", str(exe)],
+        capture_output=True, text=True,
+    )
+    if build.returncode != 0:
+        pytest.skip(f"compiler without _Float16 support: {build.stderr[-300:]}")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=600)
+    assert out.stdout.split() == ["0", "0"], out.stdout
