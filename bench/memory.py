@@ -121,18 +121,18 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], dict
         def step(ids: Any, labels: Any) -> None:
             official.fused_backward(loss_of(ids, labels), LR)
     elif config in ("lomo", "lomo_clip", "adalomo"):
+        import lomo_kernels
         from lomo_kernels import backends
 
         if config == "adalomo":
-            import lomo_kernels
-
             if not hasattr(lomo_kernels, "AdaLomo"):
                 raise NotImplementedError("lomo_kernels.AdaLomo is not importable")
+            from lomo_kernels import adalomo_backends as backends  # its own kernels
+
             ours = lomo_kernels.AdaLomo(model, lr=LR)
         else:
-            from lomo_kernels import Lomo
-
-            ours = Lomo(model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None)
+            ours = lomo_kernels.Lomo(model, lr=LR,
+                                     clip_grad_norm=1.0 if config == "lomo_clip" else None)
         # Loading the extension here keeps its code pages out of the measured steps.
         notes["backend"] = backends.backend_name(
             backends.resolve(params[0].device, ours.backend))
@@ -253,7 +253,16 @@ def markdown_table(results: Sequence[dict[str, Any]],
         lines.append("")
         lines.append(f"Model weights: {any_r['model_mb']:.0f} MB; largest parameter "
                      f"{largest / 1e6:.1f}M elements ({largest * 2 / MB:.1f} MB as a bf16 "
-                     "gradient).")
+                     "gradient); MB = 2**20 bytes.")
+        budgets = []
+        for b, s in shapes:
+            graph = by_key.get(("forward_graph", b, s), {}).get("peak_above_model_mb")
+            if graph is not None:
+                # The LOMO target: activations plus one gradient of the largest tensor, +5%.
+                budgets.append(f"{b} x {s}: {(graph + largest * 2 / MB) * 1.05:.0f} MB")
+        if budgets:
+            lines.append("LOMO target (activations + largest bf16 gradient, +5%): "
+                         + ", ".join(budgets) + ".")
     return "\n".join(lines)
 
 

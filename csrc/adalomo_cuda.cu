@@ -316,7 +316,7 @@ vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __re
   }
 }
 
-// ----------------------------------------------------------------------------- launch helpers
+// ------------------------------------------------------------------------- launch configuration
 
 int sm_count() {
   static int cached[64] = {};

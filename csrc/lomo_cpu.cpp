@@ -4,7 +4,7 @@
 // The hot loops are plain loops over raw pointers with selects instead of branches, so
 // GCC/Clang vectorise them (build with -O3 -fno-trapping-math -ffp-contract=off; the first
 // lets selects between float values be if-converted, the second keeps the reference's
-// rounding). Threads: at::parallel_for over 32K-element chunks.
+// rounding). Threads: at::parallel_for, at least 32K elements per thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -190,6 +190,13 @@ uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restri
 constexpr bool kHaveF16C = false;
 #endif
 
+// The paired loop assumes element 2k sits in the low half of a 32-bit word.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+constexpr bool kLittleEndian = false;
+#else
+constexpr bool kLittleEndian = true;
+#endif
+
 // Picks the loop shape for a dtype pair. Same results whichever is taken.
 template <class P, class G, bool kStochastic>
 uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
@@ -199,7 +206,7 @@ uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint3
 #if defined(__F16C__) && defined(__AVX__)
     return update_tiled<P, G, kStochastic>(p, g, n, lo, hi, s, key);
 #endif
-  } else if constexpr (std::is_same_v<P, lomo::Bf16>) {
+  } else if constexpr (std::is_same_v<P, lomo::Bf16> && kLittleEndian) {
     return update_bf16_pairs<G, kStochastic>(p, g, n, lo, hi, s, key);
   } else {
     return update_elements<P, G, kStochastic>(p, g, n, lo, hi, s, key);
@@ -224,31 +231,22 @@ uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t be
 }
 
 // Sum of squares of grad * inv_scale over one span, in double; sets bad on inf/nan.
+// Without reassociation GCC will not vectorise a floating-point sum; `omp simd` with a
+// reduction clause permits exactly that (lane-wise partial sums, a fixed order for a given
+// build, so results stay deterministic).
 template <class G>
 double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_scale,
                   uint32_t& bad) {
-  // Independent lanes: a single accumulator would serialise the loop (no reassociation).
-  constexpr int kLanes = 16;
-  double acc[kLanes] = {};
+  double acc = 0.0;
   uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float v = lomo::mul_rn(G::load(grad[i + j]), inv_scale);
-      acc[j] += static_cast<double>(v) * static_cast<double>(v);
-      any_bad |= lomo::is_nonfinite(v);
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
+#pragma omp simd reduction(+ : acc) reduction(| : any_bad)
+  for (int64_t i = 0; i < n; ++i) {
     const float v = lomo::mul_rn(G::load(grad[i]), inv_scale);
-    acc[j] += static_cast<double>(v) * static_cast<double>(v);
+    acc += static_cast<double>(v) * static_cast<double>(v);  // exact square in double
     any_bad |= lomo::is_nonfinite(v);
   }
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
-  }
   bad |= any_bad;
-  return acc[0];
+  return acc;
 }
 
 template <class F>

@@ -7,7 +7,7 @@ are `torch.where` selects on the device.
 
 Per element: ``g = clamp(fp32(grad) * inv_scale, -clip_value, clip_value) * clip_coef``
 (non-finite ``grad * inv_scale`` marks the parameter as skipped and raises found_inf),
-``u = g*g + eps0``. Factored ([rows, cols]): R += (1-b) * (mean_j u - R), C likewise over i,
+``u = g*g + eps0``. Factored ([rows, cols]): ``R = b*R + (1-b)*mean_j u``, C likewise over i,
 ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``. 1-D: ``v = b*v + (1-b)*u``,
 ``update = g * rsqrt(v)``. Then ``lr_t = lr * max(eps1, rms(p))``,
 ``p = p * (1 - lr_t*wd) - lr_t / max(1, rms(update)/clip_threshold) * update``.

@@ -26,6 +26,11 @@ MAX_BLOCK_N = 256
 # Programs per SM the factored passes aim for on a GPU (enough to hide memory latency; more
 # would only add atomics on the column sums).
 PROGRAMS_PER_SM = 8
+# Under the interpreter every program, loop iteration and nested jit call costs fixed Python
+# overhead while numpy handles large tiles cheaply: fewer, bigger tiles, one row group.
+INTERPRETER_TILE = 1 << 17
+INTERPRETER_MAX_BLOCK_N = 4096
+INTERPRETER_PROGRAMS = 1
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -34,7 +39,7 @@ def _kernels() -> ModuleType:
     """The kernels module, re-decorated if TRITON_INTERPRET changed since its import."""
     from . import triton_kernels
 
-    if triton_kernels.DECORATED_FOR_INTERPRETER != triton_kernels.interpret_mode():
+    if triton_kernels.interpret_mode() != triton_kernels.DECORATED_FOR_INTERPRETER:
         triton_kernels = importlib.reload(sys.modules[triton_kernels.__name__])
     return triton_kernels
 
@@ -72,28 +77,26 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        # Interpreter: each program costs fixed overhead; one row group per column block.
-        return 1
-    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
-                                       else torch.cuda.current_device())
-
-
 def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int], dict[str, int]]:
     """(grid, launch sizes) of the factored passes for a [rows, cols] tensor."""
-    block_n = min(max(_next_pow2(cols), 16), MAX_BLOCK_N)
-    block_m = min(max(TILE // block_n, 1), _next_pow2(rows))
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tile, max_block_n, programs = TILE, MAX_BLOCK_N, PROGRAMS_PER_SM * _sm_count(index)
+    else:
+        tile, max_block_n, programs = (INTERPRETER_TILE, INTERPRETER_MAX_BLOCK_N,
+                                       INTERPRETER_PROGRAMS)
+    block_n = min(max(_next_pow2(cols), 16), max_block_n)
+    block_m = min(max(tile // block_n, 1), _next_pow2(rows))
     col_blocks = -(-cols // block_n)
-    row_groups = max(1, min(-(-rows // block_m), _target_programs(device) // col_blocks))
+    row_groups = max(1, min(-(-rows // block_m), programs // col_blocks))
     rows_per_prog = -(-rows // row_groups)
     rows_per_prog = -(-rows_per_prog // block_m) * block_m
-    grid = (-(-rows // rows_per_prog), col_blocks)
+    grid = (col_blocks, -(-rows // rows_per_prog))
     return grid, {"rows": rows, "cols": cols, "rows_per_prog": rows_per_prog,
                   "BLOCK_M": block_m, "BLOCK_N": block_n}
 

@@ -1,13 +1,15 @@
 """Triton kernels of the fused AdaLomo passes (one launch per pass).
 
-Factored tensors ([rows, cols]) run on 2-D tiles: program (pid_m, pid_n) owns a block of
-BLOCK_N columns and a contiguous group of rows, walked BLOCK_M rows at a time. Row partial
-sums are added atomically per tile row; column partials stay in registers over the whole row
-group and are added atomically once. 1-D tensors run on flat blocks. All math is fp32, all
-offsets int64; runtime values (sizes, lr, beta2, scales, clip values) are kernel arguments,
-`tl.constexpr` only selects code paths and tile shapes. bf16 travels as int16 bit patterns
-and is rounded to nearest even on the bits, so the interpreter (whose fp32 -> bf16 cast
-truncates) and the GPU write the same values.
+Factored tensors ([rows, cols]) run on 2-D tiles: program (pid_n, pid_m) owns a block of
+BLOCK_N columns and a contiguous group of rows, walked BLOCK_M rows at a time. Column blocks
+are grid axis 0 (unbounded); row groups, few by construction, are axis 1 (at most 65535).
+Row partial sums are added atomically per tile row; column partials stay in registers over
+the whole row group and are added atomically once. 1-D tensors run on flat blocks.
+
+All math is fp32 and all offsets int64. Runtime values (sizes, lr, beta2, scales, clip
+values) are kernel arguments; `tl.constexpr` only selects code paths and tile shapes. bf16
+travels as int16 bit patterns and is rounded to nearest even on the bits, so the
+interpreter (whose fp32 -> bf16 cast truncates) and the GPU write the same values.
 
 The workspace layout is the one of `adalomo_backends/__init__.py`: row sums, column sums,
 then the P_SUMSQ, U_SUMSQ, SKIP, R_SUM slots.
@@ -39,7 +41,7 @@ def interpret_mode() -> bool:
 DECORATED_FOR_INTERPRETER = interpret_mode()
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- building blocks
 
 
 @triton.jit
@@ -129,7 +131,7 @@ def _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, w
 @triton.jit
 def _row_group(rows, rows_per_prog, BLOCK_M: tl.constexpr):
     """(first row, end row, iterations) of this program's row group."""
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_prog
+    row_start = tl.program_id(1).to(tl.int64) * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, rows)
     return row_start, row_end, tl.cdiv(row_end - row_start, BLOCK_M)
 
@@ -152,7 +154,7 @@ def factored_stats_kernel(
         inv = _scalar(inv_scale, inv_scale_tensor_ptr)
         coef = _scalar(clip_coef, clip_coef_tensor_ptr)
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols_idx < cols
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -218,7 +220,7 @@ def factored_norm_kernel(
         coef = _scalar(clip_coef, clip_coef_tensor_ptr)
         mean = tl.load(stats_ptr + R_SUM) / rows
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols_idx < cols
         c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -254,7 +256,7 @@ def factored_apply_kernel(
                                      clip_threshold, weight_decay)
         mean = tl.load(stats_ptr + R_SUM) / rows
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols_idx < cols
         c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
         for it in range(0, n_iter):

@@ -123,6 +123,11 @@ def unavailable_reason(device_type: str) -> str:
     return _errors.get(device_type, "unknown")
 
 
+def _device_type(t: torch.Tensor) -> str:
+    # Tensor.is_cuda is several times cheaper than Tensor.device.type (per-call overhead).
+    return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else t.device.type)
+
+
 def _module(device_type: str) -> ModuleType:
     module = _modules.get(device_type)
     if module is None:
@@ -155,7 +160,7 @@ def sgd_update_(
     """One fused LOMO step on one contiguous parameter, in place (see reference.sgd_update_)."""
     # The key only matters where stochastic rounding applies; skip the hash otherwise.
     key = seed_key(seed) if stochastic_rounding and param.dtype == torch.bfloat16 else 0
-    _module(param.device.type).sgd_update_(
+    _module(_device_type(param)).sgd_update_(
         param,
         grad,
         float(lr),
@@ -182,6 +187,6 @@ def grad_sumsq_(
     found_inf: torch.Tensor | None,
 ) -> None:
     """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 on inf/nan (in place)."""
-    _module(grad.device.type).grad_sumsq_(
+    _module(_device_type(grad)).grad_sumsq_(
         grad, float(inv_scale), inv_scale_tensor, sumsq, found_inf
     )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adalomo_ops import adalomo_update_, init_adalomo_state
 from ._in_backward import InBackwardOptimizer, _DeviceScalars, trainable_parameters
 
 
@@ -56,8 +57,6 @@ class AdaLomo(InBackwardOptimizer):
                          clip_grad_value=clip_grad_value, backend=backend)
         self.loss_scale = float(loss_scale)
         self._fp16 = any(p.dtype == torch.float16 for p in params)
-        from ..adalomo_ops import init_adalomo_state
-
         for p in params:
             self.state[p] = init_adalomo_state(p)
 
@@ -69,8 +68,6 @@ class AdaLomo(InBackwardOptimizer):
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                 scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
-        from ..adalomo_ops import adalomo_update_
-
         t = self.step_count + 1  # lomo-optim counts the step before its backward
         beta2 = 1.0 - math.pow(t, group["decay_rate"])
         adalomo_update_(

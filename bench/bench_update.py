@@ -1,0 +1,268 @@
+"""CPU benchmark of the fused LOMO update (C++ backend) against its baselines.
+
+Method (shared/notes/MEASURING.md): 2 threads, one process, variants timed interleaved
+(A, B, C, A, B, C, ...), medians and ratios of medians from the same run. Sizes: one
+32M-element tensor (beyond the caches: memory-bound) and the tensor mix of a small LLaMA
+model (per-call overhead). Every variant updates the same tensors in place.
+
+Variants:
+  fused      C++ sgd_update_ with unscale, clip by value, clip_coef tensor, weight decay and
+             found_inf (the full LOMO option set, one pass)
+  fused_sr   the same with stochastic rounding (bf16 params)
+  axpy       p.add_(g, alpha=-lr): the memory floor (same bytes moved)
+  official   lomo-optim's per-parameter chain: to fp32, div, clamp, mul, p to fp32, mul,
+             add, copy back
+  fused_sgd  torch._fused_sgd_ (plain SGD, no unscale/clip/check)
+  fused_sgd_amp  torch._fused_sgd_ with weight_decay, grad_scale and found_inf
+  reference  the pure-PyTorch reference backend, full option set
+
+Scalar values are neutral (loss scale 1, clip_coef 1) so that the in-place grad ops of
+"official" and "fused_sgd_amp" do not drift the data between repetitions; the kernels do
+the same work whatever the values.
+
+Run: python bench/bench_update.py [--numel N] [--reps R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lomo_kernels.backends import cpp_backend, reference  # noqa: E402
+
+NUMEL = 32 * 2**20
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+CLIP_VALUE = 1.0
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TARGETS = (
+    "targets: fused/axpy <= 1.15 (bf16, fp32); official/fused >= 10 (bf16); fused/fused_sgd <= 1.0"
+)
+
+
+def llama_layer_shapes(hidden: int = 256, intermediate: int = 688, layers: int = 8) -> list[int]:
+    """numel of each parameter of a small LLaMA stack (attention, MLP, two RMSNorms)."""
+    per_layer = [hidden * hidden] * 4 + [hidden * intermediate] * 3 + [hidden] * 2
+    return per_layer * layers
+
+
+class Case:
+    """Parameters and grads of one benchmark case, and the variants that update them."""
+
+    def __init__(self, dtype: torch.dtype, sizes: list[int], seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.params = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+        self.grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+        self.found_inf = torch.zeros(1)
+        self.clip_coef = torch.ones(1)
+        self.grad_scale = torch.ones(1)
+        self.dtype = dtype
+
+    def _fused(self, module, stochastic_rounding: bool) -> None:
+        for p, g in zip(self.params, self.grads, strict=True):
+            module.sgd_update_(
+                p,
+                g,
+                lr=LR,
+                lr_tensor=None,
+                inv_scale=1.0,
+                inv_scale_tensor=None,
+                clip_value=CLIP_VALUE,
+                clip_coef=1.0,
+                clip_coef_tensor=self.clip_coef,
+                weight_decay=WEIGHT_DECAY,
+                found_inf=self.found_inf,
+                skip_if=None,
+                stochastic_rounding=stochastic_rounding,
+                seed=1234,
+            )
+
+    def fused(self) -> None:
+        self._fused(cpp_backend, stochastic_rounding=False)
+
+    def fused_sr(self) -> None:
+        self._fused(cpp_backend, stochastic_rounding=True)
+
+    def reference(self) -> None:
+        self._fused(reference, stochastic_rounding=False)
+
+    def axpy(self) -> None:
+        for p, g in zip(self.params, self.grads, strict=True):
+            p.add_(g, alpha=-LR)
+
+    def official(self) -> None:
+        # lomo_optim.Lomo's fused update, per parameter (loss scaler and clip_coef set).
+        for p, g in zip(self.params, self.grads, strict=True):
+            grad_fp32 = g.to(torch.float32)
+            grad_fp32.div_(1.0)
+            grad_fp32.clamp_(min=-CLIP_VALUE, max=CLIP_VALUE)
+            grad_fp32.mul_(1.0)
+            p_fp32 = p.to(torch.float32)
+            p_fp32.mul_(1.0 - LR * WEIGHT_DECAY)
+            p_fp32.add_(grad_fp32, alpha=-LR)
+            p.copy_(p_fp32)
+
+    def fused_sgd(self) -> None:
+        # Per parameter, as a post-accumulate-grad hook would call it.
+        for p, g in zip(self.params, self.grads, strict=True):
+            torch._fused_sgd_(
+                [p],
+                [g],
+                [],
+                weight_decay=0.0,
+                momentum=0.0,
+                lr=LR,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+            )
+
+    def fused_sgd_amp(self) -> None:
+        for p, g in zip(self.params, self.grads, strict=True):
+            torch._fused_sgd_(
+                [p],
+                [g],
+                [],
+                weight_decay=WEIGHT_DECAY,
+                momentum=0.0,
+                lr=LR,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+                grad_scale=self.grad_scale,
+                found_inf=self.found_inf,
+            )
+
+    def variants(self) -> dict[str, Callable[[], None]]:
+        out = {
+            "fused": self.fused,
+            "axpy": self.axpy,
+            "official": self.official,
+            "fused_sgd": self.fused_sgd,
+            "fused_sgd_amp": self.fused_sgd_amp,
+            "reference": self.reference,
+        }
+        if self.dtype == torch.bfloat16:
+            out["fused_sr"] = self.fused_sr
+        return out
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], None]],
+    reps: int,
+    warmup: int = 2,
+    skip_after: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Median seconds per variant, timing the variants in turn within each repetition.
+
+    skip_after caps the repetitions of slow variants (the reference) to keep runs short.
+    """
+    skip_after = skip_after or {}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps):
+        for name, fn in fns.items():
+            if rep >= skip_after.get(name, reps):
+                continue
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def machine() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(numel: int, reps: int, mix_reps: int) -> dict[str, dict[str, dict[str, float]]]:
+    """{case: {dtype: {variant: median seconds}}}."""
+    results: dict[str, dict[str, dict[str, float]]] = {"single": {}, "mix": {}}
+    for label, dtype in DTYPES.items():
+        case = Case(dtype, [numel])
+        results["single"][label] = time_interleaved(
+            case.variants(), reps, skip_after={"reference": max(3, reps // 4)}
+        )
+        mix = Case(dtype, llama_layer_shapes())
+        results["mix"][label] = time_interleaved(mix.variants(), mix_reps)
+    return results
+
+
+def _row(name: str, cells: list[str]) -> str:
+    return f"| {name:<14} | " + " | ".join(f"{c:>18}" for c in cells) + " |"
+
+
+def report(results: dict[str, dict[str, dict[str, float]]], numel: int) -> str:
+    lines = [
+        f"machine: {machine()} ({platform.machine()}), torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, python {platform.python_version()}",
+        "CPU timings: medians of interleaved repetitions in one process; "
+        "x = time / time(fused) of the same column.",
+    ]
+    mix_numel = sum(llama_layer_shapes())
+    titles = {
+        "single": f"one tensor of {numel / 2**20:.0f}M elements",
+        "mix": f"small-LLaMA mix: {len(llama_layer_shapes())} tensors, "
+        f"{mix_numel / 1e6:.1f}M elements",
+    }
+    for case, per_dtype in results.items():
+        lines += ["", titles[case], _row("variant", [f"{d} ms (x fused)" for d in per_dtype])]
+        lines.append("|" + "-" * 16 + ("|" + "-" * 20) * len(per_dtype) + "|")
+        names = list(dict.fromkeys(n for d in per_dtype.values() for n in d))
+        for name in names:
+            cells = []
+            for timings in per_dtype.values():
+                if name not in timings:
+                    cells.append("-")
+                    continue
+                t, base = timings[name], timings["fused"]
+                cells.append(f"{t * 1e3:8.2f} ({t / base:6.2f}x)")
+            lines.append(_row(name, cells))
+    lines += ["", TARGETS]
+    single = results["single"]
+    checks = [
+        ("bf16 fused/axpy", single["bf16"]["fused"] / single["bf16"]["axpy"], "<=", 1.15),
+        ("fp32 fused/axpy", single["fp32"]["fused"] / single["fp32"]["axpy"], "<=", 1.15),
+        ("bf16 official/fused", single["bf16"]["official"] / single["bf16"]["fused"], ">=", 10),
+        ("bf16 fused/fused_sgd", single["bf16"]["fused"] / single["bf16"]["fused_sgd"], "<=", 1),
+        ("fp32 fused/fused_sgd", single["fp32"]["fused"] / single["fp32"]["fused_sgd"], "<=", 1),
+    ]
+    for label, value, op, target in checks:
+        ok = value <= target if op == "<=" else value >= target
+        lines.append(f"  {label:<22} {value:6.3f} ({op} {target}): {'met' if ok else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--numel", type=int, default=NUMEL)
+    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--mix-reps", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not cpp_backend.is_available("cpu"):
+        raise SystemExit(f"C++ backend unavailable: {cpp_backend.unavailable_reason('cpu')}")
+    print(report(run(args.numel, args.reps, args.mix_reps), args.numel))
+
+
+if __name__ == "__main__":
+    main()
