@@ -36,11 +36,13 @@ template <class P, class G, bool kStochastic>
 uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __restrict g,
                          int64_t n, uint32_t lo, uint32_t hi, const lomo::SgdScalars s,
                          uint32_t key) {
-  uint32_t any_bad = 0;
+  // Max of the gradient exponents: one vpmaxud per vector, fewer instructions than an OR
+  // of 0/1 flags in this loop (the fp32 path).
+  uint32_t max_exponent = 0;
   for (int64_t i = 0; i < n; ++i) {
     const typename P::T old = p[i];
-    uint32_t bad;
-    const float updated = lomo::sgd_element(G::load(g[i]), P::load(old), s, bad);
+    uint32_t exponent;
+    const float updated = lomo::sgd_element_exp(G::load(g[i]), P::load(old), s, exponent);
     typename P::T out;
     if constexpr (kStochastic) {
       out = lomo::f32_to_bf16_sr(updated,
@@ -48,15 +50,15 @@ uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __res
     } else {
       out = P::round(updated);
     }
-    p[i] = bad ? old : out;
-    any_bad |= bad;
+    p[i] = exponent == lomo::kNonFiniteExponent ? old : out;
+    max_exponent = std::max(max_exponent, exponent);
   }
-  return any_bad;
+  return max_exponent == lomo::kNonFiniteExponent ? 1u : 0u;
 }
 
 // bf16 params: two elements per 32-bit word. The even element is word << 16, the odd one
 // word & 0xFFFF0000, and the result is reassembled the same way, so the vector loop needs
-// no 16 <-> 32-bit lane packing (about 20% fewer instructions than update_elements).
+// no 16 <-> 32-bit lane packing (measured ~15-20% faster than update_elements in cache).
 template <class G>
 LOMO_INLINE void load_pair(const typename G::T* g, int64_t k, float& even, float& odd) {
   if constexpr (std::is_same_v<G, lomo::Bf16>) {
@@ -75,7 +77,7 @@ LOMO_INLINE uint32_t bf16_rne_high(float v) {
   const uint32_t b = lomo::bits_of(v);
   const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
   const uint32_t quiet_nan = (b | 0x00400000u) & 0xFFFF0000u;
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
+  return lomo::is_nan(v) ? quiet_nan : rounded;
 }
 
 template <class G, bool kStochastic>

@@ -77,6 +77,9 @@ LOMO_HD LOMO_INLINE float sub_rn(float a, float b) {
 #endif
 }
 
+// A float compare (one vector instruction); correct as long as -ffast-math is not used.
+LOMO_HD LOMO_INLINE bool is_nan(float v) { return v != v; }
+
 // 1 when v is inf or nan (a bit test: stays correct under any floating-point flags).
 LOMO_HD LOMO_INLINE uint32_t is_nonfinite(float v) {
   return (bits_of(v) & 0x7F800000u) == 0x7F800000u ? 1u : 0u;
@@ -111,7 +114,7 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_bf16_rne(float v) {
   const uint32_t b = bits_of(v);
   const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
   const uint32_t quiet_nan = (b >> 16) | 0x0040u;
-  return (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+  return (uint16_t)(is_nan(v) ? quiet_nan : rounded);
 }
 
 // Stochastic rounding: add 16 uniform bits below the kept ones, then truncate.
@@ -120,7 +123,7 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_bf16_sr(float v, uint32_t random16) {
   const uint32_t mag = b & 0x7FFFFFFFu;
   const uint32_t add = mag >= 0x7F800000u ? 0u : random16;  // inf/nan are not perturbed
   const uint32_t out = (b + add) >> 16;
-  return (uint16_t)(mag > 0x7F800000u ? (out | 0x0040u) : out);
+  return (uint16_t)(is_nan(v) ? (out | 0x0040u) : out);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -210,17 +213,30 @@ struct SgdScalars {
   float decay;      // 1 - lr * weight_decay
 };
 
-// Returns the new fp32 parameter value; bad = 1 when the unscaled gradient is inf/nan, in
-// which case the caller keeps the old parameter bits.
-LOMO_HD LOMO_INLINE float sgd_element(float grad, float param, const SgdScalars& s,
-                                      uint32_t& bad) {
+// Exponent field of an inf/nan fp32 value.
+constexpr uint32_t kNonFiniteExponent = 0x7F800000u;
+
+// Returns the new fp32 parameter value and the exponent field of the unscaled gradient:
+// kNonFiniteExponent means inf/nan, and the caller keeps the old parameter bits. (Callers
+// can OR-reduce the flag or max-reduce the exponent, whichever vectorises better.)
+LOMO_HD LOMO_INLINE float sgd_element_exp(float grad, float param, const SgdScalars& s,
+                                          uint32_t& exponent) {
   float g = mul_rn(grad, s.inv_scale);
-  bad = is_nonfinite(g);
+  exponent = bits_of(g) & kNonFiniteExponent;
   // torch.clamp(g, -clip, clip) as selects; a nan g is never written, so its path is moot.
   g = g < -s.clip ? -s.clip : g;
   g = g > s.clip ? s.clip : g;
   g = mul_rn(g, s.coef);
   return sub_rn(mul_rn(param, s.decay), mul_rn(s.lr, g));
+}
+
+// As sgd_element_exp, with bad = 1 when the unscaled gradient is inf/nan.
+LOMO_HD LOMO_INLINE float sgd_element(float grad, float param, const SgdScalars& s,
+                                      uint32_t& bad) {
+  uint32_t exponent;
+  const float updated = sgd_element_exp(grad, param, s, exponent);
+  bad = exponent == kNonFiniteExponent ? 1u : 0u;
+  return updated;
 }
 
 }  // namespace lomo

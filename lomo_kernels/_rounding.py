@@ -23,7 +23,7 @@ def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """32-bit integer finaliser ("lowbias32"): a bijection with good avalanche, on int64 holding uint32."""
+    """32-bit integer finaliser ("lowbias32"), a bijection; int64 tensors holding uint32."""
     x = x ^ (x >> 16)
     x = _mul32(x, _HASH_MUL_1)
     x = x ^ (x >> 15)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import batch, clone, max_abs_diff, max_rel_diff, tiny_llama
+from tiny_models import batch, max_abs_diff, max_rel_diff, tiny_llama
 
 import lomo_kernels
 from lomo_kernels import Lomo

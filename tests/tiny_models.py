@@ -34,7 +34,7 @@ def clone(model):
 def max_rel_diff(a, b):
     """Max over parameters of max|a - b| / max|b| (per-tensor relative difference)."""
     worst = 0.0
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         scale = pb.detach().double().abs().max().clamp_min(1e-12)
         worst = max(worst, ((pa.detach().double() - pb.detach().double()).abs().max()
                             / scale).item())

@@ -54,7 +54,7 @@ def _build_cpu() -> ModuleType:
 
     failures = []
     for flags in cpu_build_flags():
-        ldflags = [f for f in flags if f in ("-fopenmp", "/openmp")]
+        ldflags = ["-fopenmp"] if "-fopenmp" in flags else []  # MSVC links OpenMP itself
         try:
             return load(
                 name="lomo_kernels_cpu",
