@@ -28,8 +28,16 @@ THREADS = 2
 LR = 1e-3
 MB = 2**20  # MiB, the unit of the figures in MEASURING.md
 
-CONFIGS = ("forward_nograd", "forward_graph", "sgd", "adamw", "official_lomo", "lomo",
-           "lomo_clip", "adalomo")
+CONFIGS = (
+    "forward_nograd",
+    "forward_graph",
+    "sgd",
+    "adamw",
+    "official_lomo",
+    "lomo",
+    "lomo_clip",
+    "adalomo",
+)
 DEFAULT_SHAPES = ((1, 64), (2, 256))
 
 LABELS = {
@@ -73,9 +81,15 @@ def build_model() -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
     # An fp32 model cast afterwards would leave its freed fp32 pages in the baseline.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -98,16 +112,19 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], dict
         return model(input_ids=ids, labels=labels).loss
 
     if config == "forward_nograd":
+
         def step(ids: Any, labels: Any) -> None:
             with torch.no_grad():
                 loss_of(ids, labels)
     elif config == "forward_graph":
+
         def step(ids: Any, labels: Any) -> None:
             loss = loss_of(ids, labels)
             del loss  # dropping the loss frees the graph and its saved activations
     elif config in ("sgd", "adamw"):
-        opt = (torch.optim.SGD(params, lr=LR) if config == "sgd"
-               else torch.optim.AdamW(params, lr=LR))
+        opt = (
+            torch.optim.SGD(params, lr=LR) if config == "sgd" else torch.optim.AdamW(params, lr=LR)
+        )
 
         def step(ids: Any, labels: Any) -> None:
             loss_of(ids, labels).backward()
@@ -131,11 +148,11 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], dict
 
             ours = lomo_kernels.AdaLomo(model, lr=LR)
         else:
-            ours = lomo_kernels.Lomo(model, lr=LR,
-                                     clip_grad_norm=1.0 if config == "lomo_clip" else None)
+            ours = lomo_kernels.Lomo(
+                model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
+            )
         # Loading the extension here keeps its code pages out of the measured steps.
-        notes["backend"] = backends.backend_name(
-            backends.resolve(params[0].device, ours.backend))
+        notes["backend"] = backends.backend_name(backends.resolve(params[0].device, ours.backend))
 
         def step(ids: Any, labels: Any) -> None:
             loss = loss_of(ids, labels)
@@ -164,10 +181,14 @@ def measure(config: str, batch: int, seq: int, steps: int = 3) -> dict[str, Any]
     ids = torch.randint(0, vocab, (batch, seq))
     labels = ids.clone()
     result: dict[str, Any] = {
-        "config": config, "batch": batch, "seq": seq, "steps": steps,
+        "config": config,
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
         "model_mb": sum(p.numel() * p.element_size() for p in params) / MB,
         "largest_param_numel": max(p.numel() for p in params),
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attn_implementation": model.config._attn_implementation,
     }
@@ -197,16 +218,29 @@ def mmap_env() -> dict[str, str]:
     return env
 
 
-def run_isolated(config: str, batch: int, seq: int, steps: int = 3,
-                 timeout: float | None = 900) -> dict[str, Any]:
+def run_isolated(
+    config: str, batch: int, seq: int, steps: int = 3, timeout: float | None = 900
+) -> dict[str, Any]:
     """`measure` in a fresh interpreter started with the malloc setting; its JSON result."""
-    cmd = [sys.executable, os.path.abspath(__file__), config, "--batch", str(batch),
-           "--seq", str(seq), "--steps", str(steps), "--json"]
-    proc = subprocess.run(cmd, env=mmap_env(), capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        config,
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--steps",
+        str(steps),
+        "--json",
+    ]
+    proc = subprocess.run(
+        cmd, env=mmap_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"{config} {batch}x{seq} failed (rc {proc.returncode}):\n"
-                           f"{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{config} {batch}x{seq} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -215,24 +249,27 @@ def machine_line(results: Sequence[dict[str, Any]]) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     backends = sorted({r["backend"] for r in results if "backend" in r})
-    return (f"CPU: {cpu}, {os.cpu_count()} cores; threads {first.get('threads')}; "
-            f"torch {first.get('torch')}; transformers {first.get('transformers')}; "
-            f"attention {first.get('attn_implementation')}; lomo_kernels backend "
-            f"{', '.join(backends) or '-'}; {MMAP_ENV}={MMAP_VALUE}; steps "
-            f"{first.get('steps')} (step 0 skipped)")
+    return (
+        f"CPU: {cpu}, {os.cpu_count()} cores; threads {first.get('threads')}; "
+        f"torch {first.get('torch')}; transformers {first.get('transformers')}; "
+        f"attention {first.get('attn_implementation')}; lomo_kernels backend "
+        f"{', '.join(backends) or '-'}; {MMAP_ENV}={MMAP_VALUE}; steps "
+        f"{first.get('steps')} (step 0 skipped)"
+    )
 
 
-def markdown_table(results: Sequence[dict[str, Any]],
-                   shapes: Sequence[tuple[int, int]]) -> str:
+def markdown_table(results: Sequence[dict[str, Any]], shapes: Sequence[tuple[int, int]]) -> str:
     """Rows = configs, columns = batch shapes, cells = peak above the model (MB)."""
     by_key = {(r["config"], r["batch"], r["seq"]): r for r in results}
-    head = "| configuration | " + " | ".join(f"batch {b} x {s}: peak above model (MB)"
-                                               for b, s in shapes) + " |"
+    head = (
+        "| configuration | "
+        + " | ".join(f"batch {b} x {s}: peak above model (MB)" for b, s in shapes)
+        + " |"
+    )
     lines = [head, "|---|" + "---|" * len(shapes)]
     for config in CONFIGS:
         cells = []
@@ -251,9 +288,11 @@ def markdown_table(results: Sequence[dict[str, Any]],
     if any_r is not None:
         largest = any_r["largest_param_numel"]
         lines.append("")
-        lines.append(f"Model weights: {any_r['model_mb']:.0f} MB; largest parameter "
-                     f"{largest / 1e6:.1f}M elements ({largest * 2 / MB:.1f} MB as a bf16 "
-                     "gradient); MB = 2**20 bytes.")
+        lines.append(
+            f"Model weights: {any_r['model_mb']:.0f} MB; largest parameter "
+            f"{largest / 1e6:.1f}M elements ({largest * 2 / MB:.1f} MB as a bf16 "
+            "gradient); MB = 2**20 bytes."
+        )
         budgets = []
         for b, s in shapes:
             graph = by_key.get(("forward_graph", b, s), {}).get("peak_above_model_mb")
@@ -261,13 +300,17 @@ def markdown_table(results: Sequence[dict[str, Any]],
                 # The LOMO target: activations plus one gradient of the largest tensor, +5%.
                 budgets.append(f"{b} x {s}: {(graph + largest * 2 / MB) * 1.05:.0f} MB")
         if budgets:
-            lines.append("LOMO target (activations + largest bf16 gradient, +5%): "
-                         + ", ".join(budgets) + ".")
+            lines.append(
+                "LOMO target (activations + largest bf16 gradient, +5%): "
+                + ", ".join(budgets)
+                + "."
+            )
     return "\n".join(lines)
 
 
-def run_all(shapes: Sequence[tuple[int, int]], steps: int = 3,
-            configs: Sequence[str] = CONFIGS) -> list[dict[str, Any]]:
+def run_all(
+    shapes: Sequence[tuple[int, int]], steps: int = 3, configs: Sequence[str] = CONFIGS
+) -> list[dict[str, Any]]:
     results = []
     for config in configs:
         for batch, seq in shapes:
@@ -277,9 +320,12 @@ def run_all(shapes: Sequence[tuple[int, int]], steps: int = 3,
                 r = {"config": config, "batch": batch, "seq": seq, "error": str(exc)}
                 print(r["error"], file=sys.stderr)
             results.append(r)
-            print(f"{config} {batch}x{seq}: "
-                  f"{r.get('peak_above_model_mb', r.get('skipped', 'error'))}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{config} {batch}x{seq}: "
+                f"{r.get('peak_above_model_mb', r.get('skipped', 'error'))}",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -310,8 +356,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("give a CONFIG or --all")
     if os.environ.get(MMAP_ENV) != MMAP_VALUE:
         # glibc reads the threshold at start-up: restart with it in the environment.
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
-                  mmap_env())
+        os.execve(
+            sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], mmap_env()
+        )
     assert os.environ.get(MMAP_ENV) == MMAP_VALUE
     batch = 2 if args.batch is None else args.batch
     seq = 256 if args.seq is None else args.seq

@@ -57,8 +57,9 @@ def check_scalar_tensor(name: str, t: torch.Tensor | None, device: torch.device)
         )
 
 
-def check_finite(name: str, value: float, *, positive: bool = False,
-                 non_negative: bool = False) -> None:
+def check_finite(
+    name: str, value: float, *, positive: bool = False, non_negative: bool = False
+) -> None:
     """Python-float hyper-parameters: finite, and with the sign the math needs."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"lomo_kernels: {name} must be a number, got {type(value).__name__}")

@@ -47,8 +47,9 @@ def _impl(device: torch.device, backend: str):
 # ----------------------------------------------------------------------------- registrations
 
 
-@torch.library.custom_op("lomo_kernels::adalomo_factored_stats_",
-                         mutates_args=("workspace", "found_inf"))
+@torch.library.custom_op(
+    "lomo_kernels::adalomo_factored_stats_", mutates_args=("workspace", "found_inf")
+)
 def _factored_stats_op(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -65,20 +66,44 @@ def _factored_stats_op(
     backend: str,
 ) -> None:
     _impl(grad.device, backend).factored_stats_(
-        grad.contiguous(), param, workspace, found_inf, skip_if, cols=cols,
-        inv_scale=inv_scale, inv_scale_tensor=inv_scale_tensor, clip_value=clip_value,
-        clip_coef=clip_coef, clip_coef_tensor=clip_coef_tensor, eps0=eps0,
+        grad.contiguous(),
+        param,
+        workspace,
+        found_inf,
+        skip_if,
+        cols=cols,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
+        eps0=eps0,
     )
 
 
 @_factored_stats_op.register_fake
-def _(grad, param, workspace, found_inf, skip_if, cols, inv_scale, inv_scale_tensor,
-      clip_value, clip_coef, clip_coef_tensor, eps0, backend):
+def _(
+    grad,
+    param,
+    workspace,
+    found_inf,
+    skip_if,
+    cols,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    eps0,
+    backend,
+):
     return None
 
 
-@torch.library.custom_op("lomo_kernels::adalomo_factored_moments_",
-                         mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"))
+@torch.library.custom_op(
+    "lomo_kernels::adalomo_factored_moments_",
+    mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"),
+)
 def _factored_moments_op(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
@@ -111,15 +136,31 @@ def _factored_norm_op(
     backend: str,
 ) -> None:
     _impl(grad.device, backend).factored_norm_(
-        grad.contiguous(), exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        grad.contiguous(),
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
         clip_coef_tensor=clip_coef_tensor,
     )
 
 
 @_factored_norm_op.register_fake
-def _(grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, inv_scale_tensor,
-      clip_value, clip_coef, clip_coef_tensor, backend):
+def _(
+    grad,
+    exp_avg_sq_row,
+    exp_avg_sq_col,
+    workspace,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    backend,
+):
     return None
 
 
@@ -143,22 +184,49 @@ def _factored_apply_op(
     backend: str,
 ) -> None:
     _impl(param.device, backend).factored_apply_(
-        param, grad.contiguous(), exp_avg_sq_row, exp_avg_sq_col, workspace, lr=lr,
-        lr_tensor=lr_tensor, eps1=eps1, clip_threshold=clip_threshold,
-        weight_decay=weight_decay, inv_scale=inv_scale, inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value, clip_coef=clip_coef, clip_coef_tensor=clip_coef_tensor,
+        param,
+        grad.contiguous(),
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        lr=lr,
+        lr_tensor=lr_tensor,
+        eps1=eps1,
+        clip_threshold=clip_threshold,
+        weight_decay=weight_decay,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
+        clip_coef_tensor=clip_coef_tensor,
     )
 
 
 @_factored_apply_op.register_fake
-def _(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, lr, lr_tensor, eps1,
-      clip_threshold, weight_decay, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-      clip_coef_tensor, backend):
+def _(
+    param,
+    grad,
+    exp_avg_sq_row,
+    exp_avg_sq_col,
+    workspace,
+    lr,
+    lr_tensor,
+    eps1,
+    clip_threshold,
+    weight_decay,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    backend,
+):
     return None
 
 
-@torch.library.custom_op("lomo_kernels::adalomo_vector_stats_",
-                         mutates_args=("workspace", "found_inf"))
+@torch.library.custom_op(
+    "lomo_kernels::adalomo_vector_stats_", mutates_args=("workspace", "found_inf")
+)
 def _vector_stats_op(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -177,21 +245,47 @@ def _vector_stats_op(
     backend: str,
 ) -> None:
     _impl(grad.device, backend).vector_stats_(
-        grad.contiguous(), param, exp_avg_sq, workspace, found_inf, skip_if, beta2=beta2,
-        beta2_tensor=beta2_tensor, eps0=eps0, inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        grad.contiguous(),
+        param,
+        exp_avg_sq,
+        workspace,
+        found_inf,
+        skip_if,
+        beta2=beta2,
+        beta2_tensor=beta2_tensor,
+        eps0=eps0,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
         clip_coef_tensor=clip_coef_tensor,
     )
 
 
 @_vector_stats_op.register_fake
-def _(grad, param, exp_avg_sq, workspace, found_inf, skip_if, beta2, beta2_tensor, eps0,
-      inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor, backend):
+def _(
+    grad,
+    param,
+    exp_avg_sq,
+    workspace,
+    found_inf,
+    skip_if,
+    beta2,
+    beta2_tensor,
+    eps0,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    backend,
+):
     return None
 
 
-@torch.library.custom_op("lomo_kernels::adalomo_vector_apply_",
-                         mutates_args=("param", "exp_avg_sq"))
+@torch.library.custom_op(
+    "lomo_kernels::adalomo_vector_apply_", mutates_args=("param", "exp_avg_sq")
+)
 def _vector_apply_op(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -213,18 +307,47 @@ def _vector_apply_op(
     backend: str,
 ) -> None:
     _impl(param.device, backend).vector_apply_(
-        param, grad.contiguous(), exp_avg_sq, workspace, beta2=beta2,
-        beta2_tensor=beta2_tensor, eps0=eps0, lr=lr, lr_tensor=lr_tensor, eps1=eps1,
-        clip_threshold=clip_threshold, weight_decay=weight_decay, inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor, clip_value=clip_value, clip_coef=clip_coef,
+        param,
+        grad.contiguous(),
+        exp_avg_sq,
+        workspace,
+        beta2=beta2,
+        beta2_tensor=beta2_tensor,
+        eps0=eps0,
+        lr=lr,
+        lr_tensor=lr_tensor,
+        eps1=eps1,
+        clip_threshold=clip_threshold,
+        weight_decay=weight_decay,
+        inv_scale=inv_scale,
+        inv_scale_tensor=inv_scale_tensor,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
         clip_coef_tensor=clip_coef_tensor,
     )
 
 
 @_vector_apply_op.register_fake
-def _(param, grad, exp_avg_sq, workspace, beta2, beta2_tensor, eps0, lr, lr_tensor, eps1,
-      clip_threshold, weight_decay, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-      clip_coef_tensor, backend):
+def _(
+    param,
+    grad,
+    exp_avg_sq,
+    workspace,
+    beta2,
+    beta2_tensor,
+    eps0,
+    lr,
+    lr_tensor,
+    eps1,
+    clip_threshold,
+    weight_decay,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    backend,
+):
     return None
 
 
@@ -233,8 +356,9 @@ def _(param, grad, exp_avg_sq, workspace, beta2, beta2_tensor, eps0, lr, lr_tens
 GradArgs = tuple[float, torch.Tensor | None, float | None, float, torch.Tensor | None]
 
 
-def _grad_args(inv_scale: Scalar, clip_value: float | None, clip_coef: Scalar | None,
-               device: torch.device) -> GradArgs:
+def _grad_args(
+    inv_scale: Scalar, clip_value: float | None, clip_coef: Scalar | None, device: torch.device
+) -> GradArgs:
     """(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor) as the ops take."""
     inv_f, inv_t = _split("inv_scale", inv_scale, device)
     coef_f, coef_t = _split("clip_coef", 1.0 if clip_coef is None else clip_coef, device)
@@ -293,15 +417,18 @@ def init_adalomo_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
     options = {"dtype": torch.float32, "device": param.device}
     if param.dim() >= 2:
         rows, cols = _rows_cols(param.shape)
-        return {"exp_avg_sq_row": torch.zeros(rows, **options),
-                "exp_avg_sq_col": torch.zeros(cols, **options)}
+        return {
+            "exp_avg_sq_row": torch.zeros(rows, **options),
+            "exp_avg_sq_col": torch.zeros(cols, **options),
+        }
     return {"exp_avg_sq": torch.zeros(param.numel(), **options)}
 
 
 def adalomo_workspace(param: torch.Tensor) -> torch.Tensor:
     """The zeroed fp32 workspace one step of `param` needs (one allocation, one launch)."""
-    return torch.zeros(adalomo_backends.workspace_numel(param.shape), dtype=torch.float32,
-                       device=param.device)
+    return torch.zeros(
+        adalomo_backends.workspace_numel(param.shape), dtype=torch.float32, device=param.device
+    )
 
 
 def adalomo_update_(
@@ -367,23 +494,44 @@ def adalomo_update_(
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         _check_state("exp_avg_sq_row", row, rows, device)
         _check_state("exp_avg_sq_col", col, cols, device)
-        ops.adalomo_factored_stats_(grad, param, workspace, found_inf, skip_if, cols, *ga,
-                                    eps0, name)
+        ops.adalomo_factored_stats_(
+            grad, param, workspace, found_inf, skip_if, cols, *ga, eps0, name
+        )
         ops.adalomo_factored_moments_(row, col, workspace, beta2_f, beta2_t, name)
         ops.adalomo_factored_norm_(grad, row, col, workspace, *ga, name)
-        ops.adalomo_factored_apply_(param, grad, row, col, workspace, lr_f, lr_t, eps1,
-                                    threshold, wd, *ga, name)
+        ops.adalomo_factored_apply_(
+            param, grad, row, col, workspace, lr_f, lr_t, eps1, threshold, wd, *ga, name
+        )
     else:
         v = state["exp_avg_sq"]
         _check_state("exp_avg_sq", v, param.numel(), device)
-        ops.adalomo_vector_stats_(grad, param, v, workspace, found_inf, skip_if, beta2_f,
-                                  beta2_t, eps0, *ga, name)
-        ops.adalomo_vector_apply_(param, grad, v, workspace, beta2_f, beta2_t, eps0, lr_f,
-                                  lr_t, eps1, threshold, wd, *ga, name)
+        ops.adalomo_vector_stats_(
+            grad, param, v, workspace, found_inf, skip_if, beta2_f, beta2_t, eps0, *ga, name
+        )
+        ops.adalomo_vector_apply_(
+            param,
+            grad,
+            v,
+            workspace,
+            beta2_f,
+            beta2_t,
+            eps0,
+            lr_f,
+            lr_t,
+            eps1,
+            threshold,
+            wd,
+            *ga,
+            name,
+        )
 
 
-def _check_factored(param_or_grad: torch.Tensor, row: torch.Tensor | None,
-                    col: torch.Tensor | None, workspace: torch.Tensor) -> None:
+def _check_factored(
+    param_or_grad: torch.Tensor,
+    row: torch.Tensor | None,
+    col: torch.Tensor | None,
+    workspace: torch.Tensor,
+) -> None:
     if param_or_grad.dim() < 2:
         raise ValueError("lomo_kernels: factored passes need a tensor with >= 2 dims")
     rows, cols = _rows_cols(param_or_grad.shape)
@@ -423,8 +571,16 @@ def adalomo_factored_stats_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_stats_(
-        grad, param, workspace, found_inf, skip_if, param.shape[-1], *ga, float(eps0),
-        backends.requested_backend(backend))
+        grad,
+        param,
+        workspace,
+        found_inf,
+        skip_if,
+        param.shape[-1],
+        *ga,
+        float(eps0),
+        backends.requested_backend(backend),
+    )
 
 
 def adalomo_factored_moments_(
@@ -445,8 +601,13 @@ def adalomo_factored_moments_(
     if rows * cols == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_moments_(
-        exp_avg_sq_row, exp_avg_sq_col, workspace, beta2_f, beta2_t,
-        backends.requested_backend(backend))
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        beta2_f,
+        beta2_t,
+        backends.requested_backend(backend),
+    )
 
 
 def adalomo_factored_norm_(
@@ -467,8 +628,8 @@ def adalomo_factored_norm_(
     if grad.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_norm_(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, *ga,
-        backends.requested_backend(backend))
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, *ga, backends.requested_backend(backend)
+    )
 
 
 def adalomo_factored_apply_(
@@ -502,8 +663,19 @@ def adalomo_factored_apply_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_apply_(
-        param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, lr_f, lr_t, float(eps1),
-        float(clip_threshold), float(weight_decay), *ga, backends.requested_backend(backend))
+        param,
+        grad,
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        lr_f,
+        lr_t,
+        float(eps1),
+        float(clip_threshold),
+        float(weight_decay),
+        *ga,
+        backends.requested_backend(backend),
+    )
 
 
 def adalomo_vector_stats_(
@@ -538,8 +710,18 @@ def adalomo_vector_stats_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_vector_stats_(
-        grad, param, exp_avg_sq, workspace, found_inf, skip_if, beta2_f, beta2_t,
-        float(eps0), *ga, backends.requested_backend(backend))
+        grad,
+        param,
+        exp_avg_sq,
+        workspace,
+        found_inf,
+        skip_if,
+        beta2_f,
+        beta2_t,
+        float(eps0),
+        *ga,
+        backends.requested_backend(backend),
+    )
 
 
 def adalomo_vector_apply_(
@@ -575,6 +757,18 @@ def adalomo_vector_apply_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_vector_apply_(
-        param, grad, exp_avg_sq, workspace, beta2_f, beta2_t, float(eps0), lr_f, lr_t,
-        float(eps1), float(clip_threshold), float(weight_decay), *ga,
-        backends.requested_backend(backend))
+        param,
+        grad,
+        exp_avg_sq,
+        workspace,
+        beta2_f,
+        beta2_t,
+        float(eps0),
+        lr_f,
+        lr_t,
+        float(eps1),
+        float(clip_threshold),
+        float(weight_decay),
+        *ga,
+        backends.requested_backend(backend),
+    )

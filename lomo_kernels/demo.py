@@ -28,9 +28,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def build_model(dtype: torch.dtype, seed: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=352,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).train()
 
@@ -41,18 +48,20 @@ def batches(seq: int, batch: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-        ids = torch.stack([data[s:s + seq] for s in starts.tolist()])
+        ids = torch.stack([data[s : s + seq] for s in starts.tolist()])
         yield {"input_ids": ids, "labels": ids}
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--optimizer", choices=["lomo", "adalomo"], default="lomo")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--lr", type=float, default=None,
-                        help="default 0.3 for lomo, 0.02 for adalomo")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="default 0.3 for lomo, 0.02 for adalomo"
+    )
     parser.add_argument("--clip-grad-norm", type=float, default=1.0)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
@@ -69,8 +78,10 @@ def main(argv: list[str] | None = None) -> float:
     device = next(model.parameters()).device
     backend = backends.backend_name(backends.resolve(device, args.backend))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: LLaMA architecture, {n_params / 1e6:.2f}M parameters, {args.dtype}, "
-          f"{device}; optimizer: {args.optimizer}; kernels: {backend} backend")
+    print(
+        f"model: LLaMA architecture, {n_params / 1e6:.2f}M parameters, {args.dtype}, "
+        f"{device}; optimizer: {args.optimizer}; kernels: {backend} backend"
+    )
 
     if args.optimizer == "lomo":
         lr = 0.3 if args.lr is None else args.lr
@@ -78,8 +89,7 @@ def main(argv: list[str] | None = None) -> float:
     else:
         lr = 0.02 if args.lr is None else args.lr
         opt = AdaLomo(model, lr=lr, clip_grad_norm=args.clip_grad_norm, backend=args.backend)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps,
-                                                          eta_min=lr * 0.1)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=lr * 0.1)
 
     data = batches(args.seq, args.batch, args.seed)
     probe = next(batches(args.seq, 16, args.seed + 1))
@@ -99,8 +109,10 @@ def main(argv: list[str] | None = None) -> float:
     elapsed = time.perf_counter() - began
     with torch.no_grad():
         end_loss = model(**probe).loss.item()
-    print(f"held-out windows: loss {start_loss:.3f} -> {end_loss:.3f}; "
-          f"{tokens / elapsed:,.0f} tokens/s over {args.steps} steps ({elapsed:.1f} s)")
+    print(
+        f"held-out windows: loss {start_loss:.3f} -> {end_loss:.3f}; "
+        f"{tokens / elapsed:,.0f} tokens/s over {args.steps} steps ({elapsed:.1f} s)"
+    )
     if getattr(opt, "loss_scaler", None) is not None:
         print(f"final fp16 loss scale: {opt.loss_scaler.scale.item():g}")
     if not end_loss < start_loss:

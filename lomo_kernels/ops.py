@@ -58,8 +58,23 @@ def _sgd_update_op(
 
 
 @_sgd_update_op.register_fake
-def _(param, grad, lr, lr_tensor, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-      clip_coef_tensor, weight_decay, found_inf, skip_if, stochastic_rounding, seed, backend):
+def _(
+    param,
+    grad,
+    lr,
+    lr_tensor,
+    inv_scale,
+    inv_scale_tensor,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor,
+    weight_decay,
+    found_inf,
+    skip_if,
+    stochastic_rounding,
+    seed,
+    backend,
+):
     return None
 
 
@@ -143,10 +158,21 @@ def fused_sgd_update_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.sgd_update_(
-        param, grad, lr_f, lr_t, inv_f, inv_t,
+        param,
+        grad,
+        lr_f,
+        lr_t,
+        inv_f,
+        inv_t,
         None if clip_value is None else float(clip_value),
-        coef_f, coef_t, float(weight_decay), found_inf, skip_if,
-        bool(stochastic_rounding), int(seed), backends.requested_backend(backend),
+        coef_f,
+        coef_t,
+        float(weight_decay),
+        found_inf,
+        skip_if,
+        bool(stochastic_rounding),
+        int(seed),
+        backends.requested_backend(backend),
     )
 
 

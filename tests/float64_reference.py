@@ -13,8 +13,9 @@ def as_f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def lomo_update_f64(param, grad, *, lr, inv_scale=1.0, clip_value=None, clip_coef=None,
-                    weight_decay=0.0):
+def lomo_update_f64(
+    param, grad, *, lr, inv_scale=1.0, clip_value=None, clip_coef=None, weight_decay=0.0
+):
     """(new param in float64, mask of non-finite gradient elements, float64 lr*g magnitude)."""
     lr = as_f32(lr)
     g = grad.double().reshape(-1) * as_f32(inv_scale)

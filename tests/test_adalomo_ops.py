@@ -39,8 +39,14 @@ CLIP_COEF = 0.37
 OPTIONS = {
     "plain": {},
     # Loss-scaled gradients, clipping by value and by norm, decay, device-tensor scalars.
-    "all": {"inv_scale": 1.0 / LOSS_SCALE, "clip_value": 1.5, "clip_coef": CLIP_COEF,
-            "weight_decay": 0.1, "clip_threshold": 0.8, "tensors": True},
+    "all": {
+        "inv_scale": 1.0 / LOSS_SCALE,
+        "clip_value": 1.5,
+        "clip_coef": CLIP_COEF,
+        "weight_decay": 0.1,
+        "clip_threshold": 0.8,
+        "tensors": True,
+    },
 }
 # fp32 results: relative to the operands of the last subtraction, max(|p|, |lr_t*update|);
 # the fp32 reductions (sums of p^2, u, update^2) carry relative errors far below this.
@@ -74,8 +80,20 @@ def make_grad(shape, dtype, step, inv_scale=1.0, seed=0):
 # ----------------------------------------------------------------------------- float64 model
 
 
-def adalomo_f64(param, grad, state, *, lr, beta2, eps=EPS, clip_threshold=1.0,
-                weight_decay=0.0, inv_scale=1.0, clip_value=None, clip_coef=None):
+def adalomo_f64(
+    param,
+    grad,
+    state,
+    *,
+    lr,
+    beta2,
+    eps=EPS,
+    clip_threshold=1.0,
+    weight_decay=0.0,
+    inv_scale=1.0,
+    clip_value=None,
+    clip_coef=None,
+):
     """One step from the current values: (new param, new state, |lr_t * update|), float64."""
     g = grad.double().reshape(-1) * inv_scale
     if clip_value is not None:
@@ -89,7 +107,7 @@ def adalomo_f64(param, grad, state, *, lr, beta2, eps=EPS, clip_threshold=1.0,
         g2, u2 = g.view(-1, cols), u.view(-1, cols)
         row = beta2 * state["exp_avg_sq_row"].double() + (1 - beta2) * u2.mean(dim=1)
         col = beta2 * state["exp_avg_sq_col"].double() + (1 - beta2) * u2.mean(dim=0)
-        update = (g2 * torch.rsqrt(row / row.mean())[:, None] * torch.rsqrt(col)[None, :])
+        update = g2 * torch.rsqrt(row / row.mean())[:, None] * torch.rsqrt(col)[None, :]
         update = update.reshape(-1)
         new_state = {"exp_avg_sq_row": row, "exp_avg_sq_col": col}
     else:
@@ -115,7 +133,8 @@ def check_param(out, ref, before, delta, dtype):
         i = int(bad.nonzero()[0])
         raise AssertionError(
             f"{int(bad.sum())} {dtype} elements out of bounds; first at {i}: out="
-            f"{out.reshape(-1)[i].item()!r} ref={ref[i].item()!r} bound={bound[i].item():.3g}")
+            f"{out.reshape(-1)[i].item()!r} ref={ref[i].item()!r} bound={bound[i].item():.3g}"
+        )
 
 
 def check_state(state, ref_state):
@@ -143,14 +162,16 @@ def run_steps(backend, shape, dtype, options, steps):
         grad = make_grad(shape, dtype, t, inv_scale)
         before = param.clone()
         prev_state = {k: v.clone() for k, v in (state or init_adalomo_state(param)).items()}
-        ref, ref_state, delta = adalomo_f64(before, grad, prev_state, lr=LR,
-                                            beta2=beta2_at(t), **model)
+        ref, ref_state, delta = adalomo_f64(
+            before, grad, prev_state, lr=LR, beta2=beta2_at(t), **model
+        )
         lr, beta2 = LR, beta2_at(t)
         if options.get("tensors"):
             lr, beta2 = torch.tensor([lr]), torch.tensor([beta2])
         found_inf = torch.zeros(1)
-        adalomo_update_(param, grad, state, lr=lr, beta2=beta2, found_inf=found_inf,
-                        backend=backend, **kwargs)
+        adalomo_update_(
+            param, grad, state, lr=lr, beta2=beta2, found_inf=found_inf, backend=backend, **kwargs
+        )
         assert found_inf.item() == 0.0
         check_param(param, ref, before, delta, dtype)
         check_state(state, ref_state)
@@ -216,8 +237,14 @@ def test_five_steps_match_official_adalomo(backend, shape, dtype):
     the official parameter is reset to ours before each step so each step is compared from
     the same starting point (different roundings would otherwise compound)."""
     param = make_param(shape, dtype)
-    opt, fuse_update = official_optimizer(param, lr=LR, loss_scale=LOSS_SCALE, clip_value=1.5,
-                                          clip_coef=torch.tensor(CLIP_COEF), weight_decay=0.1)
+    opt, fuse_update = official_optimizer(
+        param,
+        lr=LR,
+        loss_scale=LOSS_SCALE,
+        clip_value=1.5,
+        clip_coef=torch.tensor(CLIP_COEF),
+        weight_decay=0.1,
+    )
     official = opt.model.weight
     state = {}
     for t in range(1, 6):
@@ -227,17 +254,28 @@ def test_five_steps_match_official_adalomo(backend, shape, dtype):
         official.grad = grad.clone()
         opt.step_num = t  # fused_backward increments it before backward
         fuse_update(0)
-        adalomo_update_(param, grad, state, lr=LR, beta2=beta2_at(t), eps=EPS,
-                        inv_scale=1.0 / LOSS_SCALE, clip_value=1.5,
-                        clip_coef=torch.tensor([CLIP_COEF]), weight_decay=0.1,
-                        backend=backend)
+        adalomo_update_(
+            param,
+            grad,
+            state,
+            lr=LR,
+            beta2=beta2_at(t),
+            eps=EPS,
+            inv_scale=1.0 / LOSS_SCALE,
+            clip_value=1.5,
+            clip_coef=torch.tensor([CLIP_COEF]),
+            weight_decay=0.1,
+            backend=backend,
+        )
         ref = official.data.double().reshape(-1)
         check_param(param, ref, before, (before.double().reshape(-1) - ref).abs(), dtype)
         if len(shape) == 1:
             ref_state = {"exp_avg_sq": opt.exp_avg_sq["weight"].double()}
         else:
-            ref_state = {"exp_avg_sq_row": opt.exp_avg_sq_row["weight"].double(),
-                         "exp_avg_sq_col": opt.exp_avg_sq_col["weight"].double()}
+            ref_state = {
+                "exp_avg_sq_row": opt.exp_avg_sq_row["weight"].double(),
+                "exp_avg_sq_col": opt.exp_avg_sq_col["weight"].double(),
+            }
         check_state(state, ref_state)
 
 
@@ -276,16 +314,25 @@ def test_non_finite_gradient_leaves_tensor_untouched(backend, shape, dtype, valu
         snapshot = _snapshot(param, state)
         prev_state = {k: v.clone() for k, v in state.items()}
         found_inf = torch.zeros(1)
-        adalomo_update_(param, grad, state, lr=LR, beta2=beta2_at(t), found_inf=found_inf,
-                        backend=backend, **kwargs)
+        adalomo_update_(
+            param,
+            grad,
+            state,
+            lr=LR,
+            beta2=beta2_at(t),
+            found_inf=found_inf,
+            backend=backend,
+            **kwargs,
+        )
         assert found_inf.item() == float(poisoned)
         if poisoned:
             _assert_unchanged(param, state, snapshot)
         else:
             before = param.clone()
             before.view(torch.uint8).copy_(snapshot[0])
-            ref, ref_state, delta = adalomo_f64(before, grad, prev_state, lr=LR,
-                                                beta2=beta2_at(t), **model)
+            ref, ref_state, delta = adalomo_f64(
+                before, grad, prev_state, lr=LR, beta2=beta2_at(t), **model
+            )
             check_param(param, ref, before, delta, dtype)
             check_state(state, ref_state)
 
@@ -294,27 +341,50 @@ def test_non_finite_gradient_leaves_tensor_untouched(backend, shape, dtype, valu
 def test_skip_if_writes_nothing(backend, shape):
     dtype = torch.bfloat16
     param, state = make_param(shape, dtype), {}
-    adalomo_update_(param, make_grad(shape, dtype, 1), state, lr=LR, beta2=0.0,
-                    backend=backend)
+    adalomo_update_(param, make_grad(shape, dtype, 1), state, lr=LR, beta2=0.0, backend=backend)
     grad = make_grad(shape, dtype, 2)
     grad.view(-1)[3] = float("nan")  # a skipped call must not even report it
     snapshot = _snapshot(param, state)
     found_inf = torch.zeros(1)
     for skip_value in (1.0, -2.0, float("nan")):
-        adalomo_update_(param, grad, state, lr=LR, beta2=0.5, weight_decay=0.1,
-                        found_inf=found_inf, skip_if=torch.tensor([skip_value]),
-                        backend=backend)
+        adalomo_update_(
+            param,
+            grad,
+            state,
+            lr=LR,
+            beta2=0.5,
+            weight_decay=0.1,
+            found_inf=found_inf,
+            skip_if=torch.tensor([skip_value]),
+            backend=backend,
+        )
         _assert_unchanged(param, state, snapshot)
         assert found_inf.item() == 0.0
     # The GradScaler pattern: one flag as both skip_if and found_inf, already raised.
     flag = torch.ones(1)
-    adalomo_update_(param, make_grad(shape, dtype, 2), state, lr=LR, beta2=0.5,
-                    found_inf=flag, skip_if=flag, backend=backend)
+    adalomo_update_(
+        param,
+        make_grad(shape, dtype, 2),
+        state,
+        lr=LR,
+        beta2=0.5,
+        found_inf=flag,
+        skip_if=flag,
+        backend=backend,
+    )
     _assert_unchanged(param, state, snapshot)
     assert flag.item() == 1.0
     # skip_if == 0 updates normally.
-    adalomo_update_(param, make_grad(shape, dtype, 2), state, lr=LR, beta2=0.5,
-                    found_inf=found_inf, skip_if=torch.zeros(1), backend=backend)
+    adalomo_update_(
+        param,
+        make_grad(shape, dtype, 2),
+        state,
+        lr=LR,
+        beta2=0.5,
+        found_inf=found_inf,
+        skip_if=torch.zeros(1),
+        backend=backend,
+    )
     assert not torch.equal(_bits(param), snapshot[0])
     assert found_inf.item() == 0.0
 
@@ -352,8 +422,14 @@ class _RecordOps(TorchDispatchMode):
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         storages = {a.untyped_storage().data_ptr() for a in inputs}
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        numel = max((o.numel() for o in outs if isinstance(o, torch.Tensor)
-                     and o.untyped_storage().data_ptr() not in storages), default=0)
+        numel = max(
+            (
+                o.numel()
+                for o in outs
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in storages
+            ),
+            default=0,
+        )
         self.calls.append((str(func), numel))
         return out
 
@@ -363,9 +439,13 @@ def test_launches_and_single_workspace(backend, shape):
     """One zeroed workspace allocation, then one op (one launch) per pass; no host sync."""
     param, grad = make_param(shape, torch.bfloat16), make_grad(shape, torch.bfloat16, 1)
     state = init_adalomo_state(param)
-    scalars = {"lr": torch.tensor([LR]), "beta2": torch.tensor([0.5]),
-               "clip_coef": torch.tensor([0.5]), "found_inf": torch.zeros(1),
-               "skip_if": torch.zeros(1)}
+    scalars = {
+        "lr": torch.tensor([LR]),
+        "beta2": torch.tensor([0.5]),
+        "clip_coef": torch.tensor([0.5]),
+        "found_inf": torch.zeros(1),
+        "skip_if": torch.zeros(1),
+    }
     recorder = _RecordOps()
     with recorder:
         adalomo_update_(param, grad, state, backend=backend, **scalars)
@@ -373,13 +453,17 @@ def test_launches_and_single_workspace(backend, shape):
     ops = [n for n in names if n.startswith("lomo_kernels.")]
     allocs = [n for n in names if not n.startswith("lomo_kernels.")]
     if len(shape) >= 2:
-        assert ops == ["lomo_kernels.adalomo_factored_stats_.default",
-                       "lomo_kernels.adalomo_factored_moments_.default",
-                       "lomo_kernels.adalomo_factored_norm_.default",
-                       "lomo_kernels.adalomo_factored_apply_.default"]
+        assert ops == [
+            "lomo_kernels.adalomo_factored_stats_.default",
+            "lomo_kernels.adalomo_factored_moments_.default",
+            "lomo_kernels.adalomo_factored_norm_.default",
+            "lomo_kernels.adalomo_factored_apply_.default",
+        ]
     else:
-        assert ops == ["lomo_kernels.adalomo_vector_stats_.default",
-                       "lomo_kernels.adalomo_vector_apply_.default"]
+        assert ops == [
+            "lomo_kernels.adalomo_vector_stats_.default",
+            "lomo_kernels.adalomo_vector_apply_.default",
+        ]
     assert allocs == ["aten.zeros.default"], allocs
     assert not any("_local_scalar_dense" in n or "is_nonzero" in n for n in names)
 
@@ -391,26 +475,39 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
     param, grad = make_param(shape, torch.bfloat16), make_grad(shape, torch.bfloat16, 1)
     assert param.numel() > reference.CHUNK
     state, workspace = init_adalomo_state(param), adalomo_workspace(param)
-    grad_kw = {"inv_scale": 1.0, "inv_scale_tensor": None, "clip_value": 0.5,
-               "clip_coef": 1.0, "clip_coef_tensor": torch.tensor([0.5])}
-    step_kw = {"lr": 1.0, "lr_tensor": torch.tensor([LR]), "eps1": 1e-3,
-               "clip_threshold": 1.0, "weight_decay": 0.1}
+    grad_kw = {
+        "inv_scale": 1.0,
+        "inv_scale_tensor": None,
+        "clip_value": 0.5,
+        "clip_coef": 1.0,
+        "clip_coef_tensor": torch.tensor([0.5]),
+    }
+    step_kw = {
+        "lr": 1.0,
+        "lr_tensor": torch.tensor([LR]),
+        "eps1": 1e-3,
+        "clip_threshold": 1.0,
+        "weight_decay": 0.1,
+    }
     beta_kw = {"beta2": 0.5, "beta2_tensor": None}
     recorder = _RecordOps()
     with recorder:
         if len(shape) >= 2:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            reference.factored_stats_(grad, param, workspace, torch.zeros(1), None,
-                                      cols=shape[-1], eps0=1e-30, **grad_kw)
+            reference.factored_stats_(
+                grad, param, workspace, torch.zeros(1), None, cols=shape[-1], eps0=1e-30, **grad_kw
+            )
             reference.factored_moments_(row, col, workspace, **beta_kw)
             reference.factored_norm_(grad, row, col, workspace, **grad_kw)
             reference.factored_apply_(param, grad, row, col, workspace, **step_kw, **grad_kw)
         else:
             v = state["exp_avg_sq"]
-            reference.vector_stats_(grad, param, v, workspace, torch.zeros(1), None,
-                                    eps0=1e-30, **beta_kw, **grad_kw)
-            reference.vector_apply_(param, grad, v, workspace, eps0=1e-30, **beta_kw,
-                                    **step_kw, **grad_kw)
+            reference.vector_stats_(
+                grad, param, v, workspace, torch.zeros(1), None, eps0=1e-30, **beta_kw, **grad_kw
+            )
+            reference.vector_apply_(
+                param, grad, v, workspace, eps0=1e-30, **beta_kw, **step_kw, **grad_kw
+            )
     vectors = workspace.numel()
     largest = max(numel for _, numel in recorder.calls)
     assert largest <= max(reference.CHUNK, vectors), largest
@@ -424,8 +521,16 @@ def test_compiled_step_matches_eager_without_graph_breaks():
     torch._dynamo.reset()
 
     def step(param, grad, state, lr, beta2, found_inf):
-        adalomo_update_(param, grad, state, lr=lr, beta2=beta2, found_inf=found_inf,
-                        weight_decay=0.1, backend="cpp")
+        adalomo_update_(
+            param,
+            grad,
+            state,
+            lr=lr,
+            beta2=beta2,
+            found_inf=found_inf,
+            weight_decay=0.1,
+            backend="cpp",
+        )
         return found_inf + 0
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -443,10 +548,13 @@ def test_compiled_step_matches_eager_without_graph_breaks():
 
 
 def test_init_state_shapes():
-    assert {k: tuple(v.shape) for k, v in init_adalomo_state(torch.empty(4, 5, 6)).items()} \
-        == {"exp_avg_sq_row": (20,), "exp_avg_sq_col": (6,)}
-    assert {k: tuple(v.shape) for k, v in init_adalomo_state(torch.empty(9)).items()} \
-        == {"exp_avg_sq": (9,)}
+    assert {k: tuple(v.shape) for k, v in init_adalomo_state(torch.empty(4, 5, 6)).items()} == {
+        "exp_avg_sq_row": (20,),
+        "exp_avg_sq_col": (6,),
+    }
+    assert {k: tuple(v.shape) for k, v in init_adalomo_state(torch.empty(9)).items()} == {
+        "exp_avg_sq": (9,)
+    }
     state = init_adalomo_state(torch.empty(3, 2, dtype=torch.bfloat16))
     assert all(v.dtype == torch.float32 and not v.any() for v in state.values())
 
@@ -455,8 +563,13 @@ def test_invalid_state_is_rejected_before_anything_is_written():
     param, grad = make_param((4, 5), torch.float32), make_grad((4, 5), torch.float32, 1)
     before = param.clone()
     with pytest.raises(ValueError, match="exp_avg_sq_col"):
-        adalomo_update_(param, grad, {"exp_avg_sq_row": torch.zeros(4),
-                                      "exp_avg_sq_col": torch.zeros(4)}, lr=LR, beta2=0.5)
+        adalomo_update_(
+            param,
+            grad,
+            {"exp_avg_sq_row": torch.zeros(4), "exp_avg_sq_col": torch.zeros(4)},
+            lr=LR,
+            beta2=0.5,
+        )
     with pytest.raises(ValueError, match="beta2"):
         adalomo_update_(param, grad, {}, lr=LR, beta2=1.5)
     assert torch.equal(param, before)
@@ -472,16 +585,39 @@ def test_opcheck(name):
     ws2[-1] = row.sum()
     grad_args = (0.5, None, 2.0, 1.0, torch.tensor([0.9]))
     cases = [
-        (ops.adalomo_factored_stats_, (g2, p2, ws2, torch.zeros(1), None, 10, *grad_args,
-                                       1e-30, name)),
+        (
+            ops.adalomo_factored_stats_,
+            (g2, p2, ws2, torch.zeros(1), None, 10, *grad_args, 1e-30, name),
+        ),
         (ops.adalomo_factored_moments_, (row, col, ws2, 0.5, torch.tensor([1.0]), name)),
         (ops.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args, name)),
-        (ops.adalomo_factored_apply_, (p2, g2, row, col, ws2, 0.1, None, 1e-3, 1.0, 0.1,
-                                       *grad_args, name)),
-        (ops.adalomo_vector_stats_, (g1, p1, v, ws1, torch.zeros(1), torch.zeros(1), 0.5,
-                                     None, 1e-30, *grad_args, name)),
-        (ops.adalomo_vector_apply_, (p1, g1, v, ws1, 0.5, None, 1e-30, 0.1,
-                                     torch.tensor([1.0]), 1e-3, 1.0, 0.0, *grad_args, name)),
+        (
+            ops.adalomo_factored_apply_,
+            (p2, g2, row, col, ws2, 0.1, None, 1e-3, 1.0, 0.1, *grad_args, name),
+        ),
+        (
+            ops.adalomo_vector_stats_,
+            (g1, p1, v, ws1, torch.zeros(1), torch.zeros(1), 0.5, None, 1e-30, *grad_args, name),
+        ),
+        (
+            ops.adalomo_vector_apply_,
+            (
+                p1,
+                g1,
+                v,
+                ws1,
+                0.5,
+                None,
+                1e-30,
+                0.1,
+                torch.tensor([1.0]),
+                1e-3,
+                1.0,
+                0.0,
+                *grad_args,
+                name,
+            ),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op.default, args)
@@ -518,10 +654,24 @@ def test_cuda_kernels_compile_with_nvcc(arch, tmp_path):
     if nvcc is None:
         pytest.skip("nvcc is not installed")
     result = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", "-c", str(CSRC / "adalomo_cuda.cu"), "-I", str(CSRC),
-         "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-warn-spills",
-         "-o", str(tmp_path / "adalomo_cuda.o")],
-        capture_output=True, text=True, timeout=300,
+        [
+            nvcc,
+            "-std=c++17",
+            "-O3",
+            "-c",
+            str(CSRC / "adalomo_cuda.cu"),
+            "-I",
+            str(CSRC),
+            "-gencode",
+            f"arch=compute_{arch},code=sm_{arch}",
+            "-Xptxas",
+            "-warn-spills",
+            "-o",
+            str(tmp_path / "adalomo_cuda.o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "spill" not in result.stderr.lower(), result.stderr[-4000:]
@@ -565,8 +715,13 @@ def test_triton_kernels_compile_for_sm90():
     interpreter accepts but the compiler rejects. A fresh process, since this one decorated
     the kernels for the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    result = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True,
-                            text=True, timeout=300, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "compiled 6" in result.stdout

@@ -80,8 +80,11 @@ def test_state_only_for_trainable_parameters_on_their_device():
     assert opt.state[weight]["exp_avg_sq_row"].shape == (weight.shape[0],)
     assert opt.state[weight]["exp_avg_sq_col"].shape == (weight.shape[1],)
     assert opt.state[norm]["exp_avg_sq"].shape == norm.shape
-    assert all(v.dtype == torch.float32 and v.device == weight.device
-               for s in opt.state.values() for v in s.values())
+    assert all(
+        v.dtype == torch.float32 and v.device == weight.device
+        for s in opt.state.values()
+        for v in s.values()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -121,8 +124,11 @@ def test_fp16_overflow_changes_nothing_including_moments():
         opt.fused_backward(model(**batch(step)).loss)
         if step == 2:
             assert unchanged(model, before)
-            assert all(torch.equal(v, moments[id(p)][k])
-                       for p, s in opt.state.items() for k, v in s.items())
+            assert all(
+                torch.equal(v, moments[id(p)][k])
+                for p, s in opt.state.items()
+                for k, v in s.items()
+            )
         else:
             assert not unchanged(model, before)
 
@@ -137,13 +143,16 @@ def test_loss_falls_bf16():
     assert model(**fixed).loss.item() < first - 0.5
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"clip_grad_norm": 0.0}, "positive"),
-    ({"lr": float("nan")}, "lr must be"),
-    ({"decay_rate": 0.5}, "decay_rate"),
-    ({"clip_threshold": 0.0}, "clip_threshold"),
-    ({"loss_scale": 0.0}, "loss_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"clip_grad_norm": 0.0}, "positive"),
+        ({"lr": float("nan")}, "lr must be"),
+        ({"decay_rate": 0.5}, "decay_rate"),
+        ({"clip_threshold": 0.0}, "clip_threshold"),
+        ({"loss_scale": 0.0}, "loss_scale"),
+    ],
+)
 def test_bad_arguments_raise_before_hooks(kwargs, message):
     model = tiny_llama()
     with pytest.raises(ValueError, match=message):

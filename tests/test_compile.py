@@ -12,8 +12,9 @@ from lomo_kernels import Lomo
 
 def mlp():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(),
-                               torch.nn.Linear(48, 5)).to(torch.bfloat16)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 5)).to(
+        torch.bfloat16
+    )
 
 
 def loss_of(model, step):
@@ -45,8 +46,13 @@ def test_compiled_training_matches_eager(mode):
     dynamo_utils.counters.clear()
     eager = train(mlp(), 6)
     graphs = []
-    compiled = train(mlp(), 6, compile_forward=True,
-                     compile_backward=mode == "forward_and_compiled_autograd", graphs_seen=graphs)
+    compiled = train(
+        mlp(),
+        6,
+        compile_forward=True,
+        compile_backward=mode == "forward_and_compiled_autograd",
+        graphs_seen=graphs,
+    )
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
         assert torch.equal(a, b)
     assert not dynamo_utils.counters["graph_break"]

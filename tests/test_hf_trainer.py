@@ -28,10 +28,22 @@ def dataset(n=8):
 
 
 def args(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=12,
-                learning_rate=0.3, lr_scheduler_type="linear", weight_decay=0.01,
-                max_grad_norm=1.0, report_to=[], logging_steps=1, save_strategy="no",
-                use_cpu=True, optim="lomo", dataloader_num_workers=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=12,
+        learning_rate=0.3,
+        lr_scheduler_type="linear",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        optim="lomo",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     base.update(overrides)
     return TrainingArguments(**base)
 
@@ -40,8 +52,9 @@ def args(tmp_path, **overrides):
 def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
     model = tiny_llama()
     lr = 0.3 if optim == "lomo" else 0.05
-    trainer = RecordingTrainer(model=model, args=args(tmp_path, optim=optim, learning_rate=lr),
-                               train_dataset=dataset())
+    trainer = RecordingTrainer(
+        model=model, args=args(tmp_path, optim=optim, learning_rate=lr), train_dataset=dataset()
+    )
     trainer.train()
     opt = trainer._lomo()
     assert type(opt).__name__ == {"lomo": "Lomo", "adalomo": "AdaLomo"}[optim]
@@ -56,16 +69,23 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
 
 def test_trainer_refuses_gradient_accumulation(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
-        LomoTrainer(model=tiny_llama(), args=args(tmp_path, gradient_accumulation_steps=4),
-                    train_dataset=dataset())
+        LomoTrainer(
+            model=tiny_llama(),
+            args=args(tmp_path, gradient_accumulation_steps=4),
+            train_dataset=dataset(),
+        )
 
 
 def test_trainer_uses_a_given_optimizer(tmp_path):
     model = tiny_llama()
     opt = Lomo(model, lr=0.2, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    trainer = LomoTrainer(model=model, args=args(tmp_path, max_steps=3),
-                          train_dataset=dataset(), optimizers=(opt, sched))
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=3),
+        train_dataset=dataset(),
+        optimizers=(opt, sched),
+    )
     trainer.train()
     assert trainer._lomo() is opt and opt.step_count == 3
 
@@ -74,7 +94,11 @@ def test_plain_trainer_with_lomo_explains_what_to_use(tmp_path):
     model = tiny_llama()
     opt = Lomo(model, lr=0.2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    trainer = Trainer(model=model, args=args(tmp_path, max_steps=2, optim="adamw_torch"),
-                      train_dataset=dataset(), optimizers=(opt, sched))
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=2, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(opt, sched),
+    )
     with pytest.raises(RuntimeError, match="LomoTrainer"):
         trainer.train()

@@ -22,8 +22,9 @@ def train_ours(model, steps=STEPS, lr=0.05, call_grad_norm=False, **kwargs):
     return opt
 
 
-def train_sgd(model, steps=STEPS, lr=0.05, weight_decay=0.0, clip_grad_norm=None,
-              clip_grad_value=None):
+def train_sgd(
+    model, steps=STEPS, lr=0.05, weight_decay=0.0, clip_grad_norm=None, clip_grad_value=None
+):
     opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
     for step in range(steps):
         loss = model(**batch(step)).loss

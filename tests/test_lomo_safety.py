@@ -15,18 +15,22 @@ def snapshot(model):
 
 
 def unchanged(model, snap):
-    return all(torch.equal(p.view(torch.uint8), s.view(torch.uint8))
-               for p, s in zip(model.parameters(), snap, strict=True))
+    return all(
+        torch.equal(p.view(torch.uint8), s.view(torch.uint8))
+        for p, s in zip(model.parameters(), snap, strict=True)
+    )
 
 
 def poison(param, steps_to_poison, counter):
     """Gradient hook writing an inf into `param`'s gradient on the chosen steps."""
+
     def hook(grad):
         step = counter["step"]
         if step in steps_to_poison:
             grad = grad.clone()
             grad.view(-1)[grad.numel() // 2] = float("inf")
         return grad
+
     param.register_hook(hook)
 
 
@@ -105,8 +109,11 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("dtype,clip", [(torch.float16, None), (torch.bfloat16, 1.0),
-                                        (torch.float32, None)], ids=["fp16", "bf16_clip", "fp32"])
+@pytest.mark.parametrize(
+    "dtype,clip",
+    [(torch.float16, None), (torch.bfloat16, 1.0), (torch.float32, None)],
+    ids=["fp16", "bf16_clip", "fp32"],
+)
 def test_no_host_sync_in_fused_backward(dtype, clip):
     model = tiny_llama(dtype)
     opt = Lomo(model, lr=0.05, clip_grad_norm=clip, clip_grad_value=1.0, weight_decay=0.01)
@@ -117,16 +124,23 @@ def test_no_host_sync_in_fused_backward(dtype, clip):
 
 
 BAD_MODELS = {
-    "no trainable": (lambda m: [p.requires_grad_(False) for p in m.parameters()],
-                     {}, ValueError, "no trainable parameters"),
+    "no trainable": (
+        lambda m: [p.requires_grad_(False) for p in m.parameters()],
+        {},
+        ValueError,
+        "no trainable parameters",
+    ),
     "float64": (lambda m: m.double(), {}, TypeError, "float64"),
     "clip_grad_norm 0": (lambda m: None, {"clip_grad_norm": 0.0}, ValueError, "positive"),
-    "clip_grad_norm negative": (lambda m: None, {"clip_grad_norm": -1.0}, ValueError,
-                                "positive"),
+    "clip_grad_norm negative": (lambda m: None, {"clip_grad_norm": -1.0}, ValueError, "positive"),
     "negative lr": (lambda m: None, {"lr": -0.1}, ValueError, "lr must be"),
     "nan lr": (lambda m: None, {"lr": float("nan")}, ValueError, "lr must be"),
-    "bad loss_scale_args": (lambda m: m.half(), {"loss_scale_args": {"init": 1}}, ValueError,
-                            "unknown loss_scale_args"),
+    "bad loss_scale_args": (
+        lambda m: m.half(),
+        {"loss_scale_args": {"init": 1}},
+        ValueError,
+        "unknown loss_scale_args",
+    ),
 }
 
 

@@ -20,8 +20,9 @@ SHAPES = [(1, 64), (2, 256)]
 STEPS = 3  # step 0 is not measured; two measured steps agree to < 0.1 MB here
 TOLERANCE = 1.05
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="reads /proc/self/status and /proc/self/clear_refs")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/status and /proc/self/clear_refs"
+)
 
 
 def _load_bench() -> ModuleType:
@@ -49,7 +50,8 @@ def measured(bench: ModuleType) -> dict[tuple[str, int, int], dict[str, Any]]:
 
 @pytest.mark.parametrize(("batch", "seq"), SHAPES)
 def test_fused_backward_peak_within_activations_plus_one_gradient(
-        measured: dict[tuple[str, int, int], dict[str, Any]], batch: int, seq: int) -> None:
+    measured: dict[tuple[str, int, int], dict[str, Any]], batch: int, seq: int
+) -> None:
     graph = measured[("forward_graph", batch, seq)]
     lomo = measured[("lomo", batch, seq)]
     grad_mb = lomo["largest_param_numel"] * 2 / 2**20  # bf16 gradient of the largest tensor
@@ -63,7 +65,8 @@ def test_fused_backward_peak_within_activations_plus_one_gradient(
 
 
 def test_fused_backward_holds_far_less_than_sgd(
-        measured: dict[tuple[str, int, int], dict[str, Any]]) -> None:
+    measured: dict[tuple[str, int, int], dict[str, Any]],
+) -> None:
     # At 1x64 SGD's peak is all gradients at the end of backward; LOMO must not keep them.
     # (At 2x256 both peak in the loss's backward, before any parameter gradient exists.)
     sgd = measured[("sgd", *SHAPES[0])]

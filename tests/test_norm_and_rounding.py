@@ -44,7 +44,8 @@ def test_sumsq_tensor_inv_scale(backend):
 
 def test_clip_coef_from_sumsq():
     assert ops.clip_coef_from_sumsq(torch.tensor([4.0]), 1.0).item() == pytest.approx(
-        1.0 / (2.0 + 1e-6))
+        1.0 / (2.0 + 1e-6)
+    )
     assert ops.clip_coef_from_sumsq(torch.tensor([0.25]), 1.0).item() == 1.0
     with pytest.raises(ValueError, match="max_norm"):
         ops.clip_coef_from_sumsq(torch.tensor([1.0]), 0.0)
@@ -54,8 +55,7 @@ def _sr_step(backend, n, seed, value=1.0, delta=0.3 * 2.0**-7):
     """bf16 param at `value`, updated by `delta` (a fraction of a bf16 ulp) with SR."""
     param = torch.full((n,), value, dtype=torch.bfloat16)
     grad = torch.full((n,), -delta, dtype=torch.float32)
-    ops.fused_sgd_update_(param, grad, lr=1.0, stochastic_rounding=True, seed=seed,
-                          backend=backend)
+    ops.fused_sgd_update_(param, grad, lr=1.0, stochastic_rounding=True, seed=seed, backend=backend)
     return param
 
 
@@ -98,12 +98,14 @@ def test_stochastic_rounding_keeps_exact_values_and_specials(backend):
     grad = torch.zeros(4)
     for seed in range(20):
         out = param.clone()
-        ops.fused_sgd_update_(out, grad, lr=1.0, stochastic_rounding=True, seed=seed,
-                              backend=backend)
+        ops.fused_sgd_update_(
+            out, grad, lr=1.0, stochastic_rounding=True, seed=seed, backend=backend
+        )
         assert torch.equal(out, param)
 
 
 def test_stochastic_rounding_rejects_non_bf16():
     with pytest.raises(ValueError, match="bfloat16"):
-        ops.fused_sgd_update_(torch.zeros(4, dtype=torch.float16), torch.zeros(4), lr=0.1,
-                              stochastic_rounding=True)
+        ops.fused_sgd_update_(
+            torch.zeros(4, dtype=torch.float16), torch.zeros(4), lr=0.1, stochastic_rounding=True
+        )

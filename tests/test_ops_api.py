@@ -13,8 +13,23 @@ from lomo_kernels import backends, ops
 def _sample_update_args(param_dtype=torch.bfloat16):
     param = torch.randn(33, dtype=param_dtype)
     grad = torch.randn(33, dtype=torch.float16)
-    return (param, grad, 0.1, torch.tensor([0.5]), 0.25, None, 1.0, 1.0, torch.tensor([0.9]),
-            0.01, torch.zeros(1), None, False, 0, "torch")
+    return (
+        param,
+        grad,
+        0.1,
+        torch.tensor([0.5]),
+        0.25,
+        None,
+        1.0,
+        1.0,
+        torch.tensor([0.9]),
+        0.01,
+        torch.zeros(1),
+        None,
+        False,
+        0,
+        "torch",
+    )
 
 
 @pytest.mark.parametrize("name", ["torch", "cpp"])
@@ -26,8 +41,7 @@ def test_opcheck_update(name):
 
 @pytest.mark.parametrize("name", ["torch", "cpp"])
 def test_opcheck_sumsq(name):
-    args = (torch.randn(100, dtype=torch.bfloat16), 0.5, None, torch.zeros(1), torch.zeros(1),
-            name)
+    args = (torch.randn(100, dtype=torch.bfloat16), 0.5, None, torch.zeros(1), torch.zeros(1), name)
     torch.library.opcheck(torch.ops.lomo_kernels.grad_sumsq_.default, args)
 
 
@@ -86,19 +100,23 @@ def test_unavailable_backend_warns_once_and_falls_back(monkeypatch):
 BAD_CALLS = {
     "sparse grad": (lambda: (torch.zeros(4, 4), torch.zeros(4, 4).to_sparse(), {}), "sparse"),
     "int param": (lambda: (torch.zeros(4, dtype=torch.int32), torch.zeros(4), {}), "int32"),
-    "float64 grad": (lambda: (torch.zeros(4), torch.zeros(4, dtype=torch.float64), {}),
-                     "float64"),
+    "float64 grad": (lambda: (torch.zeros(4), torch.zeros(4, dtype=torch.float64), {}), "float64"),
     "numel mismatch": (lambda: (torch.zeros(4), torch.zeros(5), {}), "elements"),
-    "non-contiguous param": (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4), {}),
-                             "contiguous"),
+    "non-contiguous param": (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4), {}), "contiguous"),
     "negative lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": -1.0}), "lr must be >= 0"),
     "nan lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": float("nan")}), "finite"),
-    "clip_value 0": (lambda: (torch.zeros(4), torch.zeros(4), {"clip_value": 0.0}),
-                     "clip_value must be > 0"),
-    "lr tensor fp64": (lambda: (torch.zeros(4), torch.zeros(4),
-                                {"lr": torch.tensor([0.1], dtype=torch.float64)}), "float32"),
-    "found_inf shape": (lambda: (torch.zeros(4), torch.zeros(4), {"found_inf": torch.zeros(2)}),
-                        "1-element"),
+    "clip_value 0": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"clip_value": 0.0}),
+        "clip_value must be > 0",
+    ),
+    "lr tensor fp64": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"lr": torch.tensor([0.1], dtype=torch.float64)}),
+        "float32",
+    ),
+    "found_inf shape": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"found_inf": torch.zeros(2)}),
+        "1-element",
+    ),
     "meta grad": (lambda: (torch.zeros(4), torch.zeros(4, device="meta"), {}), "meta"),
 }
 

@@ -79,8 +79,9 @@ def test_device_tensor_scalars(backend, param_dtype):
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=str)
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("n", [7, 4097, 278011], ids=lambda n: f"n{n}")
-@pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"),
-                                    ("bf16", "fp32")], ids="-".join)
+@pytest.mark.parametrize(
+    "dtypes", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "fp32")], ids="-".join
+)
 def test_non_finite_gradient_elements(backend, dtypes, n, where, value):
     param_dtype, grad_dtype = DTYPES[dtypes[0]], DTYPES[dtypes[1]]
     param, grad = make_inputs(n, param_dtype, grad_dtype)
@@ -89,19 +90,24 @@ def test_non_finite_gradient_elements(backend, dtypes, n, where, value):
     ref, bad, lr_g = lomo_update_f64(param, grad, lr=LR, **OPTIONS["all"])
     original = param.clone()
     found_inf = torch.zeros(1)
-    ops.fused_sgd_update_(param, grad, lr=LR, found_inf=found_inf, backend=backend,
-                          **OPTIONS["all"])
+    ops.fused_sgd_update_(
+        param, grad, lr=LR, found_inf=found_inf, backend=backend, **OPTIONS["all"]
+    )
     assert found_inf.item() == 1.0
     # The poisoned element keeps its exact bits (clamping must not launder inf into a step).
-    assert torch.equal(param.view(-1)[index:index + 1].view(torch.uint8),
-                       original.view(-1)[index:index + 1].view(torch.uint8))
+    assert torch.equal(
+        param.view(-1)[index : index + 1].view(torch.uint8),
+        original.view(-1)[index : index + 1].view(torch.uint8),
+    )
     assert torch.isfinite(param).all()
-    assert_within_ulp(param, ref, param_dtype, mask=~bad,
-                      **bound_kwargs(param_dtype, original, lr_g))
+    assert_within_ulp(
+        param, ref, param_dtype, mask=~bad, **bound_kwargs(param_dtype, original, lr_g)
+    )
 
 
-@pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp16")],
-                         ids="-".join)
+@pytest.mark.parametrize(
+    "dtypes", [("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp16")], ids="-".join
+)
 @pytest.mark.parametrize("explicit_skip", [False, True], ids=["found_inf", "skip_if"])
 def test_preset_flag_writes_nothing(backend, dtypes, explicit_skip):
     param, grad = make_inputs(4097, DTYPES[dtypes[0]], DTYPES[dtypes[1]])
@@ -109,8 +115,9 @@ def test_preset_flag_writes_nothing(backend, dtypes, explicit_skip):
     original = param.clone()
     found_inf = torch.ones(1)
     skip_if = torch.full((1,), 3.0) if explicit_skip else None
-    ops.fused_sgd_update_(param, grad, lr=LR, found_inf=found_inf, skip_if=skip_if,
-                          backend=backend, weight_decay=0.1)
+    ops.fused_sgd_update_(
+        param, grad, lr=LR, found_inf=found_inf, skip_if=skip_if, backend=backend, weight_decay=0.1
+    )
     assert torch.equal(param.view(torch.uint8), original.view(torch.uint8))
     assert found_inf.item() == 1.0
 
@@ -120,8 +127,7 @@ def test_skip_if_zero_updates_and_records(backend):
     grad[-1] = float("inf")
     before = param.clone()
     found_inf, skip_if = torch.zeros(1), torch.zeros(1)
-    ops.fused_sgd_update_(param, grad, lr=LR, found_inf=found_inf, skip_if=skip_if,
-                          backend=backend)
+    ops.fused_sgd_update_(param, grad, lr=LR, found_inf=found_inf, skip_if=skip_if, backend=backend)
     assert found_inf.item() == 1.0 and skip_if.item() == 0.0
     assert not torch.equal(param[:-1], before[:-1])
 

@@ -151,8 +151,19 @@ def factored_stats_(
 ) -> None:
     """Pass A (see `reference.factored_stats_`)."""
     _module(grad.device.type).factored_stats_(
-        grad, param, workspace, found_inf, skip_if, int(cols), float(inv_scale),
-        inv_scale_tensor, _opt(clip_value), float(clip_coef), clip_coef_tensor, float(eps0))
+        grad,
+        param,
+        workspace,
+        found_inf,
+        skip_if,
+        int(cols),
+        float(inv_scale),
+        inv_scale_tensor,
+        _opt(clip_value),
+        float(clip_coef),
+        clip_coef_tensor,
+        float(eps0),
+    )
 
 
 def factored_moments_(
@@ -165,7 +176,8 @@ def factored_moments_(
 ) -> None:
     """Row/column moments and sum(R) (see `reference.factored_moments_`)."""
     _module(workspace.device.type).factored_moments_(
-        exp_avg_sq_row, exp_avg_sq_col, workspace, float(beta2), beta2_tensor)
+        exp_avg_sq_row, exp_avg_sq_col, workspace, float(beta2), beta2_tensor
+    )
 
 
 def factored_norm_(
@@ -182,8 +194,16 @@ def factored_norm_(
 ) -> None:
     """Pass B (see `reference.factored_norm_`)."""
     _module(grad.device.type).factored_norm_(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, float(inv_scale), inv_scale_tensor,
-        _opt(clip_value), float(clip_coef), clip_coef_tensor)
+        grad,
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        float(inv_scale),
+        inv_scale_tensor,
+        _opt(clip_value),
+        float(clip_coef),
+        clip_coef_tensor,
+    )
 
 
 def factored_apply_(
@@ -206,9 +226,22 @@ def factored_apply_(
 ) -> None:
     """Pass C (see `reference.factored_apply_`)."""
     _module(param.device.type).factored_apply_(
-        param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, float(lr), lr_tensor,
-        float(eps1), float(clip_threshold), float(weight_decay), float(inv_scale),
-        inv_scale_tensor, _opt(clip_value), float(clip_coef), clip_coef_tensor)
+        param,
+        grad,
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        float(lr),
+        lr_tensor,
+        float(eps1),
+        float(clip_threshold),
+        float(weight_decay),
+        float(inv_scale),
+        inv_scale_tensor,
+        _opt(clip_value),
+        float(clip_coef),
+        clip_coef_tensor,
+    )
 
 
 def vector_stats_(
@@ -230,9 +263,21 @@ def vector_stats_(
 ) -> None:
     """Pass A1 (see `reference.vector_stats_`)."""
     _module(grad.device.type).vector_stats_(
-        grad, param, exp_avg_sq, workspace, found_inf, skip_if, float(beta2), beta2_tensor,
-        float(eps0), float(inv_scale), inv_scale_tensor, _opt(clip_value), float(clip_coef),
-        clip_coef_tensor)
+        grad,
+        param,
+        exp_avg_sq,
+        workspace,
+        found_inf,
+        skip_if,
+        float(beta2),
+        beta2_tensor,
+        float(eps0),
+        float(inv_scale),
+        inv_scale_tensor,
+        _opt(clip_value),
+        float(clip_coef),
+        clip_coef_tensor,
+    )
 
 
 def vector_apply_(
@@ -257,6 +302,21 @@ def vector_apply_(
 ) -> None:
     """Pass C1 (see `reference.vector_apply_`)."""
     _module(param.device.type).vector_apply_(
-        param, grad, exp_avg_sq, workspace, float(beta2), beta2_tensor, float(eps0), float(lr),
-        lr_tensor, float(eps1), float(clip_threshold), float(weight_decay), float(inv_scale),
-        inv_scale_tensor, _opt(clip_value), float(clip_coef), clip_coef_tensor)
+        param,
+        grad,
+        exp_avg_sq,
+        workspace,
+        float(beta2),
+        beta2_tensor,
+        float(eps0),
+        float(lr),
+        lr_tensor,
+        float(eps1),
+        float(clip_threshold),
+        float(weight_decay),
+        float(inv_scale),
+        inv_scale_tensor,
+        _opt(clip_value),
+        float(clip_coef),
+        clip_coef_tensor,
+    )

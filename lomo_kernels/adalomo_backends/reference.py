@@ -54,9 +54,14 @@ def _spans(n: int) -> Iterator[tuple[int, int]]:
 class _GradTransform:
     """Turns stored gradient values into the fp32 g of the math (scalars resolved once)."""
 
-    def __init__(self, inv_scale: float, inv_scale_tensor: torch.Tensor | None,
-                 clip_value: float | None, clip_coef: float,
-                 clip_coef_tensor: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        inv_scale: float,
+        inv_scale_tensor: torch.Tensor | None,
+        clip_value: float | None,
+        clip_coef: float,
+        clip_coef_tensor: torch.Tensor | None,
+    ) -> None:
         self.inv_scale = _effective(inv_scale, inv_scale_tensor)
         self.clip_value = clip_value
         self.has_coef = clip_coef_tensor is not None or clip_coef != 1.0
@@ -74,7 +79,7 @@ class _GradTransform:
 
 
 def _stats_slots(workspace: torch.Tensor) -> torch.Tensor:
-    return workspace[workspace.numel() - 4:]
+    return workspace[workspace.numel() - 4 :]
 
 
 def _skip_on_entry(stats: torch.Tensor, skip_if: torch.Tensor | None) -> torch.Tensor:
@@ -84,8 +89,9 @@ def _skip_on_entry(stats: torch.Tensor, skip_if: torch.Tensor | None) -> torch.T
     return skip
 
 
-def _record_flags(stats: torch.Tensor, found_inf: torch.Tensor | None, skip_in: torch.Tensor,
-                  bad: torch.Tensor) -> None:
+def _record_flags(
+    stats: torch.Tensor, found_inf: torch.Tensor | None, skip_in: torch.Tensor, bad: torch.Tensor
+) -> None:
     """SKIP |= skip_in | bad; found_inf raised to 1 on bad unless skipped on entry."""
     stats[SKIP] = torch.where(skip_in | bad, torch.ones_like(stats[SKIP]), stats[SKIP])
     if found_inf is not None:
@@ -94,9 +100,15 @@ def _record_flags(stats: torch.Tensor, found_inf: torch.Tensor | None, skip_in: 
         flat.copy_(torch.where(raise_it, torch.clamp(flat, min=1.0), flat))
 
 
-def _step_scalars(stats: torch.Tensor, numel: int, lr: float, lr_tensor: torch.Tensor | None,
-                  eps1: float, clip_threshold: float,
-                  weight_decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _step_scalars(
+    stats: torch.Tensor,
+    numel: int,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, decay): lr_t / max(1, rms(update) / clip_threshold) and 1 - lr_t * wd."""
     lr_eff = _effective(lr, lr_tensor)
     p_rms = torch.sqrt(stats[P_SUMSQ] / numel)
@@ -136,11 +148,10 @@ def factored_stats_(
     """Pass A: row sums and column sums of u, sum of p^2, non-finite flag."""
     rows = grad.numel() // cols
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
-    row_acc, col_acc = workspace[:rows], workspace[rows:rows + cols]
+    row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                               clip_coef_tensor)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, finite = transform(g2[r0:r1, c0:c1])
@@ -166,15 +177,18 @@ def factored_moments_(
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
     b = _effective(beta2, beta2_tensor)
-    for state, acc, count in ((exp_avg_sq_row, workspace[:rows], cols),
-                              (exp_avg_sq_col, workspace[rows:rows + cols], rows)):
+    for state, acc, count in (
+        (exp_avg_sq_row, workspace[:rows], cols),
+        (exp_avg_sq_col, workspace[rows : rows + cols], rows),
+    ):
         new = state * b + (acc / count) * (1.0 - b)
         state.copy_(torch.where(skip, state, new))
     stats[R_SUM] = exp_avg_sq_row.sum()
 
 
-def _factors(exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor,
-             stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _factors(
+    exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor, stats: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, c): rsqrt(R / mean(R)) and rsqrt(C); vectors, not tensor-sized."""
     mean = stats[R_SUM] / exp_avg_sq_row.numel()
     return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
@@ -196,8 +210,7 @@ def factored_norm_(
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                               clip_coef_tensor)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
     g2 = grad.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, _ = transform(g2[r0:r1, c0:c1])
@@ -227,11 +240,11 @@ def factored_apply_(
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = _step_scalars(stats, param.numel(), lr, lr_tensor, eps1, clip_threshold,
-                                 weight_decay)
+    scale, decay = _step_scalars(
+        stats, param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay
+    )
     r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                               clip_coef_tensor)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, _ = transform(g2[r0:r1, c0:c1])
@@ -243,8 +256,13 @@ def factored_apply_(
 # ----------------------------------------------------------------------------- 1-D
 
 
-def _vector_update(transform: _GradTransform, grad: torch.Tensor, v: torch.Tensor,
-                   b: torch.Tensor | float, eps0: float):
+def _vector_update(
+    transform: _GradTransform,
+    grad: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor | float,
+    eps0: float,
+):
     """(update, new v, finite mask) of one span."""
     g, finite = transform(grad)
     v_new = v * b + (g * g + eps0) * (1.0 - b)
@@ -271,8 +289,7 @@ def vector_stats_(
     """Pass A1: U_SUMSQ += sum(g^2 / v_new), P_SUMSQ += sum(p^2); v itself is not written."""
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                               clip_coef_tensor)
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
     b = _effective(beta2, beta2_tensor)
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
@@ -308,10 +325,10 @@ def vector_apply_(
     """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = _step_scalars(stats, param.numel(), lr, lr_tensor, eps1, clip_threshold,
-                                 weight_decay)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                               clip_coef_tensor)
+    scale, decay = _step_scalars(
+        stats, param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay
+    )
+    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
     b = _effective(beta2, beta2_tensor)
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     for s0, s1 in _spans(g1.numel()):

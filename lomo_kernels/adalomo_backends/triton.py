@@ -88,8 +88,11 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
         index = device.index if device.index is not None else torch.cuda.current_device()
         tile, max_block_n, programs = TILE, MAX_BLOCK_N, PROGRAMS_PER_SM * _sm_count(index)
     else:
-        tile, max_block_n, programs = (INTERPRETER_TILE, INTERPRETER_MAX_BLOCK_N,
-                                       INTERPRETER_PROGRAMS)
+        tile, max_block_n, programs = (
+            INTERPRETER_TILE,
+            INTERPRETER_MAX_BLOCK_N,
+            INTERPRETER_PROGRAMS,
+        )
     block_n = min(max(_next_pow2(cols), 16), max_block_n)
     block_m = min(max(tile // block_n, 1), _next_pow2(rows))
     col_blocks = -(-cols // block_n)
@@ -97,13 +100,23 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
     rows_per_prog = -(-rows // row_groups)
     rows_per_prog = -(-rows_per_prog // block_m) * block_m
     grid = (col_blocks, -(-rows // rows_per_prog))
-    return grid, {"rows": rows, "cols": cols, "rows_per_prog": rows_per_prog,
-                  "BLOCK_M": block_m, "BLOCK_N": block_n}
+    return grid, {
+        "rows": rows,
+        "cols": cols,
+        "rows_per_prog": rows_per_prog,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+    }
 
 
-def _grad_kwargs(grad: torch.Tensor, inv_scale: float, inv_scale_tensor: torch.Tensor | None,
-                 clip_value: float | None, clip_coef: float,
-                 clip_coef_tensor: torch.Tensor | None) -> dict[str, Any]:
+def _grad_kwargs(
+    grad: torch.Tensor,
+    inv_scale: float,
+    inv_scale_tensor: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: float,
+    clip_coef_tensor: torch.Tensor | None,
+) -> dict[str, Any]:
     return {
         "grad_ptr": _storage(grad),
         "inv_scale": float(inv_scale),
@@ -119,15 +132,29 @@ def _grad_kwargs(grad: torch.Tensor, inv_scale: float, inv_scale_tensor: torch.T
 
 def _beta_kwargs(beta2: float, beta2_tensor: torch.Tensor | None) -> dict[str, Any]:
     # 1 - beta2 in double on the host, as the reference's Python arithmetic does.
-    return {"beta2": float(beta2), "one_minus_beta2": 1.0 - float(beta2),
-            "beta2_tensor_ptr": beta2_tensor}
+    return {
+        "beta2": float(beta2),
+        "one_minus_beta2": 1.0 - float(beta2),
+        "beta2_tensor_ptr": beta2_tensor,
+    }
 
 
-def _step_kwargs(numel: int, lr: float, lr_tensor: torch.Tensor | None, eps1: float,
-                 clip_threshold: float, weight_decay: float) -> dict[str, Any]:
-    return {"numel_f": float(numel), "lr": float(lr), "lr_tensor_ptr": lr_tensor,
-            "eps1": float(eps1), "clip_threshold": float(clip_threshold),
-            "weight_decay": float(weight_decay)}
+def _step_kwargs(
+    numel: int,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+) -> dict[str, Any]:
+    return {
+        "numel_f": float(numel),
+        "lr": float(lr),
+        "lr_tensor_ptr": lr_tensor,
+        "eps1": float(eps1),
+        "clip_threshold": float(clip_threshold),
+        "weight_decay": float(weight_decay),
+    }
 
 
 def factored_stats_(
@@ -148,10 +175,14 @@ def factored_stats_(
     """Pass A (see `reference.factored_stats_`)."""
     grid, sizes = _tiling(grad.numel() // cols, cols, grad.device)
     _kernels().factored_stats_kernel[grid](
-        param_ptr=_storage(param), ws_ptr=workspace, found_inf_ptr=found_inf,
-        skip_if_ptr=skip_if, eps0=float(eps0), PARAM_KIND=_KIND[param.dtype], **sizes,
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                       clip_coef_tensor),
+        param_ptr=_storage(param),
+        ws_ptr=workspace,
+        found_inf_ptr=found_inf,
+        skip_if_ptr=skip_if,
+        eps0=float(eps0),
+        PARAM_KIND=_KIND[param.dtype],
+        **sizes,
+        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
         num_warps=NUM_WARPS,
     )
 
@@ -170,8 +201,15 @@ def factored_moments_(
     n_row_blocks = -(-rows // block)
     grid = (n_row_blocks + -(-cols // block),)
     _kernels().factored_moments_kernel[grid](
-        exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, n_row_blocks,
-        **_beta_kwargs(beta2, beta2_tensor), BLOCK=block, num_warps=4,
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        rows,
+        cols,
+        n_row_blocks,
+        **_beta_kwargs(beta2, beta2_tensor),
+        BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -190,10 +228,11 @@ def factored_norm_(
     """Pass B (see `reference.factored_norm_`)."""
     grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), grad.device)
     _kernels().factored_norm_kernel[grid](
-        row_state_ptr=exp_avg_sq_row, col_state_ptr=exp_avg_sq_col, ws_ptr=workspace,
+        row_state_ptr=exp_avg_sq_row,
+        col_state_ptr=exp_avg_sq_col,
+        ws_ptr=workspace,
         **sizes,
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                       clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
         num_warps=NUM_WARPS,
     )
 
@@ -219,11 +258,14 @@ def factored_apply_(
     """Pass C (see `reference.factored_apply_`)."""
     grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), param.device)
     _kernels().factored_apply_kernel[grid](
-        param_ptr=_storage(param), row_state_ptr=exp_avg_sq_row, col_state_ptr=exp_avg_sq_col,
-        ws_ptr=workspace, PARAM_KIND=_KIND[param.dtype], **sizes,
+        param_ptr=_storage(param),
+        row_state_ptr=exp_avg_sq_row,
+        col_state_ptr=exp_avg_sq_col,
+        ws_ptr=workspace,
+        PARAM_KIND=_KIND[param.dtype],
+        **sizes,
         **_step_kwargs(param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                       clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
         num_warps=NUM_WARPS,
     )
 
@@ -248,11 +290,17 @@ def vector_stats_(
     """Pass A1 (see `reference.vector_stats_`)."""
     n = param.numel()
     _kernels().vector_stats_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=_storage(param), v_ptr=exp_avg_sq, ws_ptr=workspace, found_inf_ptr=found_inf,
-        skip_if_ptr=skip_if, n=n, eps0=float(eps0), PARAM_KIND=_KIND[param.dtype],
-        BLOCK=VECTOR_BLOCK, **_beta_kwargs(beta2, beta2_tensor),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                       clip_coef_tensor),
+        param_ptr=_storage(param),
+        v_ptr=exp_avg_sq,
+        ws_ptr=workspace,
+        found_inf_ptr=found_inf,
+        skip_if_ptr=skip_if,
+        n=n,
+        eps0=float(eps0),
+        PARAM_KIND=_KIND[param.dtype],
+        BLOCK=VECTOR_BLOCK,
+        **_beta_kwargs(beta2, beta2_tensor),
+        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
         num_warps=NUM_WARPS,
     )
 
@@ -280,11 +328,15 @@ def vector_apply_(
     """Pass C1 (see `reference.vector_apply_`)."""
     n = param.numel()
     _kernels().vector_apply_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=_storage(param), v_ptr=exp_avg_sq, ws_ptr=workspace, n=n,
-        eps0=float(eps0), PARAM_KIND=_KIND[param.dtype], BLOCK=VECTOR_BLOCK,
+        param_ptr=_storage(param),
+        v_ptr=exp_avg_sq,
+        ws_ptr=workspace,
+        n=n,
+        eps0=float(eps0),
+        PARAM_KIND=_KIND[param.dtype],
+        BLOCK=VECTOR_BLOCK,
         **_beta_kwargs(beta2, beta2_tensor),
         **_step_kwargs(n, lr, lr_tensor, eps1, clip_threshold, weight_decay),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef,
-                       clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
         num_warps=NUM_WARPS,
     )

@@ -89,8 +89,17 @@ def _beta(beta2, one_minus_beta2, beta2_tensor_ptr):
 
 
 @triton.jit
-def _grad(grad_ptr, offs, mask, inv_scale, clip_value, clip_coef, GRAD_KIND: tl.constexpr,
-          HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr):
+def _grad(
+    grad_ptr,
+    offs,
+    mask,
+    inv_scale,
+    clip_value,
+    clip_coef,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
     """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
     g = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
     finite = tl.abs(g) < float("inf")
@@ -122,7 +131,8 @@ def _raise_flags(stats_ptr, found_inf_ptr, bad):
 def _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay):
     """(scale, decay) = (lr_t / max(1, rms(update) / clip_threshold), 1 - lr_t * wd)."""
     lr_t = _scalar(lr, lr_tensor_ptr) * tl.maximum(
-        tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1)
+        tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1
+    )
     u_rms = tl.sqrt_rn(tl.load(stats_ptr + U_SUMSQ) / numel_f)
     scale = lr_t / tl.maximum(u_rms / clip_threshold, 1.0)
     return scale, 1.0 - lr_t * weight_decay
@@ -141,12 +151,26 @@ def _row_group(rows, rows_per_prog, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def factored_stats_kernel(
-    grad_ptr, param_ptr, ws_ptr, found_inf_ptr, skip_if_ptr,
-    rows, cols, rows_per_prog,
-    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr, eps0,
-    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    grad_ptr,
+    param_ptr,
+    ws_ptr,
+    found_inf_ptr,
+    skip_if_ptr,
+    rows,
+    cols,
+    rows_per_prog,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor_ptr,
+    eps0,
+    GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Pass A: row/column sums of u = g*g + eps0, sum of p^2, non-finite flag."""
     stats_ptr = ws_ptr + rows + cols
@@ -164,8 +188,17 @@ def factored_stats_kernel(
             row_mask = rows_idx < row_end
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
-                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            g, finite = _grad(
+                grad_ptr,
+                offs,
+                mask,
+                inv,
+                clip_value,
+                coef,
+                GRAD_KIND,
+                HAS_CLIP_VALUE,
+                HAS_CLIP_COEF,
+            )
             u = tl.where(mask, g * g + eps0, 0.0)
             tl.atomic_add(ws_ptr + rows_idx, tl.sum(u, axis=1), mask=row_mask, sem="relaxed")
             col_sum += tl.sum(u, axis=0)
@@ -181,8 +214,15 @@ def factored_stats_kernel(
 
 @triton.jit
 def factored_moments_kernel(
-    row_state_ptr, col_state_ptr, ws_ptr, rows, cols, n_row_blocks,
-    beta2, one_minus_beta2, beta2_tensor_ptr,
+    row_state_ptr,
+    col_state_ptr,
+    ws_ptr,
+    rows,
+    cols,
+    n_row_blocks,
+    beta2,
+    one_minus_beta2,
+    beta2_tensor_ptr,
     BLOCK: tl.constexpr,
 ):
     """R and C from the pass-A sums (programs [0, n_row_blocks) do R); R_SUM += sum(R)."""
@@ -207,11 +247,23 @@ def factored_moments_kernel(
 
 @triton.jit
 def factored_norm_kernel(
-    grad_ptr, row_state_ptr, col_state_ptr, ws_ptr,
-    rows, cols, rows_per_prog,
-    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
-    GRAD_KIND: tl.constexpr, HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    grad_ptr,
+    row_state_ptr,
+    col_state_ptr,
+    ws_ptr,
+    rows,
+    cols,
+    rows_per_prog,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2)."""
     stats_ptr = ws_ptr + rows + cols
@@ -230,8 +282,17 @@ def factored_norm_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
             r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
-                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            g, finite = _grad(
+                grad_ptr,
+                offs,
+                mask,
+                inv,
+                clip_value,
+                coef,
+                GRAD_KIND,
+                HAS_CLIP_VALUE,
+                HAS_CLIP_COEF,
+            )
             update = (r[:, None] * c[None, :]) * g
             acc += tl.where(mask, update * update, 0.0)
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
@@ -239,21 +300,40 @@ def factored_norm_kernel(
 
 @triton.jit
 def factored_apply_kernel(
-    param_ptr, grad_ptr, row_state_ptr, col_state_ptr, ws_ptr,
-    rows, cols, rows_per_prog, numel_f,
-    lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay,
-    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
-    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    param_ptr,
+    grad_ptr,
+    row_state_ptr,
+    col_state_ptr,
+    ws_ptr,
+    rows,
+    cols,
+    rows_per_prog,
+    numel_f,
+    lr,
+    lr_tensor_ptr,
+    eps1,
+    clip_threshold,
+    weight_decay,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         inv = _scalar(inv_scale, inv_scale_tensor_ptr)
         coef = _scalar(clip_coef, clip_coef_tensor_ptr)
-        scale, decay = _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1,
-                                     clip_threshold, weight_decay)
+        scale, decay = _step_scalars(
+            stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay
+        )
         mean = tl.load(stats_ptr + R_SUM) / rows
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,8 +345,17 @@ def factored_apply_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
             r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-            g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
-                              HAS_CLIP_VALUE, HAS_CLIP_COEF)
+            g, finite = _grad(
+                grad_ptr,
+                offs,
+                mask,
+                inv,
+                clip_value,
+                coef,
+                GRAD_KIND,
+                HAS_CLIP_VALUE,
+                HAS_CLIP_COEF,
+            )
             update = (r[:, None] * c[None, :]) * g
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
             _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
@@ -276,23 +365,52 @@ def factored_apply_kernel(
 
 
 @triton.jit
-def _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv, clip_value, coef,
-                   GRAD_KIND: tl.constexpr, HAS_CLIP_VALUE: tl.constexpr,
-                   HAS_CLIP_COEF: tl.constexpr):
+def _vector_update(
+    grad_ptr,
+    v_ptr,
+    offs,
+    mask,
+    b,
+    omb,
+    eps0,
+    inv,
+    clip_value,
+    coef,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
     """(update, v_new, finite) of one block; masked lanes give update 0."""
-    g, finite = _grad(grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND,
-                      HAS_CLIP_VALUE, HAS_CLIP_COEF)
+    g, finite = _grad(
+        grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
+    )
     v_new = tl.load(v_ptr + offs, mask=mask, other=1.0) * b + (g * g + eps0) * omb
     return tl.math.rsqrt(v_new) * g, v_new, finite
 
 
 @triton.jit
 def vector_stats_kernel(
-    grad_ptr, param_ptr, v_ptr, ws_ptr, found_inf_ptr, skip_if_ptr, n,
-    beta2, one_minus_beta2, beta2_tensor_ptr, eps0,
-    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
-    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, BLOCK: tl.constexpr,
+    grad_ptr,
+    param_ptr,
+    v_ptr,
+    ws_ptr,
+    found_inf_ptr,
+    skip_if_ptr,
+    n,
+    beta2,
+    one_minus_beta2,
+    beta2_tensor_ptr,
+    eps0,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Pass A1: U_SUMSQ += sum(update^2), P_SUMSQ += sum(p^2); v is read, not written."""
     if _runs(ws_ptr, skip_if_ptr):
@@ -301,11 +419,22 @@ def vector_stats_kernel(
         coef = _scalar(clip_coef, clip_coef_tensor_ptr)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        update, v_new, finite = _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv,
-                                               clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE,
-                                               HAS_CLIP_COEF)
-        tl.atomic_add(ws_ptr + U_SUMSQ, tl.sum(tl.where(mask, update * update, 0.0)),
-                      sem="relaxed")
+        update, v_new, finite = _vector_update(
+            grad_ptr,
+            v_ptr,
+            offs,
+            mask,
+            b,
+            omb,
+            eps0,
+            inv,
+            clip_value,
+            coef,
+            GRAD_KIND,
+            HAS_CLIP_VALUE,
+            HAS_CLIP_COEF,
+        )
+        tl.atomic_add(ws_ptr + U_SUMSQ, tl.sum(tl.where(mask, update * update, 0.0)), sem="relaxed")
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
         tl.atomic_add(ws_ptr + P_SUMSQ, tl.sum(p * p), sem="relaxed")
         _raise_flags(ws_ptr, found_inf_ptr, tl.max((~finite).to(tl.int32)))
@@ -315,25 +444,57 @@ def vector_stats_kernel(
 
 @triton.jit
 def vector_apply_kernel(
-    param_ptr, grad_ptr, v_ptr, ws_ptr, n, numel_f,
-    beta2, one_minus_beta2, beta2_tensor_ptr, eps0,
-    lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay,
-    inv_scale, inv_scale_tensor_ptr, clip_value, clip_coef, clip_coef_tensor_ptr,
-    GRAD_KIND: tl.constexpr, PARAM_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, BLOCK: tl.constexpr,
+    param_ptr,
+    grad_ptr,
+    v_ptr,
+    ws_ptr,
+    n,
+    numel_f,
+    beta2,
+    one_minus_beta2,
+    beta2_tensor_ptr,
+    eps0,
+    lr,
+    lr_tensor_ptr,
+    eps1,
+    clip_threshold,
+    weight_decay,
+    inv_scale,
+    inv_scale_tensor_ptr,
+    clip_value,
+    clip_coef,
+    clip_coef_tensor_ptr,
+    GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped)."""
     if tl.load(ws_ptr + SKIP) == 0:
         b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
         inv = _scalar(inv_scale, inv_scale_tensor_ptr)
         coef = _scalar(clip_coef, clip_coef_tensor_ptr)
-        scale, decay = _step_scalars(ws_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold,
-                                     weight_decay)
+        scale, decay = _step_scalars(
+            ws_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay
+        )
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        update, v_new, finite = _vector_update(grad_ptr, v_ptr, offs, mask, b, omb, eps0, inv,
-                                               clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE,
-                                               HAS_CLIP_COEF)
+        update, v_new, finite = _vector_update(
+            grad_ptr,
+            v_ptr,
+            offs,
+            mask,
+            b,
+            omb,
+            eps0,
+            inv,
+            clip_value,
+            coef,
+            GRAD_KIND,
+            HAS_CLIP_VALUE,
+            HAS_CLIP_COEF,
+        )
         tl.store(v_ptr + offs, v_new, mask=mask)
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
         _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)

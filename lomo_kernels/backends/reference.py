@@ -19,8 +19,9 @@ def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | flo
     return tensor.reshape(-1)[0].to(torch.float32) * scalar
 
 
-def _write_back(param: torch.Tensor, new: torch.Tensor, keep: torch.Tensor,
-                stochastic_rounding: bool, seed: int) -> None:
+def _write_back(
+    param: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, stochastic_rounding: bool, seed: int
+) -> None:
     """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
     flat = param.view(-1)
     if param.dtype == torch.bfloat16:

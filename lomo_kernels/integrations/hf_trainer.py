@@ -29,16 +29,21 @@ class LomoTrainer(Trainer):
         super().__init__(*args, **kwargs)
         targs = self.args
         if targs.gradient_accumulation_steps > 1:
-            raise ValueError(f"gradient_accumulation_steps={targs.gradient_accumulation_steps}: "
-                             + GRAD_ACCUMULATION_ERROR)
+            raise ValueError(
+                f"gradient_accumulation_steps={targs.gradient_accumulation_steps}: "
+                + GRAD_ACCUMULATION_ERROR
+            )
         if targs.fp16:
-            raise ValueError("fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on "
-                             "the backward Lomo runs itself: load the model in float16 "
-                             "instead (Lomo then scales the loss dynamically), or use bf16")
+            raise ValueError(
+                "fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on "
+                "the backward Lomo runs itself: load the model in float16 "
+                "instead (Lomo then scales the loss dynamically), or use bf16"
+            )
         given = self.optimizer
         if given is not None and not isinstance(given, InBackwardOptimizer):
-            raise TypeError("LomoTrainer trains with lomo_kernels.Lomo or AdaLomo, "
-                            f"got {type(given).__name__}")
+            raise TypeError(
+                f"LomoTrainer trains with lomo_kernels.Lomo or AdaLomo, got {type(given).__name__}"
+            )
         # Clipping happens inside the optimizer (it needs the norm before any update); the
         # Trainer's own clipping would only see freed gradients.
         self.lomo_max_grad_norm = targs.max_grad_norm if targs.max_grad_norm else None
@@ -48,8 +53,10 @@ class LomoTrainer(Trainer):
         if self.optimizer is None:
             name = str(getattr(self.args.optim, "value", self.args.optim)).lower()
             if name not in ("lomo", "adalomo"):
-                raise ValueError(f"LomoTrainer needs TrainingArguments(optim='lomo' or "
-                                 f"'adalomo'), got optim={name!r}")
+                raise ValueError(
+                    f"LomoTrainer needs TrainingArguments(optim='lomo' or "
+                    f"'adalomo'), got optim={name!r}"
+                )
             cls = Lomo if name == "lomo" else AdaLomo
             self.optimizer = cls(
                 self.model,
@@ -65,8 +72,9 @@ class LomoTrainer(Trainer):
             opt = opt.optimizer
         return opt
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():

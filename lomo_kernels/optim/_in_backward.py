@@ -59,8 +59,7 @@ class _DeviceScalars:
 def check_lr(lr: Any) -> float:
     if isinstance(lr, torch.Tensor):
         raise TypeError("lr must be a Python number; the optimizer keeps it in a device tensor")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) \
-            or lr < 0:
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     return float(lr)
 
@@ -80,35 +79,51 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
             )
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the model has no trainable parameters (requires_grad=True): "
-                         "nothing for the optimizer to update")
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True): "
+            "nothing for the optimizer to update"
+        )
     names = {id(p): n for n, p in model.named_parameters()}
     for p in params:
         name = names.get(id(p), "?")
         if p.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; the fused kernels update "
-                            "float32, float16 and bfloat16 parameters: cast the model first")
+            raise TypeError(
+                f"parameter {name!r} has dtype {p.dtype}; the fused kernels update "
+                "float32, float16 and bfloat16 parameters: cast the model first"
+            )
         if p.device.type not in SERVED_DEVICE_TYPES:
-            raise ValueError(f"parameter {name!r} is on {p.device}, which no lomo_kernels "
-                             f"backend serves ({', '.join(SERVED_DEVICE_TYPES)}); move the "
-                             "model (a meta-device model must be materialised first)")
+            raise ValueError(
+                f"parameter {name!r} is on {p.device}, which no lomo_kernels "
+                f"backend serves ({', '.join(SERVED_DEVICE_TYPES)}); move the "
+                "model (a meta-device model must be materialised first)"
+            )
         if p.layout != torch.strided or not p.is_contiguous():
-            raise ValueError(f"parameter {name!r} is not a contiguous dense tensor; "
-                             "make it contiguous before building the optimizer")
+            raise ValueError(
+                f"parameter {name!r} is not a contiguous dense tensor; "
+                "make it contiguous before building the optimizer"
+            )
     return params
 
 
 class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
 
-    def __init__(self, model: nn.Module, defaults: dict[str, Any], *,
-                 clip_grad_norm: float | None, clip_grad_value: float | None,
-                 backend: str | None) -> None:
-        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm)
-                                               and clip_grad_norm > 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        defaults: dict[str, Any],
+        *,
+        clip_grad_norm: float | None,
+        clip_grad_value: float | None,
+        backend: str | None,
+    ) -> None:
+        if clip_grad_norm is not None and not (
+            math.isfinite(clip_grad_norm) and clip_grad_norm > 0
+        ):
             raise ValueError(f"clip_grad_norm should be positive, got {clip_grad_norm}.")
-        if clip_grad_value is not None and not (math.isfinite(clip_grad_value)
-                                                and clip_grad_value > 0):
+        if clip_grad_value is not None and not (
+            math.isfinite(clip_grad_value) and clip_grad_value > 0
+        ):
             raise ValueError(f"clip_grad_value should be positive, got {clip_grad_value}.")
         check_lr(defaults["lr"])
         params = trainable_parameters(model)
@@ -142,8 +157,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self.clip_grad_norm is not None
 
     @abc.abstractmethod
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
         """Applies the step to one parameter; writes nothing when `skip_if` is non-zero."""
 
     def _after_step(self, found_inf: torch.Tensor) -> None:
@@ -172,12 +193,18 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if grad is None:
             return
         if grad.layout != torch.strided:
-            raise TypeError("lomo_kernels: a sparse gradient reached the optimizer; LOMO "
-                            "needs dense gradients")
+            raise TypeError(
+                "lomo_kernels: a sparse gradient reached the optimizer; LOMO needs dense gradients"
+            )
         scalars = self._scalars_for(param.device)
         if self._phase == _NORM:
-            ops.grad_sumsq_(grad, scalars.sumsq, inv_scale=self._inv_scale_for(param.device),
-                            found_inf=scalars.norm_found_inf, backend=self.backend)
+            ops.grad_sumsq_(
+                grad,
+                scalars.sumsq,
+                inv_scale=self._inv_scale_for(param.device),
+                found_inf=scalars.norm_found_inf,
+                backend=self.backend,
+            )
             return
         group = self.param_groups[self._group_of[id(param)]]
         skip_if = scalars.norm_found_inf if self._norm_ready else scalars.no_skip
@@ -301,8 +328,13 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Copies the step's overflow flags to the host without waiting for them."""
         scaler = self._loss_scaler()
         at_min = scaler.overflow_at_min if scaler is not None else torch.zeros_like(found)
-        flags = torch.cat([found.reshape(1), at_min.to(found.device).reshape(1),
-                           torch.full_like(found.reshape(1), float(atomic))])
+        flags = torch.cat(
+            [
+                found.reshape(1),
+                at_min.to(found.device).reshape(1),
+                torch.full_like(found.reshape(1), float(atomic)),
+            ]
+        )
         if flags.device.type == "cuda":
             if self._report is None:
                 self._report = torch.empty(3, pin_memory=True)
@@ -322,8 +354,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         found, at_min, atomic = (float(x) for x in self._report.numpy())
         self._report = None
         self.last_step_skipped = bool(found) and bool(atomic)
-        if at_min and self._loss_scaler() is not None \
-                and self._loss_scaler().raise_error_at_min_scale:
+        if (
+            at_min
+            and self._loss_scaler() is not None
+            and self._loss_scaler().raise_error_at_min_scale
+        ):
             raise FloatingPointError(
                 "Current loss scale already at minimum - cannot decrease scale anymore. "
                 "The gradients overflow even unscaled: lower the learning rate or check the "
@@ -335,7 +370,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 "update; those elements were left unchanged, the rest of the step was applied. "
                 "Set clip_grad_norm (or use fp16 loss scaling) to check before updating, "
                 "which makes an overflowing step change nothing.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def flush_report(self) -> None:
         """Reports the last step's overflow now (at the end of training, for example)."""
@@ -345,8 +382,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         scaler = self._loss_scaler()
-        state["lomo"] = {"step_count": self.step_count,
-                         "loss_scaler": None if scaler is None else scaler.state_dict()}
+        state["lomo"] = {
+            "step_count": self.step_count,
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,6 +403,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 def split_loss_scale_args(args: dict[str, Any]) -> dict[str, Any]:
     unknown = set(args) - set(LOSS_SCALE_KEYS) - {"dtype"}
     if unknown:
-        raise ValueError(f"unknown loss_scale_args {sorted(unknown)}; "
-                         f"accepted: {', '.join(LOSS_SCALE_KEYS)}")
+        raise ValueError(
+            f"unknown loss_scale_args {sorted(unknown)}; accepted: {', '.join(LOSS_SCALE_KEYS)}"
+        )
     return {k: v for k, v in args.items() if k != "dtype"}

@@ -46,15 +46,27 @@ class AdaLomo(InBackwardOptimizer):
         if not (math.isfinite(clip_threshold) and clip_threshold > 0):
             raise ValueError(f"clip_threshold must be > 0, got {clip_threshold}")
         if not (math.isfinite(decay_rate) and decay_rate < 0):
-            raise ValueError(f"decay_rate must be < 0 (beta2_t = 1 - t**decay_rate), "
-                             f"got {decay_rate}")
+            raise ValueError(
+                f"decay_rate must be < 0 (beta2_t = 1 - t**decay_rate), got {decay_rate}"
+            )
         if not math.isfinite(float(weight_decay)):
             raise ValueError(f"weight_decay must be finite, got {weight_decay}")
-        defaults = {"lr": lr, "eps": tuple(eps), "weight_decay": float(weight_decay),
-                    "clip_threshold": float(clip_threshold), "decay_rate": float(decay_rate),
-                    "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value}
-        super().__init__(model, defaults, clip_grad_norm=clip_grad_norm,
-                         clip_grad_value=clip_grad_value, backend=backend)
+        defaults = {
+            "lr": lr,
+            "eps": tuple(eps),
+            "weight_decay": float(weight_decay),
+            "clip_threshold": float(clip_threshold),
+            "decay_rate": float(decay_rate),
+            "clip_grad_norm": clip_grad_norm,
+            "clip_grad_value": clip_grad_value,
+        }
+        super().__init__(
+            model,
+            defaults,
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            backend=backend,
+        )
         self.loss_scale = float(loss_scale)
         self._fp16 = any(p.dtype == torch.float16 for p in params)
         for p in params:
@@ -66,12 +78,20 @@ class AdaLomo(InBackwardOptimizer):
     def _needs_detection_pass(self) -> bool:
         return self._fp16 or self.clip_grad_norm is not None
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
         t = self.step_count + 1  # lomo-optim counts the step before its backward
         beta2 = 1.0 - math.pow(t, group["decay_rate"])
         adalomo_update_(
-            param, grad, self.state[param],
+            param,
+            grad,
+            self.state[param],
             lr=scalars.lr[self._group_of[id(param)]],
             beta2=beta2,
             eps=group["eps"],
@@ -94,6 +114,5 @@ class AdaLomo(InBackwardOptimizer):
         for index, values in moments.items():
             param = params[index]
             self.state[param] = {
-                k: v.to(device=param.device, dtype=torch.float32).clone()
-                for k, v in values.items()
+                k: v.to(device=param.device, dtype=torch.float32).clone() for k, v in values.items()
             }

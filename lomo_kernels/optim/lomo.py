@@ -54,10 +54,19 @@ class Lomo(InBackwardOptimizer):
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
         if any(p.dtype == torch.float16 for p in trainable_parameters(model)):
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
-        defaults = {"lr": lr, "weight_decay": float(weight_decay),
-                    "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value}
-        super().__init__(model, defaults, clip_grad_norm=clip_grad_norm,
-                         clip_grad_value=clip_grad_value, backend=backend)
+        defaults = {
+            "lr": lr,
+            "weight_decay": float(weight_decay),
+            "clip_grad_norm": clip_grad_norm,
+            "clip_grad_value": clip_grad_value,
+        }
+        super().__init__(
+            model,
+            defaults,
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            backend=backend,
+        )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         params = self.param_groups[0]["params"]
@@ -73,8 +82,14 @@ class Lomo(InBackwardOptimizer):
         # fp16 overflows are common: find them before any parameter changes.
         return self.loss_scaler is not None or self.clip_grad_norm is not None
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-                scalars: _DeviceScalars, skip_if: torch.Tensor) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
         use_sr = self.stochastic_rounding and param.dtype == torch.bfloat16
         seed = 0
         if use_sr:
@@ -83,15 +98,21 @@ class Lomo(InBackwardOptimizer):
             seed = step_key << 32 | self._index_of[id(param)]
         inv_scale = self._inv_scale_for(param.device)
         torch.ops.lomo_kernels.sgd_update_(
-            param, grad,
-            1.0, scalars.lr[self._group_of[id(param)]],
+            param,
+            grad,
+            1.0,
+            scalars.lr[self._group_of[id(param)]],
             1.0 if isinstance(inv_scale, torch.Tensor) else inv_scale,
             inv_scale if isinstance(inv_scale, torch.Tensor) else None,
             group["clip_grad_value"],
-            1.0, scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+            1.0,
+            scalars.clip_coef if group["clip_grad_norm"] is not None else None,
             group["weight_decay"],
-            scalars.update_found_inf, skip_if,
-            use_sr, seed, ops.backends.requested_backend(self.backend),
+            scalars.update_found_inf,
+            skip_if,
+            use_sr,
+            seed,
+            ops.backends.requested_backend(self.backend),
         )
 
     def _after_step(self, found_inf: torch.Tensor) -> None:

@@ -12,8 +12,13 @@ from typing import Any
 import torch
 
 LOSS_SCALE_KEYS = (
-    "init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift",
-    "consecutive_hysteresis", "raise_error_at_min_scale",
+    "init_scale",
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "delayed_shift",
+    "consecutive_hysteresis",
+    "raise_error_at_min_scale",
 )
 
 
@@ -72,8 +77,7 @@ class DynamicLossScaler:
         restore = ~overflow & (grow | self.consecutive_hysteresis)
         new_hyst = torch.where(overflow & ~shift_now, self.hysteresis - 1, self.hysteresis)
         new_hyst = torch.where(restore, torch.full_like(new_hyst, self.delayed_shift), new_hyst)
-        self.last_overflow_iter.copy_(torch.where(overflow, self.cur_iter,
-                                                  self.last_overflow_iter))
+        self.last_overflow_iter.copy_(torch.where(overflow, self.cur_iter, self.last_overflow_iter))
         self.scale.copy_(new_scale)
         self.hysteresis.copy_(new_hyst)
         self.cur_iter.add_(1)
