@@ -158,3 +158,19 @@ def test_bad_arguments_raise_before_hooks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdaLomo(model, **kwargs)
     model(**batch(0)).loss.backward()  # no hook left behind
+
+
+@pytest.mark.parametrize(
+    "dtype,clip",
+    [(torch.float16, None), (torch.bfloat16, 1.0), (torch.float32, None)],
+    ids=["fp16", "bf16_clip", "fp32"],
+)
+def test_no_host_sync_in_fused_backward(dtype, clip):
+    from test_lomo_safety import NoHostSync
+
+    model = tiny_llama(dtype)
+    opt = AdaLomo(model, lr=LR, clip_grad_norm=clip, clip_grad_value=1.0, weight_decay=0.01)
+    for step in range(3):
+        loss = model(**batch(step)).loss
+        with NoHostSync():
+            opt.fused_backward(loss)

@@ -32,14 +32,14 @@ def _sample_update_args(param_dtype=torch.bfloat16):
     )
 
 
-@pytest.mark.parametrize("name", ["torch", "cpp"])
+@pytest.mark.parametrize("name", ["torch", "cpp", "triton"])
 def test_opcheck_update(name):
     args = list(_sample_update_args())
     args[-1] = name
     torch.library.opcheck(torch.ops.lomo_kernels.sgd_update_.default, tuple(args))
 
 
-@pytest.mark.parametrize("name", ["torch", "cpp"])
+@pytest.mark.parametrize("name", ["torch", "cpp", "triton"])
 def test_opcheck_sumsq(name):
     args = (torch.randn(100, dtype=torch.bfloat16), 0.5, None, torch.zeros(1), torch.zeros(1), name)
     torch.library.opcheck(torch.ops.lomo_kernels.grad_sumsq_.default, args)
