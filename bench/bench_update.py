@@ -8,6 +8,7 @@ model (per-call overhead). Every variant updates the same tensors in place.
 Variants:
   fused      C++ sgd_update_ with unscale, clip by value, clip_coef tensor, weight decay and
              found_inf (the full LOMO option set, one pass)
+  fused_plain  C++ sgd_update_ with lr only: the same work as fused_sgd
   fused_sr   the same with stochastic rounding (bf16 params)
   axpy       p.add_(g, alpha=-lr): the memory floor (same bytes moved)
   official   lomo-optim's per-parameter chain: to fp32, div, clamp, mul, p to fp32, mul,
@@ -89,6 +90,25 @@ class Case:
     def fused(self) -> None:
         self._fused(cpp_backend, stochastic_rounding=False)
 
+    def fused_plain(self) -> None:
+        for p, g in zip(self.params, self.grads, strict=True):
+            cpp_backend.sgd_update_(
+                p,
+                g,
+                lr=LR,
+                lr_tensor=None,
+                inv_scale=1.0,
+                inv_scale_tensor=None,
+                clip_value=None,
+                clip_coef=1.0,
+                clip_coef_tensor=None,
+                weight_decay=0.0,
+                found_inf=None,
+                skip_if=None,
+                stochastic_rounding=False,
+                seed=1234,
+            )
+
     def fused_sr(self) -> None:
         self._fused(cpp_backend, stochastic_rounding=True)
 
@@ -147,6 +167,7 @@ class Case:
     def variants(self) -> dict[str, Callable[[], None]]:
         out = {
             "fused": self.fused,
+            "fused_plain": self.fused_plain,
             "axpy": self.axpy,
             "official": self.official,
             "fused_sgd": self.fused_sgd,

@@ -21,7 +21,7 @@
 
 #include "lomo_math.h"
 
-#if defined(__F16C__) && defined(__AVX__)
+#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -119,6 +119,215 @@ uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restri
   return any_bad;
 }
 
+#if defined(__AVX512F__)
+// AVX-512 loops for the common same-dtype pairs (fp32, bf16 with nearest rounding): GCC
+// prefers 256-bit vectors and spends extra instructions on the generic loops, which are
+// compute-bound at two threads for bf16. Options that are neutral at run time (scale and
+// coef 1, no clip, decay 1) are compiled out: x * 1 == x and clamping to +-inf is a no-op.
+constexpr bool kHaveAvx512 = true;
+enum SgdFlags : int { kScale = 1, kClip = 2, kDecay = 4 };
+
+struct SgdVectors {
+  lomo::SgdScalars scalars;
+  __m512 inv_scale, neg_clip, clip, coef, lr, decay;
+  explicit SgdVectors(const lomo::SgdScalars& s)
+      : scalars(s),
+        inv_scale(_mm512_set1_ps(s.inv_scale)),
+        neg_clip(_mm512_set1_ps(-s.clip)),
+        clip(_mm512_set1_ps(s.clip)),
+        coef(_mm512_set1_ps(s.coef)),
+        lr(_mm512_set1_ps(s.lr)),
+        decay(_mm512_set1_ps(s.decay)) {}
+};
+
+int sgd_flags(const lomo::SgdScalars& s) {
+  return (s.inv_scale != 1.0f || s.coef != 1.0f ? kScale : 0) |
+         (s.clip != std::numeric_limits<float>::infinity() ? kClip : 0) |
+         (s.decay != 1.0f ? kDecay : 0);
+}
+
+// Lanes whose value is inf or nan.
+LOMO_INLINE __mmask16 nonfinite_mask(__m512 v) {
+#if defined(__AVX512DQ__)
+  return _mm512_fpclass_ps_mask(v, 0x99);  // qnan | +inf | -inf | snan
+#else
+  const __m512i e = _mm512_set1_epi32(static_cast<int>(lomo::kNonFiniteExponent));
+  return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e);
+#endif
+}
+
+// sgd_element on 16 lanes. max/min take the bound first: MAXPS returns its second operand
+// on ties and nans, exactly like the reference's select (signed zeros included).
+template <int kF, bool kCheck = true>
+LOMO_INLINE __m512 sgd_vector(__m512 g, __m512 p, const SgdVectors& v, __mmask16& bad) {
+  if constexpr ((kF & kScale) != 0) g = _mm512_mul_ps(g, v.inv_scale);
+  if constexpr (kCheck) bad = nonfinite_mask(g);
+  if constexpr ((kF & kClip) != 0) {
+    g = _mm512_max_ps(v.neg_clip, g);
+    g = _mm512_min_ps(v.clip, g);
+  }
+  if constexpr ((kF & kScale) != 0) g = _mm512_mul_ps(g, v.coef);
+  if constexpr ((kF & kDecay) != 0) p = _mm512_mul_ps(p, v.decay);
+  return _mm512_sub_ps(p, _mm512_mul_ps(v.lr, g));
+}
+
+template <int kF>
+uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int64_t n,
+                            const lomo::SgdScalars& s) {
+  const SgdVectors v(s);
+  __mmask16 any_bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 old = _mm512_loadu_ps(p + i);
+    __mmask16 bad;
+    const __m512 u = sgd_vector<kF>(_mm512_loadu_ps(g + i), old, v, bad);
+    _mm512_storeu_ps(p + i, _mm512_mask_mov_ps(u, bad, old));
+    any_bad |= bad;
+  }
+  return (any_bad != 0 ? 1u : 0u) |
+         update_elements<lomo::Fp32, lomo::Fp32, false>(p + i, g + i, n - i, 0, 0, s, 0);
+}
+
+// bf16_rne_high on 16 lanes; lanes in bad keep old (a bf16 value in the high half).
+LOMO_INLINE __m512i bf16_rne_high_vector(__m512 u, __m512i old, __mmask16 bad) {
+  const __m512i b = _mm512_castps_si512(u);
+  // b + 0x7FFF, or b + 0x8000 where the lowest kept bit is set (ties to even).
+  const __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
+  __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
+  r = _mm512_mask_add_epi32(r, odd, b, _mm512_set1_epi32(0x8000));
+  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x00400000));
+  return _mm512_mask_mov_epi32(r, bad, old);
+}
+
+#if defined(__AVX512BW__)
+// Unscaled bf16 grads are non-finite exactly when their own exponent is all ones: test
+// and restore all 32 elements at 16-bit granularity, not per half. Returns elements done.
+template <int kF>
+int64_t update_bf16_unscaled(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
+                             const SgdVectors& v, __mmask16& any_bad) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i exponent = _mm512_set1_epi16(0x7F80);
+  __mmask32 bad_acc = 0;
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  // VCVTNE2PS2BF16 rounds to nearest even and quiets nans as the reference does, but
+  // treats subnormal inputs as zero: vectors with a subnormal result take the exact loop.
+  // Unpacking against zero widens each 128-bit lane; vpermw restores element order.
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
+                                         9, 8, 23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2,
+                                         1, 0);
+  for (; i + 32 <= n; i += 32) {
+    const __m512i pw = _mm512_loadu_si512(p + i);
+    const __m512i gw = _mm512_loadu_si512(g + i);
+    __mmask16 unused;
+    const __m512 u_lo = sgd_vector<kF, false>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
+                                              _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)),
+                                              v, unused);
+    const __m512 u_hi = sgd_vector<kF, false>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
+                                              _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)),
+                                              v, unused);
+    if (_mm512_fpclass_ps_mask(u_lo, 0x20) | _mm512_fpclass_ps_mask(u_hi, 0x20)) {
+      bad_acc |= update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, 32, 0, 0, v.scalars, 0);
+      continue;
+    }
+    const __mmask32 bad = _mm512_cmpeq_epi16_mask(_mm512_and_si512(gw, exponent), exponent);
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(u_hi, u_lo);  // same bits
+    const __m512i out = _mm512_permutexvar_epi16(order, packed);
+    _mm512_storeu_si512(p + i, _mm512_mask_mov_epi16(out, bad, pw));
+    bad_acc |= bad;
+  }
+#endif
+  for (; i + 32 <= n; i += 32) {
+    const __m512i pw = _mm512_loadu_si512(p + i);
+    const __m512i gw = _mm512_loadu_si512(g + i);
+    const __mmask32 bad = _mm512_cmpeq_epi16_mask(_mm512_and_si512(gw, exponent), exponent);
+    const __m512i p_even = _mm512_slli_epi32(pw, 16);
+    const __m512i p_odd = _mm512_and_si512(pw, high);
+    __mmask16 unused;
+    const __m512 u_even = sgd_vector<kF, false>(_mm512_castsi512_ps(_mm512_slli_epi32(gw, 16)),
+                                                _mm512_castsi512_ps(p_even), v, unused);
+    const __m512 u_odd = sgd_vector<kF, false>(_mm512_castsi512_ps(_mm512_and_si512(gw, high)),
+                                               _mm512_castsi512_ps(p_odd), v, unused);
+    const __m512i r_even = bf16_rne_high_vector(u_even, p_even, 0);
+    const __m512i r_odd = bf16_rne_high_vector(u_odd, p_odd, 0);
+    const __m512i out = _mm512_ternarylogic_epi32(r_odd, _mm512_srli_epi32(r_even, 16), high, 0xE4);
+    _mm512_storeu_si512(p + i, _mm512_mask_mov_epi16(out, bad, pw));
+    bad_acc |= bad;
+  }
+  any_bad |= bad_acc != 0 ? 1 : 0;
+  return i;
+}
+#endif
+
+// 32 bf16 elements per step, split into even/odd halves of each 32-bit word as in
+// update_bf16_pairs.
+template <int kF>
+uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
+                            const lomo::SgdScalars& s) {
+  const SgdVectors v(s);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __mmask16 any_bad = 0;
+  int64_t i = 0;
+#if defined(__AVX512BW__)
+  if constexpr ((kF & kScale) == 0) {
+    i = update_bf16_unscaled<kF>(p, g, n, v, any_bad);
+  }
+#endif
+  for (; i + 32 <= n; i += 32) {
+    const __m512i pw = _mm512_loadu_si512(p + i);
+    const __m512i gw = _mm512_loadu_si512(g + i);
+    const __m512i p_even = _mm512_slli_epi32(pw, 16);
+    const __m512i p_odd = _mm512_and_si512(pw, high);
+    __mmask16 bad_even, bad_odd;
+    const __m512 u_even = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_slli_epi32(gw, 16)),
+                                         _mm512_castsi512_ps(p_even), v, bad_even);
+    const __m512 u_odd = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_and_si512(gw, high)),
+                                        _mm512_castsi512_ps(p_odd), v, bad_odd);
+    const __m512i r_even = bf16_rne_high_vector(u_even, p_even, bad_even);
+    const __m512i r_odd = bf16_rne_high_vector(u_odd, p_odd, bad_odd);
+    // (r_odd & high) | (r_even >> 16)
+    const __m512i out = _mm512_ternarylogic_epi32(r_odd, _mm512_srli_epi32(r_even, 16), high, 0xE4);
+    _mm512_storeu_si512(p + i, out);
+    any_bad |= bad_even | bad_odd;
+  }
+  return (any_bad != 0 ? 1u : 0u) |
+         update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, n - i, 0, 0, s, 0);
+}
+
+// Runs kernel<kF> for the flags of s (eight instantiations per kernel).
+template <template <int> class K, class... A>
+uint32_t with_flags(const lomo::SgdScalars& s, A... args) {
+  switch (sgd_flags(s)) {
+    case 0: return K<0>::run(args..., s);
+    case 1: return K<1>::run(args..., s);
+    case 2: return K<2>::run(args..., s);
+    case 3: return K<3>::run(args..., s);
+    case 4: return K<4>::run(args..., s);
+    case 5: return K<5>::run(args..., s);
+    case 6: return K<6>::run(args..., s);
+    default: return K<7>::run(args..., s);
+  }
+}
+
+template <int kF>
+struct Fp32Kernel {
+  static uint32_t run(float* p, const float* g, int64_t n, const lomo::SgdScalars& s) {
+    return update_fp32_avx512<kF>(p, g, n, s);
+  }
+};
+
+template <int kF>
+struct Bf16Kernel {
+  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, const lomo::SgdScalars& s) {
+    return update_bf16_avx512<kF>(p, g, n, s);
+  }
+};
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
 #if defined(__F16C__) && defined(__AVX__)
 // fp16 operands: the portable integer conversions cost ~25 vector instructions per 16
 // elements; F16C converts in one. GCC does not vectorise _Float16 conversions itself, so
@@ -204,7 +413,16 @@ template <class P, class G, bool kStochastic>
 uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
                       uint32_t hi, const lomo::SgdScalars& s, uint32_t key) {
   constexpr bool kAnyHalf = std::is_same_v<P, lomo::Fp16> || std::is_same_v<G, lomo::Fp16>;
-  if constexpr (kHaveF16C && kAnyHalf) {
+  constexpr bool kSame = std::is_same_v<P, G> && !kStochastic;
+  if constexpr (kHaveAvx512 && kSame && std::is_same_v<P, lomo::Fp32>) {
+#if defined(__AVX512F__)
+    return with_flags<Fp32Kernel>(s, p, g, n);
+#endif
+  } else if constexpr (kHaveAvx512 && kSame && std::is_same_v<P, lomo::Bf16> && kLittleEndian) {
+#if defined(__AVX512F__)
+    return with_flags<Bf16Kernel>(s, p, g, n);
+#endif
+  } else if constexpr (kHaveF16C && kAnyHalf) {
 #if defined(__F16C__) && defined(__AVX__)
     return update_tiled<P, G, kStochastic>(p, g, n, lo, hi, s, key);
 #endif
