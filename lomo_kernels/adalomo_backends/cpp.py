@@ -12,122 +12,19 @@ CUDA build of torch.
 
 from __future__ import annotations
 
-import sys
-import threading
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_MAX_REASON_CHARS = 4000
+from .._extension import ExtensionLoader
 
-_lock = threading.Lock()
-_modules: dict[str, ModuleType] = {}
-_errors: dict[str, str] = {}
-
-
-def cpu_build_flags() -> list[list[str]]:
-    """Compiler flag sets for the CPU extension, tried in order until one builds.
-
-    -ffp-contract=off keeps the reference's per-operation fp32 rounding (no FMA);
-    -fno-trapping-math lets the float selects vectorise; -fopenmp backs at::parallel_for.
-    """
-    if sys.platform == "win32":
-        return [["/O2", "/openmp"], ["/O2"]]
-    base = ["-O3", "-fno-trapping-math", "-ffp-contract=off"]
-    return [base + ["-fopenmp"], base]
-
-
-def _short(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= _MAX_REASON_CHARS else "..." + text[-_MAX_REASON_CHARS:]
-
-
-def _build_cpu() -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    failures = []
-    for flags in cpu_build_flags():
-        ldflags = [f for f in flags if f in ("-fopenmp", "/openmp")]
-        try:
-            return load(
-                name="lomo_kernels_adalomo_cpu",
-                sources=[str(_CSRC / "adalomo_cpu.cpp")],
-                extra_include_paths=[str(_CSRC)],
-                extra_cflags=flags,
-                extra_ldflags=ldflags,
-                verbose=False,
-            )
-        except Exception as exc:  # any build error means "unavailable"
-            failures.append(f"flags {flags}: {_short(exc)}")
-    raise RuntimeError("AdaLomo C++ extension build failed:\n" + "\n".join(failures))
-
-
-def _build_cuda() -> ModuleType:
-    if torch.version.cuda is None:
-        raise RuntimeError("this torch build has no CUDA support")
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device is available")
-    from torch.utils.cpp_extension import load
-
-    return load(
-        name="lomo_kernels_adalomo_cuda",
-        sources=[str(_CSRC / "adalomo_cuda.cu"), str(_CSRC / "adalomo_cuda_binding.cpp")],
-        extra_include_paths=[str(_CSRC)],
-        extra_cflags=["-O3"],
-        # No --use_fast_math: it would flush subnormals and loosen the fp32 rounding.
-        extra_cuda_cflags=["-O3"],
-        verbose=False,
-    )
-
-
-def _load(device_type: str) -> ModuleType | None:
-    module = _modules.get(device_type)
-    if module is not None or device_type in _errors:
-        return module
-    with _lock:
-        if device_type in _modules:
-            return _modules[device_type]
-        if device_type in _errors:
-            return None
-        try:
-            if device_type == "cpu":
-                module = _build_cpu()
-            elif device_type == "cuda":
-                module = _build_cuda()
-            else:
-                raise RuntimeError(f"no C++ kernels for device type {device_type!r}")
-        except Exception as exc:  # recorded, reported by unavailable_reason
-            _errors[device_type] = _short(exc)
-            return None
-        _modules[device_type] = module
-        return module
-
-
-def is_available(device_type: str) -> bool:
-    """True when the extension for `device_type` ('cpu' or 'cuda') is built and loaded.
-
-    The first call builds it (about a minute for the CPU one); failures are recorded.
-    """
-    return _load(device_type) is not None
-
-
-def unavailable_reason(device_type: str) -> str:
-    """Why `is_available` is False for `device_type` ('' when it is available)."""
-    if _load(device_type) is not None:
-        return ""
-    return _errors.get(device_type, "unknown")
-
-
-def _module(device_type: str) -> ModuleType:
-    module = _modules.get(device_type) or _load(device_type)
-    if module is None:
-        raise RuntimeError(
-            f"lomo_kernels AdaLomo C++ backend unavailable for {device_type}: "
-            f"{_errors.get(device_type, 'unknown')}"
-        )
-    return module
+_loader = ExtensionLoader(
+    "AdaLomo C++ backend",
+    cpu=("lomo_kernels_adalomo_cpu", ["adalomo_cpu.cpp"]),
+    cuda=("lomo_kernels_adalomo_cuda", ["adalomo_cuda.cu", "adalomo_cuda_binding.cpp"]),
+    native=False,
+)
+is_available = _loader.is_available
+unavailable_reason = _loader.unavailable_reason
+_module = _loader.module
 
 
 def _opt(value: float | None) -> float | None:

@@ -1,0 +1,143 @@
+"""Builds the C++/CUDA torch extensions from ``csrc/`` on first use, once per process.
+
+Nothing is built at import time. A failed build is recorded and reported by
+`ExtensionLoader.unavailable_reason`, never raised from `is_available`, so the dispatchers
+can warn once and fall back. torch.utils.cpp_extension caches builds across processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+_MAX_REASON_CHARS = 4000
+
+
+def cpu_build_flags(native: bool) -> list[list[str]]:
+    """Compiler flag sets for a CPU extension, tried in order until one builds.
+
+    -ffp-contract=off keeps the reference's per-operation fp32 rounding (no FMA);
+    -fno-trapping-math lets GCC turn the float selects of the hot loops into vector blends;
+    -fopenmp backs at::parallel_for (its OpenMP body lives in a header).
+    """
+    if sys.platform == "win32":
+        return [["/O2", "/openmp"], ["/O2"]]
+    base = ["-O3", "-fno-trapping-math", "-ffp-contract=off"]
+    sets = [base + ["-fopenmp"], base]
+    return [base + ["-march=native", "-fopenmp"], *sets] if native else sets
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_REASON_CHARS else "..." + text[-_MAX_REASON_CHARS:]
+
+
+class ExtensionLoader:
+    """One CPU and one CUDA extension of a backend, each built at most once per process."""
+
+    def __init__(
+        self,
+        label: str,
+        cpu: tuple[str, Sequence[str]],
+        cuda: tuple[str, Sequence[str]],
+        *,
+        native: bool,
+        prebuilt_cpu: str | None = None,
+    ) -> None:
+        self.label = label
+        self._cpu_name, self._cpu_sources = cpu
+        self._cuda_name, self._cuda_sources = cuda
+        self._native = native
+        self._prebuilt_cpu = prebuilt_cpu
+        self._lock = threading.Lock()
+        self._modules: dict[str, ModuleType] = {}
+        self._errors: dict[str, str] = {}
+
+    def _build_cpu(self) -> ModuleType:
+        if self._prebuilt_cpu and os.environ.get("LOMO_KERNELS_PREBUILT") == "1":
+            return importlib.import_module(self._prebuilt_cpu)
+        from torch.utils.cpp_extension import load
+
+        failures = []
+        for flags in cpu_build_flags(self._native):
+            ldflags = [f for f in flags if f == "-fopenmp"]  # MSVC links OpenMP itself
+            try:
+                return load(
+                    name=self._cpu_name,
+                    sources=[str(CSRC / s) for s in self._cpu_sources],
+                    extra_include_paths=[str(CSRC)],
+                    extra_cflags=flags,
+                    extra_ldflags=ldflags,
+                    verbose=False,
+                )
+            except Exception as exc:  # any build error means "unavailable"
+                failures.append(f"flags {flags}: {_short(exc)}")
+        raise RuntimeError(f"{self.label} build failed:\n" + "\n".join(failures))
+
+    def _build_cuda(self) -> ModuleType:
+        if torch.version.cuda is None:
+            raise RuntimeError("this torch build has no CUDA support")
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is available")
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=self._cuda_name,
+            sources=[str(CSRC / s) for s in self._cuda_sources],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3"],
+            # No --use_fast_math: it would flush subnormals and change the fp32 rounding.
+            extra_cuda_cflags=["-O3"],
+            verbose=False,
+        )
+
+    def get(self, device_type: str) -> ModuleType | None:
+        """The loaded extension for `device_type`, building it on first use; None if it fails."""
+        module = self._modules.get(device_type)
+        if module is not None or device_type in self._errors:
+            return module
+        with self._lock:
+            if device_type in self._modules:
+                return self._modules[device_type]
+            if device_type in self._errors:
+                return None
+            try:
+                if device_type == "cpu":
+                    module = self._build_cpu()
+                elif device_type == "cuda":
+                    module = self._build_cuda()
+                else:
+                    raise RuntimeError(f"no C++ kernels for device type {device_type!r}")
+            except Exception as exc:  # recorded, reported by unavailable_reason
+                self._errors[device_type] = _short(exc)
+                return None
+            self._modules[device_type] = module
+            return module
+
+    def is_available(self, device_type: str) -> bool:
+        """True when the extension for `device_type` ('cpu' or 'cuda') builds and loads."""
+        return self.get(device_type) is not None
+
+    def unavailable_reason(self, device_type: str) -> str:
+        """Why `is_available` is False for `device_type` ('' when it is available)."""
+        if self.get(device_type) is not None:
+            return ""
+        return self._errors.get(device_type, "unknown")
+
+    def module(self, device_type: str) -> ModuleType:
+        """The extension for `device_type`, or a RuntimeError saying why it is missing."""
+        module = self._modules.get(device_type) or self.get(device_type)
+        if module is None:
+            raise RuntimeError(
+                f"lomo_kernels {self.label} unavailable for {device_type}: "
+                f"{self._errors.get(device_type, 'unknown')}"
+            )
+        return module
