@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_update.py
+	$(PY) bench/memory.py --all
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -184,3 +184,18 @@ def test_bad_lr_at_step_raises_before_any_change(lr):
 def test_not_a_model_refused():
     with pytest.raises(TypeError, match="pass the model"):
         Lomo(list(torch.nn.Linear(2, 2).parameters()))
+
+
+def test_clip_grad_value_zero_means_off_as_in_lomo_optim():
+    a, b = tiny_llama(), tiny_llama()
+    for model, value in ((a, 0.0), (b, None)):
+        opt = Lomo(model, lr=0.1, clip_grad_value=value)
+        opt.fused_backward(model(**batch(0)).loss)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_unknown_backend_name_refused_at_construction():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="unknown lomo_kernels backend"):
+        Lomo(model, backend="cuda")
+    model(**batch(0)).loss.backward()  # no hook left behind

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import ops
 from .._checks import SUPPORTED_DTYPES
+from ..backends import requested_backend
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -62,6 +63,15 @@ def check_lr(lr: Any) -> float:
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     return float(lr)
+
+
+def clip_value_or_none(clip_grad_value: float | None) -> float | None:
+    """lomo-optim clips by value only when clip_grad_value > 0: 0 or less means off."""
+    if clip_grad_value is None:
+        return None
+    if not math.isfinite(clip_grad_value):
+        raise ValueError(f"clip_grad_value must be finite, got {clip_grad_value}")
+    return float(clip_grad_value) if clip_grad_value > 0 else None
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -121,10 +131,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             math.isfinite(clip_grad_norm) and clip_grad_norm > 0
         ):
             raise ValueError(f"clip_grad_norm should be positive, got {clip_grad_norm}.")
-        if clip_grad_value is not None and not (
-            math.isfinite(clip_grad_value) and clip_grad_value > 0
-        ):
-            raise ValueError(f"clip_grad_value should be positive, got {clip_grad_value}.")
+        clip_grad_value = clip_value_or_none(clip_grad_value)
         check_lr(defaults["lr"])
         params = trainable_parameters(model)
         super().__init__([{"params": params}], defaults)
@@ -132,6 +139,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.clip_grad_norm = clip_grad_norm
         self.clip_grad_value = clip_grad_value
         self.backend = backend
+        self._backend_name = requested_backend(backend)  # validated once, not per call
         self.step_count = 0
         self._phase = _IDLE
         self._norm_ready = False

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from ..adalomo_ops import adalomo_update_, init_adalomo_state
-from ._in_backward import InBackwardOptimizer, _DeviceScalars, trainable_parameters
+from ._in_backward import (
+    InBackwardOptimizer,
+    _DeviceScalars,
+    clip_value_or_none,
+    trainable_parameters,
+)
 
 
 class AdaLomo(InBackwardOptimizer):
@@ -51,6 +56,7 @@ class AdaLomo(InBackwardOptimizer):
             )
         if not math.isfinite(float(weight_decay)):
             raise ValueError(f"weight_decay must be finite, got {weight_decay}")
+        clip_grad_value = clip_value_or_none(clip_grad_value)
         defaults = {
             "lr": lr,
             "eps": tuple(eps),

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops
 from .._rounding import mix32_int
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
+    clip_value_or_none,
     split_loss_scale_args,
     trainable_parameters,
 )
@@ -54,6 +54,7 @@ class Lomo(InBackwardOptimizer):
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
         if any(p.dtype == torch.float16 for p in trainable_parameters(model)):
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
+        clip_grad_value = clip_value_or_none(clip_grad_value)
         defaults = {
             "lr": lr,
             "weight_decay": float(weight_decay),
@@ -112,7 +113,7 @@ class Lomo(InBackwardOptimizer):
             skip_if,
             use_sr,
             seed,
-            ops.backends.requested_backend(self.backend),
+            self._backend_name,
         )
 
     def _after_step(self, found_inf: torch.Tensor) -> None:
