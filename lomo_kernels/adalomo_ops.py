@@ -25,7 +25,7 @@ import torch
 
 from . import adalomo_backends, backends
 from ._checks import check_finite, check_pair, check_scalar_tensor
-from .ops import Scalar, _split
+from .ops import Scalar, _split, mutates_only
 
 __all__ = [
     "adalomo_update_",
@@ -81,23 +81,7 @@ def _factored_stats_op(
     )
 
 
-@_factored_stats_op.register_fake
-def _(
-    grad,
-    param,
-    workspace,
-    found_inf,
-    skip_if,
-    cols,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    eps0,
-    backend,
-):
-    return None
+_factored_stats_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
@@ -117,9 +101,7 @@ def _factored_moments_op(
     )
 
 
-@_factored_moments_op.register_fake
-def _(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2, beta2_tensor, backend):
-    return None
+_factored_moments_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op("lomo_kernels::adalomo_factored_norm_", mutates_args=("workspace",))
@@ -148,20 +130,7 @@ def _factored_norm_op(
     )
 
 
-@_factored_norm_op.register_fake
-def _(
-    grad,
-    exp_avg_sq_row,
-    exp_avg_sq_col,
-    workspace,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    backend,
-):
-    return None
+_factored_norm_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op("lomo_kernels::adalomo_factored_apply_", mutates_args=("param",))
@@ -202,26 +171,7 @@ def _factored_apply_op(
     )
 
 
-@_factored_apply_op.register_fake
-def _(
-    param,
-    grad,
-    exp_avg_sq_row,
-    exp_avg_sq_col,
-    workspace,
-    lr,
-    lr_tensor,
-    eps1,
-    clip_threshold,
-    weight_decay,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    backend,
-):
-    return None
+_factored_apply_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
@@ -262,25 +212,7 @@ def _vector_stats_op(
     )
 
 
-@_vector_stats_op.register_fake
-def _(
-    grad,
-    param,
-    exp_avg_sq,
-    workspace,
-    found_inf,
-    skip_if,
-    beta2,
-    beta2_tensor,
-    eps0,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    backend,
-):
-    return None
+_vector_stats_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
@@ -327,28 +259,7 @@ def _vector_apply_op(
     )
 
 
-@_vector_apply_op.register_fake
-def _(
-    param,
-    grad,
-    exp_avg_sq,
-    workspace,
-    beta2,
-    beta2_tensor,
-    eps0,
-    lr,
-    lr_tensor,
-    eps1,
-    clip_threshold,
-    weight_decay,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    backend,
-):
-    return None
+_vector_apply_op.register_fake(mutates_only)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -18,6 +18,11 @@ from ._checks import check_finite, check_pair, check_scalar_tensor
 Scalar = float | torch.Tensor
 
 
+def mutates_only(*args: object) -> None:
+    """Fake (meta) implementation of ops that only write into their arguments."""
+    return None
+
+
 @torch.library.custom_op("lomo_kernels::sgd_update_", mutates_args=("param", "found_inf"))
 def _sgd_update_op(
     param: torch.Tensor,
@@ -57,25 +62,7 @@ def _sgd_update_op(
     )
 
 
-@_sgd_update_op.register_fake
-def _(
-    param,
-    grad,
-    lr,
-    lr_tensor,
-    inv_scale,
-    inv_scale_tensor,
-    clip_value,
-    clip_coef,
-    clip_coef_tensor,
-    weight_decay,
-    found_inf,
-    skip_if,
-    stochastic_rounding,
-    seed,
-    backend,
-):
-    return None
+_sgd_update_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
@@ -96,9 +83,7 @@ def _grad_sumsq_op(
     )
 
 
-@_grad_sumsq_op.register_fake
-def _(grad, inv_scale, inv_scale_tensor, sumsq, found_inf, backend):
-    return None
+_grad_sumsq_op.register_fake(mutates_only)
 
 
 def _split(name: str, value: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
