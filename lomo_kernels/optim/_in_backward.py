@@ -118,26 +118,23 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        defaults: dict[str, Any],
-        *,
-        clip_grad_norm: float | None,
-        clip_grad_value: float | None,
-        backend: str | None,
-    ) -> None:
+    def __init__(self, model: nn.Module, defaults: dict[str, Any], *, backend: str | None) -> None:
+        """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
+        clip_grad_norm, clip_grad_value) before any hook is attached."""
+        clip_grad_norm = defaults["clip_grad_norm"]
         if clip_grad_norm is not None and not (
             math.isfinite(clip_grad_norm) and clip_grad_norm > 0
         ):
             raise ValueError(f"clip_grad_norm should be positive, got {clip_grad_norm}.")
-        clip_grad_value = clip_value_or_none(clip_grad_value)
+        defaults["clip_grad_value"] = clip_value_or_none(defaults["clip_grad_value"])
         check_lr(defaults["lr"])
+        if not math.isfinite(defaults["weight_decay"]):
+            raise ValueError(f"weight_decay must be finite, got {defaults['weight_decay']}")
         params = trainable_parameters(model)
         super().__init__([{"params": params}], defaults)
         self.model = model
         self.clip_grad_norm = clip_grad_norm
-        self.clip_grad_value = clip_grad_value
+        self.clip_grad_value = defaults["clip_grad_value"]
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
         self.step_count = 0

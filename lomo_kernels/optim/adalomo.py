@@ -12,7 +12,6 @@ from ..adalomo_ops import adalomo_update_, init_adalomo_state
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
-    clip_value_or_none,
     trainable_parameters,
 )
 
@@ -54,9 +53,6 @@ class AdaLomo(InBackwardOptimizer):
             raise ValueError(
                 f"decay_rate must be < 0 (beta2_t = 1 - t**decay_rate), got {decay_rate}"
             )
-        if not math.isfinite(float(weight_decay)):
-            raise ValueError(f"weight_decay must be finite, got {weight_decay}")
-        clip_grad_value = clip_value_or_none(clip_grad_value)
         defaults = {
             "lr": lr,
             "eps": tuple(eps),
@@ -66,13 +62,7 @@ class AdaLomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(
-            model,
-            defaults,
-            clip_grad_norm=clip_grad_norm,
-            clip_grad_value=clip_grad_value,
-            backend=backend,
-        )
+        super().__init__(model, defaults, backend=backend)
         self.loss_scale = float(loss_scale)
         self._fp16 = any(p.dtype == torch.float16 for p in params)
         for p in params:

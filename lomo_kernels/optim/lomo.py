@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -12,7 +11,6 @@ from .._rounding import mix32_int
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
-    clip_value_or_none,
     split_loss_scale_args,
     trainable_parameters,
 )
@@ -49,25 +47,16 @@ class Lomo(InBackwardOptimizer):
         backend: str | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
-        if not math.isfinite(float(weight_decay)):
-            raise ValueError(f"weight_decay must be finite, got {weight_decay}")
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
         if any(p.dtype == torch.float16 for p in trainable_parameters(model)):
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
-        clip_grad_value = clip_value_or_none(clip_grad_value)
         defaults = {
             "lr": lr,
             "weight_decay": float(weight_decay),
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(
-            model,
-            defaults,
-            clip_grad_norm=clip_grad_norm,
-            clip_grad_value=clip_grad_value,
-            backend=backend,
-        )
+        super().__init__(model, defaults, backend=backend)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         params = self.param_groups[0]["params"]
