@@ -47,6 +47,7 @@ class _DeviceScalars:
     update_found_inf: torch.Tensor = field(init=False)
     no_skip: torch.Tensor = field(init=False)
     clip_coef: torch.Tensor = field(init=False)
+    inv_scale: torch.Tensor = field(init=False)  # the loss scaler's, copied once per step
     lr: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +56,7 @@ class _DeviceScalars:
 
         self.sumsq, self.norm_found_inf, self.update_found_inf = zeros(), zeros(), zeros()
         self.no_skip, self.clip_coef = zeros(), torch.ones(1, device=self.device)
+        self.inv_scale = torch.ones(1, device=self.device)
 
 
 def check_lr(lr: Any) -> float:
@@ -188,7 +190,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return self._static_inv_scale()
         if scaler.device == device:
             return scaler.inv_scale
-        return scaler.inv_scale.to(device, non_blocking=True)
+        return self._scalars[device].inv_scale
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -306,8 +308,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for scalars in self._scalars.values():
                 if group_index in scalars.lr:
                     scalars.lr[group_index].fill_(group["lr"])
+        scaler = self._loss_scaler()
         for scalars in self._scalars.values():
             scalars.update_found_inf.zero_()
+            if scaler is not None and scalars.device != scaler.device:
+                # One copy per device and step, not one per parameter in the hooks.
+                scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
 
     def _run_backward(self, loss: torch.Tensor, phase: str, retain_graph: bool) -> None:
         scaler = self._loss_scaler()
