@@ -175,6 +175,54 @@ def test_unaligned_views_match_reference(pdt: str, gdt: str) -> None:
     assert_same_bits(buffers[0], buffers[1])
 
 
+OPTION_SUBSETS = list(range(16))  # bits: unscale, clip, weight decay, clip_coef
+
+
+def _subset_options(bits: int) -> dict:
+    """Each option on or neutral: the CPU kernel compiles neutral options out (16 loops)."""
+    return dict(
+        lr=2e-2,
+        lr_tensor=None,
+        inv_scale=1 / 1024 if bits & 1 else 1.0,
+        inv_scale_tensor=None,
+        clip_value=0.75 if bits & 2 else None,
+        clip_coef=0.6 if bits & 8 else 1.0,
+        clip_coef_tensor=None,
+        weight_decay=0.1 if bits & 4 else 0.0,
+    )
+
+
+@pytest.mark.parametrize("bits", OPTION_SUBSETS, ids=lambda b: f"options{b:04b}")
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+def test_every_option_subset_matches_reference(pdt: str, bits: int) -> None:
+    # Same-dtype pairs take the vector loops; sizes leave a tail after whole vectors, and
+    # the specials (inf/nan grads, subnormal params and results) sit in the first vectors.
+    dtype = DTYPES[pdt]
+    for n in (4099, 64 * 1024 + 37):
+        param = _make_param(n, dtype, seed=bits, specials=True)
+        grad = _make_grad(n, dtype, seed=bits, scale=1024.0 if bits & 1 else 1.0, specials=True)
+        (got, want), (f_got, f_want) = _both(param, grad, _subset_options(bits))
+        assert_same_bits(got, want)
+        assert f_got.item() == f_want.item() == 1.0
+        clean = _make_grad(n, dtype, seed=bits + 99, scale=1.0, specials=False)
+        (got, want), (f_got, f_want) = _both(param, clean, _subset_options(bits))
+        assert_same_bits(got, want)
+        assert f_got.item() == f_want.item() == 0.0
+
+
+@pytest.mark.parametrize("clip", [0.0, -0.5])
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+def test_zero_and_negative_clip_bounds_match_reference(pdt: str, clip: float) -> None:
+    # The public op refuses clip_value <= 0; the backend still follows torch.clamp for it
+    # (a negative bound leaves the vector loops' one-instruction clamp for the generic one).
+    n = 4099
+    param = _make_param(n, DTYPES[pdt], seed=5, specials=True)
+    grad = _make_grad(n, DTYPES[pdt], seed=5, scale=1.0, specials=True)
+    opts = _options("plain") | dict(clip_value=clip)
+    (got, want), _ = _both(param, grad, opts)
+    assert_same_bits(got, want)
+
+
 def test_decay_scalar_paths_match_reference() -> None:
     # A Python-float lr forms 1 - lr*wd in double, a tensor lr in fp32: both reproduced.
     param = _make_param(10_007, torch.float32, seed=11, specials=False)
