@@ -315,6 +315,86 @@ uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g
 }
 #endif
 
+#if defined(__AVX512BW__)
+// lomo::mix32 on 16 lanes.
+LOMO_INLINE __m512i mix32_vector(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// lomo::f32_to_bf16_sr on 16 lanes, the result in the high half of each lane. index: the
+// low 32 bits of each lane's flat element index (random_bits16's hash of it).
+LOMO_INLINE __m512i bf16_sr_high_vector(__m512 u, __m512i index, __m512i key, __m512i hi) {
+  const __m512i random = _mm512_srli_epi32(
+      mix32_vector(_mm512_xor_si512(mix32_vector(_mm512_xor_si512(index, key)), hi)), 16);
+  const __m512i b = _mm512_castps_si512(u);
+  const __mmask16 nonfinite = nonfinite_mask(u);  // inf/nan are not perturbed
+  const __m512i out = _mm512_mask_add_epi32(b, static_cast<__mmask16>(~nonfinite), b, random);
+  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(out, nan, out, _mm512_set1_epi32(0x00400000));
+}
+
+// bf16 params with stochastic rounding, 32 elements per step: the layout of the nearest
+// rounding loop (unpack against zero), the hash on 16 lanes, and one vpermt2w that takes
+// the high halves back in element order. Integer rounding is exact for subnormal results,
+// so only a block with an inf/nan gradient takes the exact loop.
+template <int kF>
+uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
+                               uint32_t lo, uint32_t hi, uint32_t key,
+                               const lomo::SgdScalars& s) {
+  const SgdVectors v(s);
+  const __m512i zero = _mm512_setzero_si512();
+  // Element offset of each lane: lane k of 128-bit lane L holds element 8L + k (unpacklo)
+  // or 8L + 4 + k (unpackhi).
+  const __m512i offset_lo =
+      _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i offset_hi = _mm512_add_epi32(offset_lo, _mm512_set1_epi32(4));
+  // Output element e = 8L + k: the high word of dword 4L + k of the first operand (k < 4)
+  // or of dword 4L + k - 4 of the second (word index + 32).
+  const __m512i gather_high = _mm512_set_epi16(63, 61, 59, 57, 31, 29, 27, 25, 55, 53, 51, 49,
+                                               23, 21, 19, 17, 47, 45, 43, 41, 15, 13, 11, 9,
+                                               39, 37, 35, 33, 7, 5, 3, 1);
+  const __m512i key_v = _mm512_set1_epi32(static_cast<int>(key));
+  const __m512i hi_v = _mm512_set1_epi32(static_cast<int>(hi));
+  uint32_t any_bad = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(p + i, g + i);
+    const __m512i pw = _mm512_loadu_si512(p + i);
+    const __m512i gw = _mm512_loadu_si512(g + i);
+    __mmask16 bad_lo, bad_hi;
+    const __m512 u_lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
+                                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v,
+                                       bad_lo);
+    const __m512 u_hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
+                                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v,
+                                       bad_hi);
+    const uint32_t first = lo + static_cast<uint32_t>(i);  // no wrap: see update_span
+    if (__builtin_expect((bad_lo | bad_hi) != 0, 0)) {
+      any_bad |= update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, 32, first, hi, s, key);
+      continue;
+    }
+    const __m512i base = _mm512_set1_epi32(static_cast<int>(first));
+    const __m512i r_lo = bf16_sr_high_vector(u_lo, _mm512_add_epi32(base, offset_lo), key_v, hi_v);
+    const __m512i r_hi = bf16_sr_high_vector(u_hi, _mm512_add_epi32(base, offset_hi), key_v, hi_v);
+    _mm512_storeu_si512(p + i, _mm512_permutex2var_epi16(r_lo, gather_high, r_hi));
+  }
+  return any_bad | update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, n - i,
+                                                       lo + static_cast<uint32_t>(i), hi, s, key);
+}
+
+template <int kF>
+struct Bf16SrKernel {
+  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, uint32_t lo, uint32_t hi,
+                      uint32_t key, const lomo::SgdScalars& s) {
+    return update_bf16_sr_avx512<kF>(p, g, n, lo, hi, key, s);
+  }
+};
+#endif
+
 // Runs K<flags of s>::run: a table of the 16 instantiations, indexed at run time.
 template <template <int> class K, int... kF, class... A>
 uint32_t run_flagged(std::integer_sequence<int, kF...>, const lomo::SgdScalars& s, A... args) {
@@ -436,6 +516,12 @@ uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint3
     if (avx512_supports(s)) return with_flags<Fp32Kernel>(s, p, g, n);
   } else if constexpr (kSame && std::is_same_v<P, lomo::Bf16> && kLittleEndian) {
     if (avx512_supports(s)) return with_flags<Bf16Kernel>(s, p, g, n);
+  }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (kStochastic && std::is_same_v<P, lomo::Bf16> && std::is_same_v<G, lomo::Bf16> &&
+                kLittleEndian) {
+    if (avx512_supports(s)) return with_flags<Bf16SrKernel>(s, p, g, n, lo, hi, key);
   }
 #endif
   if constexpr (kHaveF16C && kAnyHalf) {

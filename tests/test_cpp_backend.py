@@ -208,6 +208,10 @@ def test_every_option_subset_matches_reference(pdt: str, bits: int) -> None:
         (got, want), (f_got, f_want) = _both(param, clean, _subset_options(bits))
         assert_same_bits(got, want)
         assert f_got.item() == f_want.item() == 0.0
+        if dtype == torch.bfloat16:  # the stochastic-rounding vector loop, same subsets
+            for g in (grad, clean):
+                (got, want), _ = _both(param, g, _subset_options(bits), sr=True, seed=bits)
+                assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("clip", [0.0, -0.5])
