@@ -519,7 +519,8 @@ def test_grad_sumsq_vs_float64(gdt: str, size: int) -> None:
     reference.grad_sumsq_(
         grad, inv_scale=1 / 512, inv_scale_tensor=inv_t, sumsq=ref_sumsq, found_inf=None
     )
-    assert math.isclose(ref_sumsq.item(), exact, rel_tol=1e-5)
+    # The reference also accumulates in float64: the same two fp32 roundings bound it.
+    assert math.isclose(ref_sumsq.item(), exact, rel_tol=2**-23)
 
 
 @pytest.mark.parametrize("gdt", list(DTYPES))

@@ -1,9 +1,9 @@
 """Pure-PyTorch AdaLomo passes: the executable specification, on any device.
 
-All math is fp32. Tensors are visited in bounded tiles (at most `CHUNK` elements), so no
-fp32 copy of a whole parameter or gradient is ever made; vectors (moments, row/column sums)
-are small and handled whole. Nothing here reads a tensor value on the host: skip decisions
-are `torch.where` selects on the device.
+All math is fp32 (tile sums in float64). Tensors are visited in bounded tiles (at most
+`CHUNK` elements), so no fp32 copy of a whole parameter or gradient is ever made; vectors
+(moments, row/column sums) are small and handled whole. Nothing here reads a tensor value
+on the host: skip decisions are `torch.where` selects on the device.
 
 Per element: ``g = clamp(fp32(grad) * inv_scale, -clip_value, clip_value) * clip_coef``
 (non-finite ``grad * inv_scale`` marks the parameter as skipped and raises found_inf),
@@ -28,6 +28,10 @@ CHUNK = 1 << 16
 # Workspace slots, as in `adalomo_backends/__init__.py` (not imported: that module imports
 # this one).
 P_SUMSQ, U_SUMSQ, SKIP, R_SUM = 0, 1, 2, 3
+
+# Each tile's sums are taken in float64 and rounded once into the fp32 workspace, so the
+# result does not depend on the order the CPU's vectorised reduction adds in.
+F64 = torch.float64
 
 
 def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | float:
@@ -156,10 +160,10 @@ def factored_stats_(
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, finite = transform(g2[r0:r1, c0:c1])
         u = g * g + eps0
-        row_acc[r0:r1] += u.sum(dim=1)
-        col_acc[c0:c1] += u.sum(dim=0)
+        row_acc[r0:r1] += u.sum(dim=1, dtype=F64)
+        col_acc[c0:c1] += u.sum(dim=0, dtype=F64)
         p = p2[r0:r1, c0:c1].to(torch.float32)
-        stats[P_SUMSQ] += (p * p).sum()
+        stats[P_SUMSQ] += (p * p).sum(dtype=F64)
         bad = bad | ~finite.all()
     _record_flags(stats, found_inf, skip_in, bad)
 
@@ -183,7 +187,7 @@ def factored_moments_(
     ):
         new = state * b + (acc / count) * (1.0 - b)
         state.copy_(torch.where(skip, state, new))
-    stats[R_SUM] = exp_avg_sq_row.sum()
+    stats[R_SUM] = exp_avg_sq_row.sum(dtype=F64)
 
 
 def _factors(
@@ -215,7 +219,7 @@ def factored_norm_(
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, _ = transform(g2[r0:r1, c0:c1])
         update = (r[r0:r1, None] * c[None, c0:c1]) * g
-        stats[U_SUMSQ] += (update * update).sum()
+        stats[U_SUMSQ] += (update * update).sum(dtype=F64)
 
 
 def factored_apply_(
@@ -295,9 +299,9 @@ def vector_stats_(
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for s0, s1 in _spans(g1.numel()):
         update, _, finite = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
-        stats[U_SUMSQ] += (update * update).sum()
+        stats[U_SUMSQ] += (update * update).sum(dtype=F64)
         p = p1[s0:s1].to(torch.float32)
-        stats[P_SUMSQ] += (p * p).sum()
+        stats[P_SUMSQ] += (p * p).sum(dtype=F64)
         bad = bad | ~finite.all()
     _record_flags(stats, found_inf, skip_in, bad)
 

@@ -87,9 +87,14 @@ def grad_sumsq_(
     sumsq: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 if any element is inf/nan."""
+    """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 if any element is inf/nan.
+
+    The squares are summed in float64 so the result does not depend on the order in which
+    the CPU's BLAS or the GPU's reduction adds them: only the final fp32 roundings remain.
+    """
     g = grad.reshape(-1).to(torch.float32) * _effective(inv_scale, inv_scale_tensor)
-    sumsq.add_(torch.dot(g, g).to(sumsq.dtype).reshape(sumsq.shape))
+    g64 = g.to(torch.float64)
+    sumsq.add_(torch.dot(g64, g64).to(sumsq.dtype).reshape(sumsq.shape))
     if found_inf is not None:
         flag = (~torch.isfinite(g)).any().to(found_inf.dtype)
         found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))
