@@ -102,3 +102,10 @@ def test_plain_trainer_with_lomo_explains_what_to_use(tmp_path):
     )
     with pytest.raises(RuntimeError, match="LomoTrainer"):
         trainer.train()
+
+
+def test_trainer_refuses_deepspeed_with_what_to_do(tmp_path):
+    targs = args(tmp_path)
+    targs.deepspeed = {"zero_optimization": {"stage": 3}}  # as TrainingArguments(deepspeed=...)
+    with pytest.raises(ValueError, match="examples/zero3_finetune.py"):
+        LomoTrainer(model=tiny_llama(), args=targs, train_dataset=dataset())

@@ -26,6 +26,17 @@ class LomoTrainer(Trainer):
     """A Trainer whose training step calls `optimizer.fused_backward(loss)`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(targs, "deepspeed", None):
+            # transformers hands its optimizer to deepspeed.initialize, whose ZeRO-3 optimizer
+            # would reduce and keep gradient partitions itself instead of LOMO's hooks.
+            raise ValueError(
+                "LomoTrainer does not run under TrainingArguments(deepspeed=...): transformers "
+                "passes the optimizer to deepspeed.initialize, which LOMO cannot share. Train "
+                "with ZeRO-3 in a plain loop instead: deepspeed.initialize(model=..., config=...) "
+                "without an optimizer, Lomo(engine), opt.fused_backward(model(x)) "
+                "(examples/zero3_finetune.py; README, 'Sharded training')"
+            )
         super().__init__(*args, **kwargs)
         targs = self.args
         if targs.gradient_accumulation_steps > 1:

@@ -22,6 +22,7 @@ from torch import nn
 from .. import ops
 from .._checks import SUPPORTED_DTYPES
 from ..backends import requested_backend
+from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, sharding_for, unwrap_engine
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -76,8 +77,24 @@ def clip_value_or_none(clip_grad_value: float | None) -> float | None:
     return float(clip_grad_value) if clip_grad_value > 0 else None
 
 
+ONE_LOSS_UNDER_SHARDING = (
+    "under ZeRO-3 the graph of a loss cannot be back-propagated twice (DeepSpeed releases the "
+    "gathered parameters after the first backward), so the norm pass (clip_grad_norm, or "
+    "fp16 overflow detection) needs its own forward: call opt.grad_norm(model(x)) and then "
+    "opt.fused_backward(model(x)) with the same batch, once per step"
+)
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters (tied ones once), after checking every one can be served."""
+    """Trainable parameters (tied ones once), after checking every one can be served.
+
+    A DeepSpeed engine is accepted in place of its module.
+    """
+    model = unwrap_engine(model)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"pass the model (an nn.Module), not {type(model).__name__}: LOMO registers a hook "
@@ -95,7 +112,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
             "the model has no trainable parameters (requires_grad=True): "
             "nothing for the optimizer to update"
         )
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
     for p in params:
         name = names.get(id(p), "?")
         if p.dtype not in SUPPORTED_DTYPES:
@@ -120,9 +137,17 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
 
-    def __init__(self, model: nn.Module, defaults: dict[str, Any], *, backend: str | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        defaults: dict[str, Any],
+        *,
+        backend: str | None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
-        clip_grad_norm, clip_grad_value) before any hook is attached."""
+        clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
+        `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3."""
         clip_grad_norm = defaults["clip_grad_norm"]
         if clip_grad_norm is not None and not (
             math.isfinite(clip_grad_norm) and clip_grad_norm > 0
@@ -132,7 +157,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         check_lr(defaults["lr"])
         if not math.isfinite(defaults["weight_decay"]):
             raise ValueError(f"weight_decay must be finite, got {defaults['weight_decay']}")
+        model = unwrap_engine(model)
         params = trainable_parameters(model)
+        self._sharding = sharding_for(params, parameter_names(model), bucket_numel=bucket_numel)
         super().__init__([{"params": params}], defaults)
         self.model = model
         self.clip_grad_norm = clip_grad_norm
@@ -148,6 +175,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._report: torch.Tensor | None = None
         self._report_event: Any = None
         self.last_grad_norm: torch.Tensor | None = None
+        self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
         self.last_step_skipped = False
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -173,6 +201,15 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         skip_if: torch.Tensor,
     ) -> None:
         """Applies the step to one parameter; writes nothing when `skip_if` is non-zero."""
+
+    @abc.abstractmethod
+    def _update_shards(
+        self,
+        ready: list[tuple[Shard, torch.Tensor]],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
+        """Applies the step to this rank's slices, given their reduced gradients."""
 
     def _after_step(self, found_inf: torch.Tensor) -> None:
         """Bookkeeping after a completed step (loss scaler update)."""
@@ -203,19 +240,39 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise TypeError(
                 "lomo_kernels: a sparse gradient reached the optimizer; LOMO needs dense gradients"
             )
+        if self._sharding is not None:
+            # Reduced to the owner rank first; `_consume_shards` gets this rank's slice.
+            self._sharding.grad_ready(param, grad)
+            return
         scalars = self._scalars_for(param.device)
         if self._phase == _NORM:
-            ops.grad_sumsq_(
-                grad,
-                scalars.sumsq,
-                inv_scale=self._inv_scale_for(param.device),
-                found_inf=scalars.norm_found_inf,
-                backend=self.backend,
-            )
+            self._accumulate_norm(grad, scalars)
             return
         group = self.param_groups[self._group_of[id(param)]]
-        skip_if = scalars.norm_found_inf if self._norm_ready else scalars.no_skip
-        self._update(param, grad, group, scalars, skip_if)
+        self._update(param, grad, group, scalars, self._skip_if(scalars))
+
+    def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
+        return scalars.norm_found_inf if self._norm_ready else scalars.no_skip
+
+    def _accumulate_norm(self, grad: torch.Tensor, scalars: _DeviceScalars) -> None:
+        ops.grad_sumsq_(
+            grad,
+            scalars.sumsq,
+            inv_scale=self._inv_scale_for(grad.device),
+            found_inf=scalars.norm_found_inf,
+            backend=self.backend,
+        )
+
+    def _consume_shards(self, ready: list[tuple[Shard, torch.Tensor]]) -> None:
+        """One reduce-scatter bucket's partitions, reduced: measure or update them."""
+        if not ready:
+            return
+        scalars = self._scalars_for(ready[0][1].device)
+        if self._phase == _NORM:
+            for _, grad in ready:
+                self._accumulate_norm(grad, scalars)
+        else:
+            self._update_shards(ready, scalars, self._skip_if(scalars))
 
     # -- public API -------------------------------------------------------------------
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
@@ -233,6 +290,13 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._run_backward(loss, _NORM, retain_graph=True)
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
+        if self._sharding is not None:
+            # Partial sums of this rank's slices: one all-reduce gives every rank the total
+            # and the same overflow decision.
+            both = torch.cat([total_sumsq.reshape(1), found.reshape(1)])
+            self._sharding.all_reduce_sum_(both)
+            total_sumsq, found = both[:1], both[1:]
+            self._norm_graph = loss.grad_fn
         self.last_grad_norm = total_sumsq.sqrt()
         for device, scalars in self._scalars.items():
             scalars.norm_found_inf.copy_(found.to(device, non_blocking=True))
@@ -255,6 +319,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 group["lr"] = lr
         for group in self.param_groups:
             check_lr(group["lr"])
+        if self._sharding is not None:
+            self._check_sharded_pattern(loss)
         if not self._norm_ready and self._needs_detection_pass():
             self.grad_norm(loss)
         else:
@@ -266,6 +332,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             detection = self._norm_ready
             self._norm_ready = False
         found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
+        if self._sharding is not None:
+            if not detection:  # every rank reports the same step outcome
+                self._sharding.all_reduce_sum_(found)
+            self._sharding.after_update()
         self._after_step(found)
         self._queue_report(found, atomic=detection)
         self.step_count += 1
@@ -295,6 +365,20 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: nothing to back-propagate")
 
+    def _check_sharded_pattern(self, loss: torch.Tensor) -> None:
+        """Refuses, before any change, a second backward over a ZeRO-3 loss's graph."""
+        same_graph = self._norm_ready and loss.grad_fn is self._norm_graph
+        missing_norm = not self._norm_ready and self._needs_detection_pass()
+        if same_graph or missing_norm:
+            self._norm_ready = False
+            self._norm_graph = None
+            what = (
+                "fused_backward got the loss grad_norm already back-propagated"
+                if same_graph
+                else "this step needs a norm pass (clip_grad_norm or fp16) before the update"
+            )
+            raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")
+
     def _prepare_scalars(self) -> None:
         for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -322,8 +406,17 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
         self._phase = phase
+        sharding = self._sharding
+        if sharding is not None:
+            sharding.begin(self._consume_shards)
         try:
             loss.backward(retain_graph=retain_graph)
+            if sharding is not None:
+                sharding.finish()  # the last buckets: reduced and consumed before returning
+        except BaseException:
+            if sharding is not None:
+                sharding.abandon()
+            raise
         finally:
             self._phase = _IDLE
 
@@ -398,6 +491,24 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             "loss_scaler": None if scaler is None else scaler.state_dict(),
         }
         return state
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` with sharded state gathered whole, on every rank (a collective).
+
+        Loads into the same optimizer built on the unsharded model in one process. Without
+        sharding it is `state_dict()`.
+        """
+        state = self.state_dict()
+        if self._sharding is None:
+            return state
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, values in state["state"].items():
+            state["state"][index] = self._full_state(params[index], values)
+        return state
+
+    def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's state, unsharded (subclasses with sliced state gather it)."""
+        return values
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)

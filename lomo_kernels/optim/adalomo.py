@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adalomo_backends.reference import _GradTransform
 from ..adalomo_ops import adalomo_update_, init_adalomo_state
+from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
+from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
@@ -40,6 +43,7 @@ class AdaLomo(InBackwardOptimizer):
         weight_decay: float = 0.0,
         *,
         backend: str | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
@@ -62,11 +66,14 @@ class AdaLomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(model, defaults, backend=backend)
+        super().__init__(model, defaults, backend=backend, bucket_numel=bucket_numel)
         self.loss_scale = float(loss_scale)
         self._fp16 = any(p.dtype == torch.float16 for p in params)
         for p in params:
-            self.state[p] = init_adalomo_state(p)
+            if self._sharding is None:
+                self.state[p] = init_adalomo_state(p)
+            else:
+                self.state[p] = init_slice_state(self._sharding.shard(p))
 
     def _static_inv_scale(self) -> float:
         return 1.0 / self.loss_scale
@@ -100,6 +107,47 @@ class AdaLomo(InBackwardOptimizer):
             skip_if=skip_if,
             backend=self.backend,
         )
+
+    def _update_shards(
+        self,
+        ready: list[tuple[Shard, torch.Tensor]],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
+        # Row/column statistics span ranks: the whole bucket is stepped together, with two
+        # small all-reduces (see distributed/adalomo_shards.py).
+        t = self.step_count + 1
+        steps = []
+        for shard, grad in ready:
+            index = self._group_of[id(shard.param)]
+            group = self.param_groups[index]
+            steps.append(
+                SliceStep(
+                    shard=shard,
+                    grad=grad,
+                    state=self.state[shard.param],
+                    lr=scalars.lr[index],
+                    beta2=1.0 - math.pow(t, group["decay_rate"]),
+                    eps=group["eps"],
+                    clip_threshold=group["clip_threshold"],
+                    weight_decay=group["weight_decay"],
+                    transform=_GradTransform(
+                        self._static_inv_scale(),
+                        None,
+                        group["clip_grad_value"],
+                        1.0,
+                        scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+                    ),
+                )
+            )
+        adalomo_slices_(steps, skip_if, scalars.update_found_inf, self._sharding.all_reduce_sum_)
+
+    def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
+        # R and C are replicated on every rank; a 1-D parameter's v is sliced like it.
+        full = dict(values)
+        if "exp_avg_sq" in full:
+            full["exp_avg_sq"] = self._sharding.gather_slices(param, full["exp_avg_sq"])
+        return full
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim casts floating state to the parameter's dtype; the moments stay fp32.

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .._rounding import mix32_int
+from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
@@ -45,6 +46,7 @@ class Lomo(InBackwardOptimizer):
         stochastic_rounding: bool = False,
         seed: int = 0,
         backend: str | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
@@ -56,7 +58,7 @@ class Lomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(model, defaults, backend=backend)
+        super().__init__(model, defaults, backend=backend, bucket_numel=bucket_numel)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         params = self.param_groups[0]["params"]
@@ -80,15 +82,43 @@ class Lomo(InBackwardOptimizer):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
     ) -> None:
-        use_sr = self.stochastic_rounding and param.dtype == torch.bfloat16
+        self._apply(param, param, 0, grad, group, scalars, skip_if)
+
+    def _update_shards(
+        self,
+        ready: list[tuple[Shard, torch.Tensor]],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
+        # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
+        for shard, grad in ready:
+            if shard.local.numel():
+                group = self.param_groups[self._group_of[id(shard.param)]]
+                self._apply(shard.param, shard.local, shard.offset, grad, group, scalars, skip_if)
+
+    def _apply(
+        self,
+        param: torch.Tensor,
+        target: torch.Tensor,
+        offset: int,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+    ) -> None:
+        """Updates `target` (the parameter, or its slice starting at flat `offset`)."""
+        use_sr = self.stochastic_rounding and target.dtype == torch.bfloat16
         seed = 0
         if use_sr:
-            # Distinct per (seed, step, parameter); kept below 2**63 for the int64 schema.
+            # Distinct per (seed, step, parameter, slice); below 2**63 for the int64 schema.
             step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
-            seed = step_key << 32 | self._index_of[id(param)]
-        inv_scale = self._inv_scale_for(param.device)
+            index = self._index_of[id(param)]
+            if offset:
+                index = mix32_int(index ^ mix32_int(offset))
+            seed = step_key << 32 | index
+        inv_scale = self._inv_scale_for(target.device)
         torch.ops.lomo_kernels.sgd_update_(
-            param,
+            target,
             grad,
             1.0,
             scalars.lr[self._group_of[id(param)]],

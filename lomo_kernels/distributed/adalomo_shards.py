@@ -1,0 +1,167 @@
+"""AdaLomo on slices of parameters: the statistics that span ranks, reduced across them.
+
+A rank owns a flat slice ``[offset, offset + n)`` of each parameter, which for a matrix
+[rows, cols] cuts across rows. AdaLomo needs, per parameter: the row and column means of
+``u = g*g + eps0`` (factored, >= 2 dims), ``sum(update^2)`` and ``sum(p^2)`` over the whole
+tensor, and whether any gradient element is non-finite. Each rank adds up its slice's share;
+per reduce-scatter bucket two small all-reduces (the row/column sums and flags, then the
+update sums, which need the new moments) give every rank the single-process totals, so the
+moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
+1-D moments v live with their slice. The math and its rounding are those of the reference
+passes (`adalomo_backends.reference`); the slices are processed in full fp32, at most one
+bucket's worth of this rank's elements at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..adalomo_backends.reference import P_SUMSQ, U_SUMSQ, _GradTransform, _step_scalars, _store
+from .shard import Shard
+
+
+@dataclass
+class SliceStep:
+    """One parameter slice's step: its reduced gradient, its moments and the scalars."""
+
+    shard: Shard
+    grad: torch.Tensor
+    state: dict[str, torch.Tensor]
+    lr: torch.Tensor
+    beta2: float
+    eps: tuple[float, float]
+    clip_threshold: float
+    weight_decay: float
+    transform: _GradTransform
+
+
+def init_slice_state(shard: Shard) -> dict[str, torch.Tensor]:
+    """Moments for a sharded parameter: R, C of the full matrix, or v of the owned slice."""
+    options = {"dtype": torch.float32, "device": shard.local.device}
+    if len(shard.full_shape) >= 2:
+        cols = shard.full_shape[-1]
+        return {
+            "exp_avg_sq_row": torch.zeros(shard.full_numel // cols, **options),
+            "exp_avg_sq_col": torch.zeros(cols, **options),
+        }
+    return {"exp_avg_sq": torch.zeros(shard.local.numel(), **options)}
+
+
+def row_pieces(offset: int, n: int, cols: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Splits flat elements [offset, offset + n) of a [*, cols] matrix into 2-D blocks.
+
+    Yields (start in the slice, first row, rows, first column, columns): a partial first row,
+    whole rows, a partial last row (each present only when non-empty).
+    """
+    pos, end = offset, offset + n
+    while pos < end:
+        row, col = divmod(pos, cols)
+        if col or end - pos < cols:
+            width = min(cols - col, end - pos)
+            yield pos - offset, row, 1, col, width
+            pos += width
+        else:
+            rows = (end - pos) // cols
+            yield pos - offset, row, rows, 0, cols
+            pos += rows * cols
+
+
+def _factored(step: SliceStep) -> bool:
+    return len(step.shard.full_shape) >= 2
+
+
+def adalomo_slices_(
+    steps: list[SliceStep],
+    skip_if: torch.Tensor,
+    found_inf: torch.Tensor,
+    all_reduce_sum_: Callable[[torch.Tensor], None],
+) -> None:
+    """One AdaLomo step of every slice in `steps` (one bucket); equal on all ranks' views.
+
+    `skip_if` non-zero: nothing is written. A parameter with a non-finite gradient element
+    on any rank keeps its values and moments everywhere and raises `found_inf`.
+    """
+    if not steps:
+        return
+    device = steps[0].grad.device
+    skip_in = skip_if.reshape(-1)[0] != 0
+    gs = []
+    first = []  # per step: [row sums, col sums] (factored) + [p^2 sum, non-finite count]
+    for step in steps:
+        g, finite = step.transform(step.grad.reshape(-1))
+        gs.append(g)
+        u = g * g + step.eps[0]
+        p = step.shard.local.to(torch.float32)
+        tail = torch.stack([(p * p).sum(dtype=torch.float64), (~finite).sum(dtype=torch.float64)])
+        if _factored(step):
+            cols = step.shard.full_shape[-1]
+            rows = step.shard.full_numel // cols
+            sums = torch.zeros(rows + cols, dtype=torch.float64, device=device)
+            for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
+                block = u[start : start + nrows * width].view(nrows, width)
+                sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
+                sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
+            first.append(torch.cat([sums, tail]))
+        else:
+            first.append(tail)
+    totals = torch.cat(first)
+    all_reduce_sum_(totals)
+
+    at = 0
+    skips, p_sumsqs, updates = [], [], []
+    second = []
+    for step, g in zip(steps, gs, strict=True):
+        if _factored(step):
+            cols = step.shard.full_shape[-1]
+            rows = step.shard.full_numel // cols
+            row_mean = (totals[at : at + rows] / cols).to(torch.float32)
+            col_mean = (totals[at + rows : at + rows + cols] / rows).to(torch.float32)
+            at += rows + cols
+        p_sumsq, bad = totals[at], totals[at + 1] > 0
+        at += 2
+        skip = skip_in | bad
+        flag = found_inf.view(-1)
+        flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
+        b, one_minus_b = step.beta2, 1.0 - step.beta2
+        if _factored(step):
+            big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
+            big_r.copy_(torch.where(skip, big_r, big_r * b + row_mean * one_minus_b))
+            big_c.copy_(torch.where(skip, big_c, big_c * b + col_mean * one_minus_b))
+            r = torch.rsqrt(big_r / (big_r.sum(dtype=torch.float64).to(torch.float32) / rows))
+            c = torch.rsqrt(big_c)
+            update = torch.empty_like(g)
+            for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
+                span = slice(start, start + nrows * width)
+                factors = r[row : row + nrows, None] * c[None, col : col + width]
+                update[span] = (factors * g[span].view(nrows, width)).reshape(-1)
+        else:
+            v = step.state["exp_avg_sq"]
+            v_new = v * b + (g * g + step.eps[0]) * one_minus_b
+            update = torch.rsqrt(v_new) * g
+            v.copy_(torch.where(skip, v, v_new))
+        skips.append(skip)
+        p_sumsqs.append(p_sumsq)
+        updates.append(update)
+        second.append((update * update).sum(dtype=torch.float64))
+    u_sumsqs = torch.stack(second)
+    all_reduce_sum_(u_sumsqs)
+
+    for i, step in enumerate(steps):
+        stats = torch.zeros(4, dtype=torch.float32, device=device)
+        stats[P_SUMSQ] = p_sumsqs[i]
+        stats[U_SUMSQ] = u_sumsqs[i]
+        scale, decay = _step_scalars(
+            stats,
+            step.shard.full_numel,
+            1.0,
+            step.lr,
+            step.eps[1],
+            step.clip_threshold,
+            step.weight_decay,
+        )
+        local = step.shard.local
+        if local.numel():
+            _store(local, local.to(torch.float32) * decay - scale * updates[i], skips[i])

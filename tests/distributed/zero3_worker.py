@@ -1,0 +1,210 @@
+"""One rank of the ZeRO-3 checks (run by tests/test_zero3.py under torchrun, gloo, CPU).
+
+Writes, on rank 0, to the directory in argv[1]: for each scenario the consolidated initial
+and final parameters (and optimizer state) for the one-process reference to compare with,
+and `checks.json` with what was observed on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sharded_models import LR, OPTIONS, ScaledLlama, rank_batch, train  # noqa: E402
+
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
+from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
+
+torch.set_num_threads(1)
+OUT = Path(sys.argv[1])
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    config = dict(CONFIG)
+    if dtype == torch.float16:
+        # zero.Init takes the partitions' dtype from the config; DeepSpeed's engine refuses
+        # fp16 on CPU, so only the partitioning sees it (the engine keeps the dtype).
+        config["fp16"] = {"enabled": True}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = ScaledLlama()
+    engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
+    return engine
+
+
+def partitions(model) -> list[torch.Tensor]:
+    return [p.ds_tensor.detach().clone() for p in model.parameters()]
+
+
+SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+GATHERS = ("all_gather_single", "all_gather_into_tensor")
+
+
+class CollectiveLog:
+    """Counts the tensors handed to torch.distributed collectives while active."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in GATHERS + SCATTERS + ("all_reduce",):
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def wrapper(*args, _name=name, _original=original, **kwargs):
+                # The tensor handed over: the input (2nd) of scatters and gathers.
+                tensor = args[0] if _name == "all_reduce" else args[1]
+                kind = "reduce_scatter" if _name in SCATTERS else _name
+                kind = "all_gather" if _name in GATHERS else kind
+                self.calls.append((kind, tensor.numel() * tensor.element_size()))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def run_training(name: str, cls, rank: int, checks: dict) -> None:
+    engine = build()
+    model = engine.module
+    initial = consolidated_state_dict(model)
+    opt = cls(engine, lr=LR[name], bucket_numel=3000, **OPTIONS)
+    train(model, opt, lambda step: rank_batch(step, rank))
+    final = consolidated_state_dict(model)
+    opt_state = opt.consolidated_state_dict()
+    # Persistent parameters keep a full copy: it must equal the updated partitions.
+    stale = [
+        n
+        for n, p in model.named_parameters()
+        if p.ds_persist
+        and p.ds_status.name == "AVAILABLE"
+        and not torch.equal(p.data.reshape(-1), final[n].reshape(-1))
+    ]
+    persistent = sum(p.ds_persist for p in model.parameters())
+    checks[name] = {"stale_persistent": stale, "persistent": int(persistent)}
+    if rank == 0:
+        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{name}.pt")
+
+
+def run_one_loss_pattern(rank: int, checks: dict) -> None:
+    engine = build()
+    model = engine.module
+    opt = Lomo(engine, lr=0.05, clip_grad_norm=0.3)
+    before = partitions(model)
+    errors = []
+    loss = model(rank_batch(0, rank))
+    opt.grad_norm(loss)
+    try:
+        opt.fused_backward(loss)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    try:
+        opt.fused_backward(model(rank_batch(0, rank)))  # clip set, no norm pass
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
+    checks["one_loss"] = {"errors": errors, "unchanged": unchanged}
+
+
+def run_fp16_overflow(rank: int, checks: dict) -> None:
+    engine = build(torch.float16)
+    model = engine.module
+    opt = Lomo(engine, lr=0.05)
+    scale_before = opt.loss_scaler.scale.item()
+    before = partitions(model)
+    x = rank_batch(0, rank)
+    blow_up = float("inf") if rank == 1 else 1.0  # overflow on one rank only
+    opt.grad_norm(model(x) * blow_up)
+    opt.fused_backward(model(x) * blow_up)
+    opt.flush_report()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
+    checks["fp16_overflow"] = {
+        "unchanged": unchanged,
+        "scale_before": scale_before,
+        "scale_after": opt.loss_scaler.scale.item(),
+        "skipped": opt.last_step_skipped,
+    }
+    # The next clean step does update.
+    opt.grad_norm(model(x))
+    opt.fused_backward(model(x))
+    opt.flush_report()
+    moved = not all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
+    checks["fp16_overflow"]["next_step_updates"] = moved
+
+
+def run_traffic(rank: int, checks: dict) -> None:
+    engine = build()
+    model = engine.module
+    bucket = 3000
+    opt = Lomo(engine, lr=0.05, bucket_numel=bucket)
+    world = dist.get_world_size()
+    loss = model(rank_batch(0, rank))
+    with CollectiveLog() as log:
+        opt.fused_backward(loss)
+    params = list(model.parameters())
+    padded = [world * p.ds_tensor.ds_numel for p in params]
+    checks["traffic"] = {
+        "calls": log.calls,
+        "numels": [int(p.ds_numel) for p in params],
+        "padded": padded,
+        "element_size": params[0].ds_tensor.element_size(),
+        "bucket_numel": bucket,
+        "world": world,
+    }
+
+
+def run_refusals(checks: dict) -> None:
+    refused = {}
+    plain = ScaledLlama()  # whole on every rank: replicated data parallelism
+    try:
+        Lomo(plain)
+    except ValueError as exc:
+        refused["replicated"] = str(exc)
+    model = ScaledLlama()
+    with_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {**CONFIG, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=with_opt, config=config)
+    for label, target in (("engine_with_optimizer", engine), ("module_with_optimizer", model)):
+        try:
+            Lomo(target)
+        except ValueError as exc:
+            refused[label] = str(exc)
+    checks["refusals"] = refused
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    checks: dict = {}
+    run_training("lomo", Lomo, rank, checks)
+    run_training("adalomo", AdaLomo, rank, checks)
+    run_one_loss_pattern(rank, checks)
+    run_fp16_overflow(rank, checks)
+    run_traffic(rank, checks)
+    run_refusals(checks)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checks)
+    if rank == 0:
+        (OUT / "checks.json").write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

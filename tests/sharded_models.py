@@ -1,0 +1,64 @@
+"""The model, data and training loop shared by the sharded runs and their one-process reference.
+
+A transformers LLaMA with awkward sizes (no size divisible by the world size where it can be
+avoided), a large vocabulary so the embedding and head exceed ZeRO-3's default persistence
+threshold (1e5 elements) while the small tensors stay persistent, and one 1-element
+parameter (fewer elements than ranks: one rank owns only padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM  # not inside zero.Init: it patches torch
+
+WORLD = 2
+GLOBAL_BATCH = 4
+SEQ = 9
+STEPS = 3
+LR = {"lomo": 0.05, "adalomo": 0.01}
+OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
+
+
+class ScaledLlama(nn.Module):
+    """LlamaForCausalLM whose logits are multiplied by a learned 1-element temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = LlamaConfig(
+            vocab_size=3001,
+            hidden_size=40,
+            intermediate_size=73,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+        self.llama = LlamaForCausalLM(config)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.llama(input_ids=input_ids).logits * self.temperature
+        shift = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        return nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+def global_batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 3001, (GLOBAL_BATCH, SEQ), generator=gen)
+
+
+def rank_batch(step: int, rank: int) -> torch.Tensor:
+    per = GLOBAL_BATCH // WORLD
+    return global_batch(step)[rank * per : (rank + 1) * per]
+
+
+def train(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """A forward per pass: grad_norm(model(x)) then fused_backward(model(x))."""
+    for step in range(steps):
+        x = batch_of(step)
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(model(x))
+        opt.fused_backward(model(x))
+    opt.flush_report()
