@@ -9,16 +9,16 @@ small numbers, character level); 10% of its sentences are held out.
     python -m lomo_kernels.demo [--optimizers lomo,adamw] [--steps N] [--dtype bf16|fp16|fp32]
                                 [--size tiny|small|base] [--plot demo.png]
 
-Peak memory is the growth of the process's peak (VmHWM on CPU, reset before each step, with
-MALLOC_MMAP_THRESHOLD_ set so freed blocks leave the process; the allocator's peak on CUDA)
-above what the model, its inputs and the optimizer hold before the step: gradients, optimizer
-states created in the first step, activations and workspace. CPU timings are CPU timings.
+Peak memory is how far one step raises the process above what it holds before the step
+(VmHWM on CPU after handing freed pages back with malloc_trim; the allocator's peak on
+CUDA): gradients, activations and workspace; optimizer states exist from the first step on
+and are shown apart. Step 0 is not counted. CPU timings are CPU timings, not GPU figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import ctypes
 import statistics
 import sys
 import time
@@ -33,7 +33,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIZES = {"tiny": (128, 352, 4, 4), "small": (256, 688, 4, 4), "base": (384, 1024, 6, 6)}
 OPTIMIZERS = ("lomo", "adalomo", "adamw", "sgd")
 DEFAULT_LR = {"lomo": 0.3, "adalomo": 0.02, "adamw": 2e-3, "sgd": 0.3}
-MMAP_ENV, MMAP_VALUE = "MALLOC_MMAP_THRESHOLD_", "65536"
 
 
 def build_model(size: str, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
@@ -82,13 +81,26 @@ def held_out_loss(model: torch.nn.Module, data: torch.Tensor, seq: int, device: 
 
 
 class PeakMeter:
-    """Peak bytes above the level at `start()` (VmHWM on CPU, allocator peak on CUDA)."""
+    """Peak bytes of one step above the level before it.
+
+    CPU (Linux): glibc keeps freed memory, so first `malloc_trim(0)` hands every free page
+    back to the system, then VmHWM is reset ("5" into /proc/self/clear_refs) and read after
+    the step. CUDA: the allocator's peak statistics.
+    """
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
+        self.linux = sys.platform.startswith("linux")
         self.base = 0
+        self._trim = None
+        if self.linux and not self.cuda:
+            try:
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except OSError:
+                self._trim = None
 
-    def _rss(self, field: str) -> int:
+    @staticmethod
+    def _status(field: str) -> int:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
@@ -100,18 +112,18 @@ class PeakMeter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-        elif sys.platform.startswith("linux"):
+        elif self.linux:
+            if self._trim is not None:
+                self._trim(0)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self.base = self._rss("VmRSS")
+            self.base = self._status("VmRSS")
 
     def peak(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
-        if sys.platform.startswith("linux"):
-            return self._rss("VmHWM") - self.base
-        return 0
+        return self._status("VmHWM") - self.base if self.linux else 0
 
 
 @dataclass
@@ -292,15 +304,6 @@ def command(args: argparse.Namespace) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
-    if (
-        sys.platform.startswith("linux")
-        and os.environ.get(MMAP_ENV) != MMAP_VALUE
-        and os.environ.get("LOMO_DEMO_NO_REEXEC") != "1"
-    ):
-        # glibc reads the threshold at start-up: restart with it, so peaks are exact.
-        env = dict(os.environ, **{MMAP_ENV: MMAP_VALUE})
-        args = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "lomo_kernels.demo", *args], env)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
