@@ -254,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=None, help="default per optimizer")
     parser.add_argument("--clip-grad-norm", type=float, default=1.0)
