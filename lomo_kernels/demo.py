@@ -259,7 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="default per optimizer")
     parser.add_argument("--clip-grad-norm", type=float, default=1.0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (1: shared 2-core machines)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write the PNG here")
 
