@@ -6,7 +6,7 @@ STAMP     := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test test-gpu demo bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -27,12 +27,30 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# On a CUDA machine: every backend on CUDA tensors against the float64 model, the optimizers
+# end to end and the no-host-sync check (tests marked `cuda`; skipped with the reason elsewhere).
+# TRITON_INTERPRET=0: Triton compiles real GPU kernels instead of interpreting them.
+test-gpu: $(STAMP)
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -rs tests
+
 demo: $(STAMP)
-	$(PY) -m lomo_kernels.demo
+	$(PY) -m lomo_kernels.demo --plot demo.png
 
 bench: $(STAMP)
+	$(PY) -m lomo_kernels bench kernels --csv bench/results/kernels_cpu.csv \
+		--plot bench/results/kernels_cpu.png
+	$(PY) -m lomo_kernels bench memory --model llama-168m \
+		--plot bench/results/memory_cpu.png
 	$(PY) bench/bench_update.py
-	$(PY) bench/memory.py --all
+
+# The GPU figures of BENCHMARKS.md: tables on stdout, CSV and plots in bench/results/.
+bench-gpu: $(STAMP)
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench kernels --device cuda \
+		--csv bench/results/kernels_cuda.csv --json bench/results/kernels_cuda.json \
+		--plot bench/results/kernels_cuda.png | tee bench/results/kernels_cuda.txt
+	$(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 --seq 512 \
+		--json bench/results/memory_cuda.json --plot bench/results/memory_cuda.png \
+		| tee bench/results/memory_cuda.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

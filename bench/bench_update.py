@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lomo_kernels.backends import cpp_backend, reference  # noqa: E402
+from lomo_kernels.tools.bench_kernels import (  # noqa: E402
+    fused_sgd_writes_params,
+    official_chain,
+    time_interleaved,
+)
+from lomo_kernels.tools.machine import cpu_model as machine  # noqa: E402
 
 NUMEL = 32 * 2**20
 LR = 1e-3
@@ -129,16 +133,7 @@ class Case:
             p.add_(g, alpha=-LR)
 
     def official(self) -> None:
-        # lomo_optim.Lomo's fused update, per parameter (loss scaler and clip_coef set).
-        for p, g in zip(self.params, self.grads, strict=True):
-            grad_fp32 = g.to(torch.float32)
-            grad_fp32.div_(1.0)
-            grad_fp32.clamp_(min=-CLIP_VALUE, max=CLIP_VALUE)
-            grad_fp32.mul_(1.0)
-            p_fp32 = p.to(torch.float32)
-            p_fp32.mul_(1.0 - LR * WEIGHT_DECAY)
-            p_fp32.add_(grad_fp32, alpha=-LR)
-            p.copy_(p_fp32)
+        official_chain(self.params, self.grads)
 
     def fused_sgd(self) -> None:
         # Per parameter, as a post-accumulate-grad hook would call it.
@@ -213,69 +208,6 @@ class Case:
                 )
 
         return {"grad_sumsq": cpp, "vector_norm": vector_norm, "reference": ref}
-
-
-def fused_sgd_writes_params(dtype: torch.dtype) -> bool:
-    """Whether torch._fused_sgd_ updates every element of a `dtype` parameter on CPU.
-
-    torch 2.13 skips the write-back of whole SIMD blocks for bf16/fp16 (pytorch#191763).
-    """
-    param = torch.ones(1000, dtype=dtype)
-    grad = torch.ones(1000, dtype=dtype)
-    torch._fused_sgd_(
-        [param],
-        [grad],
-        [],
-        weight_decay=0.0,
-        momentum=0.0,
-        lr=0.5,
-        dampening=0.0,
-        nesterov=False,
-        maximize=False,
-        is_first_step=False,
-    )
-    return bool((param == 0.5).all())
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], None]],
-    reps: int,
-    warmup: int = 2,
-    skip_after: dict[str, int] | None = None,
-    settle: Callable[[], None] | None = None,
-) -> dict[str, float]:
-    """Median seconds per variant, timing the variants in turn within each repetition.
-
-    skip_after caps the repetitions of slow variants (the reference) to keep runs short.
-    settle runs, untimed, before every timed call: variants that allocate large temporaries
-    (the reference, the official chain) evict the data, and without it the variant timed
-    next would start from colder caches than the others.
-    """
-    skip_after = skip_after or {}
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for rep in range(reps):
-        for name, fn in fns.items():
-            if rep >= skip_after.get(name, reps):
-                continue
-            if settle is not None:
-                settle()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # Variants that allocate fp32 temporaries of every tensor. Timed in the same loop as the

@@ -1,5 +1,8 @@
 """Peak host memory of one training step on CPU, per optimizer (method: MEASURING.md).
 
+The measurement lives in lomo_kernels/tools/bench_memory.py (`lomo-kernels bench memory`);
+this script prints the table of every configuration at two batch shapes.
+
     python bench/memory.py CONFIG --batch B --seq S [--steps N] [--json]
     python bench/memory.py --all [--batch B --seq S] [--json-out PATH]
 
@@ -19,223 +22,22 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-MMAP_VALUE = "65536"
-THREADS = 2
-LR = 1e-3
-MB = 2**20  # MiB, the unit of the figures in MEASURING.md
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CONFIGS = (
-    "forward_nograd",
-    "forward_graph",
-    "sgd",
-    "adamw",
-    "official_lomo",
-    "lomo",
-    "lomo_clip",
-    "adalomo",
+from lomo_kernels.tools.bench_memory import (  # noqa: E402
+    CONFIGS,
+    LABELS,
+    MMAP_ENV,
+    MMAP_VALUE,
+    run_isolated,
 )
+
+MB = 2**20  # MiB, the unit of the figures in MEASURING.md
 DEFAULT_SHAPES = ((1, 64), (2, 256))
-
-LABELS = {
-    "forward_nograd": "forward under no_grad",
-    "forward_graph": "forward keeping the autograd graph (activations)",
-    "sgd": "torch.optim.SGD (backward, step, zero_grad(set_to_none))",
-    "adamw": "torch.optim.AdamW",
-    "official_lomo": "lomo_optim.Lomo (official)",
-    "lomo": "lomo_kernels.Lomo (fused_backward)",
-    "lomo_clip": "lomo_kernels.Lomo, clip_grad_norm=1.0 (grad_norm + fused_backward)",
-    "adalomo": "lomo_kernels.AdaLomo",
-}
-
-
-# -- /proc readings -------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
-
-
-def hwm_bytes() -> int:
-    return _status_kb("VmHWM") * 1024
-
-
-def reset_hwm() -> None:
-    # "5" resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-# -- the model ------------------------------------------------------------------------------
-def build_model() -> Any:
-    """The ~168M-parameter LLaMA of MEASURING.md, created directly in bf16."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
-    # An fp32 model cast afterwards would leave its freed fp32 pages in the baseline.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    return model.train()
-
-
-def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], dict[str, Any]]:
-    """The per-step function of `config` (optimizer built here) and notes for the report."""
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    notes: dict[str, Any] = {}
-
-    def loss_of(ids: Any, labels: Any) -> Any:
-        return model(input_ids=ids, labels=labels).loss
-
-    if config == "forward_nograd":
-
-        def step(ids: Any, labels: Any) -> None:
-            with torch.no_grad():
-                loss_of(ids, labels)
-    elif config == "forward_graph":
-
-        def step(ids: Any, labels: Any) -> None:
-            loss = loss_of(ids, labels)
-            del loss  # dropping the loss frees the graph and its saved activations
-    elif config in ("sgd", "adamw"):
-        opt = (
-            torch.optim.SGD(params, lr=LR) if config == "sgd" else torch.optim.AdamW(params, lr=LR)
-        )
-
-        def step(ids: Any, labels: Any) -> None:
-            loss_of(ids, labels).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif config == "official_lomo":
-        import lomo_optim
-
-        official = lomo_optim.Lomo(model, lr=LR)
-
-        def step(ids: Any, labels: Any) -> None:
-            official.fused_backward(loss_of(ids, labels), LR)
-    elif config in ("lomo", "lomo_clip", "adalomo"):
-        import lomo_kernels
-        from lomo_kernels import backends
-
-        if config == "adalomo":
-            from lomo_kernels import adalomo_backends as backends  # its own kernels
-
-            ours = lomo_kernels.AdaLomo(model, lr=LR)
-        else:
-            ours = lomo_kernels.Lomo(
-                model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
-            )
-        # Loading the extension here keeps its code pages out of the measured steps.
-        notes["backend"] = backends.backend_name(backends.resolve(params[0].device, ours.backend))
-
-        def step(ids: Any, labels: Any) -> None:
-            loss = loss_of(ids, labels)
-            if ours.clip_grad_norm is not None:
-                ours.grad_norm(loss)
-            ours.fused_backward(loss, LR)
-    else:
-        raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
-    return step, notes
-
-
-def measure(config: str, batch: int, seq: int, steps: int = 3) -> dict[str, Any]:
-    """Runs `config` in this process and returns its figures (see the module docstring)."""
-    if os.environ.get(MMAP_ENV) != MMAP_VALUE:
-        raise RuntimeError(f"{MMAP_ENV}={MMAP_VALUE} must be set before the process starts")
-    if steps < 2:
-        raise ValueError("steps must be >= 2: step 0 is not measured")
-    import torch
-    import transformers
-
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(0)
-    model = build_model()
-    params = list(model.parameters())
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq))
-    labels = ids.clone()
-    result: dict[str, Any] = {
-        "config": config,
-        "batch": batch,
-        "seq": seq,
-        "steps": steps,
-        "model_mb": sum(p.numel() * p.element_size() for p in params) / MB,
-        "largest_param_numel": max(p.numel() for p in params),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attn_implementation": model.config._attn_implementation,
-    }
-    step, notes = make_step(config, model)
-    result.update(notes)
-    baseline = rss_bytes()
-    peaks = []
-    for i in range(steps):
-        reset_hwm()
-        step(ids, labels)
-        if i > 0:
-            peaks.append(hwm_bytes() - baseline)
-    result["baseline_mb"] = baseline / MB
-    result["peaks_mb"] = [p / MB for p in peaks]
-    result["peak_above_model_mb"] = max(peaks) / MB
-    return result
-
-
-# -- driver ---------------------------------------------------------------------------------
-def mmap_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
-    return env
-
-
-def run_isolated(
-    config: str, batch: int, seq: int, steps: int = 3, timeout: float | None = 900
-) -> dict[str, Any]:
-    """`measure` in a fresh interpreter started with the malloc setting; its JSON result."""
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        config,
-        "--batch",
-        str(batch),
-        "--seq",
-        str(seq),
-        "--steps",
-        str(steps),
-        "--json",
-    ]
-    proc = subprocess.run(
-        cmd, env=mmap_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{config} {batch}x{seq} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def machine_line(results: Sequence[dict[str, Any]]) -> str:
@@ -345,15 +147,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.config is None:
         parser.error("give a CONFIG or --all")
-    if os.environ.get(MMAP_ENV) != MMAP_VALUE:
-        # glibc reads the threshold at start-up: restart with it in the environment.
-        os.execve(
-            sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], mmap_env()
-        )
-    assert os.environ.get(MMAP_ENV) == MMAP_VALUE
     batch = 2 if args.batch is None else args.batch
     seq = 256 if args.seq is None else args.seq
-    result = measure(args.config, batch, seq, args.steps)
+    result = run_isolated(args.config, batch, seq, args.steps)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -2,15 +2,13 @@
 
 Target: the peak above the model during a LOMO step stays within the activations (the
 forward keeping its graph) plus one gradient of the largest parameter, +5%. Each figure
-comes from a fresh process started with MALLOC_MMAP_THRESHOLD_ (bench/memory.py), so freed
+comes from a fresh process started with MALLOC_MMAP_THRESHOLD_ (tools/bench_memory.py), so freed
 memory really leaves the process and VmHWM is exact.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -26,12 +24,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "memory.py"
-    spec = importlib.util.spec_from_file_location("lomo_bench_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from lomo_kernels.tools import bench_memory
+
+    return bench_memory
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,7 @@
+"""`python -m lomo_kernels ...`: the command-line tools (see lomo_kernels/tools/cli.py)."""
+
+import sys
+
+from .tools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,479 @@
+"""Peak memory of one training step per optimizer, split like the LOMO paper's Figure 2.
+
+    lomo-kernels bench memory --model llama-168m [--device cpu|cuda] [--batch B --seq S]
+                              [--optimizers adamw,sgd,lomo_optim,lomo,adalomo]
+                              [--json F] [--plot F.png]
+
+Each configuration runs in a fresh process (`run_isolated`).
+CPU (shared notes, MEASURING.md): the process starts with MALLOC_MMAP_THRESHOLD_=65536, so
+every block >= 64 KiB is mmapped and returned on free; the model is built directly in its
+dtype; the baseline is VmRSS once the model, the inputs and the optimizer exist; before each
+step "5" is written to /proc/self/clear_refs (resets VmHWM) and VmHWM is read after it.
+CUDA: the caching allocator's statistics, `memory_allocated()` as the baseline and
+`max_memory_allocated()` after `reset_peak_memory_stats()` for each step.
+Both: step 0 is not measured (lazy state, first-call allocations); the figure is the max over
+the following steps. MiB = 2**20 bytes.
+
+The split of a peak (stacked bars): parameters = the model's bytes; optimizer states = the
+bytes of the optimizer's state tensors after the run; activations = the peak of a forward
+pass keeping its graph (config `forward_graph`, its own process, same batch); gradients =
+the rest of the peak (peak above the model - states - activations, at least 0). That last
+part also holds each optimizer's transient workspace (e.g. lomo-optim's fp32 copies), and
+where the peak falls inside backward before the gradients exist it is small: it is a
+measured remainder, not a count of gradient tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .models import PRESETS, resolve_model
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+MMAP_VALUE = "65536"
+THREADS = 2
+LR = 1e-3
+MIB = 2**20
+DEFAULT_MODEL = "llama-168m"
+
+CONFIGS = (
+    "forward_nograd",
+    "forward_graph",
+    "sgd",
+    "adamw",
+    "official_lomo",
+    "lomo",
+    "lomo_clip",
+    "adalomo",
+)
+OPTIMIZER_CONFIGS = ("adamw", "sgd", "official_lomo", "lomo", "adalomo")
+# Names accepted on the command line for the optimizer configurations.
+ALIASES = {"lomo_optim": "official_lomo", "lomo-optim": "official_lomo"}
+LABELS = {
+    "forward_nograd": "forward under no_grad",
+    "forward_graph": "forward keeping the autograd graph (activations)",
+    "sgd": "torch.optim.SGD (backward, step, zero_grad(set_to_none))",
+    "adamw": "torch.optim.AdamW",
+    "official_lomo": "lomo_optim.Lomo (official)",
+    "lomo": "lomo_kernels.Lomo (fused_backward)",
+    "lomo_clip": "lomo_kernels.Lomo, clip_grad_norm=1.0 (grad_norm + fused_backward)",
+    "adalomo": "lomo_kernels.AdaLomo",
+}
+SHORT = {
+    "sgd": "SGD",
+    "adamw": "AdamW",
+    "official_lomo": "lomo-optim",
+    "lomo": "Lomo (ours)",
+    "lomo_clip": "Lomo+clip (ours)",
+    "adalomo": "AdaLomo (ours)",
+}
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+# -- readings -------------------------------------------------------------------------------
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_bytes() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def hwm_bytes() -> int:
+    return _status_kb("VmHWM") * 1024
+
+
+def reset_hwm() -> None:
+    # "5" resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class Meter:
+    """Baseline and per-step peak in bytes: /proc on CPU, the allocator on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device.startswith("cuda")
+
+    def current(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.memory_allocated()
+        return rss_bytes()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_hwm()
+
+    def peak(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return hwm_bytes()
+
+
+# -- the model and one step -----------------------------------------------------------------
+def build_model(model: str, dtype: str = "bf16", device: str = "cpu") -> Any:
+    """A LlamaForCausalLM of `model`'s shape, created directly in `dtype` on `device`.
+
+    An fp32 model cast afterwards would leave its freed fp32 pages in the baseline.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = resolve_model(model).to_hf_config()
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            net = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(p.dtype == torch_dtype for p in net.parameters())
+    return net.train()
+
+
+def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any, dict[str, Any]]:
+    """The per-step function of `config`, its optimizer (or None) and notes for the report."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    notes: dict[str, Any] = {}
+    opt: Any = None
+
+    def loss_of(ids: Any, labels: Any) -> Any:
+        return model(input_ids=ids, labels=labels).loss
+
+    if config == "forward_nograd":
+
+        def step(ids: Any, labels: Any) -> None:
+            with torch.no_grad():
+                loss_of(ids, labels)
+    elif config == "forward_graph":
+
+        def step(ids: Any, labels: Any) -> None:
+            loss = loss_of(ids, labels)
+            del loss  # dropping the loss frees the graph and its saved activations
+    elif config in ("sgd", "adamw"):
+        opt = (
+            torch.optim.SGD(params, lr=LR) if config == "sgd" else torch.optim.AdamW(params, lr=LR)
+        )
+
+        def step(ids: Any, labels: Any) -> None:
+            loss_of(ids, labels).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif config == "official_lomo":
+        import lomo_optim
+
+        opt = lomo_optim.Lomo(model, lr=LR)
+
+        def step(ids: Any, labels: Any) -> None:
+            opt.fused_backward(loss_of(ids, labels), LR)
+    elif config in ("lomo", "lomo_clip", "adalomo"):
+        import lomo_kernels
+        from lomo_kernels import backends
+
+        if config == "adalomo":
+            from lomo_kernels import adalomo_backends as backends  # its own kernels
+
+            opt = lomo_kernels.AdaLomo(model, lr=LR)
+        else:
+            opt = lomo_kernels.Lomo(
+                model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
+            )
+        # Loading the extension here keeps its code pages out of the measured steps.
+        notes["backend"] = backends.backend_name(backends.resolve(params[0].device, opt.backend))
+
+        def step(ids: Any, labels: Any) -> None:
+            loss = loss_of(ids, labels)
+            if opt.clip_grad_norm is not None:
+                opt.grad_norm(loss)
+            opt.fused_backward(loss, LR)
+    else:
+        raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
+    return step, opt, notes
+
+
+def state_bytes(opt: Any) -> int:
+    """Bytes of the tensors in an optimizer's state (0 for none / no state)."""
+    import torch
+
+    state = getattr(opt, "state", None) or {}
+    total = 0
+    for per_param in state.values():
+        values = per_param.values() if isinstance(per_param, dict) else [per_param]
+        total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
+    return total
+
+
+def measure(
+    config: str,
+    batch: int,
+    seq: int,
+    steps: int = 3,
+    model: str = DEFAULT_MODEL,
+    dtype: str = "bf16",
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Runs `config` in this process and returns its figures (see the module docstring)."""
+    cuda = device.startswith("cuda")
+    if not cuda and os.environ.get(MMAP_ENV) != MMAP_VALUE:
+        raise RuntimeError(f"{MMAP_ENV}={MMAP_VALUE} must be set before the process starts")
+    if steps < 2:
+        raise ValueError("steps must be >= 2: step 0 is not measured")
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    net = build_model(model, dtype, device)
+    params = list(net.parameters())
+    ids = torch.randint(0, net.config.vocab_size, (batch, seq), device=device)
+    labels = ids.clone()
+    result: dict[str, Any] = {
+        "config": config,
+        "model": resolve_model(model).name,
+        "dtype": dtype,
+        "device": device,
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "model_mb": sum(p.numel() * p.element_size() for p in params) / MIB,
+        "num_parameters": sum(p.numel() for p in params),
+        "largest_param_numel": max(p.numel() for p in params),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn_implementation": net.config._attn_implementation,
+    }
+    step, opt, notes = make_step(config, net)
+    result.update(notes)
+    meter = Meter(device)
+    baseline = meter.current()
+    peaks = []
+    for i in range(steps):
+        meter.reset_peak()
+        step(ids, labels)
+        if i > 0:
+            peaks.append(meter.peak() - baseline)
+    result["baseline_mb"] = baseline / MIB
+    result["peaks_mb"] = [p / MIB for p in peaks]
+    result["peak_above_model_mb"] = max(peaks) / MIB
+    result["state_mb"] = state_bytes(opt) / MIB
+    return result
+
+
+# -- driver ---------------------------------------------------------------------------------
+def child_env() -> dict[str, str]:
+    """The environment of a measuring process: the malloc setting, and this package first."""
+    env = dict(os.environ)
+    env[MMAP_ENV] = MMAP_VALUE
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_isolated(
+    config: str,
+    batch: int,
+    seq: int,
+    steps: int = 3,
+    timeout: float | None = 900,
+    model: str = DEFAULT_MODEL,
+    dtype: str = "bf16",
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """`measure` in a fresh interpreter started with the malloc setting; its JSON result."""
+    cmd = [sys.executable, "-m", "lomo_kernels.tools.bench_memory", config, "--model", model]
+    cmd += ["--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--dtype", dtype]
+    cmd += ["--device", device]
+    proc = subprocess.run(
+        cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{config} {batch}x{seq} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def split_peaks(results: dict[str, dict[str, Any]], configs: Sequence[str]) -> list[dict[str, Any]]:
+    """Per optimizer config: the four parts of its peak (MiB), as the module docstring says."""
+    acts = results["forward_graph"]["peak_above_model_mb"]
+    out = []
+    for config in configs:
+        r = results[config]
+        above = r["peak_above_model_mb"]
+        states = r["state_mb"]
+        rest = max(0.0, above - states - acts)
+        out.append(
+            {
+                "config": config,
+                "label": SHORT.get(config, config),
+                "peak_mib": r["model_mb"] + above,
+                "peak_above_model_mib": above,
+                "parts_mib": {
+                    "parameters": r["model_mb"],
+                    "gradients": rest,
+                    "optimizer_states": states,
+                    "activations": min(acts, above - states),
+                },
+            }
+        )
+    return out
+
+
+def format_table(split: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+    kind = "GPU (allocator peak)" if meta.get("gpu") else "CPU (VmHWM, MALLOC_MMAP_THRESHOLD_)"
+    lines = [
+        f"{meta['model']}: {meta['num_parameters'] / 1e6:.0f}M parameters, {meta['dtype']}, "
+        f"batch {meta['batch']} x {meta['seq']}, attention {meta['attn_implementation']}; "
+        f"{kind}; MiB",
+        "| optimizer | peak | above the model | parameters | gradients + workspace | "
+        "optimizer states | activations |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in split:
+        p = s["parts_mib"]
+        lines.append(
+            f"| {s['label']} | {s['peak_mib']:.0f} | {s['peak_above_model_mib']:.0f} | "
+            f"{p['parameters']:.0f} | {p['gradients']:.0f} | {p['optimizer_states']:.0f} | "
+            f"{p['activations']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(
+    model: str = DEFAULT_MODEL,
+    batch: int = 2,
+    seq: int = 256,
+    configs: Sequence[str] = OPTIMIZER_CONFIGS,
+    steps: int = 3,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every config plus `forward_graph`, each in its own process: (split, meta, raw)."""
+    from . import machine
+
+    todo = ["forward_graph", *configs]
+    it: Any = todo
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(todo, desc="bench memory", unit="process")
+    raw = {}
+    for config in it:
+        if hasattr(it, "set_postfix_str"):
+            it.set_postfix_str(config)
+        raw[config] = run_isolated(
+            config, batch, seq, steps, model=model, dtype=dtype, device=device
+        )
+    first = raw["forward_graph"]
+    meta = machine.describe(device) | {
+        k: first[k]
+        for k in ("model", "num_parameters", "dtype", "batch", "seq", "attn_implementation")
+    }
+    meta["largest_param_numel"] = first["largest_param_numel"]
+    meta["threads"] = first["threads"]
+    return split_peaks(raw, configs), meta, raw
+
+
+def _configs(text: str) -> list[str]:
+    out = []
+    for name in (t.strip().lower() for t in text.split(",") if t.strip()):
+        name = ALIASES.get(name, name)
+        if name not in CONFIGS:
+            raise ValueError(
+                f"unknown optimizer {name!r}: choose from adamw, sgd, lomo_optim, lomo, "
+                "lomo_clip, adalomo"
+            )
+        out.append(name)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{', '.join(PRESETS)} or a HF config.json path"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3, help="steps per process (step 0 skipped)")
+    parser.add_argument(
+        "--optimizers", default="adamw,sgd,lomo_optim,lomo,adalomo", help="comma list"
+    )
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="write the stacked bars (PNG) here")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def command(args: argparse.Namespace) -> int:
+    resolve_model(args.model)  # a clear error before any process starts
+    configs = _configs(args.optimizers)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here; run with --device cpu")
+    split, meta, raw = run(
+        args.model,
+        args.batch,
+        args.seq,
+        configs,
+        args.steps,
+        args.dtype,
+        args.device,
+        progress=not args.no_progress,
+    )
+    from . import machine
+
+    print(machine.one_line(meta))
+    print(format_table(split, meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": meta, "split": split, "raw": raw}, f, indent=1)
+    if args.plot:
+        from .plots import plot_memory
+
+        plot_memory(split, meta, args.plot)
+    return 0
+
+
+def _child_main(argv: Sequence[str] | None = None) -> None:
+    """One configuration in this process (started by `run_isolated`); prints one JSON line."""
+    parser = argparse.ArgumentParser(description="one memory measurement (internal)")
+    parser.add_argument("config", choices=CONFIGS)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--device", default="cpu")
+    a = parser.parse_args(argv)
+    result = measure(a.config, a.batch, a.seq, a.steps, a.model, a.dtype, a.device)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,70 @@
+"""`lomo-kernels` / `python -m lomo_kernels`: argument parsing and dispatch.
+
+    lomo-kernels estimate --model llama-7b --optimizer lomo [--gpus N --gpu-mem GB --zero3]
+    lomo-kernels bench kernels [--device cpu|cuda] [--csv F] [--json F] [--plot F.png]
+    lomo-kernels bench memory --model llama-168m [--device cpu|cuda] [--plot F.png]
+    lomo-kernels demo [--steps N] [--optimizers lomo,adamw]
+
+Each subcommand's module adds its own arguments (`add_arguments`) and runs them (`command`);
+heavy imports (transformers, matplotlib) happen only in the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand path -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("estimate",): ("lomo_kernels.tools.estimate", "analytic peak memory per GPU: does it fit?"),
+    ("demo",): ("lomo_kernels.demo", "fine-tune a small LLaMA with Lomo and AdamW side by side"),
+    ("bench", "kernels"): (
+        "lomo_kernels.tools.bench_kernels",
+        "time the fused update against its baselines, sizes 4K to 64M",
+    ),
+    ("bench", "memory"): (
+        "lomo_kernels.tools.bench_memory",
+        "measure peak memory per optimizer (parameters, gradients, states, activations)",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lomo-kernels", description="LOMO / AdaLomo kernels: estimate, benchmark, demo"
+    )
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module_name, help_text) in COMMANDS.items():
+        if len(path) == 1:
+            sub = top.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            if path[0] not in groups:
+                group = top.add_parser(path[0], help="benchmarks: bench kernels, bench memory")
+                groups[path[0]] = group.add_subparsers(
+                    dest="subcommand", required=True, metavar="WHAT"
+                )
+            sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        _module(module_name).add_arguments(sub)
+    return parser
+
+
+def _module(name: str):  # noqa: ANN202 - a module object
+    return importlib.import_module(name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(_module(args._module).command(args) or 0)
+    except ValueError as exc:  # bad input: one clear line, no traceback
+        parser.exit(2, f"lomo-kernels: error: {exc}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Shapes of LLaMA-architecture models: named presets and Hugging Face configs.
+
+The estimator and the memory benchmark describe a model by its shape only (no weights), so
+a 65B model can be reasoned about on a laptop. Parameter counts follow the LLaMA layout of
+`transformers.LlamaForCausalLM`: embedding, per layer q/k/v/o projections, gate/up/down MLP
+projections and two RMSNorm weights, a final RMSNorm and an untied lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide a LLaMA-architecture model's memory."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{self.name}: {field} must be positive")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: hidden_size must divide by num_heads and num_heads by num_kv_heads"
+            )
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the k and v projections (grouped-query attention shrinks them)."""
+        return self.hidden_size // self.num_heads * self.num_kv_heads
+
+    def layer_tensor_numels(self) -> list[int]:
+        h, i = self.hidden_size, self.intermediate_size
+        return [h * h, h * self.kv_size, h * self.kv_size, h * h, h * i, h * i, h * i, h, h]
+
+    def tensor_numels(self) -> list[int]:
+        """numel of every parameter tensor, in module order."""
+        embed = self.vocab_size * self.hidden_size
+        out = [embed] + self.layer_tensor_numels() * self.num_layers + [self.hidden_size]
+        if not self.tie_word_embeddings:
+            out.append(embed)
+        return out
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self.tensor_numels())
+
+    @property
+    def largest_tensor_numel(self) -> int:
+        return max(self.tensor_numels())
+
+    def matrix_shapes(self) -> list[tuple[int, int]]:
+        """(rows, cols) of every 2-D parameter; 1-D ones (norms) are (numel, 0)."""
+        h, i, kv, v = self.hidden_size, self.intermediate_size, self.kv_size, self.vocab_size
+        layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h, 0), (h, 0)]
+        out = [(v, h)] + layer * self.num_layers + [(h, 0)]
+        if not self.tie_word_embeddings:
+            out.append((v, h))
+        return out
+
+    def to_hf_config(self) -> Any:
+        """A `transformers.LlamaConfig` of this shape (imports transformers)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _llama(name: str, h: int, i: int, layers: int, heads: int, vocab: int = 32000) -> ModelShape:
+    return ModelShape(name, vocab, h, i, layers, heads, heads)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # LLaMA-1 (Touvron et al. 2023), the models of the LOMO paper.
+    "llama-7b": _llama("llama-7b", 4096, 11008, 32, 32),
+    "llama-13b": _llama("llama-13b", 5120, 13824, 40, 40),
+    "llama-30b": _llama("llama-30b", 6656, 17920, 60, 52),
+    "llama-65b": _llama("llama-65b", 8192, 22016, 80, 64),
+    # The 168M model of the project's CPU memory measurements.
+    "llama-168m": _llama("llama-168m", 1024, 2816, 8, 16),
+    # Small enough for a CPU test or a demo in seconds.
+    "llama-20m": _llama("llama-20m", 256, 688, 4, 4),
+}
+
+
+def _from_mapping(name: str, cfg: Mapping[str, Any]) -> ModelShape:
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        if k not in cfg
+    ]
+    if missing:
+        raise ValueError(
+            f"{name}: not a LLaMA-style config (missing {', '.join(missing)}); give a "
+            "config.json of a LLaMA-architecture model or one of: " + ", ".join(PRESETS)
+        )
+    heads = int(cfg.get("num_attention_heads", 1))
+    return ModelShape(
+        name=name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def resolve_model(model: str | Mapping[str, Any] | Any) -> ModelShape:
+    """A ModelShape from a preset name, a config.json path (or its folder), a dict or an HF config.
+
+    Raises ValueError naming the presets when `model` is none of these.
+    """
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, Mapping):
+        return _from_mapping(str(model.get("_name_or_path") or "config"), model)
+    if hasattr(model, "to_dict"):  # transformers.PretrainedConfig
+        return _from_mapping(type(model).__name__, model.to_dict())
+    key = str(model).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(str(model))
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        with path.open() as f:
+            return _from_mapping(str(model), json.load(f))
+    raise ValueError(
+        f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}) or the path of a "
+        "Hugging Face config.json (or of the folder holding it)"
+    )
