@@ -278,8 +278,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
 
-        Keeps the graph (retain_graph=True) for the following `fused_backward(loss)`. Returns
-        the total norm as a device tensor (no host sync).
+        Keeps the graph (retain_graph=True) for the following `fused_backward(loss)`, except
+        under sharding, where the update pass needs a forward of its own. Returns the total
+        norm as a device tensor (no host sync).
         """
         self._check_loss(loss)
         self._report_previous_step()
@@ -287,7 +288,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for scalars in self._scalars.values():
             scalars.sumsq.zero_()
             scalars.norm_found_inf.zero_()
-        self._run_backward(loss, _NORM, retain_graph=True)
+        # Under sharding the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
+        # keeping this graph would only hold its activations through the next forward.
+        self._run_backward(loss, _NORM, retain_graph=self._sharding is None)
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
         if self._sharding is not None:
