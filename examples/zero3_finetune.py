@@ -68,7 +68,7 @@ def main() -> None:
             )
         )
     engine, *_ = deepspeed.initialize(model=model, config=config)  # no optimizer
-    lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "lomo" else 1e-2)
+    lr = args.lr if args.lr is not None else (0.3 if args.optimizer == "lomo" else 0.03)
     cls = Lomo if args.optimizer == "lomo" else AdaLomo
     opt = cls(engine, lr=lr, clip_grad_norm=args.clip_grad_norm, weight_decay=0.01)
 
