@@ -62,3 +62,16 @@ def train(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
             opt.grad_norm(model(x))
         opt.fused_backward(model(x))
     opt.flush_report()
+
+
+def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """lomo-optim's pattern, one forward per step: grad_norm(loss) then fused_backward(loss)."""
+    for step in range(steps):
+        loss = model(batch_of(step))
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss)
+    opt.flush_report()
+
+
+PATTERNS = {"per_pass": train, "one_loss": train_one_loss}
