@@ -80,11 +80,11 @@ def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
         assert worst <= 1.0, f"{name}: error {err.max().item():.3g} over bound (x{worst:.2f})"
 
 
-def one_process(name: str, initial: dict, steps: int, train_fn=train):
+def one_process(name: str, initial: dict, steps: int, train_fn=train, options=None):
     """The sharded run's training in this process on the full batch, from `initial`."""
     model = ScaledLlama()
     model.load_state_dict(initial)
-    opt = OPTIMIZERS[name](model, lr=LR[name], **OPTIONS)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if options is None else options))
     train_fn(model, opt, global_batch, steps)
     return model, opt
 

@@ -18,6 +18,9 @@ SEQ = 9
 STEPS = 3
 LR = {"lomo": 0.05, "adalomo": 0.01}
 OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
+# Without clipping: a gradient summed over ranks instead of averaged doubles the update
+# (with clipping on, the clip coefficient would hide it).
+NO_CLIP = {"weight_decay": 0.05}
 
 
 class ScaledLlama(nn.Module):

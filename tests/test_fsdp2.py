@@ -23,7 +23,7 @@ from sharded_checks import (
     one_process,
     run_ranks,
 )
-from sharded_models import PATTERNS
+from sharded_models import NO_CLIP, PATTERNS
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
 
@@ -46,6 +46,15 @@ def checks(fsdp2_run) -> list[dict]:
 def test_fsdp2_training_equals_one_process(fsdp2_run, name, pattern):
     saved = torch.load(fsdp2_run / f"{name}_{pattern}.pt")
     model, _ = one_process(name, saved["initial"], steps=3, train_fn=PATTERNS[pattern])
+    assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+
+
+@pytest.mark.slow
+def test_fsdp2_gradients_averaged_not_summed(fsdp2_run):
+    """Without clipping the update is proportional to the gradient: a reduce-scatter that
+    summed over the ranks (gloo's old AVG pitfall) would double it and fail here."""
+    saved = torch.load(fsdp2_run / "lomo_per_pass_no_clip.pt")
+    model, _ = one_process("lomo", saved["initial"], steps=3, options=NO_CLIP)
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
 
 

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sharded_models import (  # noqa: E402
     LR,
+    NO_CLIP,
     OPTIONS,
     PATTERNS,
     ScaledLlama,
@@ -54,19 +55,22 @@ def unchanged(before: list[torch.Tensor], model) -> bool:
     return all(torch.equal(a, b) for a, b in zip(before, local_shards(model), strict=True))
 
 
-def run_training(name: str, pattern: str, rank: int, keep_unsharded: bool = False) -> None:
+def run_training(
+    name: str, pattern: str, rank: int, keep_unsharded: bool = False, clip: bool = True
+) -> None:
     model = build()
     if keep_unsharded:  # the updated shards must still reach the next forward
         for module in model.modules():
             if hasattr(module, "set_reshard_after_backward"):
                 module.set_reshard_after_backward(False)
     initial = consolidated_state_dict(model)
-    opt = OPTIMIZERS[name](model, lr=LR[name], **OPTIONS)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if clip else NO_CLIP))
     PATTERNS[pattern](model, opt, lambda step: rank_batch(step, rank))
     final = consolidated_state_dict(model)
     opt_state = opt.consolidated_state_dict()
     if rank == 0:
         label = f"{name}_{pattern}" + ("_unsharded" if keep_unsharded else "")
+        label += "" if clip else "_no_clip"
         torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{label}.pt")
 
 
@@ -203,6 +207,7 @@ def main() -> None:
         for pattern in PATTERNS:
             run_training(name, pattern, rank)
     run_training("lomo", "per_pass", rank, keep_unsharded=True)
+    run_training("lomo", "per_pass", rank, clip=False)
     for label in MIXED:
         run_mixed_precision(label, rank)
     for label in FP16:
