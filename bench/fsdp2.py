@@ -12,7 +12,8 @@ steps 1..N-1 (so AdamW's states, created in step 0, count). On CUDA the same fig
 read from torch.cuda.max_memory_allocated.
 
 Model: a transformers LLaMA (hidden 512, intermediate 1408, 4 layers, 8 heads, vocab 32000:
-45.6M parameters), fully_shard on each decoder layer and on the root, fp32 shards computed
+45.6M parameters), fully_shard on each decoder layer, the embedding, the final norm with
+the head (one unit), and the root (torchtitan's units); fp32 shards computed
 in bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) unless --precision bf16.
 """
 
@@ -37,7 +38,7 @@ from memory import MB, MMAP_ENV, MMAP_VALUE, hwm_bytes, mmap_env, reset_hwm, rss
 LR = 1e-3
 CONFIGS = ("sgd", "adamw", "lomo", "lomo_clip", "adalomo")
 LABELS = {
-    "sgd": "FSDP2 + torch.optim.SGD (fused; backward, step, zero_grad)",
+    "sgd": "FSDP2 + torch.optim.SGD (foreach; backward, step, zero_grad)",
     "adamw": "FSDP2 + torch.optim.AdamW (fused)",
     "lomo": "FSDP2 + lomo_kernels.Lomo (fused_backward)",
     "lomo_clip": "FSDP2 + Lomo, clip_grad_norm=1.0 (grad_norm + fused_backward, one loss)",
@@ -78,16 +79,20 @@ def rank_main(args: argparse.Namespace) -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if args.precision == "bf16":
         model, policy = model.to(torch.bfloat16), MixedPrecisionPolicy()
+    # torchtitan's units: each decoder layer, the embedding, the final norm with the head,
+    # and the root.
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
+    fully_shard(model.model.embed_tokens, mp_policy=policy)
+    fully_shard([model.model.norm, model.lm_head], mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     params = list(model.parameters())
     config = args.rank_run
-    fused = {"fused": True}
     if config == "sgd":
-        opt = torch.optim.SGD(params, lr=LR, **fused)
+        # torch 2.13 has no DTensor rule for _fused_sgd_: the foreach implementation.
+        opt = torch.optim.SGD(params, lr=LR, foreach=True)
     elif config == "adamw":
-        opt = torch.optim.AdamW(params, lr=LR, **fused)
+        opt = torch.optim.AdamW(params, lr=LR, fused=True)
     elif config == "adalomo":
         opt = AdaLomo(model, lr=LR)
     else:

@@ -107,3 +107,10 @@ def test_fsdp2_unsupported_setups_refused_at_construction(checks):
         assert "Apply fully_shard to the root module" in refused["root_not_sharded"]
         assert "only Shard(0) is supported" in refused["shard_dim_1"]
         assert "only a 1-D FSDP2 mesh is supported" in refused["hsdp"]
+
+
+@pytest.mark.slow
+def test_fsdp2_gradient_accumulation_refused(checks):
+    for rank in checks:
+        assert "cannot accumulate gradients" in rank["no_sync"]
+        assert rank["no_sync_unchanged"]

@@ -26,6 +26,7 @@ from .fsdp2 import (
     is_dtensor,
     refresh_unsharded,
     row_range,
+    unsynced_units,
 )
 from .reduce_scatter import (
     DEFAULT_BUCKET_NUMEL,
@@ -151,6 +152,13 @@ class Fsdp2Sharding:
     def begin(self, consume: Consumer) -> None:
         if self._pending:
             raise RuntimeError("a previous backward pass left gradient shards unconsumed")
+        if unsynced_units(self.model):
+            raise RuntimeError(
+                "FSDP2 gradient synchronisation is off (set_requires_gradient_sync(False)): "
+                "FSDP2 would accumulate the gradients and never hand them to the optimizer. "
+                "LOMO updates inside backward and cannot accumulate gradients; keep "
+                "synchronisation on and use a larger batch. " + FSDP2_SETUP
+            )
         self._consume = consume
 
     def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> None:

@@ -155,6 +155,20 @@ def compute_dtype(fsdp_param: Any) -> torch.dtype:
     return dtype or fsdp_param.sharded_param.dtype
 
 
+def unsynced_units(model: nn.Module) -> int:
+    """How many units have gradient synchronisation off (``set_requires_gradient_sync``).
+
+    FSDP2 then accumulates their unsharded gradients and calls no hook: gradient
+    accumulation, which LOMO cannot do.
+    """
+    count = 0
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        count += group is not None and not getattr(group, "reduce_grads", True)
+    return count
+
+
 def refresh_unsharded(model: nn.Module) -> int:
     """Frees the unsharded parameters FSDP2 kept after backward; returns how many units.
 

@@ -424,9 +424,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             loss = loss / self._static_inv_scale()
         self._phase = phase
         sharding = self._sharding
-        if sharding is not None:
-            sharding.begin(self._consume_shards)
         try:
+            if sharding is not None:
+                sharding.begin(self._consume_shards)
             loss.backward(retain_graph=retain_graph)
             if sharding is not None:
                 sharding.finish()  # the last buckets: reduced and consumed before returning

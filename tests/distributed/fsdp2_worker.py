@@ -198,6 +198,17 @@ def run_refusals(checks: dict) -> None:
     expect_refusal(hsdp, refused, "hsdp")
     checks["refusals"] = refused
 
+    model = build()  # gradient accumulation: refused at the step, before any change
+    opt = Lomo(model)
+    model.set_requires_gradient_sync(False)
+    before = local_shards(model)
+    try:
+        opt.fused_backward(model(rank_batch(0, dist.get_rank())))
+        checks["no_sync"] = None
+    except RuntimeError as exc:
+        checks["no_sync"] = str(exc)
+    checks["no_sync_unchanged"] = unchanged(before, model)
+
 
 def main() -> None:
     dist.init_process_group("gloo")
