@@ -18,6 +18,9 @@ SEQ = 9
 STEPS = 3
 LR = {"lomo": 0.05, "adalomo": 0.01}
 OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
+# Without clipping: a gradient summed over ranks instead of averaged doubles the update
+# (with clipping on, the clip coefficient would hide it).
+NO_CLIP = {"weight_decay": 0.05}
 
 
 class ScaledLlama(nn.Module):
@@ -62,3 +65,16 @@ def train(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
             opt.grad_norm(model(x))
         opt.fused_backward(model(x))
     opt.flush_report()
+
+
+def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """lomo-optim's pattern, one forward per step: grad_norm(loss) then fused_backward(loss)."""
+    for step in range(steps):
+        loss = model(batch_of(step))
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss)
+    opt.flush_report()
+
+
+PATTERNS = {"per_pass": train, "one_loss": train_one_loss}

@@ -22,7 +22,13 @@ from torch import nn
 from .. import ops
 from .._checks import SUPPORTED_DTYPES
 from ..backends import requested_backend
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, sharding_for, unwrap_engine
+from ..distributed import (
+    DEFAULT_BUCKET_NUMEL,
+    Shard,
+    compute_dtypes,
+    sharding_for,
+    unwrap_engine,
+)
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -134,6 +140,15 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def computes_in_fp16(model: nn.Module) -> bool:
+    """Whether a trainable parameter's forward and backward run in fp16 (loss scaling needed).
+
+    Its dtype, or under FSDP2 the MixedPrecisionPolicy's param_dtype (fp32 shards computed
+    in fp16 get fp16 gradients)."""
+    model = unwrap_engine(model)
+    return torch.float16 in compute_dtypes(model, trainable_parameters(model))
+
+
 class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
 
@@ -159,7 +174,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"weight_decay must be finite, got {defaults['weight_decay']}")
         model = unwrap_engine(model)
         params = trainable_parameters(model)
-        self._sharding = sharding_for(params, parameter_names(model), bucket_numel=bucket_numel)
+        self._sharding = sharding_for(
+            params, parameter_names(model), model=model, bucket_numel=bucket_numel
+        )
         super().__init__([{"params": params}], defaults)
         self.model = model
         self.clip_grad_norm = clip_grad_norm
@@ -322,7 +339,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 group["lr"] = lr
         for group in self.param_groups:
             check_lr(group["lr"])
-        if self._sharding is not None:
+        if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
         if not self._norm_ready and self._needs_detection_pass():
             self.grad_norm(loss)
@@ -410,9 +427,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             loss = loss / self._static_inv_scale()
         self._phase = phase
         sharding = self._sharding
-        if sharding is not None:
-            sharding.begin(self._consume_shards)
         try:
+            if sharding is not None:
+                sharding.begin(self._consume_shards)
             loss.backward(retain_graph=retain_graph)
             if sharding is not None:
                 sharding.finish()  # the last buckets: reduced and consumed before returning

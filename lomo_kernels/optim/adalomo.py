@@ -15,6 +15,7 @@ from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
+    computes_in_fp16,
     trainable_parameters,
 )
 
@@ -68,7 +69,7 @@ class AdaLomo(InBackwardOptimizer):
         }
         super().__init__(model, defaults, backend=backend, bucket_numel=bucket_numel)
         self.loss_scale = float(loss_scale)
-        self._fp16 = any(p.dtype == torch.float16 for p in params)
+        self._fp16 = computes_in_fp16(model)
         for p in params:
             if self._sharding is None:
                 self.state[p] = init_adalomo_state(p)

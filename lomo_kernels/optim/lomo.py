@@ -12,8 +12,8 @@ from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
+    computes_in_fp16,
     split_loss_scale_args,
-    trainable_parameters,
 )
 from .loss_scaler import DynamicLossScaler
 
@@ -50,7 +50,8 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
-        if any(p.dtype == torch.float16 for p in trainable_parameters(model)):
+        fp16 = computes_in_fp16(model)
+        if fp16:
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
         defaults = {
             "lr": lr,
@@ -64,7 +65,7 @@ class Lomo(InBackwardOptimizer):
         params = self.param_groups[0]["params"]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
-        if any(p.dtype == torch.float16 for p in params):
+        if fp16:
             self.loss_scaler = DynamicLossScaler(params[0].device, **scale_args)
 
     def _loss_scaler(self) -> DynamicLossScaler | None:

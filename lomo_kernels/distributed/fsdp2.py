@@ -1,0 +1,186 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): find its parameters, say what a rank owns.
+
+FSDP2 replaces each parameter of a ``fully_shard``-ed module by a DTensor sharded on dim 0
+over a 1-D device mesh: rank r holds rows ``[r*c, min((r+1)*c, rows))`` with
+``c = ceil(rows / W)`` (``torch.chunk``; a rank may hold no row). After backward it
+reduce-scatters each unit's gradients (averaged over the ranks) and then calls every sharded
+parameter's post-accumulate-grad hooks itself, with ``param.grad`` the local shard of the
+averaged gradient as a DTensor, in the sharded parameter's dtype. Nothing is left to reduce:
+the optimizer updates ``param.to_local()`` in place, and the next forward all-gathers the
+updated shards.
+
+Everything FSDP2-specific is read here, from the ``FSDPParam`` objects of each unit; the
+rest of the package sees `Shard`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .shard import Shard
+
+SUPPORTED_SETUP = (
+    "Supported: FSDP2 (torch.distributed.fsdp.fully_shard) on a 1-D device mesh over all "
+    "ranks, every trainable parameter inside a fully_shard-ed module, the default Shard(0) "
+    "placement, no CPU offload, gradient synchronisation on, and fused_backward(loss) for the "
+    "backward. See README, 'Sharded training (FSDP2)'."
+)
+
+
+def is_dtensor(param: torch.Tensor) -> bool:
+    """True for a DTensor parameter (FSDP2 or tensor parallelism), without importing DTensor."""
+    return type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor"
+
+
+def fsdp_params_of(model: nn.Module) -> Iterator[tuple[int, Any]]:
+    """(unit index, ``FSDPParam``) for every parameter FSDP2 manages under `model`.
+
+    A unit is one ``fully_shard`` call's parameter group: FSDP2 reduces it with one
+    collective and then calls the hooks of its parameters one after the other.
+    """
+    unit = 0
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            yield unit, fsdp_param
+        unit += 1
+
+
+def check_fsdp2_params(
+    model: nn.Module, params: Sequence[nn.Parameter], names: dict[int, str]
+) -> tuple[dist.ProcessGroup, dict[int, tuple[int, Any]]]:
+    """Refuses set-ups this path cannot update correctly.
+
+    Returns the shard group and, per trainable parameter (by id), its unit and ``FSDPParam``.
+    """
+    managed = {id(fp.sharded_param): (unit, fp) for unit, fp in fsdp_params_of(model)}
+    group = None
+    for p in params:
+        name = names.get(id(p), "?")
+        if id(p) not in managed:
+            kind = (
+                "a DTensor not managed by FSDP2 (tensor parallelism?)"
+                if is_dtensor(p)
+                else ("whole on every rank")
+            )
+            raise ValueError(
+                f"parameter {name!r} is {kind} while others are sharded by FSDP2: its gradient "
+                "would not be reduced (or not handed to the optimizer). Apply fully_shard to "
+                "the root module too, so every trainable parameter belongs to an FSDP2 unit. "
+                + SUPPORTED_SETUP
+            )
+        _, fsdp_param = managed[id(p)]
+        mesh = p.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"parameter {name!r} lives on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} "
+                f"with placements {p.placements} (HSDP, or FSDP2 combined with tensor "
+                "parallelism): only a 1-D FSDP2 mesh is supported. " + SUPPORTED_SETUP
+            )
+        placement = p.placements[0]
+        if not (placement.is_shard() and placement.dim == 0):
+            raise ValueError(
+                f"parameter {name!r} is placed {placement} (shard_placement_fn): only Shard(0) "
+                "is supported; each rank's slice must be whole rows of the parameter. "
+                + SUPPORTED_SETUP
+            )
+        if getattr(fsdp_param, "offload_to_cpu", False):
+            raise ValueError(
+                f"parameter {name!r} is offloaded to CPU (CPUOffloadPolicy): not supported. "
+                + SUPPORTED_SETUP
+            )
+        p_group = mesh.get_group(0)
+        if group is None:
+            group = p_group
+        elif p_group is not group and dist.get_process_group_ranks(
+            p_group
+        ) != dist.get_process_group_ranks(group):
+            raise ValueError(
+                f"parameter {name!r} is sharded over another process group than the first "
+                "parameter: not supported. " + SUPPORTED_SETUP
+            )
+        if fsdp2_shard(p, p_group).local.numel() != p.to_local().numel():
+            raise ValueError(
+                f"parameter {name!r}: this rank holds {tuple(p.to_local().shape)} of "
+                f"{tuple(p.shape)}, not the torch.chunk rows FSDP2 uses. " + SUPPORTED_SETUP
+            )
+    world = dist.get_world_size(group)
+    if world != dist.get_world_size():
+        raise ValueError(
+            f"the parameters are sharded over {world} of {dist.get_world_size()} ranks (FSDP2 "
+            "combined with another kind of parallelism): not supported, the gradients would be "
+            "averaged over the shard group only. " + SUPPORTED_SETUP
+        )
+    return group, {id(p): managed[id(p)] for p in params}
+
+
+def row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """First row and row count of `rank`'s ``torch.chunk`` of `rows` rows (possibly none)."""
+    chunk = -(-rows // world) if rows else 0
+    start = min(rank * chunk, rows)
+    return start, min(chunk, rows - start)
+
+
+def fsdp2_shard(param: nn.Parameter, group: dist.ProcessGroup) -> Shard:
+    """This rank's rows of an FSDP2 parameter, as a flat view of ``param.to_local()``."""
+    shape = param.shape
+    rows = shape[0] if len(shape) else 1
+    row_numel = shape.numel() // rows if rows else 0
+    start, count = row_range(rows, dist.get_world_size(group), dist.get_rank(group))
+    with torch.no_grad():
+        local = param.to_local().detach().view(-1)
+    return Shard(
+        param=param,
+        local=local[: count * row_numel],
+        offset=start * row_numel,
+        full_shape=torch.Size(shape),
+        group=group,
+    )
+
+
+def compute_dtype(fsdp_param: Any) -> torch.dtype:
+    """The dtype FSDP2 computes the forward and backward in (MixedPrecisionPolicy)."""
+    policy = getattr(fsdp_param, "mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    return dtype or fsdp_param.sharded_param.dtype
+
+
+def unsynced_units(model: nn.Module) -> int:
+    """How many units have gradient synchronisation off (``set_requires_gradient_sync``).
+
+    FSDP2 then accumulates their unsharded gradients and calls no hook: gradient
+    accumulation, which LOMO cannot do.
+    """
+    count = 0
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        count += group is not None and not getattr(group, "reduce_grads", True)
+    return count
+
+
+def refresh_unsharded(model: nn.Module) -> int:
+    """Frees the unsharded parameters FSDP2 kept after backward; returns how many units.
+
+    With ``reshard_after_backward=False`` (or after ``unshard()``) a unit keeps its gathered
+    parameters, and its next forward would use them as they were before the update:
+    resharding makes that forward all-gather the updated shards.
+    """
+    count = 0
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        if group is not None and not group.is_sharded:
+            group.reshard()
+            count += 1
+    return count

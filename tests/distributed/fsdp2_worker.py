@@ -1,0 +1,237 @@
+"""One rank of the FSDP2 checks (run by tests/test_fsdp2.py under torchrun, gloo, CPU).
+
+Writes, on rank 0, to the directory in argv[1]: for each scenario the consolidated initial
+and final parameters (and optimizer state) for the reference to compare with, and
+`checks.json` with what was observed on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sharded_models import (  # noqa: E402
+    LR,
+    NO_CLIP,
+    OPTIONS,
+    PATTERNS,
+    ScaledLlama,
+    rank_batch,
+)
+
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
+from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
+from lomo_kernels.ops import clip_coef_from_sumsq  # noqa: E402
+
+torch.set_num_threads(1)
+OUT = Path(sys.argv[1])
+OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, **fsdp_kwargs) -> ScaledLlama:
+    """ScaledLlama with fully_shard on each decoder layer and on the root (same on all ranks)."""
+    torch.manual_seed(seed)
+    model = ScaledLlama().to(dtype)
+    for layer in model.llama.model.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return model
+
+
+def local_shards(model) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def unchanged(before: list[torch.Tensor], model) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, local_shards(model), strict=True))
+
+
+def run_training(
+    name: str, pattern: str, rank: int, keep_unsharded: bool = False, clip: bool = True
+) -> None:
+    model = build()
+    if keep_unsharded:  # the updated shards must still reach the next forward
+        for module in model.modules():
+            if hasattr(module, "set_reshard_after_backward"):
+                module.set_reshard_after_backward(False)
+    initial = consolidated_state_dict(model)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if clip else NO_CLIP))
+    PATTERNS[pattern](model, opt, lambda step: rank_batch(step, rank))
+    final = consolidated_state_dict(model)
+    opt_state = opt.consolidated_state_dict()
+    if rank == 0:
+        label = f"{name}_{pattern}" + ("_unsharded" if keep_unsharded else "")
+        label += "" if clip else "_no_clip"
+        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{label}.pt")
+
+
+MIXED = {
+    # fp32 shards, bf16 forward/backward, gradients reduced in fp32
+    "bf16_compute": (torch.float32, MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
+    "bf16_params": (torch.bfloat16, MixedPrecisionPolicy()),  # bf16 throughout
+}
+
+
+def run_mixed_precision(label: str, rank: int, steps: int = 2) -> None:
+    """Lomo against the same FSDP2 set-up with a plain backward and the update in torch ops."""
+    dtype, policy = MIXED[label]
+    lr, wd, max_norm = LR["lomo"], OPTIONS["weight_decay"], OPTIONS["clip_grad_norm"]
+    results = {}
+    for who in ("lomo", "manual"):
+        model = build(dtype, mp_policy=policy)
+        initial = consolidated_state_dict(model)
+        opt = Lomo(model, lr=lr, **OPTIONS) if who == "lomo" else None
+        for step in range(steps):
+            x = rank_batch(step, rank)
+            if opt is not None:
+                opt.grad_norm(model(x))
+                opt.fused_backward(model(x))
+                continue
+            model(x).backward()
+            params = list(model.parameters())
+            sumsq = sum(p.grad.to_local().float().pow(2).sum() for p in params).reshape(1)
+            dist.all_reduce(sumsq)
+            coef = clip_coef_from_sumsq(sumsq, max_norm)
+            with torch.no_grad():
+                for p in params:
+                    local = p.to_local()
+                    g = p.grad.to_local().float() * coef
+                    local.copy_(local.float() * (1 - lr * wd) - lr * g)
+                    p.grad = None
+        results[who] = consolidated_state_dict(model)
+    if rank == 0:
+        torch.save({"initial": initial, **results}, OUT / f"mixed_{label}.pt")
+
+
+FP16 = {
+    "lomo_fp16_params": (Lomo, torch.float16, MixedPrecisionPolicy()),
+    "lomo_fp16_compute": (Lomo, torch.float32, MixedPrecisionPolicy(torch.float16)),
+    "adalomo_fp16_params": (AdaLomo, torch.float16, MixedPrecisionPolicy()),
+}
+
+
+def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
+    """An inf in a gradient row only rank 1 holds: no rank may change anything."""
+    cls, dtype, policy = FP16[label]
+    model = build(dtype, mp_policy=policy)
+    target = model.llama.lm_head.weight  # 3001 rows: both ranks hold some
+    inject = {"on": True}
+
+    def poison(p):  # runs before the optimizer's hook (registered first)
+        if inject["on"] and rank == 1:
+            p.grad.to_local()[3, 5] = float("inf")
+
+    target.register_post_accumulate_grad_hook(poison)
+    opt = cls(model, lr=LR["lomo"] if cls is Lomo else LR["adalomo"])
+    scale_before = opt.loss_scaler.scale.item() if cls is Lomo else None
+    before = local_shards(model)
+    x = rank_batch(0, rank)
+    opt.grad_norm(model(x))
+    opt.fused_backward(model(x))
+    opt.flush_report()
+    result = {
+        "loss_scaling": opt._needs_detection_pass(),
+        "unchanged": unchanged(before, model),
+        "skipped": opt.last_step_skipped,
+        "scale_before": scale_before,
+        "scale_after": opt.loss_scaler.scale.item() if cls is Lomo else None,
+        "states_zero": all(
+            float(v.abs().sum()) == 0 for s in opt.state.values() for v in s.values()
+        ),
+    }
+    inject["on"] = False
+    opt.grad_norm(model(x))
+    opt.fused_backward(model(x))
+    opt.flush_report()
+    result["next_step_updates"] = not unchanged(before, model)
+    checks[label] = result
+
+
+def expect_refusal(build_model, checks: dict, label: str) -> None:
+    try:
+        model = build_model()
+    except Exception as exc:  # FSDP2 itself refused the set-up
+        checks[label] = f"fsdp2: {exc}"
+        return
+    try:
+        Lomo(model)
+        checks[label] = None
+    except ValueError as exc:
+        checks[label] = str(exc)
+
+
+def run_refusals(checks: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    refused: dict = {}
+    expect_refusal(ScaledLlama, refused, "replicated")
+
+    def layers_only():
+        model = ScaledLlama()
+        for layer in model.llama.model.layers:
+            fully_shard(layer)
+        return model
+
+    expect_refusal(layers_only, refused, "root_not_sharded")
+
+    def columns():
+        def placement(p):
+            return Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None
+
+        return build(shard_placement_fn=placement)
+
+    expect_refusal(columns, refused, "shard_dim_1")
+
+    def hsdp():
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        return build(mesh=mesh)
+
+    expect_refusal(hsdp, refused, "hsdp")
+    checks["refusals"] = refused
+
+    model = build()  # gradient accumulation: refused at the step, before any change
+    opt = Lomo(model)
+    model.set_requires_gradient_sync(False)
+    before = local_shards(model)
+    try:
+        opt.fused_backward(model(rank_batch(0, dist.get_rank())))
+        checks["no_sync"] = None
+    except RuntimeError as exc:
+        checks["no_sync"] = str(exc)
+    checks["no_sync_unchanged"] = unchanged(before, model)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    checks: dict = {}
+    for name in OPTIMIZERS:
+        for pattern in PATTERNS:
+            run_training(name, pattern, rank)
+    run_training("lomo", "per_pass", rank, keep_unsharded=True)
+    run_training("lomo", "per_pass", rank, clip=False)
+    for label in MIXED:
+        run_mixed_precision(label, rank)
+    for label in FP16:
+        run_fp16_overflow(label, rank, checks)
+    run_refusals(checks)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checks)
+    if rank == 0:
+        (OUT / "checks.json").write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,109 @@
+"""What the 2-rank tests share: the torchrun launcher, the one-process reference and the
+tolerance rule a sharded run is held to.
+
+Each sharded test module runs its worker once (`run_ranks`) under torchrun with gloo on CPU;
+the worker saves the consolidated initial and final parameters, which are compared here with
+the same training in this (single) process on the full batch, started from the same values.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sharded_models import LR, OPTIONS, ScaledLlama, global_batch, train
+
+import lomo_kernels
+from lomo_kernels import AdaLomo, Lomo
+
+OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
+TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: Path, out: Path, what: str, nproc: int = 2) -> Path:
+    """Runs `worker out` on `nproc` ranks (torchrun); fails the test with its log on error."""
+    # The ranks import the package this process imported (not another installed copy).
+    root = str(Path(lomo_kernels.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(free_port()), str(worker), str(out),
+    ]  # fmt: skip
+    # A session of its own, so a hung or failed run is killed with every rank.
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the {nproc}-rank {what} run took over {TIMEOUT_S} s:\n{log.decode()[-6000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        pytest.fail(f"the {nproc}-rank {what} run failed:\n{log.decode()[-8000:]}")
+    return out
+
+
+def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
+    """Per element: within 4 ulps of the reference or 1e-4 of the tensor's largest update.
+
+    The sharded run differs from one process only in rounding: the gradient average is
+    taken over two half batches (and summed in another order), and AdaLomo's statistics
+    are summed in partial sums. Both are fp32 rounding effects, a few ulps of the values,
+    amplified over 3 steps only through the tiny fp32 differences of later gradients.
+    """
+    for name, expected in ref.items():
+        got = out[name].double()
+        expected = expected.double()
+        largest_update = (expected - initial[name].double()).abs().max().item()
+        assert largest_update > 0, f"{name} never changed in the reference"
+        ulp = torch.finfo(ref[name].dtype).eps * expected.abs()
+        bound = torch.maximum(4 * ulp, torch.full_like(ulp, 1e-4 * largest_update))
+        err = (got - expected).abs()
+        worst = (err / bound).max().item()
+        assert worst <= 1.0, f"{name}: error {err.max().item():.3g} over bound (x{worst:.2f})"
+
+
+def one_process(name: str, initial: dict, steps: int, train_fn=train, options=None):
+    """The sharded run's training in this process on the full batch, from `initial`."""
+    model = ScaledLlama()
+    model.load_state_dict(initial)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if options is None else options))
+    train_fn(model, opt, global_batch, steps)
+    return model, opt
+
+
+def assert_checkpoint_resumes(saved: dict, name: str, steps: int = 3) -> None:
+    """The consolidated model and optimizer state continue in one process as if unsharded."""
+    reference, ref_opt = one_process(name, saved["initial"], steps=steps)
+    resumed = ScaledLlama()
+    resumed.load_state_dict(saved["final"])
+    opt = OPTIMIZERS[name](resumed, lr=LR[name], **OPTIONS)
+    opt.load_state_dict(saved["opt"])
+    assert opt.step_count == ref_opt.step_count == steps
+    for state_name in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+        for p_res, p_ref in zip(resumed.parameters(), reference.parameters(), strict=True):
+            if state_name in ref_opt.state.get(p_ref, {}):
+                got, want = opt.state[p_res][state_name], ref_opt.state[p_ref][state_name]
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    step = lambda m, o: train(m, o, lambda s: global_batch(steps + s), steps=1)  # noqa: E731
+    step(reference, ref_opt)
+    step(resumed, opt)
+    assert_within_update_tolerance(resumed.state_dict(), reference.state_dict(), before)
