@@ -296,7 +296,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
 
         Keeps the graph (retain_graph=True) for the following `fused_backward(loss)`, except
-        under sharding, where the update pass needs a forward of its own. Returns the total
+        under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
         self._check_loss(loss)
@@ -307,7 +307,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             scalars.norm_found_inf.zero_()
         # Under sharding the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
         # keeping this graph would only hold its activations through the next forward.
-        self._run_backward(loss, _NORM, retain_graph=self._sharding is None)
+        retain = self._sharding is None or self._sharding.second_backward_ok
+        self._run_backward(loss, _NORM, retain_graph=retain)
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
         if self._sharding is not None:
