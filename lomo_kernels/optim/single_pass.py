@@ -75,14 +75,14 @@ class SinglePassClip:
         self.home = home
         self.step_sumsq = torch.zeros(1, device=home)
         self.step_found = torch.zeros(1, device=home)  # number of tensors skipped this step
-        self.norm_history = torch.zeros(2, device=home)  # last two clean steps' norms
+        self.norm_history = torch.zeros(3, device=home)  # last three clean steps' norms
         self.previous = torch.zeros(1, device=home)  # P, fixed for the step
         self._temp: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
 
     def begin_step(self) -> None:
         self.step_sumsq.zero_()
         self.step_found.zero_()
-        torch.amin(self.norm_history, dim=0, keepdim=True, out=self.previous)
+        self.previous.copy_(self.norm_history.median().reshape(1))
 
     def prepare(
         self,
@@ -120,9 +120,9 @@ class SinglePassClip:
     def end_step(self) -> torch.Tensor:
         """Closes the step: records its norm if clean, returns its found flag (home device)."""
         norm = self.step_sumsq.sqrt()
-        last = self.norm_history[:1]
-        # The first clean step fills both entries (0 means "no clean step yet").
-        candidate = torch.cat([norm, torch.where(last > 0, last, norm)])
+        older = self.norm_history[:2]
+        # The first clean step fills every entry (0 means "no clean step yet").
+        candidate = torch.cat([norm, torch.where(older > 0, older, norm)])
         clean = self.step_found == 0
         self.norm_history.copy_(torch.where(clean, candidate, self.norm_history))
         return self.step_found.clone()
