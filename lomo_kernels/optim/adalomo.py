@@ -32,7 +32,7 @@ class AdaLomo(InBackwardOptimizer):
     ``single_backward=True`` (keyword-only; default False, lomo-optim's two passes): one
     backward per step with ``clip_grad_norm`` and in fp16. Only the clip coefficient changes
     (the update normalisation and lr scaling are per tensor): each gradient gets
-    ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the smaller of the last two steps'
+    ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the median of the last three steps'
     norms, S_i this step's running sum of squares, so the clipped gradient's norm is at most
     ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at most M when P >= ||g||
     (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient has inf/nan keeps its

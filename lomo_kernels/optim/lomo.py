@@ -36,7 +36,7 @@ class Lomo(InBackwardOptimizer):
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
-    smaller of the last two steps' norms, S_i this step's running sum of squares; the applied
+    median of the last three steps' norms, S_i this step's running sum of squares; the applied
     gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
     most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
     has inf/nan is left unchanged, the others are updated, the scale is lowered: an

@@ -4,8 +4,9 @@ The exact rule (``clip_coef = min(1, M / ||g||)``) needs the global gradient nor
 first parameter is updated, hence a second backward. With ``single_backward=True`` each
 gradient is clipped with what is known when it arrives:
 
-    P    = the smaller of the last two completed steps' global norms (0 before any step),
-           so a single spiking step does not damp the step after it
+    P    = the median of the last three clean steps' global norms (the first clean step
+           fills all three; 0 before it), so one spiking step neither damps the steps
+           after it nor, being one of three, moves P
     S_i  = sum of squares of this step's finite gradients arrived so far, this one included
     c_i  = min(1, M / (max(P, sqrt(S_i)) + 1e-6))
 
