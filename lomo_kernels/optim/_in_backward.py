@@ -30,6 +30,7 @@ from ..distributed import (
     unwrap_engine,
 )
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
+from .single_pass import PARTIAL_STEP_WARNING, SHARDED_REFUSAL, SinglePassClip
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -159,10 +160,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         *,
         backend: str | None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        single_backward: bool = False,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
-        `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3."""
+        `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
+        `single_backward`: clip and check overflow within the update pass (single_pass.py)."""
         clip_grad_norm = defaults["clip_grad_norm"]
         if clip_grad_norm is not None and not (
             math.isfinite(clip_grad_norm) and clip_grad_norm > 0
@@ -177,6 +180,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._sharding = sharding_for(
             params, parameter_names(model), model=model, bucket_numel=bucket_numel
         )
+        if single_backward and self._sharding is not None:
+            raise ValueError(SHARDED_REFUSAL)
         super().__init__([{"params": params}], defaults)
         self.model = model
         self.clip_grad_norm = clip_grad_norm
@@ -194,6 +199,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.last_grad_norm: torch.Tensor | None = None
         self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
         self.last_step_skipped = False
+        self.last_step_partial = False
+        self.single_backward = bool(single_backward)
+        self._single = SinglePassClip(clip_grad_norm, params[0].device) if single_backward else None
+        self._single_step = False  # this update pass clips and checks as gradients arrive
+        self._reported_single = False  # the queued report is of a single-backward step
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -266,7 +276,13 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._accumulate_norm(grad, scalars)
             return
         group = self.param_groups[self._group_of[id(param)]]
-        self._update(param, grad, group, scalars, self._skip_if(scalars))
+        if self._single_step:
+            skip_if = self._single.prepare(
+                grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
+            )
+        else:
+            skip_if = self._skip_if(scalars)
+        self._update(param, grad, group, scalars, skip_if)
 
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
         return scalars.norm_found_inf if self._norm_ready else scalars.no_skip
@@ -342,23 +358,33 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             check_lr(group["lr"])
         if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
-        if not self._norm_ready and self._needs_detection_pass():
+        single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
+        if not self._norm_ready and self._needs_detection_pass() and not single:
             self.grad_norm(loss)
         else:
             self._report_previous_step()
             self._prepare_scalars()
+        if single:
+            self._single.begin_step()
+        self._single_step = single
         try:
             self._run_backward(loss, _UPDATE, retain_graph=False)
         finally:
             detection = self._norm_ready
             self._norm_ready = False
-        found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
+            self._single_step = False
+        if single:
+            found = self._single.end_step()
+            self.last_grad_norm = self._single.last_norm()
+        else:
+            found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
         if self._sharding is not None:
             if not detection:  # every rank reports the same step outcome
                 self._sharding.all_reduce_sum_(found)
             self._sharding.after_update()
         self._after_step(found)
         self._queue_report(found, atomic=detection)
+        self._reported_single = single
         self.step_count += 1
         self._opt_called = True  # lets lr schedulers know the step happened
 
@@ -479,6 +505,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         found, at_min, atomic = (float(x) for x in self._report.numpy())
         self._report = None
         self.last_step_skipped = bool(found) and bool(atomic)
+        self.last_step_partial = bool(found) and not atomic
         if (
             at_min
             and self._loss_scaler() is not None
@@ -489,7 +516,16 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 "The gradients overflow even unscaled: lower the learning rate or check the "
                 "data; pass loss_scale_args={'raise_error_at_min_scale': False} to go on."
             )
-        if found and not atomic:
+        if found and not atomic and self._reported_single:
+            scale = ", the loss scale was lowered" if self._loss_scaler() is not None else ""
+            warnings.warn(
+                PARTIAL_STEP_WARNING.format(
+                    step=self.step_count - 1, count=int(found), scale=scale
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif found and not atomic:
             warnings.warn(
                 f"step {self.step_count - 1}: inf/nan gradient elements were found during the "
                 "update; those elements were left unchanged, the rest of the step was applied. "
@@ -511,6 +547,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             "step_count": self.step_count,
             "loss_scaler": None if scaler is None else scaler.state_dict(),
         }
+        if self._single is not None:
+            state["lomo"]["single_backward"] = self._single.state_dict()
         return state
 
     def consolidated_state_dict(self) -> dict[str, Any]:
@@ -538,6 +576,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if extra is not None:
             self.step_count = int(extra["step_count"])
             self._load_scaler_state(extra["loss_scaler"])
+            if self._single is not None and "single_backward" in extra:
+                self._single.load_state_dict(extra["single_backward"])
 
     def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
         """Subclasses with a loss scaler restore it here."""

@@ -29,6 +29,17 @@ class AdaLomo(InBackwardOptimizer):
     inf/nan leaves the parameter and its moments unchanged (fp16 and clip-by-norm runs check
     every gradient first, so an overflowing step changes nothing at all); ``lr`` may be
     omitted so lr schedulers work; no fp32 copy of any whole tensor is made.
+
+    ``single_backward=True`` (keyword-only; default False, lomo-optim's two passes): one
+    backward per step with ``clip_grad_norm`` and in fp16. Only the clip coefficient changes
+    (the update normalisation and lr scaling are per tensor): each gradient gets
+    ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the median of the last three steps'
+    norms, S_i this step's running sum of squares, so the clipped gradient's norm is at most
+    ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at most M when P >= ||g||
+    (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient has inf/nan keeps its
+    values and moments, the others are updated: an overflowing step is *partial*
+    (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Not with
+    ZeRO-3 (refused).
     """
 
     def __init__(
@@ -45,6 +56,7 @@ class AdaLomo(InBackwardOptimizer):
         *,
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        single_backward: bool = False,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
@@ -67,7 +79,13 @@ class AdaLomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(model, defaults, backend=backend, bucket_numel=bucket_numel)
+        super().__init__(
+            model,
+            defaults,
+            backend=backend,
+            bucket_numel=bucket_numel,
+            single_backward=single_backward,
+        )
         self.loss_scale = float(loss_scale)
         self._fp16 = computes_in_fp16(model)
         for p in params:

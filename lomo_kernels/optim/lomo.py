@@ -30,8 +30,17 @@ class Lomo(InBackwardOptimizer):
     loss; ``state_dict()`` carries the step count and the loss scaler.
 
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
-    of the write-back; seeded from ``seed``, the step and the parameter index) and
-    ``backend`` ('triton', 'cpp', 'torch' or None for automatic).
+    of the write-back; seeded from ``seed``, the step and the parameter index),
+    ``backend`` ('triton', 'cpp', 'torch' or None for automatic) and ``single_backward``.
+
+    ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
+    default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
+    Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
+    median of the last three steps' norms, S_i this step's running sum of squares; the applied
+    gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
+    most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
+    has inf/nan is left unchanged, the others are updated, the scale is lowered: an
+    overflowing fp16 step is *partial* (``last_step_partial``). Not with ZeRO-3 (refused).
     """
 
     def __init__(
@@ -47,6 +56,7 @@ class Lomo(InBackwardOptimizer):
         seed: int = 0,
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        single_backward: bool = False,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
@@ -59,7 +69,13 @@ class Lomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(model, defaults, backend=backend, bucket_numel=bucket_numel)
+        super().__init__(
+            model,
+            defaults,
+            backend=backend,
+            bucket_numel=bucket_numel,
+            single_backward=single_backward,
+        )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         params = self.param_groups[0]["params"]

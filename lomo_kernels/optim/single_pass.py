@@ -1,0 +1,140 @@
+"""One backward per step: clip by global norm and fp16 overflow handling without a norm pass.
+
+The exact rule (``clip_coef = min(1, M / ||g||)``) needs the global gradient norm before the
+first parameter is updated, hence a second backward. With ``single_backward=True`` each
+gradient is clipped with what is known when it arrives:
+
+    P    = the median of the last three clean steps' global norms (the first clean step
+           fills all three; 0 before it), so one spiking step neither damps the steps
+           after it nor, being one of three, moves P
+    S_i  = sum of squares of this step's finite gradients arrived so far, this one included
+    c_i  = min(1, M / (max(P, sqrt(S_i)) + 1e-6))
+
+Guarantee. Parameters are disjoint blocks of the update, so the applied (clipped) gradient
+has squared norm ``sum_i c_i^2 ||g_i||^2``. With ``Q = max(P, ||g_1||)`` (``g_1`` the first
+gradient of the step) and ``||g||`` the step's true global norm:
+
+    ||applied|| <= M * sqrt(1 + 2 ln(||g|| / Q))    when ||g|| > Q
+    ||applied|| <= M * ||g|| / Q  (<= M)           otherwise
+
+Proof: ``c_i^2 a_i <= M^2 a_i / max(Q^2, S_i)`` for ``a_i = ||g_i||^2`` (for i = 1 because
+S_1 = a_1; for i >= 2 because S_i >= S_1). Each term is at most
+``M^2 * integral over [S_{i-1}, S_i] of dx / max(Q^2, x)``, and the integral from 0 to
+S_n = ||g||^2 is ``S_n / Q^2`` if S_n <= Q^2, else ``1 + ln(S_n / Q^2)``. Always also
+``||applied|| <= ||g||`` (c_i <= 1). A gradient spike of a factor K over the previous norm
+is therefore clipped within the step to at most ``M * sqrt(1 + 2 ln K)`` (about 4.4 M for
+K = 1e4), not one step late; in practice much less, since the spike shows in the first
+gradients (the head and last layers) and raises Q.
+
+How it differs from exact clipping: when P >= ||g|| every tensor gets the same coefficient
+``min(1, M / P)``, the exact direction with a norm at most exact clipping's (smaller by
+``||g|| / P``); when P < ||g||, early gradients (the last layers, which backward reaches
+first) are scaled down less than later ones, so the direction differs from exact clipping
+and the norm may exceed M by the factor above.
+
+Overflow (inf/nan in a gradient): each gradient's sum of squares and non-finite flag are
+measured first (``ops.grad_sumsq_``), and a tensor whose gradient has any non-finite element
+is left unchanged whole (``skip_if``); the others are updated. The step is *partial*, the
+loss scale is lowered as for a skipped step, the non-finite tensors do not count in S, and
+the norm history is kept from the last clean step. Everything stays in device tensors: no
+host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+
+CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
+
+PARTIAL_STEP_WARNING = (
+    "step {step}: {count} tensor(s) had inf/nan gradient elements and were left unchanged "
+    "whole; the other tensors were updated (single_backward=True: an overflowing step is "
+    "partial{scale}). The default single_backward=False checks every gradient first, which "
+    "makes an overflowing step change nothing, at the cost of a second backward."
+)
+
+SHARDED_REFUSAL = (
+    "single_backward=True is not available with sharded parameters (DeepSpeed ZeRO-3, FSDP2) "
+    "in this version: pass single_backward=False (the default); with clip_grad_norm or fp16 "
+    "each step then runs a norm pass before the update (under ZeRO-3 with a forward of its "
+    "own: opt.grad_norm(model(x)); opt.fused_backward(model(x)))"
+)
+
+
+class SinglePassClip:
+    """Device-side state of the one-backward rule for one optimizer (see the module doc).
+
+    The step's running sum and flags live on one home device (the first parameter's); a
+    gradient on another device is measured there and its sum copied over, device to device.
+    """
+
+    def __init__(self, max_norm: float | None, home: torch.device) -> None:
+        self.max_norm = max_norm
+        self.home = home
+        self.step_sumsq = torch.zeros(1, device=home)
+        self.step_found = torch.zeros(1, device=home)  # number of tensors skipped this step
+        self.norm_history = torch.zeros(3, device=home)  # last three clean steps' norms
+        self.previous = torch.zeros(1, device=home)  # P, fixed for the step
+        self._temp: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
+
+    def begin_step(self) -> None:
+        self.step_sumsq.zero_()
+        self.step_found.zero_()
+        self.previous.copy_(self.norm_history.median().reshape(1))
+
+    def prepare(
+        self,
+        grad: torch.Tensor,
+        inv_scale: float | torch.Tensor,
+        backend: str | None,
+        clip_coef: torch.Tensor,
+    ) -> torch.Tensor:
+        """Measures one arriving gradient, writes its coefficient into `clip_coef` (with
+        clipping on) and returns its skip flag: 1-element fp32 tensors on the gradient's
+        device, valid until the next call for that device (the caller applies the update
+        before the next gradient arrives).
+        """
+        device = grad.device
+        temp = self._temp.get(device)
+        if temp is None:
+            temp = self._temp[device] = torch.zeros(2, device=device)
+        temp.zero_()
+        sumsq, flag = temp[0:1], temp[1:2]
+        ops.grad_sumsq_(grad, sumsq, inv_scale=inv_scale, found_inf=flag, backend=backend)
+        bad = flag != 0
+        sumsq.masked_fill_(bad, 0.0)  # a skipped tensor does not count in the step's norm
+        if device == self.home:
+            self.step_sumsq.add_(sumsq)
+            self.step_found.add_(flag)
+        else:
+            self.step_sumsq.add_(sumsq.to(self.home, non_blocking=True))
+            self.step_found.add_(flag.to(self.home, non_blocking=True))
+        if self.max_norm is not None:
+            denom = torch.maximum(self.previous, self.step_sumsq.sqrt()).add_(CLIP_EPS)
+            value = torch.reciprocal(denom).mul_(self.max_norm).clamp_(max=1.0)
+            clip_coef.copy_(value if device == self.home else value.to(device, non_blocking=True))
+        return flag
+
+    def end_step(self) -> torch.Tensor:
+        """Closes the step: records its norm if clean, returns its found flag (home device)."""
+        norm = self.step_sumsq.sqrt()
+        older = self.norm_history[:2]
+        # The first clean step fills every entry (0 means "no clean step yet").
+        candidate = torch.cat([norm, torch.where(older > 0, older, norm)])
+        clean = self.step_found == 0
+        self.norm_history.copy_(torch.where(clean, candidate, self.norm_history))
+        return self.step_found.clone()
+
+    def last_norm(self) -> torch.Tensor:
+        """The step's global norm over its finite gradients (device tensor)."""
+        return self.step_sumsq.sqrt()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norm_history": self.norm_history.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norm_history.copy_(torch.tensor(state["norm_history"], dtype=torch.float32))

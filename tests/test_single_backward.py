@@ -1,0 +1,234 @@
+"""single_backward=True: one backward per step, the clip rule's bound, partial fp16 steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_lomo_safety import NoHostSync, poison, snapshot
+from tiny_models import batch, clone, tiny_llama
+
+from lomo_kernels import AdaLomo, Lomo
+from lomo_kernels.optim import _in_backward
+
+MAX_NORM = 0.5
+
+
+def count_backwards(opt) -> list[str]:
+    """Records the phase of every backward pass the optimizer runs."""
+    phases = []
+    original = opt._run_backward
+
+    def wrapper(loss, phase, retain_graph):
+        phases.append(phase)
+        return original(loss, phase, retain_graph)
+
+    opt._run_backward = wrapper
+    return phases
+
+
+def true_grads(model, loss_fn) -> list[torch.Tensor]:
+    """Per-parameter fp64 gradients of a copy of `model` (no optimizer attached)."""
+    copy = clone(model)
+    loss_fn(copy).backward()
+    return [p.grad.double() for p in copy.parameters()]
+
+
+def applied_update(model, before, lr) -> torch.Tensor:
+    """The clipped gradient Lomo applied (lr given, no weight decay): flat fp64."""
+    return torch.cat(
+        [
+            ((b.double() - p.detach().double()) / lr).reshape(-1)
+            for p, b in zip(model.parameters(), before, strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_one_backward_per_step(cls, dtype):
+    model = tiny_llama(dtype)
+    opt = cls(model, lr=0.01, clip_grad_norm=1.0, single_backward=True)
+    phases = count_backwards(opt)
+    for step in range(3):
+        opt.fused_backward(model(**batch(step)).loss)
+    assert phases == ["update"] * 3
+    exact = cls(tiny_llama(dtype), lr=0.01, clip_grad_norm=1.0)
+    phases = count_backwards(exact)
+    exact.fused_backward(exact.model(**batch(0)).loss)
+    assert phases == ["norm", "update"]  # the default stays lomo-optim's two passes
+
+
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+@pytest.mark.parametrize(
+    "dtype,clip",
+    [(torch.float16, None), (torch.float16, 1.0), (torch.bfloat16, 1.0), (torch.float32, 1.0)],
+    ids=["fp16", "fp16_clip", "bf16_clip", "fp32_clip"],
+)
+def test_no_host_sync_in_single_backward(cls, dtype, clip):
+    model = tiny_llama(dtype)
+    opt = cls(
+        model,
+        lr=0.01,
+        clip_grad_norm=clip,
+        clip_grad_value=1.0,
+        weight_decay=0.01,
+        single_backward=True,
+    )
+    for step in range(3):
+        loss = model(**batch(step)).loss
+        with NoHostSync():
+            opt.fused_backward(loss)
+    opt.flush_report()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def spike_loss(step, factor):
+    return lambda m: m(**batch(step)).loss * factor
+
+
+@pytest.mark.parametrize("factor", [1.0, 1e4], ids=["plain", "spike"])
+def test_applied_norm_within_the_stated_bound(factor):
+    """||applied|| <= M sqrt(1 + 2 ln(||g|| / Q)), Q = max(P, ||g_first||), at every step."""
+    lr = 1e-3
+    model = tiny_llama(torch.float32)
+    opt = Lomo(model, lr=lr, clip_grad_norm=MAX_NORM, single_backward=True)
+    for step in range(4):
+        loss_fn = spike_loss(step, factor if step == 2 else 1.0)
+        grads = true_grads(model, loss_fn)
+        norm = math.sqrt(sum((g * g).sum().item() for g in grads))
+        # The first gradient to arrive is one of the parameters': min over them bounds Q below.
+        q = max(opt._single.previous.item() if step else 0.0, min(g.norm().item() for g in grads))
+        before = snapshot(model)
+        opt.fused_backward(loss_fn(model))
+        applied = applied_update(model, before, lr).norm().item()
+        bound = (
+            MAX_NORM * math.sqrt(1 + 2 * math.log(norm / q)) if norm > q else MAX_NORM * norm / q
+        )
+        assert applied <= bound * 1.001 + 1e-6, (step, applied, bound)
+        assert applied <= norm * 1.001
+        assert opt.last_grad_norm.item() == pytest.approx(norm, rel=1e-4)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_known_norm_gives_exact_direction():
+    """When P >= ||g||, every tensor gets min(1, M / P): exact clipping's direction."""
+    lr = 1.0  # large enough that the fp32 rounding of the parameters does not hide the step
+    model = tiny_llama(torch.float32)
+    opt = Lomo(model, lr=lr, clip_grad_norm=MAX_NORM, single_backward=True)
+    opt.fused_backward(model(**batch(0)).loss)
+    grads = true_grads(model, spike_loss(1, 1.0))
+    norm = math.sqrt(sum((g * g).sum().item() for g in grads))
+    big = 3.0 * norm
+    opt._single.norm_history.fill_(big)
+    before = snapshot(model)
+    opt.fused_backward(model(**batch(1)).loss)
+    expected = torch.cat([g.reshape(-1) for g in grads]) * (MAX_NORM / (big + 1e-6))
+    got = applied_update(model, before, lr)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+def test_first_step_and_history():
+    """First step: running-norm guard only; P = the median of the last three clean norms."""
+    model = tiny_llama(torch.float32)
+    opt = Lomo(model, lr=1e-3, clip_grad_norm=MAX_NORM, single_backward=True)
+    norms = []
+    for step in range(3):
+        factor = 100.0 if step == 1 else 1.0
+        opt.fused_backward(model(**batch(step)).loss * factor)
+        norms.append(opt.last_grad_norm.item())
+        opt._single.begin_step()  # what the next step does first: computes P
+        if step == 0:
+            assert opt._single.previous.item() == pytest.approx(norms[0])
+        else:
+            # The first clean norm fills the history; the spike (step 1) is outvoted.
+            padded = (norms + [norms[0]] * 3)[:3]
+            assert opt._single.previous.item() == pytest.approx(sorted(padded)[1])
+    # The spike (step 1) does not set P for step 2: the clean norm of step 0 does.
+    assert norms[1] > 50 * norms[0]
+    # state_dict carries the history.
+    fresh = Lomo(clone(model), lr=1e-3, clip_grad_norm=MAX_NORM, single_backward=True)
+    fresh.load_state_dict(opt.state_dict())
+    assert torch.equal(fresh._single.norm_history, opt._single.norm_history)
+
+
+def norm_weights(model) -> list[str]:
+    return [n for n, _ in model.named_parameters() if "norm" in n]
+
+
+def test_fp16_inf_in_one_layer_is_a_partial_step():
+    model = tiny_llama(torch.float16)
+    opt = Lomo(
+        model,
+        lr=0.05,
+        clip_grad_norm=1.0,
+        loss_scale_args={"init_scale": 2.0**10},
+        single_backward=True,
+    )
+    target = model.model.layers[1].mlp.down_proj.weight
+    counter = {"step": 0}
+    poison(target, {1}, counter)
+    phases = count_backwards(opt)
+    for step in range(5):
+        counter["step"] = step
+        before, scale_before = snapshot(model), opt.loss_scaler.scale.item()
+        opt.fused_backward(model(**batch(step)).loss)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
+        index = [id(p) for p in model.parameters()].index(id(target))
+        if step == 1:
+            assert torch.equal(target, before[index])
+            # The rest of the step was applied (fp16 norm weights near 1 may round back).
+            assert sum(moved) >= len(moved) - 1 - len(norm_weights(model))
+            assert opt.loss_scaler.scale.item() == scale_before / 2
+            with pytest.warns(RuntimeWarning, match="1 tensor.*left unchanged whole.*partial"):
+                opt.flush_report()
+            assert opt.last_step_partial and not opt.last_step_skipped
+        else:
+            assert moved[index] and sum(moved) >= len(moved) - len(norm_weights(model))
+            opt.flush_report()
+            assert not opt.last_step_partial
+    assert phases == ["update"] * 5
+
+
+def test_adalomo_fp16_inf_leaves_tensor_and_moments_unchanged():
+    model = tiny_llama(torch.float16)
+    opt = AdaLomo(model, lr=0.01, clip_grad_norm=1.0, single_backward=True)
+    target = model.model.layers[0].self_attn.q_proj.weight
+    counter = {"step": 0}
+    poison(target, {1}, counter)
+    for step in range(3):
+        counter["step"] = step
+        before = target.detach().clone()
+        moments = {k: v.clone() for k, v in opt.state[target].items()}
+        opt.fused_backward(model(**batch(step)).loss)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        if step == 1:
+            assert torch.equal(target, before)
+            assert all(torch.equal(opt.state[target][k], v) for k, v in moments.items())
+            with pytest.warns(RuntimeWarning, match="partial"):
+                opt.flush_report()
+            assert opt.last_step_partial
+        else:
+            assert not torch.equal(target, before)
+
+
+def test_refused_under_sharding_before_any_hook(monkeypatch):
+    monkeypatch.setattr(_in_backward, "sharding_for", lambda *a, **k: object())
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="single_backward=True is not available"):
+        Lomo(model, clip_grad_norm=1.0, single_backward=True)
+    model(**batch(0)).loss.backward()  # no hook left behind
+
+
+def test_grad_norm_then_fused_backward_stays_exact():
+    """An explicit grad_norm(loss) still gives that step exact clipping."""
+    a, b = tiny_llama(), tiny_llama()
+    single = Lomo(a, lr=0.05, clip_grad_norm=MAX_NORM, single_backward=True)
+    exact = Lomo(b, lr=0.05, clip_grad_norm=MAX_NORM)
+    for model, opt in ((a, single), (b, exact)):
+        loss = model(**batch(0)).loss
+        opt.grad_norm(loss)
+        opt.fused_backward(loss)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
