@@ -207,6 +207,7 @@ def run_refusals(checks: dict) -> None:
         checks["no_sync"] = None
     except RuntimeError as exc:
         checks["no_sync"] = str(exc)
+    model.reshard()  # the root keeps its gathered parameters after its forward
     checks["no_sync_unchanged"] = unchanged(before, model)
 
 
