@@ -8,8 +8,7 @@ per reduce-scatter bucket two small all-reduces (the row/column sums and flags, 
 update sums, which need the new moments) give every rank the single-process totals, so the
 moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
 1-D moments v live with their slice. The math and its rounding are those of the reference
-passes (`adalomo_backends.reference`); the slices are processed in full fp32, at most one
-bucket's worth of this rank's elements at a time.
+passes (`adalomo_backends.reference`); each slice is processed in fp32, one slice at a time.
 """
 
 from __future__ import annotations
@@ -73,6 +72,41 @@ def _factored(step: SliceStep) -> bool:
     return len(step.shard.full_shape) >= 2
 
 
+def _update_of(step: SliceStep, g: torch.Tensor) -> torch.Tensor:
+    """The unnormalised update of the slice from its moments (R, C or v, already new)."""
+    if not _factored(step):
+        return torch.rsqrt(step.state["exp_avg_sq"]) * g
+    cols = step.shard.full_shape[-1]
+    rows = step.shard.full_numel // cols
+    big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
+    r = torch.rsqrt(big_r / (big_r.sum(dtype=torch.float64).to(torch.float32) / rows))
+    c = torch.rsqrt(big_c)
+    update = torch.empty_like(g)
+    for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
+        span = slice(start, start + nrows * width)
+        factors = r[row : row + nrows, None] * c[None, col : col + width]
+        update[span] = (factors * g[span].view(nrows, width)).reshape(-1)
+    return update
+
+
+def _first_sums(step: SliceStep) -> torch.Tensor:
+    """This rank's share of [row sums, col sums] (factored) + [sum p^2, non-finite count]."""
+    g, finite = step.transform(step.grad.reshape(-1))
+    u = g * g + step.eps[0]
+    p = step.shard.local.to(torch.float32)
+    tail = torch.stack([(p * p).sum(dtype=torch.float64), (~finite).sum(dtype=torch.float64)])
+    if not _factored(step):
+        return tail
+    cols = step.shard.full_shape[-1]
+    rows = step.shard.full_numel // cols
+    sums = torch.zeros(rows + cols, dtype=torch.float64, device=g.device)
+    for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
+        block = u[start : start + nrows * width].view(nrows, width)
+        sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
+        sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
+    return torch.cat([sums, tail])
+
+
 def adalomo_slices_(
     steps: list[SliceStep],
     skip_if: torch.Tensor,
@@ -82,38 +116,21 @@ def adalomo_slices_(
     """One AdaLomo step of every slice in `steps` (one bucket); equal on all ranks' views.
 
     `skip_if` non-zero: nothing is written. A parameter with a non-finite gradient element
-    on any rank keeps its values and moments everywhere and raises `found_inf`.
+    on any rank keeps its values and moments everywhere and raises `found_inf`. The slices
+    are visited one at a time in each of the three phases, recomputing g (and the update)
+    from the gradient, so only one slice's fp32 temporaries exist at once.
     """
     if not steps:
         return
     device = steps[0].grad.device
     skip_in = skip_if.reshape(-1)[0] != 0
-    gs = []
-    first = []  # per step: [row sums, col sums] (factored) + [p^2 sum, non-finite count]
-    for step in steps:
-        g, finite = step.transform(step.grad.reshape(-1))
-        gs.append(g)
-        u = g * g + step.eps[0]
-        p = step.shard.local.to(torch.float32)
-        tail = torch.stack([(p * p).sum(dtype=torch.float64), (~finite).sum(dtype=torch.float64)])
-        if _factored(step):
-            cols = step.shard.full_shape[-1]
-            rows = step.shard.full_numel // cols
-            sums = torch.zeros(rows + cols, dtype=torch.float64, device=device)
-            for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
-                block = u[start : start + nrows * width].view(nrows, width)
-                sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
-                sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
-            first.append(torch.cat([sums, tail]))
-        else:
-            first.append(tail)
-    totals = torch.cat(first)
+    totals = torch.cat([_first_sums(step) for step in steps])
     all_reduce_sum_(totals)
 
+    # Phase 2: new moments (identical on every rank), then this rank's sum of update^2.
     at = 0
-    skips, p_sumsqs, updates = [], [], []
-    second = []
-    for step, g in zip(steps, gs, strict=True):
+    skips, p_sumsqs, second = [], [], []
+    for step in steps:
         if _factored(step):
             cols = step.shard.full_shape[-1]
             rows = step.shard.full_numel // cols
@@ -126,30 +143,27 @@ def adalomo_slices_(
         flag = found_inf.view(-1)
         flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
         b, one_minus_b = step.beta2, 1.0 - step.beta2
+        g, _ = step.transform(step.grad.reshape(-1))
         if _factored(step):
             big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
             big_r.copy_(torch.where(skip, big_r, big_r * b + row_mean * one_minus_b))
             big_c.copy_(torch.where(skip, big_c, big_c * b + col_mean * one_minus_b))
-            r = torch.rsqrt(big_r / (big_r.sum(dtype=torch.float64).to(torch.float32) / rows))
-            c = torch.rsqrt(big_c)
-            update = torch.empty_like(g)
-            for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
-                span = slice(start, start + nrows * width)
-                factors = r[row : row + nrows, None] * c[None, col : col + width]
-                update[span] = (factors * g[span].view(nrows, width)).reshape(-1)
         else:
             v = step.state["exp_avg_sq"]
-            v_new = v * b + (g * g + step.eps[0]) * one_minus_b
-            update = torch.rsqrt(v_new) * g
-            v.copy_(torch.where(skip, v, v_new))
+            v.copy_(torch.where(skip, v, v * b + (g * g + step.eps[0]) * one_minus_b))
+        # A skipped slice's moments kept their old values; its update is never written.
+        update = _update_of(step, g)
         skips.append(skip)
         p_sumsqs.append(p_sumsq)
-        updates.append(update)
         second.append((update * update).sum(dtype=torch.float64))
     u_sumsqs = torch.stack(second)
     all_reduce_sum_(u_sumsqs)
 
+    # Phase 3: the write-back, with the per-tensor RMS values of the whole parameter.
     for i, step in enumerate(steps):
+        local = step.shard.local
+        if not local.numel():
+            continue
         stats = torch.zeros(4, dtype=torch.float32, device=device)
         stats[P_SUMSQ] = p_sumsqs[i]
         stats[U_SUMSQ] = u_sumsqs[i]
@@ -162,6 +176,6 @@ def adalomo_slices_(
             step.clip_threshold,
             step.weight_decay,
         )
-        local = step.shard.local
-        if local.numel():
-            _store(local, local.to(torch.float32) * decay - scale * updates[i], skips[i])
+        g, _ = step.transform(step.grad.reshape(-1))
+        new = local.to(torch.float32) * decay - scale * _update_of(step, g)
+        _store(local, new, skips[i])
