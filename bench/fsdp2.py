@@ -31,9 +31,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memory import MB, MMAP_ENV, MMAP_VALUE, hwm_bytes, mmap_env, reset_hwm, rss_bytes  # noqa: E402
+from lomo_kernels.tools.bench_memory import (  # noqa: E402
+    MMAP_ENV,
+    MMAP_VALUE,
+    hwm_bytes,
+    reset_hwm,
+    rss_bytes,
+)
+from lomo_kernels.tools.bench_memory import child_env as mmap_env  # noqa: E402
+
+MB = 2**20
 
 LR = 1e-3
 CONFIGS = ("sgd", "adamw", "lomo", "lomo_clip", "adalomo")
