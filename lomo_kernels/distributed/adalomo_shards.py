@@ -117,10 +117,11 @@ def adalomo_slices_(
     """One AdaLomo step of every slice in `steps` (one bucket); equal on all ranks' views.
 
     `skip_if` non-zero: nothing is written; a step's own `skip` non-zero: nothing of that
-    parameter (the same flag on every rank, as single_backward gives). A parameter with a non-finite gradient element
-    on any rank keeps its values and moments everywhere and raises `found_inf`. The slices
-    are visited one at a time in each of the three phases, recomputing g (and the update)
-    from the gradient, so only one slice's fp32 temporaries exist at once.
+    parameter (the same flag on every rank, as single_backward gives). A parameter with a
+    non-finite gradient element on any rank keeps its values and moments everywhere and
+    raises `found_inf`. The slices are visited one at a time in each of the three phases,
+    recomputing g (and the update) from the gradient, so only one slice's fp32 temporaries
+    exist at once.
     """
     if not steps:
         return
