@@ -38,6 +38,16 @@ is left unchanged whole (``skip_if``); the others are updated. The step is *part
 loss scale is lowered as for a skipped step, the non-finite tensors do not count in S, and
 the norm history is kept from the last clean step. Everything stays in device tensors: no
 host sync.
+
+Sharded parameters (ZeRO-3, FSDP2): a rank holds a slice of each parameter, and the reduced
+slices reach the optimizer per reduce-scatter bucket (ZeRO-3) or per FSDP2 unit, in the same
+order on every rank. `SinglePassClip.prepare_bucket` measures each slice, then one
+all-reduce of ``[sumsq_1..n, found_1..n]`` gives every rank each whole parameter's
+``||g_i||^2`` and non-finite flag, and the bucket's parameters are walked in order exactly
+as `prepare` walks arriving tensors. Every rank thus has the same S_i, coefficients and
+skips, and at the step's end the same global S, flag count and norm history. The guarantee
+above does not depend on the order; the coefficients do, so they follow the bucket order
+rather than one process's backward order.
 """
 
 from __future__ import annotations
