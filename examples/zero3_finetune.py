@@ -10,7 +10,8 @@ At the end rank 0 writes a consolidated (unsharded) checkpoint that loads in one
 
 Set-up that must hold (see README, 'Sharded training'): no optimizer passed to
 deepspeed.initialize, no parameter offload, the forward called on the module (not the
-engine), and with clip_grad_norm (or fp16) one forward per backward pass.
+engine), and with clip_grad_norm (or fp16) one forward per backward pass, or
+--single-backward (one forward and one backward per step, clipping within the update pass).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--clip-grad-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--single-backward", action="store_true", help="no norm pass (single_backward=True)"
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--save", default="zero3_consolidated.pt")
     return parser.parse_args()
@@ -70,7 +74,13 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, config=config)  # no optimizer
     lr = args.lr if args.lr is not None else (0.3 if args.optimizer == "lomo" else 0.03)
     cls = Lomo if args.optimizer == "lomo" else AdaLomo
-    opt = cls(engine, lr=lr, clip_grad_norm=args.clip_grad_norm, weight_decay=0.01)
+    opt = cls(
+        engine,
+        lr=lr,
+        clip_grad_norm=args.clip_grad_norm,
+        weight_decay=0.01,
+        single_backward=args.single_backward,
+    )
 
     # Toy data: each rank learns to continue a byte sequence with a fixed period.
     gen = torch.Generator().manual_seed(rank)
@@ -79,7 +89,7 @@ def main() -> None:
     for step in range(args.steps):
         offsets = torch.randint(0, 256, (args.batch, 1), generator=gen)
         x = ((offsets + torch.arange(args.seq) * 7) % 256).to(device)
-        if opt.clip_grad_norm is not None:
+        if opt.clip_grad_norm is not None and not opt.single_backward:
             opt.grad_norm(model(input_ids=x, labels=x).loss)  # norm pass: its own forward
         loss = model(input_ids=x, labels=x).loss
         opt.fused_backward(loss)

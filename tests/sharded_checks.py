@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sharded_models import LR, OPTIONS, ScaledLlama, global_batch, train
+from sharded_models import LR, OPTIONS, SINGLE, ScaledLlama, global_batch, train, train_single
 
 import lomo_kernels
 from lomo_kernels import AdaLomo, Lomo
@@ -87,6 +87,95 @@ def one_process(name: str, initial: dict, steps: int, train_fn=train, options=No
     opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if options is None else options))
     train_fn(model, opt, global_batch, steps)
     return model, opt
+
+
+def in_order(cls):
+    """`cls` handing each single_backward update pass's gradients to the rule in the order
+    of `opt.order` (parameter names) instead of backward's.
+
+    The one-backward clip rule depends on the order gradients arrive in (the running sum
+    S_i); a sharded run consumes them per bucket (ZeRO-3) or per unit (FSDP2, root last),
+    which is not one process's backward order. The reference replays the sharded run's order.
+    """
+
+    class InOrder(cls):
+        def _on_grad_ready(self, param):
+            if self._single_step:  # held until backward ends, then replayed in order
+                self._held[id(param)] = param.grad
+                param.grad = None
+                return
+            super()._on_grad_ready(param)
+
+        def _run_backward(self, loss, phase, retain_graph):
+            self._held = {}
+            super()._run_backward(loss, phase, retain_graph)
+            if not self._single_step:
+                return
+            assert len(self._held) == len(self.order)
+            names = {n: p for n, p in self.model.named_parameters()}
+            self._phase = phase
+            try:
+                for name in self.order:
+                    param = names[name]
+                    param.grad = self._held.pop(id(param))
+                    super()._on_grad_ready(param)
+            finally:
+                self._phase = "idle"
+
+    return InOrder
+
+
+def one_process_single(name: str, initial: dict, order: list[str], steps: int = 3):
+    """single_backward=True training in this process on the full batch, gradients taken in
+    the sharded run's `order`: (model, the step norms)."""
+    model = ScaledLlama()
+    model.load_state_dict(initial)
+    opt = in_order(OPTIMIZERS[name])(model, lr=LR[name], **SINGLE)
+    opt.order = order
+    norms = train_single(model, opt, global_batch, steps)
+    return model, norms
+
+
+def record_order(opt, model) -> list[str]:
+    """The parameter names in the order the sharded optimizer consumes them (filled as it runs)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order: list[str] = []
+    original = opt._update_shards
+
+    def wrapper(ready, *args, **kwargs):
+        if opt.step_count == 0:
+            order.extend(names[id(shard.param)] for shard, _ in ready)
+        return original(ready, *args, **kwargs)
+
+    opt._update_shards = wrapper
+    return order
+
+
+def assert_single_backward_matches(saved: dict, ranks: list[dict], name: str) -> None:
+    """Every rank saw the same order, norms and norm history, one backward per step; the
+    result and the norms equal one process's in that order."""
+    first = ranks[0]
+    for rank in ranks:
+        assert rank["phases"] == ["update"] * 3  # no norm pass (and no second forward)
+        assert rank["order"] == first["order"] and rank["norms"] == first["norms"]
+        assert rank["norm_history"] == first["norm_history"]
+    assert len(set(first["order"])) == len(first["order"])  # each parameter once (replay: all)
+    model, norms = one_process_single(name, saved["initial"], first["order"])
+    assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+
+
+def count_phases(opt) -> list[str]:
+    """Records the phase of every backward pass the optimizer runs."""
+    phases: list[str] = []
+    original = opt._run_backward
+
+    def wrapper(loss, phase, retain_graph):
+        phases.append(phase)
+        return original(loss, phase, retain_graph)
+
+    opt._run_backward = wrapper
+    return phases
 
 
 def assert_checkpoint_resumes(saved: dict, name: str, steps: int = 3) -> None:

@@ -21,6 +21,7 @@ OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
 # Without clipping: a gradient summed over ranks instead of averaged doubles the update
 # (with clipping on, the clip coefficient would hide it).
 NO_CLIP = {"weight_decay": 0.05}
+SINGLE = {**OPTIONS, "single_backward": True}
 
 
 class ScaledLlama(nn.Module):
@@ -75,6 +76,16 @@ def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
             opt.grad_norm(loss)
         opt.fused_backward(loss)
     opt.flush_report()
+
+
+def train_single(model: nn.Module, opt, batch_of, steps: int = STEPS) -> list[float]:
+    """single_backward=True: one forward and one backward per step; returns the step norms."""
+    norms = []
+    for step in range(steps):
+        opt.fused_backward(model(batch_of(step)))
+        norms.append(float(opt.last_grad_norm))
+    opt.flush_report()
+    return norms
 
 
 PATTERNS = {"per_pass": train, "one_loss": train_one_loss}

@@ -19,6 +19,7 @@ import torch
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
+    assert_single_backward_matches,
     assert_within_update_tolerance,
     one_process,
     run_ranks,
@@ -47,6 +48,16 @@ def test_fsdp2_training_equals_one_process(fsdp2_run, name, pattern):
     saved = torch.load(fsdp2_run / f"{name}_{pattern}.pt")
     model, _ = one_process(name, saved["initial"], steps=3, train_fn=PATTERNS[pattern])
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fsdp2_single_backward_equals_one_process(fsdp2_run, checks, name):
+    """single_backward=True (clip, weight decay): one backward per step, the same norms on
+    every rank, the parameters and norms of one process taking the gradients in FSDP2's
+    order (unit by unit, the root last)."""
+    saved = torch.load(fsdp2_run / f"single_{name}.pt")
+    assert_single_backward_matches(saved, [rank[f"single_{name}"] for rank in checks], name)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from test_lomo_safety import NoHostSync, poison, snapshot
 from tiny_models import batch, clone, tiny_llama
 
 from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.optim import _in_backward
+from lomo_kernels.optim.single_pass import SinglePassClip
 
 MAX_NORM = 0.5
 
@@ -214,12 +214,44 @@ def test_adalomo_fp16_inf_leaves_tensor_and_moments_unchanged():
             assert not torch.equal(target, before)
 
 
-def test_refused_under_sharding_before_any_hook(monkeypatch):
-    monkeypatch.setattr(_in_backward, "sharding_for", lambda *a, **k: object())
-    model = tiny_llama()
-    with pytest.raises(ValueError, match="single_backward=True is not available"):
-        Lomo(model, clip_grad_norm=1.0, single_backward=True)
-    model(**batch(0)).loss.backward()  # no hook left behind
+def test_bucket_rule_equals_per_tensor_rule():
+    """prepare_bucket (sharded) on two "ranks" halves gives prepare's coefficients and skips."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) * s for n, s in ((7, 0.1), (5, 3.0), (9, 0.5), (4, 1))]
+    grads[2][3] = float("inf")
+    whole = SinglePassClip(MAX_NORM, torch.device("cpu"))
+    sharded = SinglePassClip(MAX_NORM, torch.device("cpu"))
+    for state in (whole, sharded):
+        state.norm_history.fill_(0.7)
+        state.begin_step()
+    expected_coefs, expected_skips = [], []
+    for g in grads:
+        coef = torch.zeros(1)
+        expected_skips.append(whole.prepare(g, 1.0, "torch", coef).item())
+        expected_coefs.append(coef.item())
+
+    halves = [[g[: len(g) // 2] for g in grads], [g[len(g) // 2 :] for g in grads]]
+    other = {}
+
+    def all_reduce_sum_(t):  # "rank 0" adds "rank 1"'s measurement of the other halves
+        t.add_(other["sums"])
+
+    for rank in (1, 0):
+        probe = SinglePassClip(MAX_NORM, torch.device("cpu"))
+        if rank == 1:  # only its measurement is needed
+            probe.prepare_bucket(halves[1][:2], 1.0, "torch", lambda t: other.update(a=t.clone()))
+            probe.prepare_bucket(halves[1][2:], 1.0, "torch", lambda t: other.update(b=t.clone()))
+            continue
+        coefs, skips = [], []
+        for part, key in ((slice(0, 2), "a"), (slice(2, 4), "b")):
+            other["sums"] = other[key]
+            c, k = sharded.prepare_bucket(halves[0][part], 1.0, "torch", all_reduce_sum_)
+            coefs += c.tolist()
+            skips += k.tolist()
+    assert skips == expected_skips == [0, 0, 1, 0]
+    torch.testing.assert_close(torch.tensor(coefs), torch.tensor(expected_coefs))
+    torch.testing.assert_close(sharded.step_sumsq, whole.step_sumsq)
+    assert sharded.step_found.item() == whole.step_found.item() == 1
 
 
 def test_grad_norm_then_fused_backward_stays_exact():

@@ -16,6 +16,7 @@ import torch
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
+    assert_single_backward_matches,
     assert_within_update_tolerance,
     one_process,
     run_ranks,
@@ -49,6 +50,31 @@ def test_zero3_training_equals_one_process(zero3_run, name):
 def test_zero3_checkpoint_resumes_in_one_process(zero3_run, name):
     """The consolidated model and optimizer state continue in one process as if unsharded."""
     assert_checkpoint_resumes(torch.load(zero3_run / f"{name}.pt"), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_single_backward_equals_one_process(zero3_run, checks, name):
+    """single_backward=True (clip, weight decay): one forward and backward per step, the
+    same norms on every rank, the parameters and norms of one process taking the gradients
+    in the same order."""
+    saved = torch.load(zero3_run / f"single_{name}.pt")
+    assert_single_backward_matches(saved, [rank[f"single_{name}"] for rank in checks], name)
+
+
+@pytest.mark.slow
+def test_zero3_single_backward_fp16_inf_on_one_rank_is_partial(checks):
+    """Rank 1 alone puts an inf into a gradient element rank 0 owns: on every rank that
+    tensor (and only it) is left unchanged, the scale halves, the step is reported partial."""
+    first = checks[0]["single_fp16_partial"]
+    for rank in checks:
+        result = rank["single_fp16_partial"]
+        assert result["phases"] == ["update"]
+        assert result["unchanged"] == [result["target"]] and result["owned"] > 5
+        assert result["scale_after"] == result["scale_before"] / 2
+        assert result["partial"] and not result["skipped"] and result["warned"]
+        assert result["norm"] == first["norm"] and result["norm"] > 0
+        assert result["norm_history"] == first["norm_history"] == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.slow

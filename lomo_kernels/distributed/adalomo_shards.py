@@ -35,6 +35,7 @@ class SliceStep:
     clip_threshold: float
     weight_decay: float
     transform: _GradTransform
+    skip: torch.Tensor | None = None  # non-zero: this slice's parameter is not updated
 
 
 def init_slice_state(shard: Shard) -> dict[str, torch.Tensor]:
@@ -115,10 +116,12 @@ def adalomo_slices_(
 ) -> None:
     """One AdaLomo step of every slice in `steps` (one bucket); equal on all ranks' views.
 
-    `skip_if` non-zero: nothing is written. A parameter with a non-finite gradient element
-    on any rank keeps its values and moments everywhere and raises `found_inf`. The slices
-    are visited one at a time in each of the three phases, recomputing g (and the update)
-    from the gradient, so only one slice's fp32 temporaries exist at once.
+    `skip_if` non-zero: nothing is written; a step's own `skip` non-zero: nothing of that
+    parameter (the same flag on every rank, as single_backward gives). A parameter with a
+    non-finite gradient element on any rank keeps its values and moments everywhere and
+    raises `found_inf`. The slices are visited one at a time in each of the three phases,
+    recomputing g (and the update) from the gradient, so only one slice's fp32 temporaries
+    exist at once.
     """
     if not steps:
         return
@@ -140,6 +143,8 @@ def adalomo_slices_(
         p_sumsq, bad = totals[at], totals[at + 1] > 0
         at += 2
         skip = skip_in | bad
+        if step.skip is not None:
+            skip = skip | (step.skip.reshape(-1)[0] != 0)
         flag = found_inf.view(-1)
         flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
         b, one_minus_b = step.beta2, 1.0 - step.beta2

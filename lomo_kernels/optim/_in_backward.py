@@ -30,7 +30,7 @@ from ..distributed import (
     unwrap_engine,
 )
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
-from .single_pass import PARTIAL_STEP_WARNING, SHARDED_REFUSAL, SinglePassClip
+from .single_pass import PARTIAL_STEP_WARNING, SinglePassClip
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -180,8 +180,6 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._sharding = sharding_for(
             params, parameter_names(model), model=model, bucket_numel=bucket_numel
         )
-        if single_backward and self._sharding is not None:
-            raise ValueError(SHARDED_REFUSAL)
         super().__init__([{"params": params}], defaults)
         self.model = model
         self.clip_grad_norm = clip_grad_norm
@@ -235,8 +233,13 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         ready: list[tuple[Shard, torch.Tensor]],
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
+        clip_coefs: torch.Tensor | None = None,
+        skips: torch.Tensor | None = None,
     ) -> None:
-        """Applies the step to this rank's slices, given their reduced gradients."""
+        """Applies the step to this rank's slices, given their reduced gradients.
+
+        single_backward: `clip_coefs[i]` (clipping on) and `skips[i]` (1-element views) are
+        entry i's coefficient and skip flag, in place of the step-wide ones."""
 
     def _after_step(self, found_inf: torch.Tensor) -> None:
         """Bookkeeping after a completed step (loss scaler update)."""
@@ -304,6 +307,16 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._phase == _NORM:
             for _, grad in ready:
                 self._accumulate_norm(grad, scalars)
+        elif self._single_step:
+            # Every rank gets the same per-parameter norms and flags (one small all-reduce),
+            # hence the same coefficients and skips (single_pass.py).
+            coefs, skips = self._single.prepare_bucket(
+                [grad for _, grad in ready],
+                self._inv_scale_for(scalars.device),
+                self.backend,
+                self._sharding.all_reduce_sum_,
+            )
+            self._update_shards(ready, scalars, scalars.no_skip, clip_coefs=coefs, skips=skips)
         else:
             self._update_shards(ready, scalars, self._skip_if(scalars))
 
@@ -379,7 +392,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         else:
             found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
         if self._sharding is not None:
-            if not detection:  # every rank reports the same step outcome
+            if not detection and not single:  # every rank reports the same step outcome
                 self._sharding.all_reduce_sum_(found)
             self._sharding.after_update()
         self._after_step(found)
@@ -415,7 +428,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _check_sharded_pattern(self, loss: torch.Tensor) -> None:
         """Refuses, before any change, a second backward over a ZeRO-3 loss's graph."""
         same_graph = self._norm_ready and loss.grad_fn is self._norm_graph
-        missing_norm = not self._norm_ready and self._needs_detection_pass()
+        missing_norm = (
+            not self._norm_ready and self._needs_detection_pass() and self._single is None
+        )
         if same_graph or missing_norm:
             self._norm_ready = False
             self._norm_graph = None

@@ -38,8 +38,8 @@ class AdaLomo(InBackwardOptimizer):
     ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at most M when P >= ||g||
     (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient has inf/nan keeps its
     values and moments, the others are updated: an overflowing step is *partial*
-    (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Not with
-    ZeRO-3 (refused).
+    (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Under ZeRO-3
+    and FSDP2 too (every rank applies the same coefficients and skips).
     """
 
     def __init__(
@@ -132,14 +132,17 @@ class AdaLomo(InBackwardOptimizer):
         ready: list[tuple[Shard, torch.Tensor]],
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
+        clip_coefs: torch.Tensor | None = None,
+        skips: torch.Tensor | None = None,
     ) -> None:
         # Row/column statistics span ranks: the whole bucket is stepped together, with two
         # small all-reduces (see distributed/adalomo_shards.py).
         t = self.step_count + 1
         steps = []
-        for shard, grad in ready:
+        for i, (shard, grad) in enumerate(ready):
             index = self._group_of[id(shard.param)]
             group = self.param_groups[index]
+            coef = scalars.clip_coef if clip_coefs is None else clip_coefs[i : i + 1]
             steps.append(
                 SliceStep(
                     shard=shard,
@@ -155,8 +158,9 @@ class AdaLomo(InBackwardOptimizer):
                         None,
                         group["clip_grad_value"],
                         1.0,
-                        scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+                        coef if group["clip_grad_norm"] is not None else None,
                     ),
+                    skip=None if skips is None else skips[i : i + 1],
                 )
             )
         adalomo_slices_(steps, skip_if, scalars.update_found_inf, self._sharding.all_reduce_sum_)

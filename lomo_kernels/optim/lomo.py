@@ -40,7 +40,8 @@ class Lomo(InBackwardOptimizer):
     gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
     most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
     has inf/nan is left unchanged, the others are updated, the scale is lowered: an
-    overflowing fp16 step is *partial* (``last_step_partial``). Not with ZeRO-3 (refused).
+    overflowing fp16 step is *partial* (``last_step_partial``). Under ZeRO-3 and FSDP2 too
+    (every rank applies the same coefficients and skips; no second forward under ZeRO-3).
     """
 
     def __init__(
@@ -106,12 +107,23 @@ class Lomo(InBackwardOptimizer):
         ready: list[tuple[Shard, torch.Tensor]],
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
+        clip_coefs: torch.Tensor | None = None,
+        skips: torch.Tensor | None = None,
     ) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
-        for shard, grad in ready:
+        for i, (shard, grad) in enumerate(ready):
             if shard.local.numel():
                 group = self.param_groups[self._group_of[id(shard.param)]]
-                self._apply(shard.param, shard.local, shard.offset, grad, group, scalars, skip_if)
+                self._apply(
+                    shard.param,
+                    shard.local,
+                    shard.offset,
+                    grad,
+                    group,
+                    scalars,
+                    skip_if if skips is None else skips[i : i + 1],
+                    None if clip_coefs is None else clip_coefs[i : i + 1],
+                )
 
     def _apply(
         self,
@@ -122,8 +134,10 @@ class Lomo(InBackwardOptimizer):
         group: dict[str, Any],
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
+        clip_coef: torch.Tensor | None = None,
     ) -> None:
-        """Updates `target` (the parameter, or its slice starting at flat `offset`)."""
+        """Updates `target` (the parameter, or its slice starting at flat `offset`);
+        `clip_coef` replaces the step-wide coefficient (single_backward under sharding)."""
         use_sr = self.stochastic_rounding and target.dtype == torch.bfloat16
         seed = 0
         if use_sr:
@@ -143,7 +157,9 @@ class Lomo(InBackwardOptimizer):
             inv_scale if isinstance(inv_scale, torch.Tensor) else None,
             group["clip_grad_value"],
             1.0,
-            scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+            (scalars.clip_coef if clip_coef is None else clip_coef)
+            if group["clip_grad_norm"] is not None
+            else None,
             group["weight_decay"],
             scalars.update_found_inf,
             skip_if,

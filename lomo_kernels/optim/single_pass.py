@@ -38,10 +38,21 @@ is left unchanged whole (``skip_if``); the others are updated. The step is *part
 loss scale is lowered as for a skipped step, the non-finite tensors do not count in S, and
 the norm history is kept from the last clean step. Everything stays in device tensors: no
 host sync.
+
+Sharded parameters (ZeRO-3, FSDP2): a rank holds a slice of each parameter, and the reduced
+slices reach the optimizer per reduce-scatter bucket (ZeRO-3) or per FSDP2 unit, in the same
+order on every rank. `SinglePassClip.prepare_bucket` measures each slice, then one
+all-reduce of ``[sumsq_1..n, found_1..n]`` gives every rank each whole parameter's
+``||g_i||^2`` and non-finite flag, and the bucket's parameters are walked in order exactly
+as `prepare` walks arriving tensors. Every rank thus has the same S_i, coefficients and
+skips, and at the step's end the same global S, flag count and norm history. The guarantee
+above does not depend on the order; the coefficients do, so they follow the bucket order
+rather than one process's backward order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,13 +66,6 @@ PARTIAL_STEP_WARNING = (
     "whole; the other tensors were updated (single_backward=True: an overflowing step is "
     "partial{scale}). The default single_backward=False checks every gradient first, which "
     "makes an overflowing step change nothing, at the cost of a second backward."
-)
-
-SHARDED_REFUSAL = (
-    "single_backward=True is not available with sharded parameters (DeepSpeed ZeRO-3, FSDP2) "
-    "in this version: pass single_backward=False (the default); with clip_grad_norm or fp16 "
-    "each step then runs a norm pass before the update (under ZeRO-3 with a forward of its "
-    "own: opt.grad_norm(model(x)); opt.fused_backward(model(x)))"
 )
 
 
@@ -118,6 +122,48 @@ class SinglePassClip:
             value = torch.reciprocal(denom).mul_(self.max_norm).clamp_(max=1.0)
             clip_coef.copy_(value if device == self.home else value.to(device, non_blocking=True))
         return flag
+
+    def prepare_bucket(
+        self,
+        grads: list[torch.Tensor],
+        inv_scale: float | torch.Tensor,
+        backend: str | None,
+        all_reduce_sum_: Callable[[torch.Tensor], None],
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """`prepare` for one bucket of this rank's slices of parameters (sharded training).
+
+        `grads[i]` is this rank's reduced gradient slice of the bucket's i-th parameter; the
+        buckets reach every rank in the same order with the same parameters. Each slice's
+        partial sum of squares and non-finite count go into one vector, whose all-reduce
+        gives every rank each whole parameter's ``||g_i||^2`` and flag; the parameters are
+        then walked in bucket order as `prepare` walks arriving tensors. Returns
+        (coefficients [n] or None with clipping off, skip flags [n]): fp32 tensors on the
+        slices' device, identical on every rank.
+        """
+        n = len(grads)
+        device = grads[0].device
+        measured = torch.zeros(2 * n, device=device)  # [sumsq_1..n, found_1..n]
+        for i, grad in enumerate(grads):
+            ops.grad_sumsq_(
+                grad,
+                measured[i : i + 1],
+                inv_scale=inv_scale,
+                found_inf=measured[n + i : n + i + 1],
+                backend=backend,
+            )
+        all_reduce_sum_(measured)
+        bad = measured[n:] != 0
+        skips = bad.to(torch.float32)
+        sumsq = measured[:n].masked_fill(bad, 0.0).to(self.home, non_blocking=True)
+        # Running sums in bucket order, continuing the step's: S_i of every entry at once.
+        running = torch.cumsum(torch.cat([self.step_sumsq, sumsq]), 0)[1:]
+        self.step_sumsq.copy_(running[-1:])
+        self.step_found.add_(skips.sum().reshape(1).to(self.home, non_blocking=True))
+        if self.max_norm is None:
+            return None, skips
+        denom = torch.maximum(self.previous, running.sqrt()).add_(CLIP_EPS)
+        coefs = torch.reciprocal(denom).mul_(self.max_norm).clamp_(max=1.0)
+        return coefs.to(device, non_blocking=True), skips
 
     def end_step(self) -> torch.Tensor:
         """Closes the step: records its norm if clean, returns its found flag (home device)."""

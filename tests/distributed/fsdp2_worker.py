@@ -19,13 +19,16 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sharded_checks import count_phases, record_order  # noqa: E402
 from sharded_models import (  # noqa: E402
     LR,
     NO_CLIP,
     OPTIONS,
     PATTERNS,
+    SINGLE,
     ScaledLlama,
     rank_batch,
+    train_single,
 )
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
@@ -72,6 +75,24 @@ def run_training(
         label = f"{name}_{pattern}" + ("_unsharded" if keep_unsharded else "")
         label += "" if clip else "_no_clip"
         torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{label}.pt")
+
+
+def run_single(name: str, rank: int, checks: dict) -> None:
+    """single_backward=True (clip, weight decay): one forward and one backward per step."""
+    model = build()
+    initial = consolidated_state_dict(model)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **SINGLE)
+    order, phases = record_order(opt, model), count_phases(opt)
+    norms = train_single(model, opt, lambda step: rank_batch(step, rank))
+    final = consolidated_state_dict(model)
+    checks[f"single_{name}"] = {
+        "order": order,
+        "norms": norms,
+        "norm_history": opt._single.norm_history.tolist(),
+        "phases": phases,
+    }
+    if rank == 0:
+        torch.save({"initial": initial, "final": final}, OUT / f"single_{name}.pt")
 
 
 MIXED = {
@@ -218,6 +239,8 @@ def main() -> None:
     for name in OPTIMIZERS:
         for pattern in PATTERNS:
             run_training(name, pattern, rank)
+    for name in OPTIMIZERS:
+        run_single(name, rank, checks)
     run_training("lomo", "per_pass", rank, keep_unsharded=True)
     run_training("lomo", "per_pass", rank, clip=False)
     for label in MIXED:

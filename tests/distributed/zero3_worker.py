@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import deepspeed
@@ -18,10 +19,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharded_models import LR, OPTIONS, ScaledLlama, rank_batch, train  # noqa: E402
+from sharded_checks import count_phases, record_order  # noqa: E402
+from sharded_models import (  # noqa: E402
+    LR,
+    OPTIONS,
+    SINGLE,
+    ScaledLlama,
+    rank_batch,
+    train,
+    train_single,
+)
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
+from lomo_kernels.distributed.zero3 import zero3_shard  # noqa: E402
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
@@ -99,6 +110,67 @@ def run_training(name: str, cls, rank: int, checks: dict) -> None:
     checks[name] = {"stale_persistent": stale, "persistent": int(persistent)}
     if rank == 0:
         torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{name}.pt")
+
+
+def run_single(name: str, cls, rank: int, checks: dict) -> None:
+    """single_backward=True: one forward and one backward per step, no norm pass."""
+    engine = build()
+    model = engine.module
+    initial = consolidated_state_dict(model)
+    opt = cls(engine, lr=LR[name], bucket_numel=3000, **SINGLE)
+    order, phases = record_order(opt, model), count_phases(opt)
+    norms = train_single(model, opt, lambda step: rank_batch(step, rank))
+    final = consolidated_state_dict(model)
+    history = opt._single.norm_history.tolist()
+    checks[f"single_{name}"] = {
+        "order": order,
+        "norms": norms,
+        "norm_history": history,
+        "phases": phases,
+    }
+    if rank == 0:
+        torch.save({"initial": initial, "final": final}, OUT / f"single_{name}.pt")
+
+
+def run_single_fp16_partial(rank: int, checks: dict) -> None:
+    """single_backward=True in fp16, an inf in a gradient element rank 0 owns, put there by
+    rank 1 only: that tensor stays unchanged everywhere, the others are updated."""
+    engine = build(torch.float16)
+    model = engine.module
+    target = model.llama.lm_head.weight  # partitioned; flat element 0 is in rank 0's slice
+
+    def poison(p):  # runs before the optimizer's hook (registered first)
+        if rank == 1:
+            p.grad.view(-1)[0] = float("inf")
+
+    target.register_post_accumulate_grad_hook(poison)
+    opt = Lomo(engine, lr=0.05, single_backward=True, **OPTIONS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    scale_before = opt.loss_scaler.scale.item()
+    before = partitions(model)
+    phases = count_phases(opt)
+    opt.fused_backward(model(rank_batch(0, rank)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.flush_report()
+    unchanged = [
+        names[id(p)]
+        for p, b in zip(model.parameters(), before, strict=True)
+        if zero3_shard(p).local.numel() and torch.equal(p.ds_tensor, b)
+    ]
+    checks["single_fp16_partial"] = {
+        "phases": phases,
+        "unchanged": unchanged,
+        "target": names[id(target)],
+        "owned": sum(bool(zero3_shard(p).local.numel()) for p in model.parameters()),
+        "scale_before": scale_before,
+        "scale_after": opt.loss_scaler.scale.item(),
+        "partial": opt.last_step_partial,
+        "skipped": opt.last_step_skipped,
+        "warned": any("partial" in str(w.message) for w in caught),
+        "norm": float(opt.last_grad_norm),
+        "norm_history": opt._single.norm_history.tolist(),
+    }
 
 
 def run_one_loss_pattern(rank: int, checks: dict) -> None:
@@ -193,6 +265,9 @@ def main() -> None:
     checks: dict = {}
     run_training("lomo", Lomo, rank, checks)
     run_training("adalomo", AdaLomo, rank, checks)
+    run_single("lomo", Lomo, rank, checks)
+    run_single("adalomo", AdaLomo, rank, checks)
+    run_single_fp16_partial(rank, checks)
     run_one_loss_pattern(rank, checks)
     run_fp16_overflow(rank, checks)
     run_traffic(rank, checks)
