@@ -8,7 +8,7 @@ per reduce-scatter bucket two small all-reduces (the row/column sums and flags, 
 update sums, which need the new moments) give every rank the single-process totals, so the
 moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
 1-D moments v live with their slice. The math and its rounding are those of the reference
-passes (`adalomo_backends.reference`); each slice is processed in fp32, one slice at a time.
+passes (`adalomo_backends.reference`), in fp32 blocks of at most CHUNK elements.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adalomo_backends.reference import P_SUMSQ, U_SUMSQ, _GradTransform, _step_scalars, _store
+from ..adalomo_backends.reference import (
+    CHUNK,
+    P_SUMSQ,
+    U_SUMSQ,
+    _GradTransform,
+    _step_scalars,
+    _store,
+)
 from .shard import Shard
 
 
@@ -73,38 +80,57 @@ def _factored(step: SliceStep) -> bool:
     return len(step.shard.full_shape) >= 2
 
 
-def _update_of(step: SliceStep, g: torch.Tensor) -> torch.Tensor:
-    """The unnormalised update of the slice from its moments (R, C or v, already new)."""
+def _pieces(step: SliceStep) -> Iterator[tuple[slice, int, int, int, int]]:
+    """The slice in blocks of at most CHUNK elements: (span in the slice, first row, rows,
+    first column, columns); a 1-D parameter's blocks are single rows."""
+    n = step.grad.numel()
     if not _factored(step):
-        return torch.rsqrt(step.state["exp_avg_sq"]) * g
+        for start in range(0, n, CHUNK):
+            width = min(CHUNK, n - start)
+            yield slice(start, start + width), 0, 1, start, width
+        return
     cols = step.shard.full_shape[-1]
-    rows = step.shard.full_numel // cols
+    per = max(1, CHUNK // cols)
+    for start, row, nrows, col, width in row_pieces(step.shard.offset, n, cols):
+        for r0 in range(0, nrows, per):
+            rows = min(per, nrows - r0)
+            begin = start + r0 * width
+            yield slice(begin, begin + rows * width), row + r0, rows, col, width
+
+
+def _update_piece(
+    step: SliceStep, g: torch.Tensor, span: slice, row: int, nrows: int, col: int, width: int
+) -> torch.Tensor:
+    """The unnormalised update of one block from the moments (R, C or v, already new)."""
+    if not _factored(step):
+        return torch.rsqrt(step.state["exp_avg_sq"][span]) * g
     big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
-    r = torch.rsqrt(big_r / (big_r.sum(dtype=torch.float64).to(torch.float32) / rows))
-    c = torch.rsqrt(big_c)
-    update = torch.empty_like(g)
-    for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
-        span = slice(start, start + nrows * width)
-        factors = r[row : row + nrows, None] * c[None, col : col + width]
-        update[span] = (factors * g[span].view(nrows, width)).reshape(-1)
-    return update
+    mean = big_r.sum(dtype=torch.float64).to(torch.float32) / big_r.numel()
+    factors = torch.rsqrt(big_r[row : row + nrows, None] / mean) * torch.rsqrt(
+        big_c[None, col : col + width]
+    )
+    return (factors * g.view(nrows, width)).reshape(-1)
 
 
 def _first_sums(step: SliceStep) -> torch.Tensor:
     """This rank's share of [row sums, col sums] (factored) + [sum p^2, non-finite count]."""
-    g, finite = step.transform(step.grad.reshape(-1))
-    u = g * g + step.eps[0]
-    p = step.shard.local.to(torch.float32)
-    tail = torch.stack([(p * p).sum(dtype=torch.float64), (~finite).sum(dtype=torch.float64)])
-    if not _factored(step):
-        return tail
-    cols = step.shard.full_shape[-1]
-    rows = step.shard.full_numel // cols
-    sums = torch.zeros(rows + cols, dtype=torch.float64, device=g.device)
-    for start, row, nrows, col, width in row_pieces(step.shard.offset, g.numel(), cols):
-        block = u[start : start + nrows * width].view(nrows, width)
-        sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
-        sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
+    device = step.grad.device
+    tail = torch.zeros(2, dtype=torch.float64, device=device)
+    rows = cols = 0
+    if _factored(step):
+        cols = step.shard.full_shape[-1]
+        rows = step.shard.full_numel // cols
+    sums = torch.zeros(rows + cols, dtype=torch.float64, device=device)
+    grad, local = step.grad.reshape(-1), step.shard.local
+    for span, row, nrows, col, width in _pieces(step):
+        g, finite = step.transform(grad[span])
+        p = local[span].to(torch.float32)
+        tail[0] += (p * p).sum(dtype=torch.float64)
+        tail[1] += (~finite).sum(dtype=torch.float64)
+        if rows:
+            block = (g * g + step.eps[0]).view(nrows, width)
+            sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
+            sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
     return torch.cat([sums, tail])
 
 
@@ -119,9 +145,9 @@ def adalomo_slices_(
     `skip_if` non-zero: nothing is written; a step's own `skip` non-zero: nothing of that
     parameter (the same flag on every rank, as single_backward gives). A parameter with a
     non-finite gradient element on any rank keeps its values and moments everywhere and
-    raises `found_inf`. The slices are visited one at a time in each of the three phases,
-    recomputing g (and the update) from the gradient, so only one slice's fp32 temporaries
-    exist at once.
+    raises `found_inf`. Each phase walks the slices in blocks of at most CHUNK elements,
+    recomputing g (and the update) from the gradient, so the fp32 temporaries stay a few
+    blocks in size whatever the parameter.
     """
     if not steps:
         return
@@ -148,19 +174,23 @@ def adalomo_slices_(
         flag = found_inf.view(-1)
         flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
         b, one_minus_b = step.beta2, 1.0 - step.beta2
-        g, _ = step.transform(step.grad.reshape(-1))
         if _factored(step):
             big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
             big_r.copy_(torch.where(skip, big_r, big_r * b + row_mean * one_minus_b))
             big_c.copy_(torch.where(skip, big_c, big_c * b + col_mean * one_minus_b))
-        else:
-            v = step.state["exp_avg_sq"]
-            v.copy_(torch.where(skip, v, v * b + (g * g + step.eps[0]) * one_minus_b))
-        # A skipped slice's moments kept their old values; its update is never written.
-        update = _update_of(step, g)
+        # A skipped slice's moments keep their old values; its update is never written.
+        u_sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        grad = step.grad.reshape(-1)
+        for span, row, nrows, col, width in _pieces(step):
+            g, _ = step.transform(grad[span])
+            if not _factored(step):
+                v = step.state["exp_avg_sq"][span]
+                v.copy_(torch.where(skip, v, v * b + (g * g + step.eps[0]) * one_minus_b))
+            update = _update_piece(step, g, span, row, nrows, col, width)
+            u_sumsq += (update * update).sum(dtype=torch.float64)
         skips.append(skip)
         p_sumsqs.append(p_sumsq)
-        second.append((update * update).sum(dtype=torch.float64))
+        second.append(u_sumsq)
     u_sumsqs = torch.stack(second)
     all_reduce_sum_(u_sumsqs)
 
@@ -181,6 +211,8 @@ def adalomo_slices_(
             step.clip_threshold,
             step.weight_decay,
         )
-        g, _ = step.transform(step.grad.reshape(-1))
-        new = local.to(torch.float32) * decay - scale * _update_of(step, g)
-        _store(local, new, skips[i])
+        grad = step.grad.reshape(-1)
+        for span, row, nrows, col, width in _pieces(step):
+            g, _ = step.transform(grad[span])
+            update = _update_piece(step, g, span, row, nrows, col, width)
+            _store(local[span], local[span].to(torch.float32) * decay - scale * update, skips[i])
