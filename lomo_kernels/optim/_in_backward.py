@@ -22,6 +22,7 @@ from torch import nn
 from .. import ops
 from .._checks import SUPPORTED_DTYPES
 from ..backends import requested_backend
+from . import _compiled_autograd
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -143,12 +144,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._phase = _IDLE
         self._norm_ready = False
         self._scalars: dict[torch.device, _DeviceScalars] = {}
+        self._hook_groups: list[dict[str, Any]] = []
         self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._report: torch.Tensor | None = None
         self._report_event: Any = None
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
+        _compiled_autograd.install()  # keeps in-backward updates correct under compiled autograd
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -172,7 +175,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
     ) -> None:
-        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero."""
+        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero.
+
+        `group` holds the param group's hyper-parameters without "params" and "lr" (the lr
+        is the device tensor `scalars.lr[group index]`).
+        """
 
     def _after_step(self, found_inf: torch.Tensor) -> None:
         """Bookkeeping after a completed step (loss scaler update)."""
@@ -213,7 +220,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 backend=self.backend,
             )
             return
-        group = self.param_groups[self._group_of[id(param)]]
+        group = self._hook_groups[self._group_of[id(param)]]
         skip_if = scalars.norm_found_inf if self._norm_ready else scalars.no_skip
         self._update(param, grad, group, scalars, skip_if)
 
@@ -308,6 +315,13 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for scalars in self._scalars.values():
                 if group_index in scalars.lr:
                     scalars.lr[group_index].fill_(group["lr"])
+        # The hooks read the groups' fixed hyper-parameters from plain dicts: torch.compile
+        # guards on every value of an optimizer's param_groups, so reading them there would
+        # recompile the backward whenever the lr changes (the lr is in scalars.lr).
+        self._hook_groups = [
+            {k: v for k, v in group.items() if k not in ("params", "lr")}
+            for group in self.param_groups
+        ]
         scaler = self._loss_scaler()
         for scalars in self._scalars.values():
             scalars.update_found_inf.zero_()
@@ -321,9 +335,18 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
+        if phase == _UPDATE:
+            _compiled_autograd.check_supported()
         self._phase = phase
         try:
             loss.backward(retain_graph=retain_graph)
+        except Exception as error:
+            # Compilation fails before the graph runs: no parameter has been written.
+            if phase == _UPDATE and _compiled_autograd.is_aliased_input_failure(error):
+                raise RuntimeError(
+                    _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
+                ) from error
+            raise
         finally:
             self._phase = _IDLE
 
