@@ -11,6 +11,7 @@ at the next call.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._phase = _IDLE
         self._norm_ready = False
         self._scalars: dict[torch.device, _DeviceScalars] = {}
-        self._hook_groups: list[dict[str, Any]] = []
+        self._hook_groups = self._fixed_hyper_parameters()
         self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._report: torch.Tensor | None = None
@@ -225,6 +226,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._update(param, grad, group, scalars, skip_if)
 
     # -- public API -------------------------------------------------------------------
+    # Host-side bookkeeping, run eagerly even inside a compiled step: traced, it would
+    # specialise on the float lr and the step count and recompile every step. The backward it
+    # calls is still compiled by compiled autograd, hooks and updates included.
+    @torch.compiler.disable
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
 
@@ -249,6 +254,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._norm_ready = True
         return self.last_grad_norm
 
+    @torch.compiler.disable  # see grad_norm
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
         """Backward with the update applied to each parameter as its gradient is ready.
 
@@ -315,13 +321,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for scalars in self._scalars.values():
                 if group_index in scalars.lr:
                     scalars.lr[group_index].fill_(group["lr"])
-        # The hooks read the groups' fixed hyper-parameters from plain dicts: torch.compile
-        # guards on every value of an optimizer's param_groups, so reading them there would
-        # recompile the backward whenever the lr changes (the lr is in scalars.lr).
-        self._hook_groups = [
-            {k: v for k, v in group.items() if k not in ("params", "lr")}
-            for group in self.param_groups
-        ]
+        self._hook_groups = self._fixed_hyper_parameters()
         scaler = self._loss_scaler()
         for scalars in self._scalars.values():
             scalars.update_found_inf.zero_()
@@ -329,17 +329,32 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # One copy per device and step, not one per parameter in the hooks.
                 scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
 
+    def _fixed_hyper_parameters(self) -> list[dict[str, Any]]:
+        """The groups' hyper-parameters but params and lr, as plain dicts for the hooks.
+
+        torch.compile guards on every value of an optimizer's param_groups, so reading the
+        groups inside a traced hook would recompile the backward whenever the lr changes
+        (the hooks take the lr from scalars.lr).
+        """
+        return [
+            {k: v for k, v in group.items() if k not in ("params", "lr")}
+            for group in self.param_groups
+        ]
+
     def _run_backward(self, loss: torch.Tensor, phase: str, retain_graph: bool) -> None:
         scaler = self._loss_scaler()
         if scaler is not None:
             loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
+        context = contextlib.nullcontext()
         if phase == _UPDATE:
             _compiled_autograd.check_supported()
+            context = _compiled_autograd.update_pass_context()
         self._phase = phase
         try:
-            loss.backward(retain_graph=retain_graph)
+            with context:
+                loss.backward(retain_graph=retain_graph)
         except Exception as error:
             # Compilation fails before the graph runs: no parameter has been written.
             if phase == _UPDATE and _compiled_autograd.is_aliased_input_failure(error):
