@@ -82,18 +82,27 @@ def reset_hwm() -> None:
 
 
 # -- the model ------------------------------------------------------------------------------
-def build_model() -> Any:
-    """The ~168M-parameter LLaMA of MEASURING.md, created directly in bf16."""
+MODELS = {
+    # The ~168M-parameter LLaMA of MEASURING.md.
+    "168m": {"hidden": 1024, "intermediate": 2816, "layers": 8, "heads": 16, "vocab": 32000},
+    # A light one for the tests (~6M parameters).
+    "small": {"hidden": 256, "intermediate": 704, "layers": 2, "heads": 4, "vocab": 8000},
+}
+
+
+def build_model(size: str = "168m") -> Any:
+    """A LLaMA-architecture model of MODELS, created directly in bf16."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    m = MODELS[size]
     config = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
+        hidden_size=m["hidden"],
+        intermediate_size=m["intermediate"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["heads"],
+        vocab_size=m["vocab"],
         tie_word_embeddings=False,
     )
     # An fp32 model cast afterwards would leave its freed fp32 pages in the baseline.
@@ -185,7 +194,9 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], dict
     return step, notes
 
 
-def measure(config: str, batch: int, seq: int, steps: int = 3) -> dict[str, Any]:
+def measure(
+    config: str, batch: int, seq: int, steps: int = 3, model_size: str = "168m"
+) -> dict[str, Any]:
     """Runs `config` in this process and returns its figures (see the module docstring)."""
     if os.environ.get(MMAP_ENV) != MMAP_VALUE:
         raise RuntimeError(f"{MMAP_ENV}={MMAP_VALUE} must be set before the process starts")
@@ -196,7 +207,7 @@ def measure(config: str, batch: int, seq: int, steps: int = 3) -> dict[str, Any]
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = build_model()
+    model = build_model(model_size)
     params = list(model.parameters())
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq))
@@ -208,6 +219,8 @@ def measure(config: str, batch: int, seq: int, steps: int = 3) -> dict[str, Any]
         "steps": steps,
         "model_mb": sum(p.numel() * p.element_size() for p in params) / MB,
         "largest_param_numel": max(p.numel() for p in params),
+        "embedding_numel": model.get_input_embeddings().weight.numel(),
+        "model_size": model_size,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -241,7 +254,12 @@ def mmap_env() -> dict[str, str]:
 
 
 def run_isolated(
-    config: str, batch: int, seq: int, steps: int = 3, timeout: float | None = 900
+    config: str,
+    batch: int,
+    seq: int,
+    steps: int = 3,
+    timeout: float | None = 900,
+    model_size: str = "168m",
 ) -> dict[str, Any]:
     """`measure` in a fresh interpreter started with the malloc setting; its JSON result."""
     cmd = [
@@ -254,6 +272,8 @@ def run_isolated(
         str(seq),
         "--steps",
         str(steps),
+        "--model",
+        model_size,
         "--json",
     ]
     proc = subprocess.run(
@@ -355,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", choices=tuple(MODELS), default="168m")
     parser.add_argument("--json", action="store_true", help="one line of JSON")
     parser.add_argument("--json-out", default=None, help="--all: write the results here")
     args = parser.parse_args(argv)
@@ -381,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     assert os.environ.get(MMAP_ENV) == MMAP_VALUE
     batch = 2 if args.batch is None else args.batch
     seq = 256 if args.seq is None else args.seq
-    result = measure(args.config, batch, seq, args.steps)
+    result = measure(args.config, batch, seq, args.steps, args.model)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -12,17 +12,24 @@ there feeds the updated ``W`` into the input gradients of every layer below: eac
 is off by 1-40% after one step, with no error (eager autograd would have raised, as a saved
 tensor was modified in place).
 
-`install` keeps the AccumulateGrad nodes that carry post-accumulate-grad hooks where eager
-autograd runs them, so every read of the parameter within its producing node comes first;
-the other AccumulateGrad nodes are still moved. Inductor still sees the true dependency
-(the parameter and its saved copy are one graph input) and its memory-aware scheduling may
-move an update earlier, never before a read. `check_supported` refuses the set-ups that
-cannot be made correct, before any parameter is written.
+`install` wraps three of compiled autograd's capture steps:
+- `begin_capture` notes which graph inputs share storage (a weight and its saved copy);
+- `reorder_accumulate_grad_nodes` leaves the AccumulateGrad nodes that carry
+  post-accumulate-grad hooks where eager autograd runs them (after the producing node);
+- after `reorder_post_acc_grad_hook_nodes`, each such node and its hooks move up to just
+  after the last read of the weight or of anything that may alias it (inputs on the same
+  storage, the AOT backward's saved copy, views; an unknown callable's result counts as an
+  alias), so the gradient is freed as early as eager LOMO frees it. When an input's storage
+  cannot be read (tensor subclasses) the eager position stays.
+Inductor may still move a read of the weight below the update in its functional graph
+(post-grad `reorder_for_locality`); it then clones the weight for the update and copies it
+back at the end of the graph: correct, at the cost of memory. `check_supported` and the
+refusal of an eager forward stop the set-ups that cannot be made correct, before any
+parameter is written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 from typing import Any
@@ -252,23 +259,6 @@ def check_supported() -> None:
     """
     if compiled_autograd_active() and not _installed:
         raise RuntimeError(UNSUPPORTED_MESSAGE.format(version=torch.__version__))
-
-
-def update_pass_context() -> contextlib.AbstractContextManager[Any]:
-    """Inductor settings for a backward that updates parameters under compiled autograd.
-
-    Inductor's post-grad `reorder_for_locality` moves a read of a weight (the input
-    gradient's ``mm(dy, W)``) below that weight's update, which is legal in the functional
-    graph but then the update can no longer be done in place: Inductor clones the weight,
-    updates the clone and copies it back at the end of the graph, so every updated weight
-    is held twice until the backward ends. Without that reordering every update is done in
-    place (Inductor's reinplace log: "remain clones=[]").
-    """
-    if not compiled_autograd_active():
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(reorder_for_locality=False)
 
 
 def is_aliased_input_failure(error: BaseException) -> bool:

@@ -11,7 +11,6 @@ at the next call.
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -226,10 +225,6 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._update(param, grad, group, scalars, skip_if)
 
     # -- public API -------------------------------------------------------------------
-    # Host-side bookkeeping, run eagerly even inside a compiled step: traced, it would
-    # specialise on the float lr and the step count and recompile every step. The backward it
-    # calls is still compiled by compiled autograd, hooks and updates included.
-    @torch.compiler.disable
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
 
@@ -254,7 +249,6 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._norm_ready = True
         return self.last_grad_norm
 
-    @torch.compiler.disable  # see grad_norm
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
         """Backward with the update applied to each parameter as its gradient is ready.
 
@@ -262,12 +256,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         groups' own lr is used, so torch.optim.lr_scheduler schedulers work.
         """
         self._check_loss(loss)
-        if lr is not None:
-            lr = check_lr(lr)
-            for group in self.param_groups:
-                group["lr"] = lr
-        for group in self.param_groups:
-            check_lr(group["lr"])
+        self._set_lr(lr)
         if not self._norm_ready and self._needs_detection_pass():
             self.grad_norm(loss)
         else:
@@ -278,6 +267,22 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         finally:
             detection = self._norm_ready
             self._norm_ready = False
+        self._finish_step(detection)
+
+    # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
+    # would specialise on the float lr and the step count and recompile every step. Only
+    # these helpers are excluded, not the backward: compiled autograd stays on for it.
+    @torch.compiler.disable
+    def _set_lr(self, lr: float | None) -> None:
+        if lr is not None:
+            lr = check_lr(lr)
+            for group in self.param_groups:
+                group["lr"] = lr
+        for group in self.param_groups:
+            check_lr(group["lr"])
+
+    @torch.compiler.disable
+    def _finish_step(self, detection: bool) -> None:
         found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
         self._after_step(found)
         self._queue_report(found, atomic=detection)
@@ -308,6 +313,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: nothing to back-propagate")
 
+    @torch.compiler.disable  # see _set_lr
     def _prepare_scalars(self) -> None:
         for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -347,14 +353,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
-        context = contextlib.nullcontext()
         if phase == _UPDATE:
             _compiled_autograd.check_supported()
-            context = _compiled_autograd.update_pass_context()
         self._phase = phase
         try:
-            with context:
-                loss.backward(retain_graph=retain_graph)
+            loss.backward(retain_graph=retain_graph)
         except Exception as error:
             # Compilation fails before the graph runs: no parameter has been written.
             if phase == _UPDATE and _compiled_autograd.is_aliased_input_failure(error):
@@ -394,6 +397,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._report = flags
             self._report_event = None
 
+    @torch.compiler.disable  # see _set_lr
     def _report_previous_step(self) -> None:
         """Reads the last step's overflow flags (long finished) and reports them."""
         if self._report is None:

@@ -69,6 +69,7 @@ class AdaLomo(InBackwardOptimizer):
             self.state[p] = init_adalomo_state(p)
         self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
 
+    @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
     def _prepare_scalars(self) -> None:
         super()._prepare_scalars()
         t = self.step_count + 1  # lomo-optim counts the step before its backward
