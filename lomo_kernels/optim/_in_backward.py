@@ -29,6 +29,7 @@ from ..distributed import (
     sharding_for,
     unwrap_engine,
 )
+from . import _compiled_autograd
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 from .single_pass import PARTIAL_STEP_WARNING, SinglePassClip
 
@@ -190,6 +191,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._phase = _IDLE
         self._norm_ready = False
         self._scalars: dict[torch.device, _DeviceScalars] = {}
+        self._hook_groups = self._fixed_hyper_parameters()
         self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._report: torch.Tensor | None = None
@@ -202,6 +204,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._single = SinglePassClip(clip_grad_norm, params[0].device) if single_backward else None
         self._single_step = False  # this update pass clips and checks as gradients arrive
         self._reported_single = False  # the queued report is of a single-backward step
+        _compiled_autograd.install()  # keeps in-backward updates correct under compiled autograd
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -225,7 +228,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
     ) -> None:
-        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero."""
+        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero.
+
+        `group` holds the param group's hyper-parameters without "params" and "lr" (the lr
+        is the device tensor `scalars.lr[group index]`).
+        """
 
     @abc.abstractmethod
     def _update_shards(
@@ -278,7 +285,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._phase == _NORM:
             self._accumulate_norm(grad, scalars)
             return
-        group = self.param_groups[self._group_of[id(param)]]
+        group = self._hook_groups[self._group_of[id(param)]]
         if self._single_step:
             skip_if = self._single.prepare(
                 grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
@@ -363,12 +370,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         groups' own lr is used, so torch.optim.lr_scheduler schedulers work.
         """
         self._check_loss(loss)
-        if lr is not None:
-            lr = check_lr(lr)
-            for group in self.param_groups:
-                group["lr"] = lr
-        for group in self.param_groups:
-            check_lr(group["lr"])
+        self._set_lr(lr)
         if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
@@ -386,6 +388,22 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             detection = self._norm_ready
             self._norm_ready = False
             self._single_step = False
+        self._finish_step(detection, single)
+
+    # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
+    # would specialise on the float lr and the step count and recompile every step. Only
+    # these helpers are excluded, not the backward: compiled autograd stays on for it.
+    @torch.compiler.disable
+    def _set_lr(self, lr: float | None) -> None:
+        if lr is not None:
+            lr = check_lr(lr)
+            for group in self.param_groups:
+                group["lr"] = lr
+        for group in self.param_groups:
+            check_lr(group["lr"])
+
+    @torch.compiler.disable
+    def _finish_step(self, detection: bool, single: bool) -> None:
         if single:
             found = self._single.end_step()
             self.last_grad_norm = self._single.last_norm()
@@ -441,6 +459,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             )
             raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")
 
+    @torch.compiler.disable  # see _set_lr
     def _prepare_scalars(self) -> None:
         for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -454,6 +473,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for scalars in self._scalars.values():
                 if group_index in scalars.lr:
                     scalars.lr[group_index].fill_(group["lr"])
+        self._hook_groups = self._fixed_hyper_parameters()
         scaler = self._loss_scaler()
         for scalars in self._scalars.values():
             scalars.update_found_inf.zero_()
@@ -461,12 +481,26 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # One copy per device and step, not one per parameter in the hooks.
                 scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
 
+    def _fixed_hyper_parameters(self) -> list[dict[str, Any]]:
+        """The groups' hyper-parameters but params and lr, as plain dicts for the hooks.
+
+        torch.compile guards on every value of an optimizer's param_groups, so reading the
+        groups inside a traced hook would recompile the backward whenever the lr changes
+        (the hooks take the lr from scalars.lr).
+        """
+        return [
+            {k: v for k, v in group.items() if k not in ("params", "lr")}
+            for group in self.param_groups
+        ]
+
     def _run_backward(self, loss: torch.Tensor, phase: str, retain_graph: bool) -> None:
         scaler = self._loss_scaler()
         if scaler is not None:
             loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
+        if phase == _UPDATE:
+            _compiled_autograd.check_supported()
         self._phase = phase
         sharding = self._sharding
         try:
@@ -475,9 +509,18 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             loss.backward(retain_graph=retain_graph)
             if sharding is not None:
                 sharding.finish()  # the last buckets: reduced and consumed before returning
-        except BaseException:
+        except BaseException as error:
             if sharding is not None:
                 sharding.abandon()
+            # Compilation fails before the graph runs: no parameter has been written.
+            if (
+                phase == _UPDATE
+                and isinstance(error, Exception)
+                and _compiled_autograd.is_aliased_input_failure(error)
+            ):
+                raise RuntimeError(
+                    _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
+                ) from error
             raise
         finally:
             self._phase = _IDLE
@@ -511,6 +554,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._report = flags
             self._report_event = None
 
+    @torch.compiler.disable  # see _set_lr
     def _report_previous_step(self) -> None:
         """Reads the last step's overflow flags (long finished) and reports them."""
         if self._report is None:

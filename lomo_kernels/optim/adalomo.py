@@ -93,6 +93,20 @@ class AdaLomo(InBackwardOptimizer):
                 self.state[p] = init_adalomo_state(p)
             else:
                 self.state[p] = init_slice_state(self._sharding.shard(p))
+        self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
+    def _prepare_scalars(self) -> None:
+        super()._prepare_scalars()
+        t = self.step_count + 1  # lomo-optim counts the step before its backward
+        # beta2 changes every step: a device tensor, so a compiled backward is not rebuilt.
+        for group_index, group in enumerate(self.param_groups):
+            beta2 = 1.0 - math.pow(t, group["decay_rate"])
+            for device in self._scalars:
+                key = (device, group_index)
+                if key not in self._beta2:
+                    self._beta2[key] = torch.zeros(1, device=device)
+                self._beta2[key].fill_(beta2)
 
     def _static_inv_scale(self) -> float:
         return 1.0 / self.loss_scale
@@ -108,14 +122,13 @@ class AdaLomo(InBackwardOptimizer):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
     ) -> None:
-        t = self.step_count + 1  # lomo-optim counts the step before its backward
-        beta2 = 1.0 - math.pow(t, group["decay_rate"])
+        group_index = self._group_of[id(param)]
         adalomo_update_(
             param,
             grad,
             self.state[param],
-            lr=scalars.lr[self._group_of[id(param)]],
-            beta2=beta2,
+            lr=scalars.lr[group_index],
+            beta2=self._beta2[param.device, group_index],
             eps=group["eps"],
             clip_threshold=group["clip_threshold"],
             weight_decay=group["weight_decay"],
