@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0)
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping")
     parser.add_argument(
         "--precision",
         choices=("bf16-compute", "bf16", "fp32"),
@@ -81,7 +81,7 @@ def main() -> None:
 
     lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "lomo" else 1e-2)
     cls = Lomo if args.optimizer == "lomo" else AdaLomo
-    opt = cls(model, lr=lr, clip_grad_norm=args.clip_grad_norm, weight_decay=0.01)
+    opt = cls(model, lr=lr, clip_grad_norm=args.clip_grad_norm or None, weight_decay=0.01)
 
     # Toy data: each rank learns to continue a byte sequence with a fixed period.
     gen = torch.Generator().manual_seed(rank)
@@ -94,9 +94,8 @@ def main() -> None:
             opt.grad_norm(loss)  # norm pass over the same graph (lomo-optim's pattern)
         opt.fused_backward(loss)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(
-                f"step {step:4d}  loss {loss.item():.4f}  grad norm {opt.last_grad_norm.item():.3f}"
-            )
+            norm = "-" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.3f}"
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm}")
     opt.flush_report()
     if rank == 0:
         print(f"{args.steps} steps on {world} ranks in {time.perf_counter() - start:.1f} s")

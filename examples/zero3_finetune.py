@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0)
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping")
     parser.add_argument(
         "--single-backward", action="store_true", help="no norm pass (single_backward=True)"
     )
@@ -77,7 +77,7 @@ def main() -> None:
     opt = cls(
         engine,
         lr=lr,
-        clip_grad_norm=args.clip_grad_norm,
+        clip_grad_norm=args.clip_grad_norm or None,
         weight_decay=0.01,
         single_backward=args.single_backward,
     )
@@ -94,9 +94,8 @@ def main() -> None:
         loss = model(input_ids=x, labels=x).loss
         opt.fused_backward(loss)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(
-                f"step {step:4d}  loss {loss.item():.4f}  grad norm {opt.last_grad_norm.item():.3f}"
-            )
+            norm = "-" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.3f}"
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm}")
     opt.flush_report()
     if rank == 0:
         print(f"{args.steps} steps on {world} ranks in {time.perf_counter() - start:.1f} s")
