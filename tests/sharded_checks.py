@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's TCP transport rarely aborts a rank from a C++ thread (std::terminate while
+# connecting pairs; seen about once in ten runs here, and reported upstream for gloo's
+# address lookup). Such a crash says nothing about the code under test, so that run alone
+# is repeated once, with a warning; a Python error, a wrong result or a second crash fails.
+GLOO_ABORT = b"terminate called"
+
+
 def run_ranks(worker: Path, out: Path, what: str, nproc: int = 2) -> Path:
     """Runs `worker out` on `nproc` ranks (torchrun); fails the test with its log on error."""
+    for attempt in (1, 2):
+        returncode, log = _launch(worker, out, what, nproc)
+        if returncode == 0:
+            return out
+        # A worker's Python error shows as "[rankN]: Traceback ...": never repeated.
+        python_error = b"]: Traceback (most recent call last)" in log
+        if attempt == 1 and GLOO_ABORT in log and not python_error:
+            warnings.warn(
+                f"the {nproc}-rank {what} run lost a rank to a gloo abort; running it again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        break
+    pytest.fail(f"the {nproc}-rank {what} run failed:\n{log.decode()[-8000:]}")
+
+
+def _launch(worker: Path, out: Path, what: str, nproc: int) -> tuple[int, bytes]:
     # The ranks import the package this process imported (not another installed copy).
     root = str(Path(lomo_kernels.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
@@ -55,9 +81,7 @@ def run_ranks(worker: Path, out: Path, what: str, nproc: int = 2) -> Path:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode != 0:
-        pytest.fail(f"the {nproc}-rank {what} run failed:\n{log.decode()[-8000:]}")
-    return out
+    return proc.returncode, log
 
 
 def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .reduce_scatter import Consumer, gather_padded
 from .shard import Shard
 
 SUPPORTED_SETUP = (
@@ -184,3 +185,106 @@ def refresh_unsharded(model: nn.Module) -> int:
             group.reshard()
             count += 1
     return count
+
+
+class Fsdp2Sharding:
+    """Hands FSDP2's reduced gradient shards to the optimizer, one FSDP2 unit at a time.
+
+    FSDP2 reduce-scatters a unit's gradients and then calls the hooks of its parameters one
+    after the other; the shards are collected and handed over together when the unit's last
+    trainable parameter arrives (or when another unit's does, or at the end of backward), so
+    AdaLomo's cross-rank statistics cost two small all-reduces per unit, not per parameter.
+    The shards handed over are views of FSDP2's reduce-scatter output, which it keeps until
+    the hooks of its unit have run; nothing is held after that.
+    """
+
+    # The graph of one loss can be back-propagated twice (lomo-optim's one-loss pattern):
+    # FSDP2 gathers the parameters again in each backward.
+    second_backward_ok = True
+
+    def __init__(
+        self, model: nn.Module, params: Sequence[nn.Parameter], names: dict[int, str]
+    ) -> None:
+        self.group, managed = check_fsdp2_params(model, params, names)
+        self.model = model
+        self._unit_of = {key: unit for key, (unit, _) in managed.items()}
+        self._unit_size: dict[int, int] = {}
+        for unit in self._unit_of.values():
+            self._unit_size[unit] = self._unit_size.get(unit, 0) + 1
+        self._pending: list[tuple[Shard, torch.Tensor]] = []
+        self._pending_unit: int | None = None
+        self._consume: Consumer | None = None
+
+    def shard(self, param: nn.Parameter) -> Shard:
+        return fsdp2_shard(param, self.group)
+
+    def full_shape(self, param: nn.Parameter) -> torch.Size:
+        return torch.Size(param.shape)
+
+    def begin(self, consume: Consumer) -> None:
+        if self._pending:
+            raise RuntimeError("a previous backward pass left gradient shards unconsumed")
+        if unsynced_units(self.model):
+            raise RuntimeError(
+                "FSDP2 gradient synchronisation is off (set_requires_gradient_sync(False)): "
+                "FSDP2 would accumulate the gradients and never hand them to the optimizer. "
+                "LOMO updates inside backward and cannot accumulate gradients; keep "
+                "synchronisation on and use a larger batch. " + SUPPORTED_SETUP
+            )
+        self._consume = consume
+
+    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if not is_dtensor(grad):
+            raise RuntimeError(
+                f"FSDP2 parameter {self._name(param)!r}: the gradient is not a DTensor shard; "
+                "was fused_backward used, with gradient synchronisation on? " + SUPPORTED_SETUP
+            )
+        shard = self.shard(param)
+        local = grad.to_local()
+        if local.numel() != shard.local.numel():
+            raise RuntimeError(
+                f"FSDP2 parameter {self._name(param)!r}: gradient shard of shape "
+                f"{tuple(local.shape)}, expected {tuple(param.to_local().shape)}. "
+                + SUPPORTED_SETUP
+            )
+        unit = self._unit_of[id(param)]
+        if self._pending and unit != self._pending_unit:
+            self._flush()  # a unit some of whose parameters got no gradient
+        self._pending.append((shard, local.reshape(-1)))
+        self._pending_unit = unit
+        if len(self._pending) == self._unit_size[unit]:
+            self._flush()
+
+    def finish(self) -> None:
+        self._flush()
+        self._consume = None
+
+    def abandon(self) -> None:
+        self._pending.clear()
+        self._pending_unit = None
+        self._consume = None
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def after_update(self) -> None:
+        refresh_unsharded(self.model)
+
+    def gather_slices(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor whose slice `values` is on this rank (a collective)."""
+        world = dist.get_world_size(self.group)
+        rows = param.shape[0] if param.dim() else 1
+        row_numel = param.numel() // rows if rows else 0
+        chunk = row_range(rows, world, 0)[1] * row_numel
+        return gather_padded(values, chunk, param.numel(), self.group)
+
+    def _flush(self) -> None:
+        ready, self._pending, self._pending_unit = self._pending, [], None
+        if not ready:
+            return
+        if self._consume is None:
+            raise RuntimeError("gradient shards arrived outside a backward pass")
+        self._consume(ready)
+
+    def _name(self, param: nn.Parameter) -> str:
+        return next((n for n, p in self.model.named_parameters() if p is param), "?")

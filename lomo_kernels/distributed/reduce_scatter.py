@@ -181,6 +181,19 @@ def all_gather(output: torch.Tensor, local: torch.Tensor, **kwargs: Any) -> dist
     return fn(output, local, **kwargs)
 
 
+def gather_padded(
+    values: torch.Tensor, chunk: int, numel: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The first `numel` elements of every rank's `values` (each padded to `chunk`), in rank
+    order: a sliced flat tensor made whole again (a collective)."""
+    world = dist.get_world_size(group)
+    padded = torch.zeros(chunk, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values.reshape(-1)
+    full = torch.empty(world * chunk, dtype=values.dtype, device=values.device)
+    all_gather(full, padded, group=group)
+    return full[:numel]
+
+
 def _pack(rows: torch.Tensor, entry: _Entry, world: int) -> None:
     """Writes the flat gradient into `rows` ([W, S] view): row r = rank r's slice, padded."""
     flat = entry.grad.reshape(-1)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .reduce_scatter import all_gather
+from .reduce_scatter import Consumer, ReduceScatterBuckets, all_gather, gather_padded
 from .shard import Shard
 
 SUPPORTED_SETUP = (
@@ -180,3 +180,64 @@ def refresh_gathered(params: Iterable[nn.Parameter]) -> int:
             p.data.view(-1).copy_(values)
             offset += size
     return len(kept)
+
+
+def gather_full(param: nn.Parameter) -> torch.Tensor:
+    """The full value of a ZeRO-3 parameter, assembled from every rank's partition."""
+    group = param.ds_process_group
+    local = param.ds_tensor.data.view(-1)
+    world = dist.get_world_size(group)
+    full = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+    all_gather(full, local.contiguous(), group=group)
+    return full[: int(param.ds_numel)].view(param.ds_shape).clone()
+
+
+class Zero3Sharding:
+    """Routes full local gradients to their owner ranks and refreshes gathered copies."""
+
+    # DeepSpeed releases the gathered parameters after a backward: no second one per graph.
+    second_backward_ok = False
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: dict[int, str],
+        bucket_numel: int,
+        max_inflight: int,
+    ) -> None:
+        self.group = check_zero3_params(params, names)
+        self.params = list(params)
+        self.reducer = ReduceScatterBuckets(bucket_numel, max_inflight)
+
+    def shard(self, param: nn.Parameter) -> Shard:
+        return zero3_shard(param)
+
+    def full_shape(self, param: nn.Parameter) -> torch.Size:
+        return torch.Size(param.ds_shape)
+
+    def begin(self, consume: Consumer) -> None:
+        self.reducer.begin(consume)
+
+    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if tuple(grad.shape) != tuple(param.ds_shape):
+            raise RuntimeError(
+                f"ZeRO-3 parameter ds_id={param.ds_id}: gradient of shape {tuple(grad.shape)}, "
+                f"expected the full shape {tuple(param.ds_shape)}. " + SUPPORTED_SETUP
+            )
+        self.reducer.add(zero3_shard(param), grad, partition_size(param))
+
+    def finish(self) -> None:
+        self.reducer.finish()
+
+    def abandon(self) -> None:
+        self.reducer.abandon()
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def after_update(self) -> None:
+        refresh_gathered(self.params)
+
+    def gather_slices(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor whose slice `values` is on this rank (a collective)."""
+        return gather_padded(values, partition_size(param), int(param.ds_numel), self.group)
