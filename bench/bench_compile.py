@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 from torch._dynamo import compiled_autograd
 
 from lomo_kernels import Lomo
+from lomo_kernels.tools.machine import cpu_model
 
 THREADS = 2
 WAYS = ("eager", "compiled forward", "compiled forward + compiled autograd")
@@ -86,12 +86,7 @@ def main() -> None:
             start = time.perf_counter()
             step(inputs)
             times[way].append(time.perf_counter() - start)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     import transformers
 
     n_params = sum(p.numel() for p in base.parameters())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from lomo_kernels.tools.bench_memory import (  # noqa: E402
     rss_bytes,
 )
 from lomo_kernels.tools.bench_memory import child_env as mmap_env  # noqa: E402
+from lomo_kernels.tools.machine import cpu_model  # noqa: E402
 
 MB = 2**20
 
@@ -191,12 +191,7 @@ def main() -> None:
             for config in args.configs:
                 runs[config].append(run_config(config, args, Path(out)))
     first = runs[args.configs[0]][0][0]
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     print(
         f"{first['device']} ({cpu}, {os.cpu_count()} cores), 2 ranks x {first['threads']} "
         f"thread(s); torch {first['torch']}; transformers {first['transformers']}; "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from lomo_kernels.tools.bench_memory import (  # noqa: E402
     MMAP_VALUE,
     run_isolated,
 )
+from lomo_kernels.tools.machine import cpu_model  # noqa: E402
 
 MB = 2**20  # MiB, the unit of the figures in MEASURING.md
 DEFAULT_SHAPES = ((1, 64), (2, 256))
@@ -42,12 +42,7 @@ DEFAULT_SHAPES = ((1, 64), (2, 256))
 
 def machine_line(results: Sequence[dict[str, Any]]) -> str:
     first = next(iter(results), {})
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     backends = sorted({r["backend"] for r in results if "backend" in r})
     return (
         f"CPU: {cpu}, {os.cpu_count()} cores; threads {first.get('threads')}; "

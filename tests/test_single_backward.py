@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from sharded_checks import count_phases
 from test_lomo_safety import NoHostSync, poison, snapshot
 from tiny_models import batch, clone, tiny_llama
 
@@ -13,19 +14,6 @@ from lomo_kernels import AdaLomo, Lomo
 from lomo_kernels.optim.single_pass import SinglePassClip
 
 MAX_NORM = 0.5
-
-
-def count_backwards(opt) -> list[str]:
-    """Records the phase of every backward pass the optimizer runs."""
-    phases = []
-    original = opt._run_backward
-
-    def wrapper(loss, phase, retain_graph):
-        phases.append(phase)
-        return original(loss, phase, retain_graph)
-
-    opt._run_backward = wrapper
-    return phases
 
 
 def true_grads(model, loss_fn) -> list[torch.Tensor]:
@@ -50,12 +38,12 @@ def applied_update(model, before, lr) -> torch.Tensor:
 def test_one_backward_per_step(cls, dtype):
     model = tiny_llama(dtype)
     opt = cls(model, lr=0.01, clip_grad_norm=1.0, single_backward=True)
-    phases = count_backwards(opt)
+    phases = count_phases(opt)
     for step in range(3):
         opt.fused_backward(model(**batch(step)).loss)
     assert phases == ["update"] * 3
     exact = cls(tiny_llama(dtype), lr=0.01, clip_grad_norm=1.0)
-    phases = count_backwards(exact)
+    phases = count_phases(exact)
     exact.fused_backward(exact.model(**batch(0)).loss)
     assert phases == ["norm", "update"]  # the default stays lomo-optim's two passes
 
@@ -169,7 +157,7 @@ def test_fp16_inf_in_one_layer_is_a_partial_step():
     target = model.model.layers[1].mlp.down_proj.weight
     counter = {"step": 0}
     poison(target, {1}, counter)
-    phases = count_backwards(opt)
+    phases = count_phases(opt)
     for step in range(5):
         counter["step"] = step
         before, scale_before = snapshot(model), opt.loss_scaler.scale.item()
