@@ -1,7 +1,7 @@
 """Optional ahead-of-time build of the CPU extension as ``lomo_kernels._C_cpu``.
 
 Metadata lives in pyproject.toml. By default nothing is compiled: the C++ backend JIT-builds
-itself on first use (see lomo_kernels/_extension.py). With LOMO_KERNELS_BUILD_EXT=1
+itself on first use (see lomo_kernels/kernels/cpp/extension.py). With LOMO_KERNELS_BUILD_EXT=1
 the extension is built here; load it with LOMO_KERNELS_PREBUILT=1. This build targets the
 baseline ISA of the compiler (portable wheels); the JIT build uses -march=native.
 """
@@ -19,7 +19,7 @@ if os.environ.get("LOMO_KERNELS_BUILD_EXT") == "1":
     if sys.platform == "win32":
         cflags, ldflags = ["/O2", "/openmp"], []
     else:
-        # Same reasons as _extension.cpu_build_flags(): exact rounding, vector selects, OpenMP.
+        # Same reasons as extension.cpu_build_flags(): exact rounding, vector selects, OpenMP.
         cflags = ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
         ldflags = ["-fopenmp"]
     ext_modules.append(

@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lomo_kernels.backends import cpp_backend, reference  # noqa: E402
+from lomo_kernels.kernels.cpp import sgd as cpp_backend  # noqa: E402
+from lomo_kernels.ops import sgd_reference as reference  # noqa: E402
 from lomo_kernels.tools.bench_kernels import (  # noqa: E402
     fused_sgd_writes_params,
     official_chain,
@@ -79,6 +80,7 @@ class Case:
         self.inv_scale = torch.full((1,), INV_SCALE)
         self.clip_coef = torch.full((1,), CLIP_COEF)
         self.grad_scale = torch.ones(1)
+        self.lr = torch.full((1,), LR)
         self.dtype = dtype
 
     def _fused(self, module, stochastic_rounding: bool) -> None:
@@ -86,18 +88,15 @@ class Case:
             module.sgd_update_(
                 p,
                 g,
-                lr=LR,
-                lr_tensor=None,
-                inv_scale=1.0,
-                inv_scale_tensor=self.inv_scale,
-                clip_value=CLIP_VALUE,
-                clip_coef=1.0,
-                clip_coef_tensor=self.clip_coef,
-                weight_decay=WEIGHT_DECAY,
-                found_inf=self.found_inf,
-                skip_if=None,
-                stochastic_rounding=stochastic_rounding,
-                seed=1234,
+                self.lr,
+                self.inv_scale,
+                CLIP_VALUE,
+                self.clip_coef,
+                WEIGHT_DECAY,
+                self.found_inf,
+                None,
+                stochastic_rounding,
+                1234,
             )
 
     def fused(self) -> None:
@@ -105,22 +104,7 @@ class Case:
 
     def fused_plain(self) -> None:
         for p, g in zip(self.params, self.grads, strict=True):
-            cpp_backend.sgd_update_(
-                p,
-                g,
-                lr=LR,
-                lr_tensor=None,
-                inv_scale=1.0,
-                inv_scale_tensor=None,
-                clip_value=None,
-                clip_coef=1.0,
-                clip_coef_tensor=None,
-                weight_decay=0.0,
-                found_inf=None,
-                skip_if=None,
-                stochastic_rounding=False,
-                seed=1234,
-            )
+            cpp_backend.sgd_update_(p, g, self.lr, None, None, None, 0.0, None, None, False, 1234)
 
     def fused_sr(self) -> None:
         self._fused(cpp_backend, stochastic_rounding=True)

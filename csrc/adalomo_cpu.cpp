@@ -1,5 +1,5 @@
 // CPU kernels of the fused AdaLomo passes, with their torch binding.
-// Semantics: lomo_kernels/adalomo_backends/reference.py (fp32 math; reductions here are
+// Semantics: lomo_kernels/ops/adalomo_reference.py (fp32 math; reductions here are
 // accumulated in double in fixed blocks, so results do not depend on scheduling).
 //
 // Threads: at::parallel_for over blocks of rows and columns (factored tensors) or over
@@ -44,36 +44,33 @@ void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
   }
 }
 
-float read_scalar(const at::Tensor& t) {
+// Runtime scalars (lr, beta2, inv_scale, clip_coef, skip_if) are 1-element fp32 tensors on
+// the parameter's device, here the CPU.
+float read_scalar(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device().is_cpu(),
-              "lomo_kernels: scalar tensors must be 1-element fp32 CPU tensors");
+              "lomo_kernels: ", name, " must be a 1-element fp32 CPU tensor");
   return *t.const_data_ptr<float>();
 }
 
-// scalar * tensor[0] in fp32, as reference._effective computes it.
-float effective(double scalar, const OptTensor& t) {
-  const float s = static_cast<float>(scalar);
-  return t.has_value() ? lomo::mul_rn(read_scalar(*t), s) : s;
+// An optional multiplier: absent means 1 (x * 1 == x, so the result is the same).
+float read_factor(const OptTensor& t, const char* name) {
+  return t.has_value() ? read_scalar(*t, name) : 1.0f;
 }
 
-adalomo::GradScalars grad_scalars(double inv_scale, const OptTensor& inv_scale_tensor,
-                                  std::optional<double> clip_value, double clip_coef,
-                                  const OptTensor& clip_coef_tensor) {
+adalomo::GradScalars grad_scalars(const OptTensor& inv_scale, std::optional<double> clip_value,
+                                  const OptTensor& clip_coef) {
   adalomo::GradScalars s;
-  s.inv_scale = effective(inv_scale, inv_scale_tensor);
+  s.inv_scale = read_factor(inv_scale, "inv_scale");
   s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
                                   : std::numeric_limits<float>::infinity();
-  s.coef = effective(clip_coef, clip_coef_tensor);
+  s.coef = read_factor(clip_coef, "clip_coef");
   return s;
 }
 
-// (b, 1 - b): with a Python beta2 the complement is computed in double, as the reference.
-std::pair<float, float> beta_pair(double beta2, const OptTensor& beta2_tensor) {
-  if (beta2_tensor.has_value()) {
-    const float b = effective(beta2, beta2_tensor);
-    return {b, lomo::sub_rn(1.0f, b)};
-  }
-  return {static_cast<float>(beta2), static_cast<float>(1.0 - beta2)};
+// (b, 1 - b) in fp32, as the reference forms them from a tensor beta2.
+std::pair<float, float> beta_pair(const at::Tensor& beta2) {
+  const float b = read_scalar(beta2, "beta2");
+  return {b, lomo::sub_rn(1.0f, b)};
 }
 
 float* workspace_stats(at::Tensor& workspace) {
@@ -97,7 +94,7 @@ void check_state(const at::Tensor& t, int64_t numel, const char* what) {
 // True when this call must do nothing: the SKIP slot or the caller's skip_if is non-zero.
 bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
   if (stats[adalomo::kSkip] != 0.0f) return true;
-  return skip_if.has_value() && read_scalar(*skip_if) != 0.0f;  // nan skips too
+  return skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f;  // nan skips too
 }
 
 void raise_found_inf(const OptTensor& found_inf) {
@@ -176,9 +173,8 @@ void stats_block(const typename G::T* grad, const typename P::T* param, int64_t 
 
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
-                     double inv_scale, const OptTensor& inv_scale_tensor,
-                     std::optional<double> clip_value, double clip_coef,
-                     const OptTensor& clip_coef_tensor, double eps0) {
+                     const OptTensor& inv_scale, std::optional<double> clip_value,
+                     const OptTensor& clip_coef, double eps0) {
   check_cpu(grad, "grad");
   check_cpu(param, "param");
   TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
@@ -187,12 +183,12 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   float* stats = workspace_stats(workspace);
   TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
               "lomo_kernels: workspace size does not match the parameter");
+  // Scalars are checked even when the step is skipped, as the CUDA binding does.
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   if (skipped_on_entry(stats, skip_if)) {
     stats[adalomo::kSkip] = 1.0f;
     return;
   }
-  const adalomo::GradScalars s =
-      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
   const float eps = static_cast<float>(eps0);
   const Blocks blocks = make_blocks(rows, cols);
   const int64_t n_blocks = blocks.row_blocks * blocks.col_blocks;
@@ -244,15 +240,15 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
 }
 
 void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
-                       at::Tensor workspace, double beta2, const OptTensor& beta2_tensor) {
+                       at::Tensor workspace, const at::Tensor& beta2) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
   check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
   float* stats = workspace_stats(workspace);
   TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
               "lomo_kernels: workspace size does not match the moments");
+  const auto [b, omb] = beta_pair(beta2);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
   const float* ws = workspace.data_ptr<float>();
   float* R = exp_avg_sq_row.data_ptr<float>();
   float* C = exp_avg_sq_col.data_ptr<float>();
@@ -307,18 +303,17 @@ double norm_span(const typename G::T* grad, const float* R, const float* c, floa
 }
 
 void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double inv_scale,
-                    const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                    double clip_coef, const OptTensor& clip_coef_tensor) {
+                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
+                    const OptTensor& inv_scale, std::optional<double> clip_value,
+                    const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cpu(grad, "grad");
   check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
   check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
   TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
   float* stats = workspace_stats(workspace);
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const adalomo::GradScalars s =
-      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
   const float* R = exp_avg_sq_row.const_data_ptr<float>();
@@ -359,11 +354,10 @@ void apply_span(typename P::T* param, const typename G::T* grad, const float* R,
 }
 
 void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double lr,
-                     const OptTensor& lr_tensor, double eps1, double clip_threshold,
-                     double weight_decay, double inv_scale, const OptTensor& inv_scale_tensor,
-                     std::optional<double> clip_value, double clip_coef,
-                     const OptTensor& clip_coef_tensor) {
+                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
+                     const at::Tensor& lr, double eps1, double clip_threshold,
+                     double weight_decay, const OptTensor& inv_scale,
+                     std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cpu(param, "param");
   check_cpu(grad, "grad");
@@ -372,12 +366,12 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
               "lomo_kernels: param/grad do not match the moments");
   float* stats = workspace_stats(workspace);
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
+  const float lr_value = read_scalar(lr, "lr");
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const adalomo::GradScalars s =
-      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
   const int64_t n = param.numel();
   const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), effective(lr, lr_tensor), static_cast<float>(eps1),
+      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
       static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
@@ -430,23 +424,21 @@ VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* 
 
 void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
                    const at::Tensor& exp_avg_sq, at::Tensor workspace,
-                   const OptTensor& found_inf, const OptTensor& skip_if, double beta2,
-                   const OptTensor& beta2_tensor, double eps0, double inv_scale,
-                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                   double clip_coef, const OptTensor& clip_coef_tensor) {
+                   const OptTensor& found_inf, const OptTensor& skip_if,
+                   const at::Tensor& beta2, double eps0, const OptTensor& inv_scale,
+                   std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
   check_cpu(grad, "grad");
   check_cpu(param, "param");
   check_state(exp_avg_sq, n, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
   float* stats = workspace_stats(workspace);
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
+  const auto [b, omb] = beta_pair(beta2);
   if (skipped_on_entry(stats, skip_if)) {
     stats[adalomo::kSkip] = 1.0f;
     return;
   }
-  const adalomo::GradScalars s =
-      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
-  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
   const float eps = static_cast<float>(eps0);
   const float* v = exp_avg_sq.const_data_ptr<float>();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
@@ -494,23 +486,22 @@ void vector_apply_span(typename P::T* param, const typename G::T* grad, float* v
 }
 
 void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_sq,
-                   at::Tensor workspace, double beta2, const OptTensor& beta2_tensor,
-                   double eps0, double lr, const OptTensor& lr_tensor, double eps1,
-                   double clip_threshold, double weight_decay, double inv_scale,
-                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                   double clip_coef, const OptTensor& clip_coef_tensor) {
+                   at::Tensor workspace, const at::Tensor& beta2, double eps0,
+                   const at::Tensor& lr, double eps1, double clip_threshold,
+                   double weight_decay, const OptTensor& inv_scale,
+                   std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
   check_cpu(grad, "grad");
   check_cpu(param, "param");
   check_state(exp_avg_sq, n, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
   float* stats = workspace_stats(workspace);
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
+  const auto [b, omb] = beta_pair(beta2);
+  const float lr_value = read_scalar(lr, "lr");
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const adalomo::GradScalars s =
-      grad_scalars(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor);
-  const auto [b, omb] = beta_pair(beta2, beta2_tensor);
   const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), effective(lr, lr_tensor), static_cast<float>(eps1),
+      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
       static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
   const float eps = static_cast<float>(eps0);
   float* v = exp_avg_sq.data_ptr<float>();
@@ -533,31 +524,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
   m.def("factored_stats_", &factored_stats_, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
         py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("cols"), py::arg("inv_scale"), py::arg("inv_scale_tensor"),
-        py::arg("clip_value"), py::arg("clip_coef"), py::arg("clip_coef_tensor"),
+        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"),
         py::arg("eps0"));
   m.def("factored_moments_", &factored_moments_, "AdaLomo row/column moments",
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("beta2"), py::arg("beta2_tensor"));
+        py::arg("beta2"));
   m.def("factored_norm_", &factored_norm_, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
   m.def("factored_apply_", &factored_apply_, "AdaLomo pass C (>= 2-D)", py::arg("param"),
         py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
-        py::arg("workspace"), py::arg("lr"), py::arg("lr_tensor"), py::arg("eps1"),
-        py::arg("clip_threshold"), py::arg("weight_decay"), py::arg("inv_scale"),
-        py::arg("inv_scale_tensor"), py::arg("clip_value"), py::arg("clip_coef"),
-        py::arg("clip_coef_tensor"));
+        py::arg("workspace"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
+        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
+        py::arg("clip_coef"));
   m.def("vector_stats_", &vector_stats_, "AdaLomo pass A1 (1-D)", py::arg("grad"),
         py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
-        py::arg("skip_if"), py::arg("beta2"), py::arg("beta2_tensor"), py::arg("eps0"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+        py::arg("skip_if"), py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"),
+        py::arg("clip_value"), py::arg("clip_coef"));
   m.def("vector_apply_", &vector_apply_, "AdaLomo pass C1 (1-D)", py::arg("param"),
         py::arg("grad"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"),
-        py::arg("beta2_tensor"), py::arg("eps0"), py::arg("lr"), py::arg("lr_tensor"),
-        py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+        py::arg("eps0"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
+        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
+        py::arg("clip_coef"));
 }

@@ -1,5 +1,5 @@
 // CUDA kernels of the fused AdaLomo passes and their extern "C" launchers (adalomo_cuda.h).
-// Semantics: lomo_kernels/adalomo_backends/reference.py. Builds with nvcc alone (no torch).
+// Semantics: lomo_kernels/ops/adalomo_reference.py. Builds with nvcc alone (no torch).
 //
 // Factored tensors ([rows, cols]): a block of 8 warps owns 128 columns and a group of rows;
 // each warp walks rows, every lane handling 4 columns 32 apart, so each warp load covers 32
@@ -64,28 +64,21 @@ __device__ bool block_runs(const float* stats, const float* skip_if) {
 
 __device__ adalomo::GradScalars resolve(const AdalomoGradArgs& a) {
   adalomo::GradScalars s;
-  s.inv_scale = a.inv_scale_tensor != nullptr ? __fmul_rn(*a.inv_scale_tensor, a.inv_scale)
-                                              : a.inv_scale;
+  s.inv_scale = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
   s.clip = a.has_clip_value ? a.clip_value : __int_as_float(0x7F800000);
-  s.coef = a.clip_coef_tensor != nullptr ? __fmul_rn(*a.clip_coef_tensor, a.clip_coef)
-                                         : a.clip_coef;
+  s.coef = a.clip_coef != nullptr ? *a.clip_coef : 1.0f;
   return s;
 }
 
-__device__ void resolve_beta(const AdalomoBetaArgs& a, float& b, float& one_minus_b) {
-  if (a.beta2_tensor != nullptr) {
-    b = __fmul_rn(*a.beta2_tensor, a.beta2);
-    one_minus_b = __fsub_rn(1.0f, b);
-  } else {
-    b = a.beta2;
-    one_minus_b = a.one_minus_beta2;
-  }
+// (b, 1 - b) in fp32, as the reference forms them from a tensor beta2.
+__device__ void resolve_beta(const float* beta2, float& b, float& one_minus_b) {
+  b = *beta2;
+  one_minus_b = __fsub_rn(1.0f, b);
 }
 
 __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const float* stats,
                                              float numel) {
-  const float lr = a.lr_tensor != nullptr ? __fmul_rn(*a.lr_tensor, a.lr) : a.lr;
-  return adalomo::step_scalars(stats, numel, lr, a.eps1, a.clip_threshold, a.weight_decay);
+  return adalomo::step_scalars(stats, numel, *a.lr, a.eps1, a.clip_threshold, a.weight_decay);
 }
 
 // ----------------------------------------------------------------------------- factored
@@ -150,12 +143,11 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
 
 __global__ void __launch_bounds__(kThreads)
 factored_moments_kernel(float* __restrict__ row_state, float* __restrict__ col_state,
-                        float* __restrict__ ws, int64_t rows, int64_t cols,
-                        AdalomoBetaArgs beta) {
+                        float* __restrict__ ws, int64_t rows, int64_t cols, const float* beta2) {
   float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;  // final after pass A: uniform
   float b, one_minus_b;
-  resolve_beta(beta, b, one_minus_b);
+  resolve_beta(beta2, b, one_minus_b);
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   float row_value = 0.0f;
   if (k < rows) {
@@ -258,14 +250,14 @@ __global__ void __launch_bounds__(kThreads)
 vector_stats_kernel(const typename G::T* __restrict__ grad,
                     const typename P::T* __restrict__ param, const float* __restrict__ v,
                     float* __restrict__ ws, float* found_inf, const float* skip_if, int64_t n,
-                    AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args) {
+                    const float* beta2, float eps0, AdalomoGradArgs grad_args) {
   if (!block_runs(ws, skip_if)) {
     if (threadIdx.x == 0) raise_to_one(ws + adalomo::kSkip);
     return;
   }
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
-  resolve_beta(beta, b, one_minus_b);
+  resolve_beta(beta2, b, one_minus_b);
   float u_acc = 0.0f, p_acc = 0.0f;
   uint32_t bad = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -297,12 +289,12 @@ template <class P, class G>
 __global__ void __launch_bounds__(kThreads)
 vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                     float* __restrict__ v, const float* __restrict__ ws, int64_t n,
-                    AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step_args,
+                    const float* beta2, float eps0, AdalomoStepArgs step_args,
                     AdalomoGradArgs grad_args) {
   if (ws[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
-  resolve_beta(beta, b, one_minus_b);
+  resolve_beta(beta2, b, one_minus_b);
   const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(n));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
@@ -388,6 +380,9 @@ bool dispatch_two(int param_code, int grad_code, F&& f) {
   return ok;
 }
 
+// The required scalar pointers (lr, beta2) must be set: the kernels read them unconditionally.
+constexpr int kMissingScalar = static_cast<int>(cudaErrorInvalidValue);
+
 int launch_status(bool dispatched) {
   if (!dispatched) return static_cast<int>(cudaErrorInvalidValue);
   return static_cast<int>(cudaGetLastError());
@@ -415,11 +410,12 @@ int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* pa
 
 int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
                                   float* workspace, int64_t rows, int64_t cols,
-                                  AdalomoBetaArgs beta, cudaStream_t stream) {
+                                  const float* beta2, cudaStream_t stream) {
+  if (beta2 == nullptr) return kMissingScalar;
   if (rows <= 0 || cols <= 0) return 0;
   const unsigned blocks = static_cast<unsigned>((rows + cols + kThreads - 1) / kThreads);
   factored_moments_kernel<<<blocks, kThreads, 0, stream>>>(exp_avg_sq_row, exp_avg_sq_col,
-                                                           workspace, rows, cols, beta);
+                                                           workspace, rows, cols, beta2);
   return launch_status(true);
 }
 
@@ -442,6 +438,7 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
                                 const float* workspace, int64_t rows, int64_t cols,
                                 AdalomoStepArgs step, AdalomoGradArgs grad_args,
                                 cudaStream_t stream) {
+  if (step.lr == nullptr) return kMissingScalar;
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
   const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
@@ -458,8 +455,9 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
 int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
                               int param_dtype, const float* exp_avg_sq, float* workspace,
                               float* found_inf, const float* skip_if, int64_t n,
-                              AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args,
+                              const float* beta2, float eps0, AdalomoGradArgs grad_args,
                               cudaStream_t stream) {
+  if (beta2 == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
   const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
@@ -467,15 +465,16 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
     using G = decltype(g_tag);
     vector_stats_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
-        exp_avg_sq, workspace, found_inf, skip_if, n, beta, eps0, grad_args);
+        exp_avg_sq, workspace, found_inf, skip_if, n, beta2, eps0, grad_args);
   });
   return launch_status(ok);
 }
 
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
-                              AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step,
+                              const float* beta2, float eps0, AdalomoStepArgs step,
                               AdalomoGradArgs grad_args, cudaStream_t stream) {
+  if (beta2 == nullptr || step.lr == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
   const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
@@ -483,7 +482,7 @@ int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, in
     using G = decltype(g_tag);
     vector_apply_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
         static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
-        exp_avg_sq, workspace, n, beta, eps0, step, grad_args);
+        exp_avg_sq, workspace, n, beta2, eps0, step, grad_args);
   });
   return launch_status(ok);
 }

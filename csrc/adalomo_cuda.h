@@ -2,7 +2,9 @@
 // so the kernels build with nvcc alone and any binding (adalomo_cuda_binding.cpp for torch)
 // can call them. Every launcher enqueues exactly one kernel on `stream` and returns the
 // cudaError_t of the launch (0 on success). Pointers are device pointers; optional ones may
-// be NULL. Dtype codes: 0 fp32, 1 fp16, 2 bf16 (lomo::DtypeCode).
+// be NULL. Runtime scalars (lr, beta2, inv_scale, clip_coef) are pointers to one fp32 value,
+// read by the kernels; a NULL lr or beta2 is refused with cudaErrorInvalidValue. Dtype codes:
+// 0 fp32, 1 fp16, 2 bf16 (lomo::DtypeCode).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,26 +16,15 @@ extern "C" {
 
 // How to turn a stored gradient value into the fp32 g of the math.
 typedef struct {
-  float inv_scale;                // multiplied by *inv_scale_tensor when that is not NULL
-  const float* inv_scale_tensor;
-  int has_clip_value;             // clamp to [-clip_value, clip_value] when non-zero
+  const float* inv_scale;  // NULL: 1
+  int has_clip_value;      // clamp to [-clip_value, clip_value] when non-zero
   float clip_value;
-  float clip_coef;                // multiplied by *clip_coef_tensor when that is not NULL
-  const float* clip_coef_tensor;
+  const float* clip_coef;  // NULL: 1
 } AdalomoGradArgs;
 
-// beta2 (times *beta2_tensor when not NULL) and 1 - beta2 computed by the caller in double
-// (used only when beta2_tensor is NULL).
+// lr and the hyper-parameters of the final pass.
 typedef struct {
-  float beta2;
-  float one_minus_beta2;
-  const float* beta2_tensor;
-} AdalomoBetaArgs;
-
-// lr (times *lr_tensor when not NULL) and the hyper-parameters of the final pass.
-typedef struct {
-  float lr;
-  const float* lr_tensor;
+  const float* lr;
   float eps1;
   float clip_threshold;
   float weight_decay;
@@ -46,7 +37,7 @@ int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* pa
 
 int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
                                   float* workspace, int64_t rows, int64_t cols,
-                                  AdalomoBetaArgs beta, cudaStream_t stream);
+                                  const float* beta2, cudaStream_t stream);
 
 int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
                                const float* exp_avg_sq_col, float* workspace, int64_t rows,
@@ -61,12 +52,12 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
 int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
                               int param_dtype, const float* exp_avg_sq, float* workspace,
                               float* found_inf, const float* skip_if, int64_t n,
-                              AdalomoBetaArgs beta, float eps0, AdalomoGradArgs grad_args,
+                              const float* beta2, float eps0, AdalomoGradArgs grad_args,
                               cudaStream_t stream);
 
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
-                              AdalomoBetaArgs beta, float eps0, AdalomoStepArgs step,
+                              const float* beta2, float eps0, AdalomoStepArgs step,
                               AdalomoGradArgs grad_args, cudaStream_t stream);
 
 #ifdef __cplusplus

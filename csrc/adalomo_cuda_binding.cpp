@@ -1,7 +1,8 @@
 // torch binding of the AdaLomo CUDA launchers (adalomo_cuda.h). Built only with a CUDA torch,
-// by lomo_kernels/adalomo_backends/cpp.py; the functions have the signatures of the CPU
+// by lomo_kernels/kernels/cpp/adalomo.py; the functions have the signatures of the CPU
 // extension (adalomo_cpu.cpp) so the backend calls either the same way. Nothing here reads
-// a device value: scalar tensors are passed to the kernels as device pointers.
+// a device value: the scalar tensors (1-element fp32 on the parameter's device) are passed
+// to the kernels as device pointers.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAStream.h>
@@ -35,11 +36,14 @@ void check_cuda(const at::Tensor& t, const char* what) {
 
 float* ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
 
-float* opt_ptr(const OptTensor& t, const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->numel() == 1,
-              "lomo_kernels: ", what, " must be a 1-element fp32 CUDA tensor");
-  return t->data_ptr<float>();
+float* scalar_ptr(const at::Tensor& t, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device() == like.device(),
+              "lomo_kernels: ", what, " must be a 1-element fp32 tensor on ", like.device());
+  return t.data_ptr<float>();
+}
+
+float* opt_ptr(const OptTensor& t, const at::Tensor& like, const char* what) {
+  return t.has_value() ? scalar_ptr(*t, like, what) : nullptr;
 }
 
 float* stats_check(const at::Tensor& workspace, int64_t expected) {
@@ -49,32 +53,20 @@ float* stats_check(const at::Tensor& workspace, int64_t expected) {
   return workspace.data_ptr<float>();
 }
 
-AdalomoGradArgs grad_args(double inv_scale, const OptTensor& inv_scale_tensor,
-                          std::optional<double> clip_value, double clip_coef,
-                          const OptTensor& clip_coef_tensor) {
+AdalomoGradArgs grad_args(const at::Tensor& like, const OptTensor& inv_scale,
+                          std::optional<double> clip_value, const OptTensor& clip_coef) {
   AdalomoGradArgs a;
-  a.inv_scale = static_cast<float>(inv_scale);
-  a.inv_scale_tensor = opt_ptr(inv_scale_tensor, "inv_scale_tensor");
+  a.inv_scale = opt_ptr(inv_scale, like, "inv_scale");
   a.has_clip_value = clip_value.has_value() ? 1 : 0;
   a.clip_value = clip_value.has_value() ? static_cast<float>(*clip_value) : 0.0f;
-  a.clip_coef = static_cast<float>(clip_coef);
-  a.clip_coef_tensor = opt_ptr(clip_coef_tensor, "clip_coef_tensor");
+  a.clip_coef = opt_ptr(clip_coef, like, "clip_coef");
   return a;
 }
 
-AdalomoBetaArgs beta_args(double beta2, const OptTensor& beta2_tensor) {
-  AdalomoBetaArgs a;
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.beta2_tensor = opt_ptr(beta2_tensor, "beta2_tensor");
-  return a;
-}
-
-AdalomoStepArgs step_args(double lr, const OptTensor& lr_tensor, double eps1,
+AdalomoStepArgs step_args(const at::Tensor& like, const at::Tensor& lr, double eps1,
                           double clip_threshold, double weight_decay) {
   AdalomoStepArgs a;
-  a.lr = static_cast<float>(lr);
-  a.lr_tensor = opt_ptr(lr_tensor, "lr_tensor");
+  a.lr = scalar_ptr(lr, like, "lr");
   a.eps1 = static_cast<float>(eps1);
   a.clip_threshold = static_cast<float>(clip_threshold);
   a.weight_decay = static_cast<float>(weight_decay);
@@ -88,9 +80,8 @@ void check_launch(int status) {
 
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
-                     double inv_scale, const OptTensor& inv_scale_tensor,
-                     std::optional<double> clip_value, double clip_coef,
-                     const OptTensor& clip_coef_tensor, double eps0) {
+                     const OptTensor& inv_scale, std::optional<double> clip_value,
+                     const OptTensor& clip_coef, double eps0) {
   check_cuda(grad, "grad");
   check_cuda(param, "param");
   TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
@@ -100,29 +91,29 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
-      dtype_code(param, "param"), ptr(workspace), opt_ptr(found_inf, "found_inf"),
-      opt_ptr(skip_if, "skip_if"), rows, cols,
-      grad_args(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
-      static_cast<float>(eps0), c10::cuda::getCurrentCUDAStream()));
+      dtype_code(param, "param"), ptr(workspace), opt_ptr(found_inf, param, "found_inf"),
+      opt_ptr(skip_if, param, "skip_if"), rows, cols,
+      grad_args(param, inv_scale, clip_value, clip_coef), static_cast<float>(eps0),
+      c10::cuda::getCurrentCUDAStream()));
 }
 
 void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
-                       at::Tensor workspace, double beta2, const OptTensor& beta2_tensor) {
+                       at::Tensor workspace, const at::Tensor& beta2) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cuda(exp_avg_sq_row, "exp_avg_sq_row");
   check_cuda(exp_avg_sq_col, "exp_avg_sq_col");
   stats_check(workspace, rows + cols + 4);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  check_launch(adalomo_cuda_factored_moments(ptr(exp_avg_sq_row), ptr(exp_avg_sq_col),
-                                             ptr(workspace), rows, cols,
-                                             beta_args(beta2, beta2_tensor),
-                                             c10::cuda::getCurrentCUDAStream()));
+  // No parameter here: the moments' device stands for it.
+  check_launch(adalomo_cuda_factored_moments(
+      ptr(exp_avg_sq_row), ptr(exp_avg_sq_col), ptr(workspace), rows, cols,
+      scalar_ptr(beta2, exp_avg_sq_row, "beta2"), c10::cuda::getCurrentCUDAStream()));
 }
 
 void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double inv_scale,
-                    const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                    double clip_coef, const OptTensor& clip_coef_tensor) {
+                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
+                    const OptTensor& inv_scale, std::optional<double> clip_value,
+                    const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cuda(grad, "grad");
   TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
@@ -131,16 +122,14 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   check_launch(adalomo_cuda_factored_norm(
       grad.const_data_ptr(), dtype_code(grad, "grad"), ptr(exp_avg_sq_row),
       ptr(exp_avg_sq_col), ptr(workspace), rows, cols,
-      grad_args(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
-      c10::cuda::getCurrentCUDAStream()));
+      grad_args(grad, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
 
 void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace, double lr,
-                     const OptTensor& lr_tensor, double eps1, double clip_threshold,
-                     double weight_decay, double inv_scale, const OptTensor& inv_scale_tensor,
-                     std::optional<double> clip_value, double clip_coef,
-                     const OptTensor& clip_coef_tensor) {
+                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
+                     const at::Tensor& lr, double eps1, double clip_threshold,
+                     double weight_decay, const OptTensor& inv_scale,
+                     std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cuda(param, "param");
   check_cuda(grad, "grad");
@@ -151,17 +140,15 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   check_launch(adalomo_cuda_factored_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
       dtype_code(grad, "grad"), ptr(exp_avg_sq_row), ptr(exp_avg_sq_col), ptr(workspace), rows,
-      cols, step_args(lr, lr_tensor, eps1, clip_threshold, weight_decay),
-      grad_args(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
-      c10::cuda::getCurrentCUDAStream()));
+      cols, step_args(param, lr, eps1, clip_threshold, weight_decay),
+      grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
 
 void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
                    const at::Tensor& exp_avg_sq, at::Tensor workspace,
-                   const OptTensor& found_inf, const OptTensor& skip_if, double beta2,
-                   const OptTensor& beta2_tensor, double eps0, double inv_scale,
-                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                   double clip_coef, const OptTensor& clip_coef_tensor) {
+                   const OptTensor& found_inf, const OptTensor& skip_if,
+                   const at::Tensor& beta2, double eps0, const OptTensor& inv_scale,
+                   std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
   check_cuda(grad, "grad");
   check_cuda(param, "param");
@@ -173,18 +160,16 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   check_launch(adalomo_cuda_vector_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
       dtype_code(param, "param"), ptr(exp_avg_sq), ptr(workspace),
-      opt_ptr(found_inf, "found_inf"), opt_ptr(skip_if, "skip_if"), n,
-      beta_args(beta2, beta2_tensor), static_cast<float>(eps0),
-      grad_args(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
-      c10::cuda::getCurrentCUDAStream()));
+      opt_ptr(found_inf, param, "found_inf"), opt_ptr(skip_if, param, "skip_if"), n,
+      scalar_ptr(beta2, param, "beta2"), static_cast<float>(eps0),
+      grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
 
 void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_sq,
-                   at::Tensor workspace, double beta2, const OptTensor& beta2_tensor,
-                   double eps0, double lr, const OptTensor& lr_tensor, double eps1,
-                   double clip_threshold, double weight_decay, double inv_scale,
-                   const OptTensor& inv_scale_tensor, std::optional<double> clip_value,
-                   double clip_coef, const OptTensor& clip_coef_tensor) {
+                   at::Tensor workspace, const at::Tensor& beta2, double eps0,
+                   const at::Tensor& lr, double eps1, double clip_threshold,
+                   double weight_decay, const OptTensor& inv_scale,
+                   std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
   check_cuda(param, "param");
   check_cuda(grad, "grad");
@@ -196,10 +181,9 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   check_launch(adalomo_cuda_vector_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
       dtype_code(grad, "grad"), ptr(exp_avg_sq), ptr(workspace), n,
-      beta_args(beta2, beta2_tensor), static_cast<float>(eps0),
-      step_args(lr, lr_tensor, eps1, clip_threshold, weight_decay),
-      grad_args(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
-      c10::cuda::getCurrentCUDAStream()));
+      scalar_ptr(beta2, param, "beta2"), static_cast<float>(eps0),
+      step_args(param, lr, eps1, clip_threshold, weight_decay),
+      grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace
@@ -208,29 +192,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CUDA kernels";
   m.def("factored_stats_", &factored_stats_, py::arg("grad"), py::arg("param"),
         py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"), py::arg("cols"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"), py::arg("eps0"));
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"), py::arg("eps0"));
   m.def("factored_moments_", &factored_moments_, py::arg("exp_avg_sq_row"),
-        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("beta2"),
-        py::arg("beta2_tensor"));
+        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("beta2"));
   m.def("factored_norm_", &factored_norm_, py::arg("grad"), py::arg("exp_avg_sq_row"),
         py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("inv_scale"),
-        py::arg("inv_scale_tensor"), py::arg("clip_value"), py::arg("clip_coef"),
-        py::arg("clip_coef_tensor"));
+        py::arg("clip_value"), py::arg("clip_coef"));
   m.def("factored_apply_", &factored_apply_, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("lr"), py::arg("lr_tensor"), py::arg("eps1"), py::arg("clip_threshold"),
-        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("inv_scale_tensor"),
-        py::arg("clip_value"), py::arg("clip_coef"), py::arg("clip_coef_tensor"));
+        py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
   m.def("vector_stats_", &vector_stats_, py::arg("grad"), py::arg("param"),
         py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("beta2"), py::arg("beta2_tensor"), py::arg("eps0"), py::arg("inv_scale"),
-        py::arg("inv_scale_tensor"), py::arg("clip_value"), py::arg("clip_coef"),
-        py::arg("clip_coef_tensor"));
+        py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"), py::arg("clip_value"),
+        py::arg("clip_coef"));
   m.def("vector_apply_", &vector_apply_, py::arg("param"), py::arg("grad"),
-        py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"), py::arg("beta2_tensor"),
-        py::arg("eps0"), py::arg("lr"), py::arg("lr_tensor"), py::arg("eps1"),
-        py::arg("clip_threshold"), py::arg("weight_decay"), py::arg("inv_scale"),
-        py::arg("inv_scale_tensor"), py::arg("clip_value"), py::arg("clip_coef"),
-        py::arg("clip_coef_tensor"));
+        py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"), py::arg("eps0"),
+        py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
 }

@@ -1,5 +1,5 @@
 // Per-element AdaLomo math shared by the CPU (adalomo_cpu.cpp) and CUDA (adalomo_cuda.cu)
-// kernels. Semantics: lomo_kernels/adalomo_backends/reference.py. No torch headers: nvcc
+// kernels. Semantics: lomo_kernels/ops/adalomo_reference.py. No torch headers: nvcc
 // compiles this alone.
 #pragma once
 
@@ -10,10 +10,10 @@
 
 namespace adalomo {
 
-// Workspace slots after the row and column sums (adalomo_backends.P_SUMSQ etc.).
+// Workspace slots after the row and column sums (lomo_kernels/ops/adalomo_workspace.py).
 enum Slot : int { kPSumsq = 0, kUSumsq = 1, kSkip = 2, kRSum = 3, kNumSlots = 4 };
 
-// Gradient scalars, each already resolved to fp32 (python factor times device tensor).
+// Gradient scalars, each already read as fp32 (1 for an absent factor).
 struct GradScalars {
   float inv_scale;  // grad multiplier (1 / loss scale)
   float clip;       // clamp bound; +inf when clipping by value is off

@@ -1,5 +1,5 @@
 // CPU kernels of the fused LOMO update and the gradient sum of squares, with their
-// torch binding. Semantics: lomo_kernels/backends/reference.py (bit for bit).
+// torch binding. Semantics: lomo_kernels/ops/sgd_reference.py (bit for bit).
 //
 // The hot loops are plain loops over raw pointers with selects instead of branches, so
 // GCC/Clang vectorise them (build with -O3 -fno-trapping-math -ffp-contract=off; the first
@@ -588,16 +588,17 @@ void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
   }
 }
 
-float read_scalar(const at::Tensor& t) {
+// Runtime scalars (lr, inv_scale, clip_coef, skip_if) are 1-element fp32 tensors on the
+// parameter's device, here the CPU.
+float read_scalar(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device().is_cpu(),
-              "lomo_kernels: scalar tensors must be 1-element fp32 CPU tensors");
+              "lomo_kernels: ", name, " must be a 1-element fp32 CPU tensor");
   return *t.const_data_ptr<float>();
 }
 
-// scalar * tensor[0] in fp32, as reference._effective computes it.
-float effective(double scalar, const std::optional<at::Tensor>& t) {
-  const float s = static_cast<float>(scalar);
-  return t.has_value() ? lomo::mul_rn(read_scalar(*t), s) : s;
+// An optional multiplier: absent means 1 (x * 1 == x, so the result is the same).
+float read_factor(const std::optional<at::Tensor>& t, const char* name) {
+  return t.has_value() ? read_scalar(*t, name) : 1.0f;
 }
 
 // Writes through raw pointers bypass autograd's in-place tracking: bump the version counter
@@ -630,11 +631,9 @@ bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::SgdScalar
   return bad.load(std::memory_order_relaxed) != 0;
 }
 
-void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
-                 const std::optional<at::Tensor>& lr_tensor, double inv_scale,
-                 const std::optional<at::Tensor>& inv_scale_tensor,
-                 std::optional<double> clip_value, double clip_coef,
-                 const std::optional<at::Tensor>& clip_coef_tensor, double weight_decay,
+void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
+                 const std::optional<at::Tensor>& inv_scale, std::optional<double> clip_value,
+                 const std::optional<at::Tensor>& clip_coef, double weight_decay,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& skip_if, bool stochastic_rounding,
                  int64_t seed_key) {
@@ -642,20 +641,16 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
               "lomo_kernels: CPU kernel got a non-CPU tensor");
   TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && param.numel() == grad.numel(),
               "lomo_kernels: param and grad must be contiguous with the same numel");
-  // Read once before anything is written: found_inf may alias skip_if.
-  if (skip_if.has_value() && read_scalar(*skip_if) != 0.0f) return;  // nan skips too
-
   lomo::SgdScalars s;
-  s.lr = effective(lr, lr_tensor);
-  // A Python-float lr gives a double 1 - lr * wd; a tensor lr gives fp32 arithmetic.
-  s.decay = lr_tensor.has_value()
-                ? lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(weight_decay)))
-                : static_cast<float>(1.0 - lr * weight_decay);
-  s.inv_scale = effective(inv_scale, inv_scale_tensor);
+  s.lr = read_scalar(lr, "lr");
+  s.decay = lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(weight_decay)));
+  s.inv_scale = read_factor(inv_scale, "inv_scale");
   s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
                                   : std::numeric_limits<float>::infinity();
-  s.coef = effective(clip_coef, clip_coef_tensor);
+  s.coef = read_factor(clip_coef, "clip_coef");
   const uint32_t key = static_cast<uint32_t>(seed_key);
+  // Read once before anything is written: found_inf may alias skip_if.
+  if (skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f) return;  // nan too
 
   bool bad = false;
   dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
@@ -674,14 +669,13 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
   if (bad) raise_found_inf(found_inf);
 }
 
-void grad_sumsq_(const at::Tensor& grad, double inv_scale,
-                 const std::optional<at::Tensor>& inv_scale_tensor, at::Tensor sumsq,
-                 const std::optional<at::Tensor>& found_inf) {
+void grad_sumsq_(const at::Tensor& grad, const std::optional<at::Tensor>& inv_scale,
+                 at::Tensor sumsq, const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous(),
               "lomo_kernels: grad must be a contiguous CPU tensor");
   TORCH_CHECK(sumsq.scalar_type() == at::kFloat && sumsq.numel() == 1,
               "lomo_kernels: sumsq must be a 1-element fp32 tensor");
-  const float inv = effective(inv_scale, inv_scale_tensor);
+  const float inv = read_factor(inv_scale, "inv_scale");
   const int64_t n = grad.numel();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   // Fixed chunks summed in order: the result does not depend on the thread count.
@@ -712,12 +706,10 @@ void grad_sumsq_(const at::Tensor& grad, double inv_scale,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
   m.def("sgd_update_", &sgd_update_, "Fused LOMO SGD update of one parameter, in place",
-        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("lr_tensor"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"), py::arg("weight_decay"),
+        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
+        py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
         py::arg("seed_key"));
   m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
-        py::arg("grad"), py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("sumsq"),
-        py::arg("found_inf"));
+        py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
 }

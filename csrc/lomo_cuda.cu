@@ -1,11 +1,12 @@
 // CUDA kernels of the fused LOMO update and the gradient sum of squares, with extern "C"
 // launchers on raw pointers. No torch headers: `nvcc -std=c++17 -arch=sm_90 -c` builds it
-// alone; lomo_cuda_binding.cpp is the torch side. Semantics: backends/reference.py.
+// alone; lomo_cuda_binding.cpp is the torch side. Semantics: lomo_kernels/ops/sgd_reference.py.
 //
 // Layout of one launch: a scalar head (elements before both pointers are 16-byte aligned),
 // an aligned bulk moved with 128-bit loads/stores (V elements per thread and step), and a
-// scalar tail. Grid-stride loops with int64 indices; skip_if and the tensor scalars are read
-// on the device, so the host never synchronises.
+// scalar tail. Grid-stride loops with int64 indices; skip_if and the runtime scalars (lr,
+// inv_scale, clip_coef: 1-element fp32 tensors) are read on the device through pointers, so
+// the host never synchronises.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -20,31 +21,26 @@ constexpr int kThreads = 256;
 // Enough resident blocks to hide latency; the grid-stride loop covers the rest.
 constexpr int kBlocksPerSm = 8;
 
-// Scalars as the launcher receives them; resolved against the tensors on the device.
+// Device pointers to the runtime scalars and the host-side hyper-parameters.
 struct UpdateArgs {
-  float lr;
-  float decay;  // 1 - lr * weight_decay, computed in double on the host (Python-float lr)
+  const float* lr;
+  const float* inv_scale;  // nullptr: 1
+  const float* clip_coef;  // nullptr: 1
+  float clip;              // +inf when clipping by value is off
   float weight_decay;
-  float inv_scale;
-  float clip;
-  float coef;
-  const float* lr_tensor;
-  const float* inv_scale_tensor;
-  const float* clip_coef_tensor;
   const float* skip_if;
   float* found_inf;
   uint32_t key;
 };
 
-// The reference's fp32 arithmetic on the tensor scalars (reference._effective).
+// The reference's fp32 arithmetic on the scalars.
 __device__ __forceinline__ lomo::SgdScalars resolve(const UpdateArgs& a) {
   lomo::SgdScalars s;
-  s.lr = a.lr_tensor != nullptr ? __fmul_rn(__ldg(a.lr_tensor), a.lr) : a.lr;
-  s.decay = a.lr_tensor != nullptr ? __fsub_rn(1.0f, __fmul_rn(s.lr, a.weight_decay)) : a.decay;
-  s.inv_scale = a.inv_scale_tensor != nullptr ? __fmul_rn(__ldg(a.inv_scale_tensor), a.inv_scale)
-                                              : a.inv_scale;
+  s.lr = __ldg(a.lr);
+  s.decay = __fsub_rn(1.0f, __fmul_rn(s.lr, a.weight_decay));
+  s.inv_scale = a.inv_scale != nullptr ? __ldg(a.inv_scale) : 1.0f;
   s.clip = a.clip;
-  s.coef = a.clip_coef_tensor != nullptr ? __fmul_rn(__ldg(a.clip_coef_tensor), a.coef) : a.coef;
+  s.coef = a.clip_coef != nullptr ? __ldg(a.clip_coef) : 1.0f;
   return s;
 }
 
@@ -153,10 +149,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <class G>
 __global__ void __launch_bounds__(kThreads)
     grad_sumsq_kernel(const typename G::T* __restrict__ grad, int64_t head, int64_t nvec,
-                      int64_t numel, float inv_scale, const float* inv_scale_tensor,
-                      float* sumsq, float* found_inf) {
-  const float inv = inv_scale_tensor != nullptr ? __fmul_rn(__ldg(inv_scale_tensor), inv_scale)
-                                                : inv_scale;
+                      int64_t numel, const float* inv_scale, float* sumsq, float* found_inf) {
+  const float inv = inv_scale != nullptr ? __ldg(inv_scale) : 1.0f;
   constexpr int V = 16 / static_cast<int>(sizeof(typename G::T));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -266,18 +260,19 @@ cudaError_t launch_update(void* param, const void* grad, int64_t numel, const Up
 
 }  // namespace
 
+// Scalar pointers are device pointers to one fp32 value; inv_scale, clip_coef, skip_if and
+// found_inf may be null (absent). clip_value: +inf when clipping by value is off.
 extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* grad,
-                                    int grad_dtype, int64_t numel, float lr,
-                                    const float* lr_tensor, float decay, float weight_decay,
-                                    float inv_scale, const float* inv_scale_tensor,
-                                    float clip_value, float clip_coef,
-                                    const float* clip_coef_tensor, const float* skip_if,
-                                    float* found_inf, int stochastic_rounding, uint32_t seed_key,
+                                    int grad_dtype, int64_t numel, const float* lr,
+                                    const float* inv_scale, float clip_value,
+                                    const float* clip_coef, float weight_decay,
+                                    const float* skip_if, float* found_inf,
+                                    int stochastic_rounding, uint32_t seed_key,
                                     cudaStream_t stream) {
+  if (lr == nullptr) return cudaErrorInvalidValue;
   if (numel <= 0) return cudaSuccess;
-  const UpdateArgs a{lr,        decay,           weight_decay,     inv_scale,
-                     clip_value, clip_coef,      lr_tensor,        inv_scale_tensor,
-                     clip_coef_tensor, skip_if,  found_inf,        seed_key};
+  const UpdateArgs a{lr, inv_scale, clip_coef, clip_value, weight_decay, skip_if, found_inf,
+                     seed_key};
   return with_dtype(param_dtype, [&](auto p_tag) {
     return with_dtype(grad_dtype, [&](auto g_tag) {
       using P = decltype(p_tag);
@@ -293,8 +288,8 @@ extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* gr
 }
 
 extern "C" int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
-                                    float inv_scale, const float* inv_scale_tensor, float* sumsq,
-                                    float* found_inf, cudaStream_t stream) {
+                                    const float* inv_scale, float* sumsq, float* found_inf,
+                                    cudaStream_t stream) {
   if (numel <= 0) return cudaSuccess;
   return with_dtype(grad_dtype, [&](auto g_tag) {
     using G = decltype(g_tag);
@@ -305,8 +300,7 @@ extern "C" int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t nu
     const int64_t scalar = numel - nvec * V;
     const unsigned grid = grid_for(nvec > scalar ? nvec : scalar);
     grad_sumsq_kernel<G><<<grid, kThreads, 0, stream>>>(
-        static_cast<const typename G::T*>(grad), head, nvec, numel, inv_scale, inv_scale_tensor,
-        sumsq, found_inf);
+        static_cast<const typename G::T*>(grad), head, nvec, numel, inv_scale, sumsq, found_inf);
     return cudaGetLastError();
   });
 }

@@ -15,17 +15,16 @@
 #include "lomo_math.h"
 
 extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* grad,
-                                    int grad_dtype, int64_t numel, float lr,
-                                    const float* lr_tensor, float decay, float weight_decay,
-                                    float inv_scale, const float* inv_scale_tensor,
-                                    float clip_value, float clip_coef,
-                                    const float* clip_coef_tensor, const float* skip_if,
-                                    float* found_inf, int stochastic_rounding, uint32_t seed_key,
+                                    int grad_dtype, int64_t numel, const float* lr,
+                                    const float* inv_scale, float clip_value,
+                                    const float* clip_coef, float weight_decay,
+                                    const float* skip_if, float* found_inf,
+                                    int stochastic_rounding, uint32_t seed_key,
                                     cudaStream_t stream);
 
 extern "C" int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
-                                    float inv_scale, const float* inv_scale_tensor, float* sumsq,
-                                    float* found_inf, cudaStream_t stream);
+                                    const float* inv_scale, float* sumsq, float* found_inf,
+                                    cudaStream_t stream);
 
 namespace {
 
@@ -66,11 +65,9 @@ void bump_version(const at::Tensor& t) {
   if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
 }
 
-void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
-                 const std::optional<at::Tensor>& lr_tensor, double inv_scale,
-                 const std::optional<at::Tensor>& inv_scale_tensor,
-                 std::optional<double> clip_value, double clip_coef,
-                 const std::optional<at::Tensor>& clip_coef_tensor, double weight_decay,
+void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
+                 const std::optional<at::Tensor>& inv_scale, std::optional<double> clip_value,
+                 const std::optional<at::Tensor>& clip_coef, double weight_decay,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& skip_if, bool stochastic_rounding,
                  int64_t seed_key) {
@@ -78,6 +75,7 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
               "lomo_kernels: param and grad must be on the same CUDA device");
   TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && param.numel() == grad.numel(),
               "lomo_kernels: param and grad must be contiguous with the same numel");
+  check_scalar(lr, param, "lr");
   const c10::cuda::CUDAGuard guard(param.device());
 
   // Every block reads skip_if while any block may set found_inf: when they share storage a
@@ -89,13 +87,10 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
 
   const int rc = lomo_cuda_sgd_update(
       param.data_ptr(), dtype_code(param), grad.const_data_ptr(), dtype_code(grad),
-      param.numel(), static_cast<float>(lr), scalar_ptr(lr_tensor, param, "lr_tensor"),
-      // Python-float lr: the reference forms 1 - lr * wd in double.
-      static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(weight_decay),
-      static_cast<float>(inv_scale), scalar_ptr(inv_scale_tensor, param, "inv_scale_tensor"),
+      param.numel(), lr.const_data_ptr<float>(), scalar_ptr(inv_scale, param, "inv_scale"),
       clip_value.has_value() ? static_cast<float>(*clip_value)
                              : std::numeric_limits<float>::infinity(),
-      static_cast<float>(clip_coef), scalar_ptr(clip_coef_tensor, param, "clip_coef_tensor"),
+      scalar_ptr(clip_coef, param, "clip_coef"), static_cast<float>(weight_decay),
       scalar_ptr(skip, param, "skip_if"), mutable_scalar_ptr(found_inf, param, "found_inf"),
       stochastic_rounding ? 1 : 0, static_cast<uint32_t>(seed_key),
       c10::cuda::getCurrentCUDAStream().stream());
@@ -104,16 +99,15 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, double lr,
   if (found_inf.has_value()) bump_version(*found_inf);
 }
 
-void grad_sumsq_(const at::Tensor& grad, double inv_scale,
-                 const std::optional<at::Tensor>& inv_scale_tensor, at::Tensor sumsq,
-                 const std::optional<at::Tensor>& found_inf) {
+void grad_sumsq_(const at::Tensor& grad, const std::optional<at::Tensor>& inv_scale,
+                 at::Tensor sumsq, const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(),
               "lomo_kernels: grad must be a contiguous CUDA tensor");
   check_scalar(sumsq, grad, "sumsq");
   const c10::cuda::CUDAGuard guard(grad.device());
   const int rc = lomo_cuda_grad_sumsq(
-      grad.const_data_ptr(), dtype_code(grad), grad.numel(), static_cast<float>(inv_scale),
-      scalar_ptr(inv_scale_tensor, grad, "inv_scale_tensor"), sumsq.data_ptr<float>(),
+      grad.const_data_ptr(), dtype_code(grad), grad.numel(),
+      scalar_ptr(inv_scale, grad, "inv_scale"), sumsq.data_ptr<float>(),
       mutable_scalar_ptr(found_inf, grad, "found_inf"),
       c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
@@ -126,12 +120,10 @@ void grad_sumsq_(const at::Tensor& grad, double inv_scale,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CUDA kernels";
   m.def("sgd_update_", &sgd_update_, "Fused LOMO SGD update of one parameter, in place",
-        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("lr_tensor"),
-        py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("clip_value"),
-        py::arg("clip_coef"), py::arg("clip_coef_tensor"), py::arg("weight_decay"),
+        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
+        py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
         py::arg("seed_key"));
   m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
-        py::arg("grad"), py::arg("inv_scale"), py::arg("inv_scale_tensor"), py::arg("sumsq"),
-        py::arg("found_inf"));
+        py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
 }

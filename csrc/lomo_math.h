@@ -1,6 +1,6 @@
 // Per-element LOMO math shared by the CPU (lomo_cpu.cpp) and CUDA (lomo_cuda.cu) kernels.
 //
-// The executable specification is lomo_kernels/backends/reference.py together with
+// The executable specification is lomo_kernels/ops/sgd_reference.py together with
 // lomo_kernels/_rounding.py; every rule below reproduces those bit for bit:
 //   * fp32 arithmetic is rounded after every operation, in the reference's order (no fused
 //     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
@@ -206,11 +206,11 @@ struct Bf16 {
 
 // Scalars exactly as the reference computes them (each already rounded to fp32).
 struct SgdScalars {
-  float inv_scale;  // grad multiplier: inv_scale * inv_scale_tensor
+  float inv_scale;  // grad multiplier; 1 when absent (x * 1 == x)
   float clip;       // clamp bound; +inf when clipping by value is off
-  float coef;       // clip_coef * clip_coef_tensor; 1 when off (x * 1 == x)
-  float lr;         // lr * lr_tensor
-  float decay;      // 1 - lr * weight_decay
+  float coef;       // clip-by-norm coefficient; 1 when absent
+  float lr;
+  float decay;      // fp32(1 - fp32(lr * weight_decay))
 };
 
 // Exponent field of an inf/nan fp32 value.

@@ -273,7 +273,7 @@ def command(args: argparse.Namespace) -> list[Result]:
         raise ValueError(f"unknown optimizer {unknown}: choose from {', '.join(OPTIMIZERS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; run with --device cpu")
-    from lomo_kernels import backends
+    from lomo_kernels.ops import backends
 
     from .tools import machine
 

@@ -16,11 +16,11 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 def available_backends() -> list[str]:
     """Backends that serve CPU tensors here; a backend that cannot load fails the suite."""
-    from lomo_kernels import backends
+    from lomo_kernels.ops import backends
 
     names = []
     for name in backends.BACKEND_NAMES:
-        module, reason = backends._load(name, "cpu")
+        module, reason = backends.SGD.load(name, "cpu")
         if module is None:
             raise RuntimeError(f"backend {name} unavailable on CPU in tests: {reason}")
         names.append(name)
@@ -29,9 +29,9 @@ def available_backends() -> list[str]:
 
 @pytest.fixture(params=["torch", "cpp", "triton"])
 def backend(request) -> str:
-    from lomo_kernels import backends
+    from lomo_kernels.ops import backends
 
-    module, reason = backends._load(request.param, "cpu")
+    module, reason = backends.SGD.load(request.param, "cpu")
     if module is None:
         pytest.fail(f"backend {request.param} must be available in CI: {reason}")
     return request.param

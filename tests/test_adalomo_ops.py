@@ -19,9 +19,9 @@ import torch  # noqa: E402
 from float64_reference import ulp  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from lomo_kernels import adalomo_backends  # noqa: E402
-from lomo_kernels.adalomo_backends import reference  # noqa: E402
-from lomo_kernels.adalomo_ops import (  # noqa: E402
+from lomo_kernels.ops import adalomo_reference as reference  # noqa: E402
+from lomo_kernels.ops import backends  # noqa: E402
+from lomo_kernels.ops.adalomo import (  # noqa: E402
     adalomo_update_,
     adalomo_workspace,
     init_adalomo_state,
@@ -193,7 +193,7 @@ def test_five_steps_match_float64(backend, shape, dtype):
 def test_triton_small_tiles_many_programs(monkeypatch):
     """GPU-like tiling under the interpreter: several column blocks, row groups and row
     iterations per program, so the atomics and loop bounds are exercised."""
-    from lomo_kernels.adalomo_backends import triton as triton_backend
+    from lomo_kernels.kernels.triton import adalomo as triton_backend
 
     monkeypatch.setattr(triton_backend, "INTERPRETER_TILE", 256)
     monkeypatch.setattr(triton_backend, "INTERPRETER_MAX_BLOCK_N", 32)
@@ -475,39 +475,28 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
     param, grad = make_param(shape, torch.bfloat16), make_grad(shape, torch.bfloat16, 1)
     assert param.numel() > reference.CHUNK
     state, workspace = init_adalomo_state(param), adalomo_workspace(param)
-    grad_kw = {
-        "inv_scale": 1.0,
-        "inv_scale_tensor": None,
-        "clip_value": 0.5,
-        "clip_coef": 1.0,
-        "clip_coef_tensor": torch.tensor([0.5]),
-    }
-    step_kw = {
-        "lr": 1.0,
-        "lr_tensor": torch.tensor([LR]),
-        "eps1": 1e-3,
-        "clip_threshold": 1.0,
-        "weight_decay": 0.1,
-    }
-    beta_kw = {"beta2": 0.5, "beta2_tensor": None}
+    # (inv_scale, clip_value, clip_coef), (lr, eps1, clip_threshold, weight_decay), beta2:
+    # the runtime scalars as the 1-element fp32 tensors the backends take (None: 1).
+    grad_args = (None, 0.5, torch.tensor([0.5]))
+    step_args = (torch.tensor([LR]), 1e-3, 1.0, 0.1)
+    beta2 = torch.tensor([0.5])
+    found_inf = torch.zeros(1)
     recorder = _RecordOps()
     with recorder:
         if len(shape) >= 2:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             reference.factored_stats_(
-                grad, param, workspace, torch.zeros(1), None, cols=shape[-1], eps0=1e-30, **grad_kw
+                grad, param, workspace, found_inf, None, shape[-1], *grad_args, 1e-30
             )
-            reference.factored_moments_(row, col, workspace, **beta_kw)
-            reference.factored_norm_(grad, row, col, workspace, **grad_kw)
-            reference.factored_apply_(param, grad, row, col, workspace, **step_kw, **grad_kw)
+            reference.factored_moments_(row, col, workspace, beta2)
+            reference.factored_norm_(grad, row, col, workspace, *grad_args)
+            reference.factored_apply_(param, grad, row, col, workspace, *step_args, *grad_args)
         else:
             v = state["exp_avg_sq"]
             reference.vector_stats_(
-                grad, param, v, workspace, torch.zeros(1), None, eps0=1e-30, **beta_kw, **grad_kw
+                grad, param, v, workspace, found_inf, None, beta2, 1e-30, *grad_args
             )
-            reference.vector_apply_(
-                param, grad, v, workspace, eps0=1e-30, **beta_kw, **step_kw, **grad_kw
-            )
+            reference.vector_apply_(param, grad, v, workspace, beta2, 1e-30, *step_args, *grad_args)
     vectors = workspace.numel()
     largest = max(numel for _, numel in recorder.calls)
     assert largest <= max(reference.CHUNK, vectors), largest
@@ -575,62 +564,14 @@ def test_invalid_state_is_rejected_before_anything_is_written():
     assert torch.equal(param, before)
 
 
-@pytest.mark.parametrize("name", ["torch", "cpp"])
-def test_opcheck(name):
-    ops = torch.ops.lomo_kernels
-    g2, p2 = torch.randn(6, 10, dtype=torch.bfloat16), torch.randn(6, 10, dtype=torch.bfloat16)
-    g1, p1 = torch.randn(33), torch.randn(33)
-    row, col, v = torch.rand(6) + 0.5, torch.rand(10) + 0.5, torch.rand(33) + 0.5
-    ws2, ws1 = torch.zeros(6 + 10 + 4), torch.zeros(4)
-    ws2[-1] = row.sum()
-    grad_args = (0.5, None, 2.0, 1.0, torch.tensor([0.9]))
-    cases = [
-        (
-            ops.adalomo_factored_stats_,
-            (g2, p2, ws2, torch.zeros(1), None, 10, *grad_args, 1e-30, name),
-        ),
-        (ops.adalomo_factored_moments_, (row, col, ws2, 0.5, torch.tensor([1.0]), name)),
-        (ops.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args, name)),
-        (
-            ops.adalomo_factored_apply_,
-            (p2, g2, row, col, ws2, 0.1, None, 1e-3, 1.0, 0.1, *grad_args, name),
-        ),
-        (
-            ops.adalomo_vector_stats_,
-            (g1, p1, v, ws1, torch.zeros(1), torch.zeros(1), 0.5, None, 1e-30, *grad_args, name),
-        ),
-        (
-            ops.adalomo_vector_apply_,
-            (
-                p1,
-                g1,
-                v,
-                ws1,
-                0.5,
-                None,
-                1e-30,
-                0.1,
-                torch.tensor([1.0]),
-                1e-3,
-                1.0,
-                0.0,
-                *grad_args,
-                name,
-            ),
-        ),
-    ]
-    for op, args in cases:
-        torch.library.opcheck(op.default, args)
-
-
 def test_unavailable_backend_warns_once_and_falls_back():
-    adalomo_backends._warned.discard(("cpp", "meta"))
-    adalomo_backends._cache.clear()
+    backends.ADALOMO.warned.discard(("cpp", "meta"))
+    backends.ADALOMO.cache.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = adalomo_backends.resolve(torch.device("meta"), "cpp")
-        adalomo_backends._cache.clear()
-        second = adalomo_backends.resolve(torch.device("meta"), "cpp")
+        first = backends.ADALOMO.resolve(torch.device("meta"), "cpp")
+        backends.ADALOMO.cache.clear()
+        second = backends.ADALOMO.resolve(torch.device("meta"), "cpp")
     assert first is reference and second is reference
     assert sum("AdaLomo backend 'cpp' unavailable" in str(w.message) for w in caught) == 1
 
@@ -680,13 +621,13 @@ def test_cuda_kernels_compile_with_nvcc(arch, tmp_path):
 _AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
-from lomo_kernels.adalomo_backends import triton_kernels as k
+from lomo_kernels.kernels.triton import adalomo_kernels as k
 
 types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "found_inf_ptr": "*fp32", "skip_if_ptr": "*fp32", "row_state_ptr": "*fp32",
-         "col_state_ptr": "*fp32", "v_ptr": "*fp32", "lr_tensor_ptr": "*fp32",
-         "beta2_tensor_ptr": "*fp32", "inv_scale_tensor_ptr": "*fp32",
-         "clip_coef_tensor_ptr": "*fp32", "rows": "i64", "cols": "i64",
+         "col_state_ptr": "*fp32", "v_ptr": "*fp32", "lr_ptr": "*fp32",
+         "beta2_ptr": "*fp32", "inv_scale_ptr": "*fp32",
+         "clip_coef_ptr": "*fp32", "rows": "i64", "cols": "i64",
          "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64"}
 flags = {"GRAD_KIND": 2, "PARAM_KIND": 2, "HAS_CLIP_VALUE": True, "HAS_CLIP_COEF": True}
 grad_flags = {f: v for f, v in flags.items() if f != "PARAM_KIND"}
@@ -700,6 +641,9 @@ cases = [
     (k.vector_apply_kernel, {**flags, "BLOCK": 4096}),
 ]
 for kernel, constexprs in cases:
+    # Every pointer parameter has its type above (an unknown name would compile as fp32).
+    unknown = [p.name for p in kernel.params if p.name.endswith("_ptr") and p.name not in types]
+    assert not unknown, (kernel, unknown)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "fp32")
                  for p in kernel.params}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)

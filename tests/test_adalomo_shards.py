@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_adalomo_ops import adalomo_f64, beta2_at, check_param, check_state, make_param
 
-from lomo_kernels.adalomo_backends.reference import CHUNK, _GradTransform
 from lomo_kernels.distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
 from lomo_kernels.distributed.shard import Shard
+from lomo_kernels.ops.adalomo_reference import CHUNK, GradTransform
 
 SHAPES = [(CHUNK // 100 + 7, 300), (3, CHUNK + 5), (2 * CHUNK + 3,)]
 
@@ -38,7 +38,7 @@ def test_whole_parameter_slice_equals_float64_model(shape, dtype):
         eps=(1e-30, 1e-3),
         clip_threshold=kwargs["clip_threshold"],
         weight_decay=kwargs["weight_decay"],
-        transform=_GradTransform(1.0, None, None, 1.0, None),
+        transform=GradTransform(None, None, None),
     )
     found = torch.zeros(1)
     adalomo_slices_([step], torch.zeros(1), found, lambda t: None)

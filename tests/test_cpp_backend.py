@@ -1,6 +1,8 @@
 """C++ CPU backend against the reference backend (bit for bit) and float64 math (1 ulp).
 
 The first run JIT-builds the extension (about a minute); later runs load it from the cache.
+The backend functions take their arguments positionally (`sgd_reference.sgd_update_` order),
+the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lomo_kernels.backends import cpp_backend, reference
+from lomo_kernels.kernels.cpp import sgd as cpp_backend
+from lomo_kernels.ops import sgd_reference as reference
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,41 +34,43 @@ def built_extension() -> None:
 
 
 def _options(kind: str) -> dict:
-    """Option sets: no-ops, Python-float scalars, and device-tensor scalars."""
+    """Option sets: no-ops, and two sets of values with every option on.
+
+    lr, inv_scale and clip_coef are the values of the runtime scalars (None: absent, as the
+    public functions pass a factor of exactly 1); `_run` hands them over as device tensors.
+    "tensors" holds the effective values of the former float/tensor pairs (0.5 * 3e-2,
+    2 * 1/4096, 1 * 0.6).
+    """
     if kind == "plain":
         return dict(
             lr=1e-2,
-            lr_tensor=None,
-            inv_scale=1.0,
-            inv_scale_tensor=None,
+            inv_scale=None,
             clip_value=None,
-            clip_coef=1.0,
-            clip_coef_tensor=None,
+            clip_coef=None,
             weight_decay=0.0,
         )
     if kind == "full":
         return dict(
             lr=2e-2,
-            lr_tensor=None,
             inv_scale=1 / 1024,
-            inv_scale_tensor=None,
             clip_value=1.5,
             clip_coef=0.75,
-            clip_coef_tensor=None,
             weight_decay=0.1,
         )
     if kind == "tensors":
         return dict(
-            lr=0.5,
-            lr_tensor=torch.tensor([3e-2]),
-            inv_scale=2.0,
-            inv_scale_tensor=torch.tensor([1 / 4096]),
+            lr=1.5e-2,
+            inv_scale=1 / 2048,
             clip_value=2.0,
-            clip_coef=1.0,
-            clip_coef_tensor=torch.tensor([0.6]),
+            clip_coef=0.6,
             weight_decay=0.05,
         )
     raise ValueError(kind)
+
+
+def _scalar(value: float | None) -> torch.Tensor | None:
+    """A runtime scalar as the backends take it: a 1-element fp32 tensor, or None."""
+    return None if value is None else torch.tensor([value], dtype=torch.float32)
 
 
 def _grad_scale(kind: str) -> float:
@@ -116,7 +121,17 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _run(module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0) -> None:
     module.sgd_update_(
-        param, grad, **opts, found_inf=found, skip_if=skip, stochastic_rounding=sr, seed=seed
+        param,
+        grad,
+        _scalar(opts["lr"]),
+        _scalar(opts["inv_scale"]),
+        opts["clip_value"],
+        _scalar(opts["clip_coef"]),
+        opts["weight_decay"],
+        found,
+        skip,
+        sr,
+        seed,
     )
 
 
@@ -182,12 +197,9 @@ def _subset_options(bits: int) -> dict:
     """Each option on or neutral: the CPU kernel compiles neutral options out (16 loops)."""
     return dict(
         lr=2e-2,
-        lr_tensor=None,
-        inv_scale=1 / 1024 if bits & 1 else 1.0,
-        inv_scale_tensor=None,
+        inv_scale=1 / 1024 if bits & 1 else None,
         clip_value=0.75 if bits & 2 else None,
-        clip_coef=0.6 if bits & 8 else 1.0,
-        clip_coef_tensor=None,
+        clip_coef=0.6 if bits & 8 else None,
         weight_decay=0.1 if bits & 4 else 0.0,
     )
 
@@ -228,17 +240,19 @@ def test_zero_and_negative_clip_bounds_match_reference(pdt: str, clip: float) ->
 
 
 def test_decay_scalar_paths_match_reference() -> None:
-    # A Python-float lr forms 1 - lr*wd in double, a tensor lr in fp32: both reproduced.
+    # 1 - lr*wd is formed in fp32 from the device lr, whatever the lr: reproduced bit for bit,
+    # including where it differs from the decay formed in double (lr = wd = 0.3).
     param = _make_param(10_007, torch.float32, seed=11, specials=False)
     grad = _make_grad(10_007, torch.float32, seed=11, scale=1.0, specials=False)
-    for lr, lr_tensor, wd in [
-        (0.1, None, 0.3),
-        (1.0, torch.tensor([0.1]), 0.3),
-        (0.37, torch.tensor([0.71]), 0.013),
-    ]:
-        opts = _options("plain") | dict(lr=lr, lr_tensor=lr_tensor, weight_decay=wd)
+    for lr, wd in [(0.1, 0.3), (0.3, 0.3), (0.37 * 0.71, 0.013)]:
+        opts = _options("plain") | dict(lr=lr, weight_decay=wd)
         (got, want), _ = _both(param, grad, opts)
         assert_same_bits(got, want)
+        # The decay of the documented math: fp32(1 - fp32(fp32(lr) * fp32(wd))), then
+        # p * decay - lr * g in fp32 operations.
+        lr32 = torch.tensor(lr, dtype=torch.float32)
+        decay32 = 1.0 - lr32 * torch.tensor(wd, dtype=torch.float32)
+        assert_same_bits(got, param * decay32 - lr32 * grad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,17 +277,10 @@ def _float64_update(param, grad, opts):
     Returns (exact new value, p * decay, lr * g, skip mask of the kernel).
     """
     lr = _f32(opts["lr"])
-    if opts["lr_tensor"] is not None:
-        lr = _f32(opts["lr_tensor"].item() * lr)
-        decay = _f32(1.0 - _f32(lr * _f32(opts["weight_decay"])))
-    else:
-        decay = _f32(1.0 - opts["lr"] * opts["weight_decay"])
-    inv = _f32(opts["inv_scale"])
-    if opts["inv_scale_tensor"] is not None:
-        inv = _f32(opts["inv_scale_tensor"].item() * inv)
-    coef = _f32(opts["clip_coef"])
-    if opts["clip_coef_tensor"] is not None:
-        coef = _f32(opts["clip_coef_tensor"].item() * coef)
+    # 1 - lr * wd in fp32 from the fp32 lr (the product of two fp32 values is exact in double).
+    decay = _f32(1.0 - _f32(lr * _f32(opts["weight_decay"])))
+    inv = 1.0 if opts["inv_scale"] is None else _f32(opts["inv_scale"])
+    coef = 1.0 if opts["clip_coef"] is None else _f32(opts["clip_coef"])
     bad = ~torch.isfinite(grad.float() * inv)  # the kernel tests the fp32 product
     g = grad.double() * inv
     if opts["clip_value"] is not None:
@@ -480,9 +487,7 @@ def test_empty_tensor() -> None:
     param = torch.empty(0, dtype=torch.bfloat16)
     _run(cpp_backend, param, torch.empty(0), _options("full"), found=torch.zeros(1))
     sumsq = torch.zeros(1)
-    cpp_backend.grad_sumsq_(
-        torch.empty(0), inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=None
-    )
+    cpp_backend.grad_sumsq_(torch.empty(0), None, sumsq, None)
     assert sumsq.item() == 0.0
 
 
@@ -503,22 +508,18 @@ def test_cuda_unavailable_has_reason() -> None:
 @pytest.mark.parametrize("gdt", list(DTYPES))
 def test_grad_sumsq_vs_float64(gdt: str, size: int) -> None:
     grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=False)
-    inv_t = torch.tensor([0.5])
-    inv = _f32(_f32(0.5) * _f32(1 / 512))
+    inv_t = torch.tensor([1 / 1024])  # the effective value of the former pair 1/512 * [0.5]
+    inv = _f32(1 / 1024)
     g32 = grad.float() * inv
     exact = 1.25 + (g32.double() ** 2).sum().item()
     sumsq = torch.tensor([1.25])
     found = torch.zeros(1)
-    cpp_backend.grad_sumsq_(
-        grad, inv_scale=1 / 512, inv_scale_tensor=inv_t, sumsq=sumsq, found_inf=found
-    )
+    cpp_backend.grad_sumsq_(grad, inv_t, sumsq, found)
     # Accumulated in double; only the final fp32 rounding remains.
     assert math.isclose(sumsq.item(), exact, rel_tol=2**-23)
     assert found.item() == 0.0
     ref_sumsq = torch.tensor([1.25])
-    reference.grad_sumsq_(
-        grad, inv_scale=1 / 512, inv_scale_tensor=inv_t, sumsq=ref_sumsq, found_inf=None
-    )
+    reference.grad_sumsq_(grad, inv_t, ref_sumsq, None)
     # The reference also accumulates in float64: the same two fp32 roundings bound it.
     assert math.isclose(ref_sumsq.item(), exact, rel_tol=2**-23)
 
@@ -528,9 +529,7 @@ def test_grad_sumsq_non_finite(gdt: str) -> None:
     grad = _make_grad(100_003, DTYPES[gdt], seed=4, scale=1.0, specials=False)
     grad[77_777] = INF
     sumsq, found = torch.zeros(1), torch.zeros(1)
-    cpp_backend.grad_sumsq_(
-        grad, inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=found
-    )
+    cpp_backend.grad_sumsq_(grad, None, sumsq, found)
     assert found.item() == 1.0 and sumsq.item() == INF
 
 
@@ -542,9 +541,7 @@ def test_grad_sumsq_independent_of_thread_count() -> None:
         for t in (1, 2):
             torch.set_num_threads(t)
             s = torch.zeros(1)
-            cpp_backend.grad_sumsq_(
-                grad, inv_scale=1.0, inv_scale_tensor=None, sumsq=s, found_inf=None
-            )
+            cpp_backend.grad_sumsq_(grad, None, s, None)
             sums.append(s.item())
     finally:
         torch.set_num_threads(threads)

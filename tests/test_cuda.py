@@ -13,7 +13,8 @@ from test_lomo_safety import NoHostSync
 from test_update_op import LR, OPTIONS, bound_kwargs, make_inputs
 from tiny_models import batch, max_rel_diff, tiny_llama
 
-from lomo_kernels import AdaLomo, Lomo, backends, ops
+from lomo_kernels import AdaLomo, Lomo, ops
+from lomo_kernels.ops import backends
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,7 +32,7 @@ SIZES = [1, 15, 4097, 278011, 2**22 + 3]
 def cuda_backend(request) -> str:
     if request.param == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.fail("TRITON_INTERPRET=1 would time/verify the interpreter: run `make test-gpu`")
-    module, reason = backends._load(request.param, "cuda")
+    module, reason = backends.SGD.load(request.param, "cuda")
     if module is None:
         pytest.fail(f"backend {request.param} must serve CUDA tensors on a GPU machine: {reason}")
     return request.param

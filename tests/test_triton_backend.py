@@ -1,8 +1,10 @@
-"""Triton backend under the Triton interpreter, against float64 math and reference.py.
+"""Triton backend under the Triton interpreter, against float64 math and the reference.
 
 Triton-specific cases: the bulk/tail split around multiples of 16 and of the block size,
 unaligned views, bit-identical bf16 rounding (nearest and stochastic), the device-side
 found_inf / skip_if flags, including the same tensor passed as both, and the sum of squares.
+The backend functions take their arguments positionally (`sgd_reference.sgd_update_` order),
+the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
 """
 
 import os
@@ -17,29 +19,42 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lomo_kernels import _rounding  # noqa: E402
-from lomo_kernels.backends import reference, triton_backend  # noqa: E402
+from lomo_kernels import _rounding, ops  # noqa: E402
+from lomo_kernels.kernels.triton import sgd as triton_backend  # noqa: E402
+from lomo_kernels.ops import sgd_reference as reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not triton_backend.is_available(), reason=triton_backend.unavailable_reason()
 )
 
-BLOCK = pytest.importorskip("lomo_kernels.triton_kernels.sgd_update").BLOCK
+pytest.importorskip("lomo_kernels.kernels.triton.sgd_kernels")
+BLOCK = triton_backend.BLOCK
 SIZES = [1, 7, 15, 16, 17, 4097, 278011]
 SMALL_SIZES = [1, 15, 17, 4097]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INF = float("inf")
+# The runtime scalars: device tensors in every backend call (inv_scale, clip_coef None = 1).
+RUNTIME_SCALARS = ("lr", "inv_scale", "clip_coef")
+# Positional order of the backends' sgd_update_ after param and grad.
+ARG_ORDER = (
+    "lr",
+    "inv_scale",
+    "clip_value",
+    "clip_coef",
+    "weight_decay",
+    "found_inf",
+    "skip_if",
+    "stochastic_rounding",
+    "seed",
+)
 
 
 def _options(**overrides: object) -> dict:
     options = dict(
         lr=1e-2,
-        lr_tensor=None,
-        inv_scale=1.0,
-        inv_scale_tensor=None,
+        inv_scale=None,
         clip_value=None,
-        clip_coef=1.0,
-        clip_coef_tensor=None,
+        clip_coef=None,
         weight_decay=0.0,
         found_inf=None,
         skip_if=None,
@@ -50,25 +65,33 @@ def _options(**overrides: object) -> dict:
     return options
 
 
-# Every optional input given, with values that make each step change the result.
+# Every optional input given, with values that make each step change the result (the
+# effective values of the former float/tensor pairs 2e-2 * 0.5, 0.25 * 3, 0.8 * 0.9).
 FULL = dict(
-    lr=2e-2,
-    lr_tensor=[0.5],
-    inv_scale=0.25,
-    inv_scale_tensor=[3.0],
+    lr=[0.01],
+    inv_scale=[0.75],
     clip_value=1.5,
-    clip_coef=0.8,
-    clip_coef_tensor=[0.9],
+    clip_coef=[0.72],
     weight_decay=0.1,
 )
 
 
 def _materialise(options: dict) -> dict:
-    """Turns list-valued tensor options into fresh 1-element fp32 tensors."""
-    return {
-        k: torch.tensor(v, dtype=torch.float32) if isinstance(v, list) else v
-        for k, v in options.items()
-    }
+    """Turns list-valued options and float runtime scalars into fresh 1-element fp32
+    tensors."""
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, list):
+            v = torch.tensor(v, dtype=torch.float32)
+        elif k in RUNTIME_SCALARS and isinstance(v, float):
+            v = torch.tensor([v], dtype=torch.float32)
+        out[k] = v
+    return out
+
+
+def _args(options: dict) -> tuple:
+    """The materialised options as the backends' positional arguments."""
+    return tuple(options[k] for k in ARG_ORDER)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -90,15 +113,21 @@ def _both(
     """Runs Triton and reference on copies; returns both params and both option sets."""
     ours, theirs = param.clone(), param.clone()
     opts_ours, opts_theirs = _materialise(_options(**options)), _materialise(_options(**options))
-    triton_backend.sgd_update_(ours, grad, **opts_ours)
-    reference.sgd_update_(theirs, grad, **opts_theirs)
+    triton_backend.sgd_update_(ours, grad, *_args(opts_ours))
+    reference.sgd_update_(theirs, grad, *_args(opts_theirs))
     return ours, theirs, opts_ours, opts_theirs
 
 
 def _effective(options: dict, name: str) -> float:
-    """scalar * tensor[0] in float64."""
-    tensor = options.get(f"{name}_tensor")
-    return options[name] * (1.0 if tensor is None else float(tensor[0]))
+    """The value of a runtime scalar in float64 (the decimal value, before fp32 rounding)."""
+    value = options[name]
+    if value is None:
+        return 1.0
+    if isinstance(value, list):
+        return float(value[0])
+    if isinstance(value, torch.Tensor):
+        return float(value.reshape(-1)[0])
+    return float(value)
 
 
 def _expected_fp64(param: torch.Tensor, grad: torch.Tensor, options: dict) -> torch.Tensor:
@@ -166,19 +195,36 @@ def test_dtype_combinations(n: int, param_dtype: str, grad_dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_host_scalars_only(dtype: str) -> None:
-    # lr * weight_decay = 0.09: 1 - 0.09 rounds differently in double and in fp32.
+def test_python_float_scalars(dtype: str) -> None:
+    """Python-float scalars through the public op: converted once to fp32 device tensors,
+    so the decay 1 - lr * weight_decay is formed in fp32 from the device lr by both.
+    lr * weight_decay = 0.09: 1 - 0.09 rounds differently in double and in fp32."""
     param, grad = _inputs(4097, DTYPES[dtype], DTYPES[dtype])
-    ours, theirs, opts, _ = _both(
-        param, grad, lr=0.3, weight_decay=0.3, inv_scale=0.5, clip_value=2.0, clip_coef=0.7
-    )
+    scalars = dict(lr=0.3, weight_decay=0.3, inv_scale=0.5, clip_value=2.0, clip_coef=0.7)
+    ours, theirs = param.clone(), param.clone()
+    ops.fused_sgd_update_(ours, grad, **scalars, backend="triton")
+    ops.fused_sgd_update_(theirs, grad, **scalars, backend="torch")
     assert torch.equal(_bits(ours), _bits(theirs))
+    # The same launch as the backend called directly with the converted tensors.
+    direct, _, opts, _ = _both(param, grad, **scalars)
+    assert torch.equal(_bits(ours), _bits(direct))
     _assert_close_to_fp64(ours, param, grad, opts, ulps=0.5)
+    # The decay is the fp32 one: 1 - fp32(fp32(0.3) * 0.3) in fp32, not 1 - 0.09 in double.
+    zero = torch.zeros_like(grad)
+    decayed = param.clone()
+    ops.fused_sgd_update_(decayed, zero, lr=0.3, weight_decay=0.3, backend="triton")
+    lr32 = torch.tensor(0.3, dtype=torch.float32)
+    decay32 = 1.0 - lr32 * torch.tensor(0.3, dtype=torch.float32)
+    assert decay32.item() != torch.tensor(1.0 - 0.3 * 0.3, dtype=torch.float32).item()
+    expected = (param.float() * decay32 - lr32 * zero.float()).to(param.dtype)
+    assert torch.equal(_bits(decayed), _bits(expected))
 
 
 def test_empty_parameter_is_a_no_op() -> None:
     found_inf = torch.zeros(1)
-    triton_backend.sgd_update_(torch.empty(0), torch.empty(0), **_options(found_inf=found_inf))
+    triton_backend.sgd_update_(
+        torch.empty(0), torch.empty(0), *_args(_materialise(_options(found_inf=found_inf)))
+    )
     assert found_inf.item() == 0.0
 
 
@@ -193,9 +239,9 @@ def test_unaligned_views(n: int, dtype: str) -> None:
     param, grad = param_buf[1 : 1 + n], grad_buf[3 : 3 + n]
     assert param.data_ptr() % 16 != 0 and grad.data_ptr() % 16 != 0
     expected = param.clone()
-    reference.sgd_update_(expected, grad, **_materialise(_options(**FULL)))
+    reference.sgd_update_(expected, grad, *_args(_materialise(_options(**FULL))))
     before = param_buf.clone()
-    triton_backend.sgd_update_(param, grad, **_materialise(_options(**FULL)))
+    triton_backend.sgd_update_(param, grad, *_args(_materialise(_options(**FULL))))
     assert torch.equal(_bits(param), _bits(expected))
     # Nothing outside the view is written.
     assert torch.equal(_bits(param_buf[:1]), _bits(before[:1]))
@@ -331,12 +377,14 @@ def test_same_tensor_as_found_inf_and_skip_if() -> None:
     flag = torch.zeros(1)
     ours = param.clone()
     triton_backend.sgd_update_(
-        ours, grad, **_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag)
+        ours, grad, *_args(_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag))
     )
     ref_flag = torch.zeros(1)
     theirs = param.clone()
     reference.sgd_update_(
-        theirs, grad, **_materialise(_options(**FULL)) | dict(found_inf=ref_flag, skip_if=ref_flag)
+        theirs,
+        grad,
+        *_args(_materialise(_options(**FULL)) | dict(found_inf=ref_flag, skip_if=ref_flag)),
     )
     assert torch.equal(_bits(ours), _bits(theirs))
     assert not torch.equal(_bits(ours[BLOCK:]), _bits(param[BLOCK:]))
@@ -344,7 +392,7 @@ def test_same_tensor_as_found_inf_and_skip_if() -> None:
     # A second call with the raised flag skips everything.
     again = ours.clone()
     triton_backend.sgd_update_(
-        again, grad, **_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag)
+        again, grad, *_args(_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag))
     )
     assert torch.equal(_bits(again), _bits(ours))
 
@@ -357,13 +405,15 @@ def test_found_inf_and_skip_if_views_of_one_buffer() -> None:
     triton_backend.sgd_update_(
         ours,
         grad,
-        **_materialise(_options(**FULL)) | dict(found_inf=flags[0:1], skip_if=flags[1:2]),
+        *_args(_materialise(_options(**FULL)) | dict(found_inf=flags[0:1], skip_if=flags[1:2])),
     )
     theirs = param.clone()
     reference.sgd_update_(
         theirs,
         grad,
-        **_materialise(_options(**FULL)) | dict(found_inf=torch.zeros(1), skip_if=torch.zeros(1)),
+        *_args(
+            _materialise(_options(**FULL)) | dict(found_inf=torch.zeros(1), skip_if=torch.zeros(1))
+        ),
     )
     assert torch.equal(_bits(ours), _bits(theirs))
     assert flags.tolist() == [1.0, 0.0]
@@ -378,25 +428,13 @@ def test_found_inf_and_skip_if_views_of_one_buffer() -> None:
 )
 def test_grad_sumsq(n: int, dtype: str) -> None:
     _, grad = _inputs(n, torch.float32, DTYPES[dtype], seed=n)
-    inv_scale, inv_scale_tensor = 0.5, torch.tensor([3.0])
+    inv_scale = torch.tensor([1.5])  # the effective value of the former pair 0.5 * [3.0]
     sumsq = torch.tensor([2.0])
     found_inf = torch.zeros(1)
-    triton_backend.grad_sumsq_(
-        grad,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        sumsq=sumsq,
-        found_inf=found_inf,
-    )
+    triton_backend.grad_sumsq_(grad, inv_scale, sumsq, found_inf)
     exact = 2.0 + ((grad.double() * 1.5) ** 2).sum().item()
     ref_sumsq = torch.tensor([2.0])
-    reference.grad_sumsq_(
-        grad,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        sumsq=ref_sumsq,
-        found_inf=None,
-    )
+    reference.grad_sumsq_(grad, inv_scale, ref_sumsq, None)
     # Partial sums per program make the order differ from torch.dot, not the accuracy.
     assert sumsq.item() == pytest.approx(exact, rel=1e-5)
     assert ref_sumsq.item() == pytest.approx(exact, rel=1e-5)
@@ -408,9 +446,7 @@ def test_grad_sumsq_non_finite(position: int) -> None:
     _, grad = _inputs(2 * BLOCK + 5, torch.float32, torch.float16)
     grad[position] = float("nan")
     sumsq, found_inf = torch.zeros(1), torch.zeros(1)
-    triton_backend.grad_sumsq_(
-        grad, inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=found_inf
-    )
+    triton_backend.grad_sumsq_(grad, None, sumsq, found_inf)
     assert found_inf.item() == 1.0
     assert not torch.isfinite(sumsq).item()
 
@@ -418,9 +454,7 @@ def test_grad_sumsq_non_finite(position: int) -> None:
 def test_grad_sumsq_without_found_inf() -> None:
     _, grad = _inputs(33, torch.float32, torch.float32)
     sumsq = torch.zeros(1)
-    triton_backend.grad_sumsq_(
-        grad, inv_scale=2.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=None
-    )
+    triton_backend.grad_sumsq_(grad, torch.tensor([2.0]), sumsq, None)
     assert sumsq.item() == pytest.approx(((grad.double() * 2) ** 2).sum().item(), rel=1e-6)
 
 
@@ -428,23 +462,23 @@ def test_grad_sumsq_without_found_inf() -> None:
 
 _LATE_INTERPRET = r"""
 import os, torch
-from lomo_kernels.backends import reference, triton_backend
+from lomo_kernels.kernels.triton import sgd as triton_backend
+from lomo_kernels.ops import sgd_reference as reference
 assert not triton_backend.is_available()
 os.environ["TRITON_INTERPRET"] = "1"
 assert triton_backend.is_available()
 p = torch.randn(40).to(torch.bfloat16)
 g = torch.randn(40).to(torch.bfloat16)
 g[3] = float("inf")
-kw = dict(lr=0.1, lr_tensor=None, inv_scale=1.0, inv_scale_tensor=None, clip_value=None,
-          clip_coef=1.0, clip_coef_tensor=None, weight_decay=0.0, skip_if=None,
-          stochastic_rounding=False, seed=0)
+lr = torch.tensor([0.1])
 a, b, fa, fb = p.clone(), p.clone(), torch.zeros(1), torch.zeros(1)
-triton_backend.sgd_update_(a, g, found_inf=fa, **kw)
-reference.sgd_update_(b, g, found_inf=fb, **kw)
+# (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf, skip_if,
+#  stochastic_rounding, seed)
+triton_backend.sgd_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0)
+reference.sgd_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0)
 assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and fa.item() == fb.item() == 1
 s = torch.zeros(1)
-triton_backend.grad_sumsq_(g.nan_to_num(posinf=0.0), inv_scale=1.0, inv_scale_tensor=None,
-                           sumsq=s, found_inf=None)
+triton_backend.grad_sumsq_(g.nan_to_num(posinf=0.0), None, s, None)
 assert s.item() > 0
 print("ok")
 """

@@ -25,7 +25,8 @@ _COMPILE_SCRIPT = r"""
 import json, os, re, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from lomo_kernels.triton_kernels import sgd_update as m
+from lomo_kernels.kernels.triton import sgd as m
+from lomo_kernels.kernels.triton import sgd_kernels as k
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 UPDATES = [(bf16, bf16, False), (fp16, fp16, False), (fp32, fp32, False), (bf16, fp32, False),
@@ -81,14 +82,15 @@ except ImportError:
     native_specialize_impl = None
 if native_specialize_impl is not None:
     for kernel, (_, args) in [
-        (m._sgd_update_kernel, m.sgd_update_args(
+        # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf,
+        #  skip_if, stochastic_rounding, seed)
+        (k.sgd_update_kernel, m.sgd_update_args(
             torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
-            lr=0.1, lr_tensor=torch.ones(1), inv_scale=1.0, inv_scale_tensor=None,
-            clip_value=None, clip_coef=1.0, clip_coef_tensor=None, weight_decay=0.0,
-            found_inf=torch.zeros(1), skip_if=None, stochastic_rounding=True, seed=7)),
-        (m._grad_sumsq_kernel, m.grad_sumsq_args(
-            torch.empty(4 * m.BLOCK + 1, dtype=fp16), inv_scale=0.5, inv_scale_tensor=None,
-            sumsq=torch.zeros(1), found_inf=None)),
+            torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7)),
+        # (grad, inv_scale, sumsq, found_inf)
+        (k.grad_sumsq_kernel, m.grad_sumsq_args(
+            torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),
+            None)),
     ]:
         signature, constexprs, attrs = m.aot_signature(kernel, args)
         for i, p in enumerate(kernel.params):
@@ -104,8 +106,8 @@ if native_specialize_impl is not None:
                 mismatches.append(f"{kernel.__name__}.{p.name}: aot {mine} jit {jit}")
 
 runtime_constexprs = {
-    k.__name__: sorted(p.name for p in k.params if p.is_constexpr)
-    for k in (m._sgd_update_kernel, m._grad_sumsq_kernel)
+    kernel.__name__: sorted(p.name for p in kernel.params if p.is_constexpr)
+    for kernel in (k.sgd_update_kernel, k.grad_sumsq_kernel)
 }
 print(json.dumps({"records": records, "mismatches": mismatches,
                   "checked_spec": native_specialize_impl is not None,
@@ -178,15 +180,8 @@ def test_aot_specialisation_matches_jit(compiled: dict) -> None:
 
 def test_runtime_values_are_not_constexpr(compiled: dict) -> None:
     assert compiled["constexprs"] == {
-        "_sgd_update_kernel": sorted(
-            [
-                "PARAM_KIND",
-                "GRAD_KIND",
-                "HAS_CLIP_VALUE",
-                "HAS_CLIP_COEF",
-                "STOCHASTIC_ROUNDING",
-                "BLOCK",
-            ]
+        "sgd_update_kernel": sorted(
+            ["PARAM_KIND", "GRAD_KIND", "HAS_CLIP_VALUE", "STOCHASTIC_ROUNDING", "BLOCK"]
         ),
-        "_grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),
+        "grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),
     }

@@ -8,7 +8,7 @@ per reduce-scatter bucket two small all-reduces (the row/column sums and flags, 
 update sums, which need the new moments) give every rank the single-process totals, so the
 moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
 1-D moments v live with their slice. The math and its rounding are those of the reference
-passes (`adalomo_backends.reference`), in fp32 blocks of at most CHUNK elements.
+passes (`ops.adalomo_reference`), in fp32 blocks of at most CHUNK elements.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adalomo_backends.reference import (
+from ..ops.adalomo_reference import (
     CHUNK,
     P_SUMSQ,
     U_SUMSQ,
-    _GradTransform,
-    _step_scalars,
-    _store,
+    GradTransform,
+    step_scalars,
+    store_rounded,
 )
 from .shard import Shard
 
@@ -41,7 +41,7 @@ class SliceStep:
     eps: tuple[float, float]
     clip_threshold: float
     weight_decay: float
-    transform: _GradTransform
+    transform: GradTransform
     skip: torch.Tensor | None = None  # non-zero: this slice's parameter is not updated
 
 
@@ -202,10 +202,9 @@ def adalomo_slices_(
         stats = torch.zeros(4, dtype=torch.float32, device=device)
         stats[P_SUMSQ] = p_sumsqs[i]
         stats[U_SUMSQ] = u_sumsqs[i]
-        scale, decay = _step_scalars(
+        scale, decay = step_scalars(
             stats,
             step.shard.full_numel,
-            1.0,
             step.lr,
             step.eps[1],
             step.clip_threshold,
@@ -215,4 +214,6 @@ def adalomo_slices_(
         for span, row, nrows, col, width in _pieces(step):
             g, _ = step.transform(grad[span])
             update = _update_piece(step, g, span, row, nrows, col, width)
-            _store(local[span], local[span].to(torch.float32) * decay - scale * update, skips[i])
+            store_rounded(
+                local[span], local[span].to(torch.float32) * decay - scale * update, skips[i]
+            )

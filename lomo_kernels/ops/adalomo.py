@@ -1,4 +1,5 @@
-"""The fused AdaLomo passes, registered with torch.library, and the per-parameter step.
+"""The fused AdaLomo passes: their schemas (torch.library), public functions, and the
+per-parameter step built from them.
 
 AdaLomo is Adafactor without a first moment (see `adalomo_update_` for the math). One step
 of one parameter runs as a few fused passes; each pass is one op, one kernel launch:
@@ -14,18 +15,21 @@ of one parameter runs as a few fused passes; each pass is one op, one kernel lau
       adalomo_vector_apply_      pass C1: reads grad, param, v; writes param and v
 
 Every pass accumulates into, or reads from, one zeroed fp32 workspace per parameter and step
-(see `adalomo_backends`). Runtime scalars (lr, beta2, inv_scale, clip_coef) may be Python
-floats or 1-element fp32 tensors on the parameter's device; nothing reads a device value on
-the host, so a step never synchronises.
+(`adalomo_workspace.py`). The public functions accept the runtime scalars (lr, beta2,
+inv_scale, clip_coef) as Python floats or 1-element fp32 device tensors and convert them once
+(`scalars.py`); the ops take tensors only, and nothing reads a device value on the host, so a
+step never synchronises. Kernels per device: `backends.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import adalomo_backends, backends
-from ._checks import check_finite, check_pair, check_scalar_tensor
-from .ops import Scalar, _split, mutates_only
+from . import adalomo_reference as reference
+from .adalomo_workspace import NUM_SLOTS, workspace_numel
+from .backends import ADALOMO, register_kernels, requested_backend
+from .checks import check_finite, check_pair, check_scalar_tensor
+from .scalars import Scalar, device_scalar, optional_factor
 
 __all__ = [
     "adalomo_update_",
@@ -39,49 +43,32 @@ __all__ = [
     "adalomo_vector_apply_",
 ]
 
+Tensor = torch.Tensor
 
-def _impl(device: torch.device, backend: str):
-    return adalomo_backends.resolve(device, backend)
-
-
-# ----------------------------------------------------------------------------- registrations
+# ----------------------------------------------------------------------------- schemas
+# Each body is the reference (any device); `register_kernels` adds the fake and the CPU and
+# CUDA kernels. Argument order is the kernels' order (csrc/ bindings, Triton launchers).
 
 
 @torch.library.custom_op(
     "lomo_kernels::adalomo_factored_stats_", mutates_args=("workspace", "found_inf")
 )
 def _factored_stats_op(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    workspace: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
+    grad: Tensor,
+    param: Tensor,
+    workspace: Tensor,
+    found_inf: Tensor | None,
+    skip_if: Tensor | None,
     cols: int,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: Tensor | None,
     eps0: float,
     backend: str,
 ) -> None:
-    _impl(grad.device, backend).factored_stats_(
-        grad.contiguous(),
-        param,
-        workspace,
-        found_inf,
-        skip_if,
-        cols=cols,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
-        eps0=eps0,
+    reference.factored_stats_(
+        grad, param, workspace, found_inf, skip_if, cols, inv_scale, clip_value, clip_coef, eps0
     )
-
-
-_factored_stats_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
@@ -89,208 +76,166 @@ _factored_stats_op.register_fake(mutates_only)
     mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"),
 )
 def _factored_moments_op(
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
-    backend: str,
+    exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, workspace: Tensor, beta2: Tensor, backend: str
 ) -> None:
-    _impl(workspace.device, backend).factored_moments_(
-        exp_avg_sq_row, exp_avg_sq_col, workspace, beta2=beta2, beta2_tensor=beta2_tensor
-    )
-
-
-_factored_moments_op.register_fake(mutates_only)
+    reference.factored_moments_(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2)
 
 
 @torch.library.custom_op("lomo_kernels::adalomo_factored_norm_", mutates_args=("workspace",))
 def _factored_norm_op(
-    grad: torch.Tensor,
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    grad: Tensor,
+    exp_avg_sq_row: Tensor,
+    exp_avg_sq_col: Tensor,
+    workspace: Tensor,
+    inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: Tensor | None,
     backend: str,
 ) -> None:
-    _impl(grad.device, backend).factored_norm_(
-        grad.contiguous(),
-        exp_avg_sq_row,
-        exp_avg_sq_col,
-        workspace,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
+    reference.factored_norm_(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
     )
-
-
-_factored_norm_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op("lomo_kernels::adalomo_factored_apply_", mutates_args=("param",))
 def _factored_apply_op(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    param: Tensor,
+    grad: Tensor,
+    exp_avg_sq_row: Tensor,
+    exp_avg_sq_col: Tensor,
+    workspace: Tensor,
+    lr: Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: Tensor | None,
     backend: str,
 ) -> None:
-    _impl(param.device, backend).factored_apply_(
+    reference.factored_apply_(
         param,
-        grad.contiguous(),
+        grad,
         exp_avg_sq_row,
         exp_avg_sq_col,
         workspace,
-        lr=lr,
-        lr_tensor=lr_tensor,
-        eps1=eps1,
-        clip_threshold=clip_threshold,
-        weight_decay=weight_decay,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
+        lr,
+        eps1,
+        clip_threshold,
+        weight_decay,
+        inv_scale,
+        clip_value,
+        clip_coef,
     )
-
-
-_factored_apply_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
     "lomo_kernels::adalomo_vector_stats_", mutates_args=("workspace", "found_inf")
 )
 def _vector_stats_op(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    workspace: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    grad: Tensor,
+    param: Tensor,
+    exp_avg_sq: Tensor,
+    workspace: Tensor,
+    found_inf: Tensor | None,
+    skip_if: Tensor | None,
+    beta2: Tensor,
     eps0: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: Tensor | None,
     backend: str,
 ) -> None:
-    _impl(grad.device, backend).vector_stats_(
-        grad.contiguous(),
+    reference.vector_stats_(
+        grad,
         param,
         exp_avg_sq,
         workspace,
         found_inf,
         skip_if,
-        beta2=beta2,
-        beta2_tensor=beta2_tensor,
-        eps0=eps0,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
+        beta2,
+        eps0,
+        inv_scale,
+        clip_value,
+        clip_coef,
     )
-
-
-_vector_stats_op.register_fake(mutates_only)
 
 
 @torch.library.custom_op(
     "lomo_kernels::adalomo_vector_apply_", mutates_args=("param", "exp_avg_sq")
 )
 def _vector_apply_op(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    param: Tensor,
+    grad: Tensor,
+    exp_avg_sq: Tensor,
+    workspace: Tensor,
+    beta2: Tensor,
     eps0: float,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: Tensor | None,
     backend: str,
 ) -> None:
-    _impl(param.device, backend).vector_apply_(
+    reference.vector_apply_(
         param,
-        grad.contiguous(),
+        grad,
         exp_avg_sq,
         workspace,
-        beta2=beta2,
-        beta2_tensor=beta2_tensor,
-        eps0=eps0,
-        lr=lr,
-        lr_tensor=lr_tensor,
-        eps1=eps1,
-        clip_threshold=clip_threshold,
-        weight_decay=weight_decay,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
+        beta2,
+        eps0,
+        lr,
+        eps1,
+        clip_threshold,
+        weight_decay,
+        inv_scale,
+        clip_value,
+        clip_coef,
     )
 
 
-_vector_apply_op.register_fake(mutates_only)
+for _op, _function in (
+    (_factored_stats_op, "factored_stats_"),
+    (_factored_moments_op, "factored_moments_"),
+    (_factored_norm_op, "factored_norm_"),
+    (_factored_apply_op, "factored_apply_"),
+    (_vector_stats_op, "vector_stats_"),
+    (_vector_apply_op, "vector_apply_"),
+):
+    register_kernels(_op, ADALOMO, _function)
 
 
 # ----------------------------------------------------------------------------- validation
 
-GradArgs = tuple[float, torch.Tensor | None, float | None, float, torch.Tensor | None]
+GradArgs = tuple[Tensor | None, float | None, Tensor | None]
 
 
 def _grad_args(
-    inv_scale: Scalar, clip_value: float | None, clip_coef: Scalar | None, device: torch.device
+    inv_scale: Scalar | None,
+    clip_value: float | None,
+    clip_coef: Scalar | None,
+    device: torch.device,
 ) -> GradArgs:
-    """(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor) as the ops take."""
-    inv_f, inv_t = _split("inv_scale", inv_scale, device)
-    coef_f, coef_t = _split("clip_coef", 1.0 if clip_coef is None else clip_coef, device)
+    """(inv_scale, clip_value, clip_coef) as the ops take them."""
     if clip_value is not None:
         check_finite("clip_value", clip_value, positive=True)
         clip_value = float(clip_value)
-    return inv_f, inv_t, clip_value, coef_f, coef_t
+    return (
+        optional_factor("inv_scale", inv_scale, device),
+        clip_value,
+        optional_factor("clip_coef", clip_coef, device),
+    )
 
 
-def _beta2_args(beta2: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
-    beta2_f, beta2_t = _split("beta2", beta2, device)
-    if beta2_t is None and not 0.0 <= beta2_f <= 1.0:
-        raise ValueError(f"lomo_kernels: beta2 must be in [0, 1], got {beta2_f}")
-    return beta2_f, beta2_t
+def _beta2(beta2: Scalar, device: torch.device) -> Tensor:
+    return device_scalar("beta2", beta2, device, unit_interval=True)
 
 
-def _lr_args(lr: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
-    lr_f, lr_t = _split("lr", lr, device)
-    if lr_t is None:
-        check_finite("lr", lr_f, non_negative=True)
-    return lr_f, lr_t
+def _lr(lr: Scalar, device: torch.device) -> Tensor:
+    return device_scalar("lr", lr, device, non_negative=True)
 
 
 def _check_state(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
@@ -308,7 +253,7 @@ def _check_state(name: str, t: torch.Tensor, numel: int, device: torch.device) -
 
 
 def _check_workspace(workspace: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
-    _check_state("workspace", workspace, adalomo_backends.workspace_numel(shape), device)
+    _check_state("workspace", workspace, workspace_numel(shape), device)
 
 
 def _rows_cols(shape: torch.Size) -> tuple[int, int]:
@@ -337,9 +282,7 @@ def init_adalomo_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def adalomo_workspace(param: torch.Tensor) -> torch.Tensor:
     """The zeroed fp32 workspace one step of `param` needs (one allocation, one launch)."""
-    return torch.zeros(
-        adalomo_backends.workspace_numel(param.shape), dtype=torch.float32, device=param.device
-    )
+    return torch.zeros(workspace_numel(param.shape), dtype=torch.float32, device=param.device)
 
 
 def adalomo_update_(
@@ -352,7 +295,7 @@ def adalomo_update_(
     eps: tuple[float, float] = (1e-30, 1e-3),
     clip_threshold: float = 1.0,
     weight_decay: float = 0.0,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
@@ -385,8 +328,8 @@ def adalomo_update_(
     check_finite("eps[1]", eps1, non_negative=True)
     check_finite("clip_threshold", clip_threshold, positive=True)
     check_finite("weight_decay", weight_decay)
-    lr_f, lr_t = _lr_args(lr, device)
-    beta2_f, beta2_t = _beta2_args(beta2, device)
+    lr_t = _lr(lr, device)
+    beta2_t = _beta2(beta2, device)
     ga = _grad_args(inv_scale, clip_value, clip_coef, device)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
@@ -394,7 +337,7 @@ def adalomo_update_(
         state.update(init_adalomo_state(param))
     if param.numel() == 0:
         return
-    name = backends.requested_backend(backend)
+    name = requested_backend(backend)
     grad = grad.contiguous()  # once here rather than in each pass
     workspace = adalomo_workspace(param)
     ops = torch.ops.lomo_kernels
@@ -408,26 +351,24 @@ def adalomo_update_(
         ops.adalomo_factored_stats_(
             grad, param, workspace, found_inf, skip_if, cols, *ga, eps0, name
         )
-        ops.adalomo_factored_moments_(row, col, workspace, beta2_f, beta2_t, name)
+        ops.adalomo_factored_moments_(row, col, workspace, beta2_t, name)
         ops.adalomo_factored_norm_(grad, row, col, workspace, *ga, name)
         ops.adalomo_factored_apply_(
-            param, grad, row, col, workspace, lr_f, lr_t, eps1, threshold, wd, *ga, name
+            param, grad, row, col, workspace, lr_t, eps1, threshold, wd, *ga, name
         )
     else:
         v = state["exp_avg_sq"]
         _check_state("exp_avg_sq", v, param.numel(), device)
         ops.adalomo_vector_stats_(
-            grad, param, v, workspace, found_inf, skip_if, beta2_f, beta2_t, eps0, *ga, name
+            grad, param, v, workspace, found_inf, skip_if, beta2_t, eps0, *ga, name
         )
         ops.adalomo_vector_apply_(
             param,
             grad,
             v,
             workspace,
-            beta2_f,
             beta2_t,
             eps0,
-            lr_f,
             lr_t,
             eps1,
             threshold,
@@ -460,7 +401,7 @@ def adalomo_factored_stats_(
     workspace: torch.Tensor,
     *,
     eps0: float = 1e-30,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
@@ -482,7 +423,7 @@ def adalomo_factored_stats_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_stats_(
-        grad,
+        grad.contiguous(),
         param,
         workspace,
         found_inf,
@@ -490,7 +431,7 @@ def adalomo_factored_stats_(
         param.shape[-1],
         *ga,
         float(eps0),
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )
 
 
@@ -507,17 +448,16 @@ def adalomo_factored_moments_(
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     _check_state("exp_avg_sq_row", exp_avg_sq_row, rows, device)
     _check_state("exp_avg_sq_col", exp_avg_sq_col, cols, device)
-    _check_state("workspace", workspace, rows + cols + adalomo_backends.NUM_SLOTS, device)
-    beta2_f, beta2_t = _beta2_args(beta2, device)
+    _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
+    beta2_t = _beta2(beta2, device)
     if rows * cols == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_moments_(
         exp_avg_sq_row,
         exp_avg_sq_col,
         workspace,
-        beta2_f,
         beta2_t,
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )
 
 
@@ -527,7 +467,7 @@ def adalomo_factored_norm_(
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
     *,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     backend: str | None = None,
@@ -539,7 +479,12 @@ def adalomo_factored_norm_(
     if grad.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_norm_(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, *ga, backends.requested_backend(backend)
+        grad.contiguous(),
+        exp_avg_sq_row,
+        exp_avg_sq_col,
+        workspace,
+        *ga,
+        requested_backend(backend),
     )
 
 
@@ -554,7 +499,7 @@ def adalomo_factored_apply_(
     eps1: float = 1e-3,
     clip_threshold: float = 1.0,
     weight_decay: float = 0.0,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     backend: str | None = None,
@@ -566,7 +511,7 @@ def adalomo_factored_apply_(
     """
     check_pair(param, grad)
     _check_factored(param, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    lr_f, lr_t = _lr_args(lr, param.device)
+    lr_t = _lr(lr, param.device)
     check_finite("eps1", eps1, non_negative=True)
     check_finite("clip_threshold", clip_threshold, positive=True)
     check_finite("weight_decay", weight_decay)
@@ -575,17 +520,16 @@ def adalomo_factored_apply_(
         return
     torch.ops.lomo_kernels.adalomo_factored_apply_(
         param,
-        grad,
+        grad.contiguous(),
         exp_avg_sq_row,
         exp_avg_sq_col,
         workspace,
-        lr_f,
         lr_t,
         float(eps1),
         float(clip_threshold),
         float(weight_decay),
         *ga,
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )
 
 
@@ -597,7 +541,7 @@ def adalomo_vector_stats_(
     *,
     beta2: Scalar,
     eps0: float = 1e-30,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
@@ -612,8 +556,8 @@ def adalomo_vector_stats_(
     check_pair(param, grad)
     device = param.device
     _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
-    _check_state("workspace", workspace, adalomo_backends.NUM_SLOTS, device)
-    beta2_f, beta2_t = _beta2_args(beta2, device)
+    _check_state("workspace", workspace, NUM_SLOTS, device)
+    beta2_t = _beta2(beta2, device)
     check_finite("eps0", eps0, non_negative=True)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
@@ -621,17 +565,16 @@ def adalomo_vector_stats_(
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_vector_stats_(
-        grad,
+        grad.contiguous(),
         param,
         exp_avg_sq,
         workspace,
         found_inf,
         skip_if,
-        beta2_f,
         beta2_t,
         float(eps0),
         *ga,
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )
 
 
@@ -647,7 +590,7 @@ def adalomo_vector_apply_(
     eps1: float = 1e-3,
     clip_threshold: float = 1.0,
     weight_decay: float = 0.0,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     backend: str | None = None,
@@ -657,9 +600,9 @@ def adalomo_vector_apply_(
     check_pair(param, grad)
     device = param.device
     _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
-    _check_state("workspace", workspace, adalomo_backends.NUM_SLOTS, device)
-    lr_f, lr_t = _lr_args(lr, device)
-    beta2_f, beta2_t = _beta2_args(beta2, device)
+    _check_state("workspace", workspace, NUM_SLOTS, device)
+    lr_t = _lr(lr, device)
+    beta2_t = _beta2(beta2, device)
     check_finite("eps0", eps0, non_negative=True)
     check_finite("eps1", eps1, non_negative=True)
     check_finite("clip_threshold", clip_threshold, positive=True)
@@ -669,17 +612,15 @@ def adalomo_vector_apply_(
         return
     torch.ops.lomo_kernels.adalomo_vector_apply_(
         param,
-        grad,
+        grad.contiguous(),
         exp_avg_sq,
         workspace,
-        beta2_f,
         beta2_t,
         float(eps0),
-        lr_f,
         lr_t,
         float(eps1),
         float(clip_threshold),
         float(weight_decay),
         *ga,
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )

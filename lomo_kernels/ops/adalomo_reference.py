@@ -20,25 +20,16 @@ from collections.abc import Iterator
 import torch
 
 from .._rounding import bf16_from_bits, fp32_to_bf16_bits
+from .adalomo_workspace import P_SUMSQ, R_SUM, SKIP, U_SUMSQ
+from .scalars import value_of
 
 # Elements per tile: large enough to amortise per-op overhead, small enough to bound the
 # fp32 temporaries (a few of 256 KiB each).
 CHUNK = 1 << 16
 
-# Workspace slots, as in `adalomo_backends/__init__.py` (not imported: that module imports
-# this one).
-P_SUMSQ, U_SUMSQ, SKIP, R_SUM = 0, 1, 2, 3
-
 # Each tile's sums are taken in float64 and rounded once into the fp32 workspace, so the
 # result does not depend on the order the CPU's vectorised reduction adds in.
 F64 = torch.float64
-
-
-def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | float:
-    """scalar * tensor[0] as an fp32 0-d device tensor (no host sync), or the plain scalar."""
-    if tensor is None:
-        return scalar
-    return tensor.reshape(-1)[0].to(torch.float32) * scalar
 
 
 def _tiles(rows: int, cols: int) -> Iterator[tuple[int, int, int, int]]:
@@ -55,29 +46,28 @@ def _spans(n: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + CHUNK, n)
 
 
-class _GradTransform:
+class GradTransform:
     """Turns stored gradient values into the fp32 g of the math (scalars resolved once)."""
 
     def __init__(
         self,
-        inv_scale: float,
-        inv_scale_tensor: torch.Tensor | None,
+        inv_scale: torch.Tensor | None,
         clip_value: float | None,
-        clip_coef: float,
-        clip_coef_tensor: torch.Tensor | None,
+        clip_coef: torch.Tensor | None,
     ) -> None:
-        self.inv_scale = _effective(inv_scale, inv_scale_tensor)
+        self.inv_scale = None if inv_scale is None else value_of(inv_scale)
         self.clip_value = clip_value
-        self.has_coef = clip_coef_tensor is not None or clip_coef != 1.0
-        self.clip_coef = _effective(clip_coef, clip_coef_tensor)
+        self.clip_coef = None if clip_coef is None else value_of(clip_coef)
 
     def __call__(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g, finite mask of grad * inv_scale) for one tile."""
-        g = grad.to(torch.float32) * self.inv_scale
+        g = grad.to(torch.float32)
+        if self.inv_scale is not None:
+            g = g * self.inv_scale
         finite = torch.isfinite(g)
         if self.clip_value is not None:
             g = g.clamp(-self.clip_value, self.clip_value)
-        if self.has_coef:
+        if self.clip_coef is not None:
             g = g * self.clip_coef
         return g, finite
 
@@ -104,17 +94,16 @@ def _record_flags(
         flat.copy_(torch.where(raise_it, torch.clamp(flat, min=1.0), flat))
 
 
-def _step_scalars(
+def step_scalars(
     stats: torch.Tensor,
     numel: int,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, decay): lr_t / max(1, rms(update) / clip_threshold) and 1 - lr_t * wd."""
-    lr_eff = _effective(lr, lr_tensor)
+    lr_eff = value_of(lr)
     p_rms = torch.sqrt(stats[P_SUMSQ] / numel)
     lr_t = lr_eff * torch.clamp(p_rms, min=eps1)
     u_rms = torch.sqrt(stats[U_SUMSQ] / numel)
@@ -122,7 +111,7 @@ def _step_scalars(
     return scale, 1.0 - lr_t * weight_decay
 
 
-def _store(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
+def store_rounded(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
     """Writes fp32 `new` into `param_tile` in its dtype (bf16: nearest even on the bits)."""
     if param_tile.dtype == torch.bfloat16:
         rounded = bf16_from_bits(fp32_to_bf16_bits(new)).view(new.shape)
@@ -140,13 +129,10 @@ def factored_stats_(
     workspace: torch.Tensor,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
-    *,
     cols: int,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
     eps0: float,
 ) -> None:
     """Pass A: row sums and column sums of u, sum of p^2, non-finite flag."""
@@ -155,7 +141,7 @@ def factored_stats_(
     row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, finite = transform(g2[r0:r1, c0:c1])
@@ -172,15 +158,13 @@ def factored_moments_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
 ) -> None:
     """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    b = _effective(beta2, beta2_tensor)
+    b = value_of(beta2)
     for state, acc, count in (
         (exp_avg_sq_row, workspace[:rows], cols),
         (exp_avg_sq_col, workspace[rows : rows + cols], rows),
@@ -203,18 +187,15 @@ def factored_norm_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
     g2 = grad.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, _ = transform(g2[r0:r1, c0:c1])
@@ -228,43 +209,37 @@ def factored_apply_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = _step_scalars(
-        stats, param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay
-    )
+    scale, decay = step_scalars(stats, param.numel(), lr, eps1, clip_threshold, weight_decay)
     r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
         g, _ = transform(g2[r0:r1, c0:c1])
         update = (r[r0:r1, None] * c[None, c0:c1]) * g
         tile = p2[r0:r1, c0:c1]
-        _store(tile, tile.to(torch.float32) * decay - scale * update, skip)
+        store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
 
 
 # ----------------------------------------------------------------------------- 1-D
 
 
 def _vector_update(
-    transform: _GradTransform,
+    transform: GradTransform,
     grad: torch.Tensor,
     v: torch.Tensor,
-    b: torch.Tensor | float,
+    b: torch.Tensor,
     eps0: float,
 ):
     """(update, new v, finite mask) of one span."""
@@ -280,21 +255,17 @@ def vector_stats_(
     workspace: torch.Tensor,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
     eps0: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass A1: U_SUMSQ += sum(g^2 / v_new), P_SUMSQ += sum(p^2); v itself is not written."""
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
-    b = _effective(beta2, beta2_tensor)
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
+    b = value_of(beta2)
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for s0, s1 in _spans(g1.numel()):
@@ -311,32 +282,25 @@ def vector_apply_(
     grad: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
     eps0: float,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = _step_scalars(
-        stats, param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay
-    )
-    transform = _GradTransform(inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor)
-    b = _effective(beta2, beta2_tensor)
+    scale, decay = step_scalars(stats, param.numel(), lr, eps1, clip_threshold, weight_decay)
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
+    b = value_of(beta2)
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     for s0, s1 in _spans(g1.numel()):
         update, v_new, _ = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
         tile = p1[s0:s1]
-        _store(tile, tile.to(torch.float32) * decay - scale * update, skip)
+        store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
         v1[s0:s1] = torch.where(skip, v1[s0:s1], v_new)

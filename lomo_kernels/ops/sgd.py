@@ -1,39 +1,33 @@
-"""The fused LOMO ops, registered with torch.library so compiled training loops can call them.
+"""The fused LOMO ops: their schemas (torch.library) and public functions.
 
-    fused_sgd_update_  one LOMO/SGD step on one parameter, one pass over memory
-    grad_sumsq_        sum of squares of a (scaled) gradient + inf/nan flag, one pass
+    fused_sgd_update_     one LOMO/SGD step on one parameter, one pass over memory
+                          (op ``lomo_kernels::sgd_update_``)
+    grad_sumsq_           sum of squares of a (scaled) gradient + inf/nan flag, one pass
+                          (op ``lomo_kernels::grad_sumsq_``)
     clip_coef_from_sumsq  device-side clip-by-norm coefficient
 
-Runtime scalars (lr, inv_scale, clip_coef) may be Python floats or 1-element fp32 tensors on
-the parameter's device; with tensors nothing forces a host sync.
+The public functions check their arguments and convert runtime scalars to device tensors
+once (`scalars.py`); the ops take them only as tensors. Kernels per device: `backends.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backends
-from ._checks import check_finite, check_pair, check_scalar_tensor
-
-Scalar = float | torch.Tensor
-
-
-def mutates_only(*args: object) -> None:
-    """Fake (meta) implementation of ops that only write into their arguments."""
-    return None
+from . import sgd_reference
+from .backends import SGD, register_kernels, requested_backend
+from .checks import check_finite, check_pair, check_scalar_tensor
+from .scalars import Scalar, device_scalar, optional_factor
 
 
 @torch.library.custom_op("lomo_kernels::sgd_update_", mutates_args=("param", "found_inf"))
 def _sgd_update_op(
     param: torch.Tensor,
     grad: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
     weight_decay: float,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
@@ -41,58 +35,36 @@ def _sgd_update_op(
     seed: int,
     backend: str,
 ) -> None:
-    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
-    if skip_if is None:
-        skip_if = found_inf
-    backends.resolve(param.device, backend).sgd_update_(
+    sgd_reference.sgd_update_(
         param,
-        grad.contiguous(),
-        lr=lr,
-        lr_tensor=lr_tensor,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
-        weight_decay=weight_decay,
-        found_inf=found_inf,
-        skip_if=skip_if,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
+        grad,
+        lr,
+        inv_scale,
+        clip_value,
+        clip_coef,
+        weight_decay,
+        found_inf,
+        skip_if,
+        stochastic_rounding,
+        seed,
     )
 
 
-_sgd_update_op.register_fake(mutates_only)
+register_kernels(_sgd_update_op, SGD, "sgd_update_")
 
 
 @torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
 def _grad_sumsq_op(
     grad: torch.Tensor,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     sumsq: torch.Tensor,
     found_inf: torch.Tensor | None,
     backend: str,
 ) -> None:
-    backends.resolve(grad.device, backend).grad_sumsq_(
-        grad.contiguous(),
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        sumsq=sumsq,
-        found_inf=found_inf,
-    )
+    sgd_reference.grad_sumsq_(grad, inv_scale, sumsq, found_inf)
 
 
-_grad_sumsq_op.register_fake(mutates_only)
-
-
-def _split(name: str, value: Scalar, device: torch.device) -> tuple[float, torch.Tensor | None]:
-    """A runtime scalar as (python factor, optional device tensor factor)."""
-    if isinstance(value, torch.Tensor):
-        check_scalar_tensor(name, value, device)
-        return 1.0, value
-    check_finite(name, value)
-    return float(value), None
+register_kernels(_grad_sumsq_op, SGD, "grad_sumsq_")
 
 
 def fused_sgd_update_(
@@ -100,7 +72,7 @@ def fused_sgd_update_(
     grad: torch.Tensor,
     *,
     lr: Scalar,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
     weight_decay: float = 0.0,
@@ -124,11 +96,9 @@ def fused_sgd_update_(
     """
     check_pair(param, grad)
     device = param.device
-    lr_f, lr_t = _split("lr", lr, device)
-    if lr_t is None:
-        check_finite("lr", lr_f, non_negative=True)
-    inv_f, inv_t = _split("inv_scale", inv_scale, device)
-    coef_f, coef_t = _split("clip_coef", 1.0 if clip_coef is None else clip_coef, device)
+    lr_t = device_scalar("lr", lr, device, non_negative=True)
+    inv_t = optional_factor("inv_scale", inv_scale, device)
+    coef_t = optional_factor("clip_coef", clip_coef, device)
     if clip_value is not None:
         check_finite("clip_value", clip_value, positive=True)
     check_finite("weight_decay", weight_decay)
@@ -142,22 +112,20 @@ def fused_sgd_update_(
         raise ValueError(f"lomo_kernels: seed must be in [0, 2**63), got {seed}")
     if param.numel() == 0:
         return
+    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
     torch.ops.lomo_kernels.sgd_update_(
         param,
-        grad,
-        lr_f,
+        grad.contiguous(),
         lr_t,
-        inv_f,
         inv_t,
         None if clip_value is None else float(clip_value),
-        coef_f,
         coef_t,
         float(weight_decay),
         found_inf,
-        skip_if,
+        found_inf if skip_if is None else skip_if,
         bool(stochastic_rounding),
         int(seed),
-        backends.requested_backend(backend),
+        requested_backend(backend),
     )
 
 
@@ -165,7 +133,7 @@ def grad_sumsq_(
     grad: torch.Tensor,
     sumsq: torch.Tensor,
     *,
-    inv_scale: Scalar = 1.0,
+    inv_scale: Scalar | None = 1.0,
     found_inf: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
@@ -176,11 +144,11 @@ def grad_sumsq_(
     check_pair(grad, grad)
     check_scalar_tensor("sumsq", sumsq, grad.device)
     check_scalar_tensor("found_inf", found_inf, grad.device)
-    inv_f, inv_t = _split("inv_scale", inv_scale, grad.device)
+    inv_t = optional_factor("inv_scale", inv_scale, grad.device)
     if grad.numel() == 0:
         return
     torch.ops.lomo_kernels.grad_sumsq_(
-        grad, inv_f, inv_t, sumsq, found_inf, backends.requested_backend(backend)
+        grad.contiguous(), inv_t, sumsq, found_inf, requested_backend(backend)
     )
 
 

@@ -1,8 +1,9 @@
-"""Pure-PyTorch backend: the executable specification of every fused op.
+"""The LOMO update ops in plain PyTorch: their executable specification, on any device.
 
-Always available, on any device. The Triton, C++ and CUDA backends must produce the same
-results (bit-identical rounding rules; fp32 arithmetic may differ by fused multiply-adds).
-It is written for clarity, not speed: it materialises fp32 temporaries.
+Always available. The Triton, C++ and CUDA kernels must produce the same results
+(bit-identical rounding rules; fp32 arithmetic may differ by fused multiply-adds). Written
+for clarity, not speed: it materialises fp32 temporaries. Runtime scalars are 1-element fp32
+device tensors (`scalars.py`); an absent inv_scale or clip_coef means 1.
 """
 
 from __future__ import annotations
@@ -10,13 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._rounding import bf16_from_bits, fp32_to_bf16_bits, random_bits16, seed_key
-
-
-def _effective(scalar: float, tensor: torch.Tensor | None) -> torch.Tensor | float:
-    """scalar * tensor[0] in fp32 on the tensor's device (no host sync), or the plain scalar."""
-    if tensor is None:
-        return scalar
-    return tensor.reshape(-1)[0].to(torch.float32) * scalar
+from .scalars import value_of
 
 
 def _write_back(
@@ -38,14 +33,10 @@ def _write_back(
 def sgd_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
     weight_decay: float,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
@@ -59,13 +50,15 @@ def sgd_update_(
     p = p * (1 - lr * weight_decay) - lr * g, rounded back to param.dtype.
     When skip_if is non-zero nothing is written at all.
     """
-    lr_eff = _effective(lr, lr_tensor)
-    g = grad.reshape(-1).to(torch.float32) * _effective(inv_scale, inv_scale_tensor)
+    lr_eff = value_of(lr)
+    g = grad.reshape(-1).to(torch.float32)
+    if inv_scale is not None:
+        g = g * value_of(inv_scale)
     bad = ~torch.isfinite(g)
     if clip_value is not None:
         g = g.clamp(-clip_value, clip_value)
-    if clip_coef_tensor is not None or clip_coef != 1.0:
-        g = g * _effective(clip_coef, clip_coef_tensor)
+    if clip_coef is not None:
+        g = g * value_of(clip_coef)
     p = param.reshape(-1).to(torch.float32)
     new = p * (1.0 - lr_eff * weight_decay) - lr_eff * g
     keep = bad
@@ -81,9 +74,7 @@ def sgd_update_(
 
 def grad_sumsq_(
     grad: torch.Tensor,
-    *,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     sumsq: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> None:
@@ -92,7 +83,9 @@ def grad_sumsq_(
     The squares are summed in float64 so the result does not depend on the order in which
     the CPU's BLAS or the GPU's reduction adds them: only the final fp32 roundings remain.
     """
-    g = grad.reshape(-1).to(torch.float32) * _effective(inv_scale, inv_scale_tensor)
+    g = grad.reshape(-1).to(torch.float32)
+    if inv_scale is not None:
+        g = g * value_of(inv_scale)
     g64 = g.to(torch.float64)
     sumsq.add_(torch.dot(g64, g64).to(sumsq.dtype).reshape(sumsq.shape))
     if found_inf is not None:

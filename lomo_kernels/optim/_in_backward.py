@@ -20,8 +20,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from .._checks import SUPPORTED_DTYPES
-from ..backends import requested_backend
 from ..distributed import (
     DEFAULT_BUCKET_NUMEL,
     Shard,
@@ -29,6 +27,9 @@ from ..distributed import (
     sharding_for,
     unwrap_engine,
 )
+from ..ops.backends import requested_backend
+from ..ops.checks import SUPPORTED_DTYPES
+from ..ops.scalars import optional_factor
 from . import _compiled_autograd
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
 from .single_pass import PARTIAL_STEP_WARNING, SinglePassClip
@@ -258,10 +259,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             scalars = self._scalars[device] = _DeviceScalars(device)
         return scalars
 
-    def _inv_scale_for(self, device: torch.device) -> float | torch.Tensor:
+    def _inv_scale_for(self, device: torch.device) -> torch.Tensor | None:
+        """The gradients' inverse loss scale as the ops take it: a device tensor, or None
+        for 1."""
         scaler = self._loss_scaler()
         if scaler is None:
-            return self._static_inv_scale()
+            return optional_factor("inv_scale", self._static_inv_scale(), device)
         if scaler.device == device:
             return scaler.inv_scale
         return self._scalars[device].inv_scale

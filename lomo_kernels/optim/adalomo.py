@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adalomo_backends.reference import _GradTransform
-from ..adalomo_ops import adalomo_update_, init_adalomo_state
 from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
 from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
+from ..ops.adalomo import adalomo_update_, init_adalomo_state
+from ..ops.adalomo_reference import GradTransform
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
@@ -132,7 +132,7 @@ class AdaLomo(InBackwardOptimizer):
             eps=group["eps"],
             clip_threshold=group["clip_threshold"],
             weight_decay=group["weight_decay"],
-            inv_scale=self._static_inv_scale(),
+            inv_scale=self._inv_scale_for(param.device),
             clip_value=group["clip_grad_value"],
             clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
             found_inf=scalars.update_found_inf,
@@ -166,11 +166,9 @@ class AdaLomo(InBackwardOptimizer):
                     eps=group["eps"],
                     clip_threshold=group["clip_threshold"],
                     weight_decay=group["weight_decay"],
-                    transform=_GradTransform(
-                        self._static_inv_scale(),
-                        None,
+                    transform=GradTransform(
+                        self._inv_scale_for(shard.local.device),
                         group["clip_grad_value"],
-                        1.0,
                         coef if group["clip_grad_norm"] is not None else None,
                     ),
                     skip=None if skips is None else skips[i : i + 1],

@@ -147,16 +147,12 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 index = mix32_int(index ^ mix32_int(offset))
             seed = step_key << 32 | index
-        inv_scale = self._inv_scale_for(target.device)
         torch.ops.lomo_kernels.sgd_update_(
             target,
             grad,
-            1.0,
             scalars.lr[self._group_of[id(param)]],
-            1.0 if isinstance(inv_scale, torch.Tensor) else inv_scale,
-            inv_scale if isinstance(inv_scale, torch.Tensor) else None,
+            self._inv_scale_for(target.device),
             group["clip_grad_value"],
-            1.0,
             (scalars.clip_coef if clip_coef is None else clip_coef)
             if group["clip_grad_norm"] is not None
             else None,

@@ -93,7 +93,7 @@ class SinglePassClip:
     def prepare(
         self,
         grad: torch.Tensor,
-        inv_scale: float | torch.Tensor,
+        inv_scale: torch.Tensor | None,
         backend: str | None,
         clip_coef: torch.Tensor,
     ) -> torch.Tensor:
@@ -126,7 +126,7 @@ class SinglePassClip:
     def prepare_bucket(
         self,
         grads: list[torch.Tensor],
-        inv_scale: float | torch.Tensor,
+        inv_scale: torch.Tensor | None,
         backend: str | None,
         all_reduce_sum_: Callable[[torch.Tensor], None],
     ) -> tuple[torch.Tensor | None, torch.Tensor]:

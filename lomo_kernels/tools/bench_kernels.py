@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from .. import backends, ops
+from .. import ops
+from ..ops import backends
 from . import machine
 from .models import PRESETS
 

@@ -214,18 +214,18 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
                 opt.fused_backward(loss, LR)
     elif config in ("lomo", "lomo_clip", "adalomo"):
         import lomo_kernels
-        from lomo_kernels import backends
+        from lomo_kernels.ops import backends
 
         if config == "adalomo":
-            from lomo_kernels import adalomo_backends as backends  # its own kernels
-
+            family = backends.ADALOMO  # its own kernels
             opt = lomo_kernels.AdaLomo(model, lr=LR)
         else:
+            family = backends.SGD
             opt = lomo_kernels.Lomo(
                 model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
             )
         # Loading the extension here keeps its code pages out of the measured steps.
-        notes["backend"] = backends.backend_name(backends.resolve(params[0].device, opt.backend))
+        notes["backend"] = backends.backend_name(family.resolve(params[0].device, opt.backend))
 
         def step(ids: Any, labels: Any) -> None:
             loss = loss_of(ids, labels)

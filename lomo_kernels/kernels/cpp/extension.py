@@ -17,8 +17,15 @@ from types import ModuleType
 
 import torch
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+# The package ships csrc/ (lomo_kernels/csrc, a link to the top-level sources in a checkout).
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _MAX_REASON_CHARS = 4000
+
+
+def device_type(t: torch.Tensor) -> str:
+    """'cpu' or 'cuda': which extension serves `t`."""
+    # Tensor.is_cuda is several times cheaper than Tensor.device.type (per-call overhead).
+    return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else t.device.type)
 
 
 def cpu_build_flags(native: bool) -> list[list[str]]:

@@ -1,8 +1,8 @@
-"""C++ (CPU) and CUDA backend: torch extensions built from ``csrc/`` on first use.
+"""C++ CPU and CUDA C++ kernels of the LOMO update ops: torch extensions built on first use.
 
-Same signatures and semantics as :mod:`lomo_kernels.backends.reference`. Nothing is built
-at import time; a failed build is recorded (see :func:`unavailable_reason`) and never raises
-from :func:`is_available`, so the dispatcher can warn once and fall back.
+Same arguments and semantics as `lomo_kernels.ops.sgd_reference`. Nothing is built at import
+time; a failed build is recorded (see `unavailable_reason`) and never raises from
+`is_available`, so the dispatcher can warn once and fall back.
 
 ``LOMO_KERNELS_PREBUILT=1`` imports ``lomo_kernels._C_cpu`` (built by ``setup.py`` with
 ``LOMO_KERNELS_BUILD_EXT=1``) instead of JIT-building the CPU extension.
@@ -10,10 +10,12 @@ from :func:`is_available`, so the dispatcher can warn once and fall back.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .._extension import ExtensionLoader
-from .._rounding import seed_key
+from ..._rounding import seed_key
+from .extension import ExtensionLoader, device_type
 
 _loader = ExtensionLoader(
     "C++ backend",
@@ -27,58 +29,15 @@ unavailable_reason = _loader.unavailable_reason
 _module = _loader.module
 
 
-def _device_type(t: torch.Tensor) -> str:
-    # Tensor.is_cuda is several times cheaper than Tensor.device.type (per-call overhead).
-    return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else t.device.type)
-
-
-def sgd_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
-    weight_decay: float,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-) -> None:
-    """One fused LOMO step on one contiguous parameter, in place (see reference.sgd_update_)."""
+def sgd_update_(param: torch.Tensor, grad: torch.Tensor, *args: Any) -> None:
+    """One fused LOMO step on one contiguous parameter, in place (arguments of
+    `sgd_reference.sgd_update_`; the extension takes the rounding key instead of the seed)."""
+    *options, stochastic_rounding, seed = args
     # The key only matters where stochastic rounding applies; skip the hash otherwise.
     key = seed_key(seed) if stochastic_rounding and param.dtype == torch.bfloat16 else 0
-    _module(_device_type(param)).sgd_update_(
-        param,
-        grad,
-        float(lr),
-        lr_tensor,
-        float(inv_scale),
-        inv_scale_tensor,
-        None if clip_value is None else float(clip_value),
-        float(clip_coef),
-        clip_coef_tensor,
-        float(weight_decay),
-        found_inf,
-        skip_if,
-        bool(stochastic_rounding),
-        key,
-    )
+    _module(device_type(param)).sgd_update_(param, grad, *options, stochastic_rounding, key)
 
 
-def grad_sumsq_(
-    grad: torch.Tensor,
-    *,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
-    sumsq: torch.Tensor,
-    found_inf: torch.Tensor | None,
-) -> None:
+def grad_sumsq_(grad: torch.Tensor, *args: Any) -> None:
     """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 on inf/nan (in place)."""
-    _module(_device_type(grad)).grad_sumsq_(
-        grad, float(inv_scale), inv_scale_tensor, sumsq, found_inf
-    )
+    _module(device_type(grad)).grad_sumsq_(grad, *args)

@@ -1,4 +1,6 @@
-"""Triton backend of the AdaLomo passes: same signatures and semantics as `reference.py`.
+"""Triton launchers of the AdaLomo passes (kernels: `adalomo_kernels.py`).
+
+Same arguments and semantics as `lomo_kernels.ops.adalomo_reference`.
 
 Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
 Importing this module never fails; the kernels are imported on first use. Each function is
@@ -8,13 +10,23 @@ one kernel launch and never reads a device value on the host.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import sys
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from .runtime import KIND, is_available, kernels, storage, unavailable_reason
+
+__all__ = [
+    "factored_apply_",
+    "factored_moments_",
+    "factored_norm_",
+    "factored_stats_",
+    "is_available",
+    "unavailable_reason",
+    "vector_apply_",
+    "vector_stats_",
+]
 
 # Elements per program of the 1-D passes (16 per thread with 8 warps).
 VECTOR_BLOCK = 4096
@@ -31,46 +43,6 @@ PROGRAMS_PER_SM = 8
 INTERPRETER_TILE = 1 << 17
 INTERPRETER_MAX_BLOCK_N = 4096
 INTERPRETER_PROGRAMS = 1
-
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def _kernels() -> ModuleType:
-    """The kernels module, re-decorated if TRITON_INTERPRET changed since its import."""
-    from . import triton_kernels
-
-    if triton_kernels.interpret_mode() != triton_kernels.DECORATED_FOR_INTERPRETER:
-        triton_kernels = importlib.reload(sys.modules[triton_kernels.__name__])
-    return triton_kernels
-
-
-def interpret_mode() -> bool:
-    """True when Triton runs kernels in its CPU interpreter."""
-    try:
-        return _kernels().interpret_mode()
-    except Exception:  # triton missing or broken
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def unavailable_reason() -> str:
-    """Why this backend cannot run here, or "" when it can."""
-    try:
-        kernels = _kernels()
-    except Exception as exc:  # a missing or broken triton must never fail an import
-        return f"triton is not importable: {exc!r}"
-    if torch.cuda.is_available() or kernels.interpret_mode():
-        return ""
-    return "no CUDA device and TRITON_INTERPRET is not 1"
-
-
-def is_available() -> bool:
-    """True when triton imports and either CUDA is available or TRITON_INTERPRET=1."""
-    return unavailable_reason() == ""
-
-
-def _storage(t: torch.Tensor) -> torch.Tensor:
-    """The tensor the kernels address: bf16 as its int16 bit patterns."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def _next_pow2(x: int) -> int:
@@ -111,50 +83,35 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
 
 def _grad_kwargs(
     grad: torch.Tensor,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> dict[str, Any]:
     return {
-        "grad_ptr": _storage(grad),
-        "inv_scale": float(inv_scale),
-        "inv_scale_tensor_ptr": inv_scale_tensor,
+        "grad_ptr": storage(grad),
+        "inv_scale_ptr": inv_scale,
         "clip_value": 0.0 if clip_value is None else float(clip_value),
-        "clip_coef": float(clip_coef),
-        "clip_coef_tensor_ptr": clip_coef_tensor,
-        "GRAD_KIND": _KIND[grad.dtype],
+        "clip_coef_ptr": clip_coef,
+        "GRAD_KIND": KIND[grad.dtype],
         "HAS_CLIP_VALUE": clip_value is not None,
-        "HAS_CLIP_COEF": clip_coef_tensor is not None or clip_coef != 1.0,
-    }
-
-
-def _beta_kwargs(beta2: float, beta2_tensor: torch.Tensor | None) -> dict[str, Any]:
-    # 1 - beta2 in double on the host, as the reference's Python arithmetic does.
-    return {
-        "beta2": float(beta2),
-        "one_minus_beta2": 1.0 - float(beta2),
-        "beta2_tensor_ptr": beta2_tensor,
+        "HAS_CLIP_COEF": clip_coef is not None,
     }
 
 
 def _step_kwargs(
-    numel: int,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    eps1: float,
-    clip_threshold: float,
-    weight_decay: float,
+    numel: int, lr: torch.Tensor, eps1: float, clip_threshold: float, weight_decay: float
 ) -> dict[str, Any]:
     return {
         "numel_f": float(numel),
-        "lr": float(lr),
-        "lr_tensor_ptr": lr_tensor,
+        "lr_ptr": lr,
         "eps1": float(eps1),
         "clip_threshold": float(clip_threshold),
         "weight_decay": float(weight_decay),
     }
+
+
+def _kernels() -> ModuleType:
+    return kernels("adalomo_kernels")
 
 
 def factored_stats_(
@@ -163,26 +120,23 @@ def factored_stats_(
     workspace: torch.Tensor,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
-    *,
     cols: int,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
     eps0: float,
 ) -> None:
-    """Pass A (see `reference.factored_stats_`)."""
+    """Pass A: row/column sums of u, sum of p^2, non-finite flag."""
     grid, sizes = _tiling(grad.numel() // cols, cols, grad.device)
     _kernels().factored_stats_kernel[grid](
-        param_ptr=_storage(param),
+        param_ptr=storage(param),
         ws_ptr=workspace,
         found_inf_ptr=found_inf,
         skip_if_ptr=skip_if,
         eps0=float(eps0),
-        PARAM_KIND=_KIND[param.dtype],
+        PARAM_KIND=KIND[param.dtype],
         **sizes,
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )
 
@@ -191,11 +145,9 @@ def factored_moments_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
 ) -> None:
-    """Row/column moments and sum(R) (see `reference.factored_moments_`)."""
+    """The row/column moments and sum(R)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     block = 1024
     n_row_blocks = -(-rows // block)
@@ -207,7 +159,7 @@ def factored_moments_(
         rows,
         cols,
         n_row_blocks,
-        **_beta_kwargs(beta2, beta2_tensor),
+        beta2,
         BLOCK=block,
         num_warps=4,
     )
@@ -218,21 +170,18 @@ def factored_norm_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
-    """Pass B (see `reference.factored_norm_`)."""
+    """Pass B: sum of update^2."""
     grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), grad.device)
     _kernels().factored_norm_kernel[grid](
         row_state_ptr=exp_avg_sq_row,
         col_state_ptr=exp_avg_sq_col,
         ws_ptr=workspace,
         **sizes,
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )
 
@@ -243,29 +192,25 @@ def factored_apply_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
-    """Pass C (see `reference.factored_apply_`)."""
+    """Pass C: the write-back."""
     grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), param.device)
     _kernels().factored_apply_kernel[grid](
-        param_ptr=_storage(param),
+        param_ptr=storage(param),
         row_state_ptr=exp_avg_sq_row,
         col_state_ptr=exp_avg_sq_col,
         ws_ptr=workspace,
-        PARAM_KIND=_KIND[param.dtype],
+        PARAM_KIND=KIND[param.dtype],
         **sizes,
-        **_step_kwargs(param.numel(), lr, lr_tensor, eps1, clip_threshold, weight_decay),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
+        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
+        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )
 
@@ -277,30 +222,26 @@ def vector_stats_(
     workspace: torch.Tensor,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
     eps0: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
-    """Pass A1 (see `reference.vector_stats_`)."""
+    """Pass A1: sum of update^2 and of p^2 of a 1-D tensor."""
     n = param.numel()
     _kernels().vector_stats_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=_storage(param),
+        param_ptr=storage(param),
         v_ptr=exp_avg_sq,
         ws_ptr=workspace,
         found_inf_ptr=found_inf,
         skip_if_ptr=skip_if,
         n=n,
+        beta2_ptr=beta2,
         eps0=float(eps0),
-        PARAM_KIND=_KIND[param.dtype],
+        PARAM_KIND=KIND[param.dtype],
         BLOCK=VECTOR_BLOCK,
-        **_beta_kwargs(beta2, beta2_tensor),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
+        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )
 
@@ -310,33 +251,28 @@ def vector_apply_(
     grad: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     workspace: torch.Tensor,
-    *,
-    beta2: float,
-    beta2_tensor: torch.Tensor | None,
+    beta2: torch.Tensor,
     eps0: float,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
 ) -> None:
-    """Pass C1 (see `reference.vector_apply_`)."""
+    """Pass C1: the write-back of a 1-D tensor and its second moment."""
     n = param.numel()
     _kernels().vector_apply_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=_storage(param),
+        param_ptr=storage(param),
         v_ptr=exp_avg_sq,
         ws_ptr=workspace,
         n=n,
+        beta2_ptr=beta2,
         eps0=float(eps0),
-        PARAM_KIND=_KIND[param.dtype],
+        PARAM_KIND=KIND[param.dtype],
         BLOCK=VECTOR_BLOCK,
-        **_beta_kwargs(beta2, beta2_tensor),
-        **_step_kwargs(n, lr, lr_tensor, eps1, clip_threshold, weight_decay),
-        **_grad_kwargs(grad, inv_scale, inv_scale_tensor, clip_value, clip_coef, clip_coef_tensor),
+        **_step_kwargs(n, lr, eps1, clip_threshold, weight_decay),
+        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )

@@ -11,33 +11,25 @@ values) are kernel arguments; `tl.constexpr` only selects code paths and tile sh
 travels as int16 bit patterns and is rounded to nearest even on the bits, so the
 interpreter (whose fp32 -> bf16 cast truncates) and the GPU write the same values.
 
-The workspace layout is the one of `adalomo_backends/__init__.py`: row sums, column sums,
+The workspace layout is the one of `lomo_kernels.ops.adalomo_workspace`: row sums, column sums,
 then the P_SUMSQ, U_SUMSQ, SKIP, R_SUM slots.
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-# Slot offsets after the row/column sums (adalomo_backends.P_SUMSQ etc.).
+from .runtime import interpret_mode
+
+# Slot offsets after the row/column sums (ops.adalomo_workspace.P_SUMSQ etc.).
 P_SUMSQ = tl.constexpr(0)
 U_SUMSQ = tl.constexpr(1)
 SKIP = tl.constexpr(2)
 R_SUM = tl.constexpr(3)
 
 
-def interpret_mode() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# triton.jit picks interpreter or compiler when a kernel is decorated (see the backend).
+# triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
 DECORATED_FOR_INTERPRETER = interpret_mode()
 
 
@@ -71,21 +63,20 @@ def _store_param(ptr, offs, mask, value, KIND: tl.constexpr):
 
 
 @triton.jit
-def _scalar(value, tensor_ptr):
-    """value * tensor[0] when a device tensor is given (None is a compile-time constant)."""
-    if tensor_ptr is not None:
-        value = value * tl.load(tensor_ptr)
+def _factor(ptr):
+    """An optional runtime factor: its device value, or 1 without one (None is a
+    compile-time constant)."""
+    value = 1.0
+    if ptr is not None:
+        value = tl.load(ptr)
     return value
 
 
 @triton.jit
-def _beta(beta2, one_minus_beta2, beta2_tensor_ptr):
-    """(b, 1 - b); with a device beta2 the complement is computed here in fp32."""
-    if beta2_tensor_ptr is not None:
-        b = beta2 * tl.load(beta2_tensor_ptr)
-        return b, 1.0 - b
-    else:
-        return beta2, one_minus_beta2
+def _beta(beta2_ptr):
+    """(b, 1 - b) in fp32 from the device beta2."""
+    b = tl.load(beta2_ptr)
+    return b, 1.0 - b
 
 
 @triton.jit
@@ -128,11 +119,9 @@ def _raise_flags(stats_ptr, found_inf_ptr, bad):
 
 
 @triton.jit
-def _step_scalars(stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay):
+def _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay):
     """(scale, decay) = (lr_t / max(1, rms(update) / clip_threshold), 1 - lr_t * wd)."""
-    lr_t = _scalar(lr, lr_tensor_ptr) * tl.maximum(
-        tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1
-    )
+    lr_t = tl.load(lr_ptr) * tl.maximum(tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1)
     u_rms = tl.sqrt_rn(tl.load(stats_ptr + U_SUMSQ) / numel_f)
     scale = lr_t / tl.maximum(u_rms / clip_threshold, 1.0)
     return scale, 1.0 - lr_t * weight_decay
@@ -159,11 +148,9 @@ def factored_stats_kernel(
     rows,
     cols,
     rows_per_prog,
-    inv_scale,
-    inv_scale_tensor_ptr,
+    inv_scale_ptr,
     clip_value,
-    clip_coef,
-    clip_coef_tensor_ptr,
+    clip_coef_ptr,
     eps0,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
@@ -175,8 +162,8 @@ def factored_stats_kernel(
     """Pass A: row/column sums of u = g*g + eps0, sum of p^2, non-finite flag."""
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
-        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
-        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        inv = _factor(inv_scale_ptr)
+        coef = _factor(clip_coef_ptr)
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols_idx < cols
@@ -220,15 +207,13 @@ def factored_moments_kernel(
     rows,
     cols,
     n_row_blocks,
-    beta2,
-    one_minus_beta2,
-    beta2_tensor_ptr,
+    beta2_ptr,
     BLOCK: tl.constexpr,
 ):
     """R and C from the pass-A sums (programs [0, n_row_blocks) do R); R_SUM += sum(R)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
-        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
+        b, omb = _beta(beta2_ptr)
         pid = tl.program_id(0).to(tl.int64)
         if pid < n_row_blocks:
             idx = pid * BLOCK + tl.arange(0, BLOCK)
@@ -254,11 +239,9 @@ def factored_norm_kernel(
     rows,
     cols,
     rows_per_prog,
-    inv_scale,
-    inv_scale_tensor_ptr,
+    inv_scale_ptr,
     clip_value,
-    clip_coef,
-    clip_coef_tensor_ptr,
+    clip_coef_ptr,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
@@ -268,8 +251,8 @@ def factored_norm_kernel(
     """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
-        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
-        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        inv = _factor(inv_scale_ptr)
+        coef = _factor(clip_coef_ptr)
         mean = tl.load(stats_ptr + R_SUM) / rows
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -309,16 +292,13 @@ def factored_apply_kernel(
     cols,
     rows_per_prog,
     numel_f,
-    lr,
-    lr_tensor_ptr,
+    lr_ptr,
     eps1,
     clip_threshold,
     weight_decay,
-    inv_scale,
-    inv_scale_tensor_ptr,
+    inv_scale_ptr,
     clip_value,
-    clip_coef,
-    clip_coef_tensor_ptr,
+    clip_coef_ptr,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
@@ -329,11 +309,9 @@ def factored_apply_kernel(
     """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
-        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
-        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
-        scale, decay = _step_scalars(
-            stats_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay
-        )
+        inv = _factor(inv_scale_ptr)
+        coef = _factor(clip_coef_ptr)
+        scale, decay = _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
         mean = tl.load(stats_ptr + R_SUM) / rows
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -397,15 +375,11 @@ def vector_stats_kernel(
     found_inf_ptr,
     skip_if_ptr,
     n,
-    beta2,
-    one_minus_beta2,
-    beta2_tensor_ptr,
+    beta2_ptr,
     eps0,
-    inv_scale,
-    inv_scale_tensor_ptr,
+    inv_scale_ptr,
     clip_value,
-    clip_coef,
-    clip_coef_tensor_ptr,
+    clip_coef_ptr,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
@@ -414,9 +388,9 @@ def vector_stats_kernel(
 ):
     """Pass A1: U_SUMSQ += sum(update^2), P_SUMSQ += sum(p^2); v is read, not written."""
     if _runs(ws_ptr, skip_if_ptr):
-        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
-        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
-        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
+        b, omb = _beta(beta2_ptr)
+        inv = _factor(inv_scale_ptr)
+        coef = _factor(clip_coef_ptr)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         update, v_new, finite = _vector_update(
@@ -450,20 +424,15 @@ def vector_apply_kernel(
     ws_ptr,
     n,
     numel_f,
-    beta2,
-    one_minus_beta2,
-    beta2_tensor_ptr,
+    beta2_ptr,
     eps0,
-    lr,
-    lr_tensor_ptr,
+    lr_ptr,
     eps1,
     clip_threshold,
     weight_decay,
-    inv_scale,
-    inv_scale_tensor_ptr,
+    inv_scale_ptr,
     clip_value,
-    clip_coef,
-    clip_coef_tensor_ptr,
+    clip_coef_ptr,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
@@ -472,12 +441,10 @@ def vector_apply_kernel(
 ):
     """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped)."""
     if tl.load(ws_ptr + SKIP) == 0:
-        b, omb = _beta(beta2, one_minus_beta2, beta2_tensor_ptr)
-        inv = _scalar(inv_scale, inv_scale_tensor_ptr)
-        coef = _scalar(clip_coef, clip_coef_tensor_ptr)
-        scale, decay = _step_scalars(
-            ws_ptr, numel_f, lr, lr_tensor_ptr, eps1, clip_threshold, weight_decay
-        )
+        b, omb = _beta(beta2_ptr)
+        inv = _factor(inv_scale_ptr)
+        coef = _factor(clip_coef_ptr)
+        scale, decay = _step_scalars(ws_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         update, v_new, finite = _vector_update(

@@ -1,92 +1,187 @@
-"""Triton backend: the fused ops of reference.py as single-pass Triton kernels.
+"""Triton launchers of the LOMO update ops (kernels: `sgd_kernels.py`).
 
-Same signatures and semantics as `reference.py`. Runs on CUDA devices, or on CPU tensors
-under the Triton interpreter (TRITON_INTERPRET=1). Importing this module never fails: the
-kernels are imported on first use, and `is_available()` says whether they can run.
+Same arguments and semantics as `lomo_kernels.ops.sgd_reference`. Runs on CUDA tensors, or
+on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1). One launch per op, no host
+sync: the runtime scalars are read by the kernel from device memory, and skip_if suppresses
+every write on the device. Importing this module never imports triton.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..._rounding import seed_key
+from .runtime import KIND, is_available, kernels, snapshot_skip_flag, storage, unavailable_reason
 
-def unavailable_reason() -> str:
-    """Why this backend cannot run here, or "" when it can."""
-    try:
-        from ..triton_kernels.sgd_update import interpret_mode
-    except Exception as exc:  # triton missing or broken: fall back, never fail the import
-        return f"triton is not importable: {exc!r}"
-    if torch.cuda.is_available() or interpret_mode():
-        return ""
-    return "no CUDA device and TRITON_INTERPRET is not 1"
+# 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
+# small register footprint (no spills, see tests/test_triton_static.py).
+BLOCK = 4096
+NUM_WARPS = 8
+# The bulk bound is a multiple of this so the JIT marks it divisible by 16.
+ALIGN = 16
 
-
-def is_available() -> bool:
-    """True when triton imports and either CUDA is available or TRITON_INTERPRET=1."""
-    return unavailable_reason() == ""
+__all__ = ["grad_sumsq_", "is_available", "sgd_update_", "unavailable_reason"]
 
 
-def sgd_update_(
+def _grid(n_bulk: int) -> tuple[int]:
+    # At least one program: it handles the tail when there is no bulk.
+    return (max(1, -(-n_bulk // BLOCK)),)
+
+
+def sgd_update_args(
     param: torch.Tensor,
     grad: torch.Tensor,
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: float,
-    clip_coef_tensor: torch.Tensor | None,
+    clip_coef: torch.Tensor | None,
     weight_decay: float,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
-) -> None:
-    """One LOMO step on one contiguous parameter, in place, in one kernel launch.
+) -> tuple[tuple[int], dict[str, Any]]:
+    """Grid and arguments, by kernel parameter name, of the update launch for these inputs."""
+    n = param.numel()
+    n_bulk = n - n % ALIGN
+    stochastic = bool(stochastic_rounding) and param.dtype == torch.bfloat16
+    key = seed_key(seed) if stochastic else 0
+    args = {
+        "param_ptr": storage(param),
+        "grad_ptr": storage(grad),
+        "n_bulk": n_bulk,
+        "n": n,
+        "weight_decay": float(weight_decay),
+        "clip_value": 0.0 if clip_value is None else float(clip_value),
+        # The uint32 key passed as int32 bits: one signature for every seed.
+        "key": key - (1 << 32) if key >= (1 << 31) else key,
+        "lr_ptr": lr,
+        "inv_scale_ptr": inv_scale,
+        "clip_coef_ptr": clip_coef,
+        "found_inf_ptr": found_inf,
+        "skip_if_ptr": snapshot_skip_flag(skip_if, found_inf),
+        "PARAM_KIND": KIND[param.dtype],
+        "GRAD_KIND": KIND[grad.dtype],
+        "HAS_CLIP_VALUE": clip_value is not None,
+        "STOCHASTIC_ROUNDING": stochastic,
+        "BLOCK": BLOCK,
+    }
+    return _grid(n_bulk), args
 
-    See `reference.sgd_update_`. No host synchronisation: tensor-valued scalars are read on
-    the device, and skip_if suppresses every write on the device.
-    """
-    from ..triton_kernels.sgd_update import sgd_update
 
-    sgd_update(
-        param,
-        grad,
-        lr=lr,
-        lr_tensor=lr_tensor,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        clip_value=clip_value,
-        clip_coef=clip_coef,
-        clip_coef_tensor=clip_coef_tensor,
-        weight_decay=weight_decay,
-        found_inf=found_inf,
-        skip_if=skip_if,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )
-
-
-def grad_sumsq_(
+def grad_sumsq_args(
     grad: torch.Tensor,
-    *,
-    inv_scale: float,
-    inv_scale_tensor: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
     sumsq: torch.Tensor,
     found_inf: torch.Tensor | None,
-) -> None:
-    """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 if any element is inf/nan.
+) -> tuple[tuple[int], dict[str, Any]]:
+    """Grid and arguments, by kernel parameter name, of the sum-of-squares launch."""
+    n = grad.numel()
+    n_bulk = n - n % ALIGN
+    args = {
+        "grad_ptr": storage(grad),
+        "n_bulk": n_bulk,
+        "n": n,
+        "inv_scale_ptr": inv_scale,
+        "sumsq_ptr": sumsq,
+        "found_inf_ptr": found_inf,
+        "GRAD_KIND": KIND[grad.dtype],
+        "BLOCK": BLOCK,
+    }
+    return _grid(n_bulk), args
 
-    See `reference.grad_sumsq_`; partial sums are added atomically, so the summation order
-    (and the last bits of sumsq) differ from torch.dot.
+
+def sgd_update_(param: torch.Tensor, grad: torch.Tensor, *args: Any) -> None:
+    """One LOMO step on one contiguous parameter, in place, in one launch (arguments and
+    semantics of `sgd_reference.sgd_update_`)."""
+    if param.numel() == 0:
+        return
+    grid, launch = sgd_update_args(param, grad, *args)
+    kernels("sgd_kernels").sgd_update_kernel[grid](**launch, num_warps=NUM_WARPS)
+
+
+def grad_sumsq_(grad: torch.Tensor, *args: Any) -> None:
+    """sumsq += sum((fp32(grad) * inv_scale) ** 2), found_inf raised on inf/nan, one launch.
+
+    Partial sums are added atomically, so the summation order (and the last bits of sumsq)
+    differ from the reference's float64 sum.
     """
-    from ..triton_kernels.sgd_update import grad_sumsq
+    if grad.numel() == 0:
+        return
+    grid, launch = grad_sumsq_args(grad, *args)
+    kernels("sgd_kernels").grad_sumsq_kernel[grid](**launch, num_warps=NUM_WARPS)
 
-    grad_sumsq(
-        grad,
-        inv_scale=inv_scale,
-        inv_scale_tensor=inv_scale_tensor,
-        sumsq=sumsq,
-        found_inf=found_inf,
+
+# ----------------------------------------------------------------------------- ahead of time
+
+_TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.int16: "i16"}
+
+
+def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for `triton.compiler.ASTSource`, specialised as the JIT
+    specialises a launch with `args`: tensors and ints divisible by 16 get tt.divisibility,
+    ints equal to 1 and None become constants, `do_not_specialize` parameters stay generic."""
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int], list] = {}
+    for index, param in enumerate(kernel.params):
+        value = args[param.name]
+        specialize = not param.do_not_specialize
+        if (
+            param.is_constexpr
+            or value is None
+            or (type(value) is int and value == 1 and specialize)
+        ):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPE[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+            divisible = False
+        else:
+            raise TypeError(f"no Triton type for {param.name}={value!r}")
+        if divisible and specialize:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def aot_update(
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, *, stochastic_rounding: bool = False
+) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the update with every optional input given,
+    for an aligned parameter whose numel is not a multiple of 16."""
+    n = 2 * BLOCK + 5
+    flag = torch.zeros(1)
+    _, args = sgd_update_args(
+        torch.empty(n, dtype=param_dtype),
+        torch.empty(n, dtype=grad_dtype),
+        torch.full((1,), 1e-3),
+        torch.ones(1),
+        1.0,
+        torch.ones(1),
+        0.1,
+        flag,
+        torch.zeros(1),
+        stochastic_rounding,
+        12345,
     )
+    kernel = kernels("sgd_kernels").sgd_update_kernel
+    return (kernel, *aot_signature(kernel, args))
+
+
+def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the sum of squares, as `aot_update`."""
+    n = 2 * BLOCK + 5
+    _, args = grad_sumsq_args(
+        torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
+    )
+    kernel = kernels("sgd_kernels").grad_sumsq_kernel
+    return (kernel, *aot_signature(kernel, args))

@@ -1,0 +1,1 @@
+"""C++ CPU and CUDA C++ kernels (csrc/), built on first use."""

@@ -1,0 +1,67 @@
+"""What every Triton launcher needs: availability, interpreter mode, the kernels' view of a
+tensor. Importing this module never imports triton (a missing triton must not break an
+import of the package); the functions do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+# Kind codes of the element types the kernels load and store.
+KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason() -> str:
+    """Why the Triton kernels cannot run here, or "" when they can."""
+    try:
+        interpreting = interpret_mode()
+    except Exception as exc:  # triton missing or broken: fall back, never fail the import
+        return f"triton is not importable: {exc!r}"
+    if torch.cuda.is_available() or interpreting:
+        return ""
+    return "no CUDA device and TRITON_INTERPRET is not 1"
+
+
+def is_available() -> bool:
+    """True when triton imports and either CUDA is available or TRITON_INTERPRET=1."""
+    return unavailable_reason() == ""
+
+
+def kernels(name: str) -> ModuleType:
+    """The kernel module `name` of this package, re-imported if TRITON_INTERPRET changed
+    since it was imported: triton.jit picks interpreter or compiler at decoration time."""
+    module = importlib.import_module(f"{__package__}.{name}")
+    if interpret_mode() != module.DECORATED_FOR_INTERPRETER:
+        module = importlib.reload(module)
+    return module
+
+
+def storage(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels address: bf16 as its int16 bit patterns."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def snapshot_skip_flag(skip_if: torch.Tensor | None, found_inf: torch.Tensor | None):
+    """skip_if, copied when it shares storage with found_inf: programs of one launch must not
+    read a found_inf a sibling program has already raised as their skip flag."""
+    if skip_if is not None and found_inf is not None and same_storage(skip_if, found_inf):
+        return skip_if.clone()
+    return skip_if

@@ -1,0 +1,42 @@
+"""The fused ops of LOMO and AdaLomo: one `torch.library` op per fused pass.
+
+    sgd.py                 LOMO: schemas and public functions (fused_sgd_update_, grad_sumsq_)
+    sgd_reference.py       their executable specification in PyTorch
+    adalomo.py             AdaLomo: the six passes' schemas, public functions, adalomo_update_
+    adalomo_reference.py   their executable specification
+    adalomo_workspace.py   the per-step fp32 workspace every AdaLomo backend shares
+    backends.py            which kernels run each op on each device, and their registration
+    selection.py           backend choice (argument, $LOMO_KERNELS_BACKEND, availability)
+    scalars.py             runtime scalars: 1-element fp32 device tensors, converted once
+    checks.py              argument validation, before anything is written
+
+The kernels themselves live in `lomo_kernels.kernels` (cpp/, triton/) and `csrc/`.
+"""
+
+from .adalomo import (
+    adalomo_factored_apply_,
+    adalomo_factored_moments_,
+    adalomo_factored_norm_,
+    adalomo_factored_stats_,
+    adalomo_update_,
+    adalomo_vector_apply_,
+    adalomo_vector_stats_,
+    adalomo_workspace,
+    init_adalomo_state,
+)
+from .sgd import clip_coef_from_sumsq, fused_sgd_update_, grad_sumsq_
+
+__all__ = [
+    "adalomo_factored_apply_",
+    "adalomo_factored_moments_",
+    "adalomo_factored_norm_",
+    "adalomo_factored_stats_",
+    "adalomo_update_",
+    "adalomo_vector_apply_",
+    "adalomo_vector_stats_",
+    "adalomo_workspace",
+    "clip_coef_from_sumsq",
+    "fused_sgd_update_",
+    "grad_sumsq_",
+    "init_adalomo_state",
+]
