@@ -1,13 +1,19 @@
 """The analytic memory model: the LOMO paper's Table 1, independent parameter counts, errors,
-and the prediction against peaks measured on CPU at small scale."""
+the activation model against the tensors alive at the peak of small LLaMA runs, and the
+prediction against process peaks measured on CPU at small scale."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+from typing import Any
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lomo_kernels.tools import estimate as est
 from lomo_kernels.tools.models import PRESETS, resolve_model
@@ -33,13 +39,38 @@ def test_paper_table1_states_and_totals(optimizer: str) -> None:
     assert e.total_gib == pytest.approx(paper["total"], abs=0.005)
 
 
+# The defaults (checkpointing, batch 1 x 2048) with the activation model: every column but
+# the activations is the paper's; the activations are the model's 1.418 GiB.
+DEFAULT_TOTALS = {"adamw": 101.83, "sgd": 51.62, "lomo": 14.21}
+
+
 @pytest.mark.parametrize("optimizer", list(PAPER))
-def test_paper_table1_with_modelled_activations(optimizer: str) -> None:
-    # Defaults: checkpointing, batch 1 x 2048. The modelled activations may differ from the
-    # paper's implied 1.787 GiB by the model's stated error at this setting (<= 3%).
+def test_defaults_model_the_activations_no_natural_setting_gives_the_papers(optimizer: str) -> None:
     e = est.estimate("llama-7b", optimizer)
-    assert e.activations_gib == pytest.approx(PAPER_ACTIVATIONS, rel=0.03)
-    assert e.total_gib == pytest.approx(PAPER[optimizer]["total"], abs=0.03 * PAPER_ACTIVATIONS)
+    assert e.detail["activations"] == "modelled"
+    assert e.activations_gib == 1.42
+    assert e.total_gib == DEFAULT_TOTALS[optimizer]
+    # No common checkpointed setting lands in the paper's implied interval (module
+    # docstring), so its totals need --activations-gib.
+    shape = PRESETS["llama-7b"]
+    implied = (1.785, 1.790)
+    for batch, seq in [(1, 2048), (1, 1024), (8, 512), (4, 512), (2, 1024)]:
+        gib = est.activation_bytes(shape, batch, seq, checkpointing=True) / 2**30
+        assert not implied[0] <= gib <= implied[1], (batch, seq, gib)
+
+
+def test_llama_7b_activation_terms() -> None:
+    """The per-token terms the module docstring quotes for LLaMA-7B at 1 x 2048."""
+    shape, a = PRESETS["llama-7b"], 2
+    assert est.layer_saved_bytes_per_token(shape, a) == 186504
+    assert est.layer_backward_bytes_per_token(shape, a) == 52224
+    assert est.loss_bytes_per_token(shape, a) == 416772
+    assert est.rope_bytes_per_position(shape, a) == 512
+    kept = shape.num_layers * a * shape.hidden_size + a * shape.vocab_size
+    assert kept == 262144 + 64000
+    total = est.activation_bytes(shape, 1, 2048, checkpointing=True)
+    assert total == 2048 * (kept + 416772 + 512)
+    assert total / 2**30 == pytest.approx(1.418, abs=5e-4)
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "llama-13b", "llama-30b", "llama-65b"])
@@ -159,3 +190,124 @@ def test_prediction_bounds_measured_cpu_peak(optimizer: str) -> None:
         f"{optimizer}: measured {measured:.1f} MiB outside [{lower:.1f}, {upper:.1f}] "
         f"(gradients + states {grads_states:.1f}, activations {acts:.1f})"
     )
+
+
+# -- against the tensors alive at the peak ---------------------------------------------------
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op creates (parameters' excluded) and, after each op, which are alive.
+
+    A storage is alive until its last tensor, saved ones included, is gone (a weak reference
+    to the storage itself), so the count is what the allocator holds, views counted once.
+    """
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # id -> (reference, data_ptr)
+        self.nbytes: dict[int, int] = {}
+        self.gradients: set[int] = set()
+        self.timeline: list[frozenset[int]] = []
+        self._ids = itertools.count()
+
+    def mark_gradient(self, grad: torch.Tensor) -> None:
+        ptr = grad.untyped_storage().data_ptr()
+        self.gradients |= {k for k, (ref, p) in self.live.items() if p == ptr and not ref.expired()}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[k]
+        alive = {p for _, p in self.live.values()}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            # Views and in-place results share a storage already counted.
+            if storage.nbytes() and ptr not in self.excluded and ptr not in alive:
+                k = next(self._ids)
+                self.live[k] = (StorageWeakRef(storage), ptr)
+                self.nbytes[k] = storage.nbytes()
+                alive.add(ptr)
+        self.timeline.append(frozenset(self.live))
+        return out
+
+    def peak_activation_bytes(self) -> int:
+        """The largest sum, over the ops, of the alive storages that are not gradients."""
+        return max(
+            sum(self.nbytes[k] for k in alive if k not in self.gradients) for alive in self.timeline
+        )
+
+
+def tracked_activation_peak(model: torch.nn.Module, batch: int, seq: int) -> int:
+    """Peak activation bytes of one forward and backward, each parameter's gradient dropped
+    as soon as it is accumulated (as LOMO frees it), so weight gradients never pile up."""
+    params = list(model.parameters())
+    tracker = LiveStorages({p.untyped_storage().data_ptr() for p in params})
+
+    def drop(p: torch.Tensor) -> None:
+        tracker.mark_gradient(p.grad)
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(drop) for p in params]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
+    try:
+        with tracker:
+            out = model(input_ids=ids, labels=ids)  # `out` keeps the logits, as modelled
+            out.loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tracker.peak_activation_bytes()
+
+
+# (name, precision, checkpointing, shape overrides, batch, seq): the loss's part is the larger
+# with a 2000-token vocabulary, one recomputed layer's with 256; grouped-query attention.
+TRACKED = [
+    ("bf16-ckpt-loss", "bf16", True, {}, 2, 48),
+    ("bf16-ckpt-layer", "bf16", True, {"vocab_size": 256}, 2, 48),
+    ("bf16-nockpt", "bf16", False, {}, 2, 48),
+    ("fp32-ckpt-layer", "fp32", True, {"vocab_size": 256}, 2, 48),
+    ("fp32-nockpt", "fp32", False, {"vocab_size": 256}, 2, 48),
+    ("bf16-ckpt-gqa", "bf16", True, {"vocab_size": 256, "num_key_value_heads": 2}, 1, 80),
+]
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "overrides", "batch", "seq"),
+    [case[1:] for case in TRACKED],
+    ids=[case[0] for case in TRACKED],
+)
+def test_activation_model_matches_the_tensors_alive_at_the_peak(
+    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
+) -> None:
+    """The model against the tracked peak of a small transformers LLaMA (sdpa attention,
+    per-layer non-reentrant checkpointing): within 0.5%. What it leaves out at this scale are
+    the integer inputs, labels and positions (under 0.2%)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        **{
+            "vocab_size": 2000,
+            "hidden_size": 64,
+            "intermediate_size": 172,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 128,
+            "attn_implementation": "sdpa",
+            **overrides,
+        }
+    )
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = transformers.LlamaForCausalLM(config).to(dtype).train()
+    if checkpointing:
+        # The newer name where transformers has it (the older one warns there).
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    measured = tracked_activation_peak(model, batch, seq)
+    modelled = est.activation_bytes(resolve_model(config), batch, seq, checkpointing, precision)
+    assert modelled == pytest.approx(measured, rel=0.005), (modelled, measured)

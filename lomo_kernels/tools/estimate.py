@@ -21,31 +21,57 @@ Optimizer states
     With pure bf16/fp16/fp32 training (no master copy, what torch.optim does on a bf16 model):
     AdamW 2 N p (m and v in the parameters' dtype), SGD 0, LOMO 0, AdaLomo as above.
 Activations
-    What the autograd graph keeps for backward plus the loss's backward workspace, per
-    T = batch * seq tokens, for the LLaMA layer of transformers with fused (sdpa/flash)
-    attention, counted tensor by tensor (a = activation bytes, 2 in 16-bit training):
-      per layer: two RMSNorms (fp32 input copy + normalised output: (4 + a) h each),
-      q, k, v after rotary, attention output and its contiguous copy (a h (3 + 2 kv/heads)),
-      the MLP's gate, up, SiLU and product (4 a i);
-      head: final RMSNorm ((4 + a) h), the logits (a V), the fp32 log-softmax the loss keeps
-      (4 V) and, in its backward, two more fp32 [T, V] tensors (8 V).
-    With activation checkpointing (per decoder layer, as `gradient_checkpointing_enable()`)
-    only each layer's input is kept (a h per layer) and one layer is recomputed at a time.
-    This is an estimate: tensors that are views, thread-local buffers and allocator rounding
-    are not counted; the CPU test bounds its error at small scale.
+    The peak of the tensors that are neither parameters nor weight gradients, per
+    T = batch * seq tokens, for `transformers.LlamaForCausalLM` with sdpa attention and
+    `gradient_checkpointing_enable()` / `activation_checkpointing_enable()` (per decoder
+    layer, non-reentrant, the transformers default), counted tensor by tensor from runs that
+    record every storage an op creates and when it dies (a = activation bytes, 2 in 16-bit
+    training, i = intermediate size, V = vocabulary):
+      one layer's saved tensors: per RMSNorm the fp32 input copy, the normalised tensor cast
+      back and the weighted output ((4 + 2a) h, + 4 for the fp32 rsqrt; in fp32 training the
+      "copy" is the input itself, which for a recomputed layer's first norm is the kept
+      input, so the recompute counts 4 h less), q and k after rotary
+      and v (a (h + 2 kv)), the attention output (a h; sdpa returns it already in the layout
+      o_proj reads, no contiguous copy) and its fp32 log-sum-exp (4 per head), the MLP's
+      gate, SiLU, up and their product (4 a i);
+      while a layer back-propagates, on top of those: the gradient of its output (a h), alive
+      until both residual branches have added to it, and the MLP's three [T, i] gradients
+      (of down_proj's input, of SiLU and of up) while gate, SiLU and up are still saved and
+      the product already freed: a net 2 a i;
+      the loss: the logits (a V, alive through the backward while the caller holds the
+      model's output, as `out = model(...); out.loss.backward()` does; a loop that keeps
+      only `.loss` frees them after the forward, a V less) and the final norm
+      ((4 + 2a) h + 4); `logits.float()` is not saved (log-softmax keeps its own fp32
+      output, 4 V), and in its backward nll_loss and log-softmax each make one more fp32
+      [T, V] tensor (8 V);
+      rotary cos and sin: 2 a head_dim per position, once per forward, shared by the batch.
+    With checkpointing only each layer's input stays (a h per layer, the embedding output
+    being the first) and one layer is recomputed at a time, inside the backward, after the
+    loss's [T, V] tensors are freed: the peak is the kept inputs and the logits plus the
+    larger of the loss's part and one recomputed layer's saved and backward tensors. Without
+    checkpointing every layer's saved tensors stay instead. LLaMA-7B at 1 x 2048: kept
+    inputs 262144 + logits 64000 + loss 416772 (> a layer's 186504 + 52224) + rotary 512
+    bytes per token, 1.418 GiB (LLaMA-65B's wider layers make the layer's part the larger).
+    Not counted: kernels' internal workspaces (e.g. a GPU flash-attention backward's
+    buffers), integer inputs and labels, and allocator rounding and caching (a GPU's caching
+    allocator can reserve more than this). The CPU tests compare the model with the
+    tracked peak of small LLaMA configurations (within 0.5%, with and without checkpointing,
+    16- and 32-bit, head-bound and layer-bound) and with measured process peaks.
 
 The LOMO paper's Table 1 (LLaMA-7B, mixed precision): parameters 12.55, gradients 12.55 /
 12.55 / 0.24, optimizer states 75.31 / 25.10 / 0 for AdamW / SGD / LOMO, totals 102.20 /
 51.99 / 14.58. The formulas above reproduce the three state columns to the printed digit.
 Each total minus its states leaves the activations: 102.20 - 100.410, 51.99 - 50.205 and
 14.58 - 12.795, i.e. one figure between 1.785 and 1.790 GiB (the overlap of the three
-rounding intervals) in all three rows. The rows share one activation setting, and only
-activation checkpointing keeps a 7B model's activations that small (without it a single
-2048-token sequence already needs 11.8 GiB in this model). In this model 1.787 GiB is the
-checkpointed activation memory of 2102 tokens. The defaults (checkpointing on, batch 1 x
-2048 tokens, the LLaMA context) give 1.74 GiB, 2.6% below the paper; totals 102.15 / 51.95 /
-14.54. ``activations_gib=1.787`` (``--activations-gib 1.787``) prints the paper's three
-totals exactly.
+rounding intervals) in all three rows: one activation setting, with activation
+checkpointing (without it this model gives 12.3 GiB for a single 2048-token sequence).
+The activation model does not reach that figure at a natural setting: 1.418 GiB at batch
+1 x 2048 (the defaults: the LLaMA context), 0.709 at 1 x 1024, 2.834 at 8 x 512; 1.787 GiB
+would be 2581 tokens of one sequence. The paper's figure thus matches no natural batch and
+sequence length of this model; it depends on the implementation it was measured with
+(attention kernel, loss code, allocator), which the model does not know. The defaults
+print the modelled figure (totals 101.83 / 51.62 / 14.21), and ``activations_gib=1.787``
+(``--activations-gib 1.787``) prints the paper's three totals.
 
 ZeRO-3 (``zero3=True``) shards parameters, gradients and optimizer states over the GPUs and
 adds the gathered full copy of the largest parameter being computed with; with LOMO/AdaLomo
@@ -129,33 +155,57 @@ def optimizer_state_bytes(model: ModelShape, optimizer: str, precision: str = "m
     return adalomo_state_numel(model) * FP32
 
 
-def layer_activation_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
-    """Bytes one decoder layer keeps for backward per token (see the module docstring)."""
+def layer_saved_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
+    """Bytes one decoder layer's forward keeps for its backward, per token (module docstring)."""
     h, i, a = model.hidden_size, model.intermediate_size, act_bytes
-    norms = 2 * (FP32 + a) * h
-    attention = a * (3 * h + 2 * model.kv_size)
-    mlp = 4 * a * i
-    return norms + attention + mlp
+    norm = (FP32 + 2 * a) * h + FP32  # fp32 input copy, normalised, output; fp32 rsqrt
+    attention = a * (2 * h + 2 * model.kv_size) + FP32 * model.num_heads  # q k v, out; lse
+    mlp = 4 * a * i  # gate, SiLU, up, product
+    return 2 * norm + attention + mlp
 
 
-def head_activation_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
-    """Final norm, logits, the loss's fp32 log-softmax and its backward workspace, per token."""
-    return (FP32 + act_bytes) * model.hidden_size + (act_bytes + 3 * FP32) * model.vocab_size
+def layer_backward_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
+    """Alive on top of a layer's saved tensors while it back-propagates, per token.
+
+    The gradient of the layer's output (a h) lives until the residual branches have added to
+    it, and the MLP's backward holds three [T, i] gradients (of the down projection's input,
+    of the SiLU output and of up) while gate, SiLU and up are still saved: the product freed
+    before them, a net 2 a i.
+    """
+    return act_bytes * model.hidden_size + 2 * act_bytes * model.intermediate_size
+
+
+def loss_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
+    """The final norm's saved tensors and the loss's fp32 [T, V] tensors in its backward."""
+    final_norm = (FP32 + 2 * act_bytes) * model.hidden_size + FP32
+    return final_norm + 3 * FP32 * model.vocab_size
+
+
+def rope_bytes_per_position(model: ModelShape, act_bytes: int) -> int:
+    """cos and sin, [seq, head_dim] each, computed once per forward and shared by the batch."""
+    return 2 * act_bytes * (model.hidden_size // model.num_heads)
 
 
 def activation_bytes(
     model: ModelShape, batch: int, seq: int, checkpointing: bool, precision: str = "mixed"
 ) -> int:
+    """Peak bytes of activations (module docstring): what is kept across the whole backward
+    plus the larger of the loss's backward and one decoder layer's backward."""
     if batch <= 0 or seq <= 0:
         raise ValueError(f"batch and seq must be positive, got {batch} and {seq}")
     a = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
-    tokens = batch * seq
-    layer = layer_activation_bytes_per_token(model, a)
+    saved = layer_saved_bytes_per_token(model, a)
     if checkpointing:
-        per_token = model.num_layers * a * model.hidden_size + layer
+        kept = model.num_layers * a * model.hidden_size  # each layer's input
+        layer_phase = saved + layer_backward_bytes_per_token(model, a)
+        if a == FP32:  # the first norm's fp32 "copy" is then the kept input itself
+            layer_phase -= FP32 * model.hidden_size
     else:
-        per_token = model.num_layers * layer
-    return tokens * (per_token + head_activation_bytes_per_token(model, a))
+        kept = model.num_layers * saved
+        layer_phase = layer_backward_bytes_per_token(model, a)
+    kept += a * model.vocab_size  # the logits, while the caller holds the model's output
+    per_token = kept + max(loss_bytes_per_token(model, a), layer_phase)
+    return batch * seq * per_token + seq * rope_bytes_per_position(model, a)
 
 
 def estimate(
