@@ -177,9 +177,7 @@ class Case:
 
         def cpp() -> None:
             for g in self.grads:
-                cpp_backend.grad_sumsq_(
-                    g, inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=self.found_inf
-                )
+                cpp_backend.grad_sumsq_(g, None, sumsq, self.found_inf)
 
         def vector_norm() -> None:
             for g in self.grads:
@@ -187,9 +185,7 @@ class Case:
 
         def ref() -> None:
             for g in self.grads:
-                reference.grad_sumsq_(
-                    g, inv_scale=1.0, inv_scale_tensor=None, sumsq=sumsq, found_inf=self.found_inf
-                )
+                reference.grad_sumsq_(g, None, sumsq, self.found_inf)
 
         return {"grad_sumsq": cpp, "vector_norm": vector_norm, "reference": ref}
 
