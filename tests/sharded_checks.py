@@ -149,12 +149,19 @@ def in_order(cls):
     return InOrder
 
 
-def one_process_single(name: str, initial: dict, order: list[str], steps: int = 3):
+def one_process_single(
+    name: str,
+    initial: dict,
+    order: list[str],
+    steps: int = 3,
+    dtype: torch.dtype = torch.float32,
+    lr: float | None = None,
+):
     """single_backward=True training in this process on the full batch, gradients taken in
     the sharded run's `order`: (model, the step norms)."""
-    model = ScaledLlama()
+    model = ScaledLlama().to(dtype)
     model.load_state_dict(initial)
-    opt = in_order(OPTIMIZERS[name])(model, lr=LR[name], **SINGLE)
+    opt = in_order(OPTIMIZERS[name])(model, lr=LR[name] if lr is None else lr, **SINGLE)
     opt.order = order
     norms = train_single(model, opt, global_batch, steps)
     return model, norms
@@ -175,18 +182,47 @@ def record_order(opt, model) -> list[str]:
     return order
 
 
-def assert_single_backward_matches(saved: dict, ranks: list[dict], name: str) -> None:
-    """Every rank saw the same order, norms and norm history, one backward per step; the
-    result and the norms equal one process's in that order."""
+def assert_ranks_agree(ranks: list[dict]) -> None:
+    """Every rank saw the same order, norms and norm history, one backward per step."""
     first = ranks[0]
     for rank in ranks:
         assert rank["phases"] == ["update"] * 3  # no norm pass (and no second forward)
         assert rank["order"] == first["order"] and rank["norms"] == first["norms"]
         assert rank["norm_history"] == first["norm_history"]
     assert len(set(first["order"])) == len(first["order"])  # each parameter once (replay: all)
+
+
+def assert_single_backward_matches(saved: dict, ranks: list[dict], name: str) -> None:
+    """`assert_ranks_agree`; the result and the norms equal one process's in that order."""
+    assert_ranks_agree(ranks)
+    first = ranks[0]
     model, norms = one_process_single(name, saved["initial"], first["order"])
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
     torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+
+
+def assert_no_worse_than_low_precision(
+    out: dict, low: dict, ref: dict, initial: dict, margin: float = 10.0
+) -> None:
+    """Per tensor: ``max|out - ref| <= 2 max|low - ref| + ulp``, and that bound is at most
+    1/`margin` of the tensor's largest update (the check is not vacuous).
+
+    `ref` is the training in fp32, `low` the same training in one process in the low
+    precision dtype, `out` the sharded run in that dtype. Storing each step's result in fp16
+    rounds it by up to half an ulp, and the gradients computed in fp16 differ from fp32's by
+    their rounding: a correct sharded run differs from `ref` by errors of the same kind as
+    `low` does (flash-attention's rule); ``ulp`` (one unit in the last place of the tensor's
+    largest value in the low dtype) covers a final write rounding to the other neighbour.
+    """
+    for name, expected in ref.items():
+        expected = expected.double()
+        eps = torch.finfo(out[name].dtype).eps
+        ulp = eps * expected.abs().max().item()
+        bound = 2 * (low[name].double() - expected).abs().max().item() + ulp
+        err = (out[name].double() - expected).abs().max().item()
+        largest_update = (expected - initial[name].double()).abs().max().item()
+        assert bound * margin <= largest_update, f"{name}: update {largest_update:.3g} too small"
+        assert err <= bound, f"{name}: error {err:.3g} over bound {bound:.3g}"
 
 
 def count_phases(opt) -> list[str]:

@@ -19,9 +19,12 @@ import torch
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
+    assert_no_worse_than_low_precision,
+    assert_ranks_agree,
     assert_single_backward_matches,
     assert_within_update_tolerance,
     one_process,
+    one_process_single,
     run_ranks,
 )
 from sharded_models import NO_CLIP, PATTERNS
@@ -29,6 +32,7 @@ from sharded_models import NO_CLIP, PATTERNS
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
 
 WORKER = Path(__file__).parent / "distributed" / "fsdp2_worker.py"
+FP16_LABELS = ["lomo_fp16_params", "lomo_fp16_compute", "adalomo_fp16_params"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,52 @@ def test_fsdp2_single_backward_equals_one_process(fsdp2_run, checks, name):
     order (unit by unit, the root last)."""
     saved = torch.load(fsdp2_run / f"single_{name}.pt")
     assert_single_backward_matches(saved, [rank[f"single_{name}"] for rank in checks], name)
+
+
+@pytest.mark.slow
+def test_fsdp2_single_backward_fp16_equals_one_process(fsdp2_run, checks):
+    """single_backward=True, Lomo, fp16 shards and compute with loss scaling, 3 clean steps:
+    no worse against fp32 than one process in fp16 taking the gradients in FSDP2's order."""
+    results = [rank["single_fp16_lomo"] for rank in checks]
+    assert_ranks_agree(results)
+    for rank in results:
+        assert rank["partial"] == [False] * 3  # clean steps: the scale stays where it was
+        assert rank["scales"] == [results[0]["scales"][0]] * 4
+    saved = torch.load(fsdp2_run / "single_fp16_lomo.pt")
+    order, lr = results[0]["order"], saved["lr"]
+    low, low_norms = one_process_single("lomo", saved["initial"], order, dtype=torch.float16, lr=lr)
+    ref, ref_norms = one_process_single("lomo", saved["initial"], order, lr=lr)
+    assert_no_worse_than_low_precision(
+        saved["final"], low.state_dict(), ref.state_dict(), saved["initial"]
+    )
+    for got, lowp, expected in zip(results[0]["norms"], low_norms, ref_norms, strict=True):
+        assert abs(got - expected) <= 2 * abs(lowp - expected) + 1e-6 * expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", FP16_LABELS)
+def test_fsdp2_single_backward_fp16_inf_on_one_rank_is_partial(checks, label):
+    """single_backward=True in fp16: rank 1 alone puts an inf into its rows of lm_head's
+    gradient. On every rank that tensor alone (both ranks' rows, and its moments) is left
+    unchanged, nothing becomes non-finite, the loss scale halves, the step is reported
+    partial; the next two steps update every tensor."""
+    results = [rank[f"single_partial_{label}"] for rank in checks]
+    first = results[0]
+    for result in results:
+        assert result["phases"] == ["update"]
+        assert result["finite"] and all(later["finite"] for later in result["later"])
+        assert result["unchanged"] == [result["target"]] and len(result["held"]) > 5
+        assert result["moments_unchanged"]
+        if result["scale_before"] is not None:  # Lomo's dynamic scale; AdaLomo's is static
+            assert result["scale_after"] == result["scale_before"] / 2
+        assert result["partial"] and not result["skipped"] and result["warned"]
+        assert result["norm"] == first["norm"] and result["norm"] > 0
+        # The partial step is not a clean one: it leaves no norm in the history.
+        assert result["norm_history"] == [0.0, 0.0, 0.0]
+        assert result["norm_history_after"] == first["norm_history_after"]
+        assert min(result["norm_history_after"]) > 0
+        for later in result["later"]:
+            assert not later["partial"] and later["unchanged"] == []
 
 
 @pytest.mark.slow
@@ -98,7 +148,7 @@ def test_fsdp2_mixed_precision_matches_plain_update(fsdp2_run, label):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["lomo_fp16_params", "lomo_fp16_compute", "adalomo_fp16_params"])
+@pytest.mark.parametrize("label", FP16_LABELS)
 def test_fsdp2_fp16_overflow_on_one_rank_changes_nothing(checks, label):
     """An inf in a gradient row that only rank 1 holds: every rank skips, nothing changes."""
     for rank in checks:

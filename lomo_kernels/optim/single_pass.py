@@ -69,6 +69,15 @@ PARTIAL_STEP_WARNING = (
 )
 
 
+class _Measured:
+    """One gradient's [sumsq, found] and its skip mask, reused for every gradient on a device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pair = torch.zeros(2, device=device)
+        self.sumsq, self.found = self.pair[0:1], self.pair[1:2]
+        self.bad = torch.zeros(1, dtype=torch.bool, device=device)
+
+
 class SinglePassClip:
     """Device-side state of the one-backward rule for one optimizer (see the module doc).
 
@@ -79,11 +88,14 @@ class SinglePassClip:
     def __init__(self, max_norm: float | None, home: torch.device) -> None:
         self.max_norm = max_norm
         self.home = home
-        self.step_sumsq = torch.zeros(1, device=home)
-        self.step_found = torch.zeros(1, device=home)  # number of tensors skipped this step
+        # [S, number of tensors skipped this step]: adjacent, so that one add_ per gradient
+        # accumulates a measured [sumsq, found] pair into both.
+        self._step = torch.zeros(2, device=home)
+        self.step_sumsq = self._step[0:1]
+        self.step_found = self._step[1:2]
         self.norm_history = torch.zeros(3, device=home)  # last three clean steps' norms
         self.previous = torch.zeros(1, device=home)  # P, fixed for the step
-        self._temp: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
+        self._temp: dict[torch.device, _Measured] = {}
 
     def begin_step(self) -> None:
         self.step_sumsq.zero_()
@@ -102,26 +114,35 @@ class SinglePassClip:
         device, valid until the next call for that device (the caller applies the update
         before the next gradient arrives).
         """
+        # This runs once per gradient inside backward, where its cost is not hidden behind
+        # anything: a fixed handful of in-place 1-element ops into buffers kept across steps,
+        # no allocation.
         device = grad.device
-        temp = self._temp.get(device)
-        if temp is None:
-            temp = self._temp[device] = torch.zeros(2, device=device)
-        temp.zero_()
-        sumsq, flag = temp[0:1], temp[1:2]
-        ops.grad_sumsq_(grad, sumsq, inv_scale=inv_scale, found_inf=flag, backend=backend)
-        bad = flag != 0
-        sumsq.masked_fill_(bad, 0.0)  # a skipped tensor does not count in the step's norm
-        if device == self.home:
-            self.step_sumsq.add_(sumsq)
-            self.step_found.add_(flag)
-        else:
-            self.step_sumsq.add_(sumsq.to(self.home, non_blocking=True))
-            self.step_found.add_(flag.to(self.home, non_blocking=True))
+        m = self._temp.get(device)
+        if m is None:
+            m = self._temp[device] = _Measured(device)
+        m.pair.zero_()
+        if grad.numel():
+            # The registered op itself: `ops.grad_sumsq_` would re-check, per gradient, what
+            # the optimizer checked once at construction (dtype, device, layout).
+            inv_f, inv_t = (1.0, inv_scale) if torch.is_tensor(inv_scale) else (inv_scale, None)
+            torch.ops.lomo_kernels.grad_sumsq_(
+                grad, float(inv_f), inv_t, m.sumsq, m.found, backend or "auto"
+            )
+        torch.ne(m.found, 0.0, out=m.bad)
+        m.sumsq.masked_fill_(m.bad, 0.0)  # a skipped tensor does not count in the step's norm
+        home = device == self.home
+        self._step.add_(m.pair if home else m.pair.to(self.home, non_blocking=True))
         if self.max_norm is not None:
-            denom = torch.maximum(self.previous, self.step_sumsq.sqrt()).add_(CLIP_EPS)
-            value = torch.reciprocal(denom).mul_(self.max_norm).clamp_(max=1.0)
-            clip_coef.copy_(value if device == self.home else value.to(device, non_blocking=True))
-        return flag
+            # min(1, M / (max(P, sqrt(S_i)) + eps)), the same ops in the same order as
+            # `prepare_bucket`, written straight into the coefficient on the home device.
+            value = clip_coef if home else torch.empty_like(self.previous)
+            torch.sqrt(self.step_sumsq, out=value)
+            torch.maximum(self.previous, value, out=value)
+            value.add_(CLIP_EPS).reciprocal_().mul_(self.max_norm).clamp_(max=1.0)
+            if not home:
+                clip_coef.copy_(value.to(device, non_blocking=True))
+        return m.found
 
     def prepare_bucket(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -140,8 +141,9 @@ FP16 = {
 }
 
 
-def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
-    """An inf in a gradient row only rank 1 holds: no rank may change anything."""
+def poisoned_fp16_model(label: str, rank: int) -> tuple[type, ScaledLlama, torch.Tensor, dict]:
+    """The FP16[label] model, with an inf written into a gradient row only rank 1 holds
+    while `inject["on"]`: (optimizer class, model, the poisoned parameter, inject)."""
     cls, dtype, policy = FP16[label]
     model = build(dtype, mp_policy=policy)
     target = model.llama.lm_head.weight  # 3001 rows: both ranks hold some
@@ -152,6 +154,12 @@ def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
             p.grad.to_local()[3, 5] = float("inf")
 
     target.register_post_accumulate_grad_hook(poison)
+    return cls, model, target, inject
+
+
+def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
+    """An inf in a gradient row only rank 1 holds: no rank may change anything."""
+    cls, model, target, inject = poisoned_fp16_model(label, rank)
     opt = cls(model, lr=LR["lomo"] if cls is Lomo else LR["adalomo"])
     scale_before = opt.loss_scaler.scale.item() if cls is Lomo else None
     before = local_shards(model)
@@ -175,6 +183,115 @@ def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
     opt.flush_report()
     result["next_step_updates"] = not unchanged(before, model)
     checks[label] = result
+
+
+# Lomo at lr 0.5: fp16 updates of tens of ulps, so rounding alone cannot hide a wrong one.
+SINGLE_FP16_LR = {Lomo: 0.5, AdaLomo: LR["adalomo"]}
+
+
+def unchanged_names(before: list[torch.Tensor], model) -> list[str]:
+    """The parameters of which this rank holds rows that all equal `before`'s."""
+    return [
+        name
+        for (name, p), b in zip(model.named_parameters(), before, strict=True)
+        if b.numel() and torch.equal(p.to_local(), b)
+    ]
+
+
+def finite_everywhere(model, opt) -> bool:
+    """No inf/nan in any local shard, optimizer state or loss scale of this rank."""
+    tensors = [p.to_local() for p in model.parameters()]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    if getattr(opt, "loss_scaler", None) is not None:
+        tensors.append(opt.loss_scaler.scale)
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
+    """single_backward=True in fp16: an inf in a gradient row only rank 1 holds, one step.
+
+    Every rank must leave that tensor (both ranks' rows, and its moments) unchanged, update
+    the others, lower the scale and report the step partial; the following clean steps update
+    everything again.
+    """
+    cls, model, target, inject = poisoned_fp16_model(label, rank)
+    opt = cls(model, lr=SINGLE_FP16_LR[cls], single_backward=True, **OPTIONS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = [names[id(p)] for p in model.parameters() if p.to_local().numel()]
+    scaler = getattr(opt, "loss_scaler", None)
+    scale_before = None if scaler is None else scaler.scale.item()
+    before = local_shards(model)
+    moments = {k: v.clone() for k, v in opt.state[target].items()}
+    phases = count_phases(opt)
+    opt.fused_backward(model(rank_batch(0, rank)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.flush_report()
+    result = {
+        "phases": list(phases),
+        "held": held,
+        "unchanged": unchanged_names(before, model),
+        "target": names[id(target)],
+        "moments_unchanged": all(torch.equal(opt.state[target][k], v) for k, v in moments.items()),
+        "finite": finite_everywhere(model, opt),
+        "scale_before": scale_before,
+        "scale_after": None if scaler is None else scaler.scale.item(),
+        "partial": opt.last_step_partial,
+        "skipped": opt.last_step_skipped,
+        "warned": any("partial" in str(w.message) for w in caught),
+        "norm": float(opt.last_grad_norm),
+        "norm_history": opt._single.norm_history.tolist(),
+        "later": [],
+    }
+    inject["on"] = False
+    for step in (1, 2):
+        before = local_shards(model)
+        opt.fused_backward(model(rank_batch(step, rank)))
+        opt.flush_report()
+        result["later"].append(
+            {
+                "partial": opt.last_step_partial,
+                "unchanged": unchanged_names(before, model),
+                "finite": finite_everywhere(model, opt),
+            }
+        )
+    result["norm_history_after"] = opt._single.norm_history.tolist()
+    checks[f"single_partial_{label}"] = result
+
+
+def run_single_fp16(rank: int, checks: dict) -> None:
+    """single_backward=True, Lomo, fp16 shards and compute, loss scaling, no overflow."""
+    model = build(torch.float16, mp_policy=MixedPrecisionPolicy())
+    initial = consolidated_state_dict(model)
+    opt = Lomo(model, lr=SINGLE_FP16_LR[Lomo], **SINGLE)
+    order, phases = record_order(opt, model), count_phases(opt)
+    scales = []
+    partial = []
+
+    def batch_of(step):
+        scales.append(opt.loss_scaler.scale.item())
+        if step:
+            opt.flush_report()
+            partial.append(opt.last_step_partial or opt.last_step_skipped)
+        return rank_batch(step, rank)
+
+    norms = train_single(model, opt, batch_of)
+    partial.append(opt.last_step_partial or opt.last_step_skipped)
+    scales.append(opt.loss_scaler.scale.item())
+    checks["single_fp16_lomo"] = {
+        "order": order,
+        "norms": norms,
+        "norm_history": opt._single.norm_history.tolist(),
+        "phases": phases,
+        "scales": scales,
+        "partial": partial,
+    }
+    final = consolidated_state_dict(model)
+    if rank == 0:
+        torch.save(
+            {"initial": initial, "final": final, "lr": SINGLE_FP16_LR[Lomo]},
+            OUT / "single_fp16_lomo.pt",
+        )
 
 
 def expect_refusal(build_model, checks: dict, label: str) -> None:
@@ -247,6 +364,8 @@ def main() -> None:
         run_mixed_precision(label, rank)
     for label in FP16:
         run_fp16_overflow(label, rank, checks)
+        run_single_fp16_partial(label, rank, checks)
+    run_single_fp16(rank, checks)
     run_refusals(checks)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, checks)
