@@ -215,7 +215,7 @@ def test_bucket_rule_equals_per_tensor_rule():
     expected_coefs, expected_skips = [], []
     for g in grads:
         coef = torch.zeros(1)
-        expected_skips.append(whole.prepare(g, 1.0, "torch", coef).item())
+        expected_skips.append(whole.prepare(g, None, "torch", coef).item())
         expected_coefs.append(coef.item())
 
     halves = [[g[: len(g) // 2] for g in grads], [g[len(g) // 2 :] for g in grads]]
@@ -227,13 +227,13 @@ def test_bucket_rule_equals_per_tensor_rule():
     for rank in (1, 0):
         probe = SinglePassClip(MAX_NORM, torch.device("cpu"))
         if rank == 1:  # only its measurement is needed
-            probe.prepare_bucket(halves[1][:2], 1.0, "torch", lambda t: other.update(a=t.clone()))
-            probe.prepare_bucket(halves[1][2:], 1.0, "torch", lambda t: other.update(b=t.clone()))
+            probe.prepare_bucket(halves[1][:2], None, "torch", lambda t: other.update(a=t.clone()))
+            probe.prepare_bucket(halves[1][2:], None, "torch", lambda t: other.update(b=t.clone()))
             continue
         coefs, skips = [], []
         for part, key in ((slice(0, 2), "a"), (slice(2, 4), "b")):
             other["sums"] = other[key]
-            c, k = sharded.prepare_bucket(halves[0][part], 1.0, "torch", all_reduce_sum_)
+            c, k = sharded.prepare_bucket(halves[0][part], None, "torch", all_reduce_sum_)
             coefs += c.tolist()
             skips += k.tolist()
     assert skips == expected_skips == [0, 0, 1, 0]

@@ -125,10 +125,7 @@ class SinglePassClip:
         if grad.numel():
             # The registered op itself: `ops.grad_sumsq_` would re-check, per gradient, what
             # the optimizer checked once at construction (dtype, device, layout).
-            inv_f, inv_t = (1.0, inv_scale) if torch.is_tensor(inv_scale) else (inv_scale, None)
-            torch.ops.lomo_kernels.grad_sumsq_(
-                grad, float(inv_f), inv_t, m.sumsq, m.found, backend or "auto"
-            )
+            torch.ops.lomo_kernels.grad_sumsq_(grad, inv_scale, m.sumsq, m.found, backend or "auto")
         torch.ne(m.found, 0.0, out=m.bad)
         m.sumsq.masked_fill_(m.bad, 0.0)  # a skipped tensor does not count in the step's norm
         home = device == self.home
