@@ -33,7 +33,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from torch._dynamo import compiled_autograd
 
-from lomo_kernels import AdaLomo, Lomo, backends
+from lomo_kernels import AdaLomo, Lomo
 
 pytestmark = pytest.mark.slow  # Inductor compiles on 2 cores: ~10-40 s per case
 STEPS = 3
@@ -243,8 +243,16 @@ def test_readme_compiled_loop_matches_eager():
 def stochastic_rounding_runs() -> dict:
     """bf16 Lomo with stochastic rounding, eager and forward_ca (Inductor rounding as eager
     does), 3 steps with a changing lr: the seed of every update call and the graph counts."""
+    from lomo_kernels.ops import backends
+
+    # Whatever picks the backend of each update call (the backends module, or its SGD
+    # registry where kernels are registered per device); the backend's sgd_update_ takes
+    # the op's arguments, the seed by name or at its position in the op's schema.
+    owner = getattr(backends, "SGD", backends)
+    resolve = owner.resolve
+    schema = torch.ops.lomo_kernels.sgd_update_.default._schema
+    seed_position = [a.name for a in schema.arguments].index("seed")
     seeds: list[int] = []
-    resolve = backends.resolve
 
     class Recording:
         """The resolved backend, noting the seed of each update."""
@@ -256,12 +264,12 @@ def stochastic_rounding_runs() -> dict:
             return getattr(self._backend, name)
 
         def sgd_update_(self, *args: Any, **kwargs: Any) -> None:
-            seeds.append(kwargs["seed"])
+            seeds.append(kwargs["seed"] if "seed" in kwargs else args[seed_position])
             self._backend.sgd_update_(*args, **kwargs)
 
     out: dict[str, Any] = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backends, "resolve", lambda *a, **k: Recording(resolve(*a, **k)))
+        patch.setattr(owner, "resolve", lambda *a, **k: Recording(resolve(*a, **k)))
         for way in ("eager", "forward_ca"):
             model = tiny_llama(torch.bfloat16)
             fresh_counters()
