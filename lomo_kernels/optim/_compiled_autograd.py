@@ -12,7 +12,7 @@ there feeds the updated ``W`` into the input gradients of every layer below: eac
 is off by 1-40% after one step, with no error (eager autograd would have raised, as a saved
 tensor was modified in place).
 
-`install` wraps three of compiled autograd's capture steps:
+`install` wraps four of compiled autograd's capture steps:
 - `begin_capture` notes which graph inputs share storage (a weight and its saved copy);
 - `reorder_accumulate_grad_nodes` leaves the AccumulateGrad nodes that carry
   post-accumulate-grad hooks where eager autograd runs them (after the producing node);
@@ -20,12 +20,17 @@ tensor was modified in place).
   after the last read of the weight or of anything that may alias it (inputs on the same
   storage, the AOT backward's saved copy, views; an unknown callable's result counts as an
   alias), so the gradient is freed as early as eager LOMO frees it. When an input's storage
-  cannot be read (tensor subclasses) the eager position stays.
-Inductor may still move a read of the weight below the update in its functional graph
-(post-grad `reorder_for_locality`); it then clones the weight for the update and copies it
-back at the end of the graph: correct, at the cost of memory. `check_supported` and the
-refusal of an eager forward stop the set-ups that cannot be made correct, before any
-parameter is written.
+  cannot be read (tensor subclasses) the eager position stays. A bf16/fp16 embedding's
+  gradient is computed by ATen's embedding backward there, not by the fp32 decomposition
+  a compiled forward leaves (`_use_eager_embedding_backward`);
+- `end_capture`: the graph's Inductor compile runs without `reorder_for_locality` and with
+  `delay_updates_past_reads`, so that each update stays after every read of its weight in
+  the code Inductor emits. Otherwise Inductor clones the weights it updates and copies
+  them back at the end of the graph (seen: every weight, the model held twice) and, once
+  the clones are gone, may inline a read of a weight into a kernel it runs after the update.
+These only decide what Inductor schedules where; the order compiled autograd traced, which
+decides what is computed, is the one set above. `check_supported` and the refusal of an
+eager forward stop the set-ups that cannot be made correct, before any parameter is written.
 """
 
 from __future__ import annotations
@@ -85,12 +90,18 @@ def _patch_passes() -> bool:
     except ImportError:
         return False
     owner = _pass_owner()
-    names = ("begin_capture", "reorder_accumulate_grad_nodes", "reorder_post_acc_grad_hook_nodes")
+    names = (
+        "begin_capture",
+        "reorder_accumulate_grad_nodes",
+        "reorder_post_acc_grad_hook_nodes",
+        "end_capture",
+    )
     if owner is None or not all(callable(getattr(owner, n, None)) for n in names):
         return False
     begin_capture = owner.begin_capture
     reorder_accumulate = owner.reorder_accumulate_grad_nodes
     reorder_hooks = owner.reorder_post_acc_grad_hook_nodes
+    end_capture = owner.end_capture
 
     @functools.wraps(begin_capture)
     def begin_capture_noting_storages(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -118,14 +129,158 @@ def _patch_passes() -> bool:
     @functools.wraps(reorder_hooks)
     def reorder_post_acc_grad_hook_nodes(self: Any) -> None:
         reorder_hooks(self)
+        graph = self.fx_tracer.graph
+        hooked = _hooked_params(graph, call_hook)
+        self._lomo_updates_in_graph = bool(hooked)
+        _use_eager_embedding_backward(graph, hooked, self.fx_tracer.root)
         storages = getattr(self, "_lomo_input_storages", None)
         if storages is not None:
-            _move_updates_after_last_read(self.fx_tracer.graph, storages, call_hook)
+            _move_updates_after_last_read(graph, storages, call_hook)
+
+    @functools.wraps(end_capture)
+    def end_capture_with_inductor_pass(self: Any, outputs: Any) -> tuple[Any, Any]:
+        runtime_wrapper, compiled = end_capture(self, outputs)
+        if not getattr(self, "_lomo_updates_in_graph", False):
+            return runtime_wrapper, compiled
+
+        # Inductor compiles the graph on its first call (and again on a recompile), so
+        # every call runs with the pass; the patch is only read while compiling.
+        @functools.wraps(compiled)
+        def compiled_with_pass(*args: Any, **kwargs: Any) -> Any:
+            from torch._inductor import config as inductor_config
+
+            user_passes = inductor_config.post_grad_custom_post_pass
+            if user_passes is None:
+                passes: Any = _DELAY_UPDATES.get()
+            elif isinstance(user_passes, list | tuple):
+                passes = [*user_passes, _DELAY_UPDATES.get()]
+            else:
+                passes = [user_passes, _DELAY_UPDATES.get()]
+            # reorder_for_locality would move reads of each weight next to their consumers,
+            # after the update compiled autograd placed behind them, undoing that placement.
+            with inductor_config.patch(
+                post_grad_custom_post_pass=passes, reorder_for_locality=False
+            ):
+                return compiled(*args, **kwargs)
+
+        return runtime_wrapper, compiled_with_pass
 
     owner.begin_capture = begin_capture_noting_storages
     owner.reorder_accumulate_grad_nodes = reorder_accumulate_grad_nodes
     owner.reorder_post_acc_grad_hook_nodes = reorder_post_acc_grad_hook_nodes
+    owner.end_capture = end_capture_with_inductor_pass
     return True
+
+
+@torch.library.custom_op("lomo_kernels::embedding_dense_backward_eager", mutates_args=())
+def _embedding_dense_backward_eager(
+    grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int
+) -> torch.Tensor:
+    """ATen's own embedding backward, opaque to Inductor (which would decompose it)."""
+    return torch.ops.aten.embedding_dense_backward.default(
+        grad, indices, num_weights, padding_idx, False
+    )
+
+
+@_embedding_dense_backward_eager.register_fake
+def _(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int) -> Any:
+    return grad.new_empty((num_weights, *grad.shape[indices.dim() :]))
+
+
+def _call_args(node: Any, target: Any, count: int) -> tuple[Any, ...] | None:
+    """`node`'s first `count` positional arguments if it calls `target`, else None."""
+    if (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target is target
+        and len(node.args) >= count
+    ):
+        return tuple(node.args[:count])
+    return None
+
+
+def _padding_idx(mask: Any, indices: Any, num_weights: int) -> int | None:
+    """padding_idx of the decomposition's mask, ``((i >= 0) & (i < V) & (i != pad))[..., None]``."""
+    aten = torch.ops.aten
+    unsqueezed = _call_args(mask, aten.unsqueeze.default, 2)
+    if not unsqueezed or unsqueezed[1] != -1:
+        return None
+    outer = _call_args(unsqueezed[0], aten.bitwise_and.Tensor, 2)
+    inner = outer and _call_args(outer[0], aten.bitwise_and.Tensor, 2)
+    ne = outer and _call_args(outer[1], aten.ne.Scalar, 2)
+    ge = inner and _call_args(inner[0], aten.ge.Scalar, 2)
+    lt = inner and _call_args(inner[1], aten.lt.Scalar, 2)
+    if not (ne and ge and lt) or ge != (indices, 0) or lt != (indices, num_weights):
+        return None
+    if ne[0] is not indices or not isinstance(ne[1], int):
+        return None
+    return ne[1]
+
+
+def _fp32_zeros_shape(node: Any, root: Any) -> list[int] | None:
+    """The static shape of `node` if it is an fp32 zero tensor: ``full(shape, 0)``, or the
+    constant Inductor's constant folding of the compiled forward leaves in its place."""
+    zeros = _call_args(node, torch.ops.aten.full.default, 2)
+    if zeros:
+        shape = zeros[0]
+        if zeros[1] != 0 or node.kwargs.get("dtype") != torch.float32:
+            return None
+    elif isinstance(node, torch.fx.Node) and node.op == "get_attr" and root is not None:
+        value = getattr(root, str(node.target), None)
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            return None
+        if value.device.type == "meta" or bool(value.any()):
+            return None
+        shape = list(value.shape)
+    else:
+        return None
+    if isinstance(shape, list | tuple) and all(isinstance(d, int) for d in shape):
+        return list(shape)
+    return None
+
+
+def _use_eager_embedding_backward(
+    graph: torch.fx.Graph, hooked: set[torch.fx.Node], root: Any = None
+) -> None:
+    """Gives each hooked embedding weight ATen's embedding backward instead of the
+    decomposition a compiled forward leaves in its backward graph.
+
+    For a bf16/fp16 weight that decomposition converts the output gradient to fp32 and
+    accumulates it into an fp32 zero tensor of the weight's shape before casting back: with
+    a 32000 x 1024 vocabulary a transient 125 MiB that eager autograd never allocates
+    (ATen accumulates in the weight's dtype), and more than LOMO keeps for a whole step at
+    small batches. Only the exact pattern the decomposition emits (no scale_grad_by_freq)
+    is replaced; anything else is left as it is. `root` holds the graph's constants.
+    """
+    from torch._dynamo.external_utils import call_accumulate_grad
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
+        if acc.args[0] not in hooked:
+            continue
+        # (variable, variable.grad, new gradient, has_post_hooks); the gradient is args[2].
+        grad = acc.args[2] if len(acc.args) == 4 else None
+        narrow = _call_args(grad, prims.convert_element_type.default, 2)
+        if not narrow or narrow[1] not in (torch.bfloat16, torch.float16):
+            continue
+        put = _call_args(narrow[0], aten._unsafe_masked_index_put_accumulate.default, 4)
+        widen = put and _call_args(put[3], prims.convert_element_type.default, 2)
+        if not widen or widen[1] != torch.float32 or len(put[2]) != 1:
+            continue
+        shape = _fp32_zeros_shape(put[0], root)
+        if shape is None:
+            continue
+        indices = put[2][0]
+        padding_idx = _padding_idx(put[1], indices, shape[0])
+        if padding_idx is None or len(put[0].users) != 1 or len(narrow[0].users) != 1:
+            continue
+        with graph.inserting_before(grad):
+            eager = graph.call_function(
+                torch.ops.lomo_kernels.embedding_dense_backward_eager.default,
+                (widen[0], indices, shape[0], padding_idx),
+            )
+        grad.replace_all_uses_with(eager)
+        # The decomposition's nodes are now unused; compiled autograd's dce removes them.
 
 
 def _storage_key(t: Any) -> int | None:
@@ -240,6 +395,141 @@ def _move_updates_after_last_read(
                 anchor.append(node)
                 anchor = node
         order = {node: i for i, node in enumerate(graph.nodes)}
+
+
+_HOP = torch.ops.higher_order
+# Ops Inductor runs as a kernel of their own, writing a realized buffer: a read of a weight
+# by one of them happens where the op is scheduled, never later inside a fused consumer.
+_EXTERN_ATEN = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "convolution",
+        "convolution_backward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+    }
+)
+
+
+def _reads_in_place(node: torch.fx.Node) -> bool:
+    """Whether `node` reads its inputs where it runs (an extern kernel); other ops may be
+    inlined by Inductor into whichever consumer it schedules, possibly much later."""
+    target = node.target
+    if target in (_HOP.auto_functionalized_v2, _HOP.auto_functionalized):
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace not in ("aten", "prims"):
+            return True  # custom ops: fallback kernels
+        return target._schema.name.split("::")[-1] in _EXTERN_ATEN
+    return False
+
+
+def delay_updates_past_reads(graph: torch.fx.Graph) -> int:
+    """Inductor post-grad pass: moves each functionalized update of a graph input after every
+    computation that may still read the input's old value. Returns the number moved.
+
+    The graph is functional here, so the order changes nothing that is computed, only what
+    Inductor makes of it. Where a read of a weight W comes after the update of W:
+    - the re-inplacing pass cannot update W in place: Inductor clones W for the update and
+      copies it back at the end of the graph, holding that weight twice;
+    - where the read is an elementwise op that Inductor inlines into a consumer scheduled
+      after the update (RMSNorm's ``dy * weight`` feeding a later reduction), the consumer
+      reads the updated W: on torch 2.13 the realization meant to prevent it registers the
+      read after the mutating kernel. Seen as AdaLomo steps 1% off once the clones are gone.
+    So the reads are followed through every op that may be inlined, up to ops that read
+    where they run (matmuls, attention, custom ops), and the update, with whatever depends
+    on it up to there, is placed after the last of them. Where a read itself depends on the
+    update nothing moves (Inductor then clones, which is correct).
+    """
+    copy_ = torch.ops.aten.copy_.default
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    moved = 0
+    for update in list(graph.find_nodes(op="call_function", target=_HOP.auto_functionalized_v2)):
+        bases = [
+            b
+            for b in update.kwargs.get("_all_bases", ())
+            if isinstance(b, torch.fx.Node) and b.op == "placeholder"
+        ]
+        if not bases:
+            continue
+        reads: set[torch.fx.Node] = set()
+        stack = list(bases)
+        while stack:
+            for user in stack.pop().users:
+                if user in reads or user is update or user.op == "output" or user.target is copy_:
+                    continue
+                reads.add(user)
+                if not _reads_in_place(user):
+                    stack.append(user)
+        if not reads:
+            continue
+        last = max(reads, key=order.__getitem__)
+        if order[last] < order[update]:
+            continue
+        # What depends on the update up to `last` moves with it, in its order: the updates
+        # chained through a shared found_inf flag, for one.
+        cone = {update}
+        for node in nodes_between(update, last):
+            if any(a in cone for a in node.all_input_nodes):
+                cone.add(node)
+        if cone & reads:
+            continue  # a read of the old value depends on the update: Inductor clones
+        anchor = last
+        for node in sorted(cone, key=order.__getitem__):
+            anchor.append(node)
+            anchor = node
+        moved += 1
+        order = {node: i for i, node in enumerate(graph.nodes)}
+    return moved
+
+
+def nodes_between(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes after `first` up to and including `last`, in graph order."""
+    out = []
+    node = first.next
+    while node is not last:
+        out.append(node)
+        node = node.next
+    out.append(last)
+    return out
+
+
+def _delay_updates_pass() -> Any:
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class DelayUpdatesPastReads(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            delay_updates_past_reads(graph)
+
+        def uuid(self) -> bytes:
+            # Inductor's FX graph cache keys on this: the pass's source.
+            return get_hash_for_files((__file__,))
+
+    return DelayUpdatesPastReads()
+
+
+class _LazyPass:
+    """Builds the Inductor pass object on first use (importing Inductor only then)."""
+
+    def __init__(self) -> None:
+        self._pass: Any = None
+
+    def get(self) -> Any:
+        if self._pass is None:
+            self._pass = _delay_updates_pass()
+        return self._pass
+
+
+_DELAY_UPDATES = _LazyPass()
 
 
 def compiled_autograd_active() -> bool:
