@@ -92,9 +92,19 @@ def test_opcheck(family: str, index: int, backend: str) -> None:
     torch.library.opcheck(op.default, args)
 
 
+def test_opcheck_compiled_autograd_embedding_backward() -> None:
+    """The op compiled autograd uses in place of Inductor's fp32 embedding backward."""
+    grad = torch.randn(2, 5, 8, dtype=torch.bfloat16)
+    indices = torch.randint(0, 11, (2, 5))
+    for padding_idx in (-1, 3):
+        args = (grad, indices, 11, padding_idx)
+        torch.library.opcheck(OPS.embedding_dense_backward_eager.default, args)
+
+
 def test_every_op_is_checked() -> None:
     """The cases above cover every op of the namespace."""
     names = {case[0].default.name() for case in _sgd_cases("torch") + _adalomo_cases("torch")}
+    names.add("lomo_kernels::embedding_dense_backward_eager")
     registered = {
         f"lomo_kernels::{name}" for name in dir(OPS) if not name.startswith("_") and name != "name"
     }
@@ -102,7 +112,7 @@ def test_every_op_is_checked() -> None:
 
 
 def test_kernels_are_registered_per_device() -> None:
-    """Each op has its own CPU and CUDA kernels, and a fake, besides the reference body."""
+    """Each fused op has its own CPU and CUDA kernels, and a fake, besides the reference body."""
     for op, _ in _sgd_cases("torch") + _adalomo_cases("torch"):
         qualname = op.default.name()
         for key in ("CPU", "CUDA", "Meta"):
