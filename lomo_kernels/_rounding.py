@@ -75,3 +75,13 @@ def bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """bf16 tensor whose bit patterns are `bits` (int64 in [0, 65535])."""
     signed = torch.where(bits >= 0x8000, bits - 0x10000, bits)
     return signed.to(torch.int16).view(torch.bfloat16)
+
+
+def round_to_dtype(
+    value: torch.Tensor, dtype: torch.dtype, random16: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 `value` stored in `dtype` as the kernels store it: bf16 rounded on the bit pattern
+    (nearest even, or stochastically with `random16`), other dtypes by a cast."""
+    if dtype == torch.bfloat16:
+        return bf16_from_bits(fp32_to_bf16_bits(value, random16)).view(value.shape)
+    return value.to(dtype)

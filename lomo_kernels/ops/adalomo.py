@@ -29,7 +29,7 @@ from . import adalomo_reference as reference
 from .adalomo_workspace import NUM_SLOTS, workspace_numel
 from .backends import ADALOMO, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
-from .scalars import Scalar, device_scalar, optional_factor
+from .scalars import Scalar, device_scalar, grad_transform
 
 __all__ = [
     "adalomo_update_",
@@ -210,25 +210,6 @@ for _op, _function in (
 
 # ----------------------------------------------------------------------------- validation
 
-GradArgs = tuple[Tensor | None, float | None, Tensor | None]
-
-
-def _grad_args(
-    inv_scale: Scalar | None,
-    clip_value: float | None,
-    clip_coef: Scalar | None,
-    device: torch.device,
-) -> GradArgs:
-    """(inv_scale, clip_value, clip_coef) as the ops take them."""
-    if clip_value is not None:
-        check_finite("clip_value", clip_value, positive=True)
-        clip_value = float(clip_value)
-    return (
-        optional_factor("inv_scale", inv_scale, device),
-        clip_value,
-        optional_factor("clip_coef", clip_coef, device),
-    )
-
 
 def _beta2(beta2: Scalar, device: torch.device) -> Tensor:
     return device_scalar("beta2", beta2, device, unit_interval=True)
@@ -330,7 +311,7 @@ def adalomo_update_(
     check_finite("weight_decay", weight_decay)
     lr_t = _lr(lr, device)
     beta2_t = _beta2(beta2, device)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
     if not state:
@@ -419,7 +400,7 @@ def adalomo_factored_stats_(
     check_finite("eps0", eps0, non_negative=True)
     check_scalar_tensor("found_inf", found_inf, param.device)
     check_scalar_tensor("skip_if", skip_if, param.device)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, param.device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, param.device)
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_stats_(
@@ -475,7 +456,7 @@ def adalomo_factored_norm_(
     """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
     check_pair(grad, grad)
     _check_factored(grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, grad.device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, grad.device)
     if grad.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_norm_(
@@ -515,7 +496,7 @@ def adalomo_factored_apply_(
     check_finite("eps1", eps1, non_negative=True)
     check_finite("clip_threshold", clip_threshold, positive=True)
     check_finite("weight_decay", weight_decay)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, param.device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, param.device)
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_apply_(
@@ -561,7 +542,7 @@ def adalomo_vector_stats_(
     check_finite("eps0", eps0, non_negative=True)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_vector_stats_(
@@ -607,7 +588,7 @@ def adalomo_vector_apply_(
     check_finite("eps1", eps1, non_negative=True)
     check_finite("clip_threshold", clip_threshold, positive=True)
     check_finite("weight_decay", weight_decay)
-    ga = _grad_args(inv_scale, clip_value, clip_coef, device)
+    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_vector_apply_(

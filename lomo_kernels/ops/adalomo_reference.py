@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._rounding import bf16_from_bits, fp32_to_bf16_bits
+from .._rounding import round_to_dtype
 from .adalomo_workspace import P_SUMSQ, R_SUM, SKIP, U_SUMSQ
 from .scalars import value_of
 
@@ -113,11 +113,7 @@ def step_scalars(
 
 def store_rounded(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
     """Writes fp32 `new` into `param_tile` in its dtype (bf16: nearest even on the bits)."""
-    if param_tile.dtype == torch.bfloat16:
-        rounded = bf16_from_bits(fp32_to_bf16_bits(new)).view(new.shape)
-    else:
-        rounded = new.to(param_tile.dtype)
-    param_tile.copy_(torch.where(skip, param_tile, rounded))
+    param_tile.copy_(torch.where(skip, param_tile, round_to_dtype(new, param_tile.dtype)))
 
 
 # ----------------------------------------------------------------------------- factored

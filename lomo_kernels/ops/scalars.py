@@ -69,6 +69,24 @@ def optional_factor(name: str, value: Scalar | None, device: torch.device) -> to
     return device_scalar(name, value, device)
 
 
+def grad_transform(
+    inv_scale: Scalar | None,
+    clip_value: float | None,
+    clip_coef: Scalar | None,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, float | None, torch.Tensor | None]:
+    """(inv_scale, clip_value, clip_coef), checked, as every op that reads a gradient takes
+    them (in that order): ``clamp(grad * inv_scale, +-clip_value) * clip_coef``."""
+    if clip_value is not None:
+        check_finite("clip_value", clip_value, positive=True)
+        clip_value = float(clip_value)
+    return (
+        optional_factor("inv_scale", inv_scale, device),
+        clip_value,
+        optional_factor("clip_coef", clip_coef, device),
+    )
+
+
 def value_of(scalar: torch.Tensor) -> torch.Tensor:
     """The fp32 value of a 1-element device tensor, as a 0-d tensor (no host sync)."""
     return scalar.reshape(-1)[0].to(torch.float32)

@@ -17,7 +17,7 @@ import torch
 from . import sgd_reference
 from .backends import SGD, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
-from .scalars import Scalar, device_scalar, optional_factor
+from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 
 @torch.library.custom_op("lomo_kernels::sgd_update_", mutates_args=("param", "found_inf"))
@@ -97,10 +97,7 @@ def fused_sgd_update_(
     check_pair(param, grad)
     device = param.device
     lr_t = device_scalar("lr", lr, device, non_negative=True)
-    inv_t = optional_factor("inv_scale", inv_scale, device)
-    coef_t = optional_factor("clip_coef", clip_coef, device)
-    if clip_value is not None:
-        check_finite("clip_value", clip_value, positive=True)
+    transform = grad_transform(inv_scale, clip_value, clip_coef, device)
     check_finite("weight_decay", weight_decay)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
@@ -117,9 +114,7 @@ def fused_sgd_update_(
         param,
         grad.contiguous(),
         lr_t,
-        inv_t,
-        None if clip_value is None else float(clip_value),
-        coef_t,
+        *transform,
         float(weight_decay),
         found_inf,
         found_inf if skip_if is None else skip_if,

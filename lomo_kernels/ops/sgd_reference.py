@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._rounding import bf16_from_bits, fp32_to_bf16_bits, random_bits16, seed_key
+from .._rounding import random_bits16, round_to_dtype, seed_key
 from .scalars import value_of
 
 
@@ -19,15 +19,11 @@ def _write_back(
 ) -> None:
     """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
     flat = param.view(-1)
-    if param.dtype == torch.bfloat16:
-        random16 = None
-        if stochastic_rounding:
-            index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
-            random16 = random_bits16(index, seed_key(seed))
-        rounded = bf16_from_bits(fp32_to_bf16_bits(new, random16))
-    else:
-        rounded = new.to(param.dtype)
-    flat.copy_(torch.where(keep, flat, rounded))
+    random16 = None
+    if stochastic_rounding and param.dtype == torch.bfloat16:
+        index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
+        random16 = random_bits16(index, seed_key(seed))
+    flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
 
 def sgd_update_(
