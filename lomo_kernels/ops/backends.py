@@ -22,8 +22,8 @@ already materialised and writes a graph input in place, one memory-bound pass. W
 see is the schema's mutation annotations, which is what lets it keep the update in place.
 
 Backend modules (kernels/cpp/*.py, kernels/triton/*.py, the references) provide one function
-per op, named as the op without its family prefix, taking the op's arguments in schema order
-without ``backend``.
+per op, named as in their family's reference (``sgd_update_``, ``factored_stats_``, ...),
+taking the op's arguments in schema order without ``backend``.
 """
 
 from __future__ import annotations
