@@ -71,12 +71,11 @@ def test_fused_backward_holds_far_less_than_sgd(
     )
 
 
-# Inductor decomposes the embedding backward into an fp32 index_put-accumulate: one fp32
-# buffer of the embedding's shape that eager bf16 autograd does not allocate (seen in its
-# generated code; on the 168M model at 1x64 the step peaks 97 MB above eager LOMO, less than
-# that 125 MB buffer; at 2x256, where activations dominate, it peaks below eager). It is
-# Inductor's gradient arithmetic, not a copy of weights: the bound allows it and nothing
-# else beyond the +10% target (compiled peak <= eager LOMO's + 10%).
+# The target: a compiled-autograd step keeps LOMO's memory (no copies of weights), within
+# 10% of eager LOMO's. Compared where the two processes differ only in their steps: the
+# tensors a step allocates (the profiler's allocator events, compiled code's included) and
+# VmHWM above the step's start. VmRSS above the model also counts Inductor's own resident
+# state after step 0 (imported modules, generated code), which does not grow with the model.
 COMPILED_TOLERANCE = 1.10
 
 
@@ -84,10 +83,9 @@ def test_compiled_autograd_step_keeps_lomo_memory(bench: ModuleType) -> None:
     """Light version of `bench memory` lomo vs lomo_compiled_autograd (a 20M model)."""
     eager = bench.run_isolated("lomo", 1, 64, steps=STEPS, model="llama-20m")
     compiled = bench.run_isolated("lomo_compiled_autograd", 1, 64, steps=STEPS, model="llama-20m")
-    fp32_embedding_grad_mb = compiled["embedding_numel"] * 4 / 2**20
-    budget = eager["peak_above_step_start_mb"] * COMPILED_TOLERANCE + fp32_embedding_grad_mb
-    assert compiled["peak_above_step_start_mb"] <= budget, (
-        f"compiled autograd step peak {compiled['peak_above_step_start_mb']:.1f} MB > budget "
-        f"{budget:.1f} MB (eager LOMO {eager['peak_above_step_start_mb']:.1f} MB + 10% + fp32 "
-        f"embedding gradient {fp32_embedding_grad_mb:.1f} MB)"
-    )
+    for key in ("tensor_peak_in_step_mb", "peak_above_step_start_mb"):
+        budget = eager[key] * COMPILED_TOLERANCE
+        assert compiled[key] <= budget, (
+            f"{key}: compiled autograd {compiled[key]:.1f} MB > eager LOMO "
+            f"{eager[key]:.1f} MB + 10%"
+        )

@@ -166,10 +166,48 @@ def _patch_passes() -> bool:
         return runtime_wrapper, compiled_with_pass
 
     owner.begin_capture = begin_capture_noting_storages
+    _patch_backward_loading()
     owner.reorder_accumulate_grad_nodes = reorder_accumulate_grad_nodes
     owner.reorder_post_acc_grad_hook_nodes = reorder_post_acc_grad_hook_nodes
     owner.end_capture = end_capture_with_inductor_pass
     return True
+
+
+def _patch_backward_loading() -> None:
+    """Makes compiled autograd rebuild a cached AOT backward graph from a copy of its state.
+
+    A compiled forward loaded from AOTAutograd's cache keeps its backward graph serialized;
+    compiled autograd rebuilds it at capture by symbolic tracing, which runs a factory call
+    with constant arguments eagerly and stores the result as an attribute of the module
+    being traced. That module's attribute dict is the cached state itself, so the tensor
+    stays alive as long as the compiled forward: for the embedding backward's ``full(shape,
+    0)`` an fp32 tensor of the embedding's shape (125 MiB for 32000 x 1024), on the
+    weight's device. Rebuilt from a copy, the tensor lives only during the capture (the
+    graph no longer reads it once `_use_eager_embedding_backward` has run).
+    """
+    from torch._dynamo import compiled_autograd
+    from torch.fx.graph_module import reduce_graph_module
+
+    extract = getattr(compiled_autograd, "extract_bw_module", None)
+    if not callable(extract) or getattr(extract, "_lomo_copies_state", False):
+        return
+
+    @functools.wraps(extract)
+    def extract_from_copy(compiled_function: Any) -> Any:
+        loader = getattr(compiled_function._lazy_backward_info, "bw_module_fn", None)
+        serialized = getattr(loader, "__self__", None)
+        args = getattr(serialized, "args", None)
+        if getattr(serialized, "fn", None) is not reduce_graph_module or not (
+            isinstance(args, tuple) and args and isinstance(args[0], dict)
+        ):
+            return extract(compiled_function)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # as torch's own loader
+            return reduce_graph_module(dict(args[0]), *args[1:])
+
+    extract_from_copy._lomo_copies_state = True  # type: ignore[attr-defined]
+    compiled_autograd.extract_bw_module = extract_from_copy
 
 
 @torch.library.custom_op("lomo_kernels::embedding_dense_backward_eager", mutates_args=())
@@ -280,7 +318,22 @@ def _use_eager_embedding_backward(
                 (widen[0], indices, shape[0], padding_idx),
             )
         grad.replace_all_uses_with(eager)
-        # The decomposition's nodes are now unused; compiled autograd's dce removes them.
+        _drop_unused(graph, root, (grad, narrow[0], put[0]))
+        # The rest of the decomposition is now unused; compiled autograd's dce removes it.
+
+
+def _drop_unused(graph: torch.fx.Graph, root: Any, nodes: tuple[Any, ...]) -> None:
+    """Erases `nodes` (in order) once unused, and the root's constant behind an erased
+    get_attr: the capture's root module lives as long as its compiled graph is cached
+    (the runtime wrapper keeps the capturing instance), and would keep the constant with
+    it (see `_patch_backward_loading` for where such a constant comes from)."""
+    for node in nodes:
+        if not isinstance(node, torch.fx.Node) or node.users:
+            return
+        target = str(node.target) if node.op == "get_attr" else None
+        graph.erase_node(node)
+        if target and hasattr(root, target) and not graph.find_nodes(op="get_attr", target=target):
+            delattr(root, target)
 
 
 def _storage_key(t: Any) -> int | None:

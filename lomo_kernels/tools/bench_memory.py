@@ -134,6 +134,40 @@ class Meter:
         return hwm_bytes()
 
 
+def tensor_balance(run: Callable[[], None], device: str) -> tuple[int, int]:
+    """(peak, end) in bytes of the tensors allocated while `run` runs, above what was
+    allocated when it started: every allocation and free on `device` as the profiler's
+    allocator events record them, those of compiled code included.
+
+    The analogue on CPU of the CUDA allocator's peak statistics: tensor memory only, not
+    the rest of the process (code, Python objects), which VmHWM also counts. `end` is what
+    `run` left allocated (lazy state, constants a compiler keeps).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    events = sorted(
+        (
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == kind
+        ),
+        key=lambda e: e.start_ns(),
+    )
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak, current
+
+
 # -- the model and one step -----------------------------------------------------------------
 def build_model(model: str, dtype: str = "bf16", device: str = "cpu") -> Any:
     """A LlamaForCausalLM of `model`'s shape, created directly in `dtype` on `device`.
@@ -309,6 +343,10 @@ def measure(
     # Compiled code and Inductor's caches stay resident after step 0; the step's own peak
     # is the rise above the memory at its start (equal to the above for eager runs).
     result["peak_above_step_start_mb"] = max(transient) / MIB
+    # One more step, profiled (after the others: the profiler's own memory stays out of
+    # the figures above): the peak of the tensors it allocates.
+    tensor_peak, _ = tensor_balance(lambda: step(ids, labels), device)
+    result["tensor_peak_in_step_mb"] = tensor_peak / MIB
     result["state_mb"] = state_bytes(opt) / MIB
     return result
 
