@@ -30,7 +30,8 @@ class Lomo(InBackwardOptimizer):
     loss; ``state_dict()`` carries the step count and the loss scaler.
 
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
-    of the write-back; seeded from ``seed``, the step and the parameter index),
+    of the write-back; seeded from ``seed``, the step and the parameter index, the step's
+    part kept in a device tensor so a compiled backward is not rebuilt each step),
     ``backend`` ('triton', 'cpp', 'torch' or None for automatic) and ``single_backward``.
 
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
