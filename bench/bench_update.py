@@ -97,6 +97,7 @@ class Case:
                 None,
                 stochastic_rounding,
                 1234,
+                None,
             )
 
     def fused(self) -> None:
@@ -104,7 +105,9 @@ class Case:
 
     def fused_plain(self) -> None:
         for p, g in zip(self.params, self.grads, strict=True):
-            cpp_backend.sgd_update_(p, g, self.lr, None, None, None, 0.0, None, None, False, 1234)
+            cpp_backend.sgd_update_(
+                p, g, self.lr, None, None, None, 0.0, None, None, False, 1234, None
+            )
 
     def fused_sr(self) -> None:
         self._fused(cpp_backend, stochastic_rounding=True)

@@ -601,6 +601,15 @@ float read_factor(const std::optional<at::Tensor>& t, const char* name) {
   return t.has_value() ? read_scalar(*t, name) : 1.0f;
 }
 
+// The per-step value of the rounding key: the low 32 bits of a 1-element int64 CPU tensor
+// (the Python side checks; this is the last line of defence), 0 when absent.
+uint32_t read_seed_step(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return 0;
+  TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == 1 && t->device().is_cpu(),
+              "lomo_kernels: seed_step must be a 1-element int64 CPU tensor");
+  return static_cast<uint32_t>(*t->const_data_ptr<int64_t>());
+}
+
 // Writes through raw pointers bypass autograd's in-place tracking: bump the version counter
 // as torch's own in-place ops do, so a stale saved tensor is detected, not silently used.
 void bump_version(const at::Tensor& t) {
@@ -636,7 +645,8 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
                  const std::optional<at::Tensor>& clip_coef, double weight_decay,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& skip_if, bool stochastic_rounding,
-                 int64_t seed_key) {
+                 int64_t seed_lo_mixed, int64_t seed_hi_salted,
+                 const std::optional<at::Tensor>& seed_step) {
   TORCH_CHECK(param.device().is_cpu() && grad.device().is_cpu(),
               "lomo_kernels: CPU kernel got a non-CPU tensor");
   TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && param.numel() == grad.numel(),
@@ -648,7 +658,11 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
   s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
                                   : std::numeric_limits<float>::infinity();
   s.coef = read_factor(clip_coef, "clip_coef");
-  const uint32_t key = static_cast<uint32_t>(seed_key);
+  const uint32_t key = stochastic_rounding
+                           ? lomo::rounding_key(static_cast<uint32_t>(seed_lo_mixed),
+                                                static_cast<uint32_t>(seed_hi_salted),
+                                                read_seed_step(seed_step))
+                           : 0u;
   // Read once before anything is written: found_inf may alias skip_if.
   if (skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f) return;  // nan too
 
@@ -709,7 +723,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
-        py::arg("seed_key"));
+        py::arg("seed_lo_mixed"), py::arg("seed_hi_salted"), py::arg("seed_step"));
   m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
         py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
 }

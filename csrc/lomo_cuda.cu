@@ -5,8 +5,8 @@
 // Layout of one launch: a scalar head (elements before both pointers are 16-byte aligned),
 // an aligned bulk moved with 128-bit loads/stores (V elements per thread and step), and a
 // scalar tail. Grid-stride loops with int64 indices; skip_if and the runtime scalars (lr,
-// inv_scale, clip_coef: 1-element fp32 tensors) are read on the device through pointers, so
-// the host never synchronises.
+// inv_scale, clip_coef: 1-element fp32 tensors; the rounding seed's per-step value, an int64)
+// are read on the device through pointers, so the host never synchronises.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -30,7 +30,9 @@ struct UpdateArgs {
   float weight_decay;
   const float* skip_if;
   float* found_inf;
-  uint32_t key;
+  uint32_t seed_lo_mixed;   // the host's share of the rounding key (_rounding.seed_parts)
+  uint32_t seed_hi_salted;
+  const int64_t* seed_step;  // nullptr: no per-step value
 };
 
 // The reference's fp32 arithmetic on the scalars.
@@ -42,6 +44,13 @@ __device__ __forceinline__ lomo::SgdScalars resolve(const UpdateArgs& a) {
   s.clip = a.clip;
   s.coef = a.clip_coef != nullptr ? __ldg(a.clip_coef) : 1.0f;
   return s;
+}
+
+// The stochastic-rounding key, finished on the device with the per-step value (its low 32
+// bits), so the host never reads it.
+__device__ __forceinline__ uint32_t rounding_key(const UpdateArgs& a) {
+  const uint32_t step = a.seed_step != nullptr ? static_cast<uint32_t>(__ldg(a.seed_step)) : 0u;
+  return lomo::rounding_key(a.seed_lo_mixed, a.seed_hi_salted, step);
 }
 
 // V elements of storage type T in registers, viewed as 128-bit words for the memory ops.
@@ -108,6 +117,8 @@ __global__ void __launch_bounds__(kThreads)
   // Every thread reads the flag: all skip together, nothing is written.
   if (a.skip_if != nullptr && *a.skip_if != 0.0f) return;  // nan is non-zero too
   const lomo::SgdScalars s = resolve(a);
+  uint32_t key = 0;
+  if constexpr (kStochastic) key = rounding_key(a);
   constexpr int V = VecWidth<P, G>::value;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -121,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
     load_vec_ro(gv, grad + base);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      pv.e[j] = update_one<P, G, kStochastic>(pv.e[j], gv.e[j], base + j, s, a.key, any_bad);
+      pv.e[j] = update_one<P, G, kStochastic>(pv.e[j], gv.e[j], base + j, s, key, any_bad);
     }
     store_vec(pv, param + base);
   }
@@ -131,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t nscalar = head + (numel - tail_start);
   for (int64_t k = tid; k < nscalar; k += stride) {
     const int64_t i = k < head ? k : tail_start + (k - head);
-    param[i] = update_one<P, G, kStochastic>(param[i], grad[i], i, s, a.key, any_bad);
+    param[i] = update_one<P, G, kStochastic>(param[i], grad[i], i, s, key, any_bad);
   }
 
   // One store per warp that saw a non-finite gradient; all writers store the same 1.0f.
@@ -261,18 +272,20 @@ cudaError_t launch_update(void* param, const void* grad, int64_t numel, const Up
 }  // namespace
 
 // Scalar pointers are device pointers to one fp32 value; inv_scale, clip_coef, skip_if and
-// found_inf may be null (absent). clip_value: +inf when clipping by value is off.
+// found_inf may be null (absent). clip_value: +inf when clipping by value is off. The rounding
+// key: the host's seed parts and a device pointer to one int64 per-step value (or null).
 extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* grad,
                                     int grad_dtype, int64_t numel, const float* lr,
                                     const float* inv_scale, float clip_value,
                                     const float* clip_coef, float weight_decay,
                                     const float* skip_if, float* found_inf,
-                                    int stochastic_rounding, uint32_t seed_key,
+                                    int stochastic_rounding, uint32_t seed_lo_mixed,
+                                    uint32_t seed_hi_salted, const int64_t* seed_step,
                                     cudaStream_t stream) {
   if (lr == nullptr) return cudaErrorInvalidValue;
   if (numel <= 0) return cudaSuccess;
   const UpdateArgs a{lr, inv_scale, clip_coef, clip_value, weight_decay, skip_if, found_inf,
-                     seed_key};
+                     seed_lo_mixed, seed_hi_salted, seed_step};
   return with_dtype(param_dtype, [&](auto p_tag) {
     return with_dtype(grad_dtype, [&](auto g_tag) {
       using P = decltype(p_tag);

@@ -19,7 +19,8 @@ extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* gr
                                     const float* inv_scale, float clip_value,
                                     const float* clip_coef, float weight_decay,
                                     const float* skip_if, float* found_inf,
-                                    int stochastic_rounding, uint32_t seed_key,
+                                    int stochastic_rounding, uint32_t seed_lo_mixed,
+                                    uint32_t seed_hi_salted, const int64_t* seed_step,
                                     cudaStream_t stream);
 
 extern "C" int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
@@ -60,6 +61,14 @@ float* mutable_scalar_ptr(const std::optional<at::Tensor>& t, const at::Tensor& 
   return t->data_ptr<float>();
 }
 
+// The rounding seed's per-step value stays on the device: the kernel reads it.
+const int64_t* seed_step_ptr(const std::optional<at::Tensor>& t, const at::Tensor& like) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == 1 && t->device() == like.device(),
+              "lomo_kernels: seed_step must be a 1-element int64 tensor on ", like.device());
+  return t->const_data_ptr<int64_t>();
+}
+
 // Raw-pointer writes bypass autograd's in-place tracking (see lomo_cpu.cpp).
 void bump_version(const at::Tensor& t) {
   if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
@@ -70,7 +79,8 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
                  const std::optional<at::Tensor>& clip_coef, double weight_decay,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& skip_if, bool stochastic_rounding,
-                 int64_t seed_key) {
+                 int64_t seed_lo_mixed, int64_t seed_hi_salted,
+                 const std::optional<at::Tensor>& seed_step) {
   TORCH_CHECK(param.is_cuda() && grad.device() == param.device(),
               "lomo_kernels: param and grad must be on the same CUDA device");
   TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && param.numel() == grad.numel(),
@@ -92,7 +102,8 @@ void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
                              : std::numeric_limits<float>::infinity(),
       scalar_ptr(clip_coef, param, "clip_coef"), static_cast<float>(weight_decay),
       scalar_ptr(skip, param, "skip_if"), mutable_scalar_ptr(found_inf, param, "found_inf"),
-      stochastic_rounding ? 1 : 0, static_cast<uint32_t>(seed_key),
+      stochastic_rounding ? 1 : 0, static_cast<uint32_t>(seed_lo_mixed),
+      static_cast<uint32_t>(seed_hi_salted), seed_step_ptr(seed_step, param),
       c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
   bump_version(param);
@@ -123,7 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
-        py::arg("seed_key"));
+        py::arg("seed_lo_mixed"), py::arg("seed_hi_salted"), py::arg("seed_step"));
   m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
         py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
 }

@@ -103,6 +103,13 @@ LOMO_HD LOMO_INLINE uint32_t random_bits16(uint32_t lo, uint32_t hi, uint32_t ke
   return mix32(mix32(lo ^ key) ^ hi) >> 16;
 }
 
+// The per-call key from the host's _rounding.seed_parts(seed) and the per-step value (0 when
+// absent; read from device memory by the caller): _rounding.seed_key(seed, step).
+LOMO_HD LOMO_INLINE uint32_t rounding_key(uint32_t seed_lo_mixed, uint32_t seed_hi_salted,
+                                          uint32_t step) {
+  return seed_lo_mixed ^ mix32(seed_hi_salted ^ step);
+}
+
 // ---------------------------------------------------------------------------------------
 // bf16 (as uint16 bit patterns)
 // ---------------------------------------------------------------------------------------

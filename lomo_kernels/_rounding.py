@@ -41,13 +41,35 @@ def mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def seed_key(seed: int) -> int:
-    """Folds a 64-bit seed into the 32-bit key the kernels take as an argument."""
+def seed_parts(seed: int) -> tuple[int, int]:
+    """The host's share of a 64-bit seed's rounding key: (mix32(lo32(seed)), hi32(seed) ^ salt).
+
+    The key is ``parts[0] ^ mix32(parts[1] ^ step)``, with `step` a per-step value (0 when
+    absent): only the second half depends on it, so a kernel can read the step from device
+    memory and finish the key itself, and a compiled graph does not depend on the step.
+    """
     seed &= (1 << 64) - 1
-    return mix32_int(seed & MASK32) ^ mix32_int((seed >> 32) ^ _SEED_SALT)
+    return mix32_int(seed & MASK32), (seed >> 32) ^ _SEED_SALT
 
 
-def random_bits16(index: torch.Tensor, key: int) -> torch.Tensor:
+def seed_key(seed: int, step: int = 0) -> int:
+    """Folds a 64-bit seed into the 32-bit rounding key; the low 32 bits of `step` are XORed
+    into the seed's high half (``seed_key(s, t) == seed_key(s ^ (t << 32))`` for t < 2**32)."""
+    lo_mix, hi = seed_parts(seed)
+    return lo_mix ^ mix32_int(hi ^ step)
+
+
+def rounding_key(seed: int, seed_step: torch.Tensor | None) -> int | torch.Tensor:
+    """`seed_key(seed, step)` with the step the value of a 1-element int64 tensor, computed on
+    that tensor's device (a 1-element int64 tensor, no host read); `seed_key(seed)` without."""
+    if seed_step is None:
+        return seed_key(seed)
+    lo_mix, hi = seed_parts(seed)
+    step = seed_step.reshape(-1)[:1].to(torch.int64) & MASK32
+    return lo_mix ^ mix32(hi ^ step)
+
+
+def random_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     """16 random bits per flat element index: mix32(mix32(lo32(i) ^ key) ^ hi32(i)) >> 16."""
     lo = index & MASK32
     hi = index >> 32

@@ -119,7 +119,9 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{count} elements differ, first at {i}: {got[i]} vs {want[i]}")
 
 
-def _run(module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0) -> None:
+def _run(
+    module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0, seed_step=None
+) -> None:
     module.sgd_update_(
         param,
         grad,
@@ -132,17 +134,18 @@ def _run(module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0) 
         skip,
         sr,
         seed,
+        seed_step,
     )
 
 
-def _both(param, grad, opts, *, sr=False, seed=0, with_skip=False):
+def _both(param, grad, opts, *, sr=False, seed=0, seed_step=None, with_skip=False):
     """Runs the C++ and reference updates on copies; returns (params, found_inf flags)."""
     outs, flags = [], []
     for module in (cpp_backend, reference):
         p = param.clone()
         found = torch.zeros(1)
         skip = torch.zeros(1) if with_skip else None
-        _run(module, p, grad, opts, found=found, skip=skip, sr=sr, seed=seed)
+        _run(module, p, grad, opts, found=found, skip=skip, sr=sr, seed=seed, seed_step=seed_step)
         outs.append(p)
         flags.append(found)
     return outs, flags
@@ -221,8 +224,13 @@ def test_every_option_subset_matches_reference(pdt: str, bits: int) -> None:
         assert_same_bits(got, want)
         assert f_got.item() == f_want.item() == 0.0
         if dtype == torch.bfloat16:  # the stochastic-rounding vector loop, same subsets
+            step = torch.tensor([bits * 977], dtype=torch.int64)
             for g in (grad, clean):
                 (got, want), _ = _both(param, g, _subset_options(bits), sr=True, seed=bits)
+                assert_same_bits(got, want)
+                (got, want), _ = _both(
+                    param, g, _subset_options(bits), sr=True, seed=bits, seed_step=step
+                )
                 assert_same_bits(got, want)
 
 
@@ -336,6 +344,19 @@ def test_stochastic_rounding_matches_reference(gdt: str, size: int) -> None:
         (got, want), (f_got, f_want) = _both(param, grad, _options("full"), sr=True, seed=seed)
         assert_same_bits(got, want)
         assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("size", [15, 4097, 2**20 + 3], ids=lambda n: f"n{n}")
+def test_stochastic_rounding_seed_step_matches_reference(size: int) -> None:
+    # The per-step value is XORed into the seed's high half: the same bits as that seed.
+    param = _make_param(size, torch.bfloat16, seed=size, specials=True)
+    grad = _make_grad(size, torch.float32, seed=size, scale=1024.0, specials=True)
+    for step in (0, 5, 2**31 + 7, -3, 2**40 + 9):
+        seed_step = torch.tensor([step], dtype=torch.int64)
+        (got, want), _ = _both(param, grad, _options("full"), sr=True, seed=99, seed_step=seed_step)
+        assert_same_bits(got, want)
+        folded, _ = _both(param, grad, _options("full"), sr=True, seed=99 ^ ((step % 2**32) << 32))
+        assert_same_bits(got, folded[0])
 
 
 def test_stochastic_rounding_ignored_for_other_dtypes() -> None:

@@ -76,6 +76,24 @@ def test_grad_sumsq_matches_float64_on_cuda(cuda_backend, dtype):
     assert float(sumsq) == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("step", [None, 7, 2**40 + 3], ids=["no_step", "step", "big_step"])
+def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step):
+    """The kernel reads seed_step from device memory (no host sync) and rounds as the CPU
+    reference does, bit for bit (p - 1 * g is one fp32 rounding with or without an FMA)."""
+    n = 278011
+    param = torch.ones(n, dtype=torch.bfloat16)
+    grad = torch.full((n,), -0.3 * 2.0**-7)
+    options = dict(lr=1.0, stochastic_rounding=True, seed=99)
+    expected = param.clone()
+    cpu_step = None if step is None else torch.tensor([step])
+    ops.fused_sgd_update_(expected, grad, seed_step=cpu_step, backend="torch", **options)
+    p, g = param.to(DEVICE), grad.to(DEVICE)
+    seed_step = None if cpu_step is None else cpu_step.to(DEVICE)
+    with NoHostSync():
+        ops.fused_sgd_update_(p, g, seed_step=seed_step, backend=cuda_backend, **options)
+    assert torch.equal(p.cpu().view(torch.int16), expected.view(torch.int16))
+
+
 def _cuda_batch(step: int) -> dict[str, torch.Tensor]:
     return {k: v.to(DEVICE) for k, v in batch(step).items()}
 

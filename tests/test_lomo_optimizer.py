@@ -105,6 +105,64 @@ def test_loss_falls_bf16_stochastic_rounding():
     assert model(**fixed).loss.item() < first - 0.3
 
 
+def _stochastic_run(seed: int, steps: int = 2) -> list[torch.Tensor]:
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, stochastic_rounding=True, seed=seed)
+    for step in range(steps):
+        opt.fused_backward(model(**batch(step)).loss)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_stochastic_rounding_reproducible_per_seed():
+    """The rounding is a function of (seed, step, parameter): same seed, same weights."""
+    first, again, other = _stochastic_run(3), _stochastic_run(3), _stochastic_run(4)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_stochastic_rounding_seed_step_follows_step_count():
+    """The per-step part of the seed lives in a device tensor, refreshed before each step's
+    backward, also after a checkpoint moved step_count."""
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, stochastic_rounding=True, seed=3)
+    values = []
+    for step in range(3):
+        opt.fused_backward(model(**batch(step)).loss)
+        (seed_step,) = opt._seed_steps.values()
+        values.append(int(seed_step))
+    assert len(set(values)) == 3
+    state = opt.state_dict()
+    state["lomo"]["step_count"] = 1
+    opt.load_state_dict(state)
+    opt.fused_backward(model(**batch(0)).loss)
+    assert int(seed_step) == values[1]
+
+
+def test_stochastic_rounding_slices_draw_their_own_streams():
+    """Sharded updates (ZeRO-3, FSDP2) pass each slice's flat offset: equal slices of one
+    parameter at different offsets round differently, each reproducibly."""
+    from lomo_kernels.distributed import Shard
+
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=1.0, stochastic_rounding=True)
+    opt._prepare_scalars()
+    param = next(model.parameters())
+    scalars = opt._scalars_for(param.device)
+    n = 4096
+
+    def update_slice(offset: int) -> torch.Tensor:
+        local = torch.ones(n, dtype=torch.bfloat16)
+        grad = torch.full((n,), -0.3 * 2**-7)  # 30% of a bf16 ulp at 1
+        shard = Shard(param, local, offset, param.shape, None)
+        opt._update_shards([(shard, grad)], scalars, scalars.no_skip)
+        return local
+
+    first, second = update_slice(0), update_slice(n)
+    assert 0.25 < (first > 1).float().mean().item() < 0.35
+    assert not torch.equal(first, second)
+    assert torch.equal(second, update_slice(n))
+
+
 def test_lr_from_param_groups_follows_scheduler():
     ours, ref = tiny_llama(), tiny_llama()
     opt = Lomo(ours, lr=0.1)

@@ -110,13 +110,25 @@ class NoHostSync(TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    "dtype,clip",
-    [(torch.float16, None), (torch.bfloat16, 1.0), (torch.float32, None)],
-    ids=["fp16", "bf16_clip", "fp32"],
+    "dtype,clip,sr",
+    [
+        (torch.float16, None, False),
+        (torch.bfloat16, 1.0, False),
+        (torch.float32, None, False),
+        (torch.bfloat16, None, True),
+    ],
+    ids=["fp16", "bf16_clip", "fp32", "bf16_stochastic_rounding"],
 )
-def test_no_host_sync_in_fused_backward(dtype, clip):
+def test_no_host_sync_in_fused_backward(dtype, clip, sr):
     model = tiny_llama(dtype)
-    opt = Lomo(model, lr=0.05, clip_grad_norm=clip, clip_grad_value=1.0, weight_decay=0.01)
+    opt = Lomo(
+        model,
+        lr=0.05,
+        clip_grad_norm=clip,
+        clip_grad_value=1.0,
+        weight_decay=0.01,
+        stochastic_rounding=sr,
+    )
     for step in range(3):
         loss = model(**batch(step)).loss
         with NoHostSync():

@@ -70,11 +70,21 @@ def test_clip_coef_from_sumsq():
         ops.clip_coef_from_sumsq(torch.tensor([1.0]), 0.0)
 
 
-def _sr_step(backend, n, seed, value=1.0, delta=0.3 * 2.0**-7):
-    """bf16 param at `value`, updated by `delta` (a fraction of a bf16 ulp) with SR."""
+def _sr_step(backend, n, seed, value=1.0, delta=0.3 * 2.0**-7, step=None):
+    """bf16 param at `value`, updated by `delta` (a fraction of a bf16 ulp) with SR; `step`:
+    the per-step part of the seed, passed as a device tensor."""
     param = torch.full((n,), value, dtype=torch.bfloat16)
     grad = torch.full((n,), -delta, dtype=torch.float32)
-    ops.fused_sgd_update_(param, grad, lr=1.0, stochastic_rounding=True, seed=seed, backend=backend)
+    seed_step = None if step is None else torch.tensor([step], dtype=torch.int64)
+    ops.fused_sgd_update_(
+        param,
+        grad,
+        lr=1.0,
+        stochastic_rounding=True,
+        seed=seed,
+        seed_step=seed_step,
+        backend=backend,
+    )
     return param
 
 
@@ -106,9 +116,28 @@ def test_stochastic_rounding_reproducible(backend):
 
 
 def test_stochastic_rounding_same_bits_on_every_backend():
-    outs = [_sr_step(name, 4099, seed=99) for name in ("torch", "cpp", "triton")]
-    for out in outs[1:]:
-        assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+    for step in (None, 0, 12345, 2**40 + 3):
+        outs = [_sr_step(name, 4099, seed=99, step=step) for name in ("torch", "cpp", "triton")]
+        for out in outs[1:]:
+            assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+
+
+def test_stochastic_rounding_seed_step_streams(backend):
+    # A fixed seed with a per-step tensor: reproducible, a new stream each step, and the
+    # stream of the seed whose high half is XORed with the step (0: the seed alone).
+    a = _sr_step(backend, 4097, seed=7, step=3)
+    assert torch.equal(a, _sr_step(backend, 4097, seed=7, step=3))
+    assert not torch.equal(a, _sr_step(backend, 4097, seed=7, step=4))
+    assert not torch.equal(a, _sr_step(backend, 4097, seed=8, step=3))
+    assert torch.equal(a, _sr_step(backend, 4097, seed=7 ^ (3 << 32)))
+    assert torch.equal(_sr_step(backend, 4097, seed=7, step=0), _sr_step(backend, 4097, seed=7))
+
+
+def test_stochastic_rounding_unbiased_over_steps(backend):
+    # The same elements across many steps of one seed: unbiased, as over seeds.
+    draws = torch.stack([_sr_step(backend, 8, seed=5, step=s) for s in range(400)]).double()
+    p_up = (draws > 1.0).double().mean().item()
+    assert abs(p_up - 0.3) <= 5 * math.sqrt(0.3 * 0.7 / draws.numel())
 
 
 def test_stochastic_rounding_keeps_exact_values_and_specials(backend):

@@ -26,10 +26,11 @@ def _grad_args() -> tuple:
     return (_scalar(0.5), 2.0, _scalar(0.9))
 
 
-def _sgd_cases(backend: str) -> list[tuple]:
+def _sgd_update_args(backend: str, seed_step: torch.Tensor | None) -> tuple:
+    """Stochastic rounding, every option active; `seed_step`: the per-step seed tensor."""
     param = torch.randn(4103, dtype=torch.bfloat16)
     grad = torch.randn(4103, dtype=torch.float16)
-    update = (
+    return (
         param,
         grad,
         _scalar(0.05),
@@ -39,10 +40,18 @@ def _sgd_cases(backend: str) -> list[tuple]:
         None,
         True,
         7,
+        seed_step,
         backend,
     )
+
+
+def _sgd_cases(backend: str) -> list[tuple]:
     sumsq = (torch.randn(100, dtype=torch.bfloat16), _scalar(0.5), torch.zeros(1), torch.zeros(1))
-    return [(OPS.sgd_update_, update), (OPS.grad_sumsq_, (*sumsq, backend))]
+    return [
+        (OPS.sgd_update_, _sgd_update_args(backend, None)),
+        (OPS.sgd_update_, _sgd_update_args(backend, torch.tensor([123456789], dtype=torch.int64))),
+        (OPS.grad_sumsq_, (*sumsq, backend)),
+    ]
 
 
 def _adalomo_cases(backend: str) -> list[tuple]:
@@ -80,7 +89,7 @@ def _adalomo_cases(backend: str) -> list[tuple]:
 CASES = [
     pytest.param(family, index, backend, id=f"{family}{index}-{backend}")
     for backend in BACKENDS
-    for family, count in (("sgd", 2), ("adalomo", 6))
+    for family, count in (("sgd", 3), ("adalomo", 6))
     for index in range(count)
 ]
 

@@ -85,6 +85,14 @@ BAD_CALLS = {
         "1-element",
     ),
     "meta grad": (lambda: (torch.zeros(4), torch.zeros(4, device="meta"), {}), "meta"),
+    "seed_step fp32": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"seed_step": torch.zeros(1)}),
+        "int64",
+    ),
+    "seed_step shape": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"seed_step": torch.zeros(2, dtype=torch.int64)}),
+        "1-element",
+    ),
 }
 
 

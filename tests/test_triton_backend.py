@@ -46,6 +46,7 @@ ARG_ORDER = (
     "skip_if",
     "stochastic_rounding",
     "seed",
+    "seed_step",
 )
 
 
@@ -60,6 +61,7 @@ def _options(**overrides: object) -> dict:
         skip_if=None,
         stochastic_rounding=False,
         seed=0,
+        seed_step=None,
     )
     options.update(overrides)
     return options
@@ -310,6 +312,22 @@ def test_stochastic_rounding_keys_cover_both_int32_halves() -> None:
     assert any(k >= 2**31 for k in keys) and any(k < 2**31 for k in keys)
 
 
+@pytest.mark.parametrize("n", [17, 4097])
+@pytest.mark.parametrize("step", [0, 5, 2**31 + 7, -3, 2**40 + 9])
+def test_stochastic_rounding_seed_step_from_device(n: int, step: int) -> None:
+    """The per-step value read by the kernel: the reference's bits, which are those of the
+    seed with the step's low 32 bits XORed into its high half."""
+    param, grad = _inputs(n, torch.bfloat16, torch.bfloat16, seed=6)
+    seed_step = torch.tensor([step], dtype=torch.int64)
+    ours, theirs, _, _ = _both(
+        param, grad, **FULL, stochastic_rounding=True, seed=2**33 + 11, seed_step=seed_step
+    )
+    assert torch.equal(_bits(ours), _bits(theirs))
+    folded = (2**33 + 11) ^ ((step & 0xFFFFFFFF) << 32)
+    expected, _, _, _ = _both(param, grad, **FULL, stochastic_rounding=True, seed=folded)
+    assert torch.equal(_bits(ours), _bits(expected))
+
+
 def test_stochastic_rounding_depends_on_seed() -> None:
     param, grad = _inputs(4097, torch.bfloat16, torch.bfloat16, seed=4)
     a, _, _, _ = _both(param, grad, lr=1e-3, stochastic_rounding=True, seed=1)
@@ -473,9 +491,9 @@ g[3] = float("inf")
 lr = torch.tensor([0.1])
 a, b, fa, fb = p.clone(), p.clone(), torch.zeros(1), torch.zeros(1)
 # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf, skip_if,
-#  stochastic_rounding, seed)
-triton_backend.sgd_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0)
-reference.sgd_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0)
+#  stochastic_rounding, seed, seed_step)
+triton_backend.sgd_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0, None)
+reference.sgd_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0, None)
 assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and fa.item() == fb.item() == 1
 s = torch.zeros(1)
 triton_backend.grad_sumsq_(g.nan_to_num(posinf=0.0), None, s, None)

@@ -83,10 +83,11 @@ except ImportError:
 if native_specialize_impl is not None:
     for kernel, (_, args) in [
         # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf,
-        #  skip_if, stochastic_rounding, seed)
+        #  skip_if, stochastic_rounding, seed, seed_step)
         (k.sgd_update_kernel, m.sgd_update_args(
             torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
-            torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7)),
+            torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7,
+            torch.zeros(1, dtype=torch.int64))),
         # (grad, inv_scale, sumsq, found_inf)
         (k.grad_sumsq_kernel, m.grad_sumsq_args(
             torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),

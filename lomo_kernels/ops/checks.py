@@ -39,16 +39,19 @@ def check_pair(param: torch.Tensor, grad: torch.Tensor) -> None:
         )
 
 
-def check_scalar_tensor(name: str, t: torch.Tensor | None, device: torch.device) -> None:
-    """Optional runtime scalars live in 1-element fp32 tensors on the parameter's device."""
+def check_scalar_tensor(
+    name: str, t: torch.Tensor | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> None:
+    """Optional runtime scalars live in 1-element tensors (fp32 unless said otherwise) on the
+    parameter's device."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"lomo_kernels: {name} must be a torch.Tensor or None, got {type(t)}")
-    if t.numel() != 1 or t.dtype != torch.float32:
+    if t.numel() != 1 or t.dtype != dtype:
         raise ValueError(
-            f"lomo_kernels: {name} must be a 1-element float32 tensor, "
-            f"got shape {tuple(t.shape)} dtype {t.dtype}"
+            f"lomo_kernels: {name} must be a 1-element {str(dtype).removeprefix('torch.')} "
+            f"tensor, got shape {tuple(t.shape)} dtype {t.dtype}"
         )
     if t.device != device:
         raise ValueError(

@@ -33,6 +33,7 @@ def _sgd_update_op(
     skip_if: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    seed_step: torch.Tensor | None,
     backend: str,
 ) -> None:
     sgd_reference.sgd_update_(
@@ -47,6 +48,7 @@ def _sgd_update_op(
         skip_if,
         stochastic_rounding,
         seed,
+        seed_step,
     )
 
 
@@ -80,6 +82,7 @@ def fused_sgd_update_(
     skip_if: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    seed_step: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Applies one LOMO step to `param` in place, reading `grad` and `param` once.
@@ -89,6 +92,11 @@ def fused_sgd_update_(
     ``g *= clip_coef``; ``param = param * (1 - lr * weight_decay) - lr * g``, written back in
     the parameter's dtype (bf16/fp16 round to nearest even, or stochastically for bf16 with
     ``stochastic_rounding=True``, reproducible from ``seed`` and the element index).
+
+    ``seed_step`` (optional, a 1-element int64 tensor on the parameter's device) is the
+    per-step part of the rounding seed, read by the kernel: its low 32 bits are XORed into
+    the high 32 bits of ``seed``. A training loop keeps ``seed`` fixed per parameter and
+    refreshes ``seed_step`` in place each step, so a compiled graph never depends on the step.
 
     ``found_inf`` (1-element fp32) is only ever raised to 1. When ``skip_if`` is given and
     non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
@@ -101,6 +109,7 @@ def fused_sgd_update_(
     check_finite("weight_decay", weight_decay)
     check_scalar_tensor("found_inf", found_inf, device)
     check_scalar_tensor("skip_if", skip_if, device)
+    check_scalar_tensor("seed_step", seed_step, device, dtype=torch.int64)
     if stochastic_rounding and param.dtype != torch.bfloat16:
         raise ValueError(
             f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
@@ -120,6 +129,7 @@ def fused_sgd_update_(
         found_inf if skip_if is None else skip_if,
         bool(stochastic_rounding),
         int(seed),
+        seed_step,
         requested_backend(backend),
     )
 

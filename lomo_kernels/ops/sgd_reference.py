@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from .._rounding import random_bits16, round_to_dtype, seed_key
+from .._rounding import random_bits16, round_to_dtype, rounding_key
 from .scalars import value_of
 
 
 def _write_back(
-    param: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, stochastic_rounding: bool, seed: int
+    param: torch.Tensor,
+    new: torch.Tensor,
+    keep: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
     """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
     flat = param.view(-1)
     random16 = None
     if stochastic_rounding and param.dtype == torch.bfloat16:
         index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
-        random16 = random_bits16(index, seed_key(seed))
+        random16 = random_bits16(index, rounding_key(seed, seed_step))
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
 
@@ -38,13 +43,15 @@ def sgd_update_(
     skip_if: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
     """One LOMO step on one contiguous parameter, in place.
 
     g = fp32(grad) * inv_scale; elements with non-finite g leave their parameter unchanged
     and set found_inf; g = clamp(g, -clip_value, clip_value); g *= clip_coef;
     p = p * (1 - lr * weight_decay) - lr * g, rounded back to param.dtype.
-    When skip_if is non-zero nothing is written at all.
+    When skip_if is non-zero nothing is written at all. Stochastic rounding draws its bits
+    from the key `_rounding.rounding_key(seed, seed_step)` and the element index.
     """
     lr_eff = value_of(lr)
     g = grad.reshape(-1).to(torch.float32)
@@ -60,7 +67,7 @@ def sgd_update_(
     keep = bad
     if skip_if is not None:
         keep = keep | (skip_if.reshape(-1)[0] != 0)
-    _write_back(param, new, keep, stochastic_rounding, seed)
+    _write_back(param, new, keep, stochastic_rounding, seed, seed_step)
     if found_inf is not None:
         flag = bad.any().to(found_inf.dtype)
         if skip_if is not None:

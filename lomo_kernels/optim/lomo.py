@@ -30,7 +30,8 @@ class Lomo(InBackwardOptimizer):
     loss; ``state_dict()`` carries the step count and the loss scaler.
 
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
-    of the write-back; seeded from ``seed``, the step and the parameter index),
+    of the write-back; seeded from ``seed``, the step and the parameter index, the step's
+    part kept in a device tensor so a compiled backward is not rebuilt each step),
     ``backend`` ('triton', 'cpp', 'torch' or None for automatic) and ``single_backward``.
 
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
@@ -79,6 +80,9 @@ class Lomo(InBackwardOptimizer):
         )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
+        # Per device: the per-step part of the rounding seed, refreshed in place each step
+        # and read by the kernels, so a compiled backward does not depend on the step.
+        self._seed_steps: dict[torch.device, torch.Tensor] = {}
         params = self.param_groups[0]["params"]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
@@ -87,6 +91,21 @@ class Lomo(InBackwardOptimizer):
 
     def _loss_scaler(self) -> DynamicLossScaler | None:
         return self.loss_scaler
+
+    @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
+    def _prepare_scalars(self) -> None:
+        super()._prepare_scalars()
+        if not self.stochastic_rounding:
+            return
+        # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps the
+        # stream of the 63-bit seed ``step_key << 32 | index``.
+        step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
+        for device in self._scalars:
+            seed_step = self._seed_steps.get(device)
+            if seed_step is None:
+                seed_step = torch.zeros(1, dtype=torch.int64, device=device)
+                self._seed_steps[device] = seed_step
+            seed_step.fill_(step_key)
 
     def _needs_detection_pass(self) -> bool:
         # fp16 overflows are common: find them before any parameter changes.
@@ -139,14 +158,14 @@ class Lomo(InBackwardOptimizer):
         """Updates `target` (the parameter, or its slice starting at flat `offset`);
         `clip_coef` replaces the step-wide coefficient (single_backward under sharding)."""
         use_sr = self.stochastic_rounding and target.dtype == torch.bfloat16
-        seed = 0
+        seed, seed_step = 0, None
         if use_sr:
-            # Distinct per (seed, step, parameter, slice); below 2**63 for the int64 schema.
-            step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
-            index = self._index_of[id(param)]
+            # The same every step: distinct per (parameter, slice). The step's part is the
+            # device tensor, XORed into the seed's high half by the kernel.
+            seed = self._index_of[id(param)]
             if offset:
-                index = mix32_int(index ^ mix32_int(offset))
-            seed = step_key << 32 | index
+                seed = mix32_int(seed ^ mix32_int(offset))
+            seed_step = self._seed_steps[target.device]
         torch.ops.lomo_kernels.sgd_update_(
             target,
             grad,
@@ -161,6 +180,7 @@ class Lomo(InBackwardOptimizer):
             skip_if,
             use_sr,
             seed,
+            seed_step,
             self._backend_name,
         )
 

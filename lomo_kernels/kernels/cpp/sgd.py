@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..._rounding import seed_key
+from ..._rounding import seed_parts
 from .extension import ExtensionLoader, device_type
 
 _loader = ExtensionLoader(
@@ -31,11 +31,15 @@ _module = _loader.module
 
 def sgd_update_(param: torch.Tensor, grad: torch.Tensor, *args: Any) -> None:
     """One fused LOMO step on one contiguous parameter, in place (arguments of
-    `sgd_reference.sgd_update_`; the extension takes the rounding key instead of the seed)."""
-    *options, stochastic_rounding, seed = args
+    `sgd_reference.sgd_update_`). The extension takes the host's share of the rounding key
+    (`seed_parts`: any int seed, also >= 2**63) and finishes it with seed_step's value."""
+    *options, stochastic_rounding, seed, seed_step = args
     # The key only matters where stochastic rounding applies; skip the hash otherwise.
-    key = seed_key(seed) if stochastic_rounding and param.dtype == torch.bfloat16 else 0
-    _module(device_type(param)).sgd_update_(param, grad, *options, stochastic_rounding, key)
+    stochastic = stochastic_rounding and param.dtype == torch.bfloat16
+    parts = seed_parts(seed) if stochastic else (0, 0)
+    _module(device_type(param)).sgd_update_(
+        param, grad, *options, stochastic, *parts, seed_step if stochastic else None
+    )
 
 
 def grad_sumsq_(grad: torch.Tensor, *args: Any) -> None:

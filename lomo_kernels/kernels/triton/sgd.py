@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..._rounding import seed_key
+from ..._rounding import seed_parts
 from .runtime import KIND, is_available, kernels, snapshot_skip_flag, storage, unavailable_reason
 
 # 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
@@ -30,6 +30,11 @@ def _grid(n_bulk: int) -> tuple[int]:
     return (max(1, -(-n_bulk // BLOCK)),)
 
 
+def _int32_bits(value: int) -> int:
+    """A uint32 passed as int32 bits: one kernel signature for every value."""
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
 def sgd_update_args(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -42,12 +47,13 @@ def sgd_update_args(
     skip_if: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    seed_step: torch.Tensor | None,
 ) -> tuple[tuple[int], dict[str, Any]]:
     """Grid and arguments, by kernel parameter name, of the update launch for these inputs."""
     n = param.numel()
     n_bulk = n - n % ALIGN
     stochastic = bool(stochastic_rounding) and param.dtype == torch.bfloat16
-    key = seed_key(seed) if stochastic else 0
+    seed_lo, seed_hi = seed_parts(seed) if stochastic else (0, 0)
     args = {
         "param_ptr": storage(param),
         "grad_ptr": storage(grad),
@@ -55,13 +61,14 @@ def sgd_update_args(
         "n": n,
         "weight_decay": float(weight_decay),
         "clip_value": 0.0 if clip_value is None else float(clip_value),
-        # The uint32 key passed as int32 bits: one signature for every seed.
-        "key": key - (1 << 32) if key >= (1 << 31) else key,
+        "seed_lo": _int32_bits(seed_lo),
+        "seed_hi": _int32_bits(seed_hi),
         "lr_ptr": lr,
         "inv_scale_ptr": inv_scale,
         "clip_coef_ptr": clip_coef,
         "found_inf_ptr": found_inf,
         "skip_if_ptr": snapshot_skip_flag(skip_if, found_inf),
+        "seed_step_ptr": seed_step if stochastic else None,
         "PARAM_KIND": KIND[param.dtype],
         "GRAD_KIND": KIND[grad.dtype],
         "HAS_CLIP_VALUE": clip_value is not None,
@@ -116,7 +123,12 @@ def grad_sumsq_(grad: torch.Tensor, *args: Any) -> None:
 
 # ----------------------------------------------------------------------------- ahead of time
 
-_TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.int16: "i16"}
+_TRITON_TYPE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.int16: "i16",
+    torch.int64: "i64",
+}
 
 
 def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -172,6 +184,7 @@ def aot_update(
         torch.zeros(1),
         stochastic_rounding,
         12345,
+        torch.zeros(1, dtype=torch.int64),
     )
     kernel = kernels("sgd_kernels").sgd_update_kernel
     return (kernel, *aot_signature(kernel, args))

@@ -49,6 +49,16 @@ def _mix32(x):
 
 
 @triton.jit
+def _seed_hi_with_step(seed_hi, seed_step_ptr):
+    """The salted high half of the seed XOR the low 32 bits of the per-step value, read from
+    device memory (`_rounding.seed_key`); `seed_step_ptr` None: no per-step value."""
+    hi = seed_hi.to(tl.uint32, bitcast=True)
+    if seed_step_ptr is not None:
+        hi ^= (tl.load(seed_step_ptr) & 0xFFFFFFFF).to(tl.uint32)
+    return hi
+
+
+@triton.jit
 def _to_fp32(raw, KIND: tl.constexpr):
     if KIND == _BF16:
         # bf16 bits are the top half of the fp32 bits: exact, no cast.
@@ -114,7 +124,7 @@ def _update_chunk(
     return tl.reduce((~finite).to(tl.int32), 0, _MAX)
 
 
-@triton.jit(do_not_specialize=["n", "key"])
+@triton.jit(do_not_specialize=["n", "seed_lo", "seed_hi"])
 def sgd_update_kernel(
     param_ptr,
     grad_ptr,
@@ -122,12 +132,14 @@ def sgd_update_kernel(
     n,
     weight_decay,
     clip_value,
-    key,
+    seed_lo,
+    seed_hi,
     lr_ptr,
     inv_scale_ptr,
     clip_coef_ptr,
     found_inf_ptr,
     skip_if_ptr,
+    seed_step_ptr,
     PARAM_KIND: tl.constexpr,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
@@ -137,8 +149,9 @@ def sgd_update_kernel(
     """p = p * (1 - lr * wd) - lr * clip(g * inv_scale) * clip_coef on one flat parameter.
 
     The runtime scalars are read from device memory. An `inv_scale_ptr`, `clip_coef_ptr`,
-    `found_inf_ptr` or `skip_if_ptr` that is None selects the code path without it (None
-    arguments are compile-time constants).
+    `found_inf_ptr`, `skip_if_ptr` or `seed_step_ptr` that is None selects the code path
+    without it (None arguments are compile-time constants). Stochastic rounding's key is
+    `seed_lo ^ mix32(seed_hi ^ step)` (`_rounding.seed_parts`), the step read here.
     """
     run = tl.load(skip_if_ptr) == 0 if skip_if_ptr is not None else True
     if run:
@@ -150,7 +163,9 @@ def sgd_update_kernel(
         clip_coef = 1.0
         if clip_coef_ptr is not None:
             clip_coef = tl.load(clip_coef_ptr)
-        ukey = key.to(tl.uint32, bitcast=True)
+        ukey = seed_lo.to(tl.uint32, bitcast=True)
+        if STOCHASTIC_ROUNDING:
+            ukey ^= _mix32(_seed_hi_with_step(seed_hi, seed_step_ptr))
 
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
