@@ -486,9 +486,9 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
         if len(shape) >= 2:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             reference.factored_stats_(
-                grad, param, workspace, found_inf, None, shape[-1], *grad_args, 1e-30
+                grad, param, workspace, found_inf, None, shape[-1], *grad_args[:2]
             )
-            reference.factored_moments_(row, col, workspace, beta2)
+            reference.factored_moments_(row, col, workspace, beta2, grad_args[2], 1e-30)
             reference.factored_norm_(grad, row, col, workspace, *grad_args)
             reference.factored_apply_(param, grad, row, col, workspace, *step_args, *grad_args)
         else:
@@ -631,9 +631,10 @@ types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64"}
 flags = {"GRAD_KIND": 2, "PARAM_KIND": 2, "HAS_CLIP_VALUE": True, "HAS_CLIP_COEF": True}
 grad_flags = {f: v for f, v in flags.items() if f != "PARAM_KIND"}
+stats_flags = {f: v for f, v in flags.items() if f != "HAS_CLIP_COEF"}  # the moments apply it
 tiles = {"BLOCK_M": 16, "BLOCK_N": 256}
 cases = [
-    (k.factored_stats_kernel, {**flags, **tiles}),
+    (k.factored_stats_kernel, {**stats_flags, **tiles}),
     (k.factored_moments_kernel, {"BLOCK": 1024}),
     (k.factored_norm_kernel, {**grad_flags, **tiles}),
     (k.factored_apply_kernel, {**flags, **tiles}),

@@ -20,6 +20,7 @@ import torch
 
 from ..ops.adalomo_reference import (
     CHUNK,
+    NUM_SLOTS,
     P_SUMSQ,
     U_SUMSQ,
     GradTransform,
@@ -199,7 +200,7 @@ def adalomo_slices_(
         local = step.shard.local
         if not local.numel():
             continue
-        stats = torch.zeros(4, dtype=torch.float32, device=device)
+        stats = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
         stats[P_SUMSQ] = p_sumsqs[i]
         stats[U_SUMSQ] = u_sumsqs[i]
         scale, decay = step_scalars(
