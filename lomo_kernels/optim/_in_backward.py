@@ -290,11 +290,23 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return
         group = self._hook_groups[self._group_of[id(param)]]
         if self._single_step:
-            skip_if = self._single.prepare(
-                grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
-            )
+            self._update_single(param, grad, group, scalars)
         else:
-            skip_if = self._skip_if(scalars)
+            self._update(param, grad, group, scalars, self._skip_if(scalars))
+
+    def _update_single(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+    ) -> None:
+        """single_backward: measures the gradient (its coefficient into `scalars.clip_coef`,
+        its non-finite flag as the skip), then updates. Subclasses whose update measures the
+        gradient itself override this (AdaLomo)."""
+        skip_if = self._single.prepare(
+            grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
+        )
         self._update(param, grad, group, scalars, skip_if)
 
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,6 +123,40 @@ class AdaLomo(InBackwardOptimizer):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
     ) -> None:
+        self._step_tensor(param, grad, group, scalars, skip_if)
+
+    def _update_single(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+    ) -> None:
+        if param.dim() < 2 or not grad.numel():
+            super()._update_single(param, grad, group, scalars)
+            return
+        # Factored: pass A measures the gradient's sum of squares and non-finite flag, the
+        # coefficient is computed from them before the moments read it, and a non-finite
+        # gradient skips the tensor through the workspace's SKIP slot. No separate read.
+        single, coef = self._single, scalars.clip_coef
+        self._step_tensor(
+            param,
+            grad,
+            group,
+            scalars,
+            skip_if=None,
+            on_grad_sumsq=lambda measured: single.prepare_measured(measured, coef),
+        )
+
+    def _step_tensor(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor | None,
+        on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         group_index = self._group_of[id(param)]
         adalomo_update_(
             param,
@@ -138,6 +173,7 @@ class AdaLomo(InBackwardOptimizer):
             found_inf=scalars.update_found_inf,
             skip_if=skip_if,
             backend=self.backend,
+            on_grad_sumsq=on_grad_sumsq,
         )
 
     def _update_shards(
