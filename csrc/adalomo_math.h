@@ -76,9 +76,8 @@ LOMO_HD LOMO_INLINE StepScalars step_scalars(const float* stats, float numel, fl
 // coef * (coef * m), since coef is small only when the sums are large and coef*coef alone
 // could underflow; coef == 0 gives 0 even for an overflowed (inf) sum.
 LOMO_HD LOMO_INLINE float mean_u(float sum_g2, float count, float coef, float eps0) {
-  const float m = sum_g2 / count;
-  const float scaled = coef == 0.0f ? 0.0f : lomo::mul_rn(coef, lomo::mul_rn(coef, m));
-  return scaled + eps0;
+  const float m = coef == 0.0f ? 0.0f : sum_g2 / count;
+  return lomo::mul_rn(coef, lomo::mul_rn(coef, m)) + eps0;
 }
 
 // v_new = b * v + (g*g + eps0) * (1 - b), without contraction (matches the reference).

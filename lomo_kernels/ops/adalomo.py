@@ -302,7 +302,9 @@ def adalomo_update_(
     ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``; 1-D: ``v = beta2*v + (1-beta2)*u``,
     ``update = g * rsqrt(v)``. Then ``update /= max(1, rms(update) / clip_threshold)``,
     ``lr_t = lr * max(eps[1], rms(param))``, ``param = param*(1 - lr_t*wd) - lr_t*update``,
-    written back in the parameter's dtype (round to nearest even).
+    written back in the parameter's dtype (round to nearest even). Factored tensors form
+    ``mean u`` as ``clip_coef * (clip_coef * mean(g0*g0)) + eps[0]`` from the sums of
+    ``g0 = g / clip_coef`` (the same value up to rounding; see `adalomo_reference`).
 
     `state` is filled by `init_adalomo_state` when empty. If any ``grad * inv_scale`` is
     inf/nan, the parameter and its moments keep their exact bits and ``found_inf`` (1-element
@@ -412,7 +414,7 @@ def adalomo_factored_stats_(
     coefficient: `adalomo_factored_moments_` applies it), adds the row sums and column sums
     of ``g*g``, ``sum(h^2)`` (G_SUMSQ, as `grad_sumsq_` measures it) and ``sum(param^2)``
     into `workspace`; a non-finite h sets its SKIP slot and raises `found_inf`. With
-    ``skip_if`` non-zero it only sets SKIP.
+    ``skip_if`` non-zero it sets SKIP and raises nothing (the sums are then not used).
     """
     check_pair(param, grad)
     _check_factored(param, None, None, workspace)

@@ -170,7 +170,7 @@ def mean_u(acc: torch.Tensor, count: int, coef: torch.Tensor | None, eps0: float
     """
     m = acc / count
     if coef is not None:
-        m = torch.where(coef == 0, torch.zeros_like(m), coef * (coef * m))
+        m = coef * (coef * torch.where(coef == 0, torch.zeros_like(m), m))
     return m + eps0
 
 

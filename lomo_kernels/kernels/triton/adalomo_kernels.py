@@ -119,8 +119,8 @@ def _grad(
 def _mean_u(acc, count, coef, eps0):
     """Mean of u = (coef*g)^2 + eps0 from the sum `acc` of g^2 over `count` elements:
     coef * (coef * mean) (coef*coef alone could underflow), 0 when coef is 0."""
-    m = acc / count
-    return tl.where(coef == 0, 0.0, coef * (coef * m)) + eps0
+    m = tl.where(coef == 0, 0.0, acc / count)
+    return coef * (coef * m) + eps0
 
 
 @triton.jit
