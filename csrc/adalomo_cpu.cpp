@@ -126,15 +126,36 @@ Blocks make_blocks(int64_t rows, int64_t cols) {
   return b;
 }
 
-// ----------------------------------------------------------------------------- factored
-
-// Per block of pass A: row sums (per row) and column sums (per column) of g^2, and the
-// block's sums of h^2 and p^2. h is squared in double, as grad_sumsq_ measures it.
-struct StatsPart {
-  double g_sum = 0.0, p_sum = 0.0;
+// One block's share of a stats pass: a sum of squares (of h in pass A, of the update in pass
+// A1), the sum of p^2 and the non-finite flag.
+struct Partial {
+  double sumsq = 0.0, p_sumsq = 0.0;
   uint32_t bad = 0;
 };
 
+// Adds the blocks' sums, in block order (so the result does not depend on the threads), to
+// the workspace slot `slot` and P_SUMSQ; a non-finite gradient marks the tensor skipped and
+// raises found_inf.
+void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
+                  const OptTensor& found_inf) {
+  Partial total;
+  for (const Partial& part : parts) {
+    total.sumsq += part.sumsq;
+    total.p_sumsq += part.p_sumsq;
+    total.bad |= part.bad;
+  }
+  add_to(stats + slot, total.sumsq);
+  add_to(stats + adalomo::kPSumsq, total.p_sumsq);
+  if (total.bad != 0) {
+    stats[adalomo::kSkip] = 1.0f;
+    raise_found_inf(found_inf);
+  }
+}
+
+// ----------------------------------------------------------------------------- factored
+
+// One element of pass A into its row, column, h^2 and p^2 accumulators. h is squared in
+// double, as grad_sumsq_ measures it; g = clamp(h) in fp32, as the reference.
 template <class P, class G>
 void stats_element(const typename G::T& grad, const typename P::T& param,
                    const adalomo::GradScalars& s, double& row, double& col, double& g_acc,
@@ -151,11 +172,13 @@ void stats_element(const typename G::T& grad, const typename P::T& param,
   any_bad |= b;
 }
 
+// Pass A over one block: row sums (per row) and column sums (per column) of g^2, and the
+// block's sums of h^2 and p^2.
 template <class P, class G>
 void stats_block(const typename G::T* grad, const typename P::T* param, int64_t cols,
                  int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                  const adalomo::GradScalars& s, double* row_part, double* col_part,
-                 StatsPart& part) {
+                 Partial& part) {
   double g_acc[kLanes] = {}, p_acc[kLanes] = {};
   uint32_t any_bad = 0;
   for (int64_t i = r0; i < r1; ++i) {
@@ -178,8 +201,8 @@ void stats_block(const typename G::T* grad, const typename P::T* param, int64_t 
     row_part[i] = total;
   }
   for (int l = 0; l < kLanes; ++l) {
-    part.g_sum += g_acc[l];
-    part.p_sum += p_acc[l];
+    part.sumsq += g_acc[l];
+    part.p_sumsq += p_acc[l];
   }
   part.bad |= any_bad;
 }
@@ -207,7 +230,7 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   // Partials: row sums per column block, column sums per row block, h^2 and p^2 per block.
   std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
   std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
-  std::vector<StatsPart> parts(static_cast<size_t>(n_blocks));
+  std::vector<Partial> parts(static_cast<size_t>(n_blocks));
   dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
     using P = decltype(p_tag);
     dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
@@ -239,18 +262,7 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
       add_to(ws + k, total);
     }
   });
-  StatsPart total;
-  for (const StatsPart& part : parts) {
-    total.g_sum += part.g_sum;
-    total.p_sum += part.p_sum;
-    total.bad |= part.bad;
-  }
-  add_to(stats + adalomo::kGSumsq, total.g_sum);
-  add_to(stats + adalomo::kPSumsq, total.p_sum);
-  if (total.bad != 0) {
-    stats[adalomo::kSkip] = 1.0f;
-    raise_found_inf(found_inf);
-  }
+  commit_parts(parts, stats, adalomo::kGSumsq, found_inf);
 }
 
 void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
@@ -409,16 +421,10 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
 
 // ----------------------------------------------------------------------------- 1-D
 
-struct VectorPartial {
-  double u_sumsq = 0.0, p_sumsq = 0.0;
-  uint32_t bad = 0;
-};
-
 template <class P, class G>
-VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* param,
-                                const float* v, int64_t begin, int64_t end,
-                                const adalomo::GradScalars& s, float b, float omb,
-                                float eps0) {
+Partial vector_stats_span(const typename G::T* grad, const typename P::T* param,
+                          const float* v, int64_t begin, int64_t end,
+                          const adalomo::GradScalars& s, float b, float omb, float eps0) {
   double u_acc[kLanes] = {}, p_acc[kLanes] = {};
   uint32_t any_bad = 0;
   for (int64_t k = begin; k < end; ++k) {
@@ -431,9 +437,9 @@ VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* 
     p_acc[k % kLanes] += p * p;
     any_bad |= bad;
   }
-  VectorPartial out;
+  Partial out;
   for (int l = 0; l < kLanes; ++l) {
-    out.u_sumsq += u_acc[l];
+    out.sumsq += u_acc[l];
     out.p_sumsq += p_acc[l];
   }
   out.bad = any_bad;
@@ -460,7 +466,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   const float eps = static_cast<float>(eps0);
   const float* v = exp_avg_sq.const_data_ptr<float>();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<VectorPartial> partial(static_cast<size_t>(chunks));
+  std::vector<Partial> partial(static_cast<size_t>(chunks));
   dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
     using P = decltype(p_tag);
     dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
@@ -475,18 +481,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
       });
     });
   });
-  VectorPartial total;
-  for (const VectorPartial& part : partial) {
-    total.u_sumsq += part.u_sumsq;
-    total.p_sumsq += part.p_sumsq;
-    total.bad |= part.bad;
-  }
-  add_to(stats + adalomo::kUSumsq, total.u_sumsq);
-  add_to(stats + adalomo::kPSumsq, total.p_sumsq);
-  if (total.bad != 0) {
-    stats[adalomo::kSkip] = 1.0f;
-    raise_found_inf(found_inf);
-  }
+  commit_parts(partial, stats, adalomo::kUSumsq, found_inf);
 }
 
 template <class P, class G>

@@ -14,7 +14,6 @@ from tiny_models import batch, clone, tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.optim._in_backward import InBackwardOptimizer
 from lomo_kernels.optim.single_pass import SinglePassClip
 
 MAX_NORM = 0.5
@@ -267,8 +266,8 @@ class GradSumsqRoute(AdaLomo):
     """AdaLomo measuring every gradient with grad_sumsq_ before its update (`prepare` and
     skip_if), as 1-D tensors are: an independent measurement of the same S_i."""
 
-    def _update_single(self, param, grad, group, scalars):
-        InBackwardOptimizer._update_single(self, param, grad, group, scalars)
+    def _update_measures(self, param, grad):
+        return False
 
 
 def record_measurements(opt) -> list[torch.Tensor]:

@@ -115,40 +115,12 @@ class AdaLomo(InBackwardOptimizer):
     def _needs_detection_pass(self) -> bool:
         return self._fp16 or self.clip_grad_norm is not None
 
+    def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        # Factored: pass A measures the gradient's sum of squares and non-finite flag (no
+        # separate read), and a non-finite gradient skips the tensor through its SKIP slot.
+        return param.dim() >= 2 and grad.numel() > 0
+
     def _update(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-    ) -> None:
-        self._step_tensor(param, grad, group, scalars, skip_if)
-
-    def _update_single(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-    ) -> None:
-        if param.dim() < 2 or not grad.numel():
-            super()._update_single(param, grad, group, scalars)
-            return
-        # Factored: pass A measures the gradient's sum of squares and non-finite flag, the
-        # coefficient is computed from them before the moments read it, and a non-finite
-        # gradient skips the tensor through the workspace's SKIP slot. No separate read.
-        single, coef = self._single, scalars.clip_coef
-        self._step_tensor(
-            param,
-            grad,
-            group,
-            scalars,
-            skip_if=None,
-            on_grad_sumsq=lambda measured: single.prepare_measured(measured, coef),
-        )
-
-    def _step_tensor(
         self,
         param: torch.Tensor,
         grad: torch.Tensor,
