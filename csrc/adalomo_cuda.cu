@@ -84,7 +84,7 @@ __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const flo
 // ----------------------------------------------------------------------------- factored
 
 // Pass A. g is clamped but not scaled by the clip coefficient (the moments kernel applies
-// it), so grad_args.clip_coef is not read; h = grad * inv_scale is also summed squared.
+// it), so grad_args.clip_coef is unused; h = grad * inv_scale is also summed squared.
 template <class P, class G>
 __global__ void __launch_bounds__(kThreads)
 factored_stats_kernel(const typename G::T* __restrict__ grad,

@@ -30,7 +30,7 @@ typedef struct {
   float weight_decay;
 } AdalomoStepArgs;
 
-// Pass A: reads inv_scale and the clip value of grad_args, not clip_coef (the moments
+// Pass A: uses inv_scale and the clip value of grad_args and ignores clip_coef (the moments
 // kernel applies it).
 int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
                                 int param_dtype, float* workspace, float* found_inf,

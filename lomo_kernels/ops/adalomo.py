@@ -303,8 +303,8 @@ def adalomo_update_(
     ``update = g * rsqrt(v)``. Then ``update /= max(1, rms(update) / clip_threshold)``,
     ``lr_t = lr * max(eps[1], rms(param))``, ``param = param*(1 - lr_t*wd) - lr_t*update``,
     written back in the parameter's dtype (round to nearest even). Factored tensors form
-    ``mean u`` as ``clip_coef * (clip_coef * mean(g0*g0)) + eps[0]`` from the sums of
-    ``g0 = g / clip_coef`` (the same value up to rounding; see `adalomo_reference`).
+    ``mean u`` as ``clip_coef * (clip_coef * mean(g0*g0)) + eps[0]``, g0 being g before the
+    coefficient (the same value up to rounding; see `adalomo_reference`).
 
     `state` is filled by `init_adalomo_state` when empty. If any ``grad * inv_scale`` is
     inf/nan, the parameter and its moments keep their exact bits and ``found_inf`` (1-element
