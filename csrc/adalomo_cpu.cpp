@@ -10,7 +10,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -127,14 +126,60 @@ Blocks make_blocks(int64_t rows, int64_t cols) {
   return b;
 }
 
+// One block's share of a stats pass: a sum of squares (of h in pass A, of the update in pass
+// A1), the sum of p^2 and the non-finite flag.
+struct Partial {
+  double sumsq = 0.0, p_sumsq = 0.0;
+  uint32_t bad = 0;
+};
+
+// Adds the blocks' sums, in block order (so the result does not depend on the threads), to
+// the workspace slot `slot` and P_SUMSQ; a non-finite gradient marks the tensor skipped and
+// raises found_inf.
+void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
+                  const OptTensor& found_inf) {
+  Partial total;
+  for (const Partial& part : parts) {
+    total.sumsq += part.sumsq;
+    total.p_sumsq += part.p_sumsq;
+    total.bad |= part.bad;
+  }
+  add_to(stats + slot, total.sumsq);
+  add_to(stats + adalomo::kPSumsq, total.p_sumsq);
+  if (total.bad != 0) {
+    stats[adalomo::kSkip] = 1.0f;
+    raise_found_inf(found_inf);
+  }
+}
+
 // ----------------------------------------------------------------------------- factored
 
+// One element of pass A into its row, column, h^2 and p^2 accumulators. h is squared in
+// double, as grad_sumsq_ measures it; g = clamp(h) in fp32, as the reference.
+template <class P, class G>
+void stats_element(const typename G::T& grad, const typename P::T& param,
+                   const adalomo::GradScalars& s, double& row, double& col, double& g_acc,
+                   double& p_acc, uint32_t& any_bad) {
+  uint32_t b;
+  const float h = adalomo::scaled_grad(G::load(grad), s, b);
+  const float g = adalomo::clamp_grad(h, s);
+  const double k = static_cast<double>(lomo::mul_rn(g, g));
+  row += k;
+  col += k;
+  g_acc += static_cast<double>(h) * static_cast<double>(h);
+  const double p = static_cast<double>(P::load(param));
+  p_acc += p * p;
+  any_bad |= b;
+}
+
+// Pass A over one block: row sums (per row) and column sums (per column) of g^2, and the
+// block's sums of h^2 and p^2.
 template <class P, class G>
 void stats_block(const typename G::T* grad, const typename P::T* param, int64_t cols,
                  int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                 const adalomo::GradScalars& s, float eps0, double* row_part,
-                 double* col_part, double& p_sum, uint32_t& bad) {
-  double p_acc[kLanes] = {};
+                 const adalomo::GradScalars& s, double* row_part, double* col_part,
+                 Partial& part) {
+  double g_acc[kLanes] = {}, p_acc[kLanes] = {};
   uint32_t any_bad = 0;
   for (int64_t i = r0; i < r1; ++i) {
     const typename G::T* g_row = grad + i * cols;
@@ -143,38 +188,28 @@ void stats_block(const typename G::T* grad, const typename P::T* param, int64_t 
     int64_t j = c0;
     for (; j + kLanes <= c1; j += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
-        uint32_t b;
-        const float g = adalomo::grad_g(G::load(g_row[j + l]), s, b);
-        const double u = static_cast<double>(lomo::mul_rn(g, g) + eps0);
-        r_acc[l] += u;
-        col_part[j + l - c0] += u;
-        const double p = static_cast<double>(P::load(p_row[j + l]));
-        p_acc[l] += p * p;
-        any_bad |= b;
+        stats_element<P, G>(g_row[j + l], p_row[j + l], s, r_acc[l], col_part[j + l - c0],
+                            g_acc[l], p_acc[l], any_bad);
       }
     }
     for (int l = 0; j < c1; ++j, ++l) {
-      uint32_t b;
-      const float g = adalomo::grad_g(G::load(g_row[j]), s, b);
-      const double u = static_cast<double>(lomo::mul_rn(g, g) + eps0);
-      r_acc[l] += u;
-      col_part[j - c0] += u;
-      const double p = static_cast<double>(P::load(p_row[j]));
-      p_acc[l] += p * p;
-      any_bad |= b;
+      stats_element<P, G>(g_row[j], p_row[j], s, r_acc[l], col_part[j - c0], g_acc[l],
+                          p_acc[l], any_bad);
     }
     double total = 0.0;
     for (int l = 0; l < kLanes; ++l) total += r_acc[l];
     row_part[i] = total;
   }
-  for (int l = 0; l < kLanes; ++l) p_sum += p_acc[l];
-  bad |= any_bad;
+  for (int l = 0; l < kLanes; ++l) {
+    part.sumsq += g_acc[l];
+    part.p_sumsq += p_acc[l];
+  }
+  part.bad |= any_bad;
 }
 
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
-                     const OptTensor& inv_scale, std::optional<double> clip_value,
-                     const OptTensor& clip_coef, double eps0) {
+                     const OptTensor& inv_scale, std::optional<double> clip_value) {
   check_cpu(grad, "grad");
   check_cpu(param, "param");
   TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
@@ -183,20 +218,19 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   float* stats = workspace_stats(workspace);
   TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
               "lomo_kernels: workspace size does not match the parameter");
-  // Scalars are checked even when the step is skipped, as the CUDA binding does.
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
+  // Scalars are checked even when the step is skipped, as the CUDA binding does. No clip
+  // coefficient here: the moments pass applies it.
+  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, std::nullopt);
   if (skipped_on_entry(stats, skip_if)) {
     stats[adalomo::kSkip] = 1.0f;
     return;
   }
-  const float eps = static_cast<float>(eps0);
   const Blocks blocks = make_blocks(rows, cols);
   const int64_t n_blocks = blocks.row_blocks * blocks.col_blocks;
-  // Partials: row sums per column block, column sums per row block, p^2 per block.
+  // Partials: row sums per column block, column sums per row block, h^2 and p^2 per block.
   std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
   std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
-  std::vector<double> p_part(static_cast<size_t>(n_blocks), 0.0);
-  std::atomic<uint32_t> bad{0};
+  std::vector<Partial> parts(static_cast<size_t>(n_blocks));
   dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
     using P = decltype(p_tag);
     dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
@@ -208,10 +242,8 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
           const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
           const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
           const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
-          uint32_t local_bad = 0;
-          stats_block<P, G>(g, p, cols, r0, r1, c0, c1, s, eps, row_part.data() + cb * rows,
-                            col_part.data() + rb * cols + c0, p_part[b], local_bad);
-          if (local_bad != 0) bad.store(1, std::memory_order_relaxed);
+          stats_block<P, G>(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
+                            col_part.data() + rb * cols + c0, parts[b]);
         }
       });
     });
@@ -230,17 +262,12 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
       add_to(ws + k, total);
     }
   });
-  double p_total = 0.0;
-  for (double v : p_part) p_total += v;
-  add_to(stats + adalomo::kPSumsq, p_total);
-  if (bad.load(std::memory_order_relaxed) != 0) {
-    stats[adalomo::kSkip] = 1.0f;
-    raise_found_inf(found_inf);
-  }
+  commit_parts(parts, stats, adalomo::kGSumsq, found_inf);
 }
 
 void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
-                       at::Tensor workspace, const at::Tensor& beta2) {
+                       at::Tensor workspace, const at::Tensor& beta2,
+                       const OptTensor& clip_coef, double eps0) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
   check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
@@ -248,16 +275,19 @@ void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
   TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
               "lomo_kernels: workspace size does not match the moments");
   const auto [b, omb] = beta_pair(beta2);
+  const float coef = read_factor(clip_coef, "clip_coef");
   if (stats[adalomo::kSkip] != 0.0f) return;
+  const float eps = static_cast<float>(eps0);
   const float* ws = workspace.data_ptr<float>();
   float* R = exp_avg_sq_row.data_ptr<float>();
   float* C = exp_avg_sq_col.data_ptr<float>();
   const float fcols = static_cast<float>(cols), frows = static_cast<float>(rows);
   for (int64_t i = 0; i < rows; ++i) {
-    R[i] = lomo::mul_rn(R[i], b) + lomo::mul_rn(ws[i] / fcols, omb);
+    R[i] = lomo::mul_rn(R[i], b) + lomo::mul_rn(adalomo::mean_u(ws[i], fcols, coef, eps), omb);
   }
   for (int64_t j = 0; j < cols; ++j) {
-    C[j] = lomo::mul_rn(C[j], b) + lomo::mul_rn(ws[rows + j] / frows, omb);
+    C[j] = lomo::mul_rn(C[j], b) +
+           lomo::mul_rn(adalomo::mean_u(ws[rows + j], frows, coef, eps), omb);
   }
   double total = 0.0;
   for (int64_t i = 0; i < rows; ++i) total += R[i];
@@ -391,16 +421,10 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
 
 // ----------------------------------------------------------------------------- 1-D
 
-struct VectorPartial {
-  double u_sumsq = 0.0, p_sumsq = 0.0;
-  uint32_t bad = 0;
-};
-
 template <class P, class G>
-VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* param,
-                                const float* v, int64_t begin, int64_t end,
-                                const adalomo::GradScalars& s, float b, float omb,
-                                float eps0) {
+Partial vector_stats_span(const typename G::T* grad, const typename P::T* param,
+                          const float* v, int64_t begin, int64_t end,
+                          const adalomo::GradScalars& s, float b, float omb, float eps0) {
   double u_acc[kLanes] = {}, p_acc[kLanes] = {};
   uint32_t any_bad = 0;
   for (int64_t k = begin; k < end; ++k) {
@@ -413,9 +437,9 @@ VectorPartial vector_stats_span(const typename G::T* grad, const typename P::T* 
     p_acc[k % kLanes] += p * p;
     any_bad |= bad;
   }
-  VectorPartial out;
+  Partial out;
   for (int l = 0; l < kLanes; ++l) {
-    out.u_sumsq += u_acc[l];
+    out.sumsq += u_acc[l];
     out.p_sumsq += p_acc[l];
   }
   out.bad = any_bad;
@@ -442,7 +466,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   const float eps = static_cast<float>(eps0);
   const float* v = exp_avg_sq.const_data_ptr<float>();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<VectorPartial> partial(static_cast<size_t>(chunks));
+  std::vector<Partial> partial(static_cast<size_t>(chunks));
   dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
     using P = decltype(p_tag);
     dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
@@ -457,18 +481,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
       });
     });
   });
-  VectorPartial total;
-  for (const VectorPartial& part : partial) {
-    total.u_sumsq += part.u_sumsq;
-    total.p_sumsq += part.p_sumsq;
-    total.bad |= part.bad;
-  }
-  add_to(stats + adalomo::kUSumsq, total.u_sumsq);
-  add_to(stats + adalomo::kPSumsq, total.p_sumsq);
-  if (total.bad != 0) {
-    stats[adalomo::kSkip] = 1.0f;
-    raise_found_inf(found_inf);
-  }
+  commit_parts(partial, stats, adalomo::kUSumsq, found_inf);
 }
 
 template <class P, class G>
@@ -524,11 +537,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
   m.def("factored_stats_", &factored_stats_, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
         py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"),
-        py::arg("eps0"));
+        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"));
   m.def("factored_moments_", &factored_moments_, "AdaLomo row/column moments",
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("beta2"));
+        py::arg("beta2"), py::arg("clip_coef"), py::arg("eps0"));
   m.def("factored_norm_", &factored_norm_, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
         py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));

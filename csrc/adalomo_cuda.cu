@@ -83,12 +83,14 @@ __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const flo
 
 // ----------------------------------------------------------------------------- factored
 
+// Pass A. g is clamped but not scaled by the clip coefficient (the moments kernel applies
+// it), so grad_args.clip_coef is unused; h = grad * inv_scale is also summed squared.
 template <class P, class G>
 __global__ void __launch_bounds__(kThreads)
 factored_stats_kernel(const typename G::T* __restrict__ grad,
                       const typename P::T* __restrict__ param, float* __restrict__ ws,
                       float* found_inf, const float* skip_if, int64_t rows, int64_t cols,
-                      int64_t rows_per_block, AdalomoGradArgs grad_args, float eps0) {
+                      int64_t rows_per_block, AdalomoGradArgs grad_args) {
   float* stats = ws + rows + cols;
   if (!block_runs(stats, skip_if)) {
     if (threadIdx.x == 0) raise_to_one(stats + adalomo::kSkip);
@@ -100,7 +102,7 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
   const int64_t row1 = min(row0 + rows_per_block, rows);
   float col_acc[kColsPerLane] = {};
-  float p_acc = 0.0f;
+  float p_acc = 0.0f, h_acc = 0.0f;
   uint32_t bad = 0;
   for (int64_t i = row0 + warp; i < row1; i += kWarps) {
     const int64_t base = i * cols;
@@ -110,10 +112,12 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
       const int64_t j = col0 + lane + 32 * k;
       if (j < cols) {
         uint32_t b;
-        const float g = adalomo::grad_g(G::load(grad[base + j]), s, b);
-        const float u = __fmul_rn(g, g) + eps0;
-        row_acc += u;
-        col_acc[k] += u;
+        const float h = adalomo::scaled_grad(G::load(grad[base + j]), s, b);
+        const float g = adalomo::clamp_grad(h, s);
+        const float k2 = __fmul_rn(g, g);
+        row_acc += k2;
+        col_acc[k] += k2;
+        h_acc = fmaf(h, h, h_acc);  // as grad_sumsq_ on CUDA
         const float p = P::load(param[base + j]);
         p_acc += __fmul_rn(p, p);
         bad |= b;
@@ -131,9 +135,11 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
     for (int w = 0; w < kWarps; ++w) total += col_scratch[w][threadIdx.x];
     atomicAdd(ws + rows + col0 + threadIdx.x, total);
   }
+  const float h_total = block_sum(h_acc);
   const int any_bad = __syncthreads_or(bad != 0);
   if (threadIdx.x == 0) {
     atomicAdd(stats + adalomo::kPSumsq, p_total);
+    atomicAdd(stats + adalomo::kGSumsq, h_total);
     if (any_bad) {
       raise_to_one(stats + adalomo::kSkip);
       if (found_inf != nullptr) raise_to_one(found_inf);
@@ -143,21 +149,23 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
 
 __global__ void __launch_bounds__(kThreads)
 factored_moments_kernel(float* __restrict__ row_state, float* __restrict__ col_state,
-                        float* __restrict__ ws, int64_t rows, int64_t cols, const float* beta2) {
+                        float* __restrict__ ws, int64_t rows, int64_t cols, const float* beta2,
+                        const float* clip_coef, float eps0) {
   float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;  // final after pass A: uniform
   float b, one_minus_b;
   resolve_beta(beta2, b, one_minus_b);
+  const float coef = clip_coef != nullptr ? *clip_coef : 1.0f;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   float row_value = 0.0f;
   if (k < rows) {
-    row_value = __fmul_rn(row_state[k], b) +
-                __fmul_rn(ws[k] / static_cast<float>(cols), one_minus_b);
+    const float mean = adalomo::mean_u(ws[k], static_cast<float>(cols), coef, eps0);
+    row_value = __fmul_rn(row_state[k], b) + __fmul_rn(mean, one_minus_b);
     row_state[k] = row_value;
   } else if (k < rows + cols) {
     const int64_t j = k - rows;
-    col_state[j] = __fmul_rn(col_state[j], b) +
-                   __fmul_rn(ws[rows + j] / static_cast<float>(rows), one_minus_b);
+    const float mean = adalomo::mean_u(ws[rows + j], static_cast<float>(rows), coef, eps0);
+    col_state[j] = __fmul_rn(col_state[j], b) + __fmul_rn(mean, one_minus_b);
   }
   const float total = block_sum(row_value);
   if (threadIdx.x == 0 && static_cast<int64_t>(blockIdx.x) * kThreads < rows) {
@@ -395,7 +403,7 @@ extern "C" {
 int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
                                 int param_dtype, float* workspace, float* found_inf,
                                 const float* skip_if, int64_t rows, int64_t cols,
-                                AdalomoGradArgs grad_args, float eps0, cudaStream_t stream) {
+                                AdalomoGradArgs grad_args, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
   const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
@@ -403,19 +411,20 @@ int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* pa
     using G = decltype(g_tag);
     factored_stats_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
-        workspace, found_inf, skip_if, rows, cols, g.rows_per_block, grad_args, eps0);
+        workspace, found_inf, skip_if, rows, cols, g.rows_per_block, grad_args);
   });
   return launch_status(ok);
 }
 
 int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
                                   float* workspace, int64_t rows, int64_t cols,
-                                  const float* beta2, cudaStream_t stream) {
+                                  const float* beta2, const float* clip_coef, float eps0,
+                                  cudaStream_t stream) {
   if (beta2 == nullptr) return kMissingScalar;
   if (rows <= 0 || cols <= 0) return 0;
   const unsigned blocks = static_cast<unsigned>((rows + cols + kThreads - 1) / kThreads);
-  factored_moments_kernel<<<blocks, kThreads, 0, stream>>>(exp_avg_sq_row, exp_avg_sq_col,
-                                                           workspace, rows, cols, beta2);
+  factored_moments_kernel<<<blocks, kThreads, 0, stream>>>(
+      exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, beta2, clip_coef, eps0);
   return launch_status(true);
 }
 

@@ -30,14 +30,18 @@ typedef struct {
   float weight_decay;
 } AdalomoStepArgs;
 
+// Pass A: uses inv_scale and the clip value of grad_args and ignores clip_coef (the moments
+// kernel applies it).
 int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
                                 int param_dtype, float* workspace, float* found_inf,
                                 const float* skip_if, int64_t rows, int64_t cols,
-                                AdalomoGradArgs grad_args, float eps0, cudaStream_t stream);
+                                AdalomoGradArgs grad_args, cudaStream_t stream);
 
+// clip_coef: NULL for 1.
 int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
                                   float* workspace, int64_t rows, int64_t cols,
-                                  const float* beta2, cudaStream_t stream);
+                                  const float* beta2, const float* clip_coef, float eps0,
+                                  cudaStream_t stream);
 
 int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
                                const float* exp_avg_sq_col, float* workspace, int64_t rows,

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "adalomo_cuda.h"
+#include "adalomo_math.h"
 
 namespace {
 
@@ -80,34 +81,34 @@ void check_launch(int status) {
 
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
-                     const OptTensor& inv_scale, std::optional<double> clip_value,
-                     const OptTensor& clip_coef, double eps0) {
+                     const OptTensor& inv_scale, std::optional<double> clip_value) {
   check_cuda(grad, "grad");
   check_cuda(param, "param");
   TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
               "lomo_kernels: bad factored shape");
   const int64_t rows = grad.numel() / cols;
-  stats_check(workspace, rows + cols + 4);
+  stats_check(workspace, rows + cols + adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
       dtype_code(param, "param"), ptr(workspace), opt_ptr(found_inf, param, "found_inf"),
       opt_ptr(skip_if, param, "skip_if"), rows, cols,
-      grad_args(param, inv_scale, clip_value, clip_coef), static_cast<float>(eps0),
-      c10::cuda::getCurrentCUDAStream()));
+      grad_args(param, inv_scale, clip_value, std::nullopt), c10::cuda::getCurrentCUDAStream()));
 }
 
 void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
-                       at::Tensor workspace, const at::Tensor& beta2) {
+                       at::Tensor workspace, const at::Tensor& beta2,
+                       const OptTensor& clip_coef, double eps0) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cuda(exp_avg_sq_row, "exp_avg_sq_row");
   check_cuda(exp_avg_sq_col, "exp_avg_sq_col");
-  stats_check(workspace, rows + cols + 4);
+  stats_check(workspace, rows + cols + adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(workspace.device());
   // No parameter here: the moments' device stands for it.
   check_launch(adalomo_cuda_factored_moments(
       ptr(exp_avg_sq_row), ptr(exp_avg_sq_col), ptr(workspace), rows, cols,
-      scalar_ptr(beta2, exp_avg_sq_row, "beta2"), c10::cuda::getCurrentCUDAStream()));
+      scalar_ptr(beta2, exp_avg_sq_row, "beta2"), opt_ptr(clip_coef, exp_avg_sq_row, "clip_coef"),
+      static_cast<float>(eps0), c10::cuda::getCurrentCUDAStream()));
 }
 
 void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
@@ -117,7 +118,7 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_cuda(grad, "grad");
   TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
-  stats_check(workspace, rows + cols + 4);
+  stats_check(workspace, rows + cols + adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(grad.device());
   check_launch(adalomo_cuda_factored_norm(
       grad.const_data_ptr(), dtype_code(grad, "grad"), ptr(exp_avg_sq_row),
@@ -135,7 +136,7 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   check_cuda(grad, "grad");
   TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
               "lomo_kernels: param/grad do not match the moments");
-  stats_check(workspace, rows + cols + 4);
+  stats_check(workspace, rows + cols + adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
@@ -155,7 +156,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   check_cuda(exp_avg_sq, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n && exp_avg_sq.numel() == n,
               "lomo_kernels: grad/state do not match param");
-  stats_check(workspace, 4);
+  stats_check(workspace, adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_vector_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
@@ -176,7 +177,7 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   check_cuda(exp_avg_sq, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n && exp_avg_sq.numel() == n,
               "lomo_kernels: grad/state do not match param");
-  stats_check(workspace, 4);
+  stats_check(workspace, adalomo::kNumSlots);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_vector_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
@@ -192,9 +193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CUDA kernels";
   m.def("factored_stats_", &factored_stats_, py::arg("grad"), py::arg("param"),
         py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"), py::arg("cols"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"), py::arg("eps0"));
+        py::arg("inv_scale"), py::arg("clip_value"));
   m.def("factored_moments_", &factored_moments_, py::arg("exp_avg_sq_row"),
-        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("beta2"));
+        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("beta2"), py::arg("clip_coef"),
+        py::arg("eps0"));
   m.def("factored_norm_", &factored_norm_, py::arg("grad"), py::arg("exp_avg_sq_row"),
         py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"));

@@ -11,7 +11,14 @@
 namespace adalomo {
 
 // Workspace slots after the row and column sums (lomo_kernels/ops/adalomo_workspace.py).
-enum Slot : int { kPSumsq = 0, kUSumsq = 1, kSkip = 2, kRSum = 3, kNumSlots = 4 };
+enum Slot : int {
+  kPSumsq = 0,
+  kUSumsq = 1,
+  kGSumsq = 2,
+  kSkip = 3,
+  kRSum = 4,
+  kNumSlots = 5
+};
 
 // Gradient scalars, each already read as fp32 (1 for an absent factor).
 struct GradScalars {
@@ -20,13 +27,22 @@ struct GradScalars {
   float coef;       // clip-by-norm coefficient; 1 when off
 };
 
+// h = grad * inv_scale; bad = 1 when h is inf/nan.
+LOMO_HD LOMO_INLINE float scaled_grad(float grad, const GradScalars& s, uint32_t& bad) {
+  const float h = lomo::mul_rn(grad, s.inv_scale);
+  bad = lomo::is_nonfinite(h);
+  return h;
+}
+
+// h clamped to [-clip, clip] (the clip coefficient not applied).
+LOMO_HD LOMO_INLINE float clamp_grad(float h, const GradScalars& s) {
+  h = h < -s.clip ? -s.clip : h;
+  return h > s.clip ? s.clip : h;
+}
+
 // The fp32 g of the math; bad = 1 when grad * inv_scale is inf/nan.
 LOMO_HD LOMO_INLINE float grad_g(float grad, const GradScalars& s, uint32_t& bad) {
-  float g = lomo::mul_rn(grad, s.inv_scale);
-  bad = lomo::is_nonfinite(g);
-  g = g < -s.clip ? -s.clip : g;
-  g = g > s.clip ? s.clip : g;
-  return lomo::mul_rn(g, s.coef);
+  return lomo::mul_rn(clamp_grad(scaled_grad(grad, s, bad), s), s.coef);
 }
 
 LOMO_HD LOMO_INLINE float rsqrt_f(float x) {
@@ -54,6 +70,14 @@ LOMO_HD LOMO_INLINE StepScalars step_scalars(const float* stats, float numel, fl
   out.scale = lr_t / max_f(u_rms / clip_threshold, 1.0f);
   out.decay = lomo::sub_rn(1.0f, lomo::mul_rn(lr_t, weight_decay));
   return out;
+}
+
+// Mean of u = (coef*g)^2 + eps0 from the sum of g^2 over count elements (factored moments):
+// coef * (coef * m), since coef is small only when the sums are large and coef*coef alone
+// could underflow; coef == 0 gives 0 even for an overflowed (inf) sum.
+LOMO_HD LOMO_INLINE float mean_u(float sum_g2, float count, float coef, float eps0) {
+  const float m = coef == 0.0f ? 0.0f : sum_g2 / count;
+  return lomo::mul_rn(coef, lomo::mul_rn(coef, m)) + eps0;
 }
 
 // v_new = b * v + (g*g + eps0) * (1 - b), without contraction (matches the reference).

@@ -22,9 +22,20 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from lomo_kernels.ops import adalomo_reference as reference  # noqa: E402
 from lomo_kernels.ops import backends  # noqa: E402
 from lomo_kernels.ops.adalomo import (  # noqa: E402
+    adalomo_factored_moments_,
+    adalomo_factored_stats_,
     adalomo_update_,
     adalomo_workspace,
     init_adalomo_state,
+)
+from lomo_kernels.ops.adalomo_workspace import (  # noqa: E402
+    G_SUMSQ,
+    NUM_SLOTS,
+    P_SUMSQ,
+    R_SUM,
+    SKIP,
+    U_SUMSQ,
+    measured_view,
 )
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -279,6 +290,134 @@ def test_five_steps_match_official_adalomo(backend, shape, dtype):
         check_state(state, ref_state)
 
 
+# ----------------------------------------------------------------------------- pass A, moments
+
+# fp32 unit roundoff. Error bounds of the pass-A sums: each term is an fp32 square of an
+# exactly scaled value (inv_scale is a power of 2), relative error <= U; a sum of n
+# non-negative terms accumulated in fp32 in any order is within (n - 1) * U of the exact sum
+# (to first order), and the workspace add rounds once more: (n + 2) * U in all, whatever the
+# backend's order or its float64 partial sums.
+U = 2.0**-24
+FACTORED_SHAPES = [(1, 1), (3, 5), (17, 33), (2, 3, 7), (64, 4097), (1, 70000)]
+
+
+def pass_a_f64(grad, param, inv_scale, clip_value):
+    """(row sums, column sums of clamp(h)^2, sum h^2, sum p^2), h = grad * inv_scale; float64."""
+    cols = grad.shape[-1]
+    h = grad.double().reshape(-1, cols) * inv_scale
+    g = h if clip_value is None else h.clamp(-clip_value, clip_value)
+    p = param.double().reshape(-1, cols)
+    return (g * g).sum(1), (g * g).sum(0), (h * h).sum(), (p * p).sum()
+
+
+def assert_sums_close(out, ref, terms, what):
+    bound = (terms + 2) * U * ref.abs()
+    err = (out.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), f"{what}: error {err.max().item():.3g}, bound {bound}"
+
+
+def check_pass_a(backend, shape, dtype, options, device="cpu"):
+    """adalomo_factored_stats_ on `device` against the float64 sums."""
+    inv_scale, clip_value = options.get("inv_scale", 1.0), options.get("clip_value")
+    param = make_param(shape, dtype).to(device)
+    grad = make_grad(shape, dtype, 1, inv_scale).to(device)
+    workspace, found_inf = adalomo_workspace(param), torch.zeros(1, device=device)
+    adalomo_factored_stats_(
+        grad,
+        param,
+        workspace,
+        inv_scale=inv_scale,
+        clip_value=clip_value,
+        found_inf=found_inf,
+        backend=backend,
+    )
+    row_ref, col_ref, h_ref, p_ref = pass_a_f64(grad.cpu(), param.cpu(), inv_scale, clip_value)
+    rows, cols = row_ref.numel(), col_ref.numel()
+    ws = workspace.cpu()
+    stats = ws[rows + cols :]
+    assert_sums_close(ws[:rows], row_ref, cols, "row sums")
+    assert_sums_close(ws[rows : rows + cols], col_ref, rows, "column sums")
+    assert_sums_close(stats[G_SUMSQ], h_ref, rows * cols, "G_SUMSQ")
+    assert_sums_close(stats[P_SUMSQ], p_ref, rows * cols, "P_SUMSQ")
+    assert stats[[U_SUMSQ, SKIP, R_SUM]].tolist() == [0.0, 0.0, 0.0]
+    assert found_inf.item() == 0.0
+    assert measured_view(workspace).tolist() == stats[[G_SUMSQ, SKIP]].tolist()
+    if clip_value is not None and rows * cols > 1:
+        # Clamping changes the sums by far more than the bound: a backend summing the
+        # clamped values into G_SUMSQ, or the unclamped ones into the rows, fails.
+        assert h_ref > 1.5 * row_ref.sum()
+
+
+@pytest.mark.parametrize("options", OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", FACTORED_SHAPES, ids=_shape_id)
+def test_pass_a_sums_match_float64(backend, shape, dtype, options):
+    check_pass_a(backend, shape, dtype, OPTIONS[options])
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_pass_a_non_finite_gradient_sets_the_measured_flag(backend, value):
+    param = make_param((17, 33), torch.bfloat16)
+    grad = make_grad((17, 33), torch.bfloat16, 1)
+    grad[16, 32] = value
+    workspace, found_inf = adalomo_workspace(param), torch.zeros(1)
+    adalomo_factored_stats_(grad, param, workspace, found_inf=found_inf, backend=backend)
+    assert measured_view(workspace)[1].item() == 1.0 and found_inf.item() == 1.0
+    # skip_if: the tensor is marked skipped, found_inf is not raised.
+    workspace, found_inf = adalomo_workspace(param), torch.zeros(1)
+    adalomo_factored_stats_(
+        grad, param, workspace, found_inf=found_inf, skip_if=torch.ones(1), backend=backend
+    )
+    assert measured_view(workspace)[1].item() == 1.0 and found_inf.item() == 0.0
+
+
+def moments_f64(state, sums, count, beta2, coef, eps0):
+    """b * state + (1 - b) * (c^2 * sums / count + eps0), float64 (c = 1 without one)."""
+    c = 1.0 if coef is None else coef
+    scaled = torch.zeros_like(sums) if c == 0 else c * c * sums / count
+    return beta2 * state.double() + (1 - beta2) * (scaled + eps0)
+
+
+def check_moments(backend, rows, cols, coef, device="cpu"):
+    """adalomo_factored_moments_ on `device` against the float64 model.
+
+    Every operand is non-negative, so the fp32 operations (sum/count, two products by c,
+    + eps0, two products by b and 1 - b, one add) carry at most 7 roundings: 8 U relative;
+    R_SUM adds a sum of `rows` non-negative terms: (rows + 8) U.
+    """
+    gen = torch.Generator().manual_seed(rows * cols)
+    row = torch.rand(rows, generator=gen) + 0.1
+    col = torch.rand(cols, generator=gen) + 0.1
+    workspace = torch.zeros(rows + cols + NUM_SLOTS)
+    workspace[: rows + cols] = torch.rand(rows + cols, generator=gen) * 100
+    if coef == 0.0:
+        workspace[0] = float("inf")  # an overflowed sum times a zero coefficient: no nan
+    beta2, eps0 = 0.75, 0.25  # a large eps0: applying it before the coefficient would show
+    row_ref = moments_f64(row, workspace[:rows].double(), cols, beta2, coef, eps0)
+    col_ref = moments_f64(col, workspace[rows : rows + cols].double(), rows, beta2, coef, eps0)
+    row, col, workspace = row.to(device), col.to(device), workspace.to(device)
+    adalomo_factored_moments_(
+        row,
+        col,
+        workspace,
+        beta2=torch.tensor([beta2], device=device),
+        clip_coef=None if coef is None else torch.tensor([coef], device=device),
+        eps0=eps0,
+        backend=backend,
+    )
+    for out, ref in ((row, row_ref), (col, col_ref)):
+        rel = ((out.cpu().double() - ref).abs() / ref).max().item()
+        assert rel <= 8 * U, rel
+    r_sum = workspace[rows + cols + R_SUM].item()
+    assert abs(r_sum - row_ref.sum().item()) <= (rows + 8) * U * row_ref.sum().item()
+
+
+@pytest.mark.parametrize("coef", [None, 0.37, 0.0], ids=["no_coef", "coef", "zero_coef"])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 5), (1000, 1030), (2051, 7)])
+def test_moments_apply_coefficient_and_eps0(backend, rows, cols, coef):
+    check_moments(backend, rows, cols, coef)
+
+
 # ----------------------------------------------------------------------------- overflow, skip
 
 
@@ -486,9 +625,9 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
         if len(shape) >= 2:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             reference.factored_stats_(
-                grad, param, workspace, found_inf, None, shape[-1], *grad_args, 1e-30
+                grad, param, workspace, found_inf, None, shape[-1], *grad_args[:2]
             )
-            reference.factored_moments_(row, col, workspace, beta2)
+            reference.factored_moments_(row, col, workspace, beta2, grad_args[2], 1e-30)
             reference.factored_norm_(grad, row, col, workspace, *grad_args)
             reference.factored_apply_(param, grad, row, col, workspace, *step_args, *grad_args)
         else:
@@ -618,10 +757,27 @@ def test_cuda_kernels_compile_with_nvcc(arch, tmp_path):
     assert "spill" not in result.stderr.lower(), result.stderr[-4000:]
 
 
-_AOT_SCRIPT = """
+_AOT_SCRIPT = r"""
+import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from lomo_kernels.kernels.triton import adalomo_kernels as k
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+def local_bytes(cubin):
+    # Local memory of the machine code (ptxas spills), when the tool is available.
+    if not os.path.exists(CUOBJDUMP):
+        return 0
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+    return max((int(x) for x in re.findall(r"LOCAL:(\d+)", usage)), default=0)
+
 
 types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "found_inf_ptr": "*fp32", "skip_if_ptr": "*fp32", "row_state_ptr": "*fp32",
@@ -631,10 +787,12 @@ types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64"}
 flags = {"GRAD_KIND": 2, "PARAM_KIND": 2, "HAS_CLIP_VALUE": True, "HAS_CLIP_COEF": True}
 grad_flags = {f: v for f, v in flags.items() if f != "PARAM_KIND"}
+stats_flags = {f: v for f, v in flags.items() if f != "HAS_CLIP_COEF"}  # the moments apply it
 tiles = {"BLOCK_M": 16, "BLOCK_N": 256}
 cases = [
-    (k.factored_stats_kernel, {**flags, **tiles}),
+    (k.factored_stats_kernel, {**stats_flags, **tiles}),
     (k.factored_moments_kernel, {"BLOCK": 1024}),
+    (k.factored_moments_kernel, {"BLOCK": 1024, "clip_coef_ptr": None}),  # no coefficient
     (k.factored_norm_kernel, {**grad_flags, **tiles}),
     (k.factored_apply_kernel, {**flags, **tiles}),
     (k.vector_stats_kernel, {**flags, "BLOCK": 4096}),
@@ -650,14 +808,17 @@ for kernel, constexprs in cases:
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8})
     assert ".entry" in compiled.asm["ptx"], kernel
+    # Nothing in local memory: neither in the PTX nor spilled by ptxas.
+    assert not re.search(r"\.local\b", compiled.asm["ptx"]), kernel
+    assert local_bytes(compiled.asm["cubin"]) == 0, kernel
 print("compiled", len(cases))
 """
 
 
 def test_triton_kernels_compile_for_sm90():
     """Ahead-of-time compilation for a GPU target (no GPU needed): catches code the
-    interpreter accepts but the compiler rejects. A fresh process, since this one decorated
-    the kernels for the interpreter."""
+    interpreter accepts but the compiler rejects, and local memory (register spills). A fresh
+    process, since this one decorated the kernels for the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _AOT_SCRIPT],
@@ -668,4 +829,4 @@ def test_triton_kernels_compile_for_sm90():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 6" in result.stdout
+    assert "compiled 7" in result.stdout

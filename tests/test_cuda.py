@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 from float64_reference import assert_within_ulp, lomo_update_f64
+from test_adalomo_ops import FACTORED_SHAPES, check_moments, check_pass_a
+from test_adalomo_ops import OPTIONS as ADALOMO_OPTIONS
 from test_lomo_safety import NoHostSync
 from test_update_op import LR, OPTIONS, bound_kwargs, make_inputs
 from tiny_models import batch, max_rel_diff, tiny_llama
@@ -94,6 +96,19 @@ def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step):
     assert torch.equal(p.cpu().view(torch.int16), expected.view(torch.int16))
 
 
+@pytest.mark.parametrize("options", ADALOMO_OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", FACTORED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adalomo_pass_a_matches_float64_on_cuda(cuda_backend, shape, dtype, options):
+    check_pass_a(cuda_backend, shape, dtype, ADALOMO_OPTIONS[options], device=DEVICE)
+
+
+@pytest.mark.parametrize("coef", [None, 0.37, 0.0], ids=["no_coef", "coef", "zero_coef"])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 5), (1000, 1030), (2051, 7)])
+def test_adalomo_moments_match_float64_on_cuda(cuda_backend, rows, cols, coef):
+    check_moments(cuda_backend, rows, cols, coef, device=DEVICE)
+
+
 def _cuda_batch(step: int) -> dict[str, torch.Tensor]:
     return {k: v.to(DEVICE) for k, v in batch(step).items()}
 
@@ -113,11 +128,13 @@ def test_lomo_fp32_equals_torch_sgd_on_cuda(cuda_backend):
     assert max_rel_diff(ours, ref) < 1e-4
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["exact", "single_backward"])
 @pytest.mark.parametrize("cls", [Lomo, AdaLomo], ids=["lomo", "adalomo"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_optimizers_train_on_cuda_without_host_sync(cls, dtype):
+def test_optimizers_train_on_cuda_without_host_sync(cls, dtype, single):
     model = tiny_llama(dtype).to(DEVICE)
-    opt = cls(model, lr=0.05 if cls is Lomo else 1e-2, clip_grad_norm=1.0)
+    lr = 0.05 if cls is Lomo else 1e-2
+    opt = cls(model, lr=lr, clip_grad_norm=1.0, single_backward=single)
     first = None
     for step in range(30):
         loss = model(**_cuda_batch(step % 2)).loss

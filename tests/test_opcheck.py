@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lomo_kernels.ops  # noqa: F401  (registers the ops)
+from lomo_kernels.ops.adalomo_workspace import NUM_SLOTS, P_SUMSQ, R_SUM, U_SUMSQ
 
 OPS = torch.ops.lomo_kernels
 BACKENDS = ["torch", "cpp", "triton"]
@@ -59,17 +60,18 @@ def _adalomo_cases(backend: str) -> list[tuple]:
     g2, p2 = torch.randn(rows, cols, dtype=torch.bfloat16), torch.randn(rows, cols)
     g1, p1 = torch.randn(n, dtype=torch.float16), torch.randn(n, dtype=torch.bfloat16)
     row, col, v = torch.rand(rows) + 0.5, torch.rand(cols) + 0.5, torch.rand(n) + 0.5
-    ws2, ws1 = torch.zeros(rows + cols + 4), torch.zeros(4)
-    ws2[-1] = row.sum()  # R_SUM, as the moments pass leaves it
-    ws1[:2] = torch.tensor([float(n), float(n)])  # P_SUMSQ, U_SUMSQ: rms 1
+    ws2, ws1 = torch.zeros(rows + cols + NUM_SLOTS), torch.zeros(NUM_SLOTS)
+    ws2[rows + cols + R_SUM] = row.sum()  # as the moments pass leaves it
+    ws1[P_SUMSQ], ws1[U_SUMSQ] = float(n), float(n)  # rms 1
     beta2, lr = _scalar(0.5), _scalar(0.1)
     grad_args = _grad_args()
+    inv_scale, clip_value, clip_coef = grad_args
     return [
         (
             OPS.adalomo_factored_stats_,
-            (g2, p2, ws2, torch.zeros(1), None, cols, *grad_args, 1e-30, backend),
+            (g2, p2, ws2, torch.zeros(1), None, cols, inv_scale, clip_value, backend),
         ),
-        (OPS.adalomo_factored_moments_, (row, col, ws2, beta2, backend)),
+        (OPS.adalomo_factored_moments_, (row, col, ws2, beta2, clip_coef, 1e-30, backend)),
         (OPS.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args, backend)),
         (
             OPS.adalomo_factored_apply_,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from sharded_checks import count_phases
+from test_adalomo_ops import check_param
 from test_lomo_safety import NoHostSync, poison, snapshot
 from tiny_models import batch, clone, tiny_llama
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lomo_kernels import AdaLomo, Lomo
 from lomo_kernels.optim.single_pass import SinglePassClip
@@ -252,3 +255,111 @@ def test_grad_norm_then_fused_backward_stays_exact():
         opt.grad_norm(loss)
         opt.fused_backward(loss)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------- AdaLomo pass A
+
+U = 2.0**-24  # fp32 unit roundoff
+
+
+class GradSumsqRoute(AdaLomo):
+    """AdaLomo measuring every gradient with grad_sumsq_ before its update (`prepare` and
+    skip_if), as 1-D tensors are: an independent measurement of the same S_i."""
+
+    def _update_measures(self, param, grad):
+        return False
+
+
+def record_measurements(opt) -> list[torch.Tensor]:
+    """[coefficient, skip flag, counted sum of squares] of each gradient, in arrival order."""
+    records: list[torch.Tensor] = []
+    account = opt._single._account
+
+    def recording(pair, sumsq, found, bad, clip_coef):
+        account(pair, sumsq, found, bad, clip_coef)
+        records.append(torch.cat([clip_coef, found, sumsq]).double())
+
+    opt._single._account = recording
+    return records
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_adalomo_factored_gradients_are_read_once_for_their_norm():
+    """single_backward: grad_sumsq_ runs for the 1-D tensors only; factored tensors are
+    measured by their pass A (one factored_stats_ each)."""
+    model = tiny_llama(torch.bfloat16)
+    opt = AdaLomo(model, lr=0.01, clip_grad_norm=1.0, single_backward=True)
+    recorder = RecordOps()
+    with recorder:
+        opt.fused_backward(model(**batch(0)).loss)
+    dims = [p.dim() for p in model.parameters()]
+    assert recorder.names.count("lomo_kernels.grad_sumsq_.default") == dims.count(1) > 0
+    stats = recorder.names.count("lomo_kernels.adalomo_factored_stats_.default")
+    assert stats == len(dims) - dims.count(1) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_adalomo_pass_a_route_equals_grad_sumsq_route(backend, dtype):
+    """Coefficients, skips, step norms and updates equal those of the grad_sumsq_ route.
+
+    Both optimizers start every step from the same parameters, moments and norm history, so
+    they differ only in how each tensor's sum of squares is measured. Either measurement is
+    within (n + 2) U of the exact sum for a tensor of n elements (fp32 squares summed in any
+    order, one final rounding), and S_i adds at most `count` such values, so S_i and then
+    sqrt(S_i), hence the coefficients and the norms, agree to (n_max + count + 4) U. Step 2
+    is a spike (coefficients differ from tensor to tensor, and from step 3 on the moments
+    keep part of it), step 3 has an inf in one factored gradient (the tensor is skipped and
+    not counted).
+    """
+    model = tiny_llama(dtype)
+    reference_model = clone(model)
+    counter = {"step": 0}
+    for m in (model, reference_model):
+        poison(m.model.layers[0].self_attn.q_proj.weight, {3}, counter)
+    target = model.model.layers[0].self_attn.q_proj.weight
+    kwargs = {"lr": 0.01, "clip_grad_norm": MAX_NORM, "weight_decay": 0.01, "backend": backend}
+    opt = AdaLomo(model, single_backward=True, **kwargs)
+    reference = GradSumsqRoute(reference_model, single_backward=True, **kwargs)
+    params = list(model.parameters())
+    count, n_max = len(params), max(p.numel() for p in params)
+    rel = (n_max + count + 4) * U
+    ours, theirs = record_measurements(opt), record_measurements(reference)
+    index = [id(p) for p in params].index(id(target))
+    for step in range(5):
+        counter["step"] = step
+        reference_model.load_state_dict(model.state_dict())
+        reference.load_state_dict(opt.state_dict())
+        before = snapshot(model)
+        ours.clear(), theirs.clear()
+        factor = 30.0 if step == 2 else 1.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # step 3 is partial: reported, expected
+            for m, o in ((model, opt), (reference_model, reference)):
+                o.fused_backward(m(**batch(step)).loss * factor)
+                o.flush_report()
+        assert len(ours) == len(theirs) == count
+        mine, ref = torch.stack(ours), torch.stack(theirs)
+        assert torch.equal(mine[:, 1], ref[:, 1])  # the same tensors skipped
+        assert mine[:, 1].sum().item() == (1.0 if step == 3 else 0.0)
+        torch.testing.assert_close(mine[:, 2], ref[:, 2], rtol=2 * rel, atol=0)
+        torch.testing.assert_close(mine[:, 0], ref[:, 0], rtol=rel, atol=0)
+        if step == 2:
+            assert mine[:, 0].max() > 1.5 * mine[:, 0].min()  # per-tensor coefficients
+        torch.testing.assert_close(opt.last_grad_norm, reference.last_grad_norm, rtol=rel, atol=0)
+        assert opt.last_step_partial == reference.last_step_partial == (step == 3)
+        for i, (p, b, q) in enumerate(
+            zip(params, before, reference_model.parameters(), strict=True)
+        ):
+            ref_p = q.detach().double().reshape(-1)
+            check_param(p.detach(), ref_p, b, (b.double().reshape(-1) - ref_p).abs(), dtype)
+            if step == 3 and i == index:
+                assert torch.equal(p, b)

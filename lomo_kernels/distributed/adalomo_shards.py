@@ -1,14 +1,16 @@
 """AdaLomo on slices of parameters: the statistics that span ranks, reduced across them.
 
 A rank owns a flat slice ``[offset, offset + n)`` of each parameter, which for a matrix
-[rows, cols] cuts across rows. AdaLomo needs, per parameter: the row and column means of
-``u = g*g + eps0`` (factored, >= 2 dims), ``sum(update^2)`` and ``sum(p^2)`` over the whole
-tensor, and whether any gradient element is non-finite. Each rank adds up its slice's share;
-per reduce-scatter bucket two small all-reduces (the row/column sums and flags, then the
-update sums, which need the new moments) give every rank the single-process totals, so the
-moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
-1-D moments v live with their slice. The math and its rounding are those of the reference
-passes (`ops.adalomo_reference`), in fp32 blocks of at most CHUNK elements.
+[rows, cols] cuts across rows. AdaLomo needs, per parameter: the row and column sums of
+``g*g`` before the clip coefficient (factored, >= 2 dims; the coefficient and eps0 are
+applied to the means, as by the reference's moments pass), ``sum(update^2)`` and
+``sum(p^2)`` over the whole tensor, and whether any gradient element is non-finite. Each
+rank adds up its slice's share; per reduce-scatter bucket two small all-reduces (the
+row/column sums and flags, then the update sums, which need the new moments) give every rank
+the single-process totals, so the moments R [rows] and C [cols], replicated on every rank,
+stay identical everywhere, and 1-D moments v live with their slice. The math and its
+rounding are those of the reference passes (`ops.adalomo_reference`), in fp32 blocks of at
+most CHUNK elements.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 
 from ..ops.adalomo_reference import (
     CHUNK,
+    NUM_SLOTS,
     P_SUMSQ,
     U_SUMSQ,
     GradTransform,
+    mean_u,
     step_scalars,
     store_rounded,
 )
@@ -113,7 +117,8 @@ def _update_piece(
 
 
 def _first_sums(step: SliceStep) -> torch.Tensor:
-    """This rank's share of [row sums, col sums] (factored) + [sum p^2, non-finite count]."""
+    """This rank's share of [row sums, col sums of clamp(h)^2] (factored) + [sum p^2,
+    non-finite count]."""
     device = step.grad.device
     tail = torch.zeros(2, dtype=torch.float64, device=device)
     rows = cols = 0
@@ -123,12 +128,13 @@ def _first_sums(step: SliceStep) -> torch.Tensor:
     sums = torch.zeros(rows + cols, dtype=torch.float64, device=device)
     grad, local = step.grad.reshape(-1), step.shard.local
     for span, row, nrows, col, width in _pieces(step):
-        g, finite = step.transform(grad[span])
+        h = step.transform.scaled(grad[span])
         p = local[span].to(torch.float32)
         tail[0] += (p * p).sum(dtype=torch.float64)
-        tail[1] += (~finite).sum(dtype=torch.float64)
+        tail[1] += (~torch.isfinite(h)).sum(dtype=torch.float64)
         if rows:
-            block = (g * g + step.eps[0]).view(nrows, width)
+            g = step.transform.clamped(h)
+            block = (g * g).view(nrows, width)
             sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
             sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
     return torch.cat([sums, tail])
@@ -163,8 +169,11 @@ def adalomo_slices_(
         if _factored(step):
             cols = step.shard.full_shape[-1]
             rows = step.shard.full_numel // cols
-            row_mean = (totals[at : at + rows] / cols).to(torch.float32)
-            col_mean = (totals[at + rows : at + rows + cols] / rows).to(torch.float32)
+            # As in the workspace: fp32 sums, the reference's means of u.
+            sums = totals[at : at + rows + cols].to(torch.float32)
+            coef, eps0 = step.transform.clip_coef, step.eps[0]
+            row_mean = mean_u(sums[:rows], cols, coef, eps0)
+            col_mean = mean_u(sums[rows:], rows, coef, eps0)
             at += rows + cols
         p_sumsq, bad = totals[at], totals[at + 1] > 0
         at += 2
@@ -199,7 +208,7 @@ def adalomo_slices_(
         local = step.shard.local
         if not local.numel():
             continue
-        stats = torch.zeros(4, dtype=torch.float32, device=device)
+        stats = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
         stats[P_SUMSQ] = p_sumsqs[i]
         stats[U_SUMSQ] = u_sumsqs[i]
         scale, decay = step_scalars(

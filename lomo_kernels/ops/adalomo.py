@@ -5,9 +5,11 @@ AdaLomo is Adafactor without a first moment (see `adalomo_update_` for the math)
 of one parameter runs as a few fused passes; each pass is one op, one kernel launch:
 
     >= 2 dims, viewed as [rows, cols = shape[-1]]:
-      adalomo_factored_stats_    pass A: reads grad + param; row/column sums of u = g*g + eps0,
-                                 sum p^2, non-finite flag
-      adalomo_factored_moments_  the row/column moments R, C (vectors) and sum(R)
+      adalomo_factored_stats_    pass A: reads grad + param; row/column sums of g^2 before
+                                 the clip coefficient, sum (grad*inv_scale)^2, sum p^2,
+                                 non-finite flag
+      adalomo_factored_moments_  the row/column moments R, C (vectors; the clip coefficient
+                                 and eps0 applied to the means) and sum(R)
       adalomo_factored_norm_     pass B: reads grad; sum of update^2
       adalomo_factored_apply_    pass C: reads grad + param, writes param
     1-D:
@@ -15,21 +17,25 @@ of one parameter runs as a few fused passes; each pass is one op, one kernel lau
       adalomo_vector_apply_      pass C1: reads grad, param, v; writes param and v
 
 Every pass accumulates into, or reads from, one zeroed fp32 workspace per parameter and step
-(`adalomo_workspace.py`). The public functions accept the runtime scalars (lr, beta2,
-inv_scale, clip_coef) as Python floats or 1-element fp32 device tensors and convert them once
-(`scalars.py`); the ops take tensors only, and nothing reads a device value on the host, so a
-step never synchronises. Kernels per device: `backends.py`.
+(`adalomo_workspace.py`). Because pass A measures the gradient's sum of squares before
+anything uses the clip coefficient, a caller may compute that coefficient from it between
+pass A and the moments (`adalomo_update_`'s ``on_grad_sumsq``). The public functions accept
+the runtime scalars (lr, beta2, inv_scale, clip_coef) as Python floats or 1-element fp32
+device tensors and convert them once (`scalars.py`); the ops take tensors only, and nothing
+reads a device value on the host, so a step never synchronises. Kernels per device: `backends.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import adalomo_reference as reference
-from .adalomo_workspace import NUM_SLOTS, workspace_numel
+from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
-from .scalars import Scalar, device_scalar, grad_transform
+from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 __all__ = [
     "adalomo_update_",
@@ -62,12 +68,10 @@ def _factored_stats_op(
     cols: int,
     inv_scale: Tensor | None,
     clip_value: float | None,
-    clip_coef: Tensor | None,
-    eps0: float,
     backend: str,
 ) -> None:
     reference.factored_stats_(
-        grad, param, workspace, found_inf, skip_if, cols, inv_scale, clip_value, clip_coef, eps0
+        grad, param, workspace, found_inf, skip_if, cols, inv_scale, clip_value
     )
 
 
@@ -76,9 +80,15 @@ def _factored_stats_op(
     mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"),
 )
 def _factored_moments_op(
-    exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, workspace: Tensor, beta2: Tensor, backend: str
+    exp_avg_sq_row: Tensor,
+    exp_avg_sq_col: Tensor,
+    workspace: Tensor,
+    beta2: Tensor,
+    clip_coef: Tensor | None,
+    eps0: float,
+    backend: str,
 ) -> None:
-    reference.factored_moments_(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2)
+    reference.factored_moments_(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2, clip_coef, eps0)
 
 
 @torch.library.custom_op("lomo_kernels::adalomo_factored_norm_", mutates_args=("workspace",))
@@ -282,6 +292,7 @@ def adalomo_update_(
     found_inf: torch.Tensor | None = None,
     skip_if: torch.Tensor | None = None,
     backend: str | None = None,
+    on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """One AdaLomo step of `param` in place, with its second moments in `state`.
 
@@ -291,7 +302,9 @@ def adalomo_update_(
     ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``; 1-D: ``v = beta2*v + (1-beta2)*u``,
     ``update = g * rsqrt(v)``. Then ``update /= max(1, rms(update) / clip_threshold)``,
     ``lr_t = lr * max(eps[1], rms(param))``, ``param = param*(1 - lr_t*wd) - lr_t*update``,
-    written back in the parameter's dtype (round to nearest even).
+    written back in the parameter's dtype (round to nearest even). Factored tensors form
+    ``mean u`` as ``clip_coef * (clip_coef * mean(g0*g0)) + eps[0]``, g0 being g before the
+    coefficient (the same value up to rounding; see `adalomo_reference`).
 
     `state` is filled by `init_adalomo_state` when empty. If any ``grad * inv_scale`` is
     inf/nan, the parameter and its moments keep their exact bits and ``found_inf`` (1-element
@@ -299,6 +312,11 @@ def adalomo_update_(
     `lr`, `beta2`, `inv_scale`, `clip_coef` may be 1-element fp32 device tensors; the step
     never synchronises with the host. Factored: 5 launches (zeroing the workspace, 3 passes
     over grad, 2 over param); 1-D: 3 launches.
+
+    ``on_grad_sumsq`` (tensors with >= 2 dims only): called after pass A, before anything
+    reads ``clip_coef``, with the workspace's 2-element view [sum((grad * inv_scale)^2),
+    non-finite flag]; it may write the value of a `clip_coef` tensor (single_backward
+    computes the coefficient from that very sum, see `optim.single_pass`).
     """
     check_pair(param, grad)
     device = param.device
@@ -329,10 +347,13 @@ def adalomo_update_(
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         _check_state("exp_avg_sq_row", row, rows, device)
         _check_state("exp_avg_sq_col", col, cols, device)
+        inv_t, clip_value_f, coef_t = ga
         ops.adalomo_factored_stats_(
-            grad, param, workspace, found_inf, skip_if, cols, *ga, eps0, name
+            grad, param, workspace, found_inf, skip_if, cols, inv_t, clip_value_f, name
         )
-        ops.adalomo_factored_moments_(row, col, workspace, beta2_t, name)
+        if on_grad_sumsq is not None:
+            on_grad_sumsq(measured_view(workspace))
+        ops.adalomo_factored_moments_(row, col, workspace, beta2_t, coef_t, eps0, name)
         ops.adalomo_factored_norm_(grad, row, col, workspace, *ga, name)
         ops.adalomo_factored_apply_(
             param, grad, row, col, workspace, lr_t, eps1, threshold, wd, *ga, name
@@ -381,26 +402,25 @@ def adalomo_factored_stats_(
     param: torch.Tensor,
     workspace: torch.Tensor,
     *,
-    eps0: float = 1e-30,
     inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
-    clip_coef: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
     skip_if: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Pass A of a >= 2-D parameter: one read of grad and param.
 
-    Adds the row sums and column sums of ``u = g*g + eps0`` and ``sum(param^2)`` into
-    `workspace`; a non-finite ``grad * inv_scale`` sets its SKIP slot and raises `found_inf`.
-    With ``skip_if`` non-zero it only sets SKIP.
+    With ``h = grad * inv_scale`` and ``g = clamp(h, -clip_value, clip_value)`` (no clip
+    coefficient: `adalomo_factored_moments_` applies it), adds the row sums and column sums
+    of ``g*g``, ``sum(h^2)`` (G_SUMSQ, as `grad_sumsq_` measures it) and ``sum(param^2)``
+    into `workspace`; a non-finite h sets its SKIP slot and raises `found_inf`. With
+    ``skip_if`` non-zero it sets SKIP and raises nothing (the sums are then not used).
     """
     check_pair(param, grad)
     _check_factored(param, None, None, workspace)
-    check_finite("eps0", eps0, non_negative=True)
     check_scalar_tensor("found_inf", found_inf, param.device)
     check_scalar_tensor("skip_if", skip_if, param.device)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, param.device)
+    inv_t, clip_value_f, _ = grad_transform(inv_scale, clip_value, None, param.device)
     if param.numel() == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_stats_(
@@ -410,8 +430,8 @@ def adalomo_factored_stats_(
         found_inf,
         skip_if,
         param.shape[-1],
-        *ga,
-        float(eps0),
+        inv_t,
+        clip_value_f,
         requested_backend(backend),
     )
 
@@ -422,15 +442,23 @@ def adalomo_factored_moments_(
     workspace: torch.Tensor,
     *,
     beta2: Scalar,
+    clip_coef: Scalar | None = None,
+    eps0: float = 1e-30,
     backend: str | None = None,
 ) -> None:
-    """Updates R and C from the sums of pass A (unless SKIP is set) and stores sum(R)."""
+    """Updates R and C from the sums of pass A (unless SKIP is set) and stores sum(R).
+
+    The means of ``u = (clip_coef * g)^2 + eps0`` are formed here from pass A's sums of
+    ``g^2``: ``clip_coef * (clip_coef * sum / count) + eps0``.
+    """
     device = workspace.device
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     _check_state("exp_avg_sq_row", exp_avg_sq_row, rows, device)
     _check_state("exp_avg_sq_col", exp_avg_sq_col, cols, device)
     _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
     beta2_t = _beta2(beta2, device)
+    coef_t = optional_factor("clip_coef", clip_coef, device)
+    check_finite("eps0", eps0, non_negative=True)
     if rows * cols == 0:
         return
     torch.ops.lomo_kernels.adalomo_factored_moments_(
@@ -438,6 +466,8 @@ def adalomo_factored_moments_(
         exp_avg_sq_col,
         workspace,
         beta2_t,
+        coef_t,
+        float(eps0),
         requested_backend(backend),
     )
 

@@ -5,12 +5,18 @@ All math is fp32 (tile sums in float64). Tensors are visited in bounded tiles (a
 (moments, row/column sums) are small and handled whole. Nothing here reads a tensor value
 on the host: skip decisions are `torch.where` selects on the device.
 
-Per element: ``g = clamp(fp32(grad) * inv_scale, -clip_value, clip_value) * clip_coef``
-(non-finite ``grad * inv_scale`` marks the parameter as skipped and raises found_inf),
+Per element: ``h = fp32(grad) * inv_scale`` (non-finite h marks the parameter as skipped
+and raises found_inf), ``g = clamp(h, -clip_value, clip_value) * clip_coef``,
 ``u = g*g + eps0``. Factored ([rows, cols]): ``R = b*R + (1-b)*mean_j u``, C likewise over i,
 ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``. 1-D: ``v = b*v + (1-b)*u``,
 ``update = g * rsqrt(v)``. Then ``lr_t = lr * max(eps1, rms(p))``,
 ``p = p * (1 - lr_t*wd) - lr_t / max(1, rms(update)/clip_threshold) * update``.
+
+Factored tensors take the coefficient out of pass A, so that pass A can also measure
+``sum(h^2)`` (G_SUMSQ), from which a caller may compute clip_coef itself (single_backward):
+pass A sums ``k = clamp(h, +-clip_value)^2`` per row and column, and the moments pass forms
+``mean_j u = clip_coef * (clip_coef * mean_j k) + eps0`` (0 for the product when clip_coef is
+0, so an overflowed sum cannot turn into nan).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from .._rounding import round_to_dtype
-from .adalomo_workspace import P_SUMSQ, R_SUM, SKIP, U_SUMSQ
+from .adalomo_workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ
 from .scalars import value_of
 
 # Elements per tile: large enough to amortise per-op overhead, small enough to bound the
@@ -59,21 +65,26 @@ class GradTransform:
         self.clip_value = clip_value
         self.clip_coef = None if clip_coef is None else value_of(clip_coef)
 
+    def scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        """h = fp32(grad) * inv_scale of one tile."""
+        h = grad.to(torch.float32)
+        return h if self.inv_scale is None else h * self.inv_scale
+
+    def clamped(self, h: torch.Tensor) -> torch.Tensor:
+        """h clamped to +-clip_value (the coefficient not applied)."""
+        return h if self.clip_value is None else h.clamp(-self.clip_value, self.clip_value)
+
     def __call__(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g, finite mask of grad * inv_scale) for one tile."""
-        g = grad.to(torch.float32)
-        if self.inv_scale is not None:
-            g = g * self.inv_scale
-        finite = torch.isfinite(g)
-        if self.clip_value is not None:
-            g = g.clamp(-self.clip_value, self.clip_value)
+        h = self.scaled(grad)
+        g = self.clamped(h)
         if self.clip_coef is not None:
             g = g * self.clip_coef
-        return g, finite
+        return g, torch.isfinite(h)
 
 
 def _stats_slots(workspace: torch.Tensor) -> torch.Tensor:
-    return workspace[workspace.numel() - 4 :]
+    return workspace[workspace.numel() - NUM_SLOTS :]
 
 
 def _skip_on_entry(stats: torch.Tensor, skip_if: torch.Tensor | None) -> torch.Tensor:
@@ -128,26 +139,39 @@ def factored_stats_(
     cols: int,
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    eps0: float,
 ) -> None:
-    """Pass A: row sums and column sums of u, sum of p^2, non-finite flag."""
+    """Pass A: row and column sums of k = clamp(h)^2, sum of h^2, sum of p^2, non-finite flag."""
     rows = grad.numel() // cols
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
     row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = GradTransform(inv_scale, clip_value, clip_coef)
+    transform = GradTransform(inv_scale, clip_value, None)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for r0, r1, c0, c1 in _tiles(rows, cols):
-        g, finite = transform(g2[r0:r1, c0:c1])
-        u = g * g + eps0
-        row_acc[r0:r1] += u.sum(dim=1, dtype=F64)
-        col_acc[c0:c1] += u.sum(dim=0, dtype=F64)
+        h = transform.scaled(g2[r0:r1, c0:c1])
+        h64 = h.to(F64)  # squared in float64, as ops.grad_sumsq_ measures it
+        stats[G_SUMSQ] += (h64 * h64).sum()
+        g = transform.clamped(h)
+        k = g * g
+        row_acc[r0:r1] += k.sum(dim=1, dtype=F64)
+        col_acc[c0:c1] += k.sum(dim=0, dtype=F64)
         p = p2[r0:r1, c0:c1].to(torch.float32)
         stats[P_SUMSQ] += (p * p).sum(dtype=F64)
-        bad = bad | ~finite.all()
+        bad = bad | ~torch.isfinite(h).all()
     _record_flags(stats, found_inf, skip_in, bad)
+
+
+def mean_u(acc: torch.Tensor, count: int, coef: torch.Tensor | None, eps0: float) -> torch.Tensor:
+    """Mean of u = (c*g)^2 + eps0 from `acc`, the sum of g^2 over `count` elements.
+
+    ``c * (c * m)``, not ``(c * c) * m``: c is small only when the sums are large, and c*c
+    alone could underflow. c == 0 gives 0 even for an overflowed (inf) m.
+    """
+    m = acc / count
+    if coef is not None:
+        m = coef * (coef * torch.where(coef == 0, torch.zeros_like(m), m))
+    return m + eps0
 
 
 def factored_moments_(
@@ -155,17 +179,20 @@ def factored_moments_(
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
     beta2: torch.Tensor,
+    clip_coef: torch.Tensor | None,
+    eps0: float,
 ) -> None:
     """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
     b = value_of(beta2)
+    coef = None if clip_coef is None else value_of(clip_coef)
     for state, acc, count in (
         (exp_avg_sq_row, workspace[:rows], cols),
         (exp_avg_sq_col, workspace[rows : rows + cols], rows),
     ):
-        new = state * b + (acc / count) * (1.0 - b)
+        new = state * b + mean_u(acc, count, coef, eps0) * (1.0 - b)
         state.copy_(torch.where(skip, state, new))
     stats[R_SUM] = exp_avg_sq_row.sum(dtype=F64)
 

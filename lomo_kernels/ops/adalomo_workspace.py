@@ -1,9 +1,10 @@
 """The fp32 workspace one AdaLomo step of one parameter uses, shared by every backend.
 
 One tensor per parameter per step, zeroed by its single allocation:
-``[row sums (rows) | column sums (cols) | P_SUMSQ, U_SUMSQ, SKIP, R_SUM]`` for tensors with
->= 2 dims (viewed as [rows, cols], cols = shape[-1]), only the four slots for 1-D tensors.
-The C++/CUDA sources (csrc/adalomo_math.h) repeat the slot numbers.
+``[row sums (rows) | column sums (cols) | P_SUMSQ, U_SUMSQ, G_SUMSQ, SKIP, R_SUM]`` for
+tensors with >= 2 dims (viewed as [rows, cols], cols = shape[-1]), only the slots for 1-D
+tensors. The C++/CUDA sources (csrc/adalomo_math.h) and the Triton kernels repeat the slot
+numbers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 
 P_SUMSQ = 0  # sum of param^2 (fp32 of the stored values)
 U_SUMSQ = 1  # sum of update^2 before the rms clip
-SKIP = 2  # non-zero: this parameter is not updated (skip_if set, or a non-finite gradient)
-R_SUM = 3  # sum of the updated row moments (factored tensors)
-NUM_SLOTS = 4
+G_SUMSQ = 2  # sum of (grad * inv_scale)^2 before clamping (factored tensors, pass A)
+SKIP = 3  # non-zero: this parameter is not updated (skip_if set, or a non-finite gradient)
+R_SUM = 4  # sum of the updated row moments (factored tensors)
+NUM_SLOTS = 5
 
 
 def workspace_numel(shape: torch.Size) -> int:
@@ -24,3 +26,11 @@ def workspace_numel(shape: torch.Size) -> int:
         rows = shape.numel() // cols if cols else 0
         return rows + cols + NUM_SLOTS
     return NUM_SLOTS
+
+
+def measured_view(workspace: torch.Tensor) -> torch.Tensor:
+    """The 2-element view [G_SUMSQ, SKIP] of a workspace after pass A (run without skip_if):
+    the gradient's sum of squares and its non-finite flag, adjacent so that one add
+    accumulates both."""
+    start = workspace.numel() - NUM_SLOTS + G_SUMSQ
+    return workspace[start : start + 2]

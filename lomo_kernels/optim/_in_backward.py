@@ -11,6 +11,7 @@ at the next call.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -220,6 +221,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Whether an inf/nan check must precede the update (fp16: make overflow atomic)."""
         return self.clip_grad_norm is not None
 
+    def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """single_backward: whether `_update` measures this gradient's sum of squares and
+        non-finite flag itself (it then takes ``on_grad_sumsq``, see `_update`)."""
+        return False
+
     @abc.abstractmethod
     def _update(
         self,
@@ -232,7 +238,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Applies the step to one parameter; writes nothing when `skip_if` is non-zero.
 
         `group` holds the param group's hyper-parameters without "params" and "lr" (the lr
-        is the device tensor `scalars.lr[group index]`).
+        is the device tensor `scalars.lr[group index]`). Where `_update_measures` is True
+        (single_backward), it is called with `skip_if` None and a keyword ``on_grad_sumsq``,
+        to be called with the gradient's [sum of squares, non-finite flag] before
+        `scalars.clip_coef` is read (`ops.adalomo_update_`); it skips a non-finite gradient
+        itself.
         """
 
     @abc.abstractmethod
@@ -289,13 +299,19 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._accumulate_norm(grad, scalars)
             return
         group = self._hook_groups[self._group_of[id(param)]]
-        if self._single_step:
+        if not self._single_step:
+            self._update(param, grad, group, scalars, self._skip_if(scalars))
+        elif self._update_measures(param, grad):
+            # Measured by the update's own first pass, the coefficient written into
+            # scalars.clip_coef before the update reads it; a non-finite gradient skips the
+            # tensor from within the update.
+            measured = functools.partial(self._single.prepare_measured, clip_coef=scalars.clip_coef)
+            self._update(param, grad, group, scalars, None, on_grad_sumsq=measured)
+        else:
             skip_if = self._single.prepare(
                 grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
             )
-        else:
-            skip_if = self._skip_if(scalars)
-        self._update(param, grad, group, scalars, skip_if)
+            self._update(param, grad, group, scalars, skip_if)
 
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
         return scalars.norm_found_inf if self._norm_ready else scalars.no_skip

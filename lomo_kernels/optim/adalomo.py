@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,13 +115,19 @@ class AdaLomo(InBackwardOptimizer):
     def _needs_detection_pass(self) -> bool:
         return self._fp16 or self.clip_grad_norm is not None
 
+    def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        # Factored: pass A measures the gradient's sum of squares and non-finite flag (no
+        # separate read), and a non-finite gradient skips the tensor through its SKIP slot.
+        return param.dim() >= 2 and grad.numel() > 0
+
     def _update(
         self,
         param: torch.Tensor,
         grad: torch.Tensor,
         group: dict[str, Any],
         scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
+        skip_if: torch.Tensor | None,
+        on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         group_index = self._group_of[id(param)]
         adalomo_update_(
@@ -138,6 +145,7 @@ class AdaLomo(InBackwardOptimizer):
             found_inf=scalars.update_found_inf,
             skip_if=skip_if,
             backend=self.backend,
+            on_grad_sumsq=on_grad_sumsq,
         )
 
     def _update_shards(

@@ -33,11 +33,15 @@ first) are scaled down less than later ones, so the direction differs from exact
 and the norm may exceed M by the factor above.
 
 Overflow (inf/nan in a gradient): each gradient's sum of squares and non-finite flag are
-measured first (``ops.grad_sumsq_``), and a tensor whose gradient has any non-finite element
-is left unchanged whole (``skip_if``); the others are updated. The step is *partial*, the
-loss scale is lowered as for a skipped step, the non-finite tensors do not count in S, and
-the norm history is kept from the last clean step. Everything stays in device tensors: no
-host sync.
+measured first, and a tensor whose gradient has any non-finite element is left unchanged
+whole; the others are updated. Lomo and AdaLomo's 1-D tensors measure with
+``ops.grad_sumsq_`` and skip through ``skip_if`` (`SinglePassClip.prepare`); AdaLomo's
+factored tensors are measured by the first pass of their own update, whose workspace then
+holds [sum of squares, non-finite flag] and skips the tensor by itself
+(`SinglePassClip.prepare_measured`), so their gradients are not read an extra time. The
+step is *partial*, the loss scale is lowered as for a skipped step, the non-finite tensors
+do not count in S, and the norm history is kept from the last clean step. Everything stays
+in device tensors: no host sync.
 
 Sharded parameters (ZeRO-3, FSDP2): a rank holds a slice of each parameter, and the reduced
 slices reach the optimizer per reduce-scatter bucket (ZeRO-3) or per FSDP2 unit, in the same
@@ -117,19 +121,45 @@ class SinglePassClip:
         # This runs once per gradient inside backward, where its cost is not hidden behind
         # anything: a fixed handful of in-place 1-element ops into buffers kept across steps,
         # no allocation.
-        device = grad.device
-        m = self._temp.get(device)
-        if m is None:
-            m = self._temp[device] = _Measured(device)
+        m = self._measured(grad.device)
         m.pair.zero_()
         if grad.numel():
             # The registered op itself: `ops.grad_sumsq_` would re-check, per gradient, what
             # the optimizer checked once at construction (dtype, device, layout).
             torch.ops.lomo_kernels.grad_sumsq_(grad, inv_scale, m.sumsq, m.found, backend or "auto")
-        torch.ne(m.found, 0.0, out=m.bad)
-        m.sumsq.masked_fill_(m.bad, 0.0)  # a skipped tensor does not count in the step's norm
-        home = device == self.home
-        self._step.add_(m.pair if home else m.pair.to(self.home, non_blocking=True))
+        self._account(m.pair, m.sumsq, m.found, m.bad, clip_coef)
+        return m.found
+
+    def prepare_measured(self, measured: torch.Tensor, clip_coef: torch.Tensor) -> None:
+        """`prepare` for a gradient its update has already measured: `measured` is the
+        2-element fp32 [sum of (grad * inv_scale)^2, non-finite flag] on the gradient's
+        device (AdaLomo's pass-A workspace slots, `ops.adalomo_workspace.measured_view`).
+        Writes the coefficient into `clip_coef` (with clipping on); the sum of a non-finite
+        gradient is zeroed in place, as it does not count in the step's norm.
+        """
+        m = self._measured(measured.device)
+        self._account(measured, measured[0:1], measured[1:2], m.bad, clip_coef)
+
+    def _measured(self, device: torch.device) -> _Measured:
+        m = self._temp.get(device)
+        if m is None:
+            m = self._temp[device] = _Measured(device)
+        return m
+
+    def _account(
+        self,
+        pair: torch.Tensor,
+        sumsq: torch.Tensor,
+        found: torch.Tensor,
+        bad: torch.Tensor,
+        clip_coef: torch.Tensor,
+    ) -> None:
+        """Adds one measured gradient (`pair` = [sumsq, found]; `sumsq`, `found` its halves)
+        to the step and writes its coefficient; `bad` is a bool scratch on its device."""
+        torch.ne(found, 0.0, out=bad)
+        sumsq.masked_fill_(bad, 0.0)  # a skipped tensor does not count in the step's norm
+        home = pair.device == self.home
+        self._step.add_(pair if home else pair.to(self.home, non_blocking=True))
         if self.max_norm is not None:
             # min(1, M / (max(P, sqrt(S_i)) + eps)), the same ops in the same order as
             # `prepare_bucket`, written straight into the coefficient on the home device.
@@ -138,8 +168,7 @@ class SinglePassClip:
             torch.maximum(self.previous, value, out=value)
             value.add_(CLIP_EPS).reciprocal_().mul_(self.max_norm).clamp_(max=1.0)
             if not home:
-                clip_coef.copy_(value.to(device, non_blocking=True))
-        return m.found
+                clip_coef.copy_(value.to(pair.device, non_blocking=True))
 
     def prepare_bucket(
         self,

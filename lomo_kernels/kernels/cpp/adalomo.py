@@ -34,12 +34,12 @@ _module = _loader.module
 
 
 def factored_stats_(grad: torch.Tensor, *args: Any) -> None:
-    """Pass A: row/column sums of u, sum of p^2, non-finite flag."""
+    """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag."""
     _module(device_type(grad)).factored_stats_(grad, *args)
 
 
 def factored_moments_(exp_avg_sq_row: torch.Tensor, *args: Any) -> None:
-    """The row/column moments and sum(R)."""
+    """The row/column moments (clip coefficient and eps0 applied to the means) and sum(R)."""
     _module(device_type(exp_avg_sq_row)).factored_moments_(exp_avg_sq_row, *args)
 
 

@@ -81,6 +81,19 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
     }
 
 
+def _scaled_kwargs(
+    grad: torch.Tensor, inv_scale: torch.Tensor | None, clip_value: float | None
+) -> dict[str, Any]:
+    """The gradient arguments of pass A, which applies no clip coefficient."""
+    return {
+        "grad_ptr": storage(grad),
+        "inv_scale_ptr": inv_scale,
+        "clip_value": 0.0 if clip_value is None else float(clip_value),
+        "GRAD_KIND": KIND[grad.dtype],
+        "HAS_CLIP_VALUE": clip_value is not None,
+    }
+
+
 def _grad_kwargs(
     grad: torch.Tensor,
     inv_scale: torch.Tensor | None,
@@ -88,12 +101,8 @@ def _grad_kwargs(
     clip_coef: torch.Tensor | None,
 ) -> dict[str, Any]:
     return {
-        "grad_ptr": storage(grad),
-        "inv_scale_ptr": inv_scale,
-        "clip_value": 0.0 if clip_value is None else float(clip_value),
+        **_scaled_kwargs(grad, inv_scale, clip_value),
         "clip_coef_ptr": clip_coef,
-        "GRAD_KIND": KIND[grad.dtype],
-        "HAS_CLIP_VALUE": clip_value is not None,
         "HAS_CLIP_COEF": clip_coef is not None,
     }
 
@@ -123,20 +132,17 @@ def factored_stats_(
     cols: int,
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    eps0: float,
 ) -> None:
-    """Pass A: row/column sums of u, sum of p^2, non-finite flag."""
+    """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag."""
     grid, sizes = _tiling(grad.numel() // cols, cols, grad.device)
     _kernels().factored_stats_kernel[grid](
         param_ptr=storage(param),
         ws_ptr=workspace,
         found_inf_ptr=found_inf,
         skip_if_ptr=skip_if,
-        eps0=float(eps0),
         PARAM_KIND=KIND[param.dtype],
         **sizes,
-        **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
+        **_scaled_kwargs(grad, inv_scale, clip_value),
         num_warps=NUM_WARPS,
     )
 
@@ -146,6 +152,8 @@ def factored_moments_(
     exp_avg_sq_col: torch.Tensor,
     workspace: torch.Tensor,
     beta2: torch.Tensor,
+    clip_coef: torch.Tensor | None,
+    eps0: float,
 ) -> None:
     """The row/column moments and sum(R)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
@@ -160,6 +168,8 @@ def factored_moments_(
         cols,
         n_row_blocks,
         beta2,
+        clip_coef,
+        float(eps0),
         BLOCK=block,
         num_warps=4,
     )

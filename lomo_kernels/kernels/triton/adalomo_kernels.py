@@ -12,7 +12,7 @@ travels as int16 bit patterns and is rounded to nearest even on the bits, so the
 interpreter (whose fp32 -> bf16 cast truncates) and the GPU write the same values.
 
 The workspace layout is the one of `lomo_kernels.ops.adalomo_workspace`: row sums, column sums,
-then the P_SUMSQ, U_SUMSQ, SKIP, R_SUM slots.
+then the P_SUMSQ, U_SUMSQ, G_SUMSQ, SKIP, R_SUM slots.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from .runtime import interpret_mode
 # Slot offsets after the row/column sums (ops.adalomo_workspace.P_SUMSQ etc.).
 P_SUMSQ = tl.constexpr(0)
 U_SUMSQ = tl.constexpr(1)
-SKIP = tl.constexpr(2)
-R_SUM = tl.constexpr(3)
+G_SUMSQ = tl.constexpr(2)
+SKIP = tl.constexpr(3)
+R_SUM = tl.constexpr(4)
 
 
 # triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
@@ -80,6 +81,21 @@ def _beta(beta2_ptr):
 
 
 @triton.jit
+def _scaled(grad_ptr, offs, mask, inv_scale, GRAD_KIND: tl.constexpr):
+    """(h, finite): h = grad * inv_scale in fp32 and whether it is finite."""
+    h = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
+    return h, tl.abs(h) < float("inf")
+
+
+@triton.jit
+def _clamp(h, clip_value, HAS_CLIP_VALUE: tl.constexpr):
+    """h clamped to +-clip_value when clipping by value is on."""
+    if HAS_CLIP_VALUE:
+        h = tl.minimum(tl.maximum(h, -clip_value), clip_value)
+    return h
+
+
+@triton.jit
 def _grad(
     grad_ptr,
     offs,
@@ -92,13 +108,19 @@ def _grad(
     HAS_CLIP_COEF: tl.constexpr,
 ):
     """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
-    g = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
-    finite = tl.abs(g) < float("inf")
-    if HAS_CLIP_VALUE:
-        g = tl.minimum(tl.maximum(g, -clip_value), clip_value)
+    h, finite = _scaled(grad_ptr, offs, mask, inv_scale, GRAD_KIND)
+    g = _clamp(h, clip_value, HAS_CLIP_VALUE)
     if HAS_CLIP_COEF:
         g = g * clip_coef
     return g, finite
+
+
+@triton.jit
+def _mean_u(acc, count, coef, eps0):
+    """Mean of u = (coef*g)^2 + eps0 from the sum `acc` of g^2 over `count` elements:
+    coef * (coef * mean) (coef*coef alone could underflow), 0 when coef is 0."""
+    m = tl.where(coef == 0, 0.0, acc / count)
+    return coef * (coef * m) + eps0
 
 
 @triton.jit
@@ -150,50 +172,47 @@ def factored_stats_kernel(
     rows_per_prog,
     inv_scale_ptr,
     clip_value,
-    clip_coef_ptr,
-    eps0,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
-    HAS_CLIP_COEF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Pass A: row/column sums of u = g*g + eps0, sum of p^2, non-finite flag."""
+    """Pass A: row/column sums of g^2 (g clamped, no clip coefficient), sum of
+    h^2 = (grad * inv_scale)^2, sum of p^2, non-finite flag."""
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
         inv = _factor(inv_scale_ptr)
-        coef = _factor(clip_coef_ptr)
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols_idx < cols
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Per row (reduced within the tile rows each iteration): a second tile-sized
+        # accumulator would take the clip-by-value variants to the register limit.
+        h_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         bad = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for it in range(0, n_iter):
             rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows_idx < row_end
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            g, finite = _grad(
-                grad_ptr,
-                offs,
-                mask,
-                inv,
-                clip_value,
-                coef,
-                GRAD_KIND,
-                HAS_CLIP_VALUE,
-                HAS_CLIP_COEF,
-            )
-            u = tl.where(mask, g * g + eps0, 0.0)
-            tl.atomic_add(ws_ptr + rows_idx, tl.sum(u, axis=1), mask=row_mask, sem="relaxed")
-            col_sum += tl.sum(u, axis=0)
+            h, finite = _scaled(grad_ptr, offs, mask, inv, GRAD_KIND)
+            g = _clamp(h, clip_value, HAS_CLIP_VALUE)
+            k = tl.where(mask, g * g, 0.0)
+            tl.atomic_add(ws_ptr + rows_idx, tl.sum(k, axis=1), mask=row_mask, sem="relaxed")
+            col_sum += tl.sum(k, axis=0)
+            if HAS_CLIP_VALUE:  # else h*h is k, already summed in col_sum
+                h_sum += tl.sum(tl.where(mask, h * h, 0.0), axis=1)
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
             p_sum += p * p
             bad = tl.maximum(bad, (~finite).to(tl.int32))
         tl.atomic_add(ws_ptr + rows + cols_idx, col_sum, mask=col_mask, sem="relaxed")
         tl.atomic_add(stats_ptr + P_SUMSQ, tl.sum(p_sum), sem="relaxed")
+        if HAS_CLIP_VALUE:
+            tl.atomic_add(stats_ptr + G_SUMSQ, tl.sum(h_sum), sem="relaxed")
+        else:
+            tl.atomic_add(stats_ptr + G_SUMSQ, tl.sum(col_sum), sem="relaxed")
         _raise_flags(stats_ptr, found_inf_ptr, tl.max(bad))
     else:
         tl.atomic_max(stats_ptr + SKIP, 1.0)
@@ -208,25 +227,31 @@ def factored_moments_kernel(
     cols,
     n_row_blocks,
     beta2_ptr,
+    clip_coef_ptr,
+    eps0,
     BLOCK: tl.constexpr,
 ):
-    """R and C from the pass-A sums (programs [0, n_row_blocks) do R); R_SUM += sum(R)."""
+    """R and C from the pass-A sums, the clip coefficient and eps0 applied to their means
+    (programs [0, n_row_blocks) do R); R_SUM += sum(R)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         b, omb = _beta(beta2_ptr)
+        coef = _factor(clip_coef_ptr)
         pid = tl.program_id(0).to(tl.int64)
         if pid < n_row_blocks:
             idx = pid * BLOCK + tl.arange(0, BLOCK)
             mask = idx < rows
             acc = tl.load(ws_ptr + idx, mask=mask, other=0.0)
-            new = tl.load(row_state_ptr + idx, mask=mask, other=0.0) * b + (acc / cols) * omb
+            mean = _mean_u(acc, cols, coef, eps0)
+            new = tl.load(row_state_ptr + idx, mask=mask, other=0.0) * b + mean * omb
             tl.store(row_state_ptr + idx, new, mask=mask)
             tl.atomic_add(stats_ptr + R_SUM, tl.sum(tl.where(mask, new, 0.0)), sem="relaxed")
         else:
             idx = (pid - n_row_blocks) * BLOCK + tl.arange(0, BLOCK)
             mask = idx < cols
             acc = tl.load(ws_ptr + rows + idx, mask=mask, other=0.0)
-            new = tl.load(col_state_ptr + idx, mask=mask, other=0.0) * b + (acc / rows) * omb
+            mean = _mean_u(acc, rows, coef, eps0)
+            new = tl.load(col_state_ptr + idx, mask=mask, other=0.0) * b + mean * omb
             tl.store(col_state_ptr + idx, new, mask=mask)
 
 
