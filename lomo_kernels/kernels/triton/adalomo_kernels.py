@@ -256,6 +256,36 @@ def factored_moments_kernel(
 
 
 @triton.jit
+def _factored_update(
+    grad_ptr,
+    row_state_ptr,
+    rows_idx,
+    row_end,
+    cols_idx,
+    col_mask,
+    cols,
+    c,
+    mean,
+    inv,
+    clip_value,
+    coef,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
+    """(update, offsets, mask) of one [BLOCK_M, BLOCK_N] tile: r_i * c_j * g_ij, with
+    r_i = rsqrt(R_i / mean(R)) and `c` the tile's rsqrt(C_j) (passes B and C)."""
+    row_mask = rows_idx < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows_idx[:, None] * cols + cols_idx[None, :]
+    r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
+    g, _ = _grad(
+        grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
+    )
+    return (r[:, None] * c[None, :]) * g, offs, mask
+
+
+@triton.jit
 def factored_norm_kernel(
     grad_ptr,
     row_state_ptr,
@@ -286,14 +316,16 @@ def factored_norm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for it in range(0, n_iter):
             rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows_idx < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-            g, finite = _grad(
+            update, offs, mask = _factored_update(
                 grad_ptr,
-                offs,
-                mask,
+                row_state_ptr,
+                rows_idx,
+                row_end,
+                cols_idx,
+                col_mask,
+                cols,
+                c,
+                mean,
                 inv,
                 clip_value,
                 coef,
@@ -301,7 +333,6 @@ def factored_norm_kernel(
                 HAS_CLIP_VALUE,
                 HAS_CLIP_COEF,
             )
-            update = (r[:, None] * c[None, :]) * g
             acc += tl.where(mask, update * update, 0.0)
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
 
@@ -344,14 +375,16 @@ def factored_apply_kernel(
         c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
         for it in range(0, n_iter):
             rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows_idx < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-            g, finite = _grad(
+            update, offs, mask = _factored_update(
                 grad_ptr,
-                offs,
-                mask,
+                row_state_ptr,
+                rows_idx,
+                row_end,
+                cols_idx,
+                col_mask,
+                cols,
+                c,
+                mean,
                 inv,
                 clip_value,
                 coef,
@@ -359,7 +392,6 @@ def factored_apply_kernel(
                 HAS_CLIP_VALUE,
                 HAS_CLIP_COEF,
             )
-            update = (r[:, None] * c[None, :]) * g
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
             _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
 
