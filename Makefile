@@ -49,8 +49,11 @@ bench-gpu: $(STAMP)
 		--csv bench/results/kernels_cuda.csv --json bench/results/kernels_cuda.json \
 		--plot bench/results/kernels_cuda.png | tee bench/results/kernels_cuda.txt
 	$(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 --seq 512 \
+		--optimizers adamw,sgd,lomo_optim,lomo,lomo_clip,adalomo,lomo_compiled_forward,lomo_compiled_autograd \
 		--json bench/results/memory_cuda.json --plot bench/results/memory_cuda.png \
 		| tee bench/results/memory_cuda.txt
+	$(PY) bench/single_backward.py --device cuda --steps 20 --batch 8 --seq 256 --threads 4 \
+		| tee bench/results/single_backward_cuda.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
-"""Step time with single_backward=True against the exact two-pass mode (CPU, one process).
+"""Step time with single_backward=True against the exact two-pass mode (one process).
 
-    python bench/single_backward.py [--steps N] [--threads T] [--batch B] [--seq L]
-        [--configs lomo-bf16 adalomo-bf16 lomo-fp16 lomo-fp32] [--json-out PATH]
+    python bench/single_backward.py [--device cpu|cuda] [--steps N] [--threads T] [--batch B]
+        [--seq L] [--configs lomo-bf16 adalomo-bf16 lomo-fp16 lomo-fp32] [--json-out PATH]
 
 A step is forward + `fused_backward` (for the exact mode that is the norm pass and the
 update pass; for single_backward=True one backward). For each configuration the two modes
@@ -53,16 +53,22 @@ CONFIGS = {
 }
 
 
-def build(dtype: torch.dtype):
+def build(dtype: torch.dtype, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL)).to(dtype).train()
+    return LlamaForCausalLM(LlamaConfig(**MODEL)).to(device=device, dtype=dtype).train()
 
 
-def run(config, steps: int, batch: int, seq: int) -> dict:
+def synchronize(device: str) -> None:
+    # CUDA work is asynchronous: a host clock read without this would time the launches only.
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(config, steps: int, batch: int, seq: int, device: str = "cpu") -> dict:
     label, cls, dtype, kwargs = config
-    base = build(dtype)
+    base = build(dtype, device)
     runs = {}
     for single in (False, True):
         model = copy.deepcopy(base)
@@ -70,11 +76,13 @@ def run(config, steps: int, batch: int, seq: int) -> dict:
         runs[single] = (model, opt, [])
     gen = torch.Generator().manual_seed(0)
     for step in range(steps + 2):
-        ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=gen)
+        ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=gen).to(device)
         for single in (False, True):
             model, opt, times = runs[single]
+            synchronize(device)
             start = time.perf_counter()
             opt.fused_backward(model(input_ids=ids, labels=ids).loss)
+            synchronize(device)
             elapsed = time.perf_counter() - start
             if step >= 2:
                 times.append(elapsed)
@@ -90,6 +98,7 @@ def run(config, steps: int, batch: int, seq: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2)
@@ -101,7 +110,7 @@ def main() -> None:
     import transformers
 
     meta = {
-        "device": "cpu",
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -112,12 +121,12 @@ def main() -> None:
         "steps": args.steps,
     }
     shape = f"batch {args.batch}x{args.seq}"
-    print(f"CPU, {args.threads} thread(s), torch {torch.__version__}, {shape}, "
+    print(f"{meta['device']}, {args.threads} CPU thread(s), torch {torch.__version__}, {shape}, "
           f"median of {args.steps} interleaved steps")  # fmt: skip
     print(f"{'configuration':34} {'exact (ms)':>11} {'single (ms)':>12} {'single/exact':>13}")
     results = []
     for name in args.configs:
-        r = run(CONFIGS[name], args.steps, args.batch, args.seq)
+        r = run(CONFIGS[name], args.steps, args.batch, args.seq, args.device)
         results.append(r)
         print(f"{r['config']:34} {r['exact_ms']:11.1f} {r['single_ms']:12.1f} {r['ratio']:13.3f}")
     if args.json_out:

@@ -18,9 +18,11 @@ Method (shared notes, MEASURING.md): one process, variants timed interleaved wit
 repetition (A, B, C, A, B, C, ...), an untimed pass over the data before every timed call
 (the same cache state for each; on CUDA a 256 MiB buffer is overwritten to flush L2),
 medians. `x floor` = median / median(axpy_floor) of the same case and run. GB/s = bytes moved
-(param read + grad read + param write) / median time. On CUDA `% copy` compares that with a
-device-to-device copy of 256 MiB timed in the same run. CPU figures are CPU figures: never read
-them as GPU timings.
+(param read + grad read + param write) / median time. On CUDA the time is the device's: a spin
+kernel keeps the GPU busy while the host enqueues the call (the spin doubles until the host
+finishes first), so events bracket the kernels, not the launch overhead; the host's enqueue
+time per tensor is reported on its own row. `% copy` compares GB/s with a device-to-device copy
+of 256 MiB timed in the same run. CPU figures are CPU figures: never read them as GPU timings.
 
 Cases: sizes 4K to 64M elements (one tensor) and the parameter mix of one LLaMA-7B decoder
 layer (4 x 4096^2, 3 x 4096 x 11008, 2 x 4096; one call per tensor, as the hooks do).
@@ -59,6 +61,11 @@ FLOOR = "axpy_floor"
 # elements on a CPU): above this size it is left out on CPU to keep a run to minutes.
 CPU_REFERENCE_MAX_NUMEL = 2**20
 COPY_NUMEL_BYTES = 256 * 2**20
+# The spin kernel that hides launch overhead from CUDA device timings (Timer.time). Cycles per
+# second is a round figure for current GPU clocks (1.4-2 GHz): only the margin depends on it.
+MIN_SPIN_CYCLES = 200_000
+SPIN_CYCLES_PER_S = 2e9
+SPIN_RETRIES = 6
 
 
 def parse_size(text: str) -> int:
@@ -226,13 +233,17 @@ def compiled_official_chain() -> Callable:
 
 
 class Timer:
-    """Wall time on CPU; CUDA events (device time, launch included) on CUDA."""
+    """Wall time on CPU. On CUDA, device time: the GPU is kept busy (a spin kernel) while the
+    host enqueues the timed call, so the events bracket the kernels alone, not the launch
+    overhead; the host's enqueue time of the same call is kept apart in `last_host_s`."""
 
     def __init__(self, device: str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self._flush = (
             torch.empty(COPY_NUMEL_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
         )
+        self.last_host_s = 0.0
+        self.unisolated = 0  # CUDA calls whose device time includes host time
 
     def settle(self, case: Case) -> None:
         if self.cuda:
@@ -246,12 +257,29 @@ class Timer:
         if not self.cuda:
             start = time.perf_counter()
             fn()
-            return time.perf_counter() - start
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
+            self.last_host_s = time.perf_counter() - start
+            return self.last_host_s
+        # Spin three times the last host enqueue time (of any call), doubled while too short.
+        spin = max(MIN_SPIN_CYCLES, int(3 * self.last_host_s * SPIN_CYCLES_PER_S))
+        for _ in range(SPIN_RETRIES):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(spin)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            self.last_host_s = time.perf_counter() - t0
+            end.record()
+            # The spin ended before the host had enqueued everything: the GPU waited on the
+            # host inside the timed region. Spin longer and time again.
+            starved = start.query()
+            end.synchronize()
+            if not starved:
+                return start.elapsed_time(end) / 1e3
+            spin *= 2
+        # A call that synchronizes with the host: its time includes the host's; counted and
+        # reported with the table rather than lost.
+        self.unisolated += 1
         return start.elapsed_time(end) / 1e3
 
 
@@ -261,22 +289,28 @@ def time_interleaved(
     timer: Timer | None = None,
     settle: Callable[[], None] | None = None,
     warmup: int = 2,
+    host: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Median seconds per variant, the variants timed in turn within each repetition.
 
     settle runs, untimed, before every timed call, so every variant starts from the same
     cache state (variants that allocate large temporaries would otherwise slow the next one).
+    `host`, if given, receives the median host (enqueue) seconds per variant.
     """
     timer = timer or Timer("cpu")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    host_times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             if settle is not None:
                 settle()
             times[name].append(timer.time(fn))
+            host_times[name].append(timer.last_host_s)
+    if host is not None:
+        host.update({name: statistics.median(ts) for name, ts in host_times.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -299,6 +333,7 @@ class Row:
     gb_per_s: float
     x_floor: float
     pct_copy: float | None
+    host_us_per_tensor: float
     note: str = ""
 
 
@@ -338,7 +373,10 @@ def run(
         case = Case(case_name, numels, DTYPES[dtype_name], device)
         fns = case.variants(names, compile_chain)
         reps = _reps_for(fns, timer, budget_s, max_reps)
-        medians = time_interleaved(fns, reps, timer, settle=lambda c=case: timer.settle(c))
+        host: dict[str, float] = {}
+        medians = time_interleaved(
+            fns, reps, timer, settle=lambda c=case: timer.settle(c), host=host
+        )
         floor = medians[FLOOR]
         for variant, t in medians.items():
             gbps = case.bytes_moved / t / 1e9
@@ -357,10 +395,12 @@ def run(
                     gb_per_s=gbps,
                     x_floor=t / floor,
                     pct_copy=100 * gbps / copy_gbps if copy_gbps else None,
+                    host_us_per_tensor=1e6 * host[variant] / len(numels),
                     note=note,
                 )
             )
         del case, fns
+    meta["unisolated_calls"] = timer.unisolated
     return rows, meta
 
 
@@ -376,12 +416,18 @@ def _progress(jobs: list, enabled: bool):  # noqa: ANN202 - an iterable
 
 def format_table(rows: Sequence[Row], meta: dict[str, Any]) -> str:
     """Per dtype: one line per case, `x floor` of each variant and GB/s of ours."""
-    kind = "GPU" if meta.get("gpu") else "CPU"
+    gpu = bool(meta.get("gpu"))
+    what = "GPU device time (kernels only, launch overhead hidden)" if gpu else "CPU timings"
     lines = [
         machine.one_line(meta),
-        f"{kind} timings, medians of interleaved repetitions; "
+        f"{what}, medians of interleaved repetitions; "
         "cells: time / time(axpy_floor) of the same case, then GB/s",
     ]
+    if meta.get("unisolated_calls"):
+        lines.append(
+            f"{meta['unisolated_calls']} timed calls synchronized with the host: their times "
+            "include host time"
+        )
     if meta.get("copy_gb_per_s"):
         lines.append(f"device-to-device copy: {meta['copy_gb_per_s']:.0f} GB/s")
     if meta.get("fused_sgd_skips_writes"):
@@ -410,6 +456,19 @@ def format_table(rows: Sequence[Row], meta: dict[str, Any]) -> str:
                 pct = f", {r.pct_copy:.0f}%" if r.pct_copy is not None else ""
                 out.append(f"{r.x_floor:.2f}x{star} ({r.gb_per_s:.1f} GB/s{pct})")
             lines.append(f"| {case} | " + " | ".join(out) + " |")
+        if gpu:
+            # Host time is per call, whatever the size: the median over this dtype's cases.
+            per_variant = {
+                v: statistics.median(
+                    r.host_us_per_tensor for r in rows if r.variant == v and r.dtype == dtype
+                )
+                for v in variants
+            }
+            lines.append(
+                "| host enqueue, us per tensor | "
+                + " | ".join(f"{per_variant[v]:.1f}" for v in variants)
+                + " |"
+            )
     return "\n".join(lines)
 
 

@@ -78,6 +78,8 @@ SHORT = {
     "lomo": "Lomo (ours)",
     "lomo_clip": "Lomo+clip (ours)",
     "adalomo": "AdaLomo (ours)",
+    "lomo_compiled_forward": "Lomo, compiled fwd",
+    "lomo_compiled_autograd": "Lomo, compiled fwd + CA",
 }
 DTYPES = ("bf16", "fp16", "fp32")
 
