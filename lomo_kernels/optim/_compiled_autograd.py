@@ -277,6 +277,77 @@ def _fp32_zeros_shape(node: Any, root: Any) -> list[int] | None:
     return None
 
 
+def _accumulated_grad(acc: torch.fx.Node) -> Any:
+    """The new gradient an AccumulateGrad call receives: ``(variable, variable.grad, grad,
+    has_post_hooks)`` on current torch, ``(variable, grad, has_post_hooks)`` before 2.12."""
+    position = {4: 2, 3: 1}.get(len(acc.args))
+    return None if position is None else acc.args[position]
+
+
+def _decomposed_embedding_backward(narrowed: Any, root: Any) -> tuple[Any, ...] | None:
+    """(grad_output, indices, num_weights, padding_idx, zeros) if `narrowed` (what is cast
+    back to the weight's dtype) is the embedding-backward decomposition of a compiled forward.
+
+    Both forms accumulate ``grad_output.float()`` into an fp32 zero tensor:
+    torch >= 2.12: ``_unsafe_masked_index_put_accumulate(zeros, valid & (i != pad), [i], g)``;
+    earlier:       ``_unsafe_index_put(zeros, [i], g.masked_fill((i == pad)[..., None], 0),
+    accumulate=True)``, which Inductor's table turns into ``index_put`` of a ``where``.
+    """
+    aten = torch.ops.aten
+    masked_put = _call_args(narrowed, aten._unsafe_masked_index_put_accumulate.default, 4)
+    if masked_put:
+        zeros, mask, indices, widened = masked_put
+    else:
+        put = _call_args(narrowed, aten.index_put.default, 4) or _call_args(
+            narrowed, aten._unsafe_index_put.default, 4
+        )
+        fill = put and put[3] is True and _masked_with_zero(put[2])
+        if not fill:
+            return None
+        zeros, indices, (widened, mask) = put[0], put[1], fill
+    widen = _call_args(widened, torch.ops.prims.convert_element_type.default, 2)
+    if not widen or widen[1] != torch.float32 or len(indices) != 1:
+        return None
+    shape = _fp32_zeros_shape(zeros, root)
+    if shape is None:
+        return None
+    index = indices[0]
+    if masked_put:
+        padding_idx = _padding_idx(mask, index, shape[0])
+    else:
+        padding_idx = _padding_idx_of_equality(mask, index)
+    if padding_idx is None:
+        return None
+    return widen[0], index, shape[0], padding_idx, zeros
+
+
+def _masked_with_zero(node: Any) -> tuple[Any, Any] | None:
+    """(values, mask) if `node` is ``values.masked_fill(mask, 0)``, as such or decomposed
+    into ``where(mask, scalar_tensor(0), values)``."""
+    aten = torch.ops.aten
+    fill = _call_args(node, aten.masked_fill.Scalar, 3)
+    if fill:
+        return (fill[0], fill[1]) if fill[2] == 0 else None
+    where = _call_args(node, aten.where.self, 3)
+    zero = where and _call_args(where[1], aten.scalar_tensor.default, 1)
+    if not zero or zero[0] != 0:
+        return None
+    return where[2], where[0]
+
+
+def _padding_idx_of_equality(mask: Any, indices: Any) -> int | None:
+    """padding_idx of the older decomposition's mask, ``(i == pad)[..., None]``."""
+    unsqueezed = _call_args(mask, torch.ops.aten.unsqueeze.default, 2)
+    eq = (
+        unsqueezed
+        and unsqueezed[1] == -1
+        and _call_args(unsqueezed[0], torch.ops.aten.eq.Scalar, 2)
+    )
+    if not eq or eq[0] is not indices or not isinstance(eq[1], int):
+        return None
+    return eq[1]
+
+
 def _use_eager_embedding_backward(
     graph: torch.fx.Graph, hooked: set[torch.fx.Node], root: Any = None
 ) -> None:
@@ -287,38 +358,31 @@ def _use_eager_embedding_backward(
     accumulates it into an fp32 zero tensor of the weight's shape before casting back: with
     a 32000 x 1024 vocabulary a transient 125 MiB that eager autograd never allocates
     (ATen accumulates in the weight's dtype), and more than LOMO keeps for a whole step at
-    small batches. Only the exact pattern the decomposition emits (no scale_grad_by_freq)
-    is replaced; anything else is left as it is. `root` holds the graph's constants.
+    small batches. Only the exact patterns the decomposition emits (no scale_grad_by_freq)
+    are replaced; anything else is left as it is. `root` holds the graph's constants.
     """
     from torch._dynamo.external_utils import call_accumulate_grad
 
-    aten, prims = torch.ops.aten, torch.ops.prims
     for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
         if acc.args[0] not in hooked:
             continue
-        # (variable, variable.grad, new gradient, has_post_hooks); the gradient is args[2].
-        grad = acc.args[2] if len(acc.args) == 4 else None
-        narrow = _call_args(grad, prims.convert_element_type.default, 2)
+        grad = _accumulated_grad(acc)
+        narrow = _call_args(grad, torch.ops.prims.convert_element_type.default, 2)
         if not narrow or narrow[1] not in (torch.bfloat16, torch.float16):
             continue
-        put = _call_args(narrow[0], aten._unsafe_masked_index_put_accumulate.default, 4)
-        widen = put and _call_args(put[3], prims.convert_element_type.default, 2)
-        if not widen or widen[1] != torch.float32 or len(put[2]) != 1:
+        found = _decomposed_embedding_backward(narrow[0], root)
+        if found is None:
             continue
-        shape = _fp32_zeros_shape(put[0], root)
-        if shape is None:
-            continue
-        indices = put[2][0]
-        padding_idx = _padding_idx(put[1], indices, shape[0])
-        if padding_idx is None or len(put[0].users) != 1 or len(narrow[0].users) != 1:
+        grad_output, indices, num_weights, padding_idx, zeros = found
+        if len(zeros.users) != 1 or len(narrow[0].users) != 1:
             continue
         with graph.inserting_before(grad):
             eager = graph.call_function(
                 torch.ops.lomo_kernels.embedding_dense_backward_eager.default,
-                (widen[0], indices, shape[0], padding_idx),
+                (grad_output, indices, num_weights, padding_idx),
             )
         grad.replace_all_uses_with(eager)
-        _drop_unused(graph, root, (grad, narrow[0], put[0]))
+        _drop_unused(graph, root, (grad, narrow[0], zeros))
         # The rest of the decomposition is now unused; compiled autograd's dce removes it.
 
 

@@ -1,0 +1,111 @@
+"""The compiled-autograd pass that gives a hooked bf16/fp16 embedding ATen's backward instead
+of the fp32 decomposition a compiled forward leaves (`_use_eager_embedding_backward`).
+
+The decomposition differs between torch releases: the installed torch's own form is taken
+from its decomposition table; the form of torch <= 2.11 (masked_fill + `_unsafe_index_put`,
+AccumulateGrad called with three arguments) is written out as that release emits it, since
+a GPU run on torch 2.11 showed the fp32 buffer (2x the embedding's bf16 size) still
+allocated when only the newer form was recognised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.external_utils import call_accumulate_grad
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import lomo_kernels  # noqa: F401  (registers lomo_kernels::embedding_dense_backward_eager)
+from lomo_kernels.optim import _compiled_autograd
+
+VOCAB, HIDDEN = 50, 8
+aten, prims = torch.ops.aten, torch.ops.prims
+EAGER = torch.ops.lomo_kernels.embedding_dense_backward_eager.default
+
+
+def _older_decomposition(grad_output, indices, padding_idx, accumulate=True):
+    """torch <= 2.11's embedding_dense_backward decomposition, op for op."""
+    widened = prims.convert_element_type.default(grad_output, torch.float32)
+    mask = aten.unsqueeze.default(aten.eq.Scalar(indices, padding_idx), -1)
+    grad = aten.masked_fill.Scalar(widened, mask, 0)
+    zeros = aten.full.default([VOCAB, HIDDEN], 0, dtype=torch.float32)
+    put = aten._unsafe_index_put.default(zeros, [indices], grad, accumulate)
+    return prims.convert_element_type.default(put, grad_output.dtype)
+
+
+def _current_decomposition(grad_output, indices, padding_idx):
+    decomp = select_decomp_table()[aten.embedding_dense_backward.default]
+    return decomp(grad_output, indices, VOCAB, padding_idx, False)
+
+
+def _graph_with_accumulate(fn, dtype, arity: int) -> tuple[torch.fx.Graph, torch.fx.Node]:
+    """`fn`'s graph for (grad_output, indices), its result fed to an AccumulateGrad of a
+    weight placeholder the way compiled autograd calls it (3 or 4 arguments)."""
+    grad_output = torch.randn(3, 5, HIDDEN).to(dtype)
+    indices = torch.randint(0, VOCAB, (3, 5))
+    # Traced through Inductor's decomposition table, as AOTAutograd traces a compiled forward.
+    graph = make_fx(fn, decomposition_table=select_decomp_table())(grad_output, indices).graph
+    out = graph.find_nodes(op="output")[0]
+    result = out.args[0]
+    with graph.inserting_before(graph.find_nodes(op="placeholder")[0]):
+        weight = graph.placeholder("weight")
+    with graph.inserting_before(out):
+        args = (weight, result, True) if arity == 3 else (weight, None, result, True)
+        graph.call_function(call_accumulate_grad, args)
+    out.args = (None,)
+    return graph, weight
+
+
+def _accumulated(graph: torch.fx.Graph) -> torch.fx.Node:
+    acc = graph.find_nodes(op="call_function", target=call_accumulate_grad)[0]
+    return _compiled_autograd._accumulated_grad(acc)
+
+
+CASES = {
+    "older-form": (_older_decomposition, 3),
+    "installed-torch-form": (_current_decomposition, 4),
+}
+
+
+@pytest.mark.parametrize("padding_idx", [-1, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx):
+    fn, arity = CASES[case]
+    graph, weight = _graph_with_accumulate(lambda g, i: fn(g, i, padding_idx), dtype, arity)
+    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    grad = _accumulated(graph)
+    grad_output, indices = graph.find_nodes(op="placeholder")[1:]
+    assert grad.target is EAGER
+    assert grad.args == (grad_output, indices, VOCAB, padding_idx)
+    # The fp32 buffer of the weight's shape is erased (the rest is left to compiled
+    # autograd's dead-code pass).
+    assert not graph.find_nodes(op="call_function", target=aten.full.default)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_unhooked_weight_keeps_the_decomposition(case):
+    fn, arity = CASES[case]
+    graph, _ = _graph_with_accumulate(lambda g, i: fn(g, i, -1), torch.bfloat16, arity)
+    _compiled_autograd._use_eager_embedding_backward(graph, set())
+    assert _accumulated(graph).target is prims.convert_element_type.default
+    assert graph.find_nodes(op="call_function", target=aten.full.default)
+
+
+def test_older_form_without_accumulation_is_left_alone():
+    # An index_put that overwrites is not an embedding backward: repeated rows would differ.
+    graph, weight = _graph_with_accumulate(
+        lambda g, i: _older_decomposition(g, i, -1, accumulate=False), torch.bfloat16, 3
+    )
+    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    assert _accumulated(graph).target is prims.convert_element_type.default
+
+
+def test_fp32_weight_keeps_its_graph():
+    # fp32 gradients need no fp32 copy: nothing to replace.
+    graph, weight = _graph_with_accumulate(
+        lambda g, i: _older_decomposition(g, i, -1), torch.float32, 3
+    )
+    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    assert _accumulated(graph).target is prims.convert_element_type.default
