@@ -323,14 +323,17 @@ def _decomposed_embedding_backward(narrowed: Any, root: Any) -> tuple[Any, ...] 
 
 def _masked_with_zero(node: Any) -> tuple[Any, Any] | None:
     """(values, mask) if `node` is ``values.masked_fill(mask, 0)``, as such or decomposed
-    into ``where(mask, scalar_tensor(0), values)``."""
+    into ``where(mask, zero, values)`` with a 0-d zero (``scalar_tensor`` or ``full([])``)."""
     aten = torch.ops.aten
     fill = _call_args(node, aten.masked_fill.Scalar, 3)
     if fill:
         return (fill[0], fill[1]) if fill[2] == 0 else None
     where = _call_args(node, aten.where.self, 3)
-    zero = where and _call_args(where[1], aten.scalar_tensor.default, 1)
-    if not zero or zero[0] != 0:
+    if not where:
+        return None
+    scalar = _call_args(where[1], aten.scalar_tensor.default, 1)
+    full = _call_args(where[1], aten.full.default, 2)
+    if not (scalar and scalar[0] == 0) and not (full and full[0] == [] and full[1] == 0):
         return None
     return where[2], where[0]
 
