@@ -1,0 +1,113 @@
+"""Eager fast path of the fused ops: the chosen backend kernel, called without the dispatcher.
+
+Why: a `torch.library.custom_op` called from Python goes through the dispatcher's Python
+layers (autograd, ADInplaceOrView, the backend impl), which cost ~60-150 us of host time
+per call, more than the kernel itself takes on a small parameter, and the optimizers call
+one op per parameter (AdaLomo: four) inside backward. In plain eager execution those layers
+do two things for these ops: bump the version counters of the mutated arguments and run
+the kernel registered for the device. `FusedOp.__call__` does exactly that when nothing
+else could be listening, and calls the op through the dispatcher otherwise, so
+torch.compile, compiled autograd, FakeTensor, functionalization, torch.func transforms,
+tensor subclasses, TorchFunction/TorchDispatch modes, the profiler and the JIT tracer all
+keep seeing the op.
+
+Autograd stays correct: the ops have no autograd formula, and the fast path is only taken
+when autograd would record nothing (grad mode off, or no argument requires grad); the
+version bump it does is the one ADInplaceOrView does, before the kernel, for the same
+arguments (``mutates_args``), so a tensor saved for backward and then updated is still
+detected. Inference tensors have no version counter: `torch._C._increment_version` skips
+them, as the dispatcher does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .selection import ENV_VAR, BackendRegistry
+
+_C = torch._C
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+_FUNCTIONALIZE = _C.DispatchKey.Functionalize
+
+
+def _eager(tensors: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
+    """True when calling the op would reach its device kernel with nothing in between but
+    the version bump: no tracing, mode, transform, profiler or tensor subclass involved."""
+    if (
+        torch.compiler.is_compiling()
+        or _C._len_torch_dispatch_stack()
+        or _C._are_functorch_transforms_active()
+        or _C._autograd._profiler_enabled()
+        or _C._get_tracing_state() is not None
+        or _C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+        or _C._has_torch_function(tensors)
+    ):
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES:
+            return False
+    # With autograd recording, the op's autograd layer runs: leave it to the dispatcher.
+    return not (_C.is_grad_enabled() and _C._any_requires_grad(*args))
+
+
+def _device_type(t: torch.Tensor) -> str | None:
+    """'cpu' or 'cuda' (the device types with registered kernels), else None."""
+    # Tensor.is_cuda is several times cheaper than Tensor.device.type.
+    return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else None)
+
+
+class FusedOp:
+    """One fused op, callable with the op's arguments (the backend name last).
+
+    Eager: bumps the versions of the mutated tensors and runs the backend's ``function``
+    directly. Otherwise: ``torch.ops.lomo_kernels.<name>`` through the dispatcher.
+    """
+
+    def __init__(self, name: str, registry: BackendRegistry, function: str) -> None:
+        self.overload = getattr(torch.ops.lomo_kernels, name).default
+        schema = self.overload._schema
+        arguments = list(schema.arguments)
+        self._tensor_indices = tuple(i for i, a in enumerate(arguments) if "Tensor" in str(a.type))
+        self._mutated_indices = tuple(
+            i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        self._registry = registry
+        self._function = function
+        # (backend argument, device type, $LOMO_KERNELS_BACKEND, $TRITON_INTERPRET) -> kernel:
+        # the inputs of `BackendRegistry.resolve`, read on each call as the dispatcher does.
+        self._kernels: dict[tuple[str, str, str | None, str | None], Callable[..., None]] = {}
+
+    def kernel(self, device_type: str, backend: str) -> Callable[..., None]:
+        """The backend function the dispatcher would run for tensors of `device_type`."""
+        environ = os.environ
+        key = (
+            backend,
+            device_type,
+            environ.get(ENV_VAR) if backend == "auto" else None,
+            environ.get("TRITON_INTERPRET"),
+        )
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            module = self._registry.resolve(torch.device(device_type), backend)
+            kernel = self._kernels[key] = getattr(module, self._function)
+        return kernel
+
+    def __call__(self, *args: Any) -> None:
+        tensors = tuple(args[i] for i in self._tensor_indices if args[i] is not None)
+        if not _eager(tensors, args):
+            self.overload(*args)
+            return
+        *op_args, backend = args
+        device_type = _device_type(op_args[0])
+        if device_type is None:  # meta and other devices: the op's own registrations
+            self.overload(*args)
+            return
+        kernel = self.kernel(device_type, backend)
+        mutated = tuple(args[i] for i in self._mutated_indices if args[i] is not None)
+        _C._increment_version(mutated)
+        kernel(*op_args)
