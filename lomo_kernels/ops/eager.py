@@ -21,6 +21,7 @@ them, as the dispatcher does.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,12 +36,12 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 _FUNCTIONALIZE = _C.DispatchKey.Functionalize
 
 
-def _eager(tensors: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
-    """True when calling the op would reach its device kernel with nothing in between but
-    the version bump: no tracing, mode, transform, profiler or tensor subclass involved."""
+def _eager(tensors: tuple[Any, ...]) -> bool:
+    """Outside Dynamo, True when calling the op would reach its device kernel with nothing in
+    between but the version bump: no mode, transform, profiler, tracer or tensor subclass.
+    `tensors`: the op's Tensor and Tensor? arguments (None where absent)."""
     if (
-        torch.compiler.is_compiling()
-        or _C._len_torch_dispatch_stack()
+        _C._len_torch_dispatch_stack()
         or _C._are_functorch_transforms_active()
         or _C._autograd._profiler_enabled()
         or _C._get_tracing_state() is not None
@@ -48,11 +49,13 @@ def _eager(tensors: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
         or _C._has_torch_function(tensors)
     ):
         return False
-    for t in tensors:
-        if type(t) not in _PLAIN_TYPES:
-            return False
     # With autograd recording, the op's autograd layer runs: leave it to the dispatcher.
-    return not (_C.is_grad_enabled() and _C._any_requires_grad(*args))
+    # (The loop is _C._any_requires_grad over the tensors, at a third of its cost.)
+    recording = _C.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TYPES or (recording and t.requires_grad)):
+            return False
+    return True
 
 
 def _device_type(t: torch.Tensor) -> str | None:
@@ -72,7 +75,9 @@ class FusedOp:
         self.overload = getattr(torch.ops.lomo_kernels, name).default
         schema = self.overload._schema
         arguments = list(schema.arguments)
-        self._tensor_indices = tuple(i for i, a in enumerate(arguments) if "Tensor" in str(a.type))
+        tensor_indices = [i for i, a in enumerate(arguments) if "Tensor" in str(a.type)]
+        # itemgetter of two or more indices returns a tuple (every op has several tensors).
+        self._tensors = operator.itemgetter(*tensor_indices)
         self._mutated_indices = tuple(
             i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
         )
@@ -85,11 +90,13 @@ class FusedOp:
     def kernel(self, device_type: str, backend: str) -> Callable[..., None]:
         """The backend function the dispatcher would run for tensors of `device_type`."""
         environ = os.environ
+        # Only reads what `resolve` would depend on: TRITON_INTERPRET decides whether Triton
+        # serves CPU tensors; CUDA tensors exist only where CUDA, hence Triton, is usable.
         key = (
             backend,
             device_type,
             environ.get(ENV_VAR) if backend == "auto" else None,
-            environ.get("TRITON_INTERPRET"),
+            environ.get("TRITON_INTERPRET") if device_type == "cpu" else None,
         )
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -98,8 +105,8 @@ class FusedOp:
         return kernel
 
     def __call__(self, *args: Any) -> None:
-        tensors = tuple(args[i] for i in self._tensor_indices if args[i] is not None)
-        if not _eager(tensors, args):
+        # is_compiling first: Dynamo folds it to True and never traces the rest.
+        if torch.compiler.is_compiling() or not _eager(self._tensors(args)):
             self.overload(*args)
             return
         *op_args, backend = args
