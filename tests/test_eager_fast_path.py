@@ -27,9 +27,9 @@ def fast_calls(monkeypatch) -> list[str]:
     calls: list[str] = []
     original = eager.FusedOp.kernel
 
-    def kernel(self, device_type, backend):
+    def kernel(self, device, backend):
         calls.append(self.overload.name())
-        return original(self, device_type, backend)
+        return original(self, device, backend)
 
     monkeypatch.setattr(eager.FusedOp, "kernel", kernel)
     return calls

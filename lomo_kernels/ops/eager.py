@@ -22,14 +22,13 @@ them, as the dispatcher does.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .selection import ENV_VAR, BackendRegistry
+from .selection import BackendRegistry
 
 _C = torch._C
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
@@ -58,12 +57,6 @@ def _eager(tensors: tuple[Any, ...]) -> bool:
     return True
 
 
-def _device_type(t: torch.Tensor) -> str | None:
-    """'cpu' or 'cuda' (the device types with registered kernels), else None."""
-    # Tensor.is_cuda is several times cheaper than Tensor.device.type.
-    return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else None)
-
-
 class FusedOp:
     """One fused op, callable with the op's arguments (the backend name last).
 
@@ -83,26 +76,11 @@ class FusedOp:
         )
         self._registry = registry
         self._function = function
-        # (backend argument, device type, $LOMO_KERNELS_BACKEND, $TRITON_INTERPRET) -> kernel:
-        # the inputs of `BackendRegistry.resolve`, read on each call as the dispatcher does.
-        self._kernels: dict[tuple[str, str, str | None, str | None], Callable[..., None]] = {}
 
-    def kernel(self, device_type: str, backend: str) -> Callable[..., None]:
-        """The backend function the dispatcher would run for tensors of `device_type`."""
-        environ = os.environ
-        # Only reads what `resolve` would depend on: TRITON_INTERPRET decides whether Triton
-        # serves CPU tensors; CUDA tensors exist only where CUDA, hence Triton, is usable.
-        key = (
-            backend,
-            device_type,
-            environ.get(ENV_VAR) if backend == "auto" else None,
-            environ.get("TRITON_INTERPRET") if device_type == "cpu" else None,
-        )
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            module = self._registry.resolve(torch.device(device_type), backend)
-            kernel = self._kernels[key] = getattr(module, self._function)
-        return kernel
+    def kernel(self, device: torch.device, backend: str) -> Callable[..., None]:
+        """The backend function the dispatcher's kernel would run (`BackendRegistry.resolve`,
+        cached there per backend, device type and environment)."""
+        return getattr(self._registry.resolve(device, backend), self._function)
 
     def __call__(self, *args: Any) -> None:
         # is_compiling first: Dynamo folds it to True and never traces the rest.
@@ -110,11 +88,11 @@ class FusedOp:
             self.overload(*args)
             return
         *op_args, backend = args
-        device_type = _device_type(op_args[0])
-        if device_type is None:  # meta and other devices: the op's own registrations
+        first = op_args[0]
+        if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
             self.overload(*args)
             return
-        kernel = self.kernel(device_type, backend)
+        kernel = self.kernel(first.device, backend)
         mutated = tuple(args[i] for i in self._mutated_indices if args[i] is not None)
         _C._increment_version(mutated)
         kernel(*op_args)
