@@ -35,6 +35,7 @@ from . import adalomo_reference as reference
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
+from .eager import FusedOp
 from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 __all__ = [
@@ -217,6 +218,14 @@ for _op, _function in (
 ):
     register_kernels(_op, ADALOMO, _function)
 
+# The ops as callers use them: eager calls skip the dispatcher's Python layers (eager.py).
+factored_stats_op = FusedOp("adalomo_factored_stats_", ADALOMO, "factored_stats_")
+factored_moments_op = FusedOp("adalomo_factored_moments_", ADALOMO, "factored_moments_")
+factored_norm_op = FusedOp("adalomo_factored_norm_", ADALOMO, "factored_norm_")
+factored_apply_op = FusedOp("adalomo_factored_apply_", ADALOMO, "factored_apply_")
+vector_stats_op = FusedOp("adalomo_vector_stats_", ADALOMO, "vector_stats_")
+vector_apply_op = FusedOp("adalomo_vector_apply_", ADALOMO, "vector_apply_")
+
 
 # ----------------------------------------------------------------------------- validation
 
@@ -339,7 +348,6 @@ def adalomo_update_(
     name = requested_backend(backend)
     grad = grad.contiguous()  # once here rather than in each pass
     workspace = adalomo_workspace(param)
-    ops = torch.ops.lomo_kernels
     wd = float(weight_decay)
     threshold = float(clip_threshold)
     if param.dim() >= 2:
@@ -348,23 +356,19 @@ def adalomo_update_(
         _check_state("exp_avg_sq_row", row, rows, device)
         _check_state("exp_avg_sq_col", col, cols, device)
         inv_t, clip_value_f, coef_t = ga
-        ops.adalomo_factored_stats_(
+        factored_stats_op(
             grad, param, workspace, found_inf, skip_if, cols, inv_t, clip_value_f, name
         )
         if on_grad_sumsq is not None:
             on_grad_sumsq(measured_view(workspace))
-        ops.adalomo_factored_moments_(row, col, workspace, beta2_t, coef_t, eps0, name)
-        ops.adalomo_factored_norm_(grad, row, col, workspace, *ga, name)
-        ops.adalomo_factored_apply_(
-            param, grad, row, col, workspace, lr_t, eps1, threshold, wd, *ga, name
-        )
+        factored_moments_op(row, col, workspace, beta2_t, coef_t, eps0, name)
+        factored_norm_op(grad, row, col, workspace, *ga, name)
+        factored_apply_op(param, grad, row, col, workspace, lr_t, eps1, threshold, wd, *ga, name)
     else:
         v = state["exp_avg_sq"]
         _check_state("exp_avg_sq", v, param.numel(), device)
-        ops.adalomo_vector_stats_(
-            grad, param, v, workspace, found_inf, skip_if, beta2_t, eps0, *ga, name
-        )
-        ops.adalomo_vector_apply_(
+        vector_stats_op(grad, param, v, workspace, found_inf, skip_if, beta2_t, eps0, *ga, name)
+        vector_apply_op(
             param,
             grad,
             v,

@@ -81,8 +81,11 @@ class BackendRegistry:
     def resolve(self, device: torch.device, backend: str | None = None) -> ModuleType:
         """The backend module that runs this family's ops on tensors of `device`."""
         name = requested_backend(backend)
-        # TRITON_INTERPRET decides whether Triton serves CPU tensors: part of the key.
-        key = (name, device.type, os.environ.get("TRITON_INTERPRET", ""))
+        # TRITON_INTERPRET decides whether Triton serves CPU tensors: part of their key (CUDA
+        # tensors exist only where CUDA, hence compiled Triton, is usable; one read saved).
+        device_type = device.type
+        interpret = os.environ.get("TRITON_INTERPRET", "") if device_type == "cpu" else ""
+        key = (name, device_type, interpret)
         cached = self.cache.get(key)
         if cached is not None:
             return cached

@@ -17,6 +17,7 @@ import torch
 from . import sgd_reference
 from .backends import SGD, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
+from .eager import FusedOp
 from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 
@@ -53,6 +54,8 @@ def _sgd_update_op(
 
 
 register_kernels(_sgd_update_op, SGD, "sgd_update_")
+# The op as callers use it: eager calls skip the dispatcher's Python layers (eager.py).
+sgd_update_op = FusedOp("sgd_update_", SGD, "sgd_update_")
 
 
 @torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
@@ -67,6 +70,7 @@ def _grad_sumsq_op(
 
 
 register_kernels(_grad_sumsq_op, SGD, "grad_sumsq_")
+grad_sumsq_op = FusedOp("grad_sumsq_", SGD, "grad_sumsq_")
 
 
 def fused_sgd_update_(
@@ -119,7 +123,7 @@ def fused_sgd_update_(
     if param.numel() == 0:
         return
     # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
-    torch.ops.lomo_kernels.sgd_update_(
+    sgd_update_op(
         param,
         grad.contiguous(),
         lr_t,
@@ -152,9 +156,7 @@ def grad_sumsq_(
     inv_t = optional_factor("inv_scale", inv_scale, grad.device)
     if grad.numel() == 0:
         return
-    torch.ops.lomo_kernels.grad_sumsq_(
-        grad.contiguous(), inv_t, sumsq, found_inf, requested_backend(backend)
-    )
+    grad_sumsq_op(grad.contiguous(), inv_t, sumsq, found_inf, requested_backend(backend))
 
 
 def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 
 from .._rounding import mix32_int
 from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
+from ..ops.sgd import sgd_update_op
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
@@ -166,7 +167,7 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
-        torch.ops.lomo_kernels.sgd_update_(
+        sgd_update_op(
             target,
             grad,
             scalars.lr[self._group_of[id(param)]],

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..ops.sgd import grad_sumsq_op
 
 CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
 
@@ -124,9 +125,9 @@ class SinglePassClip:
         m = self._measured(grad.device)
         m.pair.zero_()
         if grad.numel():
-            # The registered op itself: `ops.grad_sumsq_` would re-check, per gradient, what
+            # The op itself: `ops.grad_sumsq_` would re-check, per gradient, what
             # the optimizer checked once at construction (dtype, device, layout).
-            torch.ops.lomo_kernels.grad_sumsq_(grad, inv_scale, m.sumsq, m.found, backend or "auto")
+            grad_sumsq_op(grad, inv_scale, m.sumsq, m.found, backend or "auto")
         self._account(m.pair, m.sumsq, m.found, m.bad, clip_coef)
         return m.found
 
