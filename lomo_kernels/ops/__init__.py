@@ -6,6 +6,7 @@
     adalomo_reference.py   their executable specification
     adalomo_workspace.py   the per-step fp32 workspace every AdaLomo backend shares
     backends.py            which kernels run each op on each device, and their registration
+    eager.py               eager calls straight to the kernel (no dispatcher layers to pay)
     selection.py           backend choice (argument, $LOMO_KERNELS_BACKEND, availability)
     scalars.py             runtime scalars: 1-element fp32 device tensors, converted once
     checks.py              argument validation, before anything is written
