@@ -23,15 +23,15 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture
 def fast_calls(monkeypatch) -> list[str]:
-    """Records each fused-op call that took the fast path (the kernel looked up directly)."""
+    """Records each fused-op call that took the fast path (the kernel run directly)."""
     calls: list[str] = []
-    original = eager.FusedOp.kernel
+    original = eager.FusedOp.run_kernel
 
-    def kernel(self, device, backend):
+    def run_kernel(self, *args):
         calls.append(self.overload.name())
-        return original(self, device, backend)
+        return original(self, *args)
 
-    monkeypatch.setattr(eager.FusedOp, "kernel", kernel)
+    monkeypatch.setattr(eager.FusedOp, "run_kernel", run_kernel)
     return calls
 
 

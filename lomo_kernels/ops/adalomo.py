@@ -35,7 +35,6 @@ from . import adalomo_reference as reference
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
-from .eager import FusedOp
 from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 __all__ = [
@@ -208,23 +207,13 @@ def _vector_apply_op(
     )
 
 
-for _op, _function in (
-    (_factored_stats_op, "factored_stats_"),
-    (_factored_moments_op, "factored_moments_"),
-    (_factored_norm_op, "factored_norm_"),
-    (_factored_apply_op, "factored_apply_"),
-    (_vector_stats_op, "vector_stats_"),
-    (_vector_apply_op, "vector_apply_"),
-):
-    register_kernels(_op, ADALOMO, _function)
-
 # The ops as callers use them: eager calls skip the dispatcher's Python layers (eager.py).
-factored_stats_op = FusedOp("adalomo_factored_stats_", ADALOMO, "factored_stats_")
-factored_moments_op = FusedOp("adalomo_factored_moments_", ADALOMO, "factored_moments_")
-factored_norm_op = FusedOp("adalomo_factored_norm_", ADALOMO, "factored_norm_")
-factored_apply_op = FusedOp("adalomo_factored_apply_", ADALOMO, "factored_apply_")
-vector_stats_op = FusedOp("adalomo_vector_stats_", ADALOMO, "vector_stats_")
-vector_apply_op = FusedOp("adalomo_vector_apply_", ADALOMO, "vector_apply_")
+factored_stats_op = register_kernels(_factored_stats_op, ADALOMO, "factored_stats_")
+factored_moments_op = register_kernels(_factored_moments_op, ADALOMO, "factored_moments_")
+factored_norm_op = register_kernels(_factored_norm_op, ADALOMO, "factored_norm_")
+factored_apply_op = register_kernels(_factored_apply_op, ADALOMO, "factored_apply_")
+vector_stats_op = register_kernels(_vector_stats_op, ADALOMO, "vector_stats_")
+vector_apply_op = register_kernels(_vector_apply_op, ADALOMO, "vector_apply_")
 
 
 # ----------------------------------------------------------------------------- validation

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from . import adalomo_reference, sgd_reference
+from .eager import FusedOp
 from .selection import BACKEND_NAMES, ENV_VAR, BackendRegistry, requested_backend
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda")
@@ -88,13 +89,16 @@ def _writes_only(*args: Any) -> None:
     return None
 
 
-def register_kernels(op: Any, registry: BackendRegistry, function: str) -> None:
+def register_kernels(op: Any, registry: BackendRegistry, function: str) -> FusedOp:
     """Registers the fake and the per-device kernels of `op` (a custom_op whose body is the
     reference). Each kernel runs ``function`` of the backend chosen for the tensors' device;
-    the op's last argument is the requested backend name, its first a tensor."""
+    the op's last argument is the requested backend name, its first a tensor. Returns the op
+    as callers use it: eager calls run that same kernel without the dispatcher (`eager.py`)."""
     op.register_fake(_writes_only)
+    kernel = _device_kernel(registry, function)
     for device_type in KERNEL_DEVICE_TYPES:
-        op.register_kernel(device_type, _device_kernel(registry, function))
+        op.register_kernel(device_type, kernel)
+    return FusedOp(op._opoverload, kernel)
 
 
 def _device_kernel(registry: BackendRegistry, function: str) -> Callable[..., None]:

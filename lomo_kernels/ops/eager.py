@@ -28,8 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .selection import BackendRegistry
-
 _C = torch._C
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 _FUNCTIONALIZE = _C.DispatchKey.Functionalize
@@ -60,39 +58,35 @@ def _eager(tensors: tuple[Any, ...]) -> bool:
 class FusedOp:
     """One fused op, callable with the op's arguments (the backend name last).
 
-    Eager: bumps the versions of the mutated tensors and runs the backend's ``function``
-    directly. Otherwise: ``torch.ops.lomo_kernels.<name>`` through the dispatcher.
+    Eager: bumps the versions of the mutated tensors and runs `device_kernel` (the function
+    `backends.register_kernels` registers for the CPU and CUDA dispatch keys) directly.
+    Otherwise: `overload` through the dispatcher.
     """
 
-    def __init__(self, name: str, registry: BackendRegistry, function: str) -> None:
-        self.overload = getattr(torch.ops.lomo_kernels, name).default
-        schema = self.overload._schema
-        arguments = list(schema.arguments)
+    def __init__(self, overload: Any, device_kernel: Callable[..., None]) -> None:
+        self.overload = overload
+        arguments = list(overload._schema.arguments)
         tensor_indices = [i for i, a in enumerate(arguments) if "Tensor" in str(a.type)]
         # itemgetter of two or more indices returns a tuple (every op has several tensors).
         self._tensors = operator.itemgetter(*tensor_indices)
         self._mutated_indices = tuple(
             i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
         )
-        self._registry = registry
-        self._function = function
+        self._device_kernel = device_kernel
 
-    def kernel(self, device: torch.device, backend: str) -> Callable[..., None]:
-        """The backend function the dispatcher's kernel would run (`BackendRegistry.resolve`,
-        cached there per backend, device type and environment)."""
-        return getattr(self._registry.resolve(device, backend), self._function)
+    def run_kernel(self, *args: Any) -> None:
+        """The fast path's kernel call: what the dispatcher runs for CPU and CUDA tensors."""
+        self._device_kernel(*args)
 
     def __call__(self, *args: Any) -> None:
         # is_compiling first: Dynamo folds it to True and never traces the rest.
         if torch.compiler.is_compiling() or not _eager(self._tensors(args)):
             self.overload(*args)
             return
-        *op_args, backend = args
-        first = op_args[0]
+        first = args[0]
         if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
             self.overload(*args)
             return
-        kernel = self.kernel(first.device, backend)
         mutated = tuple(args[i] for i in self._mutated_indices if args[i] is not None)
         _C._increment_version(mutated)
-        kernel(*op_args)
+        self.run_kernel(*args)

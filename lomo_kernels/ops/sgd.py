@@ -17,7 +17,6 @@ import torch
 from . import sgd_reference
 from .backends import SGD, register_kernels, requested_backend
 from .checks import check_finite, check_pair, check_scalar_tensor
-from .eager import FusedOp
 from .scalars import Scalar, device_scalar, grad_transform, optional_factor
 
 
@@ -53,9 +52,8 @@ def _sgd_update_op(
     )
 
 
-register_kernels(_sgd_update_op, SGD, "sgd_update_")
 # The op as callers use it: eager calls skip the dispatcher's Python layers (eager.py).
-sgd_update_op = FusedOp("sgd_update_", SGD, "sgd_update_")
+sgd_update_op = register_kernels(_sgd_update_op, SGD, "sgd_update_")
 
 
 @torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
@@ -69,8 +67,7 @@ def _grad_sumsq_op(
     sgd_reference.grad_sumsq_(grad, inv_scale, sumsq, found_inf)
 
 
-register_kernels(_grad_sumsq_op, SGD, "grad_sumsq_")
-grad_sumsq_op = FusedOp("grad_sumsq_", SGD, "grad_sumsq_")
+grad_sumsq_op = register_kernels(_grad_sumsq_op, SGD, "grad_sumsq_")
 
 
 def fused_sgd_update_(
