@@ -5,10 +5,15 @@ The decomposition differs between torch releases: the installed torch's own form
 from its decomposition table; the form of torch <= 2.11 (masked_fill + `_unsafe_index_put`,
 AccumulateGrad called with three arguments) is written out as that release emits it, since
 a GPU run on torch 2.11 showed the fp32 buffer (2x the embedding's bf16 size) still
-allocated when only the newer form was recognised.
+allocated when only the newer form was recognised. A backward loaded from AOTAutograd's cache
+holds the decomposition's zero tensors as constants of the graph's root module instead of
+``full`` calls (seen on the GPU when a compiled forward without compiled autograd had filled
+the cache first); each form is also checked that way.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -69,6 +74,25 @@ def _graph_with_accumulate(fn, dtype, arity: int) -> tuple[torch.fx.Graph, torch
     return graph, weight
 
 
+def _as_loaded_from_cache(graph: torch.fx.Graph) -> torch.nn.Module:
+    """Replaces every ``full(shape, 0)`` of `graph` by a ``get_attr`` of a zero constant, as
+    compiled autograd's rebuild of a cached backward leaves them; returns the root module."""
+    root = torch.nn.Module()
+    for i, node in enumerate(graph.find_nodes(op="call_function", target=aten.full.default)):
+        name = f"_tensor_constant{i}"
+        setattr(root, name, torch.zeros(node.args[0], dtype=node.kwargs["dtype"]))
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the graph has no owning module
+            constant = graph.get_attr(name)
+        node.replace_all_uses_with(constant)
+        graph.erase_node(node)
+    return root
+
+
+def _constants(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for k, v in vars(root).items() if isinstance(v, torch.Tensor)]
+
+
 def _accumulated(graph: torch.fx.Graph) -> torch.fx.Node:
     acc = graph.find_nodes(op="call_function", target=call_accumulate_grad)[0]
     return _compiled_autograd._accumulated_grad(acc)
@@ -81,21 +105,38 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["traced", "loaded-from-cache"])
 @pytest.mark.parametrize("padding_idx", [-1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES)
-def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx):
+def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx, cached):
     fn, arity = CASES[case]
     graph, weight = _graph_with_accumulate(lambda g, i: fn(g, i, padding_idx), dtype, arity)
-    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    root = _as_loaded_from_cache(graph) if cached else None
+    _compiled_autograd._use_eager_embedding_backward(graph, {weight}, root)
     grad = _accumulated(graph)
     grad_output, indices = graph.find_nodes(op="placeholder")[1:]
     assert grad.target is EAGER
     assert grad.args == (grad_output, indices, VOCAB, padding_idx)
-    # The fp32 buffer of the weight's shape is erased (the rest is left to compiled
-    # autograd's dead-code pass).
+    # The fp32 buffer of the weight's shape is erased, its constant too (the rest is left
+    # to compiled autograd's dead-code pass).
     fulls = graph.find_nodes(op="call_function", target=aten.full.default)
     assert not [n for n in fulls if n.args[0] == [VOCAB, HIDDEN]]
+    if cached:
+        assert not [name for name, t in _constants(root) if t.shape == (VOCAB, HIDDEN)]
+
+
+def test_cached_constant_that_is_not_zero_is_left_alone():
+    # A constant where the zero should be is matched only if it is zero: a nonzero fill
+    # value would change the gradient of the padding rows.
+    graph, weight = _graph_with_accumulate(
+        lambda g, i: _torch_2_11_graph(g, i, 7), torch.bfloat16, 3
+    )
+    root = _as_loaded_from_cache(graph)
+    scalar = next(name for name, _ in _constants(root) if not getattr(root, name).dim())
+    setattr(root, scalar, torch.tensor(1.0))
+    _compiled_autograd._use_eager_embedding_backward(graph, {weight}, root)
+    assert _accumulated(graph).target is prims.convert_element_type.default
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -255,21 +255,31 @@ def _padding_idx(mask: Any, indices: Any, num_weights: int) -> int | None:
     return ne[1]
 
 
+def _zero_constant(node: Any, root: Any) -> torch.Tensor | None:
+    """The tensor behind `node` if it is a ``get_attr`` of an all-zero constant of `root`.
+
+    A backward graph loaded from AOTAutograd's cache holds the factory calls of the
+    decomposition (``full(shape, 0)``, ``full([], 0.0)``) as such constants, made when
+    compiled autograd rebuilds the graph (see `_patch_backward_loading`)."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr" and root is not None):
+        return None
+    value = getattr(root, str(node.target), None)
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or bool(value.any()):
+        return None
+    return value
+
+
 def _fp32_zeros_shape(node: Any, root: Any) -> list[int] | None:
     """The static shape of `node` if it is an fp32 zero tensor: ``full(shape, 0)``, or the
-    constant Inductor's constant folding of the compiled forward leaves in its place."""
+    constant a backward loaded from the cache holds in its place (`_zero_constant`)."""
     zeros = _call_args(node, torch.ops.aten.full.default, 2)
+    constant = _zero_constant(node, root)
     if zeros:
         shape = zeros[0]
         if zeros[1] != 0 or node.kwargs.get("dtype") != torch.float32:
             return None
-    elif isinstance(node, torch.fx.Node) and node.op == "get_attr" and root is not None:
-        value = getattr(root, str(node.target), None)
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-            return None
-        if value.device.type == "meta" or bool(value.any()):
-            return None
-        shape = list(value.shape)
+    elif constant is not None and constant.dtype == torch.float32:
+        shape = list(constant.shape)
     else:
         return None
     if isinstance(shape, list | tuple) and all(isinstance(d, int) for d in shape):
@@ -301,7 +311,7 @@ def _decomposed_embedding_backward(narrowed: Any, root: Any) -> tuple[Any, ...] 
         put = _call_args(narrowed, aten.index_put.default, 4) or _call_args(
             narrowed, aten._unsafe_index_put.default, 4
         )
-        fill = put and put[3] is True and _masked_with_zero(put[2])
+        fill = put and put[3] is True and _masked_with_zero(put[2], root)
         if not fill:
             return None
         zeros, indices, (widened, mask) = put[0], put[1], fill
@@ -321,9 +331,10 @@ def _decomposed_embedding_backward(narrowed: Any, root: Any) -> tuple[Any, ...] 
     return widen[0], index, shape[0], padding_idx, zeros
 
 
-def _masked_with_zero(node: Any) -> tuple[Any, Any] | None:
+def _masked_with_zero(node: Any, root: Any) -> tuple[Any, Any] | None:
     """(values, mask) if `node` is ``values.masked_fill(mask, 0)``, as such or decomposed
-    into ``where(mask, zero, values)`` with a 0-d zero (``scalar_tensor`` or ``full([])``)."""
+    into ``where(mask, zero, values)`` with a 0-d zero (``scalar_tensor``, ``full([])`` or,
+    in a backward loaded from the cache, a constant of `root`)."""
     aten = torch.ops.aten
     fill = _call_args(node, aten.masked_fill.Scalar, 3)
     if fill:
@@ -333,7 +344,12 @@ def _masked_with_zero(node: Any) -> tuple[Any, Any] | None:
         return None
     scalar = _call_args(where[1], aten.scalar_tensor.default, 1)
     full = _call_args(where[1], aten.full.default, 2)
-    if not (scalar and scalar[0] == 0) and not (full and full[0] == [] and full[1] == 0):
+    constant = _zero_constant(where[1], root)
+    if (
+        not (scalar and scalar[0] == 0)
+        and not (full and full[0] == [] and full[1] == 0)
+        and not (constant is not None and constant.dim() == 0)
+    ):
         return None
     return where[2], where[0]
 
