@@ -313,6 +313,14 @@ void for_row_segments(int64_t begin, int64_t end, int64_t cols, F&& f) {
   }
 }
 
+// The squared update of one element of pass B, in double.
+template <class G>
+double norm_term(const typename G::T& grad, float r, float c, const adalomo::GradScalars& s) {
+  uint32_t bad;
+  const float update = lomo::mul_rn(lomo::mul_rn(r, c), adalomo::grad_g(G::load(grad), s, bad));
+  return static_cast<double>(update) * static_cast<double>(update);
+}
+
 template <class G>
 double norm_span(const typename G::T* grad, const float* R, const float* c, float mean,
                  int64_t cols, int64_t begin, int64_t end, const adalomo::GradScalars& s) {
@@ -320,12 +328,13 @@ double norm_span(const typename G::T* grad, const float* R, const float* c, floa
   for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
     const float r = adalomo::rsqrt_f(R[i] / mean);
     const typename G::T* g_row = grad + flat - j0;
-    for (int64_t j = j0; j < j1; ++j) {
-      uint32_t bad;
-      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
-                                        adalomo::grad_g(G::load(g_row[j]), s, bad));
-      acc[j % kLanes] += static_cast<double>(update) * static_cast<double>(update);
+    // Lanes restart at each segment: a fixed order, and a lane loop the compiler vectorises.
+    int64_t j = j0;
+    for (; j + kLanes <= j1; j += kLanes) {
+#pragma omp simd  // independent lanes: vectorised without reassociating any sum
+      for (int l = 0; l < kLanes; ++l) acc[l] += norm_term<G>(g_row[j + l], r, c[j + l], s);
     }
+    for (int l = 0; j < j1; ++j, ++l) acc[l] += norm_term<G>(g_row[j], r, c[j], s);
   });
   double total = 0.0;
   for (int l = 0; l < kLanes; ++l) total += acc[l];
