@@ -22,7 +22,6 @@ _loader = ExtensionLoader(
     "AdaLomo C++ backend",
     cpu=("lomo_kernels_adalomo_cpu", ["adalomo_cpu.cpp"]),
     cuda=("lomo_kernels_adalomo_cuda", ["adalomo_cuda.cu", "adalomo_cuda_binding.cpp"]),
-    native=True,
 )
 is_available = _loader.is_available
 unavailable_reason = _loader.unavailable_reason

@@ -28,18 +28,19 @@ def device_type(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda else ("cpu" if t.is_cpu else t.device.type)
 
 
-def cpu_build_flags(native: bool) -> list[list[str]]:
+def cpu_build_flags() -> list[list[str]]:
     """Compiler flag sets for a CPU extension, tried in order until one builds.
 
-    -ffp-contract=off keeps the reference's per-operation fp32 rounding (no FMA);
+    -march=native: the extension is built on the machine that runs it (first use);
+    -ffp-contract=off keeps the reference's per-operation fp32 rounding (no FMA), so the
+    vector width changes speed, not results;
     -fno-trapping-math lets GCC turn the float selects of the hot loops into vector blends;
     -fopenmp backs at::parallel_for (its OpenMP body lives in a header).
     """
     if sys.platform == "win32":
         return [["/O2", "/openmp"], ["/O2"]]
     base = ["-O3", "-fno-trapping-math", "-ffp-contract=off"]
-    sets = [base + ["-fopenmp"], base]
-    return [base + ["-march=native", "-fopenmp"], *sets] if native else sets
+    return [base + ["-march=native", "-fopenmp"], base + ["-fopenmp"], base]
 
 
 def _short(exc: BaseException) -> str:
@@ -56,13 +57,11 @@ class ExtensionLoader:
         cpu: tuple[str, Sequence[str]],
         cuda: tuple[str, Sequence[str]],
         *,
-        native: bool,
         prebuilt_cpu: str | None = None,
     ) -> None:
         self.label = label
         self._cpu_name, self._cpu_sources = cpu
         self._cuda_name, self._cuda_sources = cuda
-        self._native = native
         self._prebuilt_cpu = prebuilt_cpu
         self._lock = threading.Lock()
         self._modules: dict[str, ModuleType] = {}
@@ -74,7 +73,7 @@ class ExtensionLoader:
         from torch.utils.cpp_extension import load
 
         failures = []
-        for flags in cpu_build_flags(self._native):
+        for flags in cpu_build_flags():
             ldflags = [f for f in flags if f == "-fopenmp"]  # MSVC links OpenMP itself
             try:
                 return load(

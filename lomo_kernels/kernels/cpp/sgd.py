@@ -21,7 +21,6 @@ _loader = ExtensionLoader(
     "C++ backend",
     cpu=("lomo_kernels_cpu", ["lomo_cpu.cpp"]),
     cuda=("lomo_kernels_cuda", ["lomo_cuda.cu", "lomo_cuda_binding.cpp"]),
-    native=True,
     prebuilt_cpu="lomo_kernels._C_cpu",
 )
 is_available = _loader.is_available
