@@ -133,7 +133,7 @@ def test_cached_constant_that_is_not_zero_is_left_alone():
         lambda g, i: _torch_2_11_graph(g, i, 7), torch.bfloat16, 3
     )
     root = _as_loaded_from_cache(graph)
-    scalar = next(name for name, _ in _constants(root) if not getattr(root, name).dim())
+    scalar = next(name for name, t in _constants(root) if t.dim() == 0)
     setattr(root, scalar, torch.tensor(1.0))
     _compiled_autograd._use_eager_embedding_backward(graph, {weight}, root)
     assert _accumulated(graph).target is prims.convert_element_type.default
