@@ -252,7 +252,13 @@ def plot(results: list[Result], path: str, title: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", default="lomo,adamw", help=f"comma list of {OPTIMIZERS}")
     parser.add_argument("--size", choices=list(SIZES), default="small")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="default: bf16 where bf16 matmuls are native (GPUs, CPUs with AVX-512 BF16 or AMX), "
+        "else fp32 (torch emulates bf16 matmuls about 40x slower there)",
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
@@ -279,6 +285,8 @@ def command(args: argparse.Namespace) -> list[Result]:
 
     torch.set_num_threads(args.threads)
     device = args.device
+    if args.dtype is None:
+        args.dtype = machine.fast_dtype(device)
     hidden, inter, layers, heads = SIZES[args.size]
     n_params = sum(p.numel() for p in build_model(args.size, DTYPES[args.dtype], 0).parameters())
     backend = backends.backend_name(backends.resolve(torch.device(device)))

@@ -5,6 +5,8 @@ decorated), so it is set here, before any test module imports the package.
 """
 
 import os
+import time
+from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -35,3 +37,28 @@ def backend(request) -> str:
     if module is None:
         pytest.fail(f"backend {request.param} must be available in CI: {reason}")
     return request.param
+
+
+# -- which machine ran the suite, and how long it took (a slow CPU must show in the log) --------
+SUITE_BUDGET_S = 20 * 60  # README: `make test` within 20 minutes on the 2-core machines
+_suite_start = time.monotonic()
+
+
+def machine_line() -> str:
+    from lomo_kernels.tools import machine
+
+    bf16 = "native" if machine.native_bf16_matmul() else "emulated: bf16-heavy tests use fp32"
+    return (
+        f"CPU {machine.cpu_model()} ({machine.vector_isa()}), {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} threads; bf16 matmul {bf16}"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return "machine: " + machine_line()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    elapsed = time.monotonic() - _suite_start
+    over = "  OVER the 20-minute budget" if elapsed > SUITE_BUDGET_S else ""
+    terminalreporter.write_line(f"suite time {elapsed / 60:.1f} min on {machine_line()}{over}")

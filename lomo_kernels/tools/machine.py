@@ -20,6 +20,51 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def vector_isa() -> str:
+    """The widest matrix/vector extension the CPU has, as a short name for logs and tables."""
+    flags = cpu_flags()
+    for flag, name in (
+        ("amx_bf16", "AMX"),
+        ("avx512_bf16", "AVX-512 BF16"),
+        ("avx512f", "AVX-512"),
+        ("avx2", "AVX2"),
+    ):
+        if flag in flags:
+            return name
+    return platform.machine()
+
+
+def native_bf16_matmul(device: str = "cpu") -> bool:
+    """Whether bf16 matmuls run natively on `device`.
+
+    Every CUDA GPU we run on does. On x86 CPUs without AVX-512 BF16 or AMX (e.g. AVX2-only
+    AMD Zen 3) torch falls back to a generic GEMM: about 40x slower than fp32 and holding an
+    fp32 copy of an operand, so bf16 runs there are neither fast nor representative of memory.
+    """
+    import torch
+
+    if not str(device).startswith("cpu"):
+        return True
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fast_dtype(device: str = "cpu") -> str:
+    """ "bf16" where bf16 matmuls are native on `device`, else "fp32" (see native_bf16_matmul)."""
+    return "bf16" if native_bf16_matmul(device) else "fp32"
+
+
 def describe(device: str = "cpu") -> dict[str, Any]:
     """Machine, device, threads and library versions, for a results file's header."""
     import torch
@@ -28,6 +73,7 @@ def describe(device: str = "cpu") -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "device": device,
         "cpu": cpu_model(),
+        "cpu_isa": vector_isa(),
         "cpu_cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -52,7 +98,8 @@ def one_line(info: dict[str, Any]) -> str:
     where = (
         f"GPU {info['gpu']} ({info['gpu_memory_gib']} GiB), CUDA {info['cuda']}"
         if "gpu" in info
-        else f"CPU {info['cpu']}, {info['cpu_cores']} cores, {info['threads']} threads"
+        else f"CPU {info['cpu']} ({info.get('cpu_isa', '?')}), {info['cpu_cores']} cores, "
+        f"{info['threads']} threads"
     )
     return (
         f"{where}; torch {info['torch']}, triton {info['triton']}, python {info['python']}; "
