@@ -203,7 +203,7 @@ def train(name: str, args: argparse.Namespace, device: str) -> Result:
         result.step_s.append(time.perf_counter() - began)
         if i > 0:  # step 0 creates optimizer state: part of the steady-state peak afterwards
             result.peak_mib = max(result.peak_mib, meter.peak() / 2**20)
-        result.losses.append(float(loss))
+        result.losses.append(loss.item())
         tok_s = tokens_per_step / statistics.median(result.step_s[-20:])
         bar.set_postfix_str(
             f"loss {result.losses[-1]:.3f}, {tok_s:,.0f} tok/s, peak {result.peak_mib:.0f} MiB"
