@@ -55,6 +55,7 @@ BAD_VALUES = {
         (["--batch", "0"], "--batch: got '0'"),
         (["--seq", "-1"], "--seq: got '-1'"),
         (["--seq", "1.5"], "--seq: got '1.5'"),
+        (["--model", "llama-3b"], "--model: unknown model 'llama-3b': use a preset (llama-7b"),
     ],
     "bench kernels": [
         (["--device", "tpu"], "unknown device 'tpu': give cpu, cuda or cuda:N"),
@@ -201,3 +202,9 @@ def test_demo_through_the_cli_exits_0(capsys, restore_threads):
     argv = ["demo", "--steps", "1", "--size", "tiny", "--batch", "1", "--seq", "8"]
     assert main(argv + ["--dtype", "fp32", "--optimizers", "lomo"]) == 0
     assert "| lomo | 0.3 |" in capsys.readouterr().out
+
+
+def test_model_config_missing_a_field(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    line = refusal(capsys, ["estimate", "--model", str(tmp_path), "--optimizer", "lomo"])
+    assert "missing vocab_size" in line

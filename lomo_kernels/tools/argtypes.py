@@ -96,6 +96,14 @@ def from_value_errors(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapped
 
 
+def model_name(text: str) -> str:
+    """A preset name or the path of a Hugging Face config.json, checked now and kept as text."""
+    from .models import resolve_model
+
+    from_value_errors(resolve_model)(text)
+    return text
+
+
 def device(text: str) -> str:
     """'cpu', 'cuda' or 'cuda:N', refused when this machine has no such CUDA device."""
     name = text.strip().lower()

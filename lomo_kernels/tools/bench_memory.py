@@ -34,7 +34,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .argtypes import comma_list, device, output_path, plot_path, positive_int, whole_number
+from .argtypes import (
+    comma_list,
+    device,
+    model_name,
+    output_path,
+    plot_path,
+    positive_int,
+    whole_number,
+)
 from .models import PRESETS, resolve_model
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -472,7 +480,10 @@ def run(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"{', '.join(PRESETS)} or a HF config.json path"
+        "--model",
+        type=model_name,
+        default=DEFAULT_MODEL,
+        help=f"{', '.join(PRESETS)} or a HF config.json path",
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
@@ -495,7 +506,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    resolve_model(args.model)  # a clear error before any process starts
     split, meta, raw = run(
         args.model,
         args.batch,

@@ -62,10 +62,8 @@ def _module(name: str):  # noqa: ANN202 - a module object
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return _module(args._module).command(args)
-    except ValueError as exc:  # bad input found past parsing (e.g. a model name): one line
-        parser.exit(2, f"lomo-kernels: error: {exc}\n")
+    # Bad input is refused by parse_args; an error past this point is a fault, with its traceback.
+    return _module(args._module).command(args)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ from typing import Any
 from .argtypes import (
     is_finite_non_negative,
     is_finite_positive,
+    model_name,
     non_negative_float,
     positive_float,
     positive_int,
@@ -303,7 +304,10 @@ def format_estimate(est: Estimate) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help=f"{', '.join(PRESETS)} or a HF config.json path"
+        "--model",
+        type=model_name,
+        required=True,
+        help=f"{', '.join(PRESETS)} or a HF config.json path",
     )
     parser.add_argument("--optimizer", required=True, choices=OPTIMIZERS)
     parser.add_argument("--gpus", type=positive_int, default=1)
