@@ -29,9 +29,10 @@ class Parser(argparse.ArgumentParser):
 def _checked(text: str, convert: Callable[[str], T], ok: Callable[[T], bool], wanted: str) -> T:
     try:
         value = convert(text)
+        accepted = ok(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}: give {wanted}") from None
-    if not ok(value):
+        accepted = False
+    if not accepted:
         raise argparse.ArgumentTypeError(f"got {text!r}: give {wanted}")
     return value
 
