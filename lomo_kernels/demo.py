@@ -27,12 +27,25 @@ from pathlib import Path
 
 import torch
 
+from .tools.argtypes import (
+    Parser,
+    comma_list,
+    device,
+    plot_path,
+    positive_float,
+    positive_int,
+    whole_number,
+)
+
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (hidden, intermediate, layers, heads): parameter counts with the 128-character vocabulary.
 SIZES = {"tiny": (128, 352, 4, 4), "small": (256, 688, 4, 4), "base": (384, 1024, 6, 6)}
 OPTIMIZERS = ("lomo", "adalomo", "adamw", "sgd")
 DEFAULT_LR = {"lomo": 0.3, "adalomo": 0.02, "adamw": 2e-3, "sgd": 0.3}
+# Longest window: the model's position limit. Shortest: 2 characters, one next-character target.
+MAX_SEQ = 512
+MIN_SEQ = 2
 
 
 def build_model(size: str, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
@@ -46,7 +59,7 @@ def build_model(size: str, dtype: torch.dtype, seed: int, device: str = "cpu") -
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_SEQ,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -190,7 +203,7 @@ def train(name: str, args: argparse.Namespace, device: str) -> Result:
         result.step_s.append(time.perf_counter() - began)
         if i > 0:  # step 0 creates optimizer state: part of the steady-state peak afterwards
             result.peak_mib = max(result.peak_mib, meter.peak() / 2**20)
-        result.losses.append(float(loss))
+        result.losses.append(loss.item())
         tok_s = tokens_per_step / statistics.median(result.step_s[-20:])
         bar.set_postfix_str(
             f"loss {result.losses[-1]:.3f}, {tok_s:,.0f} tok/s, peak {result.peak_mib:.0f} MiB"
@@ -250,7 +263,12 @@ def plot(results: list[Result], path: str, title: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--optimizers", default="lomo,adamw", help=f"comma list of {OPTIMIZERS}")
+    parser.add_argument(
+        "--optimizers",
+        type=comma_list(OPTIMIZERS),
+        default="lomo,adamw",
+        help=f"comma list of {', '.join(OPTIMIZERS)}",
+    )
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument(
         "--dtype",
@@ -259,26 +277,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: bf16 where bf16 matmuls are native (GPUs, CPUs with AVX-512 BF16 or AMX), "
         "else fp32 (torch emulates bf16 matmuls about 40x slower there)",
     )
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=None, help="default per optimizer")
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--seq", type=whole_number(MIN_SEQ, MAX_SEQ), default=128)
+    parser.add_argument("--lr", type=positive_float, default=None, help="default per optimizer")
+    parser.add_argument("--clip-grad-norm", type=positive_float, default=1.0)
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda")
     parser.add_argument(
-        "--threads", type=int, default=1, help="CPU threads (1: shared 2-core machines)"
+        "--threads", type=positive_int, default=1, help="CPU threads (1: shared 2-core machines)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the PNG here")
+    parser.add_argument("--plot", type=plot_path, default=None, help="write the PNG here")
 
 
-def command(args: argparse.Namespace) -> list[Result]:
-    names = [n.strip().lower() for n in args.optimizers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
-    if unknown or not names:
-        raise ValueError(f"unknown optimizer {unknown}: choose from {', '.join(OPTIMIZERS)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here; run with --device cpu")
+def run(args: argparse.Namespace) -> list[Result]:
+    """Train with each optimizer, print the table (and write the plot); the results."""
     from lomo_kernels.ops import backends
 
     from .tools import machine
@@ -295,7 +308,7 @@ def command(args: argparse.Namespace) -> list[Result]:
         f"layers), {args.dtype}, {device}; {args.steps} steps of {args.batch} x {args.seq} "
         f"characters; Lomo kernels: {backend} backend"
     )
-    results = [train(name, args, device) for name in names]
+    results = [train(name, args, device) for name in args.optimizers]
     info = machine.describe(device)
     print()
     print(machine.one_line(info))
@@ -313,16 +326,21 @@ def command(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-def main(argv: list[str] | None = None) -> list[Result]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def command(args: argparse.Namespace) -> int:
+    """The exit status of a demo run (`lomo-kernels demo`)."""
+    run(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(
+        prog="python -m lomo_kernels.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
-    try:
-        return command(parser.parse_args(argv))
-    except ValueError as exc:
-        parser.exit(2, f"demo: error: {exc}\n")
+    return command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

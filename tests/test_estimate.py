@@ -125,6 +125,9 @@ def test_zero3_shards_states_and_parameters() -> None:
         ({"model": "llama-7b", "optimizer": "adam"}, "choose one of adamw, sgd"),
         ({"model": "llama-7b", "optimizer": "lomo", "gpus": 0}, "gpus must be >= 1"),
         ({"model": "llama-7b", "optimizer": "lomo", "batch": 0}, "must be positive"),
+        ({"model": "llama-7b", "optimizer": "lomo", "gpu_mem_gib": -5}, "gpu_mem_gib must be"),
+        ({"model": "llama-7b", "optimizer": "lomo", "gpu_mem_gib": float("nan")}, "finite"),
+        ({"model": "llama-7b", "optimizer": "lomo", "activations_gib": -3}, "activations_gib"),
     ],
 )
 def test_bad_input_names_what_to_do(kwargs: dict, message: str) -> None:

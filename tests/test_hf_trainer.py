@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import batch, tiny_llama
@@ -109,3 +112,30 @@ def test_trainer_refuses_deepspeed_with_what_to_do(tmp_path):
     targs.deepspeed = {"zero_optimization": {"stage": 3}}  # as TrainingArguments(deepspeed=...)
     with pytest.raises(ValueError, match="examples/zero3_finetune.py"):
         LomoTrainer(model=tiny_llama(), args=targs, train_dataset=dataset())
+
+
+def fields_of(targs) -> dict:
+    return {f.name: copy.deepcopy(getattr(targs, f.name)) for f in dataclasses.fields(targs)}
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["args=", "positional"])
+def test_trainer_leaves_the_callers_arguments_unchanged(tmp_path, positional):
+    targs = args(tmp_path, max_steps=2)
+    before = fields_of(targs)
+    trainers = []
+    for _ in range(2):  # the second trainer is built from the arguments the first one saw
+        call = (
+            ((tiny_llama(), targs), {})
+            if positional
+            else ((), {"model": tiny_llama(), "args": targs})
+        )
+        trainer = LomoTrainer(*call[0], **call[1], train_dataset=dataset())
+        trainer.train()
+        trainers.append(trainer)
+    assert fields_of(targs) == before
+    assert targs.max_grad_norm == 1.0
+    for trainer in trainers:
+        assert trainer.args is not targs and trainer.args.max_grad_norm == 0.0
+        assert trainer._lomo().clip_grad_norm == 1.0
+    first, second = ([h["loss"] for h in t.state.log_history if "loss" in h] for t in trainers)
+    assert first == second  # same model, data and clipping: the same steps

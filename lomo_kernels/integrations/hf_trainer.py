@@ -13,6 +13,7 @@ weights work, and gradient accumulation (impossible with LOMO) is refused up fro
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -22,10 +23,28 @@ from ..optim import AdaLomo, Lomo
 from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
 
 
+def _with_own_training_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Trainer's arguments with a copy of the TrainingArguments in them.
+
+    The trainer turns the Trainer's clipping off in its arguments (and transformers assigns
+    other fields of them); the caller's object must stay as given, so that a second trainer
+    built from it clips too. A shallow copy: only attributes are assigned, and the copy keeps
+    sharing the process-wide accelerate state that the arguments hold.
+    """
+    if "args" in kwargs:
+        kwargs = {**kwargs, "args": copy.copy(kwargs["args"])}
+    elif len(args) > 1:
+        args = (args[0], copy.copy(args[1]), *args[2:])
+    return args, kwargs
+
+
 class LomoTrainer(Trainer):
     """A Trainer whose training step calls `optimizer.fused_backward(loss)`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        args, kwargs = _with_own_training_arguments(args, kwargs)
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(targs, "deepspeed", None):
             # transformers hands its optimizer to deepspeed.initialize, whose ZeRO-3 optimizer

@@ -46,6 +46,15 @@ import torch
 from .. import ops
 from ..ops import backends
 from . import machine
+from .argtypes import (
+    comma_list,
+    device,
+    from_value_errors,
+    output_path,
+    plot_path,
+    positive_float,
+    positive_int,
+)
 from .models import PRESETS
 
 LR = 1e-3
@@ -80,6 +89,14 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'4K,1M' -> [4096, 1048576]."""
+    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    if not sizes:
+        raise ValueError(f"no size in {text!r}: use e.g. 4K,1M")
+    return sizes
 
 
 def size_label(numel: int) -> str:
@@ -485,36 +502,39 @@ def write_json(rows: Sequence[Row], meta: dict[str, Any], path: str | Path) -> N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--dtype", default=",".join(DTYPES), help="comma list of bf16,fp16,fp32")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        type=comma_list(tuple(DTYPES)),
+        default=",".join(DTYPES),
+        help="comma list of bf16,fp16,fp32",
+    )
     parser.add_argument(
         "--sizes",
+        type=from_value_errors(parse_sizes),
         default=",".join(size_label(n) for n in DEFAULT_SIZES),
         help="comma list of element counts (4K, 1M, ...)",
     )
     parser.add_argument("--no-layer", action="store_true", help="skip the LLaMA-7B layer mix")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile chain")
-    parser.add_argument("--budget", type=float, default=1.5, help="seconds per case (about)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
-    parser.add_argument("--csv", default=None, help="write every row here")
-    parser.add_argument("--json", default=None, help="write rows and machine data here")
-    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument(
+        "--budget", type=positive_float, default=1.5, help="seconds per case (about)"
+    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="CPU threads (default 2)")
+    parser.add_argument("--csv", type=output_path, default=None, help="write every row here")
+    parser.add_argument(
+        "--json", type=output_path, default=None, help="write rows and machine data here"
+    )
+    parser.add_argument("--plot", type=plot_path, default=None, help="write a PNG plot here")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def command(args: argparse.Namespace) -> int:
-    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        raise ValueError(f"unknown dtype {', '.join(unknown)}: choose from {', '.join(DTYPES)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here; run with --device cpu")
     torch.set_num_threads(args.threads)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     rows, meta = run(
         args.device,
-        dtypes,
-        sizes,
+        args.dtype,
+        args.sizes,
         layer_case=not args.no_layer,
         compile_chain=not args.no_compile,
         budget_s=args.budget,

@@ -34,6 +34,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .argtypes import (
+    comma_list,
+    device,
+    model_name,
+    output_path,
+    plot_path,
+    positive_int,
+    whole_number,
+)
 from .models import PRESETS, resolve_model
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -469,49 +478,39 @@ def run(
     return split_peaks(raw, configs), meta, raw
 
 
-def _configs(text: str) -> list[str]:
-    out = []
-    for name in (t.strip().lower() for t in text.split(",") if t.strip()):
-        name = ALIASES.get(name, name)
-        if name not in CONFIGS:
-            raise ValueError(
-                f"unknown optimizer {name!r}: choose from adamw, sgd, lomo_optim, lomo, "
-                "lomo_clip, adalomo"
-            )
-        out.append(name)
-    return out
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"{', '.join(PRESETS)} or a HF config.json path"
+        "--model",
+        type=model_name,
+        default=DEFAULT_MODEL,
+        help=f"{', '.join(PRESETS)} or a HF config.json path",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="steps per process (step 0 skipped)")
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=256)
     parser.add_argument(
-        "--optimizers", default="adamw,sgd,lomo_optim,lomo,adalomo", help="comma list"
+        "--steps", type=whole_number(2), default=3, help="steps per process (step 0 skipped)"
     )
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--plot", default=None, help="write the stacked bars (PNG) here")
+    parser.add_argument(
+        "--optimizers",
+        type=comma_list(CONFIGS, ALIASES),
+        default="adamw,sgd,lomo_optim,lomo,adalomo",
+        help="comma list",
+    )
+    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
+    parser.add_argument(
+        "--plot", type=plot_path, default=None, help="write the stacked bars (PNG) here"
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
 def command(args: argparse.Namespace) -> int:
-    resolve_model(args.model)  # a clear error before any process starts
-    configs = _configs(args.optimizers)
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device here; run with --device cpu")
     split, meta, raw = run(
         args.model,
         args.batch,
         args.seq,
-        configs,
+        args.optimizers,
         args.steps,
         args.dtype,
         args.device,

@@ -7,6 +7,7 @@
 
 Each subcommand's module adds its own arguments (`add_arguments`) and runs them (`command`);
 heavy imports (transformers, matplotlib) happen only in the subcommand that needs them.
+Arguments are checked while they are parsed (`argtypes`), before any work starts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from .argtypes import Parser
 
 # subcommand path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -32,7 +35,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="lomo-kernels", description="LOMO / AdaLomo kernels: estimate, benchmark, demo"
     )
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -59,11 +62,8 @@ def _module(name: str):  # noqa: ANN202 - a module object
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(_module(args._module).command(args) or 0)
-    except ValueError as exc:  # bad input: one clear line, no traceback
-        parser.exit(2, f"lomo-kernels: error: {exc}\n")
-    return 1
+    # Bad input is refused by parse_args; an error past this point is a fault, with its traceback.
+    return _module(args._module).command(args)
 
 
 if __name__ == "__main__":

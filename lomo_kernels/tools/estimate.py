@@ -87,6 +87,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .argtypes import (
+    is_finite_non_negative,
+    is_finite_positive,
+    model_name,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from .models import PRESETS, ModelShape, resolve_model
 
 GIB = 2**30
@@ -231,6 +239,10 @@ def estimate(
     precision = _check_choice(precision, tuple(PRECISIONS), "precision")
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if not is_finite_positive(gpu_mem_gib):
+        raise ValueError(f"gpu_mem_gib must be a finite number > 0, got {gpu_mem_gib}")
+    if activations_gib is not None and not is_finite_non_negative(activations_gib):
+        raise ValueError(f"activations_gib must be a finite number >= 0, got {activations_gib}")
     p = PRECISIONS[precision]
     params = parameter_bytes(shape, precision)
     grads = gradient_bytes(shape, opt, precision)
@@ -292,13 +304,20 @@ def format_estimate(est: Estimate) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help=f"{', '.join(PRESETS)} or a HF config.json path"
+        "--model",
+        type=model_name,
+        required=True,
+        help=f"{', '.join(PRESETS)} or a HF config.json path",
     )
     parser.add_argument("--optimizer", required=True, choices=OPTIMIZERS)
-    parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="sequences per GPU")
-    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ, help="tokens per sequence")
+    parser.add_argument("--gpus", type=positive_int, default=1)
+    parser.add_argument(
+        "--gpu-mem", type=positive_float, default=80.0, help="GiB per GPU (default 80)"
+    )
+    parser.add_argument(
+        "--batch", type=positive_int, default=DEFAULT_BATCH, help="sequences per GPU"
+    )
+    parser.add_argument("--seq", type=positive_int, default=DEFAULT_SEQ, help="tokens per sequence")
     parser.add_argument(
         "--checkpointing",
         action=argparse.BooleanOptionalAction,
@@ -314,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--activations-gib",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="use this activation figure (e.g. a measured one) instead of the model's",
     )

@@ -6,14 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+NEEDS_MATPLOTLIB = "plots need matplotlib: pip install matplotlib (or pip install -e '.[bench]')"
+
 
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError(
-            "plots need matplotlib: pip install matplotlib (or pip install -e '.[bench]')"
-        ) from None
+        raise ValueError(NEEDS_MATPLOTLIB) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
