@@ -14,6 +14,7 @@ import abc
 import functools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._report_event: Any = None
         self.last_grad_norm: torch.Tensor | None = None
         self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
+        # The loss and max norm the last norm pass measured: its result serves that loss
+        # only. A weak reference, so a collected loss whose id() is reused never matches.
+        self._norm_loss: weakref.ref[torch.Tensor] | None = None
+        self._norm_max_norm: float | None = None
         self.last_step_skipped = False
         self.last_step_partial = False
         self.single_backward = bool(single_backward)
@@ -380,6 +385,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 coef = ops.clip_coef_from_sumsq(total_sumsq, self.clip_grad_norm)
                 scalars.clip_coef.copy_(coef.to(device, non_blocking=True))
         self._norm_ready = True
+        self._norm_loss = weakref.ref(loss)
+        self._norm_max_norm = self.clip_grad_norm
         return self.last_grad_norm
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -392,6 +399,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._set_lr(lr)
         if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
+        self._norm_ready = self._norm_ready and self._norm_is_for(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
         if not self._norm_ready and self._needs_detection_pass() and not single:
             self.grad_norm(loss)
@@ -406,6 +414,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         finally:
             detection = self._norm_ready
             self._norm_ready = False
+            self._norm_loss = None
             self._single_step = False
         self._finish_step(detection, single)
 
@@ -461,6 +470,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError("the loss must be a scalar tensor")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: nothing to back-propagate")
+
+    def _norm_is_for(self, loss: torch.Tensor) -> bool:
+        """Whether the last norm pass measured `loss` with the current clip_grad_norm."""
+        if self._norm_max_norm != self.clip_grad_norm:
+            return False
+        if self._sharding is not None and not self._sharding.second_backward_ok:
+            return True  # ZeRO-3: the norm pass had a forward of its own (same batch)
+        return self._norm_loss is not None and self._norm_loss() is loss
 
     def _check_sharded_pattern(self, loss: torch.Tensor) -> None:
         """Refuses, before any change, a second backward over a ZeRO-3 loss's graph."""
