@@ -200,9 +200,10 @@ def test_frozen_parameters_untouched():
 
 def test_plain_backward_is_refused_with_explanation():
     model = tiny_llama()
-    Lomo(model, lr=0.1)
+    opt = Lomo(model, lr=0.1)  # held: a collected optimizer removes its hooks
     with pytest.raises(RuntimeError, match="gradients cannot be accumulated"):
         model(**batch(0)).loss.backward()
+    assert opt.attached
 
 
 def test_step_is_a_no_op_and_closure_is_called():

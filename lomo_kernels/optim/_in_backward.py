@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import abc
 import functools
-import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,15 @@ from ..ops.backends import requested_backend
 from ..ops.checks import SUPPORTED_DTYPES
 from ..ops.scalars import optional_factor
 from . import _compiled_autograd
-from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler
+from ._hyper import (
+    CHECKS,
+    check_clip_grad_norm,
+    check_clip_grad_value,
+    check_lr,
+    checked_group,
+    checked_groups,
+)
+from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler, check_scaler_state
 from .single_pass import PARTIAL_STEP_WARNING, SinglePassClip
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -70,21 +78,14 @@ class _DeviceScalars:
         self.inv_scale = torch.ones(1, device=self.device)
 
 
-def check_lr(lr: Any) -> float:
-    if isinstance(lr, torch.Tensor):
-        raise TypeError("lr must be a Python number; the optimizer keeps it in a device tensor")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-    return float(lr)
+def _for_hooks(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checked group hyper-parameters without lr, as plain dicts for the hooks.
 
-
-def clip_value_or_none(clip_grad_value: float | None) -> float | None:
-    """lomo-optim clips by value only when clip_grad_value > 0: 0 or less means off."""
-    if clip_grad_value is None:
-        return None
-    if not math.isfinite(clip_grad_value):
-        raise ValueError(f"clip_grad_value must be finite, got {clip_grad_value}")
-    return float(clip_grad_value) if clip_grad_value > 0 else None
+    torch.compile guards on every value of an optimizer's param_groups, so reading the
+    groups inside a traced hook would recompile the backward whenever the lr changes (the
+    hooks take the lr from scalars.lr).
+    """
+    return [{k: v for k, v in group.items() if k != "lr"} for group in groups]
 
 
 ONE_LOSS_UNDER_SHARDING = (
@@ -153,8 +154,69 @@ def computes_in_fp16(model: nn.Module) -> bool:
     return torch.float16 in compute_dtypes(model, trainable_parameters(model))
 
 
-class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
-    """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`."""
+class _Claim:
+    """Marks parameters as updated by one optimizer's hooks. A token of its own, so the
+    registry below holds no reference to the optimizer."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+
+# id(parameter) -> (the parameter, weakly; the claim of the optimizer whose hooks it has)
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], _Claim]] = {}
+
+
+def check_unowned(params: list[nn.Parameter], names: dict[int, str], new_owner: str) -> None:
+    """Refuses parameters that a live in-backward optimizer already updates: both would
+    update them in the same backward."""
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[0]() is p:
+            raise ValueError(
+                f"parameter {names.get(id(p), '?')!r} is already updated in backward by a live "
+                f"{entry[1].owner}: call .detach() on that optimizer (or build it in a with "
+                f"block) before building a {new_owner} on the same parameters"
+            )
+
+
+def _release(handles: list[Any], claim: _Claim, ids: list[int]) -> None:
+    """Removes one optimizer's hooks and claims (its finalizer: no reference to it)."""
+    for handle in handles:
+        handle.remove()
+    for i in ids:
+        entry = _OWNERS.get(i)
+        if entry is not None and entry[1] is claim:
+            del _OWNERS[i]
+
+
+def _grad_ready_hook(optimizer: weakref.ref[InBackwardOptimizer]) -> Any:
+    """The post-accumulate-grad hook: a weak reference, so the model does not keep the
+    optimizer alive (its finalizer removes the hooks when it is collected)."""
+
+    def on_grad_ready(param: torch.Tensor) -> None:
+        owner = optimizer()
+        if owner is not None:
+            owner._on_grad_ready(param)
+
+    return on_grad_ready
+
+
+class _AttachedAfterInit(abc.ABCMeta):
+    """Attaches the hooks once the whole constructor, the subclass's included, succeeded:
+    a constructor that fails leaves the model as it was."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().__call__(*args, **kwargs)
+        optimizer._attach()
+        return optimizer
+
+
+class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
+    """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`.
+
+    The hooks stay until `detach()`, the end of a ``with`` block, or the optimizer's
+    collection; then the model trains with plain backward and any other optimizer.
+    """
 
     def __init__(
         self,
@@ -169,48 +231,103 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
         `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
         `single_backward`: clip and check overflow within the update pass (single_pass.py)."""
-        clip_grad_norm = defaults["clip_grad_norm"]
-        if clip_grad_norm is not None and not (
-            math.isfinite(clip_grad_norm) and clip_grad_norm > 0
-        ):
-            raise ValueError(f"clip_grad_norm should be positive, got {clip_grad_norm}.")
-        defaults["clip_grad_value"] = clip_value_or_none(defaults["clip_grad_value"])
-        check_lr(defaults["lr"])
-        if not math.isfinite(defaults["weight_decay"]):
-            raise ValueError(f"weight_decay must be finite, got {defaults['weight_decay']}")
+        defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
+        check_unowned(params, parameter_names(model), type(self).__name__)
         self._sharding = sharding_for(
             params, parameter_names(model), model=model, bucket_numel=bucket_numel
         )
         super().__init__([{"params": params}], defaults)
         self.model = model
-        self.clip_grad_norm = clip_grad_norm
-        self.clip_grad_value = defaults["clip_grad_value"]
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
         self.step_count = 0
         self._phase = _IDLE
         self._norm_ready = False
         self._scalars: dict[torch.device, _DeviceScalars] = {}
-        self._hook_groups = self._fixed_hyper_parameters()
+        self._hook_groups = _for_hooks(self._checked_groups())
         self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._report: torch.Tensor | None = None
         self._report_event: Any = None
         self.last_grad_norm: torch.Tensor | None = None
         self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
+        # The loss and max norm the last norm pass measured: its result serves that loss
+        # only. A weak reference, so a collected loss whose id() is reused never matches.
+        self._norm_loss: weakref.ref[torch.Tensor] | None = None
+        self._norm_max_norm: float | None = None
         self.last_step_skipped = False
         self.last_step_partial = False
         self.single_backward = bool(single_backward)
-        self._single = SinglePassClip(clip_grad_norm, params[0].device) if single_backward else None
+        self._single = SinglePassClip(None, params[0].device) if single_backward else None
         self._single_step = False  # this update pass clips and checks as gradients arrive
         self._reported_single = False  # the queued report is of a single-backward step
         _compiled_autograd.install()  # keeps in-backward updates correct under compiled autograd
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._release_hooks: weakref.finalize | None = None  # set by _attach
+
+    # The hyper-parameters live in param_groups (as in torch.optim); these attributes are
+    # lomo-optim's names for them. Clipping by the global norm has one threshold.
+    @property
+    def clip_grad_norm(self) -> float | None:
+        return self.param_groups[0]["clip_grad_norm"]
+
+    @clip_grad_norm.setter
+    def clip_grad_norm(self, value: float | None) -> None:
+        value = check_clip_grad_norm(value)
+        for group in self.param_groups:
+            group["clip_grad_norm"] = value
+
+    @property
+    def clip_grad_value(self) -> float | None:
+        return self.param_groups[0]["clip_grad_value"]
+
+    @clip_grad_value.setter
+    def clip_grad_value(self, value: float | None) -> None:
+        value = check_clip_grad_value(value)
+        for group in self.param_groups:
+            group["clip_grad_value"] = value
+
+    # -- hooks' lifetime ----------------------------------------------------------------
+    def _attach(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        hook = _grad_ready_hook(weakref.ref(self))
+        claim, handles = _Claim(type(self).__name__), []
+        try:
+            for p in params:
+                handles.append(p.register_post_accumulate_grad_hook(hook))
+                _OWNERS[id(p)] = (weakref.ref(p), claim)
+        except BaseException:
+            _release(handles, claim, [id(p) for p in params])
+            raise
+        self._release_hooks = weakref.finalize(
+            self, _release, handles, claim, [id(p) for p in params]
+        )
+        # What the hooks were built for, compared before each step (_check_parameters).
+        self._layout = [(p, p.dtype, p.device) for p in params]
+
+    def detach(self) -> None:
+        """Removes every hook from the model: plain ``loss.backward()`` and any other
+        optimizer work on it again. This optimizer can no longer step."""
+        if self._release_hooks is not None:
+            self._release_hooks()  # runs once; later calls do nothing
+
+    def __enter__(self) -> InBackwardOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are on the model (False after `detach()`)."""
+        return self._release_hooks is not None and self._release_hooks.alive
 
     # -- overridables -----------------------------------------------------------------
+    def _host_hyper_parameters(self) -> dict[str, Any]:
+        """Hyper-parameters kept outside param_groups, checked with them at every step."""
+        return {}
+
     def _loss_scaler(self) -> DynamicLossScaler | None:
         return None
 
@@ -354,7 +471,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
-        self._check_loss(loss)
+        self._check_call(loss)
         self._report_previous_step()
         self._prepare_scalars()
         for scalars in self._scalars.values():
@@ -380,6 +497,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 coef = ops.clip_coef_from_sumsq(total_sumsq, self.clip_grad_norm)
                 scalars.clip_coef.copy_(coef.to(device, non_blocking=True))
         self._norm_ready = True
+        self._norm_loss = weakref.ref(loss)
+        self._norm_max_norm = self.clip_grad_norm
         return self.last_grad_norm
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -388,10 +507,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `lr` sets the learning rate of every param group (as lomo-optim does); omitted, the
         groups' own lr is used, so torch.optim.lr_scheduler schedulers work.
         """
-        self._check_loss(loss)
-        self._set_lr(lr)
+        self._check_call(loss, lr)
         if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
+        self._norm_ready = self._norm_ready and self._norm_is_for(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
         if not self._norm_ready and self._needs_detection_pass() and not single:
             self.grad_norm(loss)
@@ -399,6 +518,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._report_previous_step()
             self._prepare_scalars()
         if single:
+            self._single.max_norm = self.clip_grad_norm
             self._single.begin_step()
         self._single_step = single
         try:
@@ -406,6 +526,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         finally:
             detection = self._norm_ready
             self._norm_ready = False
+            self._norm_loss = None
             self._single_step = False
         self._finish_step(detection, single)
 
@@ -413,13 +534,20 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # would specialise on the float lr and the step count and recompile every step. Only
     # these helpers are excluded, not the backward: compiled autograd stays on for it.
     @torch.compiler.disable
-    def _set_lr(self, lr: float | None) -> None:
+    def _check_call(self, loss: torch.Tensor, lr: float | None = None) -> None:
+        """Checks everything the step reads on the host, before anything changes, then sets
+        every group's lr to `lr` when given (as lomo-optim does)."""
+        self._check_loss(loss)
+        self._check_parameters()
+        groups = self._checked_groups(None if lr is None else check_lr(lr))
+        checked_group(self._host_hyper_parameters(), type(self).__name__)
         if lr is not None:
-            lr = check_lr(lr)
             for group in self.param_groups:
-                group["lr"] = lr
-        for group in self.param_groups:
-            check_lr(group["lr"])
+                group["lr"] = float(lr)
+        self._hook_groups = _for_hooks(groups)
+
+    def _checked_groups(self, lr: float | None = None) -> list[dict[str, Any]]:
+        return checked_groups(self.param_groups, "param_groups", lr)
 
     @torch.compiler.disable
     def _finish_step(self, detection: bool, single: bool) -> None:
@@ -462,6 +590,61 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: nothing to back-propagate")
 
+    def _check_parameters(self) -> None:
+        """Refuses a step when the model's parameters changed since construction: hooks and
+        state were built for the trainable parameters, their dtype, device and layout then.
+
+        Without sharding the model is walked (parameters unfrozen or replaced); FSDP2 and
+        ZeRO-3 swap the registered tensors themselves, so there only freezing is checked.
+        """
+        if not self.attached:
+            raise RuntimeError(
+                f"this {type(self).__name__} was detached (detach() or the end of its with "
+                "block): its hooks are gone; build a new optimizer to train with it"
+            )
+        problem = None
+        for p, dtype, device in self._layout:
+            if not p.requires_grad:
+                problem = (p, "was frozen (requires_grad=False)")
+            elif self._sharding is None and (p.dtype != dtype or p.device != device):
+                problem = (p, f"was {dtype} on {device} and is now {p.dtype} on {p.device}")
+            elif self._sharding is None and not p.is_contiguous():
+                problem = (p, "is no longer contiguous (its .data was replaced)")
+            if problem:
+                break
+        if problem is None and self._sharding is None:
+            hooked = {id(p) for p, _, _ in self._layout}
+            current = {id(p) for p in self.model.parameters() if p.requires_grad}
+            if current != hooked:
+                added = next(iter(current - hooked), None)
+                problem = (
+                    added,
+                    "is trainable but has no hook (unfrozen or replaced)"
+                    if added is not None
+                    else "is no longer in the model (replaced)",
+                )
+        if problem is not None:
+            self._refuse_changed(*problem)
+
+    def _refuse_changed(self, param: torch.Tensor | None, what: str) -> None:
+        names = parameter_names(self.model)
+        if param is None:
+            gone = {id(p) for p, _, _ in self._layout} - set(names)
+            param = next(p for p, _, _ in self._layout if id(p) in gone)
+        raise RuntimeError(
+            f"parameter {names.get(id(param), '?')!r} {what} since the {type(self).__name__} "
+            "was built, so its hooks and state no longer match the model: call opt.detach() "
+            "and build a new optimizer (load its state_dict() to keep the step count)"
+        )
+
+    def _norm_is_for(self, loss: torch.Tensor) -> bool:
+        """Whether the last norm pass measured `loss` with the current clip_grad_norm."""
+        if self._norm_max_norm != self.clip_grad_norm:
+            return False
+        if self._sharding is not None and not self._sharding.second_backward_ok:
+            return True  # ZeRO-3: the norm pass had a forward of its own (same batch)
+        return self._norm_loss is not None and self._norm_loss() is loss
+
     def _check_sharded_pattern(self, loss: torch.Tensor) -> None:
         """Refuses, before any change, a second backward over a ZeRO-3 loss's graph."""
         same_graph = self._norm_ready and loss.grad_fn is self._norm_graph
@@ -478,7 +661,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             )
             raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")
 
-    @torch.compiler.disable  # see _set_lr
+    @torch.compiler.disable  # see _check_call
     def _prepare_scalars(self) -> None:
         for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -492,25 +675,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for scalars in self._scalars.values():
                 if group_index in scalars.lr:
                     scalars.lr[group_index].fill_(group["lr"])
-        self._hook_groups = self._fixed_hyper_parameters()
         scaler = self._loss_scaler()
         for scalars in self._scalars.values():
             scalars.update_found_inf.zero_()
             if scaler is not None and scalars.device != scaler.device:
                 # One copy per device and step, not one per parameter in the hooks.
                 scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
-
-    def _fixed_hyper_parameters(self) -> list[dict[str, Any]]:
-        """The groups' hyper-parameters but params and lr, as plain dicts for the hooks.
-
-        torch.compile guards on every value of an optimizer's param_groups, so reading the
-        groups inside a traced hook would recompile the backward whenever the lr changes
-        (the hooks take the lr from scalars.lr).
-        """
-        return [
-            {k: v for k, v in group.items() if k not in ("params", "lr")}
-            for group in self.param_groups
-        ]
 
     def _run_backward(self, loss: torch.Tensor, phase: str, retain_graph: bool) -> None:
         scaler = self._loss_scaler()
@@ -573,7 +743,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._report = flags
             self._report_event = None
 
-    @torch.compiler.disable  # see _set_lr
+    @torch.compiler.disable  # see _check_call
     def _report_previous_step(self) -> None:
         """Reads the last step's overflow flags (long finished) and reports them."""
         if self._report is None:
@@ -622,6 +792,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         state = super().state_dict()
         scaler = self._loss_scaler()
         state["lomo"] = {
+            "optimizer": self._state_format(),
             "step_count": self.step_count,
             "loss_scaler": None if scaler is None else scaler.state_dict(),
         }
@@ -648,14 +819,131 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return values
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads `state_dict` after checking the whole of it: a checkpoint of another
+        optimizer class, model or sharding, or with non-finite values, is refused with
+        nothing applied."""
+        self._check_state_dict(state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
-        super().load_state_dict(state_dict)
+        self._load_torch_state(state_dict)
+        self._norm_ready = False  # a norm measured before the load belongs to the old state
+        self._norm_loss = None
         if extra is not None:
             self.step_count = int(extra["step_count"])
             self._load_scaler_state(extra["loss_scaler"])
             if self._single is not None and "single_backward" in extra:
                 self._single.load_state_dict(extra["single_backward"])
+
+    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
+        """Applies torch.optim's part (param_groups, per-parameter state), already checked."""
+        super().load_state_dict(state_dict)
+
+    @classmethod
+    def _state_format(cls) -> str:
+        """The optimizer whose state this class keeps: Lomo or AdaLomo (subclasses too)."""
+        return cls.__mro__[cls.__mro__.index(InBackwardOptimizer) - 1].__name__
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                "load_state_dict takes an optimizer state_dict: a dict with 'state' and "
+                "'param_groups' (from optimizer.state_dict())"
+            )
+        extra = state_dict.get("lomo")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError("state_dict['lomo'] must be a dict (from optimizer.state_dict())")
+        own = self._state_format()
+        writer = (extra or {}).get("optimizer", own)
+        if writer != own:
+            raise ValueError(
+                f"this state_dict was written by {writer}; {own} keeps other state and "
+                f"hyper-parameters: load it into a {writer}, or start {own} from its fresh state"
+            )
+        self._check_saved_groups(state_dict["param_groups"])
+        self._check_saved_states(state_dict["state"])
+        if extra is not None:
+            self._check_saved_extra(extra)
+
+    def _check_saved_groups(self, groups: Any) -> None:
+        own = self.param_groups
+        if not isinstance(groups, list) or len(groups) != len(own):
+            count = len(groups) if isinstance(groups, list) else "no list of"
+            raise ValueError(
+                f"state_dict has {count} param groups, this optimizer {len(own)}: the "
+                "checkpoint belongs to another optimizer set-up"
+            )
+        for i, (saved, group) in enumerate(zip(groups, own, strict=True)):
+            saved_params = saved.get("params", ()) if isinstance(saved, dict) else ()
+            if len(saved_params) != len(group["params"]):
+                raise ValueError(
+                    f"state_dict['param_groups'][{i}] holds {len(saved_params)} parameters, this "
+                    f"optimizer's {len(group['params'])}: the checkpoint belongs to another model "
+                    "(or to other frozen parameters)"
+                )
+            differing = {k for k in group if k in CHECKS} ^ {k for k in saved if k in CHECKS}
+            if differing:
+                raise ValueError(
+                    f"state_dict['param_groups'][{i}] differs from this optimizer's in the "
+                    f"hyper-parameters {sorted(differing)}: it was written by another optimizer "
+                    "class"
+                )
+        checked_groups(groups, "state_dict['param_groups']")
+
+    def _check_saved_states(self, states: Any) -> None:
+        """Per-parameter state: the same indices, keys and shapes as this optimizer's own
+        (Lomo keeps none), finite values (see `_check_state_values`)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        names = parameter_names(self.model)
+        if not isinstance(states, dict):
+            raise ValueError("state_dict['state'] must be a dict of parameter index -> state")
+        expected = {i for i, p in enumerate(params) if self.state.get(p)}
+        unknown = set(states) - expected
+        if unknown:
+            raise ValueError(
+                f"state_dict['state'] holds state for parameter indices {sorted(unknown)[:8]}, "
+                f"for which {type(self).__name__} keeps none: the checkpoint belongs to another "
+                "optimizer class or model"
+            )
+        for index in sorted(expected):
+            param = params[index]
+            where = f"state_dict['state'][{index}] (parameter {names.get(id(param), '?')!r})"
+            if index not in states:
+                raise ValueError(f"{where} is missing: the checkpoint belongs to another model")
+            self._check_saved_state(where, states[index], self.state[param])
+
+    def _check_saved_state(self, where: str, saved: Any, own: dict[str, Any]) -> None:
+        if not isinstance(saved, dict) or set(saved) != set(own):
+            keys = sorted(saved) if isinstance(saved, dict) else saved
+            raise ValueError(f"{where} has the keys {keys}, this optimizer's {sorted(own)}")
+        for key, value in own.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            incoming = saved[key]
+            if not isinstance(incoming, torch.Tensor) or incoming.shape != value.shape:
+                shape = tuple(incoming.shape) if isinstance(incoming, torch.Tensor) else incoming
+                raise ValueError(
+                    f"{where}[{key!r}] has shape {shape}, this optimizer's "
+                    f"{tuple(value.shape)}: the checkpoint belongs to another model or "
+                    "sharding (consolidated_state_dict() loads into the unsharded model)"
+                )
+            problem = self._check_state_values(incoming)
+            if problem:
+                raise ValueError(f"{where}[{key!r}] {problem}: the checkpoint is corrupt")
+
+    def _check_state_values(self, values: torch.Tensor) -> str | None:
+        """What is wrong with a saved state tensor's values, or None."""
+        if not bool(torch.isfinite(values).all()):
+            return "holds inf/nan"
+        return None
+
+    def _check_saved_extra(self, extra: dict[str, Any]) -> None:
+        step = extra.get("step_count")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state_dict['lomo']['step_count'] must be an int >= 0, got {step!r}")
+        if extra.get("loss_scaler") is not None:
+            check_scaler_state(extra["loss_scaler"], "state_dict['lomo']['loss_scaler']")
+        if extra.get("single_backward") is not None:
+            SinglePassClip.check_state_dict(extra["single_backward"])
 
     def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
         """Subclasses with a loss scaler restore it here."""

@@ -9,16 +9,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
+from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, unwrap_engine
 from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
 from ..ops.adalomo import adalomo_update_, init_adalomo_state
 from ..ops.adalomo_reference import GradTransform
+from ._hyper import check_loss_scale
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
     computes_in_fp16,
+    parameter_names,
     trainable_parameters,
 )
+
+
+def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
+    """Refuses a matrix with an empty last dimension: its factored moments would average
+    over no column."""
+    names = parameter_names(unwrap_engine(model))
+    for p in params:
+        if p.dim() >= 2 and p.shape[-1] == 0:
+            raise ValueError(
+                f"parameter {names.get(id(p), '?')!r} has shape {tuple(p.shape)}: AdaLomo's "
+                "factored moments average over the last dimension, which is empty; freeze it "
+                "(requires_grad=False) or give it a non-empty shape"
+            )
 
 
 class AdaLomo(InBackwardOptimizer):
@@ -61,22 +76,14 @@ class AdaLomo(InBackwardOptimizer):
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
-        if not (math.isfinite(loss_scale) and loss_scale > 0):
-            raise ValueError(f"loss_scale must be finite and > 0, got {loss_scale}")
-        if len(eps) != 2 or not all(math.isfinite(e) and e >= 0 for e in eps):
-            raise ValueError(f"eps must be two finite numbers >= 0, got {eps}")
-        if not (math.isfinite(clip_threshold) and clip_threshold > 0):
-            raise ValueError(f"clip_threshold must be > 0, got {clip_threshold}")
-        if not (math.isfinite(decay_rate) and decay_rate < 0):
-            raise ValueError(
-                f"decay_rate must be < 0 (beta2_t = 1 - t**decay_rate), got {decay_rate}"
-            )
+        check_factorable(model, params)
+        loss_scale = check_loss_scale(loss_scale)
         defaults = {
             "lr": lr,
-            "eps": tuple(eps),
-            "weight_decay": float(weight_decay),
-            "clip_threshold": float(clip_threshold),
-            "decay_rate": float(decay_rate),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "clip_threshold": clip_threshold,
+            "decay_rate": decay_rate,
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
@@ -87,7 +94,7 @@ class AdaLomo(InBackwardOptimizer):
             bucket_numel=bucket_numel,
             single_backward=single_backward,
         )
-        self.loss_scale = float(loss_scale)
+        self.loss_scale = loss_scale
         self._fp16 = computes_in_fp16(model)
         for p in params:
             if self._sharding is None:
@@ -101,13 +108,16 @@ class AdaLomo(InBackwardOptimizer):
         super()._prepare_scalars()
         t = self.step_count + 1  # lomo-optim counts the step before its backward
         # beta2 changes every step: a device tensor, so a compiled backward is not rebuilt.
-        for group_index, group in enumerate(self.param_groups):
+        for group_index, group in enumerate(self._hook_groups):
             beta2 = 1.0 - math.pow(t, group["decay_rate"])
             for device in self._scalars:
                 key = (device, group_index)
                 if key not in self._beta2:
                     self._beta2[key] = torch.zeros(1, device=device)
                 self._beta2[key].fill_(beta2)
+
+    def _host_hyper_parameters(self) -> dict[str, Any]:
+        return {"loss_scale": self.loss_scale}
 
     def _static_inv_scale(self) -> float:
         return 1.0 / self.loss_scale
@@ -162,7 +172,7 @@ class AdaLomo(InBackwardOptimizer):
         steps = []
         for i, (shard, grad) in enumerate(ready):
             index = self._group_of[id(shard.param)]
-            group = self.param_groups[index]
+            group = self._hook_groups[index]
             coef = scalars.clip_coef if clip_coefs is None else clip_coefs[i : i + 1]
             steps.append(
                 SliceStep(
@@ -191,11 +201,16 @@ class AdaLomo(InBackwardOptimizer):
             full["exp_avg_sq"] = self._sharding.gather_slices(param, full["exp_avg_sq"])
         return full
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _check_state_values(self, values: torch.Tensor) -> str | None:
+        problem = super()._check_state_values(values)
+        if problem is None and bool((values < 0).any()):
+            problem = "holds negative values (second moments are averages of squares)"
+        return problem
+
+    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
         # torch.optim casts floating state to the parameter's dtype; the moments stay fp32.
-        state_dict = dict(state_dict)
-        moments = state_dict.pop("state", {})
-        super().load_state_dict({**state_dict, "state": {}})
+        moments = state_dict["state"]
+        super()._load_torch_state({**state_dict, "state": {}})
         params = [p for g in self.param_groups for p in g["params"]]
         for index, values in moments.items():
             param = params[index]

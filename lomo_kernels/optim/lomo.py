@@ -68,7 +68,7 @@ class Lomo(InBackwardOptimizer):
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
         defaults = {
             "lr": lr,
-            "weight_decay": float(weight_decay),
+            "weight_decay": weight_decay,
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
@@ -133,7 +133,7 @@ class Lomo(InBackwardOptimizer):
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
         for i, (shard, grad) in enumerate(ready):
             if shard.local.numel():
-                group = self.param_groups[self._group_of[id(shard.param)]]
+                group = self._hook_groups[self._group_of[id(shard.param)]]
                 self._apply(
                     shard.param,
                     shard.local,

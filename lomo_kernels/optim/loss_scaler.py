@@ -22,6 +22,54 @@ LOSS_SCALE_KEYS = (
 )
 
 
+STATE_KEYS = (
+    "scale",
+    "hysteresis",
+    "cur_iter",
+    "last_overflow_iter",
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "delayed_shift",
+    "consecutive_hysteresis",
+    "raise_error_at_min_scale",
+)
+
+
+def _check_settings(
+    where: str,
+    scale: float,
+    scale_factor: float,
+    scale_window: int,
+    delayed_shift: int,
+    min_scale: float,
+    scale_name: str = "scale",
+) -> None:
+    """The scaler's numbers, as the constructor takes them and as a state_dict holds them."""
+    for name, value in ((scale_name, scale), ("min_scale", min_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {name} must be finite and > 0, got {value}")
+    if not (math.isfinite(scale_factor) and scale_factor > 1):
+        raise ValueError(f"{where}: scale_factor must be > 1, got {scale_factor}")
+    if int(scale_window) < 1 or int(delayed_shift) < 1:
+        raise ValueError(f"{where}: scale_window and delayed_shift must be >= 1")
+
+
+def check_scaler_state(state: Any, where: str = "state_dict loss_scaler") -> None:
+    """Refuses a saved scaler state that is incomplete or would scale wrongly."""
+    if not isinstance(state, dict) or set(STATE_KEYS) - set(state):
+        raise ValueError(f"{where} must be a dict with the keys {', '.join(STATE_KEYS)}")
+    try:
+        floats = [float(state[k]) for k in ("scale", "scale_factor", "min_scale")]
+        ints = [int(state[k]) for k in ("scale_window", "delayed_shift")]
+        counters = [int(state[k]) for k in ("hysteresis", "cur_iter", "last_overflow_iter")]
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: a value is not a number ({error})") from None
+    _check_settings(where, floats[0], floats[1], ints[0], ints[1], floats[2])
+    if counters[0] < 0 or counters[1] < 0 or counters[2] < -1:
+        raise ValueError(f"{where}: negative hysteresis or iteration counter {counters}")
+
+
 class DynamicLossScaler:
     """Loss scale, hysteresis and iteration counters held in device tensors.
 
@@ -41,13 +89,15 @@ class DynamicLossScaler:
         consecutive_hysteresis: bool = False,
         raise_error_at_min_scale: bool = True,
     ) -> None:
-        for name, value in (("init_scale", init_scale), ("min_scale", min_scale)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"loss_scale_args: {name} must be finite and > 0, got {value}")
-        if not scale_factor > 1:
-            raise ValueError(f"loss_scale_args: scale_factor must be > 1, got {scale_factor}")
-        if int(scale_window) < 1 or int(delayed_shift) < 1:
-            raise ValueError("loss_scale_args: scale_window and delayed_shift must be >= 1")
+        _check_settings(
+            "loss_scale_args",
+            init_scale,
+            scale_factor,
+            scale_window,
+            delayed_shift,
+            min_scale,
+            scale_name="init_scale",
+        )
         self.device = device
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)

@@ -56,6 +56,7 @@ rather than one process's backward order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -229,6 +230,20 @@ class SinglePassClip:
 
     def state_dict(self) -> dict[str, Any]:
         return {"norm_history": self.norm_history.tolist()}
+
+    @staticmethod
+    def check_state_dict(state: Any) -> None:
+        """Refuses a saved norm history that is not three finite norms >= 0."""
+        history = state.get("norm_history") if isinstance(state, dict) else None
+        if not (
+            isinstance(history, (list, tuple))
+            and len(history) == 3
+            and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in history)
+        ):
+            raise ValueError(
+                "state_dict['lomo']['single_backward']['norm_history'] must be three finite "
+                f"norms >= 0, got {history!r}: the checkpoint is corrupt"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norm_history.copy_(torch.tensor(state["norm_history"], dtype=torch.float32))
