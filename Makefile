@@ -24,8 +24,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 
+# Two pytest-xdist workers, one file each at a time (module fixtures run once), one thread
+# each: most tests are single-threaded Python (Triton interpreter, Dynamo tracing), so two
+# workers use both cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # On a CUDA machine: every backend on CUDA tensors against the float64 model, the optimizers
 # end to end and the no-host-sync check (tests marked `cuda`; skipped with the reason elsewhere).

@@ -13,7 +13,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread per xdist worker (`make test` runs two on the 2-core machines), else two.
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
+)
 
 
 def available_backends() -> list[str]:

@@ -188,8 +188,16 @@ def test_bf16_compiled_autograd_default_rounding(references, opt_name):
     check_compiled_step(references, "forward_ca", opt_name, torch.bfloat16, emulate=False)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
+# The refusal depends on the backward graph's structure (views of weights saved by an eager
+# forward), not on the dtype; each case traces a failing compile (60-150 s on 2 cores), so
+# each optimizer runs once and each dtype once.
+@pytest.mark.parametrize(
+    ("opt_name", "dtype"),
+    [
+        pytest.param("lomo", torch.bfloat16, id="lomo-bf16"),
+        pytest.param("adalomo", torch.float32, id="adalomo-fp32"),
+    ],
+)
 def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
     references, opt_name, dtype
 ):

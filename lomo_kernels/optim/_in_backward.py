@@ -247,6 +247,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._norm_ready = False
         self._scalars: dict[torch.device, _DeviceScalars] = {}
         self._hook_groups = _for_hooks(self._checked_groups())
+        # The step's clip threshold, read from the checked groups at each call: traced code
+        # reads this float, not param_groups (whose lr changes every step: a guard on the
+        # group would recompile a compiled step each time).
+        self._max_norm: float | None = defaults["clip_grad_norm"]
         self._group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._report: torch.Tensor | None = None
@@ -336,7 +340,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
 
     def _needs_detection_pass(self) -> bool:
         """Whether an inf/nan check must precede the update (fp16: make overflow atomic)."""
-        return self.clip_grad_norm is not None
+        return self._max_norm is not None
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """single_backward: whether `_update` measures this gradient's sum of squares and
@@ -493,12 +497,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self.last_grad_norm = total_sumsq.sqrt()
         for device, scalars in self._scalars.items():
             scalars.norm_found_inf.copy_(found.to(device, non_blocking=True))
-            if self.clip_grad_norm is not None:
-                coef = ops.clip_coef_from_sumsq(total_sumsq, self.clip_grad_norm)
+            if self._max_norm is not None:
+                coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm)
                 scalars.clip_coef.copy_(coef.to(device, non_blocking=True))
-        self._norm_ready = True
-        self._norm_loss = weakref.ref(loss)
-        self._norm_max_norm = self.clip_grad_norm
+        self._remember_norm_of(loss)
         return self.last_grad_norm
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -510,7 +512,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._check_call(loss, lr)
         if self._sharding is not None and not self._sharding.second_backward_ok:
             self._check_sharded_pattern(loss)
-        self._norm_ready = self._norm_ready and self._norm_is_for(loss)
+        self._keep_norm_only_for(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
         if not self._norm_ready and self._needs_detection_pass() and not single:
             self.grad_norm(loss)
@@ -518,17 +520,33 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             self._report_previous_step()
             self._prepare_scalars()
         if single:
-            self._single.max_norm = self.clip_grad_norm
+            self._single.max_norm = self._max_norm
             self._single.begin_step()
         self._single_step = single
         try:
             self._run_backward(loss, _UPDATE, retain_graph=False)
         finally:
             detection = self._norm_ready
-            self._norm_ready = False
-            self._norm_loss = None
+            self._forget_norm()
             self._single_step = False
         self._finish_step(detection, single)
+
+    # Which loss the last norm pass measured: host bookkeeping, kept out of a compiled step
+    # (a traced weakref would break the graph, and its guards would recompile the next step).
+    @torch.compiler.disable
+    def _remember_norm_of(self, loss: torch.Tensor) -> None:
+        self._norm_ready = True
+        self._norm_loss = weakref.ref(loss)
+        self._norm_max_norm = self._max_norm
+
+    @torch.compiler.disable
+    def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
+        self._norm_ready = self._norm_ready and self._norm_is_for(loss)
+
+    @torch.compiler.disable
+    def _forget_norm(self) -> None:
+        self._norm_ready = False
+        self._norm_loss = None
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only
@@ -545,6 +563,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             for group in self.param_groups:
                 group["lr"] = float(lr)
         self._hook_groups = _for_hooks(groups)
+        self._max_norm = groups[0]["clip_grad_norm"]
 
     def _checked_groups(self, lr: float | None = None) -> list[dict[str, Any]]:
         return checked_groups(self.param_groups, "param_groups", lr)
@@ -639,7 +658,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
 
     def _norm_is_for(self, loss: torch.Tensor) -> bool:
         """Whether the last norm pass measured `loss` with the current clip_grad_norm."""
-        if self._norm_max_norm != self.clip_grad_norm:
+        if self._norm_max_norm != self._max_norm:
             return False
         if self._sharding is not None and not self._sharding.second_backward_ok:
             return True  # ZeRO-3: the norm pass had a forward of its own (same batch)

@@ -123,7 +123,7 @@ class AdaLomo(InBackwardOptimizer):
         return 1.0 / self.loss_scale
 
     def _needs_detection_pass(self) -> bool:
-        return self._fp16 or self.clip_grad_norm is not None
+        return self._fp16 or self._max_norm is not None
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         # Factored: pass A measures the gradient's sum of squares and non-finite flag (no

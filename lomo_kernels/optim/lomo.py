@@ -110,7 +110,7 @@ class Lomo(InBackwardOptimizer):
 
     def _needs_detection_pass(self) -> bool:
         # fp16 overflows are common: find them before any parameter changes.
-        return self.loss_scaler is not None or self.clip_grad_norm is not None
+        return self.loss_scaler is not None or self._max_norm is not None
 
     def _update(
         self,
