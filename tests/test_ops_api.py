@@ -68,7 +68,7 @@ BAD_CALLS = {
     "sparse grad": (lambda: (torch.zeros(4, 4), torch.zeros(4, 4).to_sparse(), {}), "sparse"),
     "int param": (lambda: (torch.zeros(4, dtype=torch.int32), torch.zeros(4), {}), "int32"),
     "float64 grad": (lambda: (torch.zeros(4), torch.zeros(4, dtype=torch.float64), {}), "float64"),
-    "numel mismatch": (lambda: (torch.zeros(4), torch.zeros(5), {}), "elements"),
+    "size mismatch": (lambda: (torch.zeros(4), torch.zeros(5), {}), "shape"),
     "non-contiguous param": (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4), {}), "contiguous"),
     "negative lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": -1.0}), "lr must be >= 0"),
     "nan lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": float("nan")}), "finite"),
@@ -105,3 +105,22 @@ def test_bad_input_raises_before_writing(case):
     with pytest.raises((TypeError, ValueError), match=message):
         ops.fused_sgd_update_(param, grad, **kwargs)
     assert torch.equal(param, before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+@pytest.mark.parametrize("shape", [(6, 4), (24,), (2, 12)], ids=["transposed", "flat", "other"])
+def test_gradient_of_another_shape_is_refused_before_any_change(backend, shape):
+    """A gradient with the parameter's size but another shape would be applied in memory
+    order, to the wrong elements: refused, parameter and AdaLomo state untouched."""
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(4, 6, generator=gen)
+    grad = torch.randn(shape, generator=gen)
+    before = param.clone()
+    with pytest.raises(ValueError, match=r"param has shape \(4, 6\) but grad has shape"):
+        ops.fused_sgd_update_(param, grad, lr=0.1, backend=backend)
+    state = ops.init_adalomo_state(param)
+    saved = {k: v.clone() for k, v in state.items()}
+    with pytest.raises(ValueError, match=r"param has shape \(4, 6\) but grad has shape"):
+        ops.adalomo_update_(param, grad, state, lr=0.1, beta2=0.9, backend=backend)
+    assert torch.equal(param, before)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)

@@ -10,7 +10,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_pair(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param/grad must be dense, same device, same numel, supported dtypes, param contiguous."""
+    """param/grad must be dense, same device, same shape, supported dtypes, param contiguous."""
     if grad.is_sparse or grad.layout != torch.strided:
         raise TypeError(
             "lomo_kernels: sparse gradients are not supported (LOMO updates dense parameters "
@@ -28,9 +28,12 @@ def check_pair(param: torch.Tensor, grad: torch.Tensor) -> None:
         raise ValueError(
             f"lomo_kernels: param is on {param.device} but its gradient is on {grad.device}"
         )
-    if param.numel() != grad.numel():
+    if param.shape != grad.shape:
+        # Same size is not enough: a (4, 6) gradient for a (6, 4) parameter would be applied
+        # in memory order, to the wrong elements.
         raise ValueError(
-            f"lomo_kernels: param has {param.numel()} elements but grad has {grad.numel()}"
+            f"lomo_kernels: param has shape {tuple(param.shape)} but grad has shape "
+            f"{tuple(grad.shape)}; pass the gradient of this very parameter"
         )
     if not param.is_contiguous():
         raise ValueError(
