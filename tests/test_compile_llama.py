@@ -312,8 +312,10 @@ def test_issue_18_shape_matches_eager(issue_18_reference, torch_rounding):
 
 
 def test_issue_18_is_caught(issue_18_reference, torch_rounding, monkeypatch):
-    """Inductor lowering as torch does it (a fused read of a weight after its update): the
-    bound fails. Caches are off, as the cache key does not see the lowering change."""
+    """Inductor lowering as torch 2.13 does it (a fused read of a weight after its update):
+    the bound fails. Caches are off, as the cache key does not see the lowering change.
+    Should this fail on a newer torch, its lowering orders the reads itself and
+    `_realizing_reads_before_writes` can go."""
     from lomo_kernels.optim import _compiled_autograd
 
     monkeypatch.setattr(
