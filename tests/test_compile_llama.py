@@ -7,10 +7,16 @@ The four ways a user compiles a step, each compared with the same loop in eager 
   eager_ca    eager forward, fused_backward under compiled autograd: refused (see
               lomo_kernels/optim/_compiled_autograd.py), before any parameter changes
 Bounds, after 3 steps, per element: within 4 ulps of its eager value (Inductor fuses and
-reassociates sums) or within 1e-3 of the tensor's largest update, whichever is larger.
-  fp32: Inductor's default configuration. The bug this guards against moved elements by
-        1-44% of the update; `test_check_detects_the_reordering_bug` shows the bound
-        catches it.
+reassociates sums) or within BASELINE_FACTOR x torch's own rounding of the tensor's largest
+update, whichever is larger. Torch's own rounding is measured here, once per model
+(`torch_rounding`): the same weights (in fp32), batches and lr schedule trained with
+``loss.backward()`` + ``clip_grad_norm_`` + ``torch.optim.SGD``, forward compiled and
+backward under compiled autograd, against its eager run; the largest over tensors of
+max|compiled - eager| / max|update| (seen: 3e-5 to 7e-5).
+  fp32: Inductor's default configuration. The bugs this guards against moved elements by
+        1-44% of the update (`test_check_detects_the_reordering_bug`) and by 1e-3 of it
+        (issue 18, a norm weight read after its update: `test_issue_18_is_caught`); the
+        bound catches both.
   bf16: with `torch._inductor.config.emulate_precision_casts`, Inductor rounds each
         intermediate to bf16 where eager does, so compiled and eager round alike and the
         same bound applies (seen: equal to eager bit for bit). In the default configuration
@@ -19,11 +25,16 @@ reassociates sums) or within 1e-3 of the tensor's largest update, whichever is l
         torch.compile of the forward alone); that run is checked by the rule of
         flash-attention's tests: against the same loop run in fp32 from the same weights,
         the compiled bf16 run may be at most twice as far as the eager bf16 run, per
-        tensor, plus 1e-3 of the tensor's largest update.
+        tensor, plus BASELINE_FACTOR x torch's own rounding of the largest update.
+BASELINE_FACTOR = 4: Lomo and AdaLomo do not follow SGD's trajectory, so the same
+compiled-vs-eager rounding of the gradients grows differently over the steps (seen, fp32:
+Lomo 0.65-0.75x, AdaLomo 0.05-0.15x of SGD's, on this file's model and issue 18's); 4
+leaves room for that and stays well below the smallest bug seen (issue 18: 38x SGD's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -38,36 +49,53 @@ from lomo_kernels import AdaLomo, Lomo
 pytestmark = pytest.mark.slow  # Inductor compiles on 2 cores: ~10-40 s per case
 STEPS = 3
 ULPS = 4
-UPDATE_FRACTION = 1e-3
+BASELINE_FACTOR = 4  # see the module docstring
 LR = {torch.float32: 1e-2, torch.bfloat16: 5e-2}  # bf16: updates span several ulps
+TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 72, "num_hidden_layers": 1}
+# Project issue 18's model: two layers, grouped-query attention.
+ISSUE_18 = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2}
 
 
-def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
+def tiny_llama(dtype: torch.dtype, shape: dict[str, int] | None = None) -> torch.nn.Module:
+    """One layer by default: every op kind, a quarter of the compile time."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=72,
-        num_hidden_layers=1,  # one layer: every op kind, a quarter of the compile time
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
+        **(shape or TINY), num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(dtype).train()
 
 
-def batch(step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(step))
+def batch(step: int, vocab_size: int = 96, size: tuple[int, int] = (2, 12)) -> dict:
+    ids = torch.randint(0, vocab_size, size, generator=torch.Generator().manual_seed(step))
     return {"input_ids": ids, "labels": ids}
+
+
+def batches(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """The batch of each step: issue 18's (3 x 33) for its model, else 2 x 12."""
+    vocab = model.config.vocab_size
+    size = (3, 33) if vocab == ISSUE_18["vocab_size"] else (2, 12)
+    return [batch(step, vocab, size) for step in range(STEPS)]
 
 
 def make_optimizer(
     name: str, model: torch.nn.Module, lr: float, **options: Any
 ) -> torch.optim.Optimizer:
+    if name == "sgd":  # the baseline: torch's own step, after a whole backward
+        return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=0.01)
     cls = Lomo if name == "lomo" else AdaLomo
     return cls(model, lr=lr, clip_grad_norm=1.0, weight_decay=0.01, **options)
+
+
+def backward_and_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    if isinstance(opt, torch.optim.SGD):
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
+        opt.step()
+    else:
+        opt.fused_backward(loss)
 
 
 def train(
@@ -90,39 +118,76 @@ def train(
     # torch.compile reads config.compiled_autograd when it wraps the function.
     with torch._dynamo.config.patch(compiled_autograd=True):
         compiled_step = torch.compile(whole_step)
-    for step in range(STEPS):
+    for inputs in batches(model):
         if way == "whole":
             with torch._dynamo.config.patch(compiled_autograd=True):
-                compiled_step(batch(step))
+                compiled_step(inputs)
         elif way in ("forward_ca", "eager_ca"):
-            loss = forward(**batch(step)).loss
+            loss = forward(**inputs).loss
             # fullgraph: a graph break in the hooks or the update ops would raise.
             with compiled_autograd._enable(torch.compile(backend="inductor", fullgraph=True)):
-                opt.fused_backward(loss)
+                backward_and_step(opt, loss)
         else:
-            opt.fused_backward(forward(**batch(step)).loss)
+            backward_and_step(opt, forward(**inputs).loss)
         sched.step()
         graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
-def assert_matches_eager(initial, eager, compiled, fp32_run=None) -> None:
-    """The bounds of the module docstring; `fp32_run` (bf16 only): the loop run in fp32."""
+def relative_differences(initial, eager, compiled) -> dict[str, float]:
+    """Per tensor: max|compiled - eager| / max|eager - initial| (its largest update)."""
+    out = {}
+    runs = (initial.named_parameters(), eager.parameters(), compiled.parameters())
+    for (name, p0), pe, pc in zip(*runs, strict=True):
+        e = pe.detach().double()
+        largest_update = (e - p0.detach().double()).abs().max().item()
+        out[name] = (e - pc.detach().double()).abs().max().item() / max(largest_update, 1e-30)
+    return out
+
+
+def assert_matches_eager(initial, eager, compiled, rounding: float, fp32_run=None) -> None:
+    """The bounds of the module docstring; `rounding`: torch's own (`torch_rounding`);
+    `fp32_run` (bf16 only): the loop run in fp32."""
     runs = [initial.parameters(), eager.parameters(), compiled.parameters()]
     runs.append(fp32_run.parameters() if fp32_run is not None else eager.parameters())
+    margin = BASELINE_FACTOR * rounding
     for (name, p0), pe, pc, pr in zip(initial.named_parameters(), *runs[1:], strict=True):
         e, c, r = (t.detach().double() for t in (pe, pc, pr))
         largest_update = (e - p0.detach().double()).abs().max()
         if fp32_run is None:
             ulp = torch.finfo(pe.dtype).eps * torch.exp2(torch.floor(torch.log2(e.abs())))
-            bound = torch.maximum(ULPS * ulp, UPDATE_FRACTION * largest_update)
+            bound = torch.maximum(ULPS * ulp, margin * largest_update)
             excess = ((e - c).abs() - bound).max().item()
         else:
-            bound = 2 * (e - r).abs().max() + UPDATE_FRACTION * largest_update
+            bound = 2 * (e - r).abs().max() + margin * largest_update
             excess = ((c - r).abs().max() - bound).item()
         assert excess <= 0, (
-            f"{name}: compiled run exceeds the bound by {excess:.3e} "
-            f"(largest update {largest_update.item():.3e})"
+            f"{name}: compiled run exceeds the bound by {excess:.3e} (largest update "
+            f"{largest_update.item():.3e}, torch's own rounding {rounding:.2e} of it)"
         )
+
+
+@pytest.fixture(scope="module")
+def torch_rounding() -> Any:
+    """measure(initial, lr): torch's own compiled-vs-eager difference on this model (module
+    docstring), the largest over tensors; measured once per model (a few seconds), in fp32
+    from the model's weights: in bf16 SGD's updates are a few ulps of the weights, and
+    its compiled run differs from eager by whole ulps (seen: up to 0.67 of the update),
+    which would make the bound void; bf16 rounding is the ulps term's (or the fp32 rule's)."""
+    cache: dict[tuple, float] = {}
+
+    def measure(initial: torch.nn.Module, lr: float | None = None) -> float:
+        lr = LR[next(initial.parameters()).dtype] if lr is None else lr
+        key = (initial.config.num_hidden_layers, initial.config.vocab_size, lr)
+        if key not in cache:
+            fp32 = copy.deepcopy(initial).float()
+            eager, compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
+            train(eager, "sgd", "eager", [], lr=lr)
+            fresh_counters()
+            train(compiled, "sgd", "forward_ca", [], lr=lr)
+            cache[key] = max(relative_differences(fp32, eager, compiled).values())
+        return cache[key]
+
+    return measure
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +217,18 @@ def fresh_counters() -> None:
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
 
-def check_compiled_step(references, way: str, opt_name: str, dtype: torch.dtype, emulate: bool):
+def check_compiled_step(
+    references, torch_rounding, way: str, opt_name: str, dtype: torch.dtype, emulate: bool
+):
     initial, eager, fp32_run = references[opt_name, dtype]
+    rounding = torch_rounding(initial)
     compiled = copy.deepcopy(initial)
     fresh_counters()
     graphs: list[int] = []
     with torch._inductor.config.patch(emulate_precision_casts=emulate):
         train(compiled, opt_name, way, graphs)
     per_element = dtype == torch.float32 or emulate
-    assert_matches_eager(initial, eager, compiled, None if per_element else fp32_run)
+    assert_matches_eager(initial, eager, compiled, rounding, None if per_element else fp32_run)
     # The lr changes every step but lives in a device tensor: nothing compiles after step 0.
     assert graphs[0] == graphs[-1], f"graphs compiled per step: {graphs}"
     breaks = dict(dynamo_utils.counters["graph_break"])
@@ -177,15 +245,18 @@ def check_compiled_step(references, way: str, opt_name: str, dtype: torch.dtype,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
 @pytest.mark.parametrize("way", ["forward", "forward_ca", "whole"])
-def test_compiled_step_matches_eager(references, way, opt_name, dtype):
+def test_compiled_step_matches_eager(references, torch_rounding, way, opt_name, dtype):
     """Per element; bf16 with Inductor rounding intermediates as eager does."""
-    check_compiled_step(references, way, opt_name, dtype, emulate=dtype == torch.bfloat16)
+    emulate = dtype == torch.bfloat16
+    check_compiled_step(references, torch_rounding, way, opt_name, dtype, emulate)
 
 
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
-def test_bf16_compiled_autograd_default_rounding(references, opt_name):
+def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt_name):
     """Inductor's default bf16 code (fp32 intermediates): the looser bound against fp32."""
-    check_compiled_step(references, "forward_ca", opt_name, torch.bfloat16, emulate=False)
+    check_compiled_step(
+        references, torch_rounding, "forward_ca", opt_name, torch.bfloat16, emulate=False
+    )
 
 
 # The refusal depends on the backward graph's structure (views of weights saved by an eager
@@ -210,18 +281,62 @@ def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
         assert torch.equal(p0, p)
 
 
-def test_check_detects_the_reordering_bug(references, monkeypatch):
+def test_check_detects_the_reordering_bug(references, torch_rounding, monkeypatch):
     """Without lomo_kernels' adjustment of compiled autograd the step is wrong, and caught."""
     owner = compiled_autograd.AutogradCompilerInstance
     monkeypatch.setattr(
         owner, "reorder_accumulate_grad_nodes", owner.reorder_accumulate_grad_nodes.__wrapped__
     )
     initial, eager, _ = references["lomo", torch.float32]
+    rounding = torch_rounding(initial)
     compiled = copy.deepcopy(initial)
     fresh_counters()
     train(compiled, "lomo", "forward_ca", [])
     with pytest.raises(AssertionError, match="exceeds the bound"):
-        assert_matches_eager(initial, eager, compiled)
+        assert_matches_eager(initial, eager, compiled, rounding)
+
+
+ISSUE_18_LR = 0.05  # the issue's
+
+
+@pytest.fixture(scope="module")
+def issue_18_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Issue 18's model, initial and after the eager Lomo loop."""
+    initial = tiny_llama(torch.float32, ISSUE_18)
+    eager = copy.deepcopy(initial)
+    train(eager, "lomo", "eager", [], lr=ISSUE_18_LR)
+    return initial, eager
+
+
+def test_issue_18_shape_matches_eager(issue_18_reference, torch_rounding):
+    """Two layers with grouped-query attention: every tensor within the bound (issue 18:
+    the final norm's weight was read after its update, every gradient below it off)."""
+    initial, eager = issue_18_reference
+    rounding = torch_rounding(initial, lr=ISSUE_18_LR)
+    compiled = copy.deepcopy(initial)
+    fresh_counters()
+    train(compiled, "lomo", "forward_ca", [], lr=ISSUE_18_LR)
+    assert_matches_eager(initial, eager, compiled, rounding)
+
+
+def test_issue_18_is_caught(issue_18_reference, torch_rounding, monkeypatch):
+    """Inductor lowering as torch 2.13 does it (a fused read of a weight after its update):
+    the bound fails. Caches are off, as the cache key does not see the lowering change.
+    Should this fail on a newer torch, its lowering orders the reads itself and
+    `_realizing_reads_before_writes` can go."""
+    from lomo_kernels.optim import _compiled_autograd
+
+    monkeypatch.setattr(
+        _compiled_autograd, "_realizing_reads_before_writes", contextlib.nullcontext
+    )
+    initial, eager = issue_18_reference
+    rounding = torch_rounding(initial, lr=ISSUE_18_LR)
+    compiled = copy.deepcopy(initial)
+    fresh_counters()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        train(compiled, "lomo", "forward_ca", [], lr=ISSUE_18_LR)
+    with pytest.raises(AssertionError, match="exceeds the bound"):
+        assert_matches_eager(initial, eager, compiled, rounding)
 
 
 def readme_compiled_loop() -> str:
@@ -231,9 +346,9 @@ def readme_compiled_loop() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_compiled_loop_matches_eager():
+def test_readme_compiled_loop_matches_eager(torch_rounding):
     initial = tiny_llama(torch.float32)
-    loader = [batch(step) for step in range(STEPS)]
+    loader = batches(initial)
     eager = copy.deepcopy(initial)
     opt = Lomo(eager, lr=1e-3, clip_grad_norm=1.0, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
@@ -243,7 +358,7 @@ def test_readme_compiled_loop_matches_eager():
     compiled = copy.deepcopy(initial)
     fresh_counters()
     exec(readme_compiled_loop(), {"model": compiled, "loader": loader, "Lomo": Lomo})
-    assert_matches_eager(initial, eager, compiled)
+    assert_matches_eager(initial, eager, compiled, torch_rounding(initial))
     assert not dynamo_utils.counters["graph_break"]
 
 
@@ -305,11 +420,12 @@ def test_stochastic_rounding_seeds_match_eager(stochastic_rounding_runs):
     assert compiled_seeds == eager_seeds
 
 
-def test_stochastic_rounding_does_not_recompile(stochastic_rounding_runs):
+def test_stochastic_rounding_does_not_recompile(stochastic_rounding_runs, torch_rounding):
     """The seed's per-step part is a device tensor: one backward for every step, and the
     compiled run within the per-element bound of the eager one (module docstring)."""
     eager, _, _ = stochastic_rounding_runs["eager"]
     compiled, _, graphs = stochastic_rounding_runs["forward_ca"]
     assert len(graphs) == STEPS >= 3
     assert graphs[0] == graphs[-1], f"graphs compiled per step: {graphs}"
-    assert_matches_eager(tiny_llama(torch.bfloat16), eager, compiled)
+    initial = tiny_llama(torch.bfloat16)
+    assert_matches_eager(initial, eager, compiled, torch_rounding(initial))

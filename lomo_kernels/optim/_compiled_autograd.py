@@ -23,11 +23,13 @@ tensor was modified in place).
   cannot be read (tensor subclasses) the eager position stays. A bf16/fp16 embedding's
   gradient is computed by ATen's embedding backward there, not by the fp32 decomposition
   a compiled forward leaves (`_use_eager_embedding_backward`);
-- `end_capture`: the graph's Inductor compile runs without `reorder_for_locality` and with
-  `delay_updates_past_reads`, so that each update stays after every read of its weight in
-  the code Inductor emits. Otherwise Inductor clones the weights it updates and copies
-  them back at the end of the graph (seen: every weight, the model held twice) and, once
-  the clones are gone, may inline a read of a weight into a kernel it runs after the update.
+- `end_capture`: the graph's Inductor compile runs without `reorder_for_locality`, with
+  `delay_updates_past_reads`, and with `_realizing_reads_before_writes`, so that each
+  update stays after every read of its weight in the code Inductor emits. Otherwise
+  Inductor clones the weights it updates and copies them back at the end of the graph
+  (seen: every weight, the model held twice) and, once the clones are gone, fuses an
+  elementwise read of a weight (RMSNorm's ``dy * weight``) into a kernel it runs after the
+  update (issue 18: every gradient below the final norm off by about 1e-3 of the update).
 These only decide what Inductor schedules where; the order compiled autograd traced, which
 decides what is computed, is the one set above. `check_supported` and the refusal of an
 eager forward stop the set-ups that cannot be made correct, before any parameter is written.
@@ -35,8 +37,10 @@ eager forward stop the set-ups that cannot be made correct, before any parameter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,8 +162,11 @@ def _patch_passes() -> bool:
                 passes = [user_passes, _DELAY_UPDATES.get()]
             # reorder_for_locality would move reads of each weight next to their consumers,
             # after the update compiled autograd placed behind them, undoing that placement.
-            with inductor_config.patch(
-                post_grad_custom_post_pass=passes, reorder_for_locality=False
+            with (
+                inductor_config.patch(
+                    post_grad_custom_post_pass=passes, reorder_for_locality=False
+                ),
+                _realizing_reads_before_writes(),
             ):
                 return compiled(*args, **kwargs)
 
@@ -171,6 +178,73 @@ def _patch_passes() -> bool:
     owner.reorder_post_acc_grad_hook_nodes = reorder_post_acc_grad_hook_nodes
     owner.end_capture = end_capture_with_inductor_pass
     return True
+
+
+_lowering_patched = False  # `_realizing_reads_before_writes` is active (not re-entrant)
+
+
+@contextlib.contextmanager
+def _realizing_reads_before_writes() -> Iterator[None]:
+    """Inductor lowering in which every pending read of a buffer is realized *before* an op
+    that writes the buffer in place, not after it.
+
+    Inductor keeps an elementwise read of a weight (RMSNorm's ``dy * weight``) unrealized, to
+    inline it into whichever kernel consumes it. When a fallback kernel then mutates the
+    weight (our update ops), ``MutationOutput`` calls ``GraphLowering.mark_buffer_mutated``,
+    which realizes those pending reads, but only after the mutating kernel has been
+    registered as an operation: the scheduler then orders the realized read after the
+    update, and the kernel it is fused into reads the *updated* weight (torch 2.13; seen as
+    the final norm's weight read after its update, every gradient below it off by about
+    lr * grad / weight, 1e-3 of the update; project issue 18). Here the same realization
+    runs just before the op is lowered, so the reads are registered, and scheduled, first.
+    It realizes what torch's lowering realizes there anyway, only earlier.
+    """
+    global _lowering_patched
+    from torch._inductor.graph import GraphLowering
+
+    if _lowering_patched:
+        yield
+        return
+    call_function = GraphLowering.call_function
+
+    @functools.wraps(call_function)
+    def realize_then_call(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            users = getattr(self, "name_to_users", {})
+            for name in _written_buffers(target, args, kwargs):
+                for user in list(users.get(name, ())):
+                    user.realize()
+        return call_function(self, target, args, kwargs)
+
+    GraphLowering.call_function = realize_then_call
+    _lowering_patched = True
+    try:
+        yield
+    finally:
+        GraphLowering.call_function = call_function
+        _lowering_patched = False
+
+
+def _written_buffers(target: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[str]:
+    """Names of the Inductor buffers that `target` writes in place, given its lowered args."""
+    names = []
+    for i, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.name in kwargs:
+            value = kwargs[argument.name]
+        elif i < len(args) and not argument.kwarg_only:
+            value = args[i]
+        else:
+            continue
+        for item in value if isinstance(value, list | tuple) else (value,):
+            get_name = getattr(item, "get_name", None)
+            if callable(get_name):
+                try:
+                    names.append(get_name())
+                except (AttributeError, NotImplementedError):
+                    continue
+    return names
 
 
 def _patch_backward_loading() -> None:
@@ -583,8 +657,11 @@ def delay_updates_past_reads(graph: torch.fx.Graph) -> int:
       read after the mutating kernel. Seen as AdaLomo steps 1% off once the clones are gone.
     So the reads are followed through every op that may be inlined, up to ops that read
     where they run (matmuls, attention, custom ops), and the update, with whatever depends
-    on it up to there, is placed after the last of them. Where a read itself depends on the
-    update nothing moves (Inductor then clones, which is correct).
+    on it up to there, is placed after the last of them. Where a read depends on the update
+    nothing moves: the updates are chained through their shared found_inf flag, so a read
+    that reaches a later update (the residual stream's gradient, elementwise down to the
+    embedding's) cannot be passed. Such an update stays where it is, in place, and
+    `_realizing_reads_before_writes` keeps its inlined reads ahead of it.
     """
     copy_ = torch.ops.aten.copy_.default
     order = {node: i for i, node in enumerate(graph.nodes)}
