@@ -15,8 +15,8 @@ backward under compiled autograd, against its eager run; the largest over tensor
 max|compiled - eager| / max|update| (seen: 3e-5 to 7e-5).
   fp32: Inductor's default configuration. The bugs this guards against moved elements by
         1-44% of the update (`test_check_detects_the_reordering_bug`) and by 1e-3 of it
-        (issue 18, a norm weight read after its update: `test_issue_18_is_caught`); the
-        bound catches both.
+        (a norm weight read after its update in Inductor's fused code:
+        `test_fused_read_after_update_is_caught`); the bound catches both.
   bf16: with `torch._inductor.config.emulate_precision_casts`, Inductor rounds each
         intermediate to bf16 where eager does, so compiled and eager round alike and the
         same bound applies (seen: equal to eager bit for bit). In the default configuration
@@ -28,8 +28,8 @@ max|compiled - eager| / max|update| (seen: 3e-5 to 7e-5).
         tensor, plus BASELINE_FACTOR x torch's own rounding of the largest update.
 BASELINE_FACTOR = 4: Lomo and AdaLomo do not follow SGD's trajectory, so the same
 compiled-vs-eager rounding of the gradients grows differently over the steps (seen, fp32:
-Lomo 0.65-0.75x, AdaLomo 0.05-0.15x of SGD's, on this file's model and issue 18's); 4
-leaves room for that and stays well below the smallest bug seen (issue 18: 38x SGD's).
+Lomo 0.65-0.75x, AdaLomo 0.05-0.15x of SGD's, on this file's models); 4 leaves room for
+that and stays well below the smallest bug seen (the fused read after an update: 38x).
 """
 
 from __future__ import annotations
@@ -52,8 +52,13 @@ ULPS = 4
 BASELINE_FACTOR = 4  # see the module docstring
 LR = {torch.float32: 1e-2, torch.bfloat16: 5e-2}  # bf16: updates span several ulps
 TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 72, "num_hidden_layers": 1}
-# Project issue 18's model: two layers, grouped-query attention.
-ISSUE_18 = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2}
+# A second shape: two layers, grouped-query attention, a wider vocabulary.
+TWO_LAYER_GQA = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+}
 
 
 def tiny_llama(dtype: torch.dtype, shape: dict[str, int] | None = None) -> torch.nn.Module:
@@ -73,9 +78,9 @@ def batch(step: int, vocab_size: int = 96, size: tuple[int, int] = (2, 12)) -> d
 
 
 def batches(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
-    """The batch of each step: issue 18's (3 x 33) for its model, else 2 x 12."""
+    """The batch of each step: 3 x 33 for the two-layer GQA model, else 2 x 12."""
     vocab = model.config.vocab_size
-    size = (3, 33) if vocab == ISSUE_18["vocab_size"] else (2, 12)
+    size = (3, 33) if vocab == TWO_LAYER_GQA["vocab_size"] else (2, 12)
     return [batch(step, vocab, size) for step in range(STEPS)]
 
 
@@ -296,30 +301,31 @@ def test_check_detects_the_reordering_bug(references, torch_rounding, monkeypatc
         assert_matches_eager(initial, eager, compiled, rounding)
 
 
-ISSUE_18_LR = 0.05  # the issue's
+TWO_LAYER_GQA_LR = 0.05  # large updates: a read of an updated weight shows clearly
 
 
 @pytest.fixture(scope="module")
-def issue_18_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Issue 18's model, initial and after the eager Lomo loop."""
-    initial = tiny_llama(torch.float32, ISSUE_18)
+def two_layer_gqa_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The two-layer GQA model, initial and after the eager Lomo loop."""
+    initial = tiny_llama(torch.float32, TWO_LAYER_GQA)
     eager = copy.deepcopy(initial)
-    train(eager, "lomo", "eager", [], lr=ISSUE_18_LR)
+    train(eager, "lomo", "eager", [], lr=TWO_LAYER_GQA_LR)
     return initial, eager
 
 
-def test_issue_18_shape_matches_eager(issue_18_reference, torch_rounding):
-    """Two layers with grouped-query attention: every tensor within the bound (issue 18:
-    the final norm's weight was read after its update, every gradient below it off)."""
-    initial, eager = issue_18_reference
-    rounding = torch_rounding(initial, lr=ISSUE_18_LR)
+def test_two_layer_gqa_matches_eager(two_layer_gqa_reference, torch_rounding):
+    """Two layers with grouped-query attention: every tensor within the bound (the
+    shape on which the final norm's weight was read after its update, every gradient below
+    it off)."""
+    initial, eager = two_layer_gqa_reference
+    rounding = torch_rounding(initial, lr=TWO_LAYER_GQA_LR)
     compiled = copy.deepcopy(initial)
     fresh_counters()
-    train(compiled, "lomo", "forward_ca", [], lr=ISSUE_18_LR)
+    train(compiled, "lomo", "forward_ca", [], lr=TWO_LAYER_GQA_LR)
     assert_matches_eager(initial, eager, compiled, rounding)
 
 
-def test_issue_18_is_caught(issue_18_reference, torch_rounding, monkeypatch):
+def test_fused_read_after_update_is_caught(two_layer_gqa_reference, torch_rounding, monkeypatch):
     """Inductor lowering as torch 2.13 does it (a fused read of a weight after its update):
     the bound fails. Caches are off, as the cache key does not see the lowering change.
     Should this fail on a newer torch, its lowering orders the reads itself and
@@ -329,12 +335,12 @@ def test_issue_18_is_caught(issue_18_reference, torch_rounding, monkeypatch):
     monkeypatch.setattr(
         _compiled_autograd, "_realizing_reads_before_writes", contextlib.nullcontext
     )
-    initial, eager = issue_18_reference
-    rounding = torch_rounding(initial, lr=ISSUE_18_LR)
+    initial, eager = two_layer_gqa_reference
+    rounding = torch_rounding(initial, lr=TWO_LAYER_GQA_LR)
     compiled = copy.deepcopy(initial)
     fresh_counters()
     with torch._inductor.config.patch(force_disable_caches=True):
-        train(compiled, "lomo", "forward_ca", [], lr=ISSUE_18_LR)
+        train(compiled, "lomo", "forward_ca", [], lr=TWO_LAYER_GQA_LR)
     with pytest.raises(AssertionError, match="exceeds the bound"):
         assert_matches_eager(initial, eager, compiled, rounding)
 

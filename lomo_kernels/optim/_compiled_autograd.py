@@ -29,7 +29,7 @@ tensor was modified in place).
   Inductor clones the weights it updates and copies them back at the end of the graph
   (seen: every weight, the model held twice) and, once the clones are gone, fuses an
   elementwise read of a weight (RMSNorm's ``dy * weight``) into a kernel it runs after the
-  update (issue 18: every gradient below the final norm off by about 1e-3 of the update).
+  update (seen: every gradient below the final norm off by about 1e-3 of the update).
 These only decide what Inductor schedules where; the order compiled autograd traced, which
 decides what is computed, is the one set above. `check_supported` and the refusal of an
 eager forward stop the set-ups that cannot be made correct, before any parameter is written.
@@ -195,7 +195,7 @@ def _realizing_reads_before_writes() -> Iterator[None]:
     registered as an operation: the scheduler then orders the realized read after the
     update, and the kernel it is fused into reads the *updated* weight (torch 2.13; seen as
     the final norm's weight read after its update, every gradient below it off by about
-    lr * grad / weight, 1e-3 of the update; project issue 18). Here the same realization
+    lr * grad / weight, 1e-3 of the update). Here the same realization
     runs just before the op is lowered, so the reads are registered, and scheduled, first.
     It realizes what torch's lowering realizes there anyway, only earlier.
     """
