@@ -185,9 +185,18 @@ class Lomo(InBackwardOptimizer):
             self._backend_name,
         )
 
-    def _after_step(self, found_inf: torch.Tensor) -> None:
+    def _after_norm_pass(self, found_inf: torch.Tensor) -> None:
+        # As lomo-optim: an overflow found by the norm pass lowers the scale now, so a loop
+        # that skips the update pass on has_overflow_serial (its trainer's) still backs off.
         if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf.to(self.loss_scaler.device))
+            found = found_inf.to(self.loss_scaler.device)
+            self.loss_scaler.update(found, apply=found.reshape(1) != 0)
+
+    def _after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
+        if self.loss_scaler is not None:
+            found = found_inf.to(self.loss_scaler.device)
+            # After a norm pass only a clean step is left to apply (see _after_norm_pass).
+            self.loss_scaler.update(found, apply=found.reshape(1) == 0 if detection else None)
 
     def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
         if state is not None and self.loss_scaler is not None:
