@@ -106,6 +106,14 @@ def test_trainer_optim_builds_ours_with_clip_and_decay(tmp_path, name):
     assert logged == pytest.approx(norms, rel=1e-6)
 
 
+def test_trainer_max_grad_norm_zero_switches_clipping_off(tmp_path):
+    model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo", max_grad_norm=0.0)
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.clip_grad_norm is None and logged == []  # no norm pass: no norm to log
+    reference, _ = manual(tiny_llama(), Lomo, trainer_batch(), weight_decay=0.01)
+    assert_same_parameters(model, reference.model)
+
+
 def test_trainer_optim_lomo_matches_lomo_optim(tmp_path):
     lomo_optim = pytest.importorskip("lomo_optim")
     model, _, _ = trained_by_trainer(tmp_path, optim="lomo")
