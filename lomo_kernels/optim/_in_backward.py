@@ -499,6 +499,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
+        self._begin_attempt()
+        return self._norm_pass(loss)
+
+    def _begin_attempt(self) -> None:
+        """A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
+        pass after an overflow and tries again): its overflow counts anew."""
+
+    def _norm_pass(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_call(loss)
         self._report_previous_step()
         self._prepare_scalars()
@@ -541,7 +549,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._keep_norm_only_for(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
         if not self._norm_ready and self._needs_detection_pass() and not single:
-            self.grad_norm(loss)
+            self._norm_pass(loss)  # same attempt as a grad_norm of another loss
         else:
             self._report_previous_step()
             self._prepare_scalars()
