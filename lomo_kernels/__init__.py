@@ -7,5 +7,28 @@ from lomo_kernels import ops                 # the fused per-parameter kernels
 from . import ops
 from .optim import AdaLomo, DynamicLossScaler, Lomo
 
-__all__ = ["AdaLomo", "Lomo", "DynamicLossScaler", "ops"]
+
+def enable_transformers() -> None:
+    """Makes transformers' ``optim="lomo"/"adalomo"`` and accelerate's LOMO path use this
+    package (see lomo_kernels.integrations.huggingface); needs transformers and accelerate."""
+    from .integrations.huggingface import enable_transformers as enable
+
+    enable()
+
+
+def disable_transformers() -> None:
+    """Undoes `enable_transformers()`."""
+    from .integrations.huggingface import disable_transformers as disable
+
+    disable()
+
+
+__all__ = [
+    "AdaLomo",
+    "Lomo",
+    "DynamicLossScaler",
+    "disable_transformers",
+    "enable_transformers",
+    "ops",
+]
 __version__ = "0.1.0"

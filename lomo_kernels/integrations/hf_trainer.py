@@ -20,7 +20,8 @@ import torch
 from transformers import Trainer
 
 from ..optim import AdaLomo, Lomo
-from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
+from ..optim._in_backward import InBackwardOptimizer
+from .huggingface import check_training_arguments, in_backward_optimizer
 
 
 def _with_own_training_arguments(
@@ -46,29 +47,10 @@ class LomoTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         args, kwargs = _with_own_training_arguments(args, kwargs)
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if getattr(targs, "deepspeed", None):
-            # transformers hands its optimizer to deepspeed.initialize, whose ZeRO-3 optimizer
-            # would reduce and keep gradient partitions itself instead of LOMO's hooks.
-            raise ValueError(
-                "LomoTrainer does not run under TrainingArguments(deepspeed=...): transformers "
-                "passes the optimizer to deepspeed.initialize, which LOMO cannot share. Train "
-                "with ZeRO-3 in a plain loop instead: deepspeed.initialize(model=..., config=...) "
-                "without an optimizer, Lomo(engine), opt.fused_backward(model(x)) "
-                "(examples/zero3_finetune.py; README, 'Sharded training')"
-            )
+        if targs is not None:
+            check_training_arguments(targs)
         super().__init__(*args, **kwargs)
         targs = self.args
-        if targs.gradient_accumulation_steps > 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={targs.gradient_accumulation_steps}: "
-                + GRAD_ACCUMULATION_ERROR
-            )
-        if targs.fp16:
-            raise ValueError(
-                "fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on "
-                "the backward Lomo runs itself: load the model in float16 "
-                "instead (Lomo then scales the loss dynamically), or use bf16"
-            )
         given = self.optimizer
         if given is not None and not isinstance(given, InBackwardOptimizer):
             raise TypeError(
@@ -97,10 +79,7 @@ class LomoTrainer(Trainer):
         return self.optimizer
 
     def _lomo(self) -> InBackwardOptimizer:
-        opt = self.optimizer
-        while not isinstance(opt, InBackwardOptimizer):  # accelerate wraps the optimizer
-            opt = opt.optimizer
-        return opt
+        return in_backward_optimizer(self.optimizer)  # accelerate wraps the optimizer
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None

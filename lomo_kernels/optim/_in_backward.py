@@ -34,8 +34,6 @@ from ..ops.scalars import optional_factor
 from . import _compiled_autograd
 from ._hyper import (
     CHECKS,
-    check_clip_grad_norm,
-    check_clip_grad_value,
     check_lr,
     checked_group,
     checked_groups,
@@ -49,7 +47,8 @@ GRAD_ACCUMULATION_ERROR = (
     "LOMO updates each parameter inside backward and frees its gradient at once, so "
     "gradients cannot be accumulated over micro-batches. Call optimizer.fused_backward(loss) "
     "(or grad_norm(loss) first) instead of loss.backward(), once per optimizer step, and use "
-    "a larger batch instead of gradient accumulation. With transformers.Trainer use "
+    "a larger batch instead of gradient accumulation. With transformers.Trainer or accelerate "
+    "call lomo_kernels.enable_transformers() first, or use "
     "lomo_kernels.integrations.hf_trainer.LomoTrainer."
 )
 
@@ -201,6 +200,25 @@ def _grad_ready_hook(optimizer: weakref.ref[InBackwardOptimizer]) -> Any:
     return on_grad_ready
 
 
+class GroupHyperParameter:
+    """An optimizer attribute that reads the first param group's value of `name` and, when
+    assigned, checks the value and sets it in every group (lomo-optim keeps these as
+    attributes; here they live in param_groups, where schedulers and state_dict see them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        if optimizer is None:
+            return self
+        return optimizer.param_groups[0][self.name]
+
+    def __set__(self, optimizer: Any, value: Any) -> None:
+        value = CHECKS[self.name](value)
+        for group in optimizer.param_groups:
+            group[self.name] = value
+
+
 class _AttachedAfterInit(abc.ABCMeta):
     """Attaches the hooks once the whole constructor, the subclass's included, succeeded:
     a constructor that fails leaves the model as it was."""
@@ -256,6 +274,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._report: torch.Tensor | None = None
         self._report_event: Any = None
         self.last_grad_norm: torch.Tensor | None = None
+        self._clip_coef: torch.Tensor | None = None  # of the last norm pass (lomo-optim's)
+        self._norm_of_last_pass: torch.Tensor | None = None
         self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
         # The loss and max norm the last norm pass measured: its result serves that loss
         # only. A weak reference, so a collected loss whose id() is reused never matches.
@@ -271,26 +291,26 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._release_hooks: weakref.finalize | None = None  # set by _attach
 
     # The hyper-parameters live in param_groups (as in torch.optim); these attributes are
-    # lomo-optim's names for them. Clipping by the global norm has one threshold.
-    @property
-    def clip_grad_norm(self) -> float | None:
-        return self.param_groups[0]["clip_grad_norm"]
-
-    @clip_grad_norm.setter
-    def clip_grad_norm(self, value: float | None) -> None:
-        value = check_clip_grad_norm(value)
-        for group in self.param_groups:
-            group["clip_grad_norm"] = value
+    # lomo-optim's names for them (host values: reading them never syncs).
+    lr = GroupHyperParameter("lr")
+    weight_decay = GroupHyperParameter("weight_decay")
+    clip_grad_norm = GroupHyperParameter("clip_grad_norm")
+    clip_grad_value = GroupHyperParameter("clip_grad_value")
 
     @property
-    def clip_grad_value(self) -> float | None:
-        return self.param_groups[0]["clip_grad_value"]
+    def clip_coef(self) -> torch.Tensor | None:
+        """lomo-optim's clip coefficient ``min(1, clip_grad_norm / (norm + 1e-6))`` of the
+        last norm pass, a 0-d device tensor (``float()`` of it syncs); None before the first
+        norm pass with clip_grad_norm set."""
+        return self._clip_coef
 
-    @clip_grad_value.setter
-    def clip_grad_value(self, value: float | None) -> None:
-        value = check_clip_grad_value(value)
-        for group in self.param_groups:
-            group["clip_grad_value"] = value
+    @property
+    def grad_norms(self) -> torch.Tensor | list[Any]:
+        """After a norm pass, a 1-D device tensor whose 2-norm is the global gradient norm
+        (``torch.norm(opt.grad_norms)``, as with lomo-optim). lomo-optim holds one entry per
+        gradient; here the norm pass sums squares into one device scalar, so it holds one
+        entry, the global norm. ``[]`` before the first norm pass, as in lomo-optim."""
+        return [] if self._norm_of_last_pass is None else self._norm_of_last_pass.reshape(1)
 
     # -- hooks' lifetime ----------------------------------------------------------------
     def _attach(self) -> None:
@@ -380,8 +400,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         single_backward: `clip_coefs[i]` (clipping on) and `skips[i]` (1-element views) are
         entry i's coefficient and skip flag, in place of the step-wide ones."""
 
-    def _after_step(self, found_inf: torch.Tensor) -> None:
-        """Bookkeeping after a completed step (loss scaler update)."""
+    def _after_norm_pass(self, found_inf: torch.Tensor) -> None:
+        """Bookkeeping after a norm pass (an overflow lowers the loss scale at once)."""
+
+    def _after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
+        """Bookkeeping after a completed step (loss scaler update); `detection`: a norm pass
+        preceded it (and already applied an overflow it found)."""
 
     # -- hooks ------------------------------------------------------------------------
     def _scalars_for(self, device: torch.device) -> _DeviceScalars:
@@ -475,6 +499,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
+        self._begin_attempt()
+        return self._norm_pass(loss)
+
+    def _begin_attempt(self) -> None:
+        """A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
+        pass after an overflow and tries again): its overflow counts anew."""
+
+    def _norm_pass(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_call(loss)
         self._report_previous_step()
         self._prepare_scalars()
@@ -494,12 +526,14 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             self._sharding.all_reduce_sum_(both)
             total_sumsq, found = both[:1], both[1:]
             self._norm_graph = loss.grad_fn
-        self.last_grad_norm = total_sumsq.sqrt()
+        self.last_grad_norm = self._norm_of_last_pass = total_sumsq.sqrt()
+        if self._max_norm is not None:
+            self._clip_coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm).reshape(())
         for device, scalars in self._scalars.items():
             scalars.norm_found_inf.copy_(found.to(device, non_blocking=True))
             if self._max_norm is not None:
-                coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm)
-                scalars.clip_coef.copy_(coef.to(device, non_blocking=True))
+                scalars.clip_coef.copy_(self._clip_coef.to(device, non_blocking=True))
+        self._after_norm_pass(found)
         self._remember_norm_of(loss)
         return self.last_grad_norm
 
@@ -515,7 +549,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._keep_norm_only_for(loss)
         single = self._single is not None and not self._norm_ready and self._needs_detection_pass()
         if not self._norm_ready and self._needs_detection_pass() and not single:
-            self.grad_norm(loss)
+            self._norm_pass(loss)  # same attempt as a grad_norm of another loss
         else:
             self._report_previous_step()
             self._prepare_scalars()
@@ -579,7 +613,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             if not detection and not single:  # every rank reports the same step outcome
                 self._sharding.all_reduce_sum_(found)
             self._sharding.after_update()
-        self._after_step(found)
+        self._after_step(found, detection)
         self._queue_report(found, atomic=detection)
         self._reported_single = single
         self.step_count += 1

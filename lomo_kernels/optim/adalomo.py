@@ -15,6 +15,7 @@ from ..ops.adalomo import adalomo_update_, init_adalomo_state
 from ..ops.adalomo_reference import GradTransform
 from ._hyper import check_loss_scale
 from ._in_backward import (
+    GroupHyperParameter,
     InBackwardOptimizer,
     _DeviceScalars,
     computes_in_fp16,
@@ -102,6 +103,16 @@ class AdaLomo(InBackwardOptimizer):
             else:
                 self.state[p] = init_slice_state(self._sharding.shard(p))
         self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    # lomo-optim's attribute names for AdaLomo's hyper-parameters (see GroupHyperParameter).
+    eps = GroupHyperParameter("eps")
+    decay_rate = GroupHyperParameter("decay_rate")
+    clip_threshold = GroupHyperParameter("clip_threshold")
+
+    @property
+    def step_num(self) -> int:
+        """lomo-optim's step counter: the number of update passes run (``step_count``)."""
+        return self.step_count
 
     @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
     def _prepare_scalars(self) -> None:

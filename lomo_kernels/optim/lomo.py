@@ -89,6 +89,8 @@ class Lomo(InBackwardOptimizer):
         self.loss_scaler: DynamicLossScaler | None = None
         if fp16:
             self.loss_scaler = DynamicLossScaler(params[0].device, **scale_args)
+            # Whether a norm pass of the current step attempt applied an overflow.
+            self._overflow_applied = torch.zeros(1, dtype=torch.bool, device=params[0].device)
 
     def _loss_scaler(self) -> DynamicLossScaler | None:
         return self.loss_scaler
@@ -185,9 +187,26 @@ class Lomo(InBackwardOptimizer):
             self._backend_name,
         )
 
-    def _after_step(self, found_inf: torch.Tensor) -> None:
+    def _begin_attempt(self) -> None:
         if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf.to(self.loss_scaler.device))
+            self._overflow_applied.zero_()
+
+    def _after_norm_pass(self, found_inf: torch.Tensor) -> None:
+        # As lomo-optim: an overflow found by the norm pass lowers the scale now, so a loop
+        # that skips the update pass on has_overflow_serial (its trainer's) still backs off;
+        # once per attempt (fused_backward re-measures another loss than grad_norm's).
+        if self.loss_scaler is not None:
+            found = found_inf.to(self.loss_scaler.device).reshape(1) != 0
+            self.loss_scaler.update(found, apply=found & ~self._overflow_applied)
+            self._overflow_applied |= found
+
+    def _after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
+        if self.loss_scaler is not None:
+            found = found_inf.to(self.loss_scaler.device).reshape(1) != 0
+            # An overflow a norm pass applied is this step's outcome (see _after_norm_pass).
+            apply = ~self._overflow_applied & (~found if detection else True)
+            self.loss_scaler.update(found, apply=apply)
+            self._overflow_applied.zero_()
 
     def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
         if state is not None and self.loss_scaler is not None:

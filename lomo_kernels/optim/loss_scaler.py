@@ -112,13 +112,19 @@ class DynamicLossScaler:
         self.last_overflow_iter = torch.full((1,), -1, device=device, dtype=torch.int64)
         # Raised when an overflow happens while the scale is already at its minimum.
         self.overflow_at_min = torch.zeros(1, device=device)
+        self.overflow = torch.zeros(1, device=device)  # the last outcome applied
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """One step's bookkeeping, given the step's overflow flag (1-element, on device)."""
+    def update(self, found_inf: torch.Tensor, apply: torch.Tensor | None = None) -> None:
+        """One step's bookkeeping, given the step's overflow flag (1-element, on device).
+
+        `apply` (a bool device tensor): change the state only where it is True. A norm pass
+        applies an overflow at once (lomo-optim lowers the scale there, and its trainer then
+        skips the update pass); the update pass applies the clean outcome.
+        """
         overflow = found_inf.reshape(1) != 0
+        self.overflow.copy_(overflow.float())  # what has_overflow_serial reports
         shift_now = (self.hysteresis == 1) | (self.delayed_shift == 1)
         at_min = self.scale <= self.min_scale
-        self.overflow_at_min.copy_((overflow & shift_now & at_min).float())
         lowered = torch.clamp(self.scale / self.scale_factor, min=self.min_scale)
         since = self.cur_iter - self.last_overflow_iter
         grow = ~overflow & (torch.remainder(since, self.scale_window) == 0)
@@ -127,10 +133,44 @@ class DynamicLossScaler:
         restore = ~overflow & (grow | self.consecutive_hysteresis)
         new_hyst = torch.where(overflow & ~shift_now, self.hysteresis - 1, self.hysteresis)
         new_hyst = torch.where(restore, torch.full_like(new_hyst, self.delayed_shift), new_hyst)
-        self.last_overflow_iter.copy_(torch.where(overflow, self.cur_iter, self.last_overflow_iter))
-        self.scale.copy_(new_scale)
-        self.hysteresis.copy_(new_hyst)
-        self.cur_iter.add_(1)
+        last_overflow = torch.where(overflow, self.cur_iter, self.last_overflow_iter)
+        updates = (
+            (self.overflow_at_min, (overflow & shift_now & at_min).float()),
+            (self.last_overflow_iter, last_overflow),
+            (self.scale, new_scale),
+            (self.hysteresis, new_hyst),
+            (self.cur_iter, self.cur_iter + 1),
+        )
+        for current, new in updates:
+            current.copy_(new if apply is None else torch.where(apply, new, current))
+        torch.reciprocal(self.scale, out=self.inv_scale)
+
+    # lomo-optim's names. Each reads a device tensor: a host sync where it lives on a GPU.
+    @property
+    def has_overflow_serial(self) -> bool:
+        """Whether the last norm pass (or, after the update pass, the last step) found an
+        inf/nan gradient. Reading it syncs with the device."""
+        return bool(self.overflow.item())
+
+    @has_overflow_serial.setter
+    def has_overflow_serial(self, value: bool) -> None:
+        self.overflow.fill_(float(bool(value)))
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (reading it syncs with the device)."""
+        return self.scale.item()
+
+    @property
+    def cur_scale(self) -> float:
+        """lomo-optim's name for `loss_scale`; assigning it sets the scale (checked)."""
+        return self.scale.item()
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        settings = (self.scale_factor, self.scale_window, self.delayed_shift, self.min_scale)
+        _check_settings("cur_scale", value, *settings)
+        self.scale.fill_(float(value))
         torch.reciprocal(self.scale, out=self.inv_scale)
 
     def state_dict(self) -> dict[str, Any]:
@@ -159,4 +199,5 @@ class DynamicLossScaler:
         self.cur_iter.fill_(int(state["cur_iter"]))
         self.last_overflow_iter.fill_(int(state["last_overflow_iter"]))
         self.overflow_at_min.zero_()
+        self.overflow.zero_()
         torch.reciprocal(self.scale, out=self.inv_scale)

@@ -1,0 +1,224 @@
+"""transformers' and accelerate's own LOMO path, served by lomo_kernels' Lomo and AdaLomo.
+
+    import lomo_kernels
+    lomo_kernels.enable_transformers()
+    Trainer(model, TrainingArguments(..., optim="lomo"), ...).train()  # our Lomo
+
+After `enable_transformers()` (process-wide, undone by `disable_transformers()`):
+
+- `TrainingArguments(optim="lomo" | "adalomo")` builds our `Lomo` / `AdaLomo` with the
+  learning rate, `weight_decay` (every trainable parameter, as lomo-optim decays) and
+  `max_grad_norm` as `clip_grad_norm` (0 switches clipping off).
+- `accelerator.backward(loss)` and `accelerator.backward(loss, learning_rate=lr)` run
+  `fused_backward` of the prepared Lomo/AdaLomo; a prepared optimizer has `fused_backward`
+  and `grad_norm`.
+- `accelerator.clip_grad_norm_(params, max_norm)` returns the step's gradient norm measured
+  by the optimizer (clipping already happened inside the step, with its own
+  `clip_grad_norm`), so the Trainer logs the real `grad_norm`.
+- What the step cannot honour is refused before the first step: gradient accumulation, fp16
+  autocast (`fp16=True`), DeepSpeed, and a Trainer whose `max_grad_norm` or `weight_decay`
+  differs from the values a given optimizer was built with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext
+from transformers.training_args import OptimizerNames
+
+from ..optim import AdaLomo, Lomo
+from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
+
+# (id(owner), attribute) -> (owner, the value enable_transformers() replaced); a dict owner
+# is patched by key.
+_ORIGINALS: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def in_backward_optimizer(optimizer: Any) -> InBackwardOptimizer | None:
+    """The Lomo/AdaLomo inside accelerate's (and DeepSpeed's) wrappers, or None."""
+    while optimizer is not None and not isinstance(optimizer, InBackwardOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def check_training_arguments(args: TrainingArguments) -> None:
+    """Refuses the Trainer settings an in-backward optimizer cannot honour."""
+    if getattr(args, "deepspeed", None):
+        # transformers hands its optimizer to deepspeed.initialize, whose ZeRO optimizer would
+        # reduce and keep gradient partitions itself instead of LOMO's hooks.
+        raise ValueError(
+            "LOMO does not run under TrainingArguments(deepspeed=...): transformers passes the "
+            "optimizer to deepspeed.initialize, which LOMO cannot share. Train with ZeRO-3 in a "
+            "plain loop instead: deepspeed.initialize(model=..., config=...) without an "
+            "optimizer, Lomo(engine), opt.fused_backward(model(x)) "
+            "(examples/zero3_finetune.py; README, 'Sharded training')"
+        )
+    if args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: "
+            + GRAD_ACCUMULATION_ERROR
+        )
+    if args.fp16:
+        raise ValueError(
+            "fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on the backward "
+            "that Lomo runs itself: load the model in float16 instead (Lomo then scales the "
+            "loss dynamically), or use bf16"
+        )
+
+
+def check_matches_arguments(optimizer: InBackwardOptimizer, args: TrainingArguments) -> None:
+    """Refuses a given optimizer whose clipping or decay differs from the Trainer's: the
+    Trainer's own clipping sees no gradient (each is freed inside backward)."""
+    max_norm = args.max_grad_norm if args.max_grad_norm else None
+    if optimizer.clip_grad_norm != max_norm:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={args.max_grad_norm}) but the optimizer was built "
+            f"with clip_grad_norm={optimizer.clip_grad_norm}: LOMO clips inside backward, so "
+            "build it with the same value (or set max_grad_norm=0 for no clipping)"
+        )
+    if args.weight_decay and args.weight_decay != optimizer.weight_decay:
+        raise ValueError(
+            f"TrainingArguments(weight_decay={args.weight_decay}) but the optimizer was built "
+            f"with weight_decay={optimizer.weight_decay}: build it with the same value (or "
+            "leave the Trainer's weight_decay at 0)"
+        )
+
+
+def lomo_optimizer_handler(ctx: OptimizerContext) -> tuple[type, dict[str, Any]]:
+    """transformers' handler for optim="lomo"/"adalomo", building this package's classes."""
+    if ctx.model is None:
+        raise ValueError("LOMO optimizers need the model: pass model= to the Trainer")
+    cls = AdaLomo if ctx.args.optim == OptimizerNames.ADALOMO else Lomo
+    kwargs = dict(ctx.optimizer_kwargs)
+    kwargs.update(
+        model=ctx.model,
+        weight_decay=ctx.args.weight_decay,
+        clip_grad_norm=ctx.args.max_grad_norm if ctx.args.max_grad_norm else None,
+    )
+    return cls, kwargs
+
+
+def _prepared_in_backward(accelerator: Accelerator) -> InBackwardOptimizer | None:
+    """The one Lomo/AdaLomo prepared by `accelerator`, or None."""
+    found = [o for o in map(in_backward_optimizer, accelerator._optimizers) if o is not None]
+    if len(found) > 1:
+        raise ValueError(
+            "more than one Lomo/AdaLomo was prepared: accelerator.backward(loss) runs one "
+            "fused backward; call opt.fused_backward(loss) on each instead"
+        )
+    return found[0] if found else None
+
+
+def _check_accelerator(accelerator: Accelerator, kwargs: dict[str, Any]) -> None:
+    if accelerator.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}: "
+            + GRAD_ACCUMULATION_ERROR
+        )
+    if accelerator.scaler is not None:
+        raise ValueError(
+            "accelerate's fp16 GradScaler cannot scale the backward Lomo runs itself: load the "
+            "model in float16 instead (Lomo scales the loss dynamically), or use bf16"
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError(
+            "accelerate's DeepSpeed engine keeps its own optimizer: use Lomo(engine) in a plain "
+            "loop (README, 'Sharded training')"
+        )
+    unknown = set(kwargs) - {"learning_rate"}
+    if unknown:
+        raise TypeError(f"backward with a Lomo/AdaLomo takes learning_rate only, got {unknown}")
+
+
+def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> Any:
+        optimizer = _prepared_in_backward(self)
+        if optimizer is None:
+            return original(self, loss, **kwargs)
+        _check_accelerator(self, kwargs)
+        # Without learning_rate the param groups' lr (an lr scheduler's) is used.
+        return optimizer.fused_backward(loss, kwargs.get("learning_rate"))
+
+    return backward
+
+
+def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    def clip_grad_norm_(
+        self: Accelerator, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> Any:
+        optimizer = _prepared_in_backward(self)
+        if optimizer is None:
+            return original(self, parameters, max_norm, norm_type)
+        if max_norm != float("inf") and max_norm != optimizer.clip_grad_norm:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}) after a LOMO step: the step already ran "
+                f"with the optimizer's clip_grad_norm={optimizer.clip_grad_norm} (gradients are "
+                "freed inside backward); build the optimizer with clip_grad_norm=max_norm"
+            )
+        # The norm the step measured (clipping or fp16): a device tensor, None when unmeasured.
+        return optimizer.last_grad_norm
+
+    return clip_grad_norm_
+
+
+def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def create_optimizer(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        optimizer = original(self, *args, **kwargs)
+        lomo = in_backward_optimizer(optimizer)
+        if lomo is not None:  # checked before the first step changes anything
+            check_training_arguments(self.args)
+            check_matches_arguments(lomo, self.args)
+        return optimizer
+
+    return create_optimizer
+
+
+def _fused_backward(self: AcceleratedOptimizer, loss: torch.Tensor, lr: float | None = None) -> Any:
+    return self.optimizer.fused_backward(loss, lr)
+
+
+def _grad_norm(self: AcceleratedOptimizer, loss: torch.Tensor) -> Any:
+    return self.optimizer.grad_norm(loss)
+
+
+def _patch(owner: Any, name: str, new: Any) -> None:
+    if (id(owner), name) in _ORIGINALS:
+        return
+    if isinstance(owner, dict):
+        _ORIGINALS[id(owner), name] = (owner, owner[name])
+        owner[name] = new
+    else:
+        _ORIGINALS[id(owner), name] = (owner, owner.__dict__.get(name))
+        setattr(owner, name, new)
+
+
+def enable_transformers() -> None:
+    """Makes transformers' `optim="lomo"/"adalomo"` and accelerate's LOMO path use this
+    package's Lomo and AdaLomo (module docstring). Idempotent; `disable_transformers()`
+    undoes it."""
+    for name in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):
+        _patch(_OPTIMIZER_HANDLERS, name, lomo_optimizer_handler)
+    _patch(Accelerator, "backward", _backward(Accelerator.backward))
+    _patch(Accelerator, "clip_grad_norm_", _clip_grad_norm(Accelerator.clip_grad_norm_))
+    _patch(Trainer, "create_optimizer", _create_optimizer(Trainer.create_optimizer))
+    _patch(AcceleratedOptimizer, "fused_backward", _fused_backward)
+    _patch(AcceleratedOptimizer, "grad_norm", _grad_norm)
+
+
+def disable_transformers() -> None:
+    """Restores what `enable_transformers()` replaced."""
+    for (_, name), (owner, original) in reversed(list(_ORIGINALS.items())):
+        if isinstance(owner, dict):
+            owner[name] = original
+        elif original is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _ORIGINALS.clear()

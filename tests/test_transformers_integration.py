@@ -1,0 +1,170 @@
+"""enable_transformers(): transformers' optim="lomo"/"adalomo" and accelerate's LOMO path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_trainer import args, dataset
+from tiny_models import batch, max_rel_diff, tiny_llama
+
+pytest.importorskip("transformers")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+import lomo_kernels  # noqa: E402
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
+
+LR, STEPS = 0.2, 3
+OPTIONS = {"clip_grad_norm": 1.0, "weight_decay": 0.01}
+CLASSES = {"lomo": Lomo, "adalomo": AdaLomo}
+
+
+@pytest.fixture(autouse=True)
+def enabled():
+    lomo_kernels.enable_transformers()
+    yield
+    lomo_kernels.disable_transformers()
+
+
+def schedule(step):
+    return LR * (1 - step / STEPS)  # transformers' linear schedule without warm-up
+
+
+def manual(model, cls=Lomo, batches=None, **options):
+    """The reference loop: the optimizer's own fused_backward, no framework."""
+    opt = cls(model, lr=LR, **options)
+    norms = []
+    for step in range(STEPS):
+        inputs = batch(step) if batches is None else batches
+        opt.fused_backward(model(**inputs).loss, schedule(step))
+        norms.append(None if opt.last_grad_norm is None else opt.last_grad_norm.item())
+    return opt, norms
+
+
+def assert_same_parameters(a, b):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("call", ["accelerator.backward", "prepared.fused_backward"])
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_accelerate_steps_as_the_plain_loop(call, name):
+    reference, model = tiny_llama(), tiny_llama()
+    _, norms = manual(reference, CLASSES[name], **OPTIONS)
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, CLASSES[name](model, lr=LR, **OPTIONS))
+    assert isinstance(opt, AcceleratedOptimizer)
+    for step in range(STEPS):
+        loss = model(**batch(step)).loss
+        if call == "accelerator.backward":
+            accelerator.backward(loss, learning_rate=schedule(step))
+        else:
+            opt.fused_backward(loss, schedule(step))
+        norm = accelerator.clip_grad_norm_(model.parameters(), OPTIONS["clip_grad_norm"])
+        assert norm.item() == norms[step]  # the step's own norm, not 0.0 from freed grads
+        opt.step()
+        opt.zero_grad()
+    assert_same_parameters(model, reference)
+
+
+def test_accelerate_refuses_what_the_step_cannot_honour():
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        accelerator.backward(model(**batch(0)).loss, learning_rate=LR)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def trainer_batch():
+    rows = dataset(2)  # the Trainer's batch: two copies of one sequence
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def trained_by_trainer(tmp_path, **overrides):
+    model = tiny_llama()
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, learning_rate=LR, **overrides),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return model, trainer, logged
+
+
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_trainer_optim_builds_ours_with_clip_and_decay(tmp_path, name):
+    model, trainer, logged = trained_by_trainer(tmp_path, optim=name)
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is CLASSES[name]
+    assert (opt.clip_grad_norm, opt.weight_decay) == (1.0, 0.01)
+    reference, norms = manual(tiny_llama(), CLASSES[name], trainer_batch(), **OPTIONS)
+    assert_same_parameters(model, reference.model)
+    assert logged == pytest.approx(norms, rel=1e-6)
+
+
+def test_trainer_max_grad_norm_zero_switches_clipping_off(tmp_path):
+    model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo", max_grad_norm=0.0)
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.clip_grad_norm is None and logged == []  # no norm pass: no norm to log
+    reference, _ = manual(tiny_llama(), Lomo, trainer_batch(), weight_decay=0.01)
+    assert_same_parameters(model, reference.model)
+
+
+def test_trainer_optim_lomo_matches_lomo_optim(tmp_path):
+    lomo_optim = pytest.importorskip("lomo_optim")
+    model, _, _ = trained_by_trainer(tmp_path, optim="lomo")
+    reference = tiny_llama()
+    opt = lomo_optim.Lomo(reference, lr=LR, **OPTIONS)
+    for step in range(STEPS):
+        loss = reference(**trainer_batch()).loss
+        opt.grad_norm(loss)
+        opt.fused_backward(loss, schedule(step))
+    assert max_rel_diff(model, reference) <= 1e-5
+
+
+def test_trainer_with_a_given_optimizer(tmp_path):
+    # No learning_rate reaches backward here (optim is not "lomo"): the groups' lr is used.
+    model = tiny_llama()
+    opt = Lomo(model, lr=LR, **OPTIONS)
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, learning_rate=LR, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(opt, None),
+    )
+    trainer.train()
+    reference, _ = manual(tiny_llama(), Lomo, trainer_batch(), **OPTIONS)
+    assert_same_parameters(model, reference.model)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"weight_decay": 0.01}, "max_grad_norm=1.0"),
+        (OPTIONS | {"weight_decay": 0.0}, "weight_decay"),
+    ],
+)
+def test_trainer_refuses_a_given_optimizer_that_would_drop_clip_or_decay(tmp_path, options, match):
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(Lomo(model, lr=LR, **options), None),
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_disable_restores_transformers_and_accelerate(tmp_path):
+    lomo_kernels.disable_transformers()
+    model = tiny_llama()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
+    assert not hasattr(opt, "fused_backward")
