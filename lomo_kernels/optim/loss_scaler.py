@@ -22,18 +22,8 @@ LOSS_SCALE_KEYS = (
 )
 
 
-STATE_KEYS = (
-    "scale",
-    "hysteresis",
-    "cur_iter",
-    "last_overflow_iter",
-    "scale_factor",
-    "scale_window",
-    "min_scale",
-    "delayed_shift",
-    "consecutive_hysteresis",
-    "raise_error_at_min_scale",
-)
+# What a checkpoint holds: the running values, then every setting but the initial scale.
+STATE_KEYS = ("scale", "hysteresis", "cur_iter", "last_overflow_iter", *LOSS_SCALE_KEYS[1:])
 
 
 def _check_settings(
