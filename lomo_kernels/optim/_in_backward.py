@@ -54,6 +54,25 @@ GRAD_ACCUMULATION_ERROR = (
 
 _IDLE, _NORM, _UPDATE = "idle", "norm", "update"
 
+# The param-group keys of lomo-optim 0.1.1's state_dict(), by class: its torch.optim
+# defaults (it keeps AdaLomo's moments and step count outside the state, so they are absent).
+LOMO_OPTIM_GROUP_KEYS = {
+    "Lomo": frozenset({"lr", "clip_grad_norm", "clip_grad_value"}),
+    "AdaLomo": frozenset({"lr", "eps", "weight_decay", "clip_grad_norm", "clip_grad_value"}),
+}
+
+
+def lomo_optim_writer(state_dict: Any) -> str | None:
+    """The lomo-optim class that wrote `state_dict` (no 'lomo' entry, no per-parameter state,
+    one group with exactly its keys), or None."""
+    if not isinstance(state_dict, dict) or "lomo" in state_dict or state_dict.get("state") != {}:
+        return None
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict):
+        return None
+    keys = set(groups[0]) - {"params"}
+    return next((name for name, own in LOMO_OPTIM_GROUP_KEYS.items() if keys == own), None)
+
 
 @dataclass
 class _DeviceScalars:
@@ -110,12 +129,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
             f"pass the model (an nn.Module), not {type(model).__name__}: LOMO registers a hook "
             "on each of its trainable parameters"
         )
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-            raise ValueError(
-                f"module {name!r} produces sparse gradients (sparse=True); LOMO updates dense "
-                "parameters in place: construct it with sparse=False"
-            )
+    refuse_sparse_embeddings(trained_embeddings(model))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(
@@ -142,6 +156,57 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
                 "make it contiguous before building the optimizer"
             )
     return params
+
+
+def trained_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The embedding modules whose weight is trainable, with their names: their `sparse`
+    flag is read again before each step (it may be set after construction)."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.weight.requires_grad
+    ]
+
+
+def refuse_sparse_embeddings(embeddings: list[tuple[str, nn.Module]]) -> None:
+    """A sparse gradient would reach the hooks only after other tensors were updated."""
+    for name, module in embeddings:
+        if module.sparse:
+            raise ValueError(
+                f"module {name!r} produces sparse gradients (sparse=True); LOMO updates dense "
+                f"parameters in place: set {name or 'the module'}.sparse = False (or construct "
+                "it with sparse=False)"
+            )
+
+
+def sparse_gradient_error(name: str) -> TypeError:
+    return TypeError(
+        f"parameter {name!r} received a sparse gradient (F.embedding(..., sparse=True) or "
+        "another op with sparse gradients in the forward); LOMO updates dense parameters in "
+        "place: pass sparse=False"
+    )
+
+
+def interruption_note(updated: list[str], total: int, tracked: bool) -> str:
+    """The note added to an exception raised during an update pass."""
+    if not tracked:
+        return (
+            "lomo_kernels: the update pass ran under compiled autograd, where the optimizer "
+            "cannot tell which parameters were updated before this error: treat the model as "
+            "partly stepped and reload a checkpoint (model and optimizer state_dict)"
+        )
+    if not updated:
+        return (
+            "lomo_kernels: raised during the update pass before any parameter was updated: "
+            "the model and the optimizer state are unchanged"
+        )
+    shown = ", ".join(updated[:8]) + (f" and {len(updated) - 8} more" if len(updated) > 8 else "")
+    return (
+        f"lomo_kernels: raised during the update pass after {len(updated)} of {total} "
+        f"parameters (and their optimizer state) were updated: {shown}. The model is now "
+        "partly stepped (opt.last_step_partial_names lists them): reload a checkpoint (model "
+        "and optimizer state_dict) to return to a consistent state"
+    )
 
 
 def computes_in_fp16(model: nn.Module) -> bool:
@@ -283,6 +348,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._norm_max_norm: float | None = None
         self.last_step_skipped = False
         self.last_step_partial = False
+        # Whether the last step's backward raised, and which parameters it had updated by
+        # then (see _record_interruption); the hooks append to _updated, resolved on error.
+        self.last_step_interrupted = False
+        self.last_step_partial_names: list[str] = []
+        self._updated: list[torch.Tensor] = []
+        self._embeddings = trained_embeddings(model)
         self.single_backward = bool(single_backward)
         self._single = SinglePassClip(None, params[0].device) if single_backward else None
         self._single_step = False  # this update pass clips and checks as gradients arrive
@@ -432,9 +503,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         if grad is None:
             return
         if grad.layout != torch.strided:
-            raise TypeError(
-                "lomo_kernels: a sparse gradient reached the optimizer; LOMO needs dense gradients"
-            )
+            raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
         if self._sharding is not None:
             # Reduced to the owner rank first; `_consume_shards` gets this rank's slice.
             self._sharding.grad_ready(param, grad)
@@ -443,6 +512,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         if self._phase == _NORM:
             self._accumulate_norm(grad, scalars)
             return
+        self._note_updated(param)
         group = self._hook_groups[self._group_of[id(param)]]
         if not self._single_step:
             self._update(param, grad, group, scalars, self._skip_if(scalars))
@@ -457,6 +527,12 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
                 grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
             )
             self._update(param, grad, group, scalars, skip_if)
+
+    def _note_updated(self, param: torch.Tensor) -> None:
+        # Noted before the update is launched: a failing update counts as applied. Traced
+        # (compiled autograd), the append would replay only after the graph; not recorded.
+        if not torch.compiler.is_compiling():
+            self._updated.append(param)
 
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
         return scalars.norm_found_inf if self._norm_ready else scalars.no_skip
@@ -478,7 +554,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         if self._phase == _NORM:
             for _, grad in ready:
                 self._accumulate_norm(grad, scalars)
-        elif self._single_step:
+            return
+        for shard, _ in ready:
+            self._note_updated(shard.param)
+        if self._single_step:
             # Every rank gets the same per-parameter norms and flags (one small all-reduce),
             # hence the same coefficients and skips (single_pass.py).
             coefs, skips = self._single.prepare_bucket(
@@ -598,6 +677,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
                 group["lr"] = float(lr)
         self._hook_groups = _for_hooks(groups)
         self._max_norm = groups[0]["clip_grad_norm"]
+        self.last_step_interrupted = False
+        self.last_step_partial_names = []
 
     def _checked_groups(self, lr: float | None = None) -> list[dict[str, Any]]:
         return checked_groups(self.param_groups, "param_groups", lr)
@@ -678,6 +759,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
                 )
         if problem is not None:
             self._refuse_changed(*problem)
+        refuse_sparse_embeddings(self._embeddings)
 
     def _refuse_changed(self, param: torch.Tensor | None, what: str) -> None:
         names = parameter_names(self.model)
@@ -744,6 +826,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         if phase == _UPDATE:
             _compiled_autograd.check_supported()
         self._phase = phase
+        self._updated.clear()
+        tracked = not _compiled_autograd.compiled_autograd_active()
         sharding = self._sharding
         try:
             if sharding is not None:
@@ -763,9 +847,21 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
                 raise RuntimeError(
                     _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
                 ) from error
+            if phase == _UPDATE:
+                self._record_interruption(error, tracked)
             raise
         finally:
             self._phase = _IDLE
+            self._updated.clear()
+
+    def _record_interruption(self, error: BaseException, tracked: bool) -> None:
+        """Reports which parameters an interrupted update pass had already updated (a norm
+        pass writes no parameter or state: its interruption changes nothing)."""
+        names = parameter_names(self.model)
+        self.last_step_interrupted = True
+        self.last_step_partial_names = [names.get(id(p), "?") for p in self._updated]
+        total = sum(len(g["params"]) for g in self.param_groups)
+        error.add_note(interruption_note(self.last_step_partial_names, total, tracked))
 
     def _combine(self, pick: Any) -> torch.Tensor:
         """Sum of one per-device scalar over devices, on the first device."""
@@ -875,6 +971,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         """Loads `state_dict` after checking the whole of it: a checkpoint of another
         optimizer class, model or sharding, or with non-finite values, is refused with
         nothing applied."""
+        writer = lomo_optim_writer(state_dict)
+        if writer is not None:
+            state_dict = self._from_lomo_optim(state_dict, writer)
         self._check_state_dict(state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
@@ -886,6 +985,40 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             self._load_scaler_state(extra["loss_scaler"])
             if self._single is not None and "single_backward" in extra:
                 self._single.load_state_dict(extra["single_backward"])
+        if writer is not None:
+            self._after_lomo_optim_load()
+
+    def _after_lomo_optim_load(self) -> None:
+        """Called once a lomo-optim state_dict was loaded (AdaLomo says what it lacked)."""
+
+    def _from_lomo_optim(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+        """This optimizer's own state_dict with the hyper-parameters of a lomo-optim one.
+
+        lomo-optim's state_dict holds only its constructor's hyper-parameters (lomo-optim
+        itself never reads them back); what it lacks (AdaLomo's moments and step count,
+        the loss scaler) stays as it is here. Its ``weight_decay <= 0`` means off, as here 0.
+        """
+        own = self._state_format()
+        if writer != own:
+            raise ValueError(
+                f"this state_dict was written by lomo_optim.{writer}; {own} keeps other "
+                f"hyper-parameters: load it into lomo_kernels.{writer}, or start {own} from its "
+                "fresh state"
+            )
+        saved = state_dict["param_groups"][0]
+        # lomo-optim lists every parameter of the model, frozen ones included.
+        count = len(list(self.model.parameters()))
+        if len(self.param_groups) != 1 or len(saved["params"]) != count:
+            raise ValueError(
+                f"this lomo_optim.{writer} state_dict lists {len(saved['params'])} parameters, "
+                f"this model has {count}: the checkpoint belongs to another model"
+            )
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        if "weight_decay" in hyper and _is_number(hyper["weight_decay"]):
+            hyper["weight_decay"] = max(hyper["weight_decay"], 0.0)
+        current = self.state_dict()
+        group = current["param_groups"][0]
+        return {**current, "param_groups": [{**group, **hyper, "params": group["params"]}]}
 
     def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
         """Applies torch.optim's part (param_groups, per-parameter state), already checked."""
@@ -1000,6 +1133,10 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
 
     def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
         """Subclasses with a loss scaler restore it here."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_loss_scale_args(args: dict[str, Any]) -> dict[str, Any]:

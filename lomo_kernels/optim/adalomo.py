@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -217,6 +218,15 @@ class AdaLomo(InBackwardOptimizer):
         if problem is None and bool((values < 0).any()):
             problem = "holds negative values (second moments are averages of squares)"
         return problem
+
+    def _after_lomo_optim_load(self) -> None:
+        warnings.warn(
+            "a lomo_optim.AdaLomo state_dict holds no second moments and no step count "
+            "(lomo-optim keeps them outside its state): only its hyper-parameters were "
+            "loaded; this optimizer's moments and step count are kept",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
         # torch.optim casts floating state to the parameter's dtype; the moments stay fp32.
