@@ -266,6 +266,21 @@ def test_report_reset_at_the_next_step(name):
     assert not opt.last_step_interrupted and opt.last_step_partial_names == []
 
 
+def test_exception_under_compiled_autograd_says_the_updates_are_unknown():
+    """Traced hooks run inside one graph: the optimizer cannot list what they updated."""
+    from torch._dynamo import compiled_autograd
+
+    model = mlp()
+    opt = Lomo(model, lr=0.05)
+    raise_in_backward(model, "module_backward")
+    loss = loss_of(model, 0)
+    compiled = compiled_autograd._enable(torch.compile(backend="aot_eager"))
+    with pytest.raises(Interrupted) as raised, compiled:
+        opt.fused_backward(loss)
+    assert opt.last_step_interrupted and opt.last_step_partial_names == []
+    assert "cannot tell which parameters were updated" in raised.value.__notes__[0]
+
+
 # ------------------------------------------------------------------ lomo-optim checkpoints
 
 
