@@ -70,6 +70,8 @@ def lomo_optim_writer(state_dict: Any) -> str | None:
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict):
         return None
+    if not isinstance(groups[0].get("params"), list):
+        return None
     keys = set(groups[0]) - {"params"}
     return next((name for name, own in LOMO_OPTIM_GROUP_KEYS.items() if keys == own), None)
 
