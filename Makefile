@@ -6,7 +6,7 @@ STAMP     := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup test test-gpu demo bench bench-gpu lint clean
+.PHONY: setup test test-gpu test-compile-versions demo bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,27 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -rs tests
 
+# The compile tests on each torch version that compiled autograd is tested on (the package's
+# TESTED_TORCH_VERSIONS; TORCH_VERSIONS="2.13.0" picks some), each in a venv of its own
+# (.venv-torch-<version>) with that version's CPU wheel (TORCH_PIP_ARGS: where pip finds it).
+# Not part of `make test`: each version is a separate install and a full run of the slowest
+# tests.
+TORCH_PIP_ARGS  ?= --extra-index-url https://download.pytorch.org/whl/cpu
+COMPILE_TESTS   ?= tests/test_compile.py tests/test_compile_scope.py tests/test_compile_llama.py
+test-compile-versions: $(STAMP)
+	set -e; \
+	versions="$${TORCH_VERSIONS:-$$($(PY) -c 'from lomo_kernels.optim._compiled_autograd import TESTED_TORCH_VERSIONS as v; print(*v)')}"; \
+	for version in $$versions; do \
+		venv=.venv-torch-$$version; \
+		echo "== torch $$version ($$venv)"; \
+		[ -x $$venv/bin/python ] || python3 -m venv $$venv; \
+		$$venv/bin/python -m pip install -q $(TORCH_PIP_ARGS) "torch==$$version"; \
+		$$venv/bin/python -m pip install -q setuptools wheel triton ninja; \
+		$$venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"; \
+		$$venv/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$$version', torch.__version__"; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(COMPILE_TESTS); \
+	done
+
 demo: $(STAMP)
 	$(PY) -m lomo_kernels.demo --plot demo.png
 
@@ -64,4 +85,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-torch-* build *.egg-info .pytest_cache

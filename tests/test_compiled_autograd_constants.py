@@ -16,6 +16,7 @@ from torch._functorch._aot_autograd.runtime_wrappers import (
 )
 
 from lomo_kernels.optim import _compiled_autograd
+from lomo_kernels.optim._in_backward import updated_in_backward
 
 SHAPE = [64, 32]
 
@@ -53,8 +54,9 @@ def test_torch_loader_keeps_the_constant_in_the_serialized_state():
     ), "torch's loader no longer writes constants into the serialized state"
 
 
-def test_compiled_autograd_loads_the_backward_from_a_copy():
-    assert _compiled_autograd.install()
+def test_compiled_autograd_loads_the_backward_from_a_copy(monkeypatch):
+    assert _compiled_autograd.install(updated_in_backward)
+    monkeypatch.setattr(_compiled_autograd, "_capturing_ours", True)  # as in our capture
     serialized = SerializedGraphModule(_backward_like_graph())
     before = _tensors_in(serialized.args[0])
     module = compiled_autograd.extract_bw_module(_CompiledFunction(serialized))

@@ -12,8 +12,11 @@ there feeds the updated ``W`` into the input gradients of every layer below: eac
 is off by 1-40% after one step, with no error (eager autograd would have raised, as a saved
 tensor was modified in place).
 
-`install` wraps four of compiled autograd's capture steps:
-- `begin_capture` notes which graph inputs share storage (a weight and its saved copy);
+`install` wraps four of compiled autograd's capture steps. Each acts only on a backward
+whose inputs include a parameter that one of this package's optimizers updates in its hooks
+("ours"); any other backward, and any other hook in ours, gets torch's own code unchanged:
+- `begin_capture` notes which graph inputs are ours and which share storage (a weight and
+  its saved copy);
 - `reorder_accumulate_grad_nodes` leaves the AccumulateGrad nodes that carry
   post-accumulate-grad hooks where eager autograd runs them (after the producing node);
 - after `reorder_post_acc_grad_hook_nodes`, each such node and its hooks move up to just
@@ -40,7 +43,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +56,21 @@ _METADATA_READS = (
     torch.ops.aten.sym_stride.int,
     torch.ops.aten.sym_numel.default,
     torch.ops.aten.sym_storage_offset.default,
+)
+
+# Versions on which compiled autograd with these patches is tested (`make
+# test-compile-versions`). Matched by major.minor: the private capture and Inductor APIs
+# patched here change between minor releases, while patch releases carry targeted fixes
+# only; local suffixes (+cpu, +cu128) are builds of the same code.
+TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0")
+TORCH_VERSION = str(torch.__version__)  # the version `check_supported` judges
+
+UNTESTED_MESSAGE = (
+    "lomo_kernels: compiled autograd is enabled, but torch {version} is not a version on "
+    "which lomo_kernels tests its in-backward updates under compiled autograd (tested: "
+    "{tested}, and their patch releases); they could be silently wrong, so nothing was "
+    "updated. Eager backward and torch.compile of the forward alone keep working on any "
+    "version: run the backward without compiled autograd."
 )
 
 UNSUPPORTED_MESSAGE = (
@@ -78,17 +97,46 @@ def _pass_owner() -> Any:
 
 
 _installed: bool | None = None  # None: not tried yet
+# Whether the capture under way is of a backward that holds our hooks (read by the loader
+# of cached backward graphs, which is not given the capturing instance).
+_capturing_ours = False
 
 
-def install() -> bool:
-    """Adjusts compiled autograd's AccumulateGrad reordering once; False if it cannot."""
+def install(owned: Callable[[Any], bool]) -> bool:
+    """Adjusts compiled autograd's capture of backwards holding parameters for which `owned`
+    is true (those our hooks update), once; False if it cannot."""
     global _installed
     if _installed is None:
-        _installed = _patch_passes()
+        _installed = _patch_passes(owned)
     return _installed
 
 
-def _patch_passes() -> bool:
+def _series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as 2.13.0+cpu; None if it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def torch_version_tested(version: str) -> bool:
+    """Whether `version` is a patch release of one of TESTED_TORCH_VERSIONS."""
+    series = _series(version)
+    return series is not None and series in {_series(v) for v in TESTED_TORCH_VERSIONS}
+
+
+def _our_inputs(inputs: list[Any], owned: Callable[[Any], bool]) -> set[int]:
+    """Indices of the capture's inputs that are parameters our hooks update."""
+    return {i for i, t in enumerate(inputs) if owned(t)}
+
+
+def _our_hooked_params(instance: Any, call_hook: Any) -> set[torch.fx.Node]:
+    """The graph's parameters that carry a post-accumulate-grad hook and are ours."""
+    ours = getattr(instance, "_lomo_ours", set())
+    return {
+        p for p in _hooked_params(instance.fx_tracer.graph, call_hook) if _input_index(p) in ours
+    }
+
+
+def _patch_passes(owned: Callable[[Any], bool]) -> bool:
     try:
         from torch._dynamo.external_utils import call_accumulate_grad, call_hook
     except ImportError:
@@ -109,17 +157,22 @@ def _patch_passes() -> bool:
 
     @functools.wraps(begin_capture)
     def begin_capture_noting_storages(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        self._lomo_input_storages = [_storage_key(t) for t in inputs]
+        global _capturing_ours
+        self._lomo_ours = _our_inputs(inputs, owned)
+        _capturing_ours = bool(self._lomo_ours)
+        if _capturing_ours:
+            self._lomo_input_storages = [_storage_key(t) for t in inputs]
         return begin_capture(self, inputs, *args, **kwargs)
 
     @functools.wraps(reorder_accumulate)
     def reorder_accumulate_grad_nodes(self: Any) -> None:
+        ours = _our_hooked_params(self, call_hook)
         held = [
             node
             for node in self.fx_tracer.graph.find_nodes(
                 op="call_function", target=call_accumulate_grad
             )
-            if node.args[0] in _hooked_params(self.fx_tracer.graph, call_hook)
+            if node.args[0] in ours
         ]
         # Hide these nodes from torch's pass by their target, so it moves only the others.
         for node in held:
@@ -133,13 +186,15 @@ def _patch_passes() -> bool:
     @functools.wraps(reorder_hooks)
     def reorder_post_acc_grad_hook_nodes(self: Any) -> None:
         reorder_hooks(self)
-        graph = self.fx_tracer.graph
-        hooked = _hooked_params(graph, call_hook)
+        hooked = _our_hooked_params(self, call_hook)
         self._lomo_updates_in_graph = bool(hooked)
+        if not hooked:
+            return
+        graph = self.fx_tracer.graph
         _use_eager_embedding_backward(graph, hooked, self.fx_tracer.root)
         storages = getattr(self, "_lomo_input_storages", None)
         if storages is not None:
-            _move_updates_after_last_read(graph, storages, call_hook)
+            _move_updates_after_last_read(graph, storages, hooked, call_hook)
 
     @functools.wraps(end_capture)
     def end_capture_with_inductor_pass(self: Any, outputs: Any) -> tuple[Any, Any]:
@@ -268,6 +323,8 @@ def _patch_backward_loading() -> None:
 
     @functools.wraps(extract)
     def extract_from_copy(compiled_function: Any) -> Any:
+        if not _capturing_ours:
+            return extract(compiled_function)
         loader = getattr(compiled_function._lazy_backward_info, "bw_module_fn", None)
         serialized = getattr(loader, "__self__", None)
         args = getattr(serialized, "args", None)
@@ -565,7 +622,10 @@ def _aliases(param: torch.fx.Node, storages: list[int | None]) -> set[torch.fx.N
 
 
 def _move_updates_after_last_read(
-    graph: torch.fx.Graph, storages: list[int | None], call_hook: Any
+    graph: torch.fx.Graph,
+    storages: list[int | None],
+    hooked: set[torch.fx.Node],
+    call_hook: Any,
 ) -> None:
     """Moves each hooked AccumulateGrad (and its hooks) up to just after the last read of
     the weight and its aliases, so its gradient is freed as early as eager LOMO frees it.
@@ -578,6 +638,8 @@ def _move_updates_after_last_read(
     order = {node: i for i, node in enumerate(graph.nodes)}
     for acc in list(graph.find_nodes(op="call_function", target=call_accumulate_grad)):
         param = acc.args[0]
+        if param not in hooked:
+            continue
         hooks = [
             n
             for n in param.users
@@ -756,12 +818,18 @@ def compiled_autograd_active() -> bool:
 
 
 def check_supported() -> None:
-    """Raises before any update when compiled autograd is on and the fix is unavailable.
+    """Raises before any update when compiled autograd is on and this torch is untested or
+    the fix is unavailable.
 
     Reads only module state, so a compiled training step can trace it without a break.
     """
-    if compiled_autograd_active() and not _installed:
-        raise RuntimeError(UNSUPPORTED_MESSAGE.format(version=torch.__version__))
+    if not compiled_autograd_active():
+        return
+    if not torch_version_tested(TORCH_VERSION):
+        tested = ", ".join(TESTED_TORCH_VERSIONS)
+        raise RuntimeError(UNTESTED_MESSAGE.format(version=TORCH_VERSION, tested=tested))
+    if not _installed:
+        raise RuntimeError(UNSUPPORTED_MESSAGE.format(version=TORCH_VERSION))
 
 
 def is_aliased_input_failure(error: BaseException) -> bool:

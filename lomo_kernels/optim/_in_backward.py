@@ -232,12 +232,18 @@ class _Claim:
 _OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], _Claim]] = {}
 
 
+def updated_in_backward(t: Any) -> bool:
+    """Whether `t` is a parameter that a live in-backward optimizer updates in its hooks."""
+    entry = _OWNERS.get(id(t))
+    return entry is not None and entry[0]() is t
+
+
 def check_unowned(params: list[nn.Parameter], names: dict[int, str], new_owner: str) -> None:
     """Refuses parameters that a live in-backward optimizer already updates: both would
     update them in the same backward."""
     for p in params:
-        entry = _OWNERS.get(id(p))
-        if entry is not None and entry[0]() is p:
+        if updated_in_backward(p):
+            entry = _OWNERS[id(p)]
             raise ValueError(
                 f"parameter {names.get(id(p), '?')!r} is already updated in backward by a live "
                 f"{entry[1].owner}: call .detach() on that optimizer (or build it in a with "
@@ -360,7 +366,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._single = SinglePassClip(None, params[0].device) if single_backward else None
         self._single_step = False  # this update pass clips and checks as gradients arrive
         self._reported_single = False  # the queued report is of a single-backward step
-        _compiled_autograd.install()  # keeps in-backward updates correct under compiled autograd
+        # Keeps in-backward updates correct under compiled autograd.
+        _compiled_autograd.install(updated_in_backward)
         self._release_hooks: weakref.finalize | None = None  # set by _attach
 
     # The hyper-parameters live in param_groups (as in torch.optim); these attributes are
@@ -672,6 +679,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         every group's lr to `lr` when given (as lomo-optim does)."""
         self._check_loss(loss)
         self._check_parameters()
+        _compiled_autograd.check_supported()
         groups = self._checked_groups(None if lr is None else check_lr(lr))
         checked_group(self._host_hyper_parameters(), type(self).__name__)
         if lr is not None:
@@ -825,8 +833,6 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
         elif self._static_inv_scale() != 1.0:
             loss = loss / self._static_inv_scale()
-        if phase == _UPDATE:
-            _compiled_autograd.check_supported()
         self._phase = phase
         self._updated.clear()
         tracked = not _compiled_autograd.compiled_autograd_active()
