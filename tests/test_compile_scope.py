@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from torch._dynamo import compiled_autograd
 
 USER_LR = 0.05
@@ -201,26 +202,6 @@ def test_untested_torch_still_runs_a_compiled_forward_step(monkeypatch):
         assert torch.equal(a, b)
 
 
-if __name__ == "__main__":
-    run_mode(sys.argv[1], Path(sys.argv[2]))
-
-
-def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=72,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=40,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).train()
-
-
 def train_llama(model: torch.nn.Module, steps: int = 2) -> None:
     from lomo_kernels import Lomo
 
@@ -259,3 +240,7 @@ def test_compiling_each_decoder_layer_matches_eager_on_any_torch(monkeypatch):
         eps = torch.finfo(a.dtype).eps
         bound = torch.clamp(ROUNDING_EPS * eps * a.abs(), min=PER_LAYER_BOUND * update)
         assert ((a - b).abs() <= bound).all(), name
+
+
+if __name__ == "__main__":
+    run_mode(sys.argv[1], Path(sys.argv[2]))
