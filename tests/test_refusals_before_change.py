@@ -123,23 +123,32 @@ def test_sparse_embedding_module_refused_at_construction_unless_frozen(name):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name,mode", list(model_modes()))
-def test_functional_sparse_embedding(name, model_name, mode):
-    """Refused by the norm pass with nothing changed where one runs; otherwise refused when
-    the sparse gradient arrives, with the report of what the update pass had updated."""
+def test_functional_sparse_embedding_refused_before_any_change(name, model_name, mode):
+    """Refused with nothing changed in every mode: by the norm pass where one runs, else by a
+    walk of the loss's autograd graph before the update pass."""
     model, opt, loss_fn = built(name, model_name, mode)
     make_sparse_functional(model)
     loss = loss_fn(model, 1)
-    match = r"received a sparse gradient.*sparse=False"
     if MODES[mode][2]:
-        assert_refused(model, opt, lambda: opt.fused_backward(loss), TypeError, match)
-        assert not opt.last_step_interrupted
-        return
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(TypeError, match=match) as refused:
-        opt.fused_backward(loss)
-    assert_reported(model, opt, before, refused.value)
-    embedding = "embed.weight" if model_name == "embedder" else "model.embed_tokens.weight"
-    assert embedding not in opt.last_step_partial_names
+        error, match = TypeError, r"received a sparse gradient.*sparse=False"
+    else:
+        error, match = ValueError, r"embedding lookup with sparse=True.*nothing was updated"
+    assert_refused(model, opt, lambda: opt.fused_backward(loss), error, match)
+    assert not opt.last_step_interrupted
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_graph_walk_finds_sparse_embedding_and_bag_lookups(sparse):
+    from lomo_kernels.optim._in_backward import sparse_embedding_in_graph
+
+    weight = torch.randn(10, 4, requires_grad=True)
+    ids = torch.tensor([1, 2, 3])
+    dense = (weight * 2).sum()  # a branch without any lookup
+    lookup = F.embedding(ids, weight, sparse=sparse).sum()
+    bag = F.embedding_bag(ids, weight, torch.tensor([0]), sparse=sparse).sum()
+    assert not sparse_embedding_in_graph(dense)
+    assert sparse_embedding_in_graph(dense + lookup) is sparse
+    assert sparse_embedding_in_graph(bag * 3 + dense) is sparse
 
 
 # ------------------------------------------------------------------ mid-backward exceptions

@@ -181,6 +181,30 @@ def refuse_sparse_embeddings(embeddings: list[tuple[str, nn.Module]]) -> None:
             )
 
 
+_SPARSE_GRADIENT_NODES = ("EmbeddingBackward0", "EmbeddingBagBackward0")
+
+
+def sparse_embedding_in_graph(loss: torch.Tensor) -> bool:
+    """Whether the backward of `loss` holds an embedding lookup with sparse=True (the
+    functional form, F.embedding(..., sparse=True), that no module flag shows).
+
+    A walk of the autograd graph on the host, about 1.3 us per node (seen: 0.13 ms for a
+    2-layer LLaMA, 3.3 ms for a 32-layer one); run only for steps without a norm pass, where
+    the sparse gradient would otherwise arrive after other tensors were updated.
+    """
+    stack = [loss.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() in _SPARSE_GRADIENT_NODES and getattr(node, "_saved_sparse", False):
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def sparse_gradient_error(name: str) -> TypeError:
     return TypeError(
         f"parameter {name!r} received a sparse gradient (F.embedding(..., sparse=True) or "
@@ -641,6 +665,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         else:
             self._report_previous_step()
             self._prepare_scalars()
+        if not self._norm_ready:
+            self._refuse_sparse_graph(loss)  # no norm pass would meet the sparse gradient first
         if single:
             self._single.max_norm = self._max_norm
             self._single.begin_step()
@@ -660,6 +686,15 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._norm_ready = True
         self._norm_loss = weakref.ref(loss)
         self._norm_max_norm = self._max_norm
+
+    @torch.compiler.disable
+    def _refuse_sparse_graph(self, loss: torch.Tensor) -> None:
+        if sparse_embedding_in_graph(loss):
+            raise ValueError(
+                "the loss's backward holds an embedding lookup with sparse=True "
+                "(F.embedding(..., sparse=True)); LOMO updates dense parameters in place and "
+                "nothing was updated: pass sparse=False"
+            )
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
