@@ -128,3 +128,15 @@ def test_zero3_unsupported_setups_refused(checks):
         assert "each rank would apply its own unreduced gradient" in refused["replicated"]
         assert "without optimizer=" in refused["engine_with_optimizer"]
         assert "ZeRO-3 optimizer" in refused["module_with_optimizer"]
+        assert "pass replicated=False" in refused["replicated"]
+
+
+@pytest.mark.slow
+def test_zero3_unreplicated_opt_in_trains_each_rank_alone(checks):
+    """Lomo(..., replicated=False) on 2 ranks: each rank's step equals torch.optim.SGD on its
+    own batch in its own process (within 1e-6 relative, the bound of the one-process SGD
+    parity tests), and the ranks' models differ: no gradient was reduced across ranks."""
+    runs = [rank["unreplicated"] for rank in checks]
+    for run in runs:
+        assert run["rel_diff_to_sgd"] <= 1e-6, run
+    assert runs[0]["checksum"] != runs[1]["checksum"]

@@ -41,10 +41,13 @@ def sharding_for(
     model: nn.Module | None = None,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    replicated: bool = True,
 ) -> Zero3Sharding | Fsdp2Sharding | None:
     """The sharding engine behind `params`, or None when one process holds them whole.
 
-    `model` (the module owning `params`) is needed to find FSDP2's units.
+    `model` (the module owning `params`) is needed to find FSDP2's units. `replicated=False`
+    says that each rank's unsharded parameters are its own (pipeline stages, a per-rank
+    model): nothing is reduced across ranks, and the multi-rank refusal below does not apply.
     """
     zero3 = [p for p in params if is_zero3_param(p)]
     dtensors = [p for p in params if is_dtensor(p)]
@@ -59,13 +62,14 @@ def sharding_for(
         if model is None:
             raise ValueError("FSDP2 parameters found: pass the model to find its units")
         return Fsdp2Sharding(model, params, names)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if replicated and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
             f"torch.distributed runs {dist.get_world_size()} ranks but the parameters are "
             "whole on every rank (DDP, ZeRO stage 1/2, or no wrapper): each rank would apply "
             "its own unreduced gradient and the replicas would drift apart. Shard the model "
             "with FSDP2 (fully_shard) or DeepSpeed ZeRO-3 (README, 'Sharded training'), or "
-            "run one process."
+            "run one process; if each rank's parameters are its own (pipeline stages, a model "
+            "per rank), pass replicated=False."
         )
     return None
 

@@ -341,17 +341,24 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         backend: str | None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
+        replicated: bool = True,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
         `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
-        `single_backward`: clip and check overflow within the update pass (single_pass.py)."""
+        `single_backward`: clip and check overflow within the update pass (single_pass.py).
+        `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
+        own (pipeline stages, a model per rank), so no rank waits for another's gradients."""
         defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
         check_unowned(params, parameter_names(model), type(self).__name__)
         self._sharding = sharding_for(
-            params, parameter_names(model), model=model, bucket_numel=bucket_numel
+            params,
+            parameter_names(model),
+            model=model,
+            bucket_numel=bucket_numel,
+            replicated=bool(replicated),
         )
         super().__init__([{"params": params}], defaults)
         self.model = model

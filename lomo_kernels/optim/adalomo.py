@@ -75,6 +75,7 @@ class AdaLomo(InBackwardOptimizer):
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
+        replicated: bool = True,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
@@ -95,6 +96,7 @@ class AdaLomo(InBackwardOptimizer):
             backend=backend,
             bucket_numel=bucket_numel,
             single_backward=single_backward,
+            replicated=replicated,
         )
         self.loss_scale = loss_scale
         self._fp16 = computes_in_fp16(model)

@@ -33,7 +33,8 @@ class Lomo(InBackwardOptimizer):
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
     of the write-back; seeded from ``seed``, the step and the parameter index, the step's
     part kept in a device tensor so a compiled backward is not rebuilt each step),
-    ``backend`` ('triton', 'cpp', 'torch' or None for automatic) and ``single_backward``.
+    ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward`` and
+    ``replicated`` (False: under torch.distributed, each rank's parameters are its own).
 
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
@@ -60,6 +61,7 @@ class Lomo(InBackwardOptimizer):
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
+        replicated: bool = True,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
@@ -78,6 +80,7 @@ class Lomo(InBackwardOptimizer):
             backend=backend,
             bucket_numel=bucket_numel,
             single_backward=single_backward,
+            replicated=replicated,
         )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)

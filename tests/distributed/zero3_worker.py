@@ -7,6 +7,7 @@ and `checks.json` with what was observed on every rank.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -257,6 +258,30 @@ def run_refusals(checks: dict) -> None:
         except ValueError as exc:
             refused[label] = str(exc)
     checks["refusals"] = refused
+    checks["unreplicated"] = run_unreplicated(dist.get_rank())
+
+
+def run_unreplicated(rank: int) -> dict:
+    """replicated=False: each rank trains its own whole model on its own batch, nothing
+    reduced; against torch.optim.SGD on the same model and batches in this process."""
+    torch.manual_seed(0)
+    own = ScaledLlama()
+    reference = copy.deepcopy(own)
+    opt = Lomo(own, lr=0.1, replicated=False)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        opt.fused_backward(own(rank_batch(step, rank)))
+        reference(rank_batch(step, rank)).backward()
+        sgd.step()
+        sgd.zero_grad()
+    worst = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+        for a, b in zip(own.parameters(), reference.parameters(), strict=True)
+    )
+    return {
+        "rel_diff_to_sgd": worst,
+        "checksum": sum(p.double().sum().item() for p in own.parameters()),
+    }
 
 
 def main() -> None:
