@@ -1,76 +1,58 @@
-"""The fused LOMO ops: their schemas (torch.library) and public functions.
+"""The fused LOMO ops: their specs (one per op, `spec.py`) and public functions.
 
-    fused_sgd_update_     one LOMO/SGD step on one parameter, one pass over memory
-                          (op ``lomo_kernels::sgd_update_``)
+    fused_lomo_update_    one LOMO step on one parameter, one pass over memory
+                          (op ``lomo_kernels::lomo_update_``; also ``fused_sgd_update_``)
     grad_sumsq_           sum of squares of a (scaled) gradient + inf/nan flag, one pass
                           (op ``lomo_kernels::grad_sumsq_``)
     clip_coef_from_sumsq  device-side clip-by-norm coefficient
 
 The public functions check their arguments and convert runtime scalars to device tensors
-once (`scalars.py`); the ops take them only as tensors. Kernels per device: `backends.py`.
+once (by the spec: `OpSpec.convert`); the ops take them only as tensors. Kernels per device:
+`backends.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import sgd_reference
-from .backends import SGD, register_kernels, requested_backend
-from .checks import check_finite, check_pair, check_scalar_tensor
-from .scalars import Scalar, device_scalar, grad_transform, optional_factor
+from .backends import LOMO, define
+from .checks import check_finite, check_pair
+from .scalars import Scalar
+from .spec import GRAD_TRANSFORM, Arg, OpSpec
+
+LOMO_UPDATE = OpSpec(
+    "lomo_update_",
+    "lomo_update_",
+    (
+        Arg("param", "tensor", mutable=True),
+        Arg("grad", "tensor"),
+        Arg("lr", "scalar", rule="non_negative"),
+        *GRAD_TRANSFORM,
+        Arg("weight_decay", "hyper"),
+        Arg("found_inf", "flag", mutable=True),
+        Arg("skip_if", "flag"),
+        Arg("stochastic_rounding", "bool"),
+        Arg("seed", "seed"),
+        Arg("seed_step", "step"),
+    ),
+)
+GRAD_SUMSQ = OpSpec(
+    "grad_sumsq_",
+    "grad_sumsq_",
+    (
+        Arg("grad", "tensor"),
+        Arg("inv_scale", "factor"),
+        Arg("sumsq", "flag", mutable=True, required=True),
+        Arg("found_inf", "flag", mutable=True),
+    ),
+)
+
+# The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
+lomo_update_op = define(LOMO_UPDATE, LOMO)
+grad_sumsq_op = define(GRAD_SUMSQ, LOMO)
 
 
-@torch.library.custom_op("lomo_kernels::sgd_update_", mutates_args=("param", "found_inf"))
-def _sgd_update_op(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    weight_decay: float,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-    seed_step: torch.Tensor | None,
-    backend: str,
-) -> None:
-    sgd_reference.sgd_update_(
-        param,
-        grad,
-        lr,
-        inv_scale,
-        clip_value,
-        clip_coef,
-        weight_decay,
-        found_inf,
-        skip_if,
-        stochastic_rounding,
-        seed,
-        seed_step,
-    )
-
-
-# The op as callers use it: eager calls skip the dispatcher's Python layers (eager.py).
-sgd_update_op = register_kernels(_sgd_update_op, SGD, "sgd_update_")
-
-
-@torch.library.custom_op("lomo_kernels::grad_sumsq_", mutates_args=("sumsq", "found_inf"))
-def _grad_sumsq_op(
-    grad: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    sumsq: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    backend: str,
-) -> None:
-    sgd_reference.grad_sumsq_(grad, inv_scale, sumsq, found_inf)
-
-
-grad_sumsq_op = register_kernels(_grad_sumsq_op, SGD, "grad_sumsq_")
-
-
-def fused_sgd_update_(
+def fused_lomo_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
     *,
@@ -104,35 +86,33 @@ def fused_sgd_update_(
     ``skip_if`` is omitted, ``found_inf``'s own value on entry acts as the skip flag.
     """
     check_pair(param, grad)
-    device = param.device
-    lr_t = device_scalar("lr", lr, device, non_negative=True)
-    transform = grad_transform(inv_scale, clip_value, clip_coef, device)
-    check_finite("weight_decay", weight_decay)
-    check_scalar_tensor("found_inf", found_inf, device)
-    check_scalar_tensor("skip_if", skip_if, device)
-    check_scalar_tensor("seed_step", seed_step, device, dtype=torch.int64)
     if stochastic_rounding and param.dtype != torch.bfloat16:
         raise ValueError(
             f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
         )
-    if not 0 <= int(seed) < 2**63:
-        raise ValueError(f"lomo_kernels: seed must be in [0, 2**63), got {seed}")
-    if param.numel() == 0:
-        return
-    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
-    sgd_update_op(
-        param,
-        grad.contiguous(),
-        lr_t,
-        *transform,
-        float(weight_decay),
-        found_inf,
-        found_inf if skip_if is None else skip_if,
-        bool(stochastic_rounding),
-        int(seed),
-        seed_step,
-        requested_backend(backend),
+    arguments = LOMO_UPDATE.convert(
+        param.device,
+        {
+            "param": param,
+            "grad": grad.contiguous(),
+            "lr": lr,
+            "inv_scale": inv_scale,
+            "clip_value": clip_value,
+            "clip_coef": clip_coef,
+            "weight_decay": weight_decay,
+            "found_inf": found_inf,
+            # Without an explicit skip flag, found_inf's value on entry decides (GradScaler).
+            "skip_if": found_inf if skip_if is None else skip_if,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": seed,
+            "seed_step": seed_step,
+        },
     )
+    if param.numel():
+        lomo_update_op(backend, **arguments)
+
+
+fused_sgd_update_ = fused_lomo_update_
 
 
 def grad_sumsq_(
@@ -148,12 +128,12 @@ def grad_sumsq_(
     One pass over ``grad``; ``sumsq`` and ``found_inf`` are 1-element fp32 device tensors.
     """
     check_pair(grad, grad)
-    check_scalar_tensor("sumsq", sumsq, grad.device)
-    check_scalar_tensor("found_inf", found_inf, grad.device)
-    inv_t = optional_factor("inv_scale", inv_scale, grad.device)
-    if grad.numel() == 0:
-        return
-    grad_sumsq_op(grad.contiguous(), inv_t, sumsq, found_inf, requested_backend(backend))
+    arguments = GRAD_SUMSQ.convert(
+        grad.device,
+        {"grad": grad.contiguous(), "inv_scale": inv_scale, "sumsq": sumsq, "found_inf": found_inf},
+    )
+    if grad.numel():
+        grad_sumsq_op(backend, **arguments)
 
 
 def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._rounding import mix32_int
 from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
-from ..ops.sgd import sgd_update_op
+from ..ops.lomo import fused_lomo_update_
 from ._in_backward import (
     InBackwardOptimizer,
     _DeviceScalars,
@@ -172,22 +172,22 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
-        sgd_update_op(
+        fused_lomo_update_(
             target,
             grad,
-            scalars.lr[self._group_of[id(param)]],
-            self._inv_scale_for(target.device),
-            group["clip_grad_value"],
-            (scalars.clip_coef if clip_coef is None else clip_coef)
+            lr=scalars.lr[self._group_of[id(param)]],
+            inv_scale=self._inv_scale_for(target.device),
+            clip_value=group["clip_grad_value"],
+            clip_coef=(scalars.clip_coef if clip_coef is None else clip_coef)
             if group["clip_grad_norm"] is not None
             else None,
-            group["weight_decay"],
-            scalars.update_found_inf,
-            skip_if,
-            use_sr,
-            seed,
-            seed_step,
-            self._backend_name,
+            weight_decay=group["weight_decay"],
+            found_inf=scalars.update_found_inf,
+            skip_if=skip_if,
+            stochastic_rounding=use_sr,
+            seed=seed,
+            seed_step=seed_step,
+            backend=self._backend_name,
         )
 
     def _begin_attempt(self) -> None:

@@ -265,7 +265,7 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
             family = backends.ADALOMO  # its own kernels
             opt = lomo_kernels.AdaLomo(model, lr=LR)
         else:
-            family = backends.SGD
+            family = backends.LOMO
             opt = lomo_kernels.Lomo(
                 model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
             )
