@@ -17,6 +17,7 @@
 
 #include "adalomo_math.h"
 #include "binding.h"
+#include "op_bindings.h"
 
 namespace {
 
@@ -517,27 +518,6 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
-  m.def("factored_stats_", &factored_stats_, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
-        py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"));
-  m.def("factored_moments_", &factored_moments_, "AdaLomo row/column moments",
-        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("beta2"), py::arg("clip_coef"), py::arg("eps0"));
-  m.def("factored_norm_", &factored_norm_, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
-        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("factored_apply_", &factored_apply_, "AdaLomo pass C (>= 2-D)", py::arg("param"),
-        py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
-        py::arg("workspace"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
-        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
-  m.def("vector_stats_", &vector_stats_, "AdaLomo pass A1 (1-D)", py::arg("grad"),
-        py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
-        py::arg("skip_if"), py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"),
-        py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("vector_apply_", &vector_apply_, "AdaLomo pass C1 (1-D)", py::arg("param"),
-        py::arg("grad"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"),
-        py::arg("eps0"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
-        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
+  op_bindings::def_adalomo_ops(m, &factored_stats_, &factored_moments_, &factored_norm_,
+                               &factored_apply_, &vector_stats_, &vector_apply_);
 }

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "binding.h"
+#include "op_bindings.h"
 #include "lomo_math.h"
 
 #if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX512F__)
@@ -677,11 +678,5 @@ void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
-  m.def("lomo_update_", &lomo_update_, "Fused LOMO update of one parameter, in place",
-        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
-        py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
-        py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
-        py::arg("seed"), py::arg("seed_step"));
-  m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
-        py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
+  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_);
 }

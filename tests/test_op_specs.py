@@ -14,13 +14,13 @@ import torch
 
 from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
 from lomo_kernels.ops import adalomo, backends, lomo
-from lomo_kernels.ops.spec import OpSpec
+from lomo_kernels.ops.spec import REQUIRED, OpSpec
 
 FAMILIES = {
     "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ)),
     "adalomo": (backends.ADALOMO, adalomo.SPECS),
 }
-# The C++ binding sources of each family, CPU and CUDA.
+# The C++ binding sources of each family, CPU and CUDA (their arguments: op_bindings.h).
 BINDINGS = {
     "lomo": ("lomo_cpu.cpp", "lomo_cuda_binding.cpp"),
     "adalomo": ("adalomo_cpu.cpp", "adalomo_cuda_binding.cpp"),
@@ -28,7 +28,7 @@ BINDINGS = {
 SPECS = [spec for _, specs in FAMILIES.values() for spec in specs]
 # A valid public value of each kind of argument (tensors and flags: None passes unchecked).
 VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "bool": False}
-_DEF = re.compile(r'm\.def\(\s*"(\w+)"\s*,\s*&\w+\s*,(.*?)\);', re.DOTALL)
+_DEF = re.compile(r'm\.def\(\s*"(\w+)"\s*,\s*&?\w+\s*,(.*?)\);', re.DOTALL)
 
 
 def binding_arguments(source: str) -> dict[str, list[str]]:
@@ -59,16 +59,22 @@ def test_python_backends_take_the_spec_arguments(family, backend):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_cpp_bindings_declare_the_spec_arguments(family, device):
-    """Read from the sources, so the CUDA bindings are checked on any machine."""
-    source = BINDINGS[family][device == "cuda"]
-    assert any(source in sources for sources in EXTENSIONS.values())
-    declared = binding_arguments((CSRC / source).read_text())
+def test_cpp_bindings_declare_the_spec_arguments(family):
+    """Read from the sources, so the CUDA bindings are checked on any machine: each binding
+    source defines its functions through op_bindings.h, whose declarations are the specs'."""
+    header = (CSRC / "op_bindings.h").read_text()
+    definer = f"def_{family}_ops"
+    body = header[header.index(f"void {definer}(") :]
+    body = body[: body.index("\n}\n")]
+    declared = binding_arguments(body)
     _, specs = FAMILIES[family]
     assert sorted(declared) == sorted(spec.function for spec in specs)
     for spec in specs:
-        assert tuple(declared[spec.function]) == spec.names, (source, spec.function)
+        assert tuple(declared[spec.function]) == spec.names, spec.function
+    for source in BINDINGS[family]:
+        assert any(source in sources for sources in EXTENSIONS.values())
+        text = (CSRC / source).read_text()
+        assert f"op_bindings::{definer}(m, " in text and "py::arg" not in text, source
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,6 +86,34 @@ def test_built_cpu_extension_takes_the_spec_arguments(family):
         doc = getattr(extension, spec.function).__doc__
         names = re.findall(r"(\w+): ", doc.splitlines()[0])
         assert tuple(names) == spec.names, spec.function
+
+
+# Each op's public function (the one that runs that op alone).
+PUBLIC = {
+    lomo.LOMO_UPDATE: lomo.fused_lomo_update_,
+    lomo.GRAD_SUMSQ: lomo.grad_sumsq_,
+    adalomo.FACTORED_STATS: adalomo.adalomo_factored_stats_,
+    adalomo.FACTORED_MOMENTS: adalomo.adalomo_factored_moments_,
+    adalomo.FACTORED_NORM: adalomo.adalomo_factored_norm_,
+    adalomo.FACTORED_APPLY: adalomo.adalomo_factored_apply_,
+    adalomo.VECTOR_STATS: adalomo.adalomo_vector_stats_,
+    adalomo.VECTOR_APPLY: adalomo.adalomo_vector_apply_,
+}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_public_functions_take_the_spec_arguments_and_defaults(spec: OpSpec):
+    """Every argument of the op is a parameter of its public function (but a shape the
+    function reads off a tensor), with the spec's default; and `backend=` besides."""
+    parameters = inspect.signature(PUBLIC[spec]).parameters
+    assert set(parameters) - set(spec.names) == {"backend"}
+    for arg in spec.args:
+        if arg.kind == "int":
+            assert arg.name not in parameters
+            continue
+        default = parameters[arg.name].default
+        expected = inspect.Parameter.empty if arg.default is REQUIRED else arg.default
+        assert default == expected, (spec.name, arg.name)
 
 
 def test_a_binding_that_disagrees_is_caught():

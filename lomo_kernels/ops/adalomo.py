@@ -36,7 +36,7 @@ from .backends import ADALOMO, define
 from .checks import check_pair
 from .eager import FusedOp
 from .scalars import Scalar
-from .spec import GRAD_TRANSFORM, Arg, OpSpec, convert_for
+from .spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 
 __all__ = [
     "adalomo_update_",
@@ -58,14 +58,17 @@ _GRAD = Arg("grad", "tensor")
 _PARAM_WRITTEN = Arg("param", "tensor", mutable=True)
 _ROW, _COL = Arg("exp_avg_sq_row", "tensor"), Arg("exp_avg_sq_col", "tensor")
 _WORKSPACE = Arg("workspace", "tensor", mutable=True)
-_FLAGS = (Arg("found_inf", "flag", mutable=True), Arg("skip_if", "flag"))
+_FLAGS = (
+    Arg("found_inf", "flag", mutable=True, default=None),
+    Arg("skip_if", "flag", default=None),
+)
 _BETA2 = Arg("beta2", "scalar", rule="unit_interval")
-_EPS0 = Arg("eps0", "hyper", rule="non_negative")
+_EPS0 = Arg("eps0", "hyper", rule="non_negative", default=1e-30)
 _STEP = (
     Arg("lr", "scalar", rule="non_negative"),
-    Arg("eps1", "hyper", rule="non_negative"),
-    Arg("clip_threshold", "hyper", rule="positive"),
-    Arg("weight_decay", "hyper"),
+    Arg("eps1", "hyper", rule="non_negative", default=1e-3),
+    Arg("clip_threshold", "hyper", rule="positive", default=1.0),
+    Arg("weight_decay", "hyper", default=0.0),
 )
 
 FACTORED_STATS = OpSpec(
@@ -131,6 +134,8 @@ VECTOR_APPLY = OpSpec(
 _FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)
 _VECTOR = (VECTOR_STATS, VECTOR_APPLY)
 SPECS = _FACTORED + _VECTOR
+# What one step of a factored / 1-D parameter checks before its first pass.
+_FACTORED_STEP, _VECTOR_STEP = Conversion(*_FACTORED), Conversion(*_VECTOR)
 
 # The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
 factored_stats_op = define(FACTORED_STATS, ADALOMO)
@@ -243,9 +248,7 @@ def adalomo_update_(
     device = param.device
     eps0, eps1 = _eps_pair(eps)
     factored = param.dim() >= 2
-    specs = _FACTORED if factored else _VECTOR
-    arguments = convert_for(
-        specs,
+    arguments = (_FACTORED_STEP if factored else _VECTOR_STEP).convert(
         device,
         {
             "param": param,
@@ -304,10 +307,13 @@ def _check_factored(
     _check_workspace(workspace, param_or_grad.shape, device)
 
 
-def _run(op: FusedOp, backend: str | None, device: torch.device, values: dict) -> None:
-    """Checks and converts `values` by `op`'s spec, then runs it unless it has no element."""
-    arguments = op.spec.convert(device, values)
-    if values[op.spec.names[0]].numel():
+def _run(op: FusedOp, backend: str | None, device: torch.device, public: dict, **derived) -> None:
+    """Runs `op` on its arguments taken by name from `public` (a public function's
+    arguments) and `derived`, checked and converted by its spec; nothing runs on no element."""
+    if "grad" in public:
+        derived["grad"] = public["grad"].contiguous()
+    arguments = op.spec.convert(device, op.spec.take(public, **derived))
+    if arguments[op.spec.names[0]].numel():
         op(backend, **arguments)
 
 
@@ -332,10 +338,7 @@ def adalomo_factored_stats_(
     """
     check_pair(param, grad)
     _check_factored(param, None, None, workspace)
-    values = {"grad": grad.contiguous(), "param": param, "workspace": workspace}
-    values.update(found_inf=found_inf, skip_if=skip_if, cols=param.shape[-1])
-    values.update(inv_scale=inv_scale, clip_value=clip_value)
-    _run(factored_stats_op, backend, param.device, values)
+    _run(factored_stats_op, backend, param.device, locals(), cols=param.shape[-1])
 
 
 def adalomo_factored_moments_(
@@ -358,11 +361,8 @@ def adalomo_factored_moments_(
     _check_state("exp_avg_sq_row", exp_avg_sq_row, rows, device)
     _check_state("exp_avg_sq_col", exp_avg_sq_col, cols, device)
     _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
-    values = {"exp_avg_sq_row": exp_avg_sq_row, "exp_avg_sq_col": exp_avg_sq_col}
-    values.update(workspace=workspace, beta2=beta2, clip_coef=clip_coef, eps0=eps0)
-    arguments = FACTORED_MOMENTS.convert(device, values)
-    if rows * cols:
-        factored_moments_op(backend, **arguments)
+    if exp_avg_sq_col.numel():  # (no row: the op's first argument is empty)
+        _run(factored_moments_op, backend, device, locals())
 
 
 def adalomo_factored_norm_(
@@ -379,10 +379,7 @@ def adalomo_factored_norm_(
     """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
     check_pair(grad, grad)
     _check_factored(grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    values = {"grad": grad.contiguous(), "exp_avg_sq_row": exp_avg_sq_row}
-    values.update(exp_avg_sq_col=exp_avg_sq_col, workspace=workspace)
-    values.update(inv_scale=inv_scale, clip_value=clip_value, clip_coef=clip_coef)
-    _run(factored_norm_op, backend, grad.device, values)
+    _run(factored_norm_op, backend, grad.device, locals())
 
 
 def adalomo_factored_apply_(
@@ -408,11 +405,7 @@ def adalomo_factored_apply_(
     """
     check_pair(param, grad)
     _check_factored(param, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    values = {"param": param, "grad": grad.contiguous(), "exp_avg_sq_row": exp_avg_sq_row}
-    values.update(exp_avg_sq_col=exp_avg_sq_col, workspace=workspace)
-    values.update(lr=lr, eps1=eps1, clip_threshold=clip_threshold, weight_decay=weight_decay)
-    values.update(inv_scale=inv_scale, clip_value=clip_value, clip_coef=clip_coef)
-    _run(factored_apply_op, backend, param.device, values)
+    _run(factored_apply_op, backend, param.device, locals())
 
 
 def adalomo_vector_stats_(
@@ -437,11 +430,7 @@ def adalomo_vector_stats_(
     """
     check_pair(param, grad)
     _check_vector(param, exp_avg_sq, workspace)
-    values = {"grad": grad.contiguous(), "param": param, "exp_avg_sq": exp_avg_sq}
-    values.update(workspace=workspace, found_inf=found_inf, skip_if=skip_if)
-    values.update(beta2=beta2, eps0=eps0)
-    values.update(inv_scale=inv_scale, clip_value=clip_value, clip_coef=clip_coef)
-    _run(vector_stats_op, backend, param.device, values)
+    _run(vector_stats_op, backend, param.device, locals())
 
 
 def adalomo_vector_apply_(
@@ -465,11 +454,7 @@ def adalomo_vector_apply_(
     SKIP is set (scalars as in `adalomo_factored_apply_`)."""
     check_pair(param, grad)
     _check_vector(param, exp_avg_sq, workspace)
-    values = {"param": param, "grad": grad.contiguous(), "exp_avg_sq": exp_avg_sq}
-    values.update(workspace=workspace, beta2=beta2, eps0=eps0)
-    values.update(lr=lr, eps1=eps1, clip_threshold=clip_threshold, weight_decay=weight_decay)
-    values.update(inv_scale=inv_scale, clip_value=clip_value, clip_coef=clip_coef)
-    _run(vector_apply_op, backend, param.device, values)
+    _run(vector_apply_op, backend, param.device, locals())
 
 
 def _check_vector(param: torch.Tensor, exp_avg_sq: torch.Tensor, workspace: torch.Tensor) -> None:

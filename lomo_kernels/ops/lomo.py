@@ -28,12 +28,12 @@ LOMO_UPDATE = OpSpec(
         Arg("grad", "tensor"),
         Arg("lr", "scalar", rule="non_negative"),
         *GRAD_TRANSFORM,
-        Arg("weight_decay", "hyper"),
-        Arg("found_inf", "flag", mutable=True),
-        Arg("skip_if", "flag"),
-        Arg("stochastic_rounding", "bool"),
-        Arg("seed", "seed"),
-        Arg("seed_step", "step"),
+        Arg("weight_decay", "hyper", default=0.0),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("skip_if", "flag", default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
     ),
 )
 GRAD_SUMSQ = OpSpec(
@@ -41,9 +41,9 @@ GRAD_SUMSQ = OpSpec(
     "grad_sumsq_",
     (
         Arg("grad", "tensor"),
-        Arg("inv_scale", "factor"),
+        GRAD_TRANSFORM[0],
         Arg("sumsq", "flag", mutable=True, required=True),
-        Arg("found_inf", "flag", mutable=True),
+        Arg("found_inf", "flag", mutable=True, default=None),
     ),
 )
 
@@ -85,29 +85,16 @@ def fused_lomo_update_(
     non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
     ``skip_if`` is omitted, ``found_inf``'s own value on entry acts as the skip flag.
     """
+    public = locals()  # the arguments, by name
     check_pair(param, grad)
     if stochastic_rounding and param.dtype != torch.bfloat16:
         raise ValueError(
             f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
         )
-    arguments = LOMO_UPDATE.convert(
-        param.device,
-        {
-            "param": param,
-            "grad": grad.contiguous(),
-            "lr": lr,
-            "inv_scale": inv_scale,
-            "clip_value": clip_value,
-            "clip_coef": clip_coef,
-            "weight_decay": weight_decay,
-            "found_inf": found_inf,
-            # Without an explicit skip flag, found_inf's value on entry decides (GradScaler).
-            "skip_if": found_inf if skip_if is None else skip_if,
-            "stochastic_rounding": stochastic_rounding,
-            "seed": seed,
-            "seed_step": seed_step,
-        },
-    )
+    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
+    skip = found_inf if skip_if is None else skip_if
+    arguments = LOMO_UPDATE.take(public, grad=grad.contiguous(), skip_if=skip)
+    arguments = LOMO_UPDATE.convert(param.device, arguments)
     if param.numel():
         lomo_update_op(backend, **arguments)
 
@@ -128,10 +115,8 @@ def grad_sumsq_(
     One pass over ``grad``; ``sumsq`` and ``found_inf`` are 1-element fp32 device tensors.
     """
     check_pair(grad, grad)
-    arguments = GRAD_SUMSQ.convert(
-        grad.device,
-        {"grad": grad.contiguous(), "inv_scale": inv_scale, "sumsq": sumsq, "found_inf": found_inf},
-    )
+    arguments = {"grad": grad.contiguous(), "inv_scale": inv_scale, "sumsq": sumsq}
+    arguments = GRAD_SUMSQ.convert(grad.device, {**arguments, "found_inf": found_inf})
     if grad.numel():
         grad_sumsq_op(backend, **arguments)
 

@@ -50,16 +50,22 @@ _SCHEMA_TYPES = {
 _TENSOR_KINDS = ("tensor", "scalar", "factor", "flag", "step")
 
 
+# The default of an argument a public call must give.
+REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class Arg:
     """One argument of an op. `rule` restricts a scalar or hyper-parameter:
-    'non_negative', 'positive' or 'unit_interval'. `required`: a flag that must be given."""
+    'non_negative', 'positive' or 'unit_interval'. `required`: a flag that must be given.
+    `default`: the public functions' default (tests/test_op_specs.py checks each)."""
 
     name: str
     kind: str
     mutable: bool = False
     rule: str = ""
     required: bool = False
+    default: Any = REQUIRED
 
     def __post_init__(self) -> None:
         if self.kind not in _SCHEMA_TYPES:
@@ -133,6 +139,10 @@ class OpSpec:
     function: str
     args: tuple[Arg, ...]
 
+    def __post_init__(self) -> None:
+        # Built once: a public call only runs them (and traced code reads no cache).
+        object.__setattr__(self, "plan", self.converters())
+
     @property
     def qualname(self) -> str:
         return f"lomo_kernels::{self.name}"
@@ -167,13 +177,18 @@ class OpSpec:
         """`values` (every argument by name, as a public call gives them) checked and
         converted for the op, in the op's argument order; raises before anything runs."""
         converted = {}
-        for name, convert in _CONVERTERS[self]:
+        for name, convert in self.plan:
             value = values[name]
             converted[name] = value if convert is None else convert(value, device)
         return converted
 
+    def take(self, public: dict[str, Any], **derived: Any) -> dict[str, Any]:
+        """This op's arguments by name out of `derived`, else `public` (a public function's
+        arguments, ``locals()`` on entry), in the op's order."""
+        return {name: derived[name] if name in derived else public[name] for name in self.names}
+
     def pick(self, converted: dict[str, Any]) -> dict[str, Any]:
-        """This op's arguments, in its order, out of values `convert_for` converted."""
+        """This op's arguments, in its order, out of values a `Conversion` converted."""
         return {name: converted[name] for name in self.names}
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -185,33 +200,25 @@ class OpSpec:
 
 # The gradient transform every op that reads a gradient takes, in this order:
 # ``clamp(grad * inv_scale, +-clip_value) * clip_coef``.
-GRAD_TRANSFORM = (Arg("inv_scale", "factor"), Arg("clip_value", "clip"), Arg("clip_coef", "factor"))
+GRAD_TRANSFORM = (
+    Arg("inv_scale", "factor", default=1.0),
+    Arg("clip_value", "clip", default=None),
+    Arg("clip_coef", "factor", default=None),
+)
 
 
-class _ConverterCache(dict):
-    """Each spec's converters, built once on first use (specs are frozen, hashable)."""
+class Conversion:
+    """The checks and conversions of the arguments of several ops one public function runs
+    (each argument once, all before the first op writes)."""
 
-    def __missing__(self, spec: OpSpec) -> tuple:
-        value = self[spec] = spec.converters()
-        return value
+    def __init__(self, *specs: OpSpec) -> None:
+        self.specs = specs
+        self.plan = {name: convert for spec in specs for name, convert in spec.plan}
 
-
-_CONVERTERS = _ConverterCache()
-
-
-def convert_for(specs: tuple[OpSpec, ...], device: torch.device, values: dict[str, Any]) -> dict:
-    """`values` checked and converted, each once, as the ops of `specs` take them (a public
-    function running several ops checks everything before the first one writes)."""
-    converters = _UNION_CONVERTERS.get(specs)
-    if converters is None:
-        converters = _UNION_CONVERTERS[specs] = {
-            name: convert for spec in specs for name, convert in _CONVERTERS[spec]
-        }
-    converted = {}
-    for name, value in values.items():
-        convert = converters[name]
-        converted[name] = value if convert is None else convert(value, device)
-    return converted
-
-
-_UNION_CONVERTERS: dict[tuple[OpSpec, ...], dict[str, Any]] = {}
+    def convert(self, device: torch.device, values: dict[str, Any]) -> dict[str, Any]:
+        """`values` (arguments of these ops, by name) checked and converted."""
+        converted = {}
+        for name, value in values.items():
+            convert = self.plan[name]
+            converted[name] = value if convert is None else convert(value, device)
+        return converted
