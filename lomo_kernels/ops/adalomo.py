@@ -271,6 +271,9 @@ def adalomo_update_(
     if param.numel() == 0:
         return
     arguments["workspace"] = adalomo_workspace(param)
+    # Resolved once for the step's passes (eager; a traced step runs the device's backend).
+    if not torch.compiler.is_compiling() and (param.is_cpu or param.is_cuda):
+        backend = ADALOMO.resolve(device, backend)
     if factored:
         rows, cols = _rows_cols(param.shape)
         _check_state("exp_avg_sq_row", state["exp_avg_sq_row"], rows, device)

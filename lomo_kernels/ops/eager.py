@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -102,14 +103,17 @@ class FusedOp:
         self.registry = registry
         self._function = spec.function
         self._first = spec.names[0]
-        self._tensor_names = spec.tensor_names
+        # itemgetter of two or more names returns a tuple (every op has several tensors).
+        self._tensors = operator.itemgetter(*spec.tensor_names)
         self._mutated_names = spec.mutated_names
 
     def run_kernel(self, kernel: Callable[..., None], arguments: dict[str, Any]) -> None:
         """The fast path's kernel call: what the dispatcher runs for CPU and CUDA tensors."""
         kernel(**arguments)
 
-    def __call__(self, backend: str | None, /, **arguments: Any) -> None:
+    def __call__(self, backend: str | ModuleType | None, /, **arguments: Any) -> None:
+        """`backend`: a name as the public ``backend=`` takes, or a module `self.registry`
+        resolved already (a public function running several ops resolves once)."""
         # is_compiling first: Dynamo folds it to True and never traces the rest; a compiled
         # graph runs the device's backend.
         if torch.compiler.is_compiling():
@@ -119,7 +123,11 @@ class FusedOp:
         if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
             self.overload(**arguments)
             return
-        module = self.registry.resolve(first.device, backend)
+        module = (
+            backend
+            if isinstance(backend, ModuleType)
+            else self.registry.resolve(first.device, backend)
+        )
         if not _eager(self._tensors(arguments)):  # modes, transforms, autograd, subclasses
             with dispatching_to({self.registry: module}):
                 self.overload(**arguments)
@@ -127,6 +135,3 @@ class FusedOp:
         mutated = tuple(t for n in self._mutated_names if (t := arguments[n]) is not None)
         _C._increment_version(mutated)
         self.run_kernel(getattr(module, self._function), arguments)
-
-    def _tensors(self, arguments: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(arguments[n] for n in self._tensor_names)

@@ -155,9 +155,13 @@ class ExtensionLoader:
         """The extension function `name`, run on the extension of the device of the call's
         first argument; arguments by position or keyword (the binding's declared names)."""
 
+        modules = self._modules
+
         def call(*args: Any, **kwargs: Any) -> None:
             first = args[0] if args else next(iter(kwargs.values()))
-            getattr(self.module(device_type(first)), name)(*args, **kwargs)
+            kind = "cuda" if first.is_cuda else "cpu"
+            module = modules.get(kind) or self.module(device_type(first))
+            getattr(module, name)(*args, **kwargs)
 
         call.__name__ = call.__qualname__ = name
         call.__doc__ = f"The extension's {name} on the tensors' device (csrc/ bindings)."
