@@ -44,6 +44,7 @@ from .argtypes import (
     whole_number,
 )
 from .models import PRESETS, resolve_model
+from .optimizers import state_bytes
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 MMAP_VALUE = "65536"
@@ -280,18 +281,6 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
     else:
         raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
     return step, opt, notes
-
-
-def state_bytes(opt: Any) -> int:
-    """Bytes of the tensors in an optimizer's state (0 for none / no state)."""
-    import torch
-
-    state = getattr(opt, "state", None) or {}
-    total = 0
-    for per_param in state.values():
-        values = per_param.values() if isinstance(per_param, dict) else [per_param]
-        total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
-    return total
 
 
 def measure(
