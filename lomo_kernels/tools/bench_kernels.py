@@ -14,7 +14,7 @@ Every case updates parameters in place with gradients of the same dtype. Variant
   torch_fused_sgd  `torch._fused_sgd_` (plain SGD: no unscale, clip or check)
   axpy_floor       `p.add_(g, alpha=-lr)`: the same bytes moved (read p and g, write p)
 
-Method (shared notes, MEASURING.md): one process, variants timed interleaved within each
+Method (MEASURING.md): one process, variants timed interleaved within each
 repetition (A, B, C, A, B, C, ...), an untimed pass over the data before every timed call
 (the same cache state for each; on CUDA a 256 MiB buffer is overwritten to flush L2),
 medians. `x floor` = median / median(axpy_floor) of the same case and run. GB/s = bytes moved

@@ -5,7 +5,7 @@
                               [--json F] [--plot F.png]
 
 Each configuration runs in a fresh process (`run_isolated`).
-CPU (shared notes, MEASURING.md): the process starts with MALLOC_MMAP_THRESHOLD_=65536, so
+CPU (MEASURING.md): the process starts with MALLOC_MMAP_THRESHOLD_=65536, so
 every block >= 64 KiB is mmapped and returned on free; the model is built directly in its
 dtype; the baseline is VmRSS once the model, the inputs and the optimizer exist; before each
 step "5" is written to /proc/self/clear_refs (resets VmHWM) and VmHWM is read after it.

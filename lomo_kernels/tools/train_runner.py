@@ -41,8 +41,8 @@ class Workload:
     model: Any
     batches: Iterator[Any]  # endless: each item is the input ids (labels are the same ids)
     evaluate: Callable[[], float] | None = None  # a held-out loss, measured before and after
-    # Called after every step with (step index, optimizer): e.g. a learning-rate schedule.
-    after_step: Callable[[int, Any], None] | None = None
+    # Builds a learning-rate scheduler on the optimizer (stepped after every step), or None.
+    make_scheduler: Callable[[Any], Any] | None = None
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -83,9 +83,12 @@ def measure(
         baseline = meter.current()
         trainer = make_trainer(optimizer, work.model, lr, clip_grad_norm)
         result.update(trainer.notes)
+        scheduler = work.make_scheduler and work.make_scheduler(trainer.optimizer)
         losses, times = [], []
         ids = first
         bar = _progress(optimizer, steps) if progress else None
+        # A run shorter than its warm-up (a smoke test) measures its last step.
+        warmup = min(warmup, steps - 1)
         for i in range(steps):
             if i == warmup:
                 meter.reset_peak()
@@ -97,8 +100,8 @@ def measure(
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)
             losses.append(float(loss.detach()))
-            if work.after_step is not None:
-                work.after_step(i, trainer.optimizer)
+            if scheduler is not None:
+                scheduler.step()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {losses[-1]:.3f}, {times[-1] * 1e3:.0f} ms/step")
