@@ -36,7 +36,7 @@ def available_backends() -> list[str]:
 TEST_DEVICE = os.environ.get("LOMO_TEST_DEVICE", "cpu")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def test_device() -> str:
     """LOMO_TEST_DEVICE (default cpu); a test asking for CUDA where there is none is skipped."""
     if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():

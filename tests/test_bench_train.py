@@ -1,9 +1,10 @@
 """`lomo-kernels bench train`: the table's structure and what its figures must show.
 
 One CLI run on the `tiny` shape (fp32, 2 x 32 tokens, 1 warm-up + 2 timed steps; AdamW,
-SGD and Lomo each in a fresh process, plus the forward + backward baseline): the losses
-Lomo reports equal those of an eager torch.optim.SGD loop written here, and AdamW's peak
-exceeds Lomo's by what AdamW must hold and Lomo cannot. Out of memory is a result.
+SGD and Lomo each in a fresh process, plus the forward + backward baseline) on
+LOMO_TEST_DEVICE (`make test-gpu` runs it on CUDA): the losses Lomo reports equal those of
+an eager torch.optim.SGD loop written here, and AdamW's peak exceeds Lomo's by what AdamW
+must hold and Lomo cannot. Out of memory is a result.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ CLIP = 1.0
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict[str, Any]:
+def report(tmp_path_factory, test_device) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench_train") / "train.json"
-    argv = ["bench", "train", "--model", "tiny", "--dtype", "fp32", "--batch", "2"]
+    argv = ["bench", "train", "--device", test_device, "--model", "tiny", "--dtype", "fp32"]
+    argv += ["--batch", "2"]
     argv += ["--seq", "32", "--steps", str(STEPS), "--optimizers", ",".join(OPTIMIZERS)]
     argv += ["--json", str(out), "--no-progress"]
     assert main(argv) == 0
@@ -76,14 +78,14 @@ def test_one_row_per_optimizer_with_every_figure(report, capsys) -> None:
     assert [line.split("|")[1].strip() for line in table[3:]] == OPTIMIZERS
 
 
-def _sgd_losses() -> list[float]:
+def _sgd_losses(device: str) -> list[float]:
     """The same model, batches and clipping with torch.optim.SGD, in this process."""
-    work = bench_train.build(SPEC)
+    work = bench_train.build(SPEC | {"device": device})
     params = list(work.model.parameters())
     opt = torch.optim.SGD(params, lr=bench_train.DEFAULT_LR["lomo"])
     losses = []
     for _ in range(WARMUP + STEPS):
-        ids = next(work.batches)
+        ids = next(work.batches).to(device)
         loss = work.model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
@@ -93,9 +95,9 @@ def _sgd_losses() -> list[float]:
     return losses
 
 
-def test_lomo_losses_equal_torch_sgd(report) -> None:
+def test_lomo_losses_equal_torch_sgd(report, test_device) -> None:
     lomo = next(r for r in report["results"] if r["optimizer"] == "lomo")
-    reference = _sgd_losses()
+    reference = _sgd_losses(test_device)
     assert lomo["losses"][0] == reference[0]  # same initial weights and first batch
     # Lomo writes p - lr * c * g in one fp32 rounding, SGD rounds c * g first: parameters
     # differ by about one ulp after each step, which moves a loss of ~10.4 by < 1e-5
