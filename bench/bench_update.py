@@ -116,36 +116,18 @@ class Case(bench_kernels.Case):
 
     def fused_sgd(self) -> None:
         # Per parameter, as a post-accumulate-grad hook would call it.
-        for p, g in zip(self.params, self.grads, strict=True):
-            torch._fused_sgd_(
-                [p],
-                [g],
-                [],
-                weight_decay=0.0,
-                momentum=0.0,
-                lr=LR,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-            )
+        bench_kernels.fused_sgd(self.params, self.grads, LR)
 
     def fused_sgd_amp(self) -> None:
-        for p, g in zip(self.params, self.grads, strict=True):
-            torch._fused_sgd_(
-                [p],
-                [g],
-                [],
-                weight_decay=WEIGHT_DECAY,
-                momentum=0.0,
-                lr=LR,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=self.grad_scale,
-                found_inf=self.found_inf,
-            )
+        # torch's sync-free AMP SGD: weight decay, unscale by grad_scale, skip on found_inf.
+        bench_kernels.fused_sgd(
+            self.params,
+            self.grads,
+            LR,
+            weight_decay=WEIGHT_DECAY,
+            grad_scale=self.grad_scale,
+            found_inf=self.found_inf,
+        )
 
     def settle(self) -> None:
         """Reads every parameter and gradient once: the same cache state before each call."""
