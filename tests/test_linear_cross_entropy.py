@@ -18,8 +18,8 @@ import torch
 from float64_reference import ulp
 
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.ops import cross_entropy_reference as ref
-from lomo_kernels.ops import linear_cross_entropy as lce
 
 U32 = 2.0**-24
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -19,7 +19,7 @@ def head_backward(
     weight_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d_hidden, d_weight or None)."""
-    from . import linear_cross_entropy as lce
+    from . import cross_entropy as lce
 
     if weight_needs_grad:
         return lce._backward_op(grad_loss, hidden, weight, labels, lse, ignore_index)
