@@ -77,11 +77,36 @@ def backward_by_chunks(
     return d_hidden.to(hidden.dtype)
 
 
+def forward_impl(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op's implementation: (per-token fp32 loss, log-sum-exp)."""
+    return _kernels(hidden.device).forward(hidden, weight, labels, ignore_index)
+
+
+def backward_impl(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward op's implementation: (d_hidden, the head's weight gradient)."""
+    d_weight = torch.empty_like(weight)
+
+    def write(start: int, stop: int, grad: torch.Tensor) -> None:
+        d_weight[start:stop].copy_(grad)
+
+    d_hidden = backward_by_chunks(grad_loss, hidden, weight, labels, lse, ignore_index, write)
+    return d_hidden, d_weight
+
+
 @torch.library.custom_op("lomo_kernels::linear_cross_entropy_forward", mutates_args=())
 def _forward_op(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels(hidden.device).forward(hidden, weight, labels, ignore_index)
+    return forward_impl(hidden, weight, labels, ignore_index)
 
 
 @_forward_op.register_fake
@@ -99,13 +124,7 @@ def _backward_op(
     lse: torch.Tensor,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    d_weight = torch.empty_like(weight)
-
-    def write(start: int, stop: int, grad: torch.Tensor) -> None:
-        d_weight[start:stop].copy_(grad)
-
-    d_hidden = backward_by_chunks(grad_loss, hidden, weight, labels, lse, ignore_index, write)
-    return d_hidden, d_weight
+    return backward_impl(grad_loss, hidden, weight, labels, lse, ignore_index)
 
 
 @_backward_op.register_fake

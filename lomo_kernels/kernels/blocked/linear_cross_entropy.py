@@ -40,14 +40,14 @@ def forward(
         for v0 in range(0, vocab, BLOCK_VOCAB):
             v1 = min(v0 + BLOCK_VOCAB, vocab)
             logits = _block_logits(h, weight[v0:v1])
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
-                logits - new_max[:, None]
-            ).sum(dim=1)
-            running_max = new_max
             in_block = (lab >= v0) & (lab < v1)
             column = torch.where(in_block, lab - v0, 0)
             target += torch.where(in_block, logits.gather(1, column[:, None]).squeeze(1), 0.0)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            # In place: one block of logits is the only block-sized buffer.
+            block_sum = logits.sub_(new_max[:, None]).exp_().sum(dim=1)
+            running_sum = running_sum * torch.exp(running_max - new_max) + block_sum
+            running_max = new_max
         block_lse = running_max + torch.log(running_sum)
         lse[t0:t1] = block_lse
         loss[t0:t1] = torch.where(lab != ignore_index, block_lse - target, 0.0)
@@ -74,7 +74,7 @@ def backward_chunk(
     for t0 in range(0, tokens, BLOCK_TOKENS):
         t1 = min(t0 + BLOCK_TOKENS, tokens)
         h32 = hidden[t0:t1].float()
-        probs = torch.exp(h32 @ weight32.T - lse[t0:t1, None])
+        probs = (h32 @ weight32.T).sub_(lse[t0:t1, None]).exp_()
         column = labels[t0:t1] - vocab_start
         rows = torch.nonzero((column >= 0) & (column < chunk)).squeeze(1)
         probs[rows, column[rows]] -= 1.0
