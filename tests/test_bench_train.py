@@ -31,6 +31,7 @@ SPEC = {
     "batch": 2,
     "seq": 32,
     "checkpointing": False,
+    "fused_head": False,
     "seed": 0,
 }
 OPTIMIZERS = ["adamw", "sgd", "lomo"]
@@ -151,6 +152,7 @@ def test_out_of_memory_is_a_result_not_a_crash() -> None:
             "batch": 1,
             "seq": 4,
             "checkpointing": False,
+            "fused_head": False,
             "steps": 2,
             "warmup": 1,
             "clip_grad_norm": None,

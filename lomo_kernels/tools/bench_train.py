@@ -39,7 +39,7 @@ from .argtypes import (
     positive_int,
     whole_number,
 )
-from .bench_memory import DTYPES
+from .bench_memory import DTYPES, add_fused_head_argument
 from .models import PRESETS, resolve_model
 from .optimizers import DEFAULT_LR, FORWARD_BACKWARD, OPTIMIZERS, unavailable_reason
 from .train_runner import Workload, run_isolated
@@ -64,7 +64,7 @@ def build(spec: dict[str, Any]) -> Workload:
     from .bench_memory import build_model
 
     torch.manual_seed(spec["seed"])
-    model = build_model(spec["model"], spec["dtype"], spec["device"])
+    model = build_model(spec["model"], spec["dtype"], spec["device"], spec["fused_head"])
     if spec["checkpointing"]:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -87,6 +87,7 @@ def run(
     clip_grad_norm: float | None = 1.0,
     seed: int = 0,
     progress: bool = True,
+    fused_head: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each optimizer (and `forward_backward`) in its own process: (results, meta)."""
     from . import machine
@@ -99,6 +100,7 @@ def run(
         "seq": seq,
         "checkpointing": checkpointing,
         "seed": seed,
+        "fused_head": fused_head,
     }
     todo = [FORWARD_BACKWARD, *optimizers]
     it: Any = todo
@@ -221,6 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=output_path, default=None, help="write the results here")
     parser.add_argument("--plot", type=plot_path, default=None, help="write the bars (PNG) here")
+    add_fused_head_argument(parser)
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -242,6 +245,7 @@ def command(args: argparse.Namespace) -> int:
         clip_grad_norm=args.clip_grad_norm or None,
         seed=args.seed,
         progress=not args.no_progress,
+        fused_head=args.fused_head,
     )
     print(machine.one_line(meta))
     print(format_table(results, meta))
