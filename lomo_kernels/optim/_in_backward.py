@@ -545,8 +545,9 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
         if self._sharding is not None:
-            # Reduced to the owner rank first; `_consume_shards` gets this rank's slice.
-            self._sharding.grad_ready(param, grad)
+            # Reduced to the owner rank first: the batches of this rank's slices now ready.
+            for ready in self._sharding.grad_ready(param, grad):
+                self._consume_shards(ready)
             return
         scalars = self._scalars_for(param.device)
         if self._phase == _NORM:
@@ -881,10 +882,11 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         sharding = self._sharding
         try:
             if sharding is not None:
-                sharding.begin(self._consume_shards)
+                sharding.begin()
             loss.backward(retain_graph=retain_graph)
             if sharding is not None:
-                sharding.finish()  # the last buckets: reduced and consumed before returning
+                for ready in sharding.finish():  # the last batches, before returning
+                    self._consume_shards(ready)
         except BaseException as error:
             if sharding is not None:
                 sharding.abandon()

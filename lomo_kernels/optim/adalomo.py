@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, unwrap_engine
-from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
 from ..ops.adalomo import adalomo_update_, init_adalomo_state
 from ..ops.adalomo_reference import GradTransform
 from ._hyper import check_loss_scale
@@ -23,6 +22,7 @@ from ._in_backward import (
     parameter_names,
     trainable_parameters,
 )
+from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 
 
 def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
