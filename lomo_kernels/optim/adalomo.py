@@ -10,19 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, unwrap_engine
+from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, unwrap_engine
 from ..ops.adalomo import adalomo_update_, init_adalomo_state
 from ..ops.adalomo_reference import GradTransform
 from ._hyper import check_loss_scale
-from ._in_backward import (
-    GroupHyperParameter,
-    InBackwardOptimizer,
-    _DeviceScalars,
-    computes_in_fp16,
-    parameter_names,
-    trainable_parameters,
-)
+from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
+from .param_groups import GroupHyperParameter
+from .validation import computes_in_fp16, parameter_names, trainable_parameters
 
 
 def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -54,11 +49,13 @@ class AdaLomo(InBackwardOptimizer):
     ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the median of the last three steps'
     norms, S_i this step's running sum of squares, so the clipped gradient's norm is at most
     ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at most M when P >= ||g||
-    (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient has inf/nan keeps its
+    (see ``lomo_kernels.optim.single_backward``). A tensor whose gradient has inf/nan keeps its
     values and moments, the others are updated: an overflowing step is *partial*
     (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Under ZeRO-3
     and FSDP2 too (every rank applies the same coefficients and skips).
     """
+
+    _STATE_FORMAT = "AdaLomo"
 
     def __init__(
         self,
@@ -174,14 +171,14 @@ class AdaLomo(InBackwardOptimizer):
 
     def _update_shards(
         self,
-        ready: list[tuple[Shard, torch.Tensor]],
+        ready: ShardGrads,
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
         clip_coefs: torch.Tensor | None = None,
         skips: torch.Tensor | None = None,
     ) -> None:
         # Row/column statistics span ranks: the whole bucket is stepped together, with two
-        # small all-reduces (see distributed/adalomo_shards.py).
+        # small all-reduces (see adalomo_slices.py).
         t = self.step_count + 1
         steps = []
         for i, (shard, grad) in enumerate(ready):

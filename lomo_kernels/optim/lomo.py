@@ -8,15 +8,11 @@ import torch
 from torch import nn
 
 from .._rounding import mix32_int
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
+from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads
 from ..ops.sgd import sgd_update_op
-from ._in_backward import (
-    InBackwardOptimizer,
-    _DeviceScalars,
-    computes_in_fp16,
-    split_loss_scale_args,
-)
+from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
+from .validation import computes_in_fp16, split_loss_scale_args
 
 
 class Lomo(InBackwardOptimizer):
@@ -41,11 +37,13 @@ class Lomo(InBackwardOptimizer):
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
     median of the last three steps' norms, S_i this step's running sum of squares; the applied
     gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
-    most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
+    most M when P >= ||g|| (see ``lomo_kernels.optim.single_backward``). A tensor whose gradient
     has inf/nan is left unchanged, the others are updated, the scale is lowered: an
     overflowing fp16 step is *partial* (``last_step_partial``). Under ZeRO-3 and FSDP2 too
     (every rank applies the same coefficients and skips; no second forward under ZeRO-3).
     """
+
+    _STATE_FORMAT = "Lomo"
 
     def __init__(
         self,
@@ -129,7 +127,7 @@ class Lomo(InBackwardOptimizer):
 
     def _update_shards(
         self,
-        ready: list[tuple[Shard, torch.Tensor]],
+        ready: ShardGrads,
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
         clip_coefs: torch.Tensor | None = None,
