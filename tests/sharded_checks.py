@@ -173,10 +173,10 @@ def record_order(opt, model) -> list[str]:
     order: list[str] = []
     original = opt._update_shards
 
-    def wrapper(ready, *args, **kwargs):
+    def wrapper(batch):
         if opt.step_count == 0:
-            order.extend(names[id(shard.param)] for shard, _ in ready)
-        return original(ready, *args, **kwargs)
+            order.extend(names[id(shard.param)] for shard, _ in batch.entries)
+        return original(batch)
 
     opt._update_shards = wrapper
     return order

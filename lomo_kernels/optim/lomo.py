@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from .._rounding import mix32_int
-from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads
+from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.sgd import sgd_update_op
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
+from .sharded_steps import SliceBatch
 from .validation import computes_in_fp16, split_loss_scale_args
 
 
@@ -125,16 +126,9 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         self._apply(param, param, 0, grad, group, scalars, skip_if)
 
-    def _update_shards(
-        self,
-        ready: ShardGrads,
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-        clip_coefs: torch.Tensor | None = None,
-        skips: torch.Tensor | None = None,
-    ) -> None:
+    def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
-        for i, (shard, grad) in enumerate(ready):
+        for i, (shard, grad) in enumerate(batch.entries):
             if shard.local.numel():
                 group = self._hook_groups[self._group_of[id(shard.param)]]
                 self._apply(
@@ -143,9 +137,9 @@ class Lomo(InBackwardOptimizer):
                     shard.offset,
                     grad,
                     group,
-                    scalars,
-                    skip_if if skips is None else skips[i : i + 1],
-                    None if clip_coefs is None else clip_coefs[i : i + 1],
+                    batch.scalars,
+                    batch.skip_of(i),
+                    batch.clip_coef_of(i),
                 )
 
     def _apply(

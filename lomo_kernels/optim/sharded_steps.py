@@ -6,6 +6,7 @@ itself. The sharding never calls the optimizer.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,26 @@ ONE_LOSS_UNDER_SHARDING = (
     "fp16 overflow detection) needs its own forward: call opt.grad_norm(model(x)) and then "
     "opt.fused_backward(model(x)) with the same batch, once per step"
 )
+
+
+@dataclass
+class SliceBatch:
+    """One batch of this rank's slices to update, and what skips and clips each of them."""
+
+    entries: ShardGrads
+    scalars: Any  # the device's per-device scalars (lr, flags, the step's clip coefficient)
+    skip_if: torch.Tensor  # non-zero: the step is skipped (a norm pass found an overflow)
+    # single_backward: entry i's own clip coefficient and skip flag (the same on every rank)
+    clip_coefs: torch.Tensor | None = None
+    skips: torch.Tensor | None = None
+
+    def skip_of(self, i: int) -> torch.Tensor:
+        """Entry i's skip flag, a 1-element tensor."""
+        return self.skip_if if self.skips is None else self.skips[i : i + 1]
+
+    def clip_coef_of(self, i: int) -> torch.Tensor:
+        """Entry i's clip coefficient, a 1-element tensor (used with clip_grad_norm set)."""
+        return self.scalars.clip_coef if self.clip_coefs is None else self.clip_coefs[i : i + 1]
 
 
 class ShardedSteps:
@@ -68,9 +89,9 @@ class ShardedSteps:
                 self.backend,
                 self._sharding.all_reduce_sum_,
             )
-            self._update_shards(ready, scalars, scalars.no_skip, clip_coefs=coefs, skips=skips)
+            self._update_shards(SliceBatch(ready, scalars, scalars.no_skip, coefs, skips))
         else:
-            self._update_shards(ready, scalars, self._skip_if(scalars))
+            self._update_shards(SliceBatch(ready, scalars, self._skip_if(scalars)))
 
     def _check_sharded_pattern(self, loss: torch.Tensor) -> None:
         """Refuses, before any change, a second backward over a ZeRO-3 loss's graph."""
@@ -90,15 +111,5 @@ class ShardedSteps:
             raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")
 
     @abc.abstractmethod
-    def _update_shards(
-        self,
-        ready: ShardGrads,
-        scalars: Any,
-        skip_if: torch.Tensor,
-        clip_coefs: torch.Tensor | None = None,
-        skips: torch.Tensor | None = None,
-    ) -> None:
-        """Applies the step to this rank's slices, given their reduced gradients.
-
-        single_backward: `clip_coefs[i]` (clipping on) and `skips[i]` (1-element views) are
-        entry i's coefficient and skip flag, in place of the step-wide ones."""
+    def _update_shards(self, batch: SliceBatch) -> None:
+        """Applies the step to this rank's slices in `batch`, given their reduced gradients."""
