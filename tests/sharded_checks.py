@@ -126,7 +126,7 @@ def in_order(cls):
 
     class InOrder(cls):
         def _on_grad_ready(self, param):
-            if self._single_step:  # held until backward ends, then replayed in order
+            if self._mode.single_backward:  # held until backward ends, then replayed in order
                 self._held[id(param)] = param.grad
                 param.grad = None
                 return
@@ -135,18 +135,18 @@ def in_order(cls):
         def _run_backward(self, loss, phase, retain_graph):
             self._held = {}
             super()._run_backward(loss, phase, retain_graph)
-            if not self._single_step:
+            if not self._mode.single_backward:
                 return
             assert len(self._held) == len(self.order)
             names = {n: p for n, p in self.model.named_parameters()}
-            self._phase = phase
+            self._mode.begin_pass(phase)
             try:
                 for name in self.order:
                     param = names[name]
                     param.grad = self._held.pop(id(param))
                     super()._on_grad_ready(param)
             finally:
-                self._phase = "idle"
+                self._mode.end_pass()
 
     return InOrder
 
@@ -175,10 +175,10 @@ def record_order(opt, model) -> list[str]:
     order: list[str] = []
     original = opt._update_shards
 
-    def wrapper(ready, *args, **kwargs):
+    def wrapper(batch):
         if opt.step_count == 0:
-            order.extend(names[id(shard.param)] for shard, _ in ready)
-        return original(ready, *args, **kwargs)
+            order.extend(names[id(shard.param)] for shard, _ in batch.entries)
+        return original(batch)
 
     opt._update_shards = wrapper
     return order
@@ -233,7 +233,7 @@ def count_phases(opt) -> list[str]:
     original = opt._run_backward
 
     def wrapper(loss, phase, retain_graph):
-        phases.append(phase)
+        phases.append(phase.value)
         return original(loss, phase, retain_graph)
 
     opt._run_backward = wrapper

@@ -8,15 +8,12 @@ import torch
 from torch import nn
 
 from .._rounding import mix32_int
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
+from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.sgd import sgd_update_op
-from ._in_backward import (
-    InBackwardOptimizer,
-    _DeviceScalars,
-    computes_in_fp16,
-    split_loss_scale_args,
-)
+from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
+from .sharded_steps import SliceBatch
+from .validation import computes_in_fp16, split_loss_scale_args
 
 
 class Lomo(InBackwardOptimizer):
@@ -41,11 +38,13 @@ class Lomo(InBackwardOptimizer):
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
     median of the last three steps' norms, S_i this step's running sum of squares; the applied
     gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
-    most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
+    most M when P >= ||g|| (see ``lomo_kernels.optim.single_backward``). A tensor whose gradient
     has inf/nan is left unchanged, the others are updated, the scale is lowered: an
     overflowing fp16 step is *partial* (``last_step_partial``). Under ZeRO-3 and FSDP2 too
     (every rank applies the same coefficients and skips; no second forward under ZeRO-3).
     """
+
+    _STATE_FORMAT = "Lomo"
 
     def __init__(
         self,
@@ -127,16 +126,9 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         self._apply(param, param, 0, grad, group, scalars, skip_if)
 
-    def _update_shards(
-        self,
-        ready: list[tuple[Shard, torch.Tensor]],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-        clip_coefs: torch.Tensor | None = None,
-        skips: torch.Tensor | None = None,
-    ) -> None:
+    def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
-        for i, (shard, grad) in enumerate(ready):
+        for i, (shard, grad) in enumerate(batch.entries):
             if shard.local.numel():
                 group = self._hook_groups[self._group_of[id(shard.param)]]
                 self._apply(
@@ -145,9 +137,9 @@ class Lomo(InBackwardOptimizer):
                     shard.offset,
                     grad,
                     group,
-                    scalars,
-                    skip_if if skips is None else skips[i : i + 1],
-                    None if clip_coefs is None else clip_coefs[i : i + 1],
+                    batch.scalars,
+                    batch.skip_of(i),
+                    batch.clip_coef_of(i),
                 )
 
     def _apply(
