@@ -14,6 +14,7 @@ import abc
 import functools
 import warnings
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from ._hyper import (
     checked_groups,
 )
 from .loss_scaler import LOSS_SCALE_KEYS, DynamicLossScaler, check_scaler_state
+from .param_groups import build_param_groups
 from .single_pass import PARTIAL_STEP_WARNING, SinglePassClip
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -342,13 +344,15 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
         `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
         `single_backward`: clip and check overflow within the update pass (single_pass.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
-        own (pipeline stages, a model per rank), so no rank waits for another's gradients."""
+        own (pipeline stages, a model per rank), so no rank waits for another's gradients.
+        `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
         defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
@@ -360,7 +364,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             bucket_numel=bucket_numel,
             replicated=bool(replicated),
         )
-        super().__init__([{"params": params}], defaults)
+        super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
