@@ -710,6 +710,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
         self._norm_ready = self._norm_ready and self._norm_is_for(loss)
+        if not self._norm_ready:
+            self.last_grad_norm = None  # until this step measures its own (or none)
 
     @torch.compiler.disable
     def _forget_norm(self) -> None:
