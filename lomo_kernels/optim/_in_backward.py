@@ -90,6 +90,9 @@ class _DeviceScalars:
     clip_coef: torch.Tensor = field(init=False)
     inv_scale: torch.Tensor = field(init=False)  # the loss scaler's, copied once per step
     lr: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per trainable parameter (by index), this device's part of the norm pass's sums of
+    # squares; None where the pass runs under compiled autograd (see `_norm_pass`).
+    param_sumsq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         def zeros() -> torch.Tensor:
@@ -384,6 +387,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self.last_grad_norm: torch.Tensor | None = None
         self._clip_coef: torch.Tensor | None = None  # of the last norm pass (lomo-optim's)
         self._norm_of_last_pass: torch.Tensor | None = None
+        self._param_norms: torch.Tensor | None = None  # of the last eager norm pass
         self._norm_graph: Any = None  # grad_fn of the loss of the last norm pass
         # The loss and max norm the last norm pass measured: its result serves that loss
         # only. A weak reference, so a collected loss whose id() is reused never matches.
@@ -421,11 +425,17 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
 
     @property
     def grad_norms(self) -> torch.Tensor | list[Any]:
-        """After a norm pass, a 1-D device tensor whose 2-norm is the global gradient norm
-        (``torch.norm(opt.grad_norms)``, as with lomo-optim). lomo-optim holds one entry per
-        gradient; here the norm pass sums squares into one device scalar, so it holds one
-        entry, the global norm. ``[]`` before the first norm pass, as in lomo-optim."""
-        return [] if self._norm_of_last_pass is None else self._norm_of_last_pass.reshape(1)
+        """lomo-optim's per-gradient norms of the last norm pass: a 1-D device tensor with one
+        entry per trainable parameter (in model order; 0 for one that got no gradient, which
+        lomo-optim leaves out), whose 2-norm is the global norm (``torch.norm(opt.grad_norms)``,
+        as with lomo-optim). Sharded: each whole parameter's norm, on every rank. After a norm
+        pass under compiled autograd it holds one entry, the global norm (that pass sums into
+        one device scalar). ``[]`` before the first norm pass, as in lomo-optim."""
+        if self._norm_of_last_pass is None:
+            return []
+        return (
+            self._norm_of_last_pass.reshape(1) if self._param_norms is None else self._param_norms
+        )
 
     # -- hooks' lifetime ----------------------------------------------------------------
     def _attach(self) -> None:
@@ -554,7 +564,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             return
         scalars = self._scalars_for(param.device)
         if self._phase == _NORM:
-            self._accumulate_norm(grad, scalars)
+            self._accumulate_norm(param, grad, scalars)
             return
         self._note_updated(param)
         group = self._hook_groups[self._group_of[id(param)]]
@@ -581,14 +591,25 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
         return scalars.norm_found_inf if self._norm_ready else scalars.no_skip
 
-    def _accumulate_norm(self, grad: torch.Tensor, scalars: _DeviceScalars) -> None:
+    def _accumulate_norm(
+        self, param: torch.Tensor, grad: torch.Tensor, scalars: _DeviceScalars
+    ) -> None:
+        # Into the parameter's own slot, then added to the total: the total's rounding is
+        # that of summing into it directly (the slot starts at 0).
+        slots = scalars.param_sumsq
+        target = scalars.sumsq
+        if slots is not None:
+            index = self._index_of[id(param)]
+            target = slots[index : index + 1]
         ops.grad_sumsq_(
             grad,
-            scalars.sumsq,
+            target,
             inv_scale=self._inv_scale_for(grad.device),
             found_inf=scalars.norm_found_inf,
             backend=self.backend,
         )
+        if slots is not None:
+            scalars.sumsq.add_(target)
 
     def _consume_shards(self, ready: list[tuple[Shard, torch.Tensor]]) -> None:
         """One reduce-scatter bucket's partitions, reduced: measure or update them."""
@@ -596,8 +617,8 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
             return
         scalars = self._scalars_for(ready[0][1].device)
         if self._phase == _NORM:
-            for _, grad in ready:
-                self._accumulate_norm(grad, scalars)
+            for shard, grad in ready:
+                self._accumulate_norm(shard.param, grad, scalars)
             return
         for shard, _ in ready:
             self._note_updated(shard.param)
@@ -633,22 +654,34 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         self._check_call(loss)
         self._report_previous_step()
         self._prepare_scalars()
+        # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
+        # one running sum (a slot per parameter would be one more graph input each).
+        per_parameter = not (
+            torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active()
+        )
         for scalars in self._scalars.values():
             scalars.sumsq.zero_()
             scalars.norm_found_inf.zero_()
+            scalars.param_sumsq = (
+                torch.zeros(len(self._index_of), device=scalars.device) if per_parameter else None
+            )
         # Under sharding the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
         # keeping this graph would only hold its activations through the next forward.
         retain = self._sharding is None or self._sharding.second_backward_ok
         self._run_backward(loss, _NORM, retain_graph=retain)
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
+        param_sumsq = self._combine(lambda s: s.param_sumsq) if per_parameter else None
         if self._sharding is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
-            # and the same overflow decision.
-            both = torch.cat([total_sumsq.reshape(1), found.reshape(1)])
+            # (and each parameter's) and the same overflow decision.
+            parts = [total_sumsq.reshape(1), found.reshape(1)]
+            both = torch.cat(parts if param_sumsq is None else [*parts, param_sumsq])
             self._sharding.all_reduce_sum_(both)
-            total_sumsq, found = both[:1], both[1:]
+            total_sumsq, found = both[:1], both[1:2]
+            param_sumsq = None if param_sumsq is None else both[2:]
             self._norm_graph = loss.grad_fn
+        self._param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self.last_grad_norm = self._norm_of_last_pass = total_sumsq.sqrt()
         if self._max_norm is not None:
             self._clip_coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm).reshape(())
@@ -920,7 +953,7 @@ class InBackwardOptimizer(torch.optim.Optimizer, metaclass=_AttachedAfterInit):
         error.add_note(interruption_note(self.last_step_partial_names, total, tracked))
 
     def _combine(self, pick: Any) -> torch.Tensor:
-        """Sum of one per-device scalar over devices, on the first device."""
+        """Sum of one per-device tensor over devices, on the first device."""
         values = [pick(s) for s in self._scalars.values()]
         total = values[0].clone()
         for v in values[1:]:
