@@ -21,11 +21,13 @@ from typing import Any
 from torch import nn
 from transformers import TrainingArguments
 from transformers.trainer_optimizer import _parse_optim_args
+from transformers.utils import logging
 
 from ..optim import AdaLomo, Lomo
 from ..optim._in_backward import InBackwardOptimizer
 
-# The optim_args keys an in-backward optimizer takes, with their parsers.
+logger = logging.get_logger(__name__)
+
 _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
@@ -36,6 +38,7 @@ def _boolean(key: str, text: str) -> bool:
     return value in _TRUE
 
 
+# The optim_args keys an in-backward optimizer takes, with their parsers.
 OPTIM_ARGS: dict[str, Callable[[str, str], Any]] = {"single_backward": _boolean}
 
 
@@ -80,10 +83,17 @@ def optimizer_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of Lomo/AdaLomo(model, ...) for these TrainingArguments (with
     `max_grad_norm` in place of theirs: LomoTrainer turns the Trainer's own clipping off)."""
+    options = parse_optim_args(_parse_optim_args(args.optim_args))
+    if max_grad_norm and not options.get("single_backward"):
+        logger.info(
+            "max_grad_norm=%s: exact clipping runs a norm pass, two backward passes per step; "
+            "optim_args='single_backward=True' clips within one",
+            max_grad_norm,
+        )
     return {
         "lr": args.learning_rate,
         "clip_grad_norm": max_grad_norm if max_grad_norm else None,
         "weight_decay": args.weight_decay,
         "param_groups": decay_param_groups(model, decay_names, args.weight_decay),
-        **parse_optim_args(_parse_optim_args(args.optim_args)),
+        **options,
     }
