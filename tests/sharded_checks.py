@@ -104,6 +104,17 @@ def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
         assert worst <= 1.0, f"{name}: error {err.max().item():.3g} over bound (x{worst:.2f})"
 
 
+def assert_grad_norms_match(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The per-parameter gradient norms of a sharded run's last norm pass against one
+    process's: within 1e-4 of the global norm per entry (the same rounding effects as
+    `assert_within_update_tolerance`, on the gradients of the third step)."""
+    assert out.shape == ref.shape and ref.dim() == 1 and ref.numel() > 1
+    total = ref.double().norm().item()
+    assert total > 0
+    worst = (out.double() - ref.double()).abs().max().item() / total
+    assert worst <= 1e-4, f"per-parameter norms differ by {worst:.3g} of the global norm"
+
+
 def one_process(
     name: str, initial: dict, steps: int, train_fn=train, options=None, model_class=ScaledLlama
 ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from ._hyper import check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
 from .loss_scaler import DynamicLossScaler
-from .param_groups import GroupHyperParameter, group_index, hook_groups, initial_param_groups
+from .param_groups import GroupHyperParameter, build_param_groups, group_index, hook_groups
 from .reporting import StepReporting
 from .sharded_steps import ShardedSteps
 from .single_backward import SingleBackwardClip
@@ -67,6 +68,9 @@ class _DeviceScalars:
     clip_coef: torch.Tensor = field(init=False)
     inv_scale: torch.Tensor = field(init=False)  # the loss scaler's, copied once per step
     lr: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per trainable parameter (by index), this device's part of the norm pass's sums of
+    # squares; None where the pass runs under compiled autograd (see `_norm_pass`).
+    param_sumsq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         def zeros() -> torch.Tensor:
@@ -96,6 +100,7 @@ class InBackwardOptimizer(
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
@@ -103,7 +108,8 @@ class InBackwardOptimizer(
         `single_backward`: clip and check overflow within the update pass
         (single_backward.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
-        own (pipeline stages, a model per rank), so no rank waits for another's gradients."""
+        own (pipeline stages, a model per rank), so no rank waits for another's gradients.
+        `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
         defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
@@ -115,7 +121,7 @@ class InBackwardOptimizer(
             bucket_numel=bucket_numel,
             replicated=bool(replicated),
         )
-        super().__init__(initial_param_groups(params), defaults)
+        super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
@@ -132,6 +138,7 @@ class InBackwardOptimizer(
         self.last_grad_norm: torch.Tensor | None = None
         self._clip_coef: torch.Tensor | None = None  # of the last norm pass (lomo-optim's)
         self._norm_of_last_pass: torch.Tensor | None = None
+        self._param_norms: torch.Tensor | None = None  # of the last eager norm pass
         self._init_reporting()
         self._layout = ParameterLayout(model, params, sharded=self._sharding is not None)
         self.single_backward = bool(single_backward)
@@ -158,11 +165,17 @@ class InBackwardOptimizer(
 
     @property
     def grad_norms(self) -> torch.Tensor | list[Any]:
-        """After a norm pass, a 1-D device tensor whose 2-norm is the global gradient norm
-        (``torch.norm(opt.grad_norms)``, as with lomo-optim). lomo-optim holds one entry per
-        gradient; here the norm pass sums squares into one device scalar, so it holds one
-        entry, the global norm. ``[]`` before the first norm pass, as in lomo-optim."""
-        return [] if self._norm_of_last_pass is None else self._norm_of_last_pass.reshape(1)
+        """lomo-optim's per-gradient norms of the last norm pass: a 1-D device tensor with one
+        entry per trainable parameter (in model order; 0 for one that got no gradient, which
+        lomo-optim leaves out), whose 2-norm is the global norm (``torch.norm(opt.grad_norms)``,
+        as with lomo-optim). Sharded: each whole parameter's norm, on every rank. After a norm
+        pass under compiled autograd it holds one entry, the global norm (that pass sums into
+        one device scalar). ``[]`` before the first norm pass, as in lomo-optim."""
+        if self._norm_of_last_pass is None:
+            return []
+        return (
+            self._norm_of_last_pass.reshape(1) if self._param_norms is None else self._param_norms
+        )
 
     # -- hooks' lifetime ----------------------------------------------------------------
     def _attach(self) -> None:
@@ -263,7 +276,7 @@ class InBackwardOptimizer(
             return
         scalars = self._scalars_for(param.device)
         if self._mode.phase is Phase.NORM:
-            self._accumulate_norm(grad, scalars)
+            self._accumulate_norm(param, grad, scalars)
             return
         self._note_updated(param)
         group = self._hook_groups[self._group_of[id(param)]]
@@ -286,14 +299,25 @@ class InBackwardOptimizer(
     def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
         return scalars.norm_found_inf if self._mode.norm_ready else scalars.no_skip
 
-    def _accumulate_norm(self, grad: torch.Tensor, scalars: _DeviceScalars) -> None:
+    def _accumulate_norm(
+        self, param: torch.Tensor, grad: torch.Tensor, scalars: _DeviceScalars
+    ) -> None:
+        # Into the parameter's own slot, then added to the total: the total's rounding is
+        # that of summing into it directly (the slot starts at 0).
+        slots = scalars.param_sumsq
+        target = scalars.sumsq
+        if slots is not None:
+            index = self._index_of[id(param)]
+            target = slots[index : index + 1]
         ops.grad_sumsq_(
             grad,
-            scalars.sumsq,
+            target,
             inv_scale=self._inv_scale_for(grad.device),
             found_inf=scalars.norm_found_inf,
             backend=self.backend,
         )
+        if slots is not None:
+            scalars.sumsq.add_(target)
 
     # -- public API -------------------------------------------------------------------
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
@@ -314,20 +338,32 @@ class InBackwardOptimizer(
         self._check_call(loss)
         self._report_previous_step()
         self._prepare_scalars()
+        # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
+        # one running sum (a slot per parameter would be one more graph input each).
+        per_parameter = not (
+            torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active()
+        )
         for scalars in self._scalars.values():
             scalars.sumsq.zero_()
             scalars.norm_found_inf.zero_()
+            scalars.param_sumsq = (
+                torch.zeros(len(self._index_of), device=scalars.device) if per_parameter else None
+            )
         # Under ZeRO-3 the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
         # keeping this graph would only hold its activations through the next forward.
         self._run_backward(loss, Phase.NORM, retain_graph=not self._one_loss_per_pass)
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
+        param_sumsq = self._combine(lambda s: s.param_sumsq) if per_parameter else None
         if self._sharding is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
-            # and the same overflow decision.
-            both = torch.cat([total_sumsq.reshape(1), found.reshape(1)])
+            # (and each parameter's) and the same overflow decision.
+            parts = [total_sumsq.reshape(1), found.reshape(1)]
+            both = torch.cat(parts if param_sumsq is None else [*parts, param_sumsq])
             self._sharding.all_reduce_sum_(both)
-            total_sumsq, found = both[:1], both[1:]
+            total_sumsq, found = both[:1], both[1:2]
+            param_sumsq = None if param_sumsq is None else both[2:]
+        self._param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self.last_grad_norm = self._norm_of_last_pass = total_sumsq.sqrt()
         if self._max_norm is not None:
             self._clip_coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm).reshape(())
@@ -339,8 +375,14 @@ class InBackwardOptimizer(
         self._mode.norm_measured(loss, self._max_norm, keep_graph=self._sharding is not None)
         return self.last_grad_norm
 
+    @torch.compiler.disable
+    def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
+        self._mode.keep_norm_only_for(loss, self._max_norm, same_batch=self._one_loss_per_pass)
+        if not self._mode.norm_ready:
+            self.last_grad_norm = None  # until this step measures its own (or none)
+
     def _combine(self, pick: Any) -> torch.Tensor:
-        """Sum of one per-device scalar over devices, on the first device."""
+        """Sum of one per-device tensor over devices, on the first device."""
         values = [pick(s) for s in self._scalars.values()]
         total = values[0].clone()
         for v in values[1:]:
@@ -356,7 +398,7 @@ class InBackwardOptimizer(
         self._check_call(loss, lr)
         if self._one_loss_per_pass:
             self._check_sharded_pattern(loss)
-        self._mode.keep_norm_only_for(loss, self._max_norm, same_batch=self._one_loss_per_pass)
+        self._keep_norm_only_for(loss)
         single = (
             self._single_backward_clip is not None
             and not self._mode.norm_ready

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,11 @@ class AdaLomo(InBackwardOptimizer):
     values and moments, the others are updated: an overflowing step is *partial*
     (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Under ZeRO-3
     and FSDP2 too (every rank applies the same coefficients and skips).
+
+    ``param_groups`` (keyword-only): torch-style groups of the model's parameters, by tensor
+    or name, with their own lr, weight_decay, eps, clip_threshold, decay_rate or
+    clip_grad_value; unlisted parameters keep the constructor's values
+    (``lomo_kernels.optim.param_groups``).
     """
 
     _STATE_FORMAT = "AdaLomo"
@@ -74,6 +79,7 @@ class AdaLomo(InBackwardOptimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
@@ -95,6 +101,7 @@ class AdaLomo(InBackwardOptimizer):
             bucket_numel=bucket_numel,
             single_backward=single_backward,
             replicated=replicated,
+            param_groups=param_groups,
         )
         self.loss_scale = loss_scale
         self._fp16 = computes_in_fp16(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +31,11 @@ class Lomo(InBackwardOptimizer):
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
     of the write-back; seeded from ``seed``, the step and the parameter index, the step's
     part kept in a device tensor so a compiled backward is not rebuilt each step),
-    ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward`` and
-    ``replicated`` (False: under torch.distributed, each rank's parameters are its own).
+    ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward``,
+    ``replicated`` (False: under torch.distributed, each rank's parameters are its own) and
+    ``param_groups`` (torch-style groups of the model's parameters, by tensor or name, with
+    their own lr, weight_decay or clip_grad_value; unlisted parameters keep the constructor's
+    values: ``lomo_kernels.optim.param_groups``).
 
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
@@ -61,6 +65,7 @@ class Lomo(InBackwardOptimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
@@ -80,13 +85,14 @@ class Lomo(InBackwardOptimizer):
             bucket_numel=bucket_numel,
             single_backward=single_backward,
             replicated=replicated,
+            param_groups=param_groups,
         )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         # Per device: the per-step part of the rounding seed, refreshed in place each step
         # and read by the kernels, so a compiled backward does not depend on the step.
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
-        params = self.param_groups[0]["params"]
+        params = [p for g in self.param_groups for p in g["params"]]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
         if fp16:

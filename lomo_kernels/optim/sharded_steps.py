@@ -75,8 +75,8 @@ class ShardedSteps:
             return
         scalars = self._scalars_for(ready[0][1].device)
         if self._mode.phase is Phase.NORM:
-            for _, grad in ready:
-                self._accumulate_norm(grad, scalars)
+            for shard, grad in ready:
+                self._accumulate_norm(shard.param, grad, scalars)
             return
         for shard, _ in ready:
             self._note_updated(shard.param)

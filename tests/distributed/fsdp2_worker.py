@@ -75,7 +75,8 @@ def run_training(
     if rank == 0:
         label = f"{name}_{pattern}" + ("_unsharded" if keep_unsharded else "")
         label += "" if clip else "_no_clip"
-        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{label}.pt")
+        saved = {"initial": initial, "final": final, "opt": opt_state}
+        torch.save({**saved, "grad_norms": opt.grad_norms}, OUT / f"{label}.pt")
 
 
 def run_single(name: str, rank: int, checks: dict) -> None:

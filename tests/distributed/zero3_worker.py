@@ -110,7 +110,8 @@ def run_training(name: str, cls, rank: int, checks: dict) -> None:
     persistent = sum(p.ds_persist for p in model.parameters())
     checks[name] = {"stale_persistent": stale, "persistent": int(persistent)}
     if rank == 0:
-        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{name}.pt")
+        saved = {"initial": initial, "final": final, "opt": opt_state}
+        torch.save({**saved, "grad_norms": opt.grad_norms}, OUT / f"{name}.pt")
 
 
 def run_single(name: str, cls, rank: int, checks: dict) -> None:
