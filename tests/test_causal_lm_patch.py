@@ -175,3 +175,19 @@ def test_training_steps_match_unpatched(family, optimizer_class, single_backward
         )
         worst = ((a64 - b64).abs() / bound).max().item()
         assert worst <= 1.0, f"{name}: {worst:.3g} x the bound"
+
+
+def test_compiled_model_norm_pass_refused_clearly_before_any_change():
+    """A compiled model with the fused loss: Inductor's backward reuses the log-sum-exp it
+    saved (a donated buffer), so torch refuses to keep the graph for a second pass;
+    grad_norm says so and what to do, with every parameter unchanged."""
+    model = patch_causal_lm(_model("llama"))
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = torch.compile(model)
+    with Lomo(model, lr=0.05, clip_grad_norm=1.0) as opt:
+        if not torch._functorch.config.donated_buffer:
+            pytest.skip("this torch does not donate saved buffers to the backward")
+        loss = compiled(**batch(0, vocab=VOCAB)).loss
+        with pytest.raises(RuntimeError, match="single_backward=True"):
+            opt.grad_norm(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

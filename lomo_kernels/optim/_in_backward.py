@@ -56,6 +56,21 @@ GRAD_ACCUMULATION_ERROR = (
 )
 
 
+DONATED_BUFFERS_ERROR = (
+    "grad_norm(loss) keeps the loss's graph for the update pass, but this graph's compiled "
+    "backward reuses the buffers it saved (torch's donated buffers), so torch runs it only "
+    "once. Use single_backward=True (one backward per step, no norm pass), or set "
+    "torch._functorch.config.donated_buffer = False before the first compiled forward. No "
+    "parameter was changed."
+)
+
+
+def _donates_saved_buffers(error: RuntimeError) -> bool:
+    """Whether `error` is torch's refusal to keep the graph of a compiled backward that
+    reuses its saved buffers (raised before that backward runs)."""
+    return "donated buffer" in str(error)
+
+
 @dataclass
 class _DeviceScalars:
     """Per-device 1-element fp32 tensors the kernels read (one set per device in use)."""
@@ -351,7 +366,13 @@ class InBackwardOptimizer(
             )
         # Under ZeRO-3 the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
         # keeping this graph would only hold its activations through the next forward.
-        self._run_backward(loss, Phase.NORM, retain_graph=not self._one_loss_per_pass)
+        retain = not self._one_loss_per_pass
+        try:
+            self._run_backward(loss, Phase.NORM, retain_graph=retain)
+        except RuntimeError as error:
+            if retain and _donates_saved_buffers(error):
+                raise RuntimeError(DONATED_BUFFERS_ERROR) from error
+            raise
         total_sumsq = self._combine(lambda s: s.sumsq)
         found = self._combine(lambda s: s.norm_found_inf)
         param_sumsq = self._combine(lambda s: s.param_sumsq) if per_parameter else None
