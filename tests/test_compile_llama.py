@@ -330,7 +330,7 @@ def test_fused_read_after_update_is_caught(two_layer_gqa_reference, torch_roundi
     the bound fails. Caches are off, as the cache key does not see the lowering change.
     Should this fail on a newer torch, its lowering orders the reads itself and
     `_realizing_reads_before_writes` can go."""
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import scope as _compiled_autograd
 
     monkeypatch.setattr(
         _compiled_autograd, "_realizing_reads_before_writes", contextlib.nullcontext

@@ -84,7 +84,7 @@ def lomo_on_another_model() -> object:
 
 def run_mode(mode: str, out: Path) -> None:
     if mode == "patch_all":  # the patches taking every parameter for ours
-        from lomo_kernels.optim import _compiled_autograd
+        from lomo_kernels.compile import scope as _compiled_autograd
 
         _compiled_autograd.install(lambda t: isinstance(t, torch.nn.Parameter))
     keep = lomo_on_another_model() if mode != "plain" else None
@@ -142,7 +142,7 @@ def test_users_in_backward_optimizer_compiles_as_without_lomo_kernels(tmp_path):
 
 
 def test_tested_versions_are_matched_by_major_minor():
-    from lomo_kernels.optim._compiled_autograd import torch_version_tested
+    from lomo_kernels.compile.scope import torch_version_tested
 
     assert torch_version_tested("2.13.0+cpu")
     assert torch_version_tested("2.13.1")
@@ -165,7 +165,7 @@ def lomo_loss(forward: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("enable", ["compiled_autograd_enable", "config_compiled_autograd"])
 def test_untested_torch_refuses_compiled_autograd_before_any_change(monkeypatch, enable):
     from lomo_kernels import Lomo
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import scope as _compiled_autograd
 
     monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")
     model = mlp()
@@ -189,7 +189,7 @@ def test_untested_torch_refuses_compiled_autograd_before_any_change(monkeypatch,
 
 def test_untested_torch_still_runs_a_compiled_forward_step(monkeypatch):
     from lomo_kernels import Lomo
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import scope as _compiled_autograd
 
     monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")
     eager, compiled = mlp(), mlp()
@@ -223,7 +223,7 @@ ROUNDING_EPS = 4
 
 @pytest.mark.slow
 def test_compiling_each_decoder_layer_matches_eager_on_any_torch(monkeypatch):
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import scope as _compiled_autograd
 
     monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")  # untested: no matter
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ from torch._functorch._aot_autograd.runtime_wrappers import (
     CachedAutogradLazyBackwardCompileInfo,
 )
 
-from lomo_kernels.optim import _compiled_autograd
+from lomo_kernels.compile import scope as _compiled_autograd
 from lomo_kernels.optim._in_backward import updated_in_backward
 
 SHAPE = [64, 32]

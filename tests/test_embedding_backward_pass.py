@@ -22,7 +22,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import lomo_kernels  # noqa: F401  (registers lomo_kernels::embedding_dense_backward_eager)
-from lomo_kernels.optim import _compiled_autograd
+from lomo_kernels.compile import scope as _compiled_autograd
 
 VOCAB, HIDDEN = 50, 8
 aten, prims = torch.ops.aten, torch.ops.prims

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compile as _compiled_autograd
 from .. import ops
 from ..distributed import (
     DEFAULT_BUCKET_NUMEL,
@@ -31,7 +32,6 @@ from ..distributed import (
 from ..ops.backends import requested_backend
 from ..ops.checks import SUPPORTED_DTYPES
 from ..ops.scalars import optional_factor
-from . import _compiled_autograd
 from ._hyper import (
     CHECKS,
     check_lr,
