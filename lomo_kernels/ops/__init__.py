@@ -10,10 +10,12 @@
     selection.py           backend choice (argument, $LOMO_KERNELS_BACKEND, availability)
     scalars.py             runtime scalars: 1-element fp32 device tensors, converted once
     checks.py              argument validation, before anything is written
+    embedding_backward.py  ATen's embedding backward as an op Inductor keeps (compiled autograd)
 
 The kernels themselves live in `lomo_kernels.kernels` (cpp/, triton/) and `csrc/`.
 """
 
+from . import embedding_backward  # noqa: F401  (registers its op)
 from .adalomo import (
     adalomo_factored_apply_,
     adalomo_factored_moments_,
