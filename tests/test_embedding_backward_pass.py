@@ -126,6 +126,26 @@ def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx, ca
         assert not [name for name, t in _constants(root) if t.shape == (VOCAB, HIDDEN)]
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_tied_weight_gets_aten_backward_for_its_embedding_term(case):
+    # A weight tied to the output projection accumulates the sum of both uses' gradients.
+    fn, arity = CASES[case]
+
+    def tied(grad_output, indices):
+        ones = aten.full.default([VOCAB, 4], 1.0, dtype=grad_output.dtype)
+        projection = aten.mm.default(ones, aten.full.default([4, HIDDEN], 1.0, dtype=ones.dtype))
+        return aten.add.Tensor(projection, fn(grad_output, indices, 7))
+
+    graph, weight = _graph_with_accumulate(tied, torch.bfloat16, arity)
+    embedding_backward.use_eager_embedding_backward(graph, {weight})
+    total = _accumulated(graph)
+    grad_output, indices = graph.find_nodes(op="placeholder")[1:]
+    assert total.target is aten.add.Tensor
+    assert total.args[0].target is aten.mm.default
+    assert total.args[1].target is EAGER
+    assert total.args[1].args == (grad_output, indices, VOCAB, 7)
+
+
 def test_cached_constant_that_is_not_zero_is_left_alone():
     # A constant where the zero should be is matched only if it is zero: a nonzero fill
     # value would change the gradient of the padding rows.

@@ -161,32 +161,49 @@ def use_eager_embedding_backward(
     accumulates it into an fp32 zero tensor of the weight's shape before casting back: with
     a 32000 x 1024 vocabulary a transient 125 MiB that eager autograd never allocates
     (ATen accumulates in the weight's dtype), and more than LOMO keeps for a whole step at
-    small batches. Only the exact patterns the decomposition emits (no scale_grad_by_freq)
-    are replaced; anything else is left as it is. `root` holds the graph's constants.
+    small batches. For a weight tied to the output projection the accumulated gradient is
+    the sum of both uses' gradients; its embedding term is replaced the same way (ATen's
+    rounding then matches eager's too: the decomposition sums repeated tokens in fp32, eager
+    in the weight's dtype). Only the exact patterns the decomposition emits (no
+    scale_grad_by_freq) are replaced; anything else is left as it is. `root` holds the
+    graph's constants.
     """
     from torch._dynamo.external_utils import call_accumulate_grad
 
     for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
         if acc.args[0] not in hooked:
             continue
-        grad = _accumulated_grad(acc)
-        narrow = _call_args(grad, torch.ops.prims.convert_element_type.default, 2)
-        if not narrow or narrow[1] not in (torch.bfloat16, torch.float16):
-            continue
-        found = _decomposed_embedding_backward(narrow[0], root)
-        if found is None:
-            continue
-        grad_output, indices, num_weights, padding_idx, zeros = found
-        if len(zeros.users) != 1 or len(narrow[0].users) != 1:
-            continue
-        with graph.inserting_before(grad):
-            eager = graph.call_function(
-                torch.ops.lomo_kernels.embedding_dense_backward_eager.default,
-                (grad_output, indices, num_weights, padding_idx),
-            )
-        grad.replace_all_uses_with(eager)
-        _drop_unused(graph, root, (grad, narrow[0], zeros))
-        # The rest of the decomposition is now unused; compiled autograd's dce removes it.
+        for grad in _gradient_terms(_accumulated_grad(acc)):
+            _replace_decomposition(graph, grad, root)
+
+
+def _gradient_terms(grad: Any) -> list[Any]:
+    """`grad`, and the two terms if it is a plain sum (a weight with two uses)."""
+    total = _call_args(grad, torch.ops.aten.add.Tensor, 2)
+    if total and grad.kwargs.get("alpha", 1) == 1 and len(grad.args) == 2:
+        return [grad, *total]
+    return [grad]
+
+
+def _replace_decomposition(graph: torch.fx.Graph, grad: Any, root: Any) -> None:
+    """Replaces `grad` by ATen's embedding backward if it is the narrowed decomposition."""
+    narrow = _call_args(grad, torch.ops.prims.convert_element_type.default, 2)
+    if not narrow or narrow[1] not in (torch.bfloat16, torch.float16):
+        return
+    found = _decomposed_embedding_backward(narrow[0], root)
+    if found is None:
+        return
+    grad_output, indices, num_weights, padding_idx, zeros = found
+    if len(zeros.users) != 1 or len(narrow[0].users) != 1:
+        return
+    with graph.inserting_before(grad):
+        eager = graph.call_function(
+            torch.ops.lomo_kernels.embedding_dense_backward_eager.default,
+            (grad_output, indices, num_weights, padding_idx),
+        )
+    grad.replace_all_uses_with(eager)
+    _drop_unused(graph, root, (grad, narrow[0], zeros))
+    # The rest of the decomposition is now unused; compiled autograd's dce removes it.
 
 
 def _drop_unused(graph: torch.fx.Graph, root: Any, nodes: tuple[Any, ...]) -> None:
