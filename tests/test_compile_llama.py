@@ -253,11 +253,18 @@ def check_compiled_step(
 
 
 def check_compiled_run(
-    reference: tuple, rounding: float, way: str, opt_name: str, emulate: bool, lr=None
+    reference: tuple,
+    rounding: float,
+    way: str,
+    opt_name: str,
+    emulate: bool,
+    lr: float | None = None,
+    against_fp32: bool = False,
 ) -> None:
     """`way` from `reference`'s initial weights (`eager_reference`) within the bounds of the
     module docstring, compiling nothing after the first step, without graph breaks outside
-    the whole step's."""
+    the whole step's. bf16 is checked per element when Inductor rounds as eager does
+    (`emulate`), unless `against_fp32`: by the rule against the fp32 run."""
     initial, eager, fp32_run = reference
     dtype = next(initial.parameters()).dtype
     compiled = copy.deepcopy(initial)
@@ -265,7 +272,7 @@ def check_compiled_run(
     graphs: list[int] = []
     with torch._inductor.config.patch(emulate_precision_casts=emulate):
         train(compiled, opt_name, way, graphs, lr=lr)
-    per_element = dtype == torch.float32 or emulate
+    per_element = dtype == torch.float32 or (emulate and not against_fp32)
     assert_matches_eager(initial, eager, compiled, rounding, None if per_element else fp32_run)
     # The lr changes every step but lives in a device tensor: nothing compiles after step 0.
     assert graphs[0] == graphs[-1], f"graphs compiled per step: {graphs}"
