@@ -32,6 +32,25 @@ def available_backends() -> list[str]:
     return names
 
 
+# The device of tests that can run on either (`make test-gpu` sets LOMO_TEST_DEVICE=cuda).
+TEST_DEVICE = os.environ.get("LOMO_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """LOMO_TEST_DEVICE (default cpu); a test asking for CUDA where there is none is skipped."""
+    if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip(f"LOMO_TEST_DEVICE={TEST_DEVICE} but no CUDA device here")
+    return TEST_DEVICE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test that takes `test_device` can use a GPU: `make test-gpu` (-m cuda) selects it.
+    for item in items:
+        if "test_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(params=["torch", "cpp", "triton"])
 def backend(request) -> str:
     from lomo_kernels.ops import backends

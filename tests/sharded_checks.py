@@ -104,9 +104,11 @@ def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
         assert worst <= 1.0, f"{name}: error {err.max().item():.3g} over bound (x{worst:.2f})"
 
 
-def one_process(name: str, initial: dict, steps: int, train_fn=train, options=None):
+def one_process(
+    name: str, initial: dict, steps: int, train_fn=train, options=None, model_class=ScaledLlama
+):
     """The sharded run's training in this process on the full batch, from `initial`."""
-    model = ScaledLlama()
+    model = model_class()
     model.load_state_dict(initial)
     opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if options is None else options))
     train_fn(model, opt, global_batch, steps)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from devices import DEVICES
 from torch._dynamo import compiled_autograd
 
 from lomo_kernels import Lomo
@@ -41,15 +40,14 @@ def train(model, steps, compile_forward=False, compile_backward=False, graphs_se
     return model
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["forward", "forward_and_compiled_autograd"])
-def test_compiled_training_matches_eager(mode, device):
+def test_compiled_training_matches_eager(mode, test_device):
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    eager = train(mlp(device), 6)
+    eager = train(mlp(test_device), 6)
     graphs = []
     compiled = train(
-        mlp(device),
+        mlp(test_device),
         6,
         compile_forward=True,
         compile_backward=mode == "forward_and_compiled_autograd",
@@ -63,10 +61,9 @@ def test_compiled_training_matches_eager(mode, device):
     assert graphs[2] == graphs[-1]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_inductor_forward_with_fused_backward(device):
+def test_inductor_forward_with_fused_backward(test_device):
     torch._dynamo.reset()
-    eager, compiled = mlp(device).float(), mlp(device).float()
+    eager, compiled = mlp(test_device).float(), mlp(test_device).float()
     compiled_fwd = torch.compile(compiled)
     opt_e, opt_c = Lomo(eager, lr=0.1), Lomo(compiled, lr=0.1)
     for step in range(3):

@@ -42,7 +42,6 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from devices import DEVICES
 from torch._dynamo import compiled_autograd
 
 from lomo_kernels import AdaLomo, Lomo
@@ -287,22 +286,20 @@ def check_compiled_run(
         assert not breaks, breaks
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
 @pytest.mark.parametrize("way", ["forward", "forward_ca", "whole"])
-def test_compiled_step_matches_eager(references, torch_rounding, way, opt_name, dtype, device):
+def test_compiled_step_matches_eager(references, torch_rounding, way, opt_name, dtype, test_device):
     """Per element; bf16 with Inductor rounding intermediates as eager does."""
     emulate = dtype == torch.bfloat16
-    check_compiled_step(references, torch_rounding, way, opt_name, dtype, emulate, device)
+    check_compiled_step(references, torch_rounding, way, opt_name, dtype, emulate, test_device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
-def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt_name, device):
+def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt_name, test_device):
     """Inductor's default bf16 code (fp32 intermediates): the looser bound against fp32."""
     check_compiled_step(
-        references, torch_rounding, "forward_ca", opt_name, torch.bfloat16, False, device
+        references, torch_rounding, "forward_ca", opt_name, torch.bfloat16, False, test_device
     )
 
 

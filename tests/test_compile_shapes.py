@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from devices import DEVICES
 from test_compile_llama import check_compiled_run, eager_reference, measure_torch_rounding
 
 pytestmark = pytest.mark.slow  # Inductor compiles on 2 cores: ~15-40 s per case
@@ -94,17 +93,16 @@ def rounding_per_shape() -> dict:
     return Rounding()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("shape", "opt_name", "dtype", "way"),
     [pytest.param(*case, id=f"{case[0]}-{case[1]}-{str(case[2])[6:]}-{case[3]}") for case in CASES],
 )
 def test_compiled_way_matches_eager_on_shape(
-    rounding_per_shape, shape, opt_name, dtype, way, device
+    rounding_per_shape, shape, opt_name, dtype, way, test_device
 ):
-    initial = build(shape, dtype, device)
+    initial = build(shape, dtype, test_device)
     reference = eager_reference(initial, opt_name, LR)
-    rounding = rounding_per_shape[shape, device]
+    rounding = rounding_per_shape[shape, test_device]
     bf16 = dtype == torch.bfloat16
     tied = initial.config.tie_word_embeddings
     check_compiled_run(reference, rounding, way, opt_name, bf16, LR, against_fp32=bf16 and tied)
