@@ -12,7 +12,7 @@ from . import scope
 # test-compile-versions`). Matched by major.minor: the private capture and Inductor APIs
 # patched here change between minor releases, while patch releases carry targeted fixes
 # only; local suffixes (+cpu, +cu128) are builds of the same code.
-TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0")
+TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0", "2.15.0")
 TORCH_VERSION = str(torch.__version__)  # the version `check_supported` judges
 
 UNTESTED_MESSAGE = (
