@@ -48,10 +48,12 @@ test-gpu: $(STAMP)
 # Not part of `make test`: each version is a separate install and a full run of the slowest
 # tests.
 TORCH_PIP_ARGS  ?= --extra-index-url https://download.pytorch.org/whl/cpu
-COMPILE_TESTS   ?= tests/test_compile.py tests/test_compile_scope.py tests/test_compile_llama.py
+COMPILE_TESTS   ?= tests/test_compile.py tests/test_compile_scope.py tests/test_compile_llama.py \
+	tests/test_compile_shapes.py tests/test_compiled_autograd_constants.py \
+	tests/test_embedding_backward_pass.py
 test-compile-versions: $(STAMP)
 	set -e; \
-	versions="$${TORCH_VERSIONS:-$$($(PY) -c 'from lomo_kernels.optim._compiled_autograd import TESTED_TORCH_VERSIONS as v; print(*v)')}"; \
+	versions="$${TORCH_VERSIONS:-$$($(PY) -c 'from lomo_kernels.compile import TESTED_TORCH_VERSIONS as v; print(*v)')}"; \
 	for version in $$versions; do \
 		venv=.venv-torch-$$version; \
 		echo "== torch $$version ($$venv)"; \

@@ -13,10 +13,12 @@
     cross_entropy.py       fused linear + cross-entropy (linear_cross_entropy, causal_lm_loss)
     cross_entropy_reference.py   its float64 specification
     head_gradient.py       where the head's weight gradient goes in that loss's backward
+    embedding_backward.py  ATen's embedding backward as an op Inductor keeps (compiled autograd)
 
 The kernels themselves live in `lomo_kernels.kernels` (cpp/, triton/) and `csrc/`.
 """
 
+from . import embedding_backward  # noqa: F401  (registers its op)
 from .adalomo import (
     adalomo_factored_apply_,
     adalomo_factored_moments_,

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compile as _compiled_autograd
 from .. import ops
 from ..distributed import DEFAULT_BUCKET_NUMEL, sharding_for, unwrap_engine
 from ..ops.backends import requested_backend
 from ..ops.scalars import optional_factor
-from . import _compiled_autograd
 from ._hyper import check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward

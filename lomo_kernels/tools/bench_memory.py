@@ -64,8 +64,9 @@ CONFIGS = (
     "adalomo",
     "lomo_compiled_forward",
     "lomo_compiled_autograd",
+    "lomo_compiled_layers",
 )
-COMPILED = ("lomo_compiled_forward", "lomo_compiled_autograd")
+COMPILED = ("lomo_compiled_forward", "lomo_compiled_autograd", "lomo_compiled_layers")
 OPTIMIZER_CONFIGS = ("adamw", "sgd", "official_lomo", "lomo", "adalomo")
 # Names accepted on the command line for the optimizer configurations.
 ALIASES = {"lomo_optim": "official_lomo", "lomo-optim": "official_lomo"}
@@ -80,6 +81,7 @@ LABELS = {
     "adalomo": "lomo_kernels.AdaLomo",
     "lomo_compiled_forward": "lomo_kernels.Lomo, torch.compile(model), eager backward",
     "lomo_compiled_autograd": "lomo_kernels.Lomo, torch.compile(model) + compiled autograd",
+    "lomo_compiled_layers": "lomo_kernels.Lomo, each decoder layer compiled, eager backward",
 }
 SHORT = {
     "sgd": "SGD",
@@ -90,6 +92,7 @@ SHORT = {
     "adalomo": "AdaLomo (ours)",
     "lomo_compiled_forward": "Lomo, compiled fwd",
     "lomo_compiled_autograd": "Lomo, compiled fwd + CA",
+    "lomo_compiled_layers": "Lomo, compiled layers",
 }
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -254,7 +257,12 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
         import lomo_kernels
 
         opt = lomo_kernels.Lomo(model, lr=LR)
-        forward = torch.compile(model)
+        if config == "lomo_compiled_layers":
+            for layer in model.model.layers:
+                layer.compile()  # in place; autograd runs eagerly between the layers
+            forward = model
+        else:
+            forward = torch.compile(model)
         backward_ctx = (
             (lambda: compiled_autograd._enable(torch.compile(backend="inductor")))
             if config == "lomo_compiled_autograd"
