@@ -298,17 +298,11 @@ TRACKED = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("precision", "checkpointing", "overrides", "batch", "seq"),
-    [case[1:] for case in TRACKED],
-    ids=[case[0] for case in TRACKED],
-)
-def test_activation_model_matches_the_tensors_alive_at_the_peak(
-    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
-) -> None:
-    """The model against the tracked peak of a small transformers LLaMA (sdpa attention,
-    per-layer non-reentrant checkpointing): within 0.5%. What it leaves out at this scale are
-    the integer inputs, labels and positions (under 0.2%)."""
+def _small_llama(
+    precision: str, checkpointing: bool, overrides: dict, fused_head: bool = False
+) -> tuple[torch.nn.Module, Any]:
+    """A small transformers LLaMA (sdpa attention) in `precision`, with per-layer
+    checkpointing and the logits-free loss as asked; (model, config)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         **{
@@ -326,10 +320,29 @@ def test_activation_model_matches_the_tensors_alive_at_the_peak(
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = transformers.LlamaForCausalLM(config).to(dtype).train()
+    if fused_head:
+        from lomo_kernels import patch_causal_lm
+
+        patch_causal_lm(model)
     if checkpointing:
         # The newer name where transformers has it (the older one warns there).
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
+    return model, config
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "overrides", "batch", "seq"),
+    [case[1:] for case in TRACKED],
+    ids=[case[0] for case in TRACKED],
+)
+def test_activation_model_matches_the_tensors_alive_at_the_peak(
+    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
+) -> None:
+    """The model against the tracked peak of a small transformers LLaMA (sdpa attention,
+    per-layer non-reentrant checkpointing): within 0.5%. What it leaves out at this scale are
+    the integer inputs, labels and positions (under 0.2%)."""
+    model, config = _small_llama(precision, checkpointing, overrides)
     measured = tracked_activation_peak(model, batch, seq)
     modelled = est.activation_bytes(resolve_model(config), batch, seq, checkpointing, precision)
     assert modelled == pytest.approx(measured, rel=0.005), (modelled, measured)
@@ -348,29 +361,9 @@ def test_fused_head_activation_model_bounds_the_tracked_peak(
     of a vocabulary chunk in 16-bit models, and one block of logits, at most
     4 (T_b h + C h + T_b max(V_b, C)) bytes (T_b, V_b the CPU blocks, C the chunk rows).
     The tracked peak must lie between the model and the model plus that."""
-    transformers = pytest.importorskip("transformers")
-    from lomo_kernels import patch_causal_lm
     from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
 
-    config = transformers.LlamaConfig(
-        **{
-            "vocab_size": 2000,
-            "hidden_size": 64,
-            "intermediate_size": 172,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 128,
-            "attn_implementation": "sdpa",
-            **overrides,
-        }
-    )
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = patch_causal_lm(transformers.LlamaForCausalLM(config).to(dtype).train())
-    if checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
+    model, config = _small_llama(precision, checkpointing, overrides, fused_head=True)
     measured = tracked_activation_peak(model, batch, seq)
     shape = resolve_model(config)
     modelled = est.activation_bytes(shape, batch, seq, checkpointing, precision, fused_head=True)
