@@ -29,10 +29,11 @@ $(STAMP): pyproject.toml Makefile
 
 # Two pytest-xdist workers, one file each at a time (module fixtures run once), one thread
 # each: most tests are single-threaded Python (Triton interpreter, Dynamo tracing), so two
-# workers use both cores.
+# workers use both cores. Files go out in collection order, the slowest first (conftest.py),
+# so the two longest start at once instead of ending the run.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # On a CUDA machine, every test that can use a GPU: those marked `cuda` (every backend on CUDA
 # tensors against the float64 model, the optimizers end to end, the no-host-sync check) and

@@ -84,3 +84,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     elapsed = time.monotonic() - _suite_start
     over = "  OVER the 20-minute budget" if elapsed > SUITE_BUDGET_S else ""
     terminalreporter.write_line(f"suite time {elapsed / 60:.1f} min on {machine_line()}{over}")
+
+
+# The files that take longest (minutes each, compilation and 2-rank runs): collected first, so
+# that `make test`'s two workers start on them (the Makefile keeps collection order).
+SLOWEST_FIRST = (
+    "test_compile_llama.py",
+    "test_compile_shapes.py",
+    "test_memory.py",
+    "test_zero3.py",
+    "test_fsdp2.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable otherwise
