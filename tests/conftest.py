@@ -49,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "test_device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cuda)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable otherwise
 
 
 @pytest.fixture(params=["torch", "cpp", "triton"])
@@ -95,8 +97,3 @@ SLOWEST_FIRST = (
     "test_zero3.py",
     "test_fsdp2.py",
 )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable otherwise
