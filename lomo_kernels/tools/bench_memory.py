@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import (
+    add_output_arguments,
     comma_list,
     device,
     model_name,
-    output_path,
-    plot_path,
     positive_int,
     whole_number,
 )
@@ -515,12 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="adamw,sgd,lomo_optim,lomo,adalomo",
         help="comma list",
     )
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
-    parser.add_argument(
-        "--plot", type=plot_path, default=None, help="write the stacked bars (PNG) here"
-    )
     add_fused_head_argument(parser)
-    parser.add_argument("--no-progress", action="store_true")
+    add_output_arguments(parser, "write the stacked bars (PNG) here")
 
 
 def add_fused_head_argument(parser: argparse.ArgumentParser) -> None:

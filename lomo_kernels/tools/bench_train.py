@@ -30,12 +30,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .argtypes import (
+    add_output_arguments,
     comma_list,
     device,
     model_name,
     non_negative_float,
-    output_path,
-    plot_path,
     positive_int,
     whole_number,
 )
@@ -221,10 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
-    parser.add_argument("--plot", type=plot_path, default=None, help="write the bars (PNG) here")
     add_fused_head_argument(parser)
-    parser.add_argument("--no-progress", action="store_true")
+    add_output_arguments(parser, "write the bars (PNG) here")
 
 
 def command(args: argparse.Namespace) -> int:
