@@ -195,6 +195,7 @@ REFUSALS = {
     "scheduler_block": "sets 'scheduler'",
     "offload_param": "zero_optimization.offload_param",
     "resume": "resume from them in one process",
+    "given_optimizer": "optimizers=(...) under DeepSpeed",
     "process_count": "accelerate counts 1 process(es) but torch.distributed runs 2 ranks",
     "ddp": "2 processes without DeepSpeed ZeRO-3",
     "fsdp2_plugin": "accelerate did not enable FSDP",

@@ -16,6 +16,8 @@ Refused, each with what to do instead:
   where it is on (`FSDP_PLUGIN`);
 - other multi-process runs (DDP): every rank would hold whole parameters and apply its own
   unreduced gradient;
+- under DeepSpeed, ``optimizers=(...)`` (transformers drops them there; the optimizer can only
+  be built on the engine);
 - a DeepSpeed run whose ranks accelerate does not count (CPU processes, unless accelerate's
   state was set up with a backend first): every rank would train on the same batches;
 - under DeepSpeed, resuming from a checkpoint (transformers resumes through DeepSpeed's engine
@@ -117,6 +119,15 @@ def check_parallel_setup(trainer: Any) -> None:
         # Accelerator built with a DeepSpeed plugin earlier in the process turns it on).
         check_deepspeed_config(trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
         _check_process_count(trainer.accelerator.num_processes)
+        if trainer.optimizer is not None or trainer.lr_scheduler is not None:
+            # transformers' DeepSpeed set-up drops them (deepspeed_init starts from None).
+            raise ValueError(
+                "optimizers=(...) under DeepSpeed: LomoTrainer builds Lomo/AdaLomo on the "
+                "ZeRO-3 engine, which exists only once training starts, and transformers "
+                "discards a given optimizer and scheduler there. Pass none; set optim, "
+                "learning_rate, weight_decay, max_grad_norm, optim_args and lr_scheduler_type "
+                "in TrainingArguments"
+            )
         return
     if args.fsdp and not trainer.is_fsdp_enabled:
         raise ValueError(FSDP_NOT_ENABLED)

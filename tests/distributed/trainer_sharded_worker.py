@@ -40,6 +40,7 @@ from trainer_runs import (  # noqa: E402
     training_args,
 )
 
+from lomo_kernels import Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
 from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
 from lomo_kernels.integrations.trainer_optimizer import (  # noqa: E402
@@ -138,6 +139,12 @@ def run_refusals(checks: dict) -> None:
         args = training_args(str(OUT / "refused"), "lomo", deepspeed=config, **overrides)
         return LomoTrainer(model=model, args=args, train_dataset=data)
 
+    def given_optimizer():
+        own = llama()  # hooked by the given optimizer: not the model checked afterwards
+        opt = Lomo(own, lr=0.1, replicated=False)  # whole on each rank: say so
+        args = training_args(str(OUT / "refused"), "lomo", deepspeed=ZERO3, **configured_state())
+        LomoTrainer(model=own, args=args, train_dataset=data, optimizers=(opt, None))
+
     zero = ZERO3["zero_optimization"]
     offload = {"device": "cpu"}
     refused = {
@@ -150,6 +157,7 @@ def run_refusals(checks: dict) -> None:
             lambda: trainer({**ZERO3, "zero_optimization": {**zero, "offload_param": offload}})
         ),
         "resume": refusal(lambda: trainer().train(resume_from_checkpoint=str(OUT / "lomo"))),
+        "given_optimizer": refusal(given_optimizer),
         # TrainingArguments' own set-up of accelerate's state: one process counted.
         "process_count": refusal(lambda: trainer(accelerator_config={})),
     }
