@@ -16,7 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 from sharded_checks import assert_within_update_tolerance, in_order, run_ranks
-from trainer_runs import PER_RANK_BATCH, STEPS, WORLD, dataset, llama, logged_norms, training_args
+from trainer_runs import (
+    EVAL,
+    EVAL_ROWS,
+    PER_RANK_BATCH,
+    STEPS,
+    WORLD,
+    dataset,
+    llama,
+    logged,
+    logged_norms,
+    training_args,
+)
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
@@ -63,7 +74,15 @@ class InOrderTrainer(LomoTrainer):
         return self.optimizer
 
 
-def one_process(name, initial, output_dir, trainer_class=LomoTrainer, resume=None, **overrides):
+def one_process(
+    name,
+    initial,
+    output_dir,
+    trainer_class=LomoTrainer,
+    resume=None,
+    eval_dataset=None,
+    **overrides,
+):
     """LomoTrainer in this process on the full batch, from `initial` (trained, returned)."""
     model = llama()
     model.load_state_dict(initial)
@@ -71,10 +90,13 @@ def one_process(name, initial, output_dir, trainer_class=LomoTrainer, resume=Non
         str(output_dir),
         name,
         per_device_train_batch_size=WORLD * PER_RANK_BATCH,
+        per_device_eval_batch_size=WORLD * PER_RANK_BATCH,
         use_cpu=True,
         **overrides,
     )
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset())
+    trainer = trainer_class(
+        model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -89,7 +111,13 @@ def reference(ranks_dir, tmp_path_factory):
             saved = torch.load(ranks_dir / f"{name}.pt")
             output_dir = tmp_path_factory.mktemp(f"one_process_{name}")
             runs[name] = one_process(
-                name, saved["initial"], output_dir, save_strategy="steps", save_steps=STEPS
+                name,
+                saved["initial"],
+                output_dir,
+                eval_dataset=dataset(EVAL_ROWS),
+                save_strategy="steps",
+                save_steps=STEPS,
+                **EVAL,
             )
         return runs[name]
 
@@ -100,7 +128,8 @@ def reference(ranks_dir, tmp_path_factory):
 @pytest.mark.parametrize("name", EXACT)
 def test_trainer_zero3_equals_one_process(ranks_dir, checks, reference, name):
     """Exact clipping (a norm pass with its own forward, then the update), weight decay on
-    transformers' decay group, the linear schedule: parameters and logged norms."""
+    transformers' decay group, the linear schedule, evaluations after steps 2 and 3:
+    parameters, logged norms and evaluation losses."""
     saved = torch.load(ranks_dir / f"{name}.pt")
     trainer = reference(name)
     assert_within_update_tolerance(saved["final"], trainer.model.state_dict(), saved["initial"])
@@ -109,6 +138,9 @@ def test_trainer_zero3_equals_one_process(ranks_dir, checks, reference, name):
     for rank in checks:
         assert rank[name]["phases"] == ["norm", "update"] * STEPS
         assert rank[name]["norms"] == pytest.approx(norms, rel=NORM_RTOL)
+        eval_losses = logged(trainer, "eval_loss")
+        assert len(eval_losses) == 2  # after step 2 and after the last step
+        assert rank[name]["eval_losses"] == pytest.approx(eval_losses, rel=NORM_RTOL)
 
 
 @pytest.mark.slow

@@ -33,6 +33,12 @@ RUNS = {
 }
 
 
+# The exact-clipping runs also evaluate after steps 2 and 3 (each rank half of the 8 rows):
+# the engine's own forward runs between two training steps.
+EVAL_ROWS = 8
+EVAL = {"eval_strategy": "steps", "eval_steps": 2}
+
+
 def llama(seed: int = 0) -> LlamaForCausalLM:
     """The sharded tests' LLaMA shape (sharded_models) with a 97-token vocabulary."""
     config = ScaledLlama.config()
@@ -71,5 +77,9 @@ def training_args(output_dir: str, run: str, **overrides) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
 def logged_norms(trainer) -> list[float]:
-    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return logged(trainer, "grad_norm")

@@ -31,11 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sharded_checks import count_phases, record_order, write_checks  # noqa: E402
 from trainer_runs import (  # noqa: E402
+    EVAL,
+    EVAL_ROWS,
+    PER_RANK_BATCH,
     RUNS,
     STEPS,
     ZERO3,
     dataset,
     llama,
+    logged,
     logged_norms,
     training_args,
 )
@@ -74,15 +78,29 @@ def run(name: str, rank: int, checks: dict) -> list[torch.Tensor]:
     """One LomoTrainer run under ZeRO-3; returns this rank's batches."""
     model = llama()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    save = {} if name.endswith("single") else {"save_strategy": "steps", "save_steps": 3}
-    args = training_args(str(OUT / name), name, deepspeed=ZERO3, **save, **configured_state())
-    trainer = ObservedTrainer(model=model, args=args, train_dataset=dataset())
+    exact = not name.endswith("single")
+    extra = {"save_strategy": "steps", "save_steps": STEPS, **EVAL} if exact else {}
+    args = training_args(
+        str(OUT / name),
+        name,
+        deepspeed=ZERO3,
+        per_device_eval_batch_size=PER_RANK_BATCH,
+        **extra,
+        **configured_state(),
+    )
+    trainer = ObservedTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(EVAL_ROWS) if exact else None,
+    )
     trainer.train()
     opt = trainer._lomo()
     final = consolidated_state_dict(trainer.model)
     checks[name] = {
         "phases": trainer.phases,
         "norms": logged_norms(trainer),
+        "eval_losses": logged(trainer, "eval_loss"),
         "sharded": type(opt._sharding).__name__,
         "partitioned": sum(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()),
         "persistent": sum(bool(p.ds_persist) for p in trainer.model.parameters()),
