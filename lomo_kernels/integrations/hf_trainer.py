@@ -10,7 +10,8 @@ decay (on the parameters transformers decays: not on norm weights and biases) an
 `max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, the
 logged `grad_norm` is the step's gradient norm before clipping, fp16 weights work, and
 gradient accumulation (impossible with LOMO) is refused up front. A `Lomo`/`AdaLomo` passed
-through `optimizers=(opt, scheduler)` is used as given.
+through `optimizers=(opt, scheduler)` is used as given (in one process; under DeepSpeed the
+optimizer is built on the engine).
 
 Clipping: exact by default (`max_grad_norm > 0` runs a norm pass, so two backward passes per
 step, as lomo-optim); `optim_args="single_backward=True"` clips within one backward
