@@ -540,11 +540,7 @@ def command(args: argparse.Namespace) -> int:
     )
     from . import machine
 
-    print(machine.one_line(meta))
-    print(format_table(split, meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": meta, "split": split, "raw": raw}, f, indent=1)
+    machine.print_results(meta, format_table(split, meta), args.json, split=split, raw=raw)
     if args.plot:
         from .plots import plot_memory
 

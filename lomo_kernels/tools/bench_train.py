@@ -25,7 +25,6 @@ system call: compare CPU step times between optimizers of one run, not with othe
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -244,11 +243,7 @@ def command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         fused_head=args.fused_head,
     )
-    print(machine.one_line(meta))
-    print(format_table(results, meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": meta, "results": results}, f, indent=1)
+    machine.print_results(meta, format_table(results, meta), args.json, results=results)
     if args.plot:
         from .plots import plot_train
 
