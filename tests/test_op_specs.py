@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
-from lomo_kernels.ops import adalomo, backends, lomo
+from lomo_kernels.ops import adalomo, backends, cross_entropy, lomo
 from lomo_kernels.ops.spec import REQUIRED, OpSpec
 
 FAMILIES = {
@@ -169,3 +169,40 @@ def test_sources_named_in_the_loader_exist():
     for sources in EXTENSIONS.values():
         for source in sources:
             assert Path(CSRC, source).is_file(), source
+
+
+# The fused loss's ops return tensors; their bodies and every backend's forward take the
+# spec's arguments (the backward's kernels work per vocabulary chunk, under the body).
+LOSS_SPECS = (cross_entropy.FORWARD, cross_entropy.BACKWARD)
+
+
+def test_fused_loss_ops_are_declared_once():
+    registered = torch.ops.lomo_kernels
+    for spec in LOSS_SPECS:
+        schema = getattr(registered, spec.name).default._schema
+        assert [a.name for a in schema.arguments] == list(spec.names), spec.name
+        assert [r.name for r in schema.returns] == list(spec.returns), spec.name
+        assert not any(a.alias_info for a in schema.arguments), spec.name
+    assert cross_entropy.FORWARD.schema() == (
+        "(Tensor hidden, Tensor weight, Tensor labels, int ignore_index) "
+        "-> (Tensor loss, Tensor lse)"
+    )
+
+
+@pytest.mark.parametrize("module", ["reference", "blocked", "triton"])
+def test_fused_loss_backends_take_the_forward_spec_arguments(module):
+    from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+    from lomo_kernels.kernels.triton import linear_cross_entropy as triton
+    from lomo_kernels.ops import cross_entropy_reference as reference
+
+    chosen = {"reference": reference, "blocked": blocked, "triton": triton}[module]
+    parameters = inspect.signature(chosen.forward).parameters
+    assert tuple(parameters) == cross_entropy.FORWARD.names
+
+
+def test_a_body_that_disagrees_with_its_spec_is_refused():
+    def body(hidden, labels, weight, ignore_index):  # two arguments swapped
+        raise AssertionError("never run")
+
+    with pytest.raises(TypeError, match="linear_cross_entropy_forward"):
+        backends.define_returning(cross_entropy.FORWARD, body, body)

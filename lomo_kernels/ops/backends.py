@@ -30,6 +30,8 @@ per op, named by its spec's ``function``, taking the spec's arguments by keyword
 from __future__ import annotations
 
 import contextlib
+import inspect
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -113,6 +115,25 @@ def define(spec: OpSpec, registry: BackendRegistry) -> FusedOp:
     for device_type in KERNEL_DEVICE_TYPES:
         op.register_kernel(device_type, _device_kernel(spec, registry, device_type))
     return FusedOp(spec, op._opoverload, registry)
+
+
+def define_returning(
+    spec: OpSpec, implementation: Callable[..., Any], fake: Callable[..., Any]
+) -> Any:
+    """Defines an op of `spec` that returns tensors (the fused loss's forward and backward):
+    the schema from the spec, `implementation` as its body on every device (it picks its
+    kernels by device itself), `fake` the tensors it returns. `implementation` takes the
+    spec's arguments, name for name; checked here. Returns the custom op."""
+    declared = tuple(inspect.signature(implementation).parameters)
+    if declared != spec.names:
+        raise TypeError(f"{implementation.__name__} takes {declared}, {spec.name} {spec.names}")
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        return implementation(**spec.bind(args, kwargs))
+
+    op = torch.library.custom_op(spec.qualname, body, mutates_args=(), schema=spec.schema())
+    op.register_fake(fake)
+    return op
 
 
 def _device_kernel(spec: OpSpec, registry: BackendRegistry, device_type: str) -> Any:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.blocked import linear_cross_entropy as blocked
+from .backends import define_returning
+from .spec import Arg, OpSpec
 
 # Rows of the vocabulary per backward chunk: the chunk's fp32 weight gradient is the largest
 # buffer of the backward, about CHUNK_ELEMENTS fp32 values (64 MiB).
@@ -102,34 +104,38 @@ def backward_impl(
     return d_hidden, d_weight
 
 
-@torch.library.custom_op("lomo_kernels::linear_cross_entropy_forward", mutates_args=())
-def _forward_op(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(hidden, weight, labels, ignore_index)
+# The two ops, declared once (`spec.py`): their schemas, the bodies' and the backends'
+# `forward` argument lists come from these (tests/test_op_specs.py checks the backends').
+FORWARD = OpSpec(
+    "linear_cross_entropy_forward",
+    "forward",
+    (
+        Arg("hidden", "tensor"),
+        Arg("weight", "tensor"),
+        Arg("labels", "tensor"),
+        Arg("ignore_index", "index"),
+    ),
+    returns=("loss", "lse"),
+)
+BACKWARD = OpSpec(
+    "linear_cross_entropy_backward",
+    "backward",
+    (Arg("grad_loss", "tensor"), *FORWARD.args[:3], Arg("lse", "tensor"), FORWARD.args[3]),
+    returns=("d_hidden", "d_weight"),
+)
 
 
-@_forward_op.register_fake
-def _(hidden, weight, labels, ignore_index):
+def _forward_fake(hidden, weight, labels, ignore_index):
     loss = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     return loss, torch.empty_like(loss)
 
 
-@torch.library.custom_op("lomo_kernels::linear_cross_entropy_backward", mutates_args=())
-def _backward_op(
-    grad_loss: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return backward_impl(grad_loss, hidden, weight, labels, lse, ignore_index)
-
-
-@_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, lse, ignore_index):
+def _backward_fake(grad_loss, hidden, weight, labels, lse, ignore_index):
     return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+_forward_op = define_returning(FORWARD, forward_impl, _forward_fake)
+_backward_op = define_returning(BACKWARD, backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:

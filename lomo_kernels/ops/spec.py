@@ -21,6 +21,7 @@ An argument's kind says what it is to the kernels and how a public call may give
     clip     an optional Python float > 0 (clip by value; None: no clipping)
     seed     a Python int in [0, 2**63)
     int      a Python int (a shape)
+    index    a Python int fixed for a run, not a size (a label to ignore)
     bool     a Python bool
 """
 
@@ -45,6 +46,7 @@ _SCHEMA_TYPES = {
     "clip": "float?",
     "seed": "SymInt",
     "int": "SymInt",
+    "index": "int",
     "bool": "bool",
 }
 _TENSOR_KINDS = ("tensor", "scalar", "factor", "flag", "step")
@@ -113,7 +115,7 @@ class Arg:
             return lambda v, device: _seed(v)
         if self.kind == "bool":
             return lambda v, device: bool(v)
-        if self.kind == "int":
+        if self.kind in ("int", "index"):
             return lambda v, device: int(v)
         return None
 
@@ -158,6 +160,8 @@ class OpSpec:
     name: str
     function: str
     args: tuple[Arg, ...]
+    # Names of the tensors the op returns (none: it only writes into its arguments).
+    returns: tuple[str, ...] = ()
     # Derived from `args` (below): the public checks, and the argument names in the op's order.
     plan: tuple[tuple[str, Callable[[Any, torch.device], Any] | None], ...] = field(
         init=False, repr=False, compare=False
@@ -182,7 +186,8 @@ class OpSpec:
         return f"lomo_kernels::{self.name}"
 
     def schema(self) -> str:
-        """The `torch.library` schema: ``(Tensor(a0!) param, Tensor grad, ...) -> ()``."""
+        """The `torch.library` schema: ``(Tensor(a0!) param, Tensor grad, ...) -> ()``, or
+        ``-> (Tensor loss, Tensor lse)`` for an op returning tensors."""
         parts = []
         for index, arg in enumerate(self.args):
             type_ = arg.schema_type()
@@ -190,7 +195,8 @@ class OpSpec:
                 optional = type_.endswith("?")
                 type_ = f"{type_.rstrip('?')}(a{index}!)" + ("?" if optional else "")
             parts.append(f"{type_} {arg.name}")
-        return f"({', '.join(parts)}) -> ()"
+        returned = ", ".join(f"Tensor {name}" for name in self.returns)
+        return f"({', '.join(parts)}) -> ({returned})"
 
     def converters(self) -> tuple[tuple[str, Callable[[Any, torch.device], Any] | None], ...]:
         return tuple((a.name, a.converter()) for a in self.args)
