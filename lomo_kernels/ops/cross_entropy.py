@@ -56,25 +56,33 @@ def backward_by_chunks(
     labels: torch.Tensor,
     lse: torch.Tensor,
     ignore_index: int,
-    sink: ChunkSink,
+    sink: ChunkSink | None,
     kernels=None,
-) -> torch.Tensor:
-    """``d_hidden`` (in hidden's dtype); each vocabulary chunk's complete fp32 weight gradient
-    is handed to ``sink(start, stop, grad)`` as soon as it exists, then reused."""
+    *,
+    with_d_hidden: bool = True,
+) -> torch.Tensor | None:
+    """``d_hidden`` (in hidden's dtype; None when not `with_d_hidden`); each vocabulary
+    chunk's complete fp32 weight gradient is handed to ``sink(start, stop, grad)`` as soon as
+    it exists, then reused. ``sink`` None: the weight gradient's products are skipped."""
     kernels = kernels or _kernels(hidden.device)
     counted_grad = torch.where(labels != ignore_index, grad_loss.float(), 0.0)
-    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    d_hidden = None
+    if with_d_hidden:
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     vocab, width = weight.shape
     rows = chunk_rows(vocab, width)
-    buffer = torch.empty((rows, width), dtype=torch.float32, device=hidden.device)
+    buffer = None
+    if sink is not None:
+        buffer = torch.empty((rows, width), dtype=torch.float32, device=hidden.device)
     for start in range(0, vocab, rows):
         stop = min(start + rows, vocab)
-        chunk_grad = buffer[: stop - start]
+        chunk_grad = None if buffer is None else buffer[: stop - start]
         kernels.backward_chunk(
             counted_grad, hidden, weight[start:stop], labels, lse, start, d_hidden, chunk_grad
         )
-        sink(start, stop, chunk_grad)
-    return d_hidden.to(hidden.dtype)
+        if sink is not None:
+            sink(start, stop, chunk_grad)
+    return None if d_hidden is None else d_hidden.to(hidden.dtype)
 
 
 def forward_impl(

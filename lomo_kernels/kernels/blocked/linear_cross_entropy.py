@@ -61,16 +61,18 @@ def backward_chunk(
     labels: torch.Tensor,
     lse: torch.Tensor,
     vocab_start: int,
-    d_hidden: torch.Tensor,
-    d_weight_chunk: torch.Tensor,
+    d_hidden: torch.Tensor | None,
+    d_weight_chunk: torch.Tensor | None,
 ) -> None:
     """For the vocabulary rows ``[vocab_start, vocab_start + len(weight_chunk))``: adds their
     share of the input gradient into ``d_hidden`` (fp32, tokens x hidden) and writes their
-    weight gradient into ``d_weight_chunk`` (fp32, chunk x hidden). ``grad_loss`` is the
-    per-token gradient, already 0 on ignored tokens."""
+    weight gradient into ``d_weight_chunk`` (fp32, chunk x hidden); either may be None, and
+    its products are then skipped. ``grad_loss`` is the per-token gradient, already 0 on
+    ignored tokens."""
     tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
     weight32 = weight_chunk.float()
-    d_weight_chunk.zero_()
+    if d_weight_chunk is not None:
+        d_weight_chunk.zero_()
     for t0 in range(0, tokens, BLOCK_TOKENS):
         t1 = min(t0 + BLOCK_TOKENS, tokens)
         h32 = hidden[t0:t1].float()
@@ -79,5 +81,7 @@ def backward_chunk(
         rows = torch.nonzero((column >= 0) & (column < chunk)).squeeze(1)
         probs[rows, column[rows]] -= 1.0
         probs *= grad_loss[t0:t1, None]
-        d_hidden[t0:t1].addmm_(probs, weight32)
-        d_weight_chunk.addmm_(probs.T, h32)
+        if d_hidden is not None:
+            d_hidden[t0:t1].addmm_(probs, weight32)
+        if d_weight_chunk is not None:
+            d_weight_chunk.addmm_(probs.T, h32)
