@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lomo_kernels import AdaLomo, Lomo, patch_causal_lm
 from lomo_kernels.integrations.causal_lm import unpatch_causal_lm
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+from lomo_kernels.ops import cross_entropy as lce
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
@@ -135,6 +136,53 @@ def test_patched_step_never_creates_a_tokens_by_vocab_tensor(monkeypatch):
         assert (seen.largest[0] < limit) == expect_below, (patched, seen.largest)
 
 
+class _LargestMatrix(_LargestTensor):
+    """The largest tensor of two or more dimensions any op but `allowed` allocates (views of
+    an input are not allocations; the update kernels' flat fp32 temporaries are 1-D)."""
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        super().__init__()
+        self.allowed = allowed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in self.allowed:
+            return out
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() >= 2
+                and t.numel() > self.largest[0]
+                and t.untyped_storage().data_ptr() not in storages
+            ):
+                self.largest = (t.numel(), tuple(t.shape), str(func))
+        return out
+
+
+@pytest.mark.parametrize("single_backward", [False, True])
+def test_lomo_step_never_creates_the_head_gradient(monkeypatch, single_backward):
+    """1 x 8 tokens, vocab 96 x hidden 32: the head's gradient (3,072 elements) is the
+    largest matrix of an unpatched Lomo step (logits 768, MLP 576, attention 256, chunks of
+    40 vocabulary rows 1,280); with the fused head stepped from its chunks no matrix that
+    large appears, but for the input embedding's dense gradient (its own backward, allowed
+    here)."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    data = batch(3, vocab=VOCAB, batch_size=1, seq=8)
+    limit = VOCAB * SMALL["hidden_size"]
+    allowed = ("aten.embedding_dense_backward.default",)
+    for patched, expect_below in ((False, False), (True, True)):
+        model = _model("llama")
+        if patched:
+            patch_causal_lm(model)
+        opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, single_backward=single_backward)
+        with _LargestMatrix(allowed) as seen:
+            opt.fused_backward(model(**data).loss)
+        opt.detach()
+        assert (seen.largest[0] < limit) == expect_below, (patched, seen.largest)
+
+
 def _train(model, optimizer_class, single_backward, steps=3, **kwargs):
     opt = optimizer_class(model, lr=0.05, clip_grad_norm=1.0, weight_decay=0.01,
                           single_backward=single_backward, **kwargs)  # fmt: skip
@@ -149,22 +197,9 @@ def _train(model, optimizer_class, single_backward, steps=3, **kwargs):
     return model
 
 
-@pytest.mark.parametrize(
-    "family,optimizer_class,single_backward,tie",
-    [
-        ("llama", Lomo, False, False),
-        ("llama", Lomo, True, True),
-        ("qwen2", Lomo, False, True),
-        ("llama", AdaLomo, False, True),
-        ("qwen2", AdaLomo, True, False),
-    ],
-)
-def test_training_steps_match_unpatched(family, optimizer_class, single_backward, tie):
-    """3 steps with clip_grad_norm and weight decay: every parameter within 4 ulps of its
-    value or 1e-4 of its tensor's largest update over the run."""
-    start = _model(family, tie=tie)
-    plain = _train(clone(start), optimizer_class, single_backward)
-    fused = _train(patch_causal_lm(clone(start)), optimizer_class, single_backward)
+def _assert_steps_match(fused, plain, start):
+    """Every parameter within 4 ulps of its value or 1e-4 of its tensor's largest update over
+    the run (fp32)."""
     for (name, a), b, s in zip(
         fused.named_parameters(), plain.parameters(), start.parameters(), strict=True
     ):
@@ -175,6 +210,40 @@ def test_training_steps_match_unpatched(family, optimizer_class, single_backward
         )
         worst = ((a64 - b64).abs() / bound).max().item()
         assert worst <= 1.0, f"{name}: {worst:.3g} x the bound"
+
+
+@pytest.mark.parametrize(
+    "family,optimizer_class,single_backward,tie",
+    [
+        ("llama", Lomo, True, True),
+        ("qwen2", Lomo, False, True),
+        ("llama", AdaLomo, False, True),
+        ("qwen2", AdaLomo, True, False),
+    ],
+)
+def test_training_steps_match_unpatched(family, optimizer_class, single_backward, tie):
+    """3 steps with clip_grad_norm and weight decay, the head's gradient materialised (tied
+    weights, AdaLomo): within the bound of `_assert_steps_match`."""
+    start = _model(family, tie=tie)
+    plain = _train(clone(start), optimizer_class, single_backward)
+    fused = _train(patch_causal_lm(clone(start)), optimizer_class, single_backward)
+    _assert_steps_match(fused, plain, start)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("single_backward", [False, True])
+def test_lomo_head_stepped_from_chunks_matches_unpatched(monkeypatch, family, single_backward):
+    """An untied head owned by Lomo is stepped from its vocabulary chunks (40 rows: 96 is not
+    a multiple), never getting a gradient of its own: 3 steps with clip_grad_norm and weight
+    decay, exact and single_backward, within the bound of `_assert_steps_match`."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    start = _model(family)
+    plain = _train(clone(start), Lomo, single_backward)
+    materialised = []
+    monkeypatch.setattr(lce, "_backward_op", lambda *a: materialised.append(1))
+    fused = _train(patch_causal_lm(clone(start)), Lomo, single_backward)
+    assert not materialised and fused.lm_head.weight.grad is None
+    _assert_steps_match(fused, plain, start)
 
 
 def test_compiled_model_norm_pass_refused_clearly_before_any_change():

@@ -1,0 +1,141 @@
+"""A Lomo stepping the fused head's weight from its vocabulary chunks' gradients
+(`optim/row_blocks.py`): stochastic rounding chunk by chunk equals the whole tensor's, an
+overflow in one chunk follows the whole-tensor rules, bf16 against the materialised path,
+and a second gradient for the same weight is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from float64_reference import ulp
+from tiny_models import batch, clone, tiny_llama
+
+from lomo_kernels import Lomo, patch_causal_lm
+from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+from lomo_kernels.ops import cross_entropy as lce
+from lomo_kernels.optim.step_mode import Phase
+
+HIDDEN = 32
+CHUNK_ROWS = 40  # vocab 96: chunks of 40, 40 and 16 rows
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", CHUNK_ROWS * HIDDEN)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend):
+    """bf16, 53 x 24 (rows of 24 elements: each chunk's flat range is cut into several
+    aligned pieces): the rows stepped in three chunks are bit-identical to the whole tensor
+    stepped at once, and differ from round-to-nearest (the rounding is stochastic)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(53, 24, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(53, 24, generator=gen) * 3.0
+    results = []
+    for chunks, rounding in (((0, 17, 40, 53), True), ((0, 53), True), ((0, 53), False)):
+        module = torch.nn.Linear(24, 53, bias=False).to(torch.bfloat16)
+        module.weight.data.copy_(weight)
+        opt = Lomo(module, lr=0.1, weight_decay=0.01, stochastic_rounding=rounding, seed=5,
+                   backend=backend)  # fmt: skip
+        opt._prepare_scalars()
+        opt._mode.begin_pass(Phase.UPDATE)
+        no_skip = opt._scalars_for(weight.device).no_skip
+        for start, stop in zip(chunks[:-1], chunks[1:], strict=True):
+            opt.update_rows(module.weight, start, stop, grad[start:stop], no_skip)
+        opt._mode.end_pass()
+        opt.detach()
+        results.append(module.weight.detach().clone())
+    by_chunks, whole, nearest = results
+    assert torch.equal(by_chunks.view(torch.int16), whole.view(torch.int16))
+    assert not torch.equal(whole, nearest)
+
+
+def _inject_inf_in_second_chunk(monkeypatch) -> list[int]:
+    """Makes the head's second chunk's gradient non-finite; returns a list that records each
+    materialised head gradient (none while the head is stepped from its chunks)."""
+    plain = blocked.backward_chunk
+    materialised: list[int] = []
+    monkeypatch.setattr(lce, "_backward_op", lambda *a: materialised.append(1))
+
+    def backward_chunk(*args):
+        plain(*args)
+        vocab_start, d_weight_chunk = args[5], args[7]
+        if vocab_start == CHUNK_ROWS and d_weight_chunk is not None:
+            d_weight_chunk[3, 5] = torch.inf
+
+    monkeypatch.setattr(blocked, "backward_chunk", backward_chunk)
+    return materialised
+
+
+def test_fp16_overflow_in_one_head_chunk_changes_nothing_in_the_exact_mode(monkeypatch):
+    """The norm pass meets the overflow in the head's second chunk before any update: every
+    parameter keeps its bits, the loss scale halves, the step is reported skipped."""
+    model = patch_causal_lm(tiny_llama(torch.float16))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, weight_decay=0.01)
+    materialised = _inject_inf_in_second_chunk(monkeypatch)
+    opt.fused_backward(model(**batch(0)).loss)
+    opt.flush_report()
+    assert not materialised
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert opt.last_step_skipped and opt.loss_scaler.scale.item() == 2.0**15
+    assert model.lm_head.weight.grad is None
+
+
+def test_fp16_overflow_in_one_head_chunk_single_backward_leaves_the_head_whole(monkeypatch):
+    """single_backward: the head's chunks are measured before any of them is written, so the
+    head is left unchanged whole (not only its non-finite elements); the other tensors are
+    updated and the step is partial, as for any tensor with a non-finite gradient."""
+    model = patch_causal_lm(tiny_llama(torch.float16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, single_backward=True)
+    materialised = _inject_inf_in_second_chunk(monkeypatch)
+    with pytest.warns(RuntimeWarning):
+        opt.fused_backward(model(**batch(0)).loss)
+        opt.flush_report()
+    assert not materialised
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "lm_head.weight" not in changed and "model.norm.weight" in changed
+    assert opt.last_step_partial and opt.loss_scaler.scale.item() == 2.0**15
+
+
+def test_bf16_head_by_chunks_against_the_materialised_gradient(monkeypatch):
+    """bf16, one step without clipping: every tensor but the head is bit-identical to the
+    step with the head's gradient materialised (in bf16); the head differs only by that
+    gradient's rounding (half a bf16 ulp of the gradient, times lr) and the write-back's
+    (one ulp of the result)."""
+    start = tiny_llama(torch.bfloat16)
+    data = batch(1)
+
+    def step(model, by_chunks):
+        monkeypatch.setattr(Lomo, "_STEPS_ROWS", by_chunks)
+        opt = Lomo(model, lr=0.05, weight_decay=0.01)
+        opt.fused_backward(model(**data).loss)
+        opt.detach()
+        return model
+
+    chunked = step(patch_causal_lm(clone(start)), True)
+    whole = step(patch_causal_lm(clone(start)), False)
+    plain = clone(start)
+    plain(**data).loss.backward()
+    grads = plain.lm_head.weight.grad.double()
+    for (name, a), b in zip(chunked.named_parameters(), whole.parameters(), strict=True):
+        if name != "lm_head.weight":
+            assert torch.equal(a, b), name
+    a64, b64 = chunked.lm_head.weight.double(), whole.lm_head.weight.double()
+    bound = 0.05 * 0.5 * ulp(grads, torch.bfloat16) + ulp(b64, torch.bfloat16)
+    assert bool(((a64 - b64).abs() <= bound).all())
+    assert not torch.equal(a64, start.lm_head.weight.double())
+
+
+def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
+    """The head weight used once more besides the fused loss: the exact mode's norm pass
+    refuses it, naming the parameter, with every parameter unchanged."""
+    model = patch_causal_lm(tiny_llama())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
+    loss = model(**batch(2)).loss + model.lm_head.weight.square().sum() * 1e-3
+    with pytest.raises(RuntimeError, match="'lm_head.weight' is stepped in backward from"):
+        opt.fused_backward(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
