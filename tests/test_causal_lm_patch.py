@@ -19,7 +19,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 
 
-def _model(family: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
+def _model(family: str, tie: bool = False, seed: int = 0, **overrides) -> torch.nn.Module:
     import transformers
 
     config_class, model_class = {
@@ -28,7 +28,7 @@ def _model(family: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     }[family]
-    config = getattr(transformers, config_class)(**SMALL, tie_word_embeddings=tie)
+    config = getattr(transformers, config_class)(**SMALL, tie_word_embeddings=tie, **overrides)
     torch.manual_seed(seed)
     return getattr(transformers, model_class)(config).train()
 
@@ -165,13 +165,12 @@ class _LargestMatrix(_LargestTensor):
 def test_lomo_step_never_creates_the_head_gradient(monkeypatch, single_backward):
     """1 x 8 tokens, vocab 96 x hidden 32: the head's gradient (3,072 elements) is the
     largest matrix of an unpatched Lomo step (logits 768, MLP 576, attention 256, chunks of
-    40 vocabulary rows 1,280); with the fused head stepped from its chunks no matrix that
-    large appears, but for the input embedding's dense gradient (its own backward, allowed
-    here)."""
+    40 vocabulary rows 1,280); with the head stepped from its chunks and the embedding from
+    its used rows, no matrix that large appears."""
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
     data = batch(3, vocab=VOCAB, batch_size=1, seq=8)
     limit = VOCAB * SMALL["hidden_size"]
-    allowed = ("aten.embedding_dense_backward.default",)
+    allowed = ()
     for patched, expect_below in ((False, False), (True, True)):
         model = _model("llama")
         if patched:
@@ -183,12 +182,18 @@ def test_lomo_step_never_creates_the_head_gradient(monkeypatch, single_backward)
         assert (seen.largest[0] < limit) == expect_below, (patched, seen.largest)
 
 
-def _train(model, optimizer_class, single_backward, steps=3, **kwargs):
-    opt = optimizer_class(model, lr=0.05, clip_grad_norm=1.0, weight_decay=0.01,
+def _data(step: int) -> dict[str, torch.Tensor]:
+    data = batch(step, vocab=VOCAB, seq=14)
+    data["labels"] = _labels_with_ignored(data["input_ids"])
+    return data
+
+
+def _train(model, optimizer_class, single_backward, steps=3, data_for=_data, **kwargs):
+    kwargs = {"weight_decay": 0.01, **kwargs}
+    opt = optimizer_class(model, lr=0.05, clip_grad_norm=1.0,
                           single_backward=single_backward, **kwargs)  # fmt: skip
     for step in range(steps):
-        data = batch(step, vocab=VOCAB, seq=14)
-        data["labels"] = _labels_with_ignored(data["input_ids"])
+        data = data_for(step)
         if single_backward:
             opt.fused_backward(model(**data).loss, 0.05)
         else:
@@ -243,6 +248,46 @@ def test_lomo_head_stepped_from_chunks_matches_unpatched(monkeypatch, family, si
     monkeypatch.setattr(lce, "_backward_op", lambda *a: materialised.append(1))
     fused = _train(patch_causal_lm(clone(start)), Lomo, single_backward)
     assert not materialised and fused.lm_head.weight.grad is None
+    _assert_steps_match(fused, plain, start)
+
+
+PAD = 7
+
+
+def _padded_data(step: int) -> dict[str, torch.Tensor]:
+    """Ids with duplicates and padding (PAD, ignored by the loss), 28 tokens of 96 ids."""
+    data = _data(step)
+    data["input_ids"][0, -5:] = PAD
+    data["input_ids"][1, :4] = data["input_ids"][1, 4]
+    data["labels"] = torch.where(data["input_ids"] == PAD, -100, data["labels"])
+    return data
+
+
+@pytest.mark.parametrize(
+    "single_backward,weight_decay", [(False, 0.01), (True, 0.01), (False, 0.0)]
+)
+def test_lomo_embedding_stepped_from_used_rows_matches_unpatched(
+    monkeypatch, single_backward, weight_decay
+):
+    """The input embedding (padding_idx set, repeated ids) stepped from the rows the batch
+    used, every row decayed (or, without weight decay, only the used chunks touched): 3 steps
+    against unpatched Lomo within the bound of `_assert_steps_match`."""
+    from lomo_kernels.ops import embedding_backward
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    start = _model("llama", pad_token_id=PAD)
+    assert start.model.embed_tokens.padding_idx == PAD
+    run = dict(data_for=_padded_data, weight_decay=weight_decay)
+    plain = _train(clone(start), Lomo, single_backward, **run)
+    by_rows = []
+    stepped = embedding_backward.step_used_rows
+    monkeypatch.setattr(
+        embedding_backward, "step_used_rows", lambda *a: by_rows.append(1) or stepped(*a)
+    )
+    fused = _train(patch_causal_lm(clone(start)), Lomo, single_backward, **run)
+    # Exact: grad_norm's pass, then fused_backward's own norm pass (another loss) and update.
+    assert len(by_rows) == (3 if single_backward else 9)
+    assert fused.model.embed_tokens.weight.grad is None
     _assert_steps_match(fused, plain, start)
 
 

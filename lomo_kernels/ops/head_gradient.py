@@ -16,16 +16,6 @@ from __future__ import annotations
 import torch
 
 
-def _row_block_step(weight: torch.Tensor):
-    """The owning optimizer's row-block step for `weight` in the pass in progress, or None."""
-    if torch.compiler.is_compiling():
-        return None
-    from ..optim.hooks import owner_of
-
-    owner = owner_of(weight)
-    return None if owner is None else owner.row_block_step(weight)
-
-
 def head_backward(
     grad_loss: torch.Tensor,
     hidden: torch.Tensor,
@@ -36,10 +26,11 @@ def head_backward(
     weight_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d_hidden, d_weight or None)."""
+    from ..optim.row_blocks import row_block_step_for
     from . import cross_entropy as lce
 
     args = (grad_loss, hidden, weight, labels, lse, ignore_index)
-    step = _row_block_step(weight) if weight_needs_grad else None
+    step = row_block_step_for(weight) if weight_needs_grad else None
     if weight_needs_grad and step is None:
         return lce._backward_op(*args)
     if step is None:

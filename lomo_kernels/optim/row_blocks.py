@@ -46,6 +46,17 @@ from .step_mode import Phase
 ROUNDED_BLOCKS_MAX_NUMEL = 2**32
 
 
+def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
+    """The row-block step of `param`'s owning optimizer in the pass in progress, or None
+    (no owner, or it takes the whole gradient: see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
+    from .hooks import owner_of
+
+    owner = owner_of(param)
+    return None if owner is None else owner.row_block_step(param)
+
+
 def second_contribution_error(name: str) -> RuntimeError:
     return RuntimeError(
         f"lomo_kernels: parameter {name!r} is stepped in backward from the fused head's "
@@ -59,7 +70,8 @@ def second_contribution_error(name: str) -> RuntimeError:
 class RowBlockStep:
     """One parameter's share of the pass in progress, fed block by block: with
     `measure_first`, every block to `measure`, then `measured()`; then every block to
-    `apply`, then `finish()`."""
+    `apply`, then `finish()`. A block of rows whose gradient is all zero may be left out
+    unless `changes_zero_rows`; while `measuring`, `apply` only measures its argument."""
 
     def __init__(self, optimizer: Any, param: torch.Tensor) -> None:
         self._optimizer = optimizer
@@ -67,7 +79,12 @@ class RowBlockStep:
         self._scalars = optimizer._scalars_for(param.device)
         self._inv_scale = optimizer._inv_scale_for(param.device)
         self._norm = optimizer._mode.phase is Phase.NORM
+        # A norm pass only measures: any blocks holding the gradient's values will do.
+        self.measuring = self._norm
         self.measure_first = not self._norm and optimizer._mode.single_backward
+        # Whether a block whose gradient is zero still changes (decoupled weight decay).
+        group = optimizer._hook_groups[optimizer._group_of[id(param)]]
+        self.changes_zero_rows = group["weight_decay"] != 0
         self._skip_if = optimizer._skip_if(self._scalars)
         self._sumsq = self._scalars.sumsq
         slots = self._scalars.param_sumsq
