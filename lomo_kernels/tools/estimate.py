@@ -12,8 +12,11 @@ Gradients
     inside backward and free its gradient at once: only the largest tensor's gradient,
     numel_max * p (LLaMA-7B: the 32000 x 4096 embedding / lm_head, 0.24 GiB in fp16).
     With the fused head (``--fused-head``) a Lomo steps an untied, unsharded head from its
-    vocabulary chunks, so the head's gradient is not counted (the chunk is, with the loss's
-    activations); AdaLomo, tied heads and ZeRO-3 keep it.
+    vocabulary chunks and the input embedding from the rows the batch used, so neither
+    ``vocab x hidden`` gradient is counted (the head's fp32 chunk is, with the loss's
+    activations; the used rows' fp32 sums, at most 4 h bytes a token, come after the
+    loss's and the layers' backward, below their peak); AdaLomo, tied weights and ZeRO-3
+    keep both.
 Optimizer states
     Mixed precision keeps an fp32 master copy of the weights for AdamW and SGD (4 bytes per
     parameter) and AdamW adds its fp32 first and second moments (8 more): AdamW 12 N bytes
@@ -142,11 +145,12 @@ def in_backward_gradient_numels(
     model: ModelShape, optimizer: str, fused_head: bool = False
 ) -> list[int]:
     """numel of each gradient an in-backward optimizer receives whole: every parameter's,
-    but, with the fused head, an untied head's that Lomo steps from its vocabulary chunks
-    (AdaLomo and tied weights keep it)."""
+    but, with the fused head (patch_causal_lm), a Lomo steps an untied head from its
+    vocabulary chunks and the input embedding from the rows the batch used (AdaLomo and
+    tied weights keep both)."""
     numels = model.tensor_numels()
     if fused_head and optimizer == "lomo" and not model.tie_word_embeddings:
-        numels = numels[:-1]  # the head, last in module order
+        numels = numels[1:-1]  # the embedding, first in module order, and the head, last
     return numels
 
 
@@ -282,8 +286,8 @@ def estimate(
 
     model: a preset name (llama-7b, ...), a config.json path, a dict or an HF config.
     batch: sequences per GPU. activations_gib: use this figure instead of the model's.
-    fused_head: the loss is patch_causal_lm's logits-free one (and with Lomo an untied head
-    gets no gradient of its own).
+    fused_head: the loss is patch_causal_lm's logits-free one (and with Lomo the untied head
+    and input embedding get no whole gradient).
     """
     shape = resolve_model(model)
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
