@@ -146,3 +146,28 @@ def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
     with pytest.raises(RuntimeError, match="'lm_head.weight' is stepped in backward from"):
         opt.fused_backward(loss)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_used_rows_are_the_dense_gradients_nonzero_rows():
+    """The used rows' fp32 sums against the float64 dense embedding gradient (padding row
+    zeroed, as torch's): the same rows, each within k u of its sum of magnitudes (k
+    occurrences of the id summed in fp32), and no other row of the dense gradient non-zero."""
+    from lomo_kernels.ops.embedding_backward import used_rows
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 40, (3, 17), generator=gen)
+    ids[0, :6] = 11  # repeated
+    ids[2, -4:] = 0  # padding
+    grad = torch.randn(3, 17, 24, generator=gen)
+    rows, sums = used_rows(grad, ids, padding_idx=0)
+    flat_ids, flat = ids.reshape(-1), grad.reshape(-1, 24).double()
+    dense = torch.zeros(40, 24, dtype=torch.float64).index_add_(0, flat_ids, flat)
+    magnitude = torch.zeros_like(dense).index_add_(0, flat_ids, flat.abs())
+    dense[0] = 0.0
+    count = torch.bincount(flat_ids, minlength=40).double()[:, None]
+    assert rows.tolist() == sorted(set(flat_ids.tolist()) - {0})
+    bound = count[rows] * 2.0**-24 * magnitude[rows]
+    assert bool(((sums.double() - dense[rows]).abs() <= bound).all())
+    others = torch.ones(40, dtype=torch.bool)
+    others[rows] = False
+    assert bool((dense[others] == 0).all())
