@@ -88,25 +88,28 @@ class _EmbeddingRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int | None):
-        ctx.save_for_backward(weight, ids)
-        ctx.padding_idx = padding_idx
+        ctx.save_for_backward(ids)
+        # As torch's own embedding backward: the row count, not the weight's values (a
+        # sharding engine may have released them by then); the parameter itself only to
+        # find its owner.
+        ctx.weight, ctx.num_weights, ctx.padding_idx = weight, weight.shape[0], padding_idx
         return torch.nn.functional.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         from ..optim.row_blocks import row_block_step_for
 
-        weight, ids = ctx.saved_tensors
+        (ids,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        step = row_block_step_for(weight)
+        step = row_block_step_for(ctx.weight)
         if step is None:
             padding = -1 if ctx.padding_idx is None else ctx.padding_idx
             dense = torch.ops.aten.embedding_dense_backward.default(
-                grad, ids, weight.shape[0], padding, False
+                grad, ids, ctx.num_weights, padding, False
             )
             return dense, None, None
-        step_used_rows(step, grad, ids, weight.shape[0], ctx.padding_idx)
+        step_used_rows(step, grad, ids, ctx.num_weights, ctx.padding_idx)
         return None, None, None
 
 

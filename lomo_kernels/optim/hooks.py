@@ -3,7 +3,8 @@
 Each trainable parameter gets one hook, attached once the optimizer's whole constructor
 succeeded and removed by `detach()` or when the optimizer is collected (the hooks hold it
 weakly). A registry of claims refuses a second optimizer on parameters a live one updates,
-and tells the compiled-autograd passes which parameters are updated in backward.
+tells the compiled-autograd passes which parameters are updated in backward, and tells a
+fused op producing a gradient in blocks which optimizer to hand them to (`owner_of`).
 """
 
 from __future__ import annotations
