@@ -59,11 +59,11 @@ def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
 
 def second_contribution_error(name: str) -> RuntimeError:
     return RuntimeError(
-        f"lomo_kernels: parameter {name!r} is stepped in backward from the fused head's "
-        "gradient blocks, and got a second gradient in the same backward (used elsewhere in "
-        "the graph besides the fused loss, or the loss computed twice). Compute the fused "
-        "loss once per step on a head weight used nowhere else, or train this model "
-        "unpatched (lomo_kernels.unpatch_causal_lm)."
+        f"lomo_kernels: parameter {name!r} is stepped in backward from gradient blocks (the "
+        "fused head's vocabulary chunks or the input embedding's used rows) and got a second "
+        "gradient in the same backward: it is used elsewhere in the graph too, or its op "
+        "ran twice for one loss. Use the head and the input embedding once per loss, or "
+        "train this model unpatched (lomo_kernels.unpatch_causal_lm)."
     )
 
 
