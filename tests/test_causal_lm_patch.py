@@ -165,9 +165,9 @@ class _LargestMatrix(_LargestTensor):
 def test_lomo_step_never_creates_the_head_gradient(monkeypatch, single_backward):
     """1 x 8 tokens, vocab 96 x hidden 32: the head's gradient (3,072 elements) is the
     largest matrix of an unpatched Lomo step (logits 768, MLP 576, attention 256, chunks of
-    40 vocabulary rows 1,280); with the head stepped from its chunks and the embedding from
+    64 vocabulary rows 2,048); with the head stepped from its chunks and the embedding from
     its used rows, no matrix that large appears."""
-    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
     data = batch(3, vocab=VOCAB, batch_size=1, seq=8)
     limit = VOCAB * SMALL["hidden_size"]
     allowed = ()
@@ -238,10 +238,10 @@ def test_training_steps_match_unpatched(family, optimizer_class, single_backward
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("single_backward", [False, True])
 def test_lomo_head_stepped_from_chunks_matches_unpatched(monkeypatch, family, single_backward):
-    """An untied head owned by Lomo is stepped from its vocabulary chunks (40 rows: 96 is not
+    """An untied head owned by Lomo is stepped from its vocabulary chunks (64 rows: 96 is not
     a multiple), never getting a gradient of its own: 3 steps with clip_grad_norm and weight
     decay, exact and single_backward, within the bound of `_assert_steps_match`."""
-    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
     start = _model(family)
     plain = _train(clone(start), Lomo, single_backward)
     materialised = []
@@ -274,7 +274,7 @@ def test_lomo_embedding_stepped_from_used_rows_matches_unpatched(
     against unpatched Lomo within the bound of `_assert_steps_match`."""
     from lomo_kernels.ops import embedding_backward
 
-    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 40 * SMALL["hidden_size"])
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
     start = _model("llama", pad_token_id=PAD)
     assert start.model.embed_tokens.padding_idx == PAD
     run = dict(data_for=_padded_data, weight_decay=weight_decay)

@@ -46,7 +46,11 @@ def _kernels(device: torch.device):
 
 
 def chunk_rows(vocab: int, hidden: int) -> int:
-    return max(1, min(vocab, CHUNK_ELEMENTS // max(hidden, 1)))
+    """Rows per chunk: a power of two (chunk boundaries then fall on multiples of a large
+    power of two, which keeps a chunk's stochastic rounding to a few aligned pieces:
+    `optim/row_blocks.py`), at most CHUNK_ELEMENTS elements, at most the vocabulary."""
+    rows = max(1, CHUNK_ELEMENTS // max(hidden, 1))
+    return min(vocab, 1 << (rows.bit_length() - 1))
 
 
 def backward_by_chunks(
