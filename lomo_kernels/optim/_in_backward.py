@@ -9,7 +9,8 @@ in device tensors, so backward never waits for the host.
 
 The other jobs live beside it: checks before any change (`validation.py`, `_hyper.py`), the
 param groups (`param_groups.py`), routing to a sharding (`sharded_steps.py`), step reports
-(`reporting.py`) and checkpoints (`checkpoint.py`).
+(`reporting.py`), checkpoints (`checkpoint.py`) and parameters a fused op hands over in
+blocks of rows instead of a gradient (`row_blocks.py`).
 """
 
 from __future__ import annotations

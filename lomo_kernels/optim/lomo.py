@@ -37,6 +37,10 @@ class Lomo(InBackwardOptimizer):
     their own lr, weight_decay or clip_grad_value; unlisted parameters keep the constructor's
     values: ``lomo_kernels.optim.param_groups``).
 
+    On a model patched by ``lomo_kernels.patch_causal_lm`` the head and the input embedding
+    (untied, unsharded, eager backward) are stepped from blocks of their rows' gradients, so
+    neither ``vocab x hidden`` gradient exists (``lomo_kernels.optim.row_blocks``).
+
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
