@@ -171,3 +171,24 @@ def test_used_rows_are_the_dense_gradients_nonzero_rows():
     others = torch.ones(40, dtype=torch.bool)
     others[rows] = False
     assert bool((dense[others] == 0).all())
+
+
+@pytest.mark.parametrize("optimizer,tie", [("adalomo", False), ("lomo", True)])
+def test_adalomo_and_tied_weights_get_whole_gradients(monkeypatch, optimizer, tie):
+    """AdaLomo (statistics over the whole matrix) and a tied head/embedding (two
+    contributions) fall back to the materialised head gradient and the dense embedding
+    gradient, stepped by the hooks; their equality with unpatched training is
+    test_causal_lm_patch's."""
+    from lomo_kernels import AdaLomo
+    from lomo_kernels.ops import embedding_backward
+
+    materialised, by_rows = [], []
+    whole_head, rows = lce._backward_op, embedding_backward.step_used_rows
+    monkeypatch.setattr(lce, "_backward_op", lambda *a: materialised.append(1) or whole_head(*a))
+    monkeypatch.setattr(embedding_backward, "step_used_rows", lambda *a: by_rows.append(rows(*a)))
+    model = patch_causal_lm(tiny_llama(tie_word_embeddings=tie))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = (AdaLomo if optimizer == "adalomo" else Lomo)(model, lr=0.05, clip_grad_norm=1.0)
+    opt.fused_backward(model(**batch(4)).loss)
+    assert materialised == [1, 1] and by_rows == []  # the norm pass and the update pass
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
