@@ -92,6 +92,12 @@ bench-gpu: $(STAMP)
 		| tee bench/results/memory_cuda.txt
 	$(PY) bench/single_backward.py --device cuda --steps 20 --batch 8 --seq 256 --threads 4 \
 		| tee bench/results/single_backward_cuda.txt
+	@# The LM head alone (Llama-3-8B's 128,256 x 4096 at 8 x 2048 tokens), beside liger-kernel
+	@# and cut-cross-entropy (installed without dependencies: they must not replace torch).
+	$(PY) -m pip install -q --no-deps liger-kernel cut-cross-entropy
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench head --device cuda --shape llama-3-8b \
+		--dtype bf16 --steps 10 --warmup 2 --json bench/results/head_cuda.json \
+		| tee bench/results/head_cuda.txt
 	@# End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape
 	@# with activation checkpointing; an optimizer that does not fit reports OOM.
 	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \

@@ -6,10 +6,10 @@ Method (MEASURING.md): 2 threads, one process, variants timed interleaved
 model (per-call overhead). Every variant updates the same tensors in place.
 
 Variants:
-  fused      C++ sgd_update_ with every option on and non-neutral: unscale by a device-tensor
+  fused      C++ lomo_update_ with every option on and non-neutral: unscale by a device-tensor
              loss scale, clip by value, a clip_coef tensor, weight decay and found_inf (the
              full LOMO option set, one pass)
-  fused_plain  C++ sgd_update_ with lr only: the same work as fused_sgd
+  fused_plain  C++ lomo_update_ with lr only: the same work as fused_sgd
   fused_sr   the full set with stochastic rounding (bf16 params)
   axpy       p.add_(g, alpha=-lr): the memory floor (same bytes moved), and exactly the
              update torch.optim.SGD's own (non-fused) step applies
@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lomo_kernels.kernels.cpp import sgd as cpp_backend  # noqa: E402
-from lomo_kernels.ops import sgd_reference as reference  # noqa: E402
+from lomo_kernels.kernels.cpp import lomo as cpp_backend  # noqa: E402
+from lomo_kernels.ops import lomo_reference as reference  # noqa: E402
 from lomo_kernels.tools import bench_kernels  # noqa: E402
 from lomo_kernels.tools.bench_kernels import (  # noqa: E402
     CLIP_VALUE,
@@ -81,7 +81,7 @@ class Case(bench_kernels.Case):
 
     def _fused(self, module, stochastic_rounding: bool) -> None:
         for p, g in zip(self.params, self.grads, strict=True):
-            module.sgd_update_(
+            module.lomo_update_(
                 p,
                 g,
                 self.lr,
@@ -101,7 +101,7 @@ class Case(bench_kernels.Case):
 
     def fused_plain(self) -> None:
         for p, g in zip(self.params, self.grads, strict=True):
-            cpp_backend.sgd_update_(
+            cpp_backend.lomo_update_(
                 p, g, self.lr, None, None, None, 0.0, None, None, False, 1234, None
             )
 

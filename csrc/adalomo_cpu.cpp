@@ -16,44 +16,27 @@
 #include <vector>
 
 #include "adalomo_math.h"
+#include "binding.h"
+#include "op_bindings.h"
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using binding::OptTensor;
 
 // Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
 constexpr int64_t kGrain = 32768;
 // Independent accumulators so the row loops vectorise (no reassociation is allowed).
 constexpr int kLanes = 8;
 
-template <class F>
-void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
-  switch (type) {
-    case at::kFloat:
-      f(lomo::Fp32{});
-      break;
-    case at::kHalf:
-      f(lomo::Fp16{});
-      break;
-    case at::kBFloat16:
-      f(lomo::Bf16{});
-      break;
-    default:
-      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", type);
-  }
-}
+using binding::dispatch_dtype;
 
-// Runtime scalars (lr, beta2, inv_scale, clip_coef, skip_if) are 1-element fp32 tensors on
-// the parameter's device, here the CPU.
+// Runtime scalars (lr, beta2, inv_scale, clip_coef, skip_if) are read on the CPU.
 float read_scalar(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device().is_cpu(),
-              "lomo_kernels: ", name, " must be a 1-element fp32 CPU tensor");
-  return *t.const_data_ptr<float>();
+  return binding::read_scalar(t, c10::kCPU, name);
 }
 
-// An optional multiplier: absent means 1 (x * 1 == x, so the result is the same).
 float read_factor(const OptTensor& t, const char* name) {
-  return t.has_value() ? read_scalar(*t, name) : 1.0f;
+  return binding::read_factor(t, c10::kCPU, name);
 }
 
 adalomo::GradScalars grad_scalars(const OptTensor& inv_scale, std::optional<double> clip_value,
@@ -80,8 +63,7 @@ float* workspace_stats(at::Tensor& workspace) {
 }
 
 void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "lomo_kernels: ", what,
-              " must be a contiguous CPU tensor");
+  binding::check_dense(t, c10::kCPU, what);
 }
 
 void check_state(const at::Tensor& t, int64_t numel, const char* what) {
@@ -94,14 +76,6 @@ void check_state(const at::Tensor& t, int64_t numel, const char* what) {
 bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
   if (stats[adalomo::kSkip] != 0.0f) return true;
   return skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f;  // nan skips too
-}
-
-void raise_found_inf(const OptTensor& found_inf) {
-  if (!found_inf.has_value()) return;
-  TORCH_CHECK(found_inf->scalar_type() == at::kFloat && found_inf->numel() == 1,
-              "lomo_kernels: found_inf must be a 1-element fp32 tensor");
-  float* f = found_inf->data_ptr<float>();
-  if (!(*f >= 1.0f)) *f = 1.0f;
 }
 
 void add_to(float* dst, double value) {
@@ -148,7 +122,7 @@ void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
   add_to(stats + adalomo::kPSumsq, total.p_sumsq);
   if (total.bad != 0) {
     stats[adalomo::kSkip] = 1.0f;
-    raise_found_inf(found_inf);
+    binding::raise_found_inf(found_inf, c10::kCPU);
   }
 }
 
@@ -544,27 +518,6 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
-  m.def("factored_stats_", &factored_stats_, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
-        py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"));
-  m.def("factored_moments_", &factored_moments_, "AdaLomo row/column moments",
-        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("beta2"), py::arg("clip_coef"), py::arg("eps0"));
-  m.def("factored_norm_", &factored_norm_, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
-        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("factored_apply_", &factored_apply_, "AdaLomo pass C (>= 2-D)", py::arg("param"),
-        py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
-        py::arg("workspace"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
-        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
-  m.def("vector_stats_", &vector_stats_, "AdaLomo pass A1 (1-D)", py::arg("grad"),
-        py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
-        py::arg("skip_if"), py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"),
-        py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("vector_apply_", &vector_apply_, "AdaLomo pass C1 (1-D)", py::arg("param"),
-        py::arg("grad"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"),
-        py::arg("eps0"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
-        py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
+  op_bindings::def_adalomo_ops(m, &factored_stats_, &factored_moments_, &factored_norm_,
+                               &factored_apply_, &vector_stats_, &vector_apply_);
 }

@@ -12,40 +12,20 @@
 
 #include "adalomo_cuda.h"
 #include "adalomo_math.h"
+#include "binding.h"
+#include "op_bindings.h"
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
-int dtype_code(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return 0;
-    case at::kHalf:
-      return 1;
-    case at::kBFloat16:
-      return 2;
-    default:
-      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", t.scalar_type());
-  }
-}
+using binding::OptTensor;
+using binding::dtype_code;
+using binding::scalar_ptr;
 
 void check_cuda(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "lomo_kernels: ", what,
-              " must be a contiguous CUDA tensor");
+  binding::check_dense(t, c10::kCUDA, what);
 }
 
 float* ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
-
-float* scalar_ptr(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device() == like.device(),
-              "lomo_kernels: ", what, " must be a 1-element fp32 tensor on ", like.device());
-  return t.data_ptr<float>();
-}
-
-float* opt_ptr(const OptTensor& t, const at::Tensor& like, const char* what) {
-  return t.has_value() ? scalar_ptr(*t, like, what) : nullptr;
-}
 
 float* stats_check(const at::Tensor& workspace, int64_t expected) {
   check_cuda(workspace, "workspace");
@@ -57,17 +37,17 @@ float* stats_check(const at::Tensor& workspace, int64_t expected) {
 AdalomoGradArgs grad_args(const at::Tensor& like, const OptTensor& inv_scale,
                           std::optional<double> clip_value, const OptTensor& clip_coef) {
   AdalomoGradArgs a;
-  a.inv_scale = opt_ptr(inv_scale, like, "inv_scale");
+  a.inv_scale = scalar_ptr(inv_scale, like.device(), "inv_scale");
   a.has_clip_value = clip_value.has_value() ? 1 : 0;
   a.clip_value = clip_value.has_value() ? static_cast<float>(*clip_value) : 0.0f;
-  a.clip_coef = opt_ptr(clip_coef, like, "clip_coef");
+  a.clip_coef = scalar_ptr(clip_coef, like.device(), "clip_coef");
   return a;
 }
 
 AdalomoStepArgs step_args(const at::Tensor& like, const at::Tensor& lr, double eps1,
                           double clip_threshold, double weight_decay) {
   AdalomoStepArgs a;
-  a.lr = scalar_ptr(lr, like, "lr");
+  a.lr = scalar_ptr(lr, like.device(), "lr");
   a.eps1 = static_cast<float>(eps1);
   a.clip_threshold = static_cast<float>(clip_threshold);
   a.weight_decay = static_cast<float>(weight_decay);
@@ -91,8 +71,8 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
-      dtype_code(param, "param"), ptr(workspace), opt_ptr(found_inf, param, "found_inf"),
-      opt_ptr(skip_if, param, "skip_if"), rows, cols,
+      dtype_code(param, "param"), ptr(workspace), scalar_ptr(found_inf, param.device(), "found_inf"),
+      scalar_ptr(skip_if, param.device(), "skip_if"), rows, cols,
       grad_args(param, inv_scale, clip_value, std::nullopt), c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -107,7 +87,7 @@ void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
   // No parameter here: the moments' device stands for it.
   check_launch(adalomo_cuda_factored_moments(
       ptr(exp_avg_sq_row), ptr(exp_avg_sq_col), ptr(workspace), rows, cols,
-      scalar_ptr(beta2, exp_avg_sq_row, "beta2"), opt_ptr(clip_coef, exp_avg_sq_row, "clip_coef"),
+      scalar_ptr(beta2, exp_avg_sq_row.device(), "beta2"), scalar_ptr(clip_coef, exp_avg_sq_row.device(), "clip_coef"),
       static_cast<float>(eps0), c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -161,8 +141,8 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   check_launch(adalomo_cuda_vector_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
       dtype_code(param, "param"), ptr(exp_avg_sq), ptr(workspace),
-      opt_ptr(found_inf, param, "found_inf"), opt_ptr(skip_if, param, "skip_if"), n,
-      scalar_ptr(beta2, param, "beta2"), static_cast<float>(eps0),
+      scalar_ptr(found_inf, param.device(), "found_inf"), scalar_ptr(skip_if, param.device(), "skip_if"), n,
+      scalar_ptr(beta2, param.device(), "beta2"), static_cast<float>(eps0),
       grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -182,7 +162,7 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   check_launch(adalomo_cuda_vector_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
       dtype_code(grad, "grad"), ptr(exp_avg_sq), ptr(workspace), n,
-      scalar_ptr(beta2, param, "beta2"), static_cast<float>(eps0),
+      scalar_ptr(beta2, param.device(), "beta2"), static_cast<float>(eps0),
       step_args(param, lr, eps1, clip_threshold, weight_decay),
       grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
 }
@@ -191,25 +171,6 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CUDA kernels";
-  m.def("factored_stats_", &factored_stats_, py::arg("grad"), py::arg("param"),
-        py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"), py::arg("cols"),
-        py::arg("inv_scale"), py::arg("clip_value"));
-  m.def("factored_moments_", &factored_moments_, py::arg("exp_avg_sq_row"),
-        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("beta2"), py::arg("clip_coef"),
-        py::arg("eps0"));
-  m.def("factored_norm_", &factored_norm_, py::arg("grad"), py::arg("exp_avg_sq_row"),
-        py::arg("exp_avg_sq_col"), py::arg("workspace"), py::arg("inv_scale"),
-        py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("factored_apply_", &factored_apply_, py::arg("param"), py::arg("grad"),
-        py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
-  m.def("vector_stats_", &vector_stats_, py::arg("grad"), py::arg("param"),
-        py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
-  m.def("vector_apply_", &vector_apply_, py::arg("param"), py::arg("grad"),
-        py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"), py::arg("eps0"),
-        py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"), py::arg("weight_decay"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
+  op_bindings::def_adalomo_ops(m, &factored_stats_, &factored_moments_, &factored_norm_,
+                               &factored_apply_, &vector_stats_, &vector_apply_);
 }

@@ -1,5 +1,5 @@
 // CPU kernels of the fused LOMO update and the gradient sum of squares, with their
-// torch binding. Semantics: lomo_kernels/ops/sgd_reference.py (bit for bit).
+// torch binding. Semantics: lomo_kernels/ops/lomo_reference.py (bit for bit).
 //
 // The hot loops are plain loops over raw pointers with selects instead of branches, so
 // GCC/Clang vectorise them (build with -O3 -fno-trapping-math -ffp-contract=off; the first
@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "binding.h"
+#include "op_bindings.h"
 #include "lomo_math.h"
 
 #if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX512F__)
@@ -65,7 +67,7 @@ LOMO_INLINE void prefetch_lines_ahead(const void* ptr, int64_t bytes) {
 // index of element 0 (the block never crosses a multiple of 2^32, so lo + i cannot wrap).
 template <class P, class G, bool kStochastic>
 uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __restrict g,
-                         int64_t n, uint32_t lo, uint32_t hi, const lomo::SgdScalars s,
+                         int64_t n, uint32_t lo, uint32_t hi, const lomo::LomoScalars s,
                          uint32_t key) {
   // Max of the gradient exponents: one vpmaxud per vector, fewer instructions than an OR
   // of 0/1 flags in this loop (the fp32 path).
@@ -73,7 +75,7 @@ uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __res
   for (int64_t i = 0; i < n; ++i) {
     const typename P::T old = p[i];
     uint32_t exponent;
-    const float updated = lomo::sgd_element_exp(G::load(g[i]), P::load(old), s, exponent);
+    const float updated = lomo::lomo_element_exp(G::load(g[i]), P::load(old), s, exponent);
     typename P::T out;
     if constexpr (kStochastic) {
       out = lomo::f32_to_bf16_sr(updated,
@@ -113,7 +115,7 @@ LOMO_INLINE uint32_t bf16_rne_high(float v) {
 
 template <class G, bool kStochastic>
 uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restrict g, int64_t n,
-                           uint32_t lo, uint32_t hi, const lomo::SgdScalars s, uint32_t key) {
+                           uint32_t lo, uint32_t hi, const lomo::LomoScalars s, uint32_t key) {
   uint32_t any_bad = 0;
   const int64_t pairs = n / 2;
   for (int64_t k = 0; k < pairs; ++k) {
@@ -123,9 +125,9 @@ uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restri
     load_pair<G>(g, k, g_even, g_odd);
     uint32_t bad_even, bad_odd;
     const float u_even =
-        lomo::sgd_element(g_even, lomo::float_of(word << 16), s, bad_even);
+        lomo::lomo_element(g_even, lomo::float_of(word << 16), s, bad_even);
     const float u_odd =
-        lomo::sgd_element(g_odd, lomo::float_of(word & 0xFFFF0000u), s, bad_odd);
+        lomo::lomo_element(g_odd, lomo::float_of(word & 0xFFFF0000u), s, bad_odd);
     uint32_t out_even, out_odd;
     if constexpr (kStochastic) {
       const uint32_t index = lo + static_cast<uint32_t>(2 * k);
@@ -158,9 +160,9 @@ uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restri
 enum SgdFlags : int { kUnscale = 1, kClip = 2, kDecay = 4, kCoef = 8, kFlagCount = 16 };
 
 struct SgdVectors {
-  lomo::SgdScalars scalars;
+  lomo::LomoScalars scalars;
   __m512 inv_scale, neg_clip, clip, coef, lr, decay;
-  explicit SgdVectors(const lomo::SgdScalars& s)
+  explicit SgdVectors(const lomo::LomoScalars& s)
       : scalars(s),
         inv_scale(_mm512_set1_ps(s.inv_scale)),
         neg_clip(_mm512_set1_ps(-s.clip)),
@@ -170,7 +172,7 @@ struct SgdVectors {
         decay(_mm512_set1_ps(s.decay)) {}
 };
 
-int sgd_flags(const lomo::SgdScalars& s) {
+int sgd_flags(const lomo::LomoScalars& s) {
   return (s.inv_scale != 1.0f ? kUnscale : 0) |
          (s.clip != std::numeric_limits<float>::infinity() ? kClip : 0) |
          (s.decay != 1.0f ? kDecay : 0) | (s.coef != 1.0f ? kCoef : 0);
@@ -178,7 +180,7 @@ int sgd_flags(const lomo::SgdScalars& s) {
 
 // The vector loops clamp with one VRANGEPS, which needs a bound >= 0 (the public op
 // refuses others); any other bound takes the generic loops, which follow torch.clamp.
-bool avx512_supports(const lomo::SgdScalars& s) { return s.clip >= 0.0f; }
+bool avx512_supports(const lomo::LomoScalars& s) { return s.clip >= 0.0f; }
 
 // Lanes whose value is inf or nan.
 LOMO_INLINE __mmask16 nonfinite_mask(__m512 v) {
@@ -202,7 +204,7 @@ LOMO_INLINE __m512 clamp_vector(__m512 g, const SgdVectors& v) {
 #endif
 }
 
-// sgd_element on 16 lanes; bad = lanes whose unscaled gradient is inf/nan (when kCheck).
+// lomo_element on 16 lanes; bad = lanes whose unscaled gradient is inf/nan (when kCheck).
 template <int kF, bool kCheck = true>
 LOMO_INLINE __m512 sgd_vector(__m512 g, __m512 p, const SgdVectors& v, __mmask16& bad) {
   if constexpr ((kF & kUnscale) != 0) g = _mm512_mul_ps(g, v.inv_scale);
@@ -215,7 +217,7 @@ LOMO_INLINE __m512 sgd_vector(__m512 g, __m512 p, const SgdVectors& v, __mmask16
 
 template <int kF>
 uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int64_t n,
-                            const lomo::SgdScalars& s) {
+                            const lomo::LomoScalars& s) {
   const SgdVectors v(s);
   __mmask16 any_bad = 0;
   int64_t i = 0;
@@ -241,7 +243,7 @@ uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int6
 // gradient (rare: the step is then skipped anyway); the vector loop itself never blends.
 template <int kF>
 uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                            const lomo::SgdScalars& s) {
+                            const lomo::LomoScalars& s) {
   const SgdVectors v(s);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
@@ -288,7 +290,7 @@ LOMO_INLINE __m512i bf16_rne_high_vector(__m512 u, __m512i old, __mmask16 bad) {
 // update_bf16_pairs, rounded with integer operations (no AVX512-BF16 here).
 template <int kF>
 uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                            const lomo::SgdScalars& s) {
+                            const lomo::LomoScalars& s) {
   const SgdVectors v(s);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __mmask16 any_bad = 0;
@@ -344,7 +346,7 @@ LOMO_INLINE __m512i bf16_sr_high_vector(__m512 u, __m512i index, __m512i key, __
 template <int kF>
 uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
                                uint32_t lo, uint32_t hi, uint32_t key,
-                               const lomo::SgdScalars& s) {
+                               const lomo::LomoScalars& s) {
   const SgdVectors v(s);
   const __m512i zero = _mm512_setzero_si512();
   // Element offset of each lane: lane k of 128-bit lane L holds element 8L + k (unpacklo)
@@ -389,7 +391,7 @@ uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restric
 template <int kF>
 struct Bf16SrKernel {
   static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, uint32_t lo, uint32_t hi,
-                      uint32_t key, const lomo::SgdScalars& s) {
+                      uint32_t key, const lomo::LomoScalars& s) {
     return update_bf16_sr_avx512<kF>(p, g, n, lo, hi, key, s);
   }
 };
@@ -397,27 +399,27 @@ struct Bf16SrKernel {
 
 // Runs K<flags of s>::run: a table of the 16 instantiations, indexed at run time.
 template <template <int> class K, int... kF, class... A>
-uint32_t run_flagged(std::integer_sequence<int, kF...>, const lomo::SgdScalars& s, A... args) {
-  using Fn = uint32_t (*)(A..., const lomo::SgdScalars&);
+uint32_t run_flagged(std::integer_sequence<int, kF...>, const lomo::LomoScalars& s, A... args) {
+  using Fn = uint32_t (*)(A..., const lomo::LomoScalars&);
   static constexpr Fn kTable[] = {&K<kF>::run...};
   return kTable[sgd_flags(s)](args..., s);
 }
 
 template <template <int> class K, class... A>
-uint32_t with_flags(const lomo::SgdScalars& s, A... args) {
+uint32_t with_flags(const lomo::LomoScalars& s, A... args) {
   return run_flagged<K>(std::make_integer_sequence<int, kFlagCount>{}, s, args...);
 }
 
 template <int kF>
 struct Fp32Kernel {
-  static uint32_t run(float* p, const float* g, int64_t n, const lomo::SgdScalars& s) {
+  static uint32_t run(float* p, const float* g, int64_t n, const lomo::LomoScalars& s) {
     return update_fp32_avx512<kF>(p, g, n, s);
   }
 };
 
 template <int kF>
 struct Bf16Kernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, const lomo::SgdScalars& s) {
+  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, const lomo::LomoScalars& s) {
     return update_bf16_avx512<kF>(p, g, n, s);
   }
 };
@@ -448,7 +450,7 @@ void floats_to_halves(const float* src, uint16_t* dst) {
 
 template <class P, class G, bool kStochastic>
 uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restrict g, int64_t n,
-                      uint32_t lo, uint32_t hi, const lomo::SgdScalars s, uint32_t key) {
+                      uint32_t lo, uint32_t hi, const lomo::LomoScalars s, uint32_t key) {
   constexpr bool kHalfP = std::is_same_v<P, lomo::Fp16>;
   constexpr bool kHalfG = std::is_same_v<G, lomo::Fp16>;
   alignas(64) float g_tile[kTile];
@@ -469,7 +471,7 @@ uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restri
       const float gv = kHalfG ? g_tile[j] : G::load(gg[j]);
       const float pv = kHalfP ? p_tile[j] : P::load(pp[j]);
       uint32_t bad;
-      u_tile[j] = lomo::sgd_element(gv, pv, s, bad);
+      u_tile[j] = lomo::lomo_element(gv, pv, s, bad);
       bad_tile[j] = bad;
       any_bad |= bad;
     }
@@ -508,7 +510,7 @@ constexpr bool kLittleEndian = true;
 // Picks the loop shape for a dtype pair. Same results whichever is taken.
 template <class P, class G, bool kStochastic>
 uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
-                      uint32_t hi, const lomo::SgdScalars& s, uint32_t key) {
+                      uint32_t hi, const lomo::LomoScalars& s, uint32_t key) {
   constexpr bool kAnyHalf = std::is_same_v<P, lomo::Fp16> || std::is_same_v<G, lomo::Fp16>;
   constexpr bool kSame = std::is_same_v<P, G> && !kStochastic;
 #if defined(__AVX512F__)
@@ -538,7 +540,7 @@ uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint3
 // One span [begin, end) of the update; returns non-zero if any unscaled grad was inf/nan.
 template <class P, class G, bool kStochastic>
 uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t begin,
-                     int64_t end, const lomo::SgdScalars& s, uint32_t key) {
+                     int64_t end, const lomo::LomoScalars& s, uint32_t key) {
   uint32_t any_bad = 0;
   while (begin < end) {
     // The hash takes the index as two 32-bit halves: keep the high half fixed per block
@@ -571,63 +573,16 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
   return acc;
 }
 
-template <class F>
-void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
-  switch (type) {
-    case at::kFloat:
-      f(lomo::Fp32{});
-      break;
-    case at::kHalf:
-      f(lomo::Fp16{});
-      break;
-    case at::kBFloat16:
-      f(lomo::Bf16{});
-      break;
-    default:
-      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", type);
-  }
-}
+using binding::OptTensor;
 
-// Runtime scalars (lr, inv_scale, clip_coef, skip_if) are 1-element fp32 tensors on the
-// parameter's device, here the CPU.
-float read_scalar(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device().is_cpu(),
-              "lomo_kernels: ", name, " must be a 1-element fp32 CPU tensor");
-  return *t.const_data_ptr<float>();
-}
-
-// An optional multiplier: absent means 1 (x * 1 == x, so the result is the same).
-float read_factor(const std::optional<at::Tensor>& t, const char* name) {
-  return t.has_value() ? read_scalar(*t, name) : 1.0f;
-}
-
-// The per-step value of the rounding key: the low 32 bits of a 1-element int64 CPU tensor
-// (the Python side checks; this is the last line of defence), 0 when absent.
-uint32_t read_seed_step(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return 0;
-  TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == 1 && t->device().is_cpu(),
-              "lomo_kernels: seed_step must be a 1-element int64 CPU tensor");
-  return static_cast<uint32_t>(*t->const_data_ptr<int64_t>());
-}
-
-// Writes through raw pointers bypass autograd's in-place tracking: bump the version counter
-// as torch's own in-place ops do, so a stale saved tensor is detected, not silently used.
-void bump_version(const at::Tensor& t) {
-  if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
-}
-
-// Reference semantics: found_inf = max(found_inf, 1).
-void raise_found_inf(const std::optional<at::Tensor>& found_inf) {
-  if (!found_inf.has_value()) return;
-  TORCH_CHECK(found_inf->scalar_type() == at::kFloat && found_inf->numel() == 1,
-              "lomo_kernels: found_inf must be a 1-element fp32 tensor");
-  float* f = found_inf->data_ptr<float>();
-  if (*f < 1.0f) *f = 1.0f;
-  bump_version(*found_inf);
+// The per-step value of the rounding key: the low 32 bits of seed_step, 0 when absent.
+uint32_t read_seed_step(const OptTensor& t) {
+  const int64_t* step = binding::seed_step_ptr(t, c10::kCPU);
+  return step == nullptr ? 0u : static_cast<uint32_t>(*step);
 }
 
 template <class P, class G, bool kStochastic>
-bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::SgdScalars& s,
+bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::LomoScalars& s,
                 uint32_t key) {
   auto* p = static_cast<typename P::T*>(param.data_ptr());
   const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
@@ -640,62 +595,63 @@ bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::SgdScalar
   return bad.load(std::memory_order_relaxed) != 0;
 }
 
-void sgd_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
-                 const std::optional<at::Tensor>& inv_scale, std::optional<double> clip_value,
-                 const std::optional<at::Tensor>& clip_coef, double weight_decay,
-                 const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& skip_if, bool stochastic_rounding,
-                 int64_t seed_lo_mixed, int64_t seed_hi_salted,
-                 const std::optional<at::Tensor>& seed_step) {
-  TORCH_CHECK(param.device().is_cpu() && grad.device().is_cpu(),
-              "lomo_kernels: CPU kernel got a non-CPU tensor");
-  TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && param.numel() == grad.numel(),
-              "lomo_kernels: param and grad must be contiguous with the same numel");
-  lomo::SgdScalars s;
-  s.lr = read_scalar(lr, "lr");
+void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr,
+                  const OptTensor& inv_scale, std::optional<double> clip_value,
+                  const OptTensor& clip_coef, double weight_decay, const OptTensor& found_inf,
+                  const OptTensor& skip_if, bool stochastic_rounding, uint64_t seed,
+                  const OptTensor& seed_step) {
+  binding::check_dense(param, c10::kCPU, "param");
+  binding::check_dense(grad, c10::kCPU, "grad");
+  TORCH_CHECK(param.numel() == grad.numel(), "lomo_kernels: param and grad differ in numel");
+  lomo::LomoScalars s;
+  s.lr = binding::read_scalar(lr, c10::kCPU, "lr");
   s.decay = lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(weight_decay)));
-  s.inv_scale = read_factor(inv_scale, "inv_scale");
+  s.inv_scale = binding::read_factor(inv_scale, c10::kCPU, "inv_scale");
   s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
                                   : std::numeric_limits<float>::infinity();
-  s.coef = read_factor(clip_coef, "clip_coef");
-  const uint32_t key = stochastic_rounding
-                           ? lomo::rounding_key(static_cast<uint32_t>(seed_lo_mixed),
-                                                static_cast<uint32_t>(seed_hi_salted),
-                                                read_seed_step(seed_step))
-                           : 0u;
+  s.coef = binding::read_factor(clip_coef, c10::kCPU, "clip_coef");
+  // Stochastic rounding applies to bf16 parameters only.
+  const bool stochastic = stochastic_rounding && param.scalar_type() == at::kBFloat16;
+  const uint32_t key = stochastic ? lomo::rounding_key(lomo::seed_lo_mixed(seed),
+                                                       lomo::seed_hi_salted(seed),
+                                                       read_seed_step(seed_step))
+                                  : 0u;
   // Read once before anything is written: found_inf may alias skip_if.
-  if (skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f) return;  // nan too
+  if (skip_if.has_value() && binding::read_scalar(*skip_if, c10::kCPU, "skip_if") != 0.0f) {
+    return;  // nan too
+  }
 
   bool bad = false;
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  binding::dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
     using P = decltype(p_tag);
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+    binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
       using G = decltype(g_tag);
       if constexpr (std::is_same_v<P, lomo::Bf16>) {
-        bad = stochastic_rounding ? run_update<P, G, true>(param, grad, s, key)
-                                  : run_update<P, G, false>(param, grad, s, key);
+        bad = stochastic ? run_update<P, G, true>(param, grad, s, key)
+                         : run_update<P, G, false>(param, grad, s, key);
       } else {
         bad = run_update<P, G, false>(param, grad, s, key);
       }
     });
   });
-  bump_version(param);
-  if (bad) raise_found_inf(found_inf);
+  binding::bump_version(param);
+  if (bad && found_inf.has_value()) {
+    binding::raise_found_inf(found_inf, c10::kCPU);
+    binding::bump_version(*found_inf);
+  }
 }
 
-void grad_sumsq_(const at::Tensor& grad, const std::optional<at::Tensor>& inv_scale,
-                 at::Tensor sumsq, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous(),
-              "lomo_kernels: grad must be a contiguous CPU tensor");
-  TORCH_CHECK(sumsq.scalar_type() == at::kFloat && sumsq.numel() == 1,
-              "lomo_kernels: sumsq must be a 1-element fp32 tensor");
-  const float inv = read_factor(inv_scale, "inv_scale");
+void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor sumsq,
+                 const OptTensor& found_inf) {
+  binding::check_dense(grad, c10::kCPU, "grad");
+  binding::check_scalar(sumsq, c10::kCPU, "sumsq");
+  const float inv = binding::read_factor(inv_scale, c10::kCPU, "inv_scale");
   const int64_t n = grad.numel();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   // Fixed chunks summed in order: the result does not depend on the thread count.
   c10::SmallVector<double, 64> partial(static_cast<size_t>(chunks), 0.0);
   std::atomic<uint32_t> bad{0};
-  dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
+  binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
     using G = decltype(g_tag);
     const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
@@ -711,19 +667,16 @@ void grad_sumsq_(const at::Tensor& grad, const std::optional<at::Tensor>& inv_sc
   for (double v : partial) total += v;
   float* out = sumsq.data_ptr<float>();
   *out = static_cast<float>(static_cast<double>(*out) + total);
-  bump_version(sumsq);
-  if (bad.load(std::memory_order_relaxed) != 0) raise_found_inf(found_inf);
+  binding::bump_version(sumsq);
+  if (bad.load(std::memory_order_relaxed) != 0 && found_inf.has_value()) {
+    binding::raise_found_inf(found_inf, c10::kCPU);
+    binding::bump_version(*found_inf);
+  }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
-  m.def("sgd_update_", &sgd_update_, "Fused LOMO SGD update of one parameter, in place",
-        py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
-        py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
-        py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
-        py::arg("seed_lo_mixed"), py::arg("seed_hi_salted"), py::arg("seed_step"));
-  m.def("grad_sumsq_", &grad_sumsq_, "sumsq += sum((grad * inv_scale)^2), in place",
-        py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
+  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_);
 }

@@ -1,6 +1,6 @@
 // CUDA kernels of the fused LOMO update and the gradient sum of squares, with extern "C"
 // launchers on raw pointers. No torch headers: `nvcc -std=c++17 -arch=sm_90 -c` builds it
-// alone; lomo_cuda_binding.cpp is the torch side. Semantics: lomo_kernels/ops/sgd_reference.py.
+// alone; lomo_cuda_binding.cpp is the torch side. Semantics: lomo_kernels/ops/lomo_reference.py.
 //
 // Layout of one launch: a scalar head (elements before both pointers are 16-byte aligned),
 // an aligned bulk moved with 128-bit loads/stores (V elements per thread and step), and a
@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "lomo_cuda.h"
 #include "lomo_math.h"
 
 namespace {
@@ -36,8 +37,8 @@ struct UpdateArgs {
 };
 
 // The reference's fp32 arithmetic on the scalars.
-__device__ __forceinline__ lomo::SgdScalars resolve(const UpdateArgs& a) {
-  lomo::SgdScalars s;
+__device__ __forceinline__ lomo::LomoScalars resolve(const UpdateArgs& a) {
+  lomo::LomoScalars s;
   s.lr = __ldg(a.lr);
   s.decay = __fsub_rn(1.0f, __fmul_rn(s.lr, a.weight_decay));
   s.inv_scale = a.inv_scale != nullptr ? __ldg(a.inv_scale) : 1.0f;
@@ -94,10 +95,10 @@ struct VecWidth {
 
 template <class P, class G, bool kStochastic>
 __device__ __forceinline__ typename P::T update_one(typename P::T old, typename G::T grad,
-                                                    int64_t index, const lomo::SgdScalars& s,
+                                                    int64_t index, const lomo::LomoScalars& s,
                                                     uint32_t key, uint32_t& any_bad) {
   uint32_t bad;
-  const float updated = lomo::sgd_element(G::load(grad), P::load(old), s, bad);
+  const float updated = lomo::lomo_element(G::load(grad), P::load(old), s, bad);
   typename P::T out;
   if constexpr (kStochastic) {
     out = lomo::f32_to_bf16_sr(
@@ -112,11 +113,11 @@ __device__ __forceinline__ typename P::T update_one(typename P::T old, typename 
 
 template <class P, class G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
-    sgd_update_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
+    lomo_update_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                       int64_t head, int64_t nvec, int64_t numel, UpdateArgs a) {
   // Every thread reads the flag: all skip together, nothing is written.
   if (a.skip_if != nullptr && *a.skip_if != 0.0f) return;  // nan is non-zero too
-  const lomo::SgdScalars s = resolve(a);
+  const lomo::LomoScalars s = resolve(a);
   uint32_t key = 0;
   if constexpr (kStochastic) key = rounding_key(a);
   constexpr int V = VecWidth<P, G>::value;
@@ -263,7 +264,7 @@ cudaError_t launch_update(void* param, const void* grad, int64_t numel, const Up
   split_aligned<V>(param, sizeof(typename P::T), grad, sizeof(typename G::T), numel, head, nvec);
   const int64_t scalar = numel - nvec * V;
   const unsigned grid = grid_for(nvec > scalar ? nvec : scalar);
-  sgd_update_kernel<P, G, kStochastic><<<grid, kThreads, 0, stream>>>(
+  lomo_update_kernel<P, G, kStochastic><<<grid, kThreads, 0, stream>>>(
       static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad), head, nvec,
       numel, a);
   return cudaGetLastError();
@@ -271,17 +272,14 @@ cudaError_t launch_update(void* param, const void* grad, int64_t numel, const Up
 
 }  // namespace
 
-// Scalar pointers are device pointers to one fp32 value; inv_scale, clip_coef, skip_if and
-// found_inf may be null (absent). clip_value: +inf when clipping by value is off. The rounding
-// key: the host's seed parts and a device pointer to one int64 per-step value (or null).
-extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* grad,
-                                    int grad_dtype, int64_t numel, const float* lr,
-                                    const float* inv_scale, float clip_value,
-                                    const float* clip_coef, float weight_decay,
-                                    const float* skip_if, float* found_inf,
-                                    int stochastic_rounding, uint32_t seed_lo_mixed,
-                                    uint32_t seed_hi_salted, const int64_t* seed_step,
-                                    cudaStream_t stream) {
+int lomo_cuda_update(void* param, int param_dtype, const void* grad,
+                     int grad_dtype, int64_t numel, const float* lr,
+                     const float* inv_scale, float clip_value,
+                     const float* clip_coef, float weight_decay,
+                     const float* skip_if, float* found_inf,
+                     int stochastic_rounding, uint32_t seed_lo_mixed,
+                     uint32_t seed_hi_salted, const int64_t* seed_step,
+                     cudaStream_t stream) {
   if (lr == nullptr) return cudaErrorInvalidValue;
   if (numel <= 0) return cudaSuccess;
   const UpdateArgs a{lr, inv_scale, clip_coef, clip_value, weight_decay, skip_if, found_inf,
@@ -300,9 +298,9 @@ extern "C" int lomo_cuda_sgd_update(void* param, int param_dtype, const void* gr
   });
 }
 
-extern "C" int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
-                                    const float* inv_scale, float* sumsq, float* found_inf,
-                                    cudaStream_t stream) {
+int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
+                         const float* inv_scale, float* sumsq, float* found_inf,
+                         cudaStream_t stream) {
   if (numel <= 0) return cudaSuccess;
   return with_dtype(grad_dtype, [&](auto g_tag) {
     using G = decltype(g_tag);

@@ -1,6 +1,6 @@
 // Per-element LOMO math shared by the CPU (lomo_cpu.cpp) and CUDA (lomo_cuda.cu) kernels.
 //
-// The executable specification is lomo_kernels/ops/sgd_reference.py together with
+// The executable specification is lomo_kernels/ops/lomo_reference.py together with
 // lomo_kernels/_rounding.py; every rule below reproduces those bit for bit:
 //   * fp32 arithmetic is rounded after every operation, in the reference's order (no fused
 //     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
@@ -101,6 +101,15 @@ LOMO_HD LOMO_INLINE uint32_t mix32(uint32_t x) {
 // 16 random bits of flat element index (hi << 32 | lo) under the per-call key.
 LOMO_HD LOMO_INLINE uint32_t random_bits16(uint32_t lo, uint32_t hi, uint32_t key) {
   return mix32(mix32(lo ^ key) ^ hi) >> 16;
+}
+
+// _rounding.seed_parts(seed): the host's share of a 64-bit seed's rounding key.
+LOMO_HD LOMO_INLINE uint32_t seed_lo_mixed(uint64_t seed) {
+  return mix32(static_cast<uint32_t>(seed));
+}
+
+LOMO_HD LOMO_INLINE uint32_t seed_hi_salted(uint64_t seed) {
+  return static_cast<uint32_t>(seed >> 32) ^ 0x9E3779B9u;  // _rounding._SEED_SALT
 }
 
 // The per-call key from the host's _rounding.seed_parts(seed) and the per-step value (0 when
@@ -212,7 +221,7 @@ struct Bf16 {
 // ---------------------------------------------------------------------------------------
 
 // Scalars exactly as the reference computes them (each already rounded to fp32).
-struct SgdScalars {
+struct LomoScalars {
   float inv_scale;  // grad multiplier; 1 when absent (x * 1 == x)
   float clip;       // clamp bound; +inf when clipping by value is off
   float coef;       // clip-by-norm coefficient; 1 when absent
@@ -226,7 +235,7 @@ constexpr uint32_t kNonFiniteExponent = 0x7F800000u;
 // Returns the new fp32 parameter value and the exponent field of the unscaled gradient:
 // kNonFiniteExponent means inf/nan, and the caller keeps the old parameter bits. (Callers
 // can OR-reduce the flag or max-reduce the exponent, whichever vectorises better.)
-LOMO_HD LOMO_INLINE float sgd_element_exp(float grad, float param, const SgdScalars& s,
+LOMO_HD LOMO_INLINE float lomo_element_exp(float grad, float param, const LomoScalars& s,
                                           uint32_t& exponent) {
   float g = mul_rn(grad, s.inv_scale);
   exponent = bits_of(g) & kNonFiniteExponent;
@@ -237,11 +246,11 @@ LOMO_HD LOMO_INLINE float sgd_element_exp(float grad, float param, const SgdScal
   return sub_rn(mul_rn(param, s.decay), mul_rn(s.lr, g));
 }
 
-// As sgd_element_exp, with bad = 1 when the unscaled gradient is inf/nan.
-LOMO_HD LOMO_INLINE float sgd_element(float grad, float param, const SgdScalars& s,
+// As lomo_element_exp, with bad = 1 when the unscaled gradient is inf/nan.
+LOMO_HD LOMO_INLINE float lomo_element(float grad, float param, const LomoScalars& s,
                                       uint32_t& bad) {
   uint32_t exponent;
-  const float updated = sgd_element_exp(grad, param, s, exponent);
+  const float updated = lomo_element_exp(grad, param, s, exponent);
   bad = exponent == kNonFiniteExponent ? 1u : 0u;
   return updated;
 }

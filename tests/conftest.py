@@ -25,7 +25,7 @@ def available_backends() -> list[str]:
 
     names = []
     for name in backends.BACKEND_NAMES:
-        module, reason = backends.SGD.load(name, "cpu")
+        module, reason = backends.LOMO.load(name, "cpu")
         if module is None:
             raise RuntimeError(f"backend {name} unavailable on CPU in tests: {reason}")
         names.append(name)
@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def backend(request) -> str:
     from lomo_kernels.ops import backends
 
-    module, reason = backends.SGD.load(request.param, "cpu")
+    module, reason = backends.LOMO.load(request.param, "cpu")
     if module is None:
         pytest.fail(f"backend {request.param} must be available in CI: {reason}")
     return request.param

@@ -8,6 +8,7 @@ the same training in this (single) process on the full batch, started from the s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from sharded_models import LR, OPTIONS, SINGLE, ScaledLlama, global_batch, train, train_single
 
 import lomo_kernels
@@ -236,6 +238,16 @@ def assert_no_worse_than_low_precision(
         largest_update = (expected - initial[name].double()).abs().max().item()
         assert bound * margin <= largest_update, f"{name}: update {largest_update:.3g} too small"
         assert err <= bound, f"{name}: error {err:.3g} over bound {bound:.3g}"
+
+
+def write_checks(out: Path, checks: dict) -> None:
+    """Gathers every rank's `checks` into `out`/checks.json (rank 0 writes) and ends the run."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checks)
+    if dist.get_rank() == 0:
+        (out / "checks.json").write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def count_phases(opt) -> list[str]:

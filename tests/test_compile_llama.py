@@ -412,12 +412,12 @@ def stochastic_rounding_runs() -> dict:
     update call as (seed, value of seed_step) and the graph counts after each step."""
     from lomo_kernels.ops import backends
 
-    # Whatever picks the backend of each update call (the backends module, or its SGD
-    # registry where kernels are registered per device); the backend's sgd_update_ takes
+    # Whatever picks the backend of each update call (the backends module, or its LOMO
+    # registry where kernels are registered per device); the backend's lomo_update_ takes
     # the op's arguments, by name or at their positions in the op's schema.
-    owner = getattr(backends, "SGD", backends)
+    owner = getattr(backends, "LOMO", backends)
     resolve = owner.resolve
-    schema = torch.ops.lomo_kernels.sgd_update_.default._schema
+    schema = torch.ops.lomo_kernels.lomo_update_.default._schema
     names = [a.name for a in schema.arguments]
     seeds: list[tuple[int, int | None]] = []
 
@@ -433,11 +433,11 @@ def stochastic_rounding_runs() -> dict:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._backend, name)
 
-        def sgd_update_(self, *args: Any, **kwargs: Any) -> None:
+        def lomo_update_(self, *args: Any, **kwargs: Any) -> None:
             step = argument("seed_step", args, kwargs)
             step = None if step is None else int(step.reshape(-1)[0])
             seeds.append((argument("seed", args, kwargs), step))
-            self._backend.sgd_update_(*args, **kwargs)
+            self._backend.lomo_update_(*args, **kwargs)
 
     out: dict[str, Any] = {}
     with pytest.MonkeyPatch.context() as patch:

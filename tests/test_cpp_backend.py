@@ -1,7 +1,7 @@
 """C++ CPU backend against the reference backend (bit for bit) and float64 math (1 ulp).
 
 The first run JIT-builds the extension (about a minute); later runs load it from the cache.
-The backend functions take their arguments positionally (`sgd_reference.sgd_update_` order),
+The backend functions take their arguments positionally (`lomo_reference.lomo_update_` order),
 the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lomo_kernels.kernels.cpp import sgd as cpp_backend
-from lomo_kernels.ops import sgd_reference as reference
+from lomo_kernels.kernels.cpp import lomo as cpp_backend
+from lomo_kernels.ops import lomo_reference as reference
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -122,7 +122,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 def _run(
     module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0, seed_step=None
 ) -> None:
-    module.sgd_update_(
+    module.lomo_update_(
         param,
         grad,
         _scalar(opts["lr"]),

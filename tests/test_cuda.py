@@ -34,7 +34,7 @@ SIZES = [1, 15, 4097, 278011, 2**22 + 3]
 def cuda_backend(request) -> str:
     if request.param == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.fail("TRITON_INTERPRET=1 would time/verify the interpreter: run `make test-gpu`")
-    module, reason = backends.SGD.load(request.param, "cuda")
+    module, reason = backends.LOMO.load(request.param, "cuda")
     if module is None:
         pytest.fail(f"backend {request.param} must serve CUDA tensors on a GPU machine: {reason}")
     return request.param

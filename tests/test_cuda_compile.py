@@ -65,7 +65,7 @@ def test_object_builds_without_spills(arch: str, tmp_path: Path) -> None:
 
 def test_all_kernels_instantiated(ptx: str) -> None:
     names = list(_kernels(ptx))
-    updates = [n for n in names if "sgd_update_kernel" in n]
+    updates = [n for n in names if "lomo_update_kernel" in n]
     sumsqs = [n for n in names if "grad_sumsq_kernel" in n]
     # 9 param x grad dtype pairs, plus stochastic rounding for the 3 with bf16 params.
     assert len(updates) == 12, names
@@ -75,7 +75,7 @@ def test_all_kernels_instantiated(ptx: str) -> None:
 def test_bulk_uses_128_bit_memory_ops(ptx: str) -> None:
     for name, body in _kernels(ptx).items():
         assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}: no 128-bit load"
-        if "sgd_update_kernel" in name:
+        if "lomo_update_kernel" in name:
             assert re.search(r"st\.global\.v4\.", body), f"{name}: no 128-bit store"
             # The gradient is read-only: the non-coherent path.
             assert re.search(r"ld\.global\.nc\.v4\.", body), f"{name}: grad not via ld.nc"

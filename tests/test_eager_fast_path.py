@@ -89,7 +89,7 @@ def test_sgd_update_fast_path_is_bit_identical(backend, dtype, sr, fast_calls, d
         fast_calls.clear()
         if fast:
             ops.fused_sgd_update_(param, grad, **kwargs)
-            assert fast_calls == ["lomo_kernels::sgd_update_"]
+            assert fast_calls == ["lomo_kernels::lomo_update_"]
         else:
             with dispatcher_only:
                 ops.fused_sgd_update_(param, grad, **kwargs)
@@ -186,7 +186,7 @@ def test_version_bump_keeps_autograd_saved_tensor_check(fast_calls):
     y = (x * param).sum()  # saves param
     with torch.no_grad():
         ops.fused_sgd_update_(param, torch.ones(64), lr=0.1)
-    assert fast_calls == ["lomo_kernels::sgd_update_"]
+    assert fast_calls == ["lomo_kernels::lomo_update_"]
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
 
@@ -219,7 +219,7 @@ def test_dispatch_mode_sees_the_op(fast_calls):
     fast_calls.clear()
     with _Recorder() as recorder:
         ops.fused_sgd_update_(param, grad, lr=0.1)
-    assert "lomo_kernels.sgd_update_.default" in recorder.seen
+    assert "lomo_kernels.lomo_update_.default" in recorder.seen
     assert fast_calls == []
     assert torch.equal(param, expected)
 
@@ -254,7 +254,7 @@ def test_torch_compile_sees_the_op(fast_calls):
     ops.fused_sgd_update_(expected, grad, lr=torch.full((1,), 0.1), weight_decay=0.01)
     fast_calls.clear()
     compiled(param, grad, torch.full((1,), 0.1))
-    assert any("lomo_kernels.sgd_update_" in g for g in graphs)
+    assert any("lomo_kernels.lomo_update_" in g for g in graphs)
     assert fast_calls == []
     assert torch.equal(param, expected)
 
@@ -268,7 +268,7 @@ def test_compiled_autograd_sees_the_op(optimizer, fast_calls):
     loss = model(torch.randn(8, 16)).pow(2).mean()
     with compiled_autograd._enable(torch.compile(backend=_graph_recorder(graphs))):
         opt.fused_backward(loss)
-    op = "lomo_kernels.sgd_update_" if optimizer == "lomo" else "lomo_kernels.adalomo_"
+    op = "lomo_kernels.lomo_update_" if optimizer == "lomo" else "lomo_kernels.adalomo_"
     assert any(op in g for g in graphs)
     assert fast_calls == []
 

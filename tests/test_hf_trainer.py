@@ -116,13 +116,6 @@ def test_plain_trainer_with_lomo_explains_what_to_use(tmp_path):
         trainer.train()
 
 
-def test_trainer_refuses_deepspeed_with_what_to_do(tmp_path):
-    targs = args(tmp_path)
-    targs.deepspeed = {"zero_optimization": {"stage": 3}}  # as TrainingArguments(deepspeed=...)
-    with pytest.raises(ValueError, match="examples/zero3_finetune.py"):
-        LomoTrainer(model=tiny_llama(), args=targs, train_dataset=dataset())
-
-
 def fields_of(targs) -> dict:
     return {f.name: copy.deepcopy(getattr(targs, f.name)) for f in dataclasses.fields(targs)}
 

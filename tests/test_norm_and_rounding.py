@@ -24,7 +24,7 @@ def sumsq_rel_bound(backend: str, n: int) -> float:
     each term in fp32 adds 2 roundings per term (relative, so they add 2u overall).
     """
     if backend == "triton":
-        from lomo_kernels.kernels.triton.sgd import BLOCK
+        from lomo_kernels.kernels.triton.lomo import BLOCK
 
         chain = math.log2(BLOCK) + math.ceil(n / BLOCK) + 2
     else:

@@ -53,8 +53,8 @@ def test_unknown_backend_is_a_clear_error(monkeypatch):
 
 def test_unavailable_backend_warns_once_and_falls_back(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
-    backends.SGD.warned.clear()
-    backends.SGD.cache.clear()
+    backends.LOMO.warned.clear()
+    backends.LOMO.cache.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = backends.resolve(torch.device("cpu"), "triton")

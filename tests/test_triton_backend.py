@@ -3,7 +3,7 @@
 Triton-specific cases: the bulk/tail split around multiples of 16 and of the block size,
 unaligned views, bit-identical bf16 rounding (nearest and stochastic), the device-side
 found_inf / skip_if flags, including the same tensor passed as both, and the sum of squares.
-The backend functions take their arguments positionally (`sgd_reference.sgd_update_` order),
+The backend functions take their arguments positionally (`lomo_reference.lomo_update_` order),
 the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
 """
 
@@ -22,8 +22,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from lomo_kernels import _rounding, ops  # noqa: E402
-from lomo_kernels.kernels.triton import sgd as triton_backend  # noqa: E402
-from lomo_kernels.ops import sgd_reference as reference  # noqa: E402
+from lomo_kernels.kernels.triton import lomo as triton_backend  # noqa: E402
+from lomo_kernels.ops import lomo_reference as reference  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -35,7 +35,7 @@ pytestmark = [
     ),
 ]
 
-pytest.importorskip("lomo_kernels.kernels.triton.sgd_kernels")
+pytest.importorskip("lomo_kernels.kernels.triton.lomo_kernels")
 BLOCK = triton_backend.BLOCK
 SIZES = [1, 7, 15, 16, 17, 4097, 278011]
 SMALL_SIZES = [1, 15, 17, 4097]
@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INF = float("inf")
 # The runtime scalars: device tensors in every backend call (inv_scale, clip_coef None = 1).
 RUNTIME_SCALARS = ("lr", "inv_scale", "clip_coef")
-# Positional order of the backends' sgd_update_ after param and grad.
+# Positional order of the backends' lomo_update_ after param and grad.
 ARG_ORDER = (
     "lr",
     "inv_scale",
@@ -123,8 +123,8 @@ def _both(
     """Runs Triton and reference on copies; returns both params and both option sets."""
     ours, theirs = param.clone(), param.clone()
     opts_ours, opts_theirs = _materialise(_options(**options)), _materialise(_options(**options))
-    triton_backend.sgd_update_(ours, grad, *_args(opts_ours))
-    reference.sgd_update_(theirs, grad, *_args(opts_theirs))
+    triton_backend.lomo_update_(ours, grad, *_args(opts_ours))
+    reference.lomo_update_(theirs, grad, *_args(opts_theirs))
     return ours, theirs, opts_ours, opts_theirs
 
 
@@ -232,7 +232,7 @@ def test_python_float_scalars(dtype: str) -> None:
 
 def test_empty_parameter_is_a_no_op() -> None:
     found_inf = torch.zeros(1)
-    triton_backend.sgd_update_(
+    triton_backend.lomo_update_(
         torch.empty(0), torch.empty(0), *_args(_materialise(_options(found_inf=found_inf)))
     )
     assert found_inf.item() == 0.0
@@ -249,9 +249,9 @@ def test_unaligned_views(n: int, dtype: str) -> None:
     param, grad = param_buf[1 : 1 + n], grad_buf[3 : 3 + n]
     assert param.data_ptr() % 16 != 0 and grad.data_ptr() % 16 != 0
     expected = param.clone()
-    reference.sgd_update_(expected, grad, *_args(_materialise(_options(**FULL))))
+    reference.lomo_update_(expected, grad, *_args(_materialise(_options(**FULL))))
     before = param_buf.clone()
-    triton_backend.sgd_update_(param, grad, *_args(_materialise(_options(**FULL))))
+    triton_backend.lomo_update_(param, grad, *_args(_materialise(_options(**FULL))))
     assert torch.equal(_bits(param), _bits(expected))
     # Nothing outside the view is written.
     assert torch.equal(_bits(param_buf[:1]), _bits(before[:1]))
@@ -402,12 +402,12 @@ def test_same_tensor_as_found_inf_and_skip_if() -> None:
     param, grad = _with_bad_grads(n, [10])
     flag = torch.zeros(1)
     ours = param.clone()
-    triton_backend.sgd_update_(
+    triton_backend.lomo_update_(
         ours, grad, *_args(_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag))
     )
     ref_flag = torch.zeros(1)
     theirs = param.clone()
-    reference.sgd_update_(
+    reference.lomo_update_(
         theirs,
         grad,
         *_args(_materialise(_options(**FULL)) | dict(found_inf=ref_flag, skip_if=ref_flag)),
@@ -417,7 +417,7 @@ def test_same_tensor_as_found_inf_and_skip_if() -> None:
     assert flag.item() == ref_flag.item() == 1.0
     # A second call with the raised flag skips everything.
     again = ours.clone()
-    triton_backend.sgd_update_(
+    triton_backend.lomo_update_(
         again, grad, *_args(_materialise(_options(**FULL)) | dict(found_inf=flag, skip_if=flag))
     )
     assert torch.equal(_bits(again), _bits(ours))
@@ -428,13 +428,13 @@ def test_found_inf_and_skip_if_views_of_one_buffer() -> None:
     param, grad = _with_bad_grads(n, [n - 2])
     flags = torch.zeros(2)
     ours = param.clone()
-    triton_backend.sgd_update_(
+    triton_backend.lomo_update_(
         ours,
         grad,
         *_args(_materialise(_options(**FULL)) | dict(found_inf=flags[0:1], skip_if=flags[1:2])),
     )
     theirs = param.clone()
-    reference.sgd_update_(
+    reference.lomo_update_(
         theirs,
         grad,
         *_args(
@@ -488,8 +488,8 @@ def test_grad_sumsq_without_found_inf() -> None:
 
 _LATE_INTERPRET = r"""
 import os, torch
-from lomo_kernels.kernels.triton import sgd as triton_backend
-from lomo_kernels.ops import sgd_reference as reference
+from lomo_kernels.kernels.triton import lomo as triton_backend
+from lomo_kernels.ops import lomo_reference as reference
 assert not triton_backend.is_available()
 os.environ["TRITON_INTERPRET"] = "1"
 assert triton_backend.is_available()
@@ -500,8 +500,8 @@ lr = torch.tensor([0.1])
 a, b, fa, fb = p.clone(), p.clone(), torch.zeros(1), torch.zeros(1)
 # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf, skip_if,
 #  stochastic_rounding, seed, seed_step)
-triton_backend.sgd_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0, None)
-reference.sgd_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0, None)
+triton_backend.lomo_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0, None)
+reference.lomo_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0, None)
 assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and fa.item() == fb.item() == 1
 s = torch.zeros(1)
 triton_backend.grad_sumsq_(g.nan_to_num(posinf=0.0), None, s, None)

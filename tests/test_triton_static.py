@@ -18,8 +18,8 @@ _COMPILE_SCRIPT = r"""
 import json, os, re, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from lomo_kernels.kernels.triton import sgd as m
-from lomo_kernels.kernels.triton import sgd_kernels as k
+from lomo_kernels.kernels.triton import lomo as m
+from lomo_kernels.kernels.triton import lomo_kernels as k
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 UPDATES = [(bf16, bf16, False), (fp16, fp16, False), (fp32, fp32, False), (bf16, fp32, False),
@@ -77,7 +77,7 @@ if native_specialize_impl is not None:
     for kernel, (_, args) in [
         # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf,
         #  skip_if, stochastic_rounding, seed, seed_step)
-        (k.sgd_update_kernel, m.sgd_update_args(
+        (k.lomo_update_kernel, m.lomo_update_args(
             torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
             torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7,
             torch.zeros(1, dtype=torch.int64))),
@@ -101,7 +101,7 @@ if native_specialize_impl is not None:
 
 runtime_constexprs = {
     kernel.__name__: sorted(p.name for p in kernel.params if p.is_constexpr)
-    for kernel in (k.sgd_update_kernel, k.grad_sumsq_kernel)
+    for kernel in (k.lomo_update_kernel, k.grad_sumsq_kernel)
 }
 print(json.dumps({"records": records, "mismatches": mismatches,
                   "checked_spec": native_specialize_impl is not None,
@@ -163,7 +163,7 @@ def test_aot_specialisation_matches_jit(compiled: dict) -> None:
 
 def test_runtime_values_are_not_constexpr(compiled: dict) -> None:
     assert compiled["constexprs"] == {
-        "sgd_update_kernel": sorted(
+        "lomo_update_kernel": sorted(
             ["PARAM_KIND", "GRAD_KIND", "HAS_CLIP_VALUE", "STOCHASTIC_ROUNDING", "BLOCK"]
         ),
         "grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),

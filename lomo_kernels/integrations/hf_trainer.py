@@ -10,24 +10,44 @@ decay (on the parameters transformers decays: not on norm weights and biases) an
 `max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, the
 logged `grad_norm` is the step's gradient norm before clipping, fp16 weights work, and
 gradient accumulation (impossible with LOMO) is refused up front. A `Lomo`/`AdaLomo` passed
-through `optimizers=(opt, scheduler)` is used as given.
+through `optimizers=(opt, scheduler)` is used as given (in one process; under DeepSpeed the
+optimizer is built on the engine).
 
 Clipping: exact by default (`max_grad_norm > 0` runs a norm pass, so two backward passes per
 step, as lomo-optim); `optim_args="single_backward=True"` clips within one backward
 (see trainer_optimizer.py for the trade-off).
+
+Multi-process: `TrainingArguments(deepspeed=<ZeRO stage 3 config>)` under torchrun. accelerate
+builds the engine without an optimizer (ZeRO-3 partitions the parameters), the optimizer is
+built on the engine right after, and each step forwards through the module itself (the
+engine's forward would install DeepSpeed's own backward hooks). A step with a norm pass runs
+its own forward for it: DeepSpeed releases the gathered parameters after the first backward.
+Checkpoints hold the consolidated (unsharded) model and optimizer state, written by rank 0:
+`save_model` and the Trainer's periodic checkpoints load in one process as any other, and
+`LomoTrainer(...).train(resume_from_checkpoint=...)` without DeepSpeed continues from them.
+What is refused is listed in trainer_parallel.py.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
+from ..distributed import consolidated_state_dict
 from ..optim._in_backward import InBackwardOptimizer
 from .huggingface import check_training_arguments, in_backward_optimizer
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
+from .trainer_parallel import (
+    check_deepspeed_config,
+    check_parallel_setup,
+    check_resume,
+    deepspeed_config,
+)
 
 
 def _with_own_training_arguments(
@@ -47,6 +67,11 @@ def _with_own_training_arguments(
     return args, kwargs
 
 
+def _runs_norm_pass(opt: InBackwardOptimizer) -> bool:
+    """Whether `opt.fused_backward` runs a norm (or fp16 overflow) pass before the update."""
+    return opt._needs_detection_pass() and not opt.single_backward
+
+
 class LomoTrainer(Trainer):
     """A Trainer whose training step calls `optimizer.fused_backward(loss)`."""
 
@@ -55,7 +80,11 @@ class LomoTrainer(Trainer):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if targs is not None:
             check_training_arguments(targs)
+            config = deepspeed_config(targs)
+            if config is not None:
+                check_deepspeed_config(config)
         super().__init__(*args, **kwargs)
+        check_parallel_setup(self)
         targs = self.args
         given = self.optimizer
         if given is not None and not isinstance(given, InBackwardOptimizer):
@@ -67,8 +96,24 @@ class LomoTrainer(Trainer):
         self.lomo_max_grad_norm = targs.max_grad_norm
         targs.max_grad_norm = 0.0
 
-    def create_optimizer(self, model: torch.nn.Module | None = None) -> InBackwardOptimizer:
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        check_resume(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _engine(self) -> torch.nn.Module | None:
+        """The DeepSpeed engine accelerate built, or None (before that, or without one)."""
+        wrapped = self.accelerator.deepspeed_engine_wrapped
+        return None if wrapped is None else wrapped.engine
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> InBackwardOptimizer | None:
         if self.optimizer is None:
+            if self.is_deepspeed_enabled:
+                # transformers would hand an optimizer to deepspeed.initialize: build none
+                # until accelerate made the engine (create_scheduler, right after), then
+                # build it on the engine, whose module holds the ZeRO-3 partitions.
+                model = self._engine()
+                if model is None:
+                    return None
             model = self.model if model is None else model
             cls = optimizer_class(self.args.optim)
             self.optimizer = cls(
@@ -82,6 +127,13 @@ class LomoTrainer(Trainer):
             )
         return self.optimizer
 
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        if optimizer is None and self.optimizer is None:
+            self.create_optimizer()  # under DeepSpeed: the engine exists by now
+        return super().create_scheduler(num_training_steps, optimizer)
+
     def _lomo(self) -> InBackwardOptimizer:
         return in_backward_optimizer(self.optimizer)  # accelerate wraps the optimizer
 
@@ -90,15 +142,45 @@ class LomoTrainer(Trainer):
     ) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
+        opt = self._lomo()
+        if self.is_deepspeed_enabled:
+            # The module itself: the engine's forward would hook DeepSpeed's backward in.
+            model = self.accelerator.unwrap_model(model)
+            if _runs_norm_pass(opt):
+                # ZeRO-3 releases the gathered parameters after a backward: the norm pass
+                # needs a forward of its own.
+                opt.grad_norm(self._loss(model, inputs, num_items_in_batch))
+        loss = self._loss(model, inputs, num_items_in_batch)
+        # The learning rate comes from the param groups, which the scheduler sets.
+        opt.fused_backward(loss)
+        return loss.detach()
+
+    def _loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any
+    ) -> torch.Tensor:
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if self.args.n_gpu > 1:
-            loss = loss.mean()
-        # The learning rate comes from the param groups, which the scheduler sets.
-        self._lomo().fused_backward(loss)
-        return loss.detach()
+        return loss.mean() if self.args.n_gpu > 1 else loss
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         # The Trainer would measure the freed gradients (0.0): log the norm the step measured
         # before clipping, or nothing when it measured none (no clipping, not fp16).
         return self._lomo().last_grad_norm
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self.is_deepspeed_enabled:
+            return super().save_model(output_dir, _internal_call)
+        # The ZeRO-3 partitions gathered whole (a collective: every rank takes part; rank 0
+        # writes), instead of DeepSpeed's engine checkpoint, which needs a ZeRO optimizer.
+        state = consolidated_state_dict(self.model)
+        self._save(self.args.output_dir if output_dir is None else output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.is_deepspeed_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        state = self._lomo().consolidated_state_dict()  # a collective, as above
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))

@@ -19,8 +19,8 @@ After `enable_transformers()` (process-wide, undone by `disable_transformers()`)
   own `clip_grad_norm`), or None when the step measured none: the Trainer logs the real
   `grad_norm`.
 - What the step cannot honour is refused before the first step: gradient accumulation, fp16
-  autocast (`fp16=True`), DeepSpeed, and a Trainer whose `max_grad_norm` or `weight_decay`
-  differs from the values a given optimizer was built with.
+  autocast (`fp16=True`), DeepSpeed (LomoTrainer serves ZeRO-3), and a Trainer whose
+  `max_grad_norm` or `weight_decay` differs from the values a given optimizer was built with.
 """
 
 from __future__ import annotations
@@ -52,18 +52,22 @@ def in_backward_optimizer(optimizer: Any) -> InBackwardOptimizer | None:
     return optimizer
 
 
-def check_training_arguments(args: TrainingArguments) -> None:
-    """Refuses the Trainer settings an in-backward optimizer cannot honour."""
+def refuse_deepspeed(args: TrainingArguments) -> None:
+    """Refuses DeepSpeed for transformers' own Trainer (LomoTrainer serves it)."""
     if getattr(args, "deepspeed", None):
         # transformers hands its optimizer to deepspeed.initialize, whose ZeRO optimizer would
         # reduce and keep gradient partitions itself instead of LOMO's hooks.
         raise ValueError(
-            "LOMO does not run under TrainingArguments(deepspeed=...): transformers passes the "
-            "optimizer to deepspeed.initialize, which LOMO cannot share. Train with ZeRO-3 in a "
-            "plain loop instead: deepspeed.initialize(model=..., config=...) without an "
-            "optimizer, Lomo(engine), opt.fused_backward(model(x)) "
-            "(examples/zero3_finetune.py; README, 'Sharded training')"
+            "Trainer(optim='lomo'/'adalomo') does not run under TrainingArguments(deepspeed=...):"
+            " transformers passes the optimizer to deepspeed.initialize, whose ZeRO optimizer "
+            "LOMO cannot share. Use lomo_kernels.integrations.hf_trainer.LomoTrainer with the "
+            "same arguments (it builds the ZeRO-3 engine without an optimizer; README, "
+            "'Trainer and accelerate'), or the plain loop (examples/zero3_finetune.py)"
         )
+
+
+def check_training_arguments(args: TrainingArguments) -> None:
+    """Refuses the Trainer settings an in-backward optimizer cannot honour."""
     if args.gradient_accumulation_steps > 1:
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps}: "
@@ -193,6 +197,7 @@ def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
             _BUILDING_FOR.reset(token)
         lomo = in_backward_optimizer(optimizer)
         if lomo is not None:  # checked before the first step changes anything
+            refuse_deepspeed(self.args)
             check_training_arguments(self.args)
             check_matches_arguments(lomo, self.args)
         return optimizer

@@ -1,11 +1,13 @@
 """The fused ops of LOMO and AdaLomo: one `torch.library` op per fused pass.
 
-    sgd.py                 LOMO: schemas and public functions (fused_sgd_update_, grad_sumsq_)
-    sgd_reference.py       their executable specification in PyTorch
-    adalomo.py             AdaLomo: the six passes' schemas, public functions, adalomo_update_
+    spec.py                each op described once (arguments, kinds, mutability): schema,
+                           fake, public checks and backend argument lists derive from it
+    lomo.py                LOMO: specs and public functions (fused_lomo_update_, grad_sumsq_)
+    lomo_reference.py      their executable specification in PyTorch
+    adalomo.py             AdaLomo: the six passes' specs, public functions, adalomo_update_
     adalomo_reference.py   their executable specification
     adalomo_workspace.py   the per-step fp32 workspace every AdaLomo backend shares
-    backends.py            which kernels run each op on each device, and their registration
+    backends.py            the ops' definition and per-device kernels
     eager.py               eager calls straight to the kernel (no dispatcher layers to pay)
     selection.py           backend choice (argument, $LOMO_KERNELS_BACKEND, availability)
     scalars.py             runtime scalars: 1-element fp32 device tensors, converted once
@@ -31,7 +33,7 @@ from .adalomo import (
     init_adalomo_state,
 )
 from .cross_entropy import causal_lm_loss, linear_cross_entropy
-from .sgd import clip_coef_from_sumsq, fused_sgd_update_, grad_sumsq_
+from .lomo import clip_coef_from_sumsq, fused_lomo_update_, fused_sgd_update_, grad_sumsq_
 
 __all__ = [
     "adalomo_factored_apply_",
@@ -44,6 +46,7 @@ __all__ = [
     "adalomo_workspace",
     "causal_lm_loss",
     "clip_coef_from_sumsq",
+    "fused_lomo_update_",
     "fused_sgd_update_",
     "grad_sumsq_",
     "init_adalomo_state",

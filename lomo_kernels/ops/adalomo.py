@@ -31,11 +31,12 @@ from collections.abc import Callable
 
 import torch
 
-from . import adalomo_reference as reference
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
-from .backends import ADALOMO, register_kernels, requested_backend
-from .checks import check_finite, check_pair, check_scalar_tensor
-from .scalars import Scalar, device_scalar, grad_transform, optional_factor
+from .backends import ADALOMO, define
+from .checks import check_pair
+from .eager import FusedOp
+from .scalars import Scalar
+from .spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 
 __all__ = [
     "adalomo_update_",
@@ -49,182 +50,103 @@ __all__ = [
     "adalomo_vector_apply_",
 ]
 
-Tensor = torch.Tensor
+# ----------------------------------------------------------------------------- specs
+# One `OpSpec` per pass (`spec.py`): the schema, the fake, the public conversions and every
+# backend's argument list (csrc/ bindings, Triton launchers, the reference) come from these.
 
-# ----------------------------------------------------------------------------- schemas
-# Each body is the reference (any device); `register_kernels` adds the fake and the CPU and
-# CUDA kernels. Argument order is the kernels' order (csrc/ bindings, Triton launchers).
-
-
-@torch.library.custom_op(
-    "lomo_kernels::adalomo_factored_stats_", mutates_args=("workspace", "found_inf")
+_GRAD = Arg("grad", "tensor")
+_PARAM_WRITTEN = Arg("param", "tensor", mutable=True)
+_ROW, _COL = Arg("exp_avg_sq_row", "tensor"), Arg("exp_avg_sq_col", "tensor")
+_WORKSPACE = Arg("workspace", "tensor", mutable=True)
+_FLAGS = (
+    Arg("found_inf", "flag", mutable=True, default=None),
+    Arg("skip_if", "flag", default=None),
 )
-def _factored_stats_op(
-    grad: Tensor,
-    param: Tensor,
-    workspace: Tensor,
-    found_inf: Tensor | None,
-    skip_if: Tensor | None,
-    cols: int,
-    inv_scale: Tensor | None,
-    clip_value: float | None,
-    backend: str,
-) -> None:
-    reference.factored_stats_(
-        grad, param, workspace, found_inf, skip_if, cols, inv_scale, clip_value
-    )
-
-
-@torch.library.custom_op(
-    "lomo_kernels::adalomo_factored_moments_",
-    mutates_args=("exp_avg_sq_row", "exp_avg_sq_col", "workspace"),
+_BETA2 = Arg("beta2", "scalar", rule="unit_interval")
+_EPS0 = Arg("eps0", "hyper", rule="non_negative", default=1e-30)
+_STEP = (
+    Arg("lr", "scalar", rule="non_negative"),
+    Arg("eps1", "hyper", rule="non_negative", default=1e-3),
+    Arg("clip_threshold", "hyper", rule="positive", default=1.0),
+    Arg("weight_decay", "hyper", default=0.0),
 )
-def _factored_moments_op(
-    exp_avg_sq_row: Tensor,
-    exp_avg_sq_col: Tensor,
-    workspace: Tensor,
-    beta2: Tensor,
-    clip_coef: Tensor | None,
-    eps0: float,
-    backend: str,
-) -> None:
-    reference.factored_moments_(exp_avg_sq_row, exp_avg_sq_col, workspace, beta2, clip_coef, eps0)
 
-
-@torch.library.custom_op("lomo_kernels::adalomo_factored_norm_", mutates_args=("workspace",))
-def _factored_norm_op(
-    grad: Tensor,
-    exp_avg_sq_row: Tensor,
-    exp_avg_sq_col: Tensor,
-    workspace: Tensor,
-    inv_scale: Tensor | None,
-    clip_value: float | None,
-    clip_coef: Tensor | None,
-    backend: str,
-) -> None:
-    reference.factored_norm_(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
-    )
-
-
-@torch.library.custom_op("lomo_kernels::adalomo_factored_apply_", mutates_args=("param",))
-def _factored_apply_op(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg_sq_row: Tensor,
-    exp_avg_sq_col: Tensor,
-    workspace: Tensor,
-    lr: Tensor,
-    eps1: float,
-    clip_threshold: float,
-    weight_decay: float,
-    inv_scale: Tensor | None,
-    clip_value: float | None,
-    clip_coef: Tensor | None,
-    backend: str,
-) -> None:
-    reference.factored_apply_(
-        param,
-        grad,
-        exp_avg_sq_row,
-        exp_avg_sq_col,
-        workspace,
-        lr,
-        eps1,
-        clip_threshold,
-        weight_decay,
-        inv_scale,
-        clip_value,
-        clip_coef,
-    )
-
-
-@torch.library.custom_op(
-    "lomo_kernels::adalomo_vector_stats_", mutates_args=("workspace", "found_inf")
+FACTORED_STATS = OpSpec(
+    "adalomo_factored_stats_",
+    "factored_stats_",
+    (
+        _GRAD,
+        Arg("param", "tensor"),
+        _WORKSPACE,
+        *_FLAGS,
+        Arg("cols", "int"),
+        *GRAD_TRANSFORM[:2],
+    ),
 )
-def _vector_stats_op(
-    grad: Tensor,
-    param: Tensor,
-    exp_avg_sq: Tensor,
-    workspace: Tensor,
-    found_inf: Tensor | None,
-    skip_if: Tensor | None,
-    beta2: Tensor,
-    eps0: float,
-    inv_scale: Tensor | None,
-    clip_value: float | None,
-    clip_coef: Tensor | None,
-    backend: str,
-) -> None:
-    reference.vector_stats_(
-        grad,
-        param,
-        exp_avg_sq,
-        workspace,
-        found_inf,
-        skip_if,
-        beta2,
-        eps0,
-        inv_scale,
-        clip_value,
-        clip_coef,
-    )
-
-
-@torch.library.custom_op(
-    "lomo_kernels::adalomo_vector_apply_", mutates_args=("param", "exp_avg_sq")
+FACTORED_MOMENTS = OpSpec(
+    "adalomo_factored_moments_",
+    "factored_moments_",
+    (
+        Arg("exp_avg_sq_row", "tensor", mutable=True),
+        Arg("exp_avg_sq_col", "tensor", mutable=True),
+        _WORKSPACE,
+        _BETA2,
+        GRAD_TRANSFORM[2],
+        _EPS0,
+    ),
 )
-def _vector_apply_op(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg_sq: Tensor,
-    workspace: Tensor,
-    beta2: Tensor,
-    eps0: float,
-    lr: Tensor,
-    eps1: float,
-    clip_threshold: float,
-    weight_decay: float,
-    inv_scale: Tensor | None,
-    clip_value: float | None,
-    clip_coef: Tensor | None,
-    backend: str,
-) -> None:
-    reference.vector_apply_(
-        param,
-        grad,
-        exp_avg_sq,
-        workspace,
-        beta2,
-        eps0,
-        lr,
-        eps1,
-        clip_threshold,
-        weight_decay,
-        inv_scale,
-        clip_value,
-        clip_coef,
-    )
+FACTORED_NORM = OpSpec(
+    "adalomo_factored_norm_", "factored_norm_", (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM)
+)
+FACTORED_APPLY = OpSpec(
+    "adalomo_factored_apply_",
+    "factored_apply_",
+    (_PARAM_WRITTEN, _GRAD, _ROW, _COL, Arg("workspace", "tensor"), *_STEP, *GRAD_TRANSFORM),
+)
+VECTOR_STATS = OpSpec(
+    "adalomo_vector_stats_",
+    "vector_stats_",
+    (
+        _GRAD,
+        Arg("param", "tensor"),
+        Arg("exp_avg_sq", "tensor"),
+        _WORKSPACE,
+        *_FLAGS,
+        _BETA2,
+        _EPS0,
+        *GRAD_TRANSFORM,
+    ),
+)
+VECTOR_APPLY = OpSpec(
+    "adalomo_vector_apply_",
+    "vector_apply_",
+    (
+        _PARAM_WRITTEN,
+        _GRAD,
+        Arg("exp_avg_sq", "tensor", mutable=True),
+        Arg("workspace", "tensor"),
+        _BETA2,
+        _EPS0,
+        *_STEP,
+        *GRAD_TRANSFORM,
+    ),
+)
+_FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)
+_VECTOR = (VECTOR_STATS, VECTOR_APPLY)
+SPECS = _FACTORED + _VECTOR
+# What one step of a factored / 1-D parameter checks before its first pass.
+_FACTORED_STEP, _VECTOR_STEP = Conversion(*_FACTORED), Conversion(*_VECTOR)
 
-
-# The ops as callers use them: eager calls skip the dispatcher's Python layers (eager.py).
-factored_stats_op = register_kernels(_factored_stats_op, ADALOMO, "factored_stats_")
-factored_moments_op = register_kernels(_factored_moments_op, ADALOMO, "factored_moments_")
-factored_norm_op = register_kernels(_factored_norm_op, ADALOMO, "factored_norm_")
-factored_apply_op = register_kernels(_factored_apply_op, ADALOMO, "factored_apply_")
-vector_stats_op = register_kernels(_vector_stats_op, ADALOMO, "vector_stats_")
-vector_apply_op = register_kernels(_vector_apply_op, ADALOMO, "vector_apply_")
+# The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
+factored_stats_op = define(FACTORED_STATS, ADALOMO)
+factored_moments_op = define(FACTORED_MOMENTS, ADALOMO)
+factored_norm_op = define(FACTORED_NORM, ADALOMO)
+factored_apply_op = define(FACTORED_APPLY, ADALOMO)
+vector_stats_op = define(VECTOR_STATS, ADALOMO)
+vector_apply_op = define(VECTOR_APPLY, ADALOMO)
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _beta2(beta2: Scalar, device: torch.device) -> Tensor:
-    return device_scalar("beta2", beta2, device, unit_interval=True)
-
-
-def _lr(lr: Scalar, device: torch.device) -> Tensor:
-    return device_scalar("lr", lr, device, non_negative=True)
 
 
 def _check_state(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
@@ -274,6 +196,12 @@ def adalomo_workspace(param: torch.Tensor) -> torch.Tensor:
     return torch.zeros(workspace_numel(param.shape), dtype=torch.float32, device=param.device)
 
 
+def _eps_pair(eps: tuple[float, float]) -> tuple[float, float]:
+    if not (isinstance(eps, tuple | list) and len(eps) == 2):
+        raise TypeError(f"lomo_kernels: eps must be a pair (eps0, eps1), got {eps!r}")
+    return float(eps[0]), float(eps[1])
+
+
 def adalomo_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -318,59 +246,51 @@ def adalomo_update_(
     """
     check_pair(param, grad)
     device = param.device
-    if not (isinstance(eps, tuple | list) and len(eps) == 2):
-        raise TypeError(f"lomo_kernels: eps must be a pair (eps0, eps1), got {eps!r}")
-    eps0, eps1 = float(eps[0]), float(eps[1])
-    check_finite("eps[0]", eps0, non_negative=True)
-    check_finite("eps[1]", eps1, non_negative=True)
-    check_finite("clip_threshold", clip_threshold, positive=True)
-    check_finite("weight_decay", weight_decay)
-    lr_t = _lr(lr, device)
-    beta2_t = _beta2(beta2, device)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
-    check_scalar_tensor("found_inf", found_inf, device)
-    check_scalar_tensor("skip_if", skip_if, device)
+    eps0, eps1 = _eps_pair(eps)
+    factored = param.dim() >= 2
+    arguments = (_FACTORED_STEP if factored else _VECTOR_STEP).convert(
+        device,
+        {
+            "param": param,
+            "grad": grad.contiguous(),  # once here rather than in each pass
+            "lr": lr,
+            "beta2": beta2,
+            "eps0": eps0,
+            "eps1": eps1,
+            "clip_threshold": clip_threshold,
+            "weight_decay": weight_decay,
+            "inv_scale": inv_scale,
+            "clip_value": clip_value,
+            "clip_coef": clip_coef,
+            "found_inf": found_inf,
+            "skip_if": skip_if,
+        },
+    )
     if not state:
         state.update(init_adalomo_state(param))
     if param.numel() == 0:
         return
-    name = requested_backend(backend)
-    grad = grad.contiguous()  # once here rather than in each pass
-    workspace = adalomo_workspace(param)
-    wd = float(weight_decay)
-    threshold = float(clip_threshold)
-    if param.dim() >= 2:
+    arguments["workspace"] = adalomo_workspace(param)
+    # Resolved once for the step's passes (eager; a traced step runs the device's backend).
+    if not torch.compiler.is_compiling() and (param.is_cpu or param.is_cuda):
+        backend = ADALOMO.resolve(device, backend)
+    if factored:
         rows, cols = _rows_cols(param.shape)
-        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        _check_state("exp_avg_sq_row", row, rows, device)
-        _check_state("exp_avg_sq_col", col, cols, device)
-        inv_t, clip_value_f, coef_t = ga
-        factored_stats_op(
-            grad, param, workspace, found_inf, skip_if, cols, inv_t, clip_value_f, name
-        )
+        _check_state("exp_avg_sq_row", state["exp_avg_sq_row"], rows, device)
+        _check_state("exp_avg_sq_col", state["exp_avg_sq_col"], cols, device)
+        arguments.update(cols=cols, exp_avg_sq_row=state["exp_avg_sq_row"])
+        arguments["exp_avg_sq_col"] = state["exp_avg_sq_col"]
+        factored_stats_op(backend, **FACTORED_STATS.pick(arguments))
         if on_grad_sumsq is not None:
-            on_grad_sumsq(measured_view(workspace))
-        factored_moments_op(row, col, workspace, beta2_t, coef_t, eps0, name)
-        factored_norm_op(grad, row, col, workspace, *ga, name)
-        factored_apply_op(param, grad, row, col, workspace, lr_t, eps1, threshold, wd, *ga, name)
+            on_grad_sumsq(measured_view(arguments["workspace"]))
+        factored_moments_op(backend, **FACTORED_MOMENTS.pick(arguments))
+        factored_norm_op(backend, **FACTORED_NORM.pick(arguments))
+        factored_apply_op(backend, **FACTORED_APPLY.pick(arguments))
     else:
-        v = state["exp_avg_sq"]
-        _check_state("exp_avg_sq", v, param.numel(), device)
-        vector_stats_op(grad, param, v, workspace, found_inf, skip_if, beta2_t, eps0, *ga, name)
-        vector_apply_op(
-            param,
-            grad,
-            v,
-            workspace,
-            beta2_t,
-            eps0,
-            lr_t,
-            eps1,
-            threshold,
-            wd,
-            *ga,
-            name,
-        )
+        _check_state("exp_avg_sq", state["exp_avg_sq"], param.numel(), device)
+        arguments["exp_avg_sq"] = state["exp_avg_sq"]
+        vector_stats_op(backend, **VECTOR_STATS.pick(arguments))
+        vector_apply_op(backend, **VECTOR_APPLY.pick(arguments))
 
 
 def _check_factored(
@@ -388,6 +308,16 @@ def _check_factored(
     if col is not None:
         _check_state("exp_avg_sq_col", col, cols, device)
     _check_workspace(workspace, param_or_grad.shape, device)
+
+
+def _run(op: FusedOp, backend: str | None, device: torch.device, public: dict, **derived) -> None:
+    """Runs `op` on its arguments taken by name from `public` (a public function's
+    arguments) and `derived`, checked and converted by its spec; nothing runs on no element."""
+    if "grad" in public:
+        derived["grad"] = public["grad"].contiguous()
+    arguments = op.spec.convert(device, op.spec.take(public, **derived))
+    if arguments[op.spec.names[0]].numel():
+        op(backend, **arguments)
 
 
 def adalomo_factored_stats_(
@@ -411,22 +341,7 @@ def adalomo_factored_stats_(
     """
     check_pair(param, grad)
     _check_factored(param, None, None, workspace)
-    check_scalar_tensor("found_inf", found_inf, param.device)
-    check_scalar_tensor("skip_if", skip_if, param.device)
-    inv_t, clip_value_f, _ = grad_transform(inv_scale, clip_value, None, param.device)
-    if param.numel() == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_factored_stats_(
-        grad.contiguous(),
-        param,
-        workspace,
-        found_inf,
-        skip_if,
-        param.shape[-1],
-        inv_t,
-        clip_value_f,
-        requested_backend(backend),
-    )
+    _run(factored_stats_op, backend, param.device, locals(), cols=param.shape[-1])
 
 
 def adalomo_factored_moments_(
@@ -449,20 +364,8 @@ def adalomo_factored_moments_(
     _check_state("exp_avg_sq_row", exp_avg_sq_row, rows, device)
     _check_state("exp_avg_sq_col", exp_avg_sq_col, cols, device)
     _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
-    beta2_t = _beta2(beta2, device)
-    coef_t = optional_factor("clip_coef", clip_coef, device)
-    check_finite("eps0", eps0, non_negative=True)
-    if rows * cols == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_factored_moments_(
-        exp_avg_sq_row,
-        exp_avg_sq_col,
-        workspace,
-        beta2_t,
-        coef_t,
-        float(eps0),
-        requested_backend(backend),
-    )
+    if exp_avg_sq_col.numel():  # (no row: the op's first argument is empty)
+        _run(factored_moments_op, backend, device, locals())
 
 
 def adalomo_factored_norm_(
@@ -479,17 +382,7 @@ def adalomo_factored_norm_(
     """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
     check_pair(grad, grad)
     _check_factored(grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, grad.device)
-    if grad.numel() == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_factored_norm_(
-        grad.contiguous(),
-        exp_avg_sq_row,
-        exp_avg_sq_col,
-        workspace,
-        *ga,
-        requested_backend(backend),
-    )
+    _run(factored_norm_op, backend, grad.device, locals())
 
 
 def adalomo_factored_apply_(
@@ -515,26 +408,7 @@ def adalomo_factored_apply_(
     """
     check_pair(param, grad)
     _check_factored(param, exp_avg_sq_row, exp_avg_sq_col, workspace)
-    lr_t = _lr(lr, param.device)
-    check_finite("eps1", eps1, non_negative=True)
-    check_finite("clip_threshold", clip_threshold, positive=True)
-    check_finite("weight_decay", weight_decay)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, param.device)
-    if param.numel() == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_factored_apply_(
-        param,
-        grad.contiguous(),
-        exp_avg_sq_row,
-        exp_avg_sq_col,
-        workspace,
-        lr_t,
-        float(eps1),
-        float(clip_threshold),
-        float(weight_decay),
-        *ga,
-        requested_backend(backend),
-    )
+    _run(factored_apply_op, backend, param.device, locals())
 
 
 def adalomo_vector_stats_(
@@ -558,28 +432,8 @@ def adalomo_vector_stats_(
     ``sum(param^2)`` to the workspace; flags as `adalomo_factored_stats_`.
     """
     check_pair(param, grad)
-    device = param.device
-    _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
-    _check_state("workspace", workspace, NUM_SLOTS, device)
-    beta2_t = _beta2(beta2, device)
-    check_finite("eps0", eps0, non_negative=True)
-    check_scalar_tensor("found_inf", found_inf, device)
-    check_scalar_tensor("skip_if", skip_if, device)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
-    if param.numel() == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_vector_stats_(
-        grad.contiguous(),
-        param,
-        exp_avg_sq,
-        workspace,
-        found_inf,
-        skip_if,
-        beta2_t,
-        float(eps0),
-        *ga,
-        requested_backend(backend),
-    )
+    _check_vector(param, exp_avg_sq, workspace)
+    _run(vector_stats_op, backend, param.device, locals())
 
 
 def adalomo_vector_apply_(
@@ -602,29 +456,10 @@ def adalomo_vector_apply_(
     """Pass C1: ``v = v_new``, ``param = param * decay - scale * g * rsqrt(v_new)`` unless
     SKIP is set (scalars as in `adalomo_factored_apply_`)."""
     check_pair(param, grad)
-    device = param.device
-    _check_state("exp_avg_sq", exp_avg_sq, param.numel(), device)
-    _check_state("workspace", workspace, NUM_SLOTS, device)
-    lr_t = _lr(lr, device)
-    beta2_t = _beta2(beta2, device)
-    check_finite("eps0", eps0, non_negative=True)
-    check_finite("eps1", eps1, non_negative=True)
-    check_finite("clip_threshold", clip_threshold, positive=True)
-    check_finite("weight_decay", weight_decay)
-    ga = grad_transform(inv_scale, clip_value, clip_coef, device)
-    if param.numel() == 0:
-        return
-    torch.ops.lomo_kernels.adalomo_vector_apply_(
-        param,
-        grad.contiguous(),
-        exp_avg_sq,
-        workspace,
-        beta2_t,
-        float(eps0),
-        lr_t,
-        float(eps1),
-        float(clip_threshold),
-        float(weight_decay),
-        *ga,
-        requested_backend(backend),
-    )
+    _check_vector(param, exp_avg_sq, workspace)
+    _run(vector_apply_op, backend, param.device, locals())
+
+
+def _check_vector(param: torch.Tensor, exp_avg_sq: torch.Tensor, workspace: torch.Tensor) -> None:
+    _check_state("exp_avg_sq", exp_avg_sq, param.numel(), param.device)
+    _check_state("workspace", workspace, NUM_SLOTS, param.device)

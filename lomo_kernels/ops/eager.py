@@ -11,6 +11,10 @@ torch.compile, compiled autograd, FakeTensor, functionalization, torch.func tran
 tensor subclasses, TorchFunction/TorchDispatch modes, the profiler and the JIT tracer all
 keep seeing the op.
 
+The public layer calls a `FusedOp` with the caller's backend name and the op's arguments
+by keyword; the name is resolved to a backend module (a cached lookup) whose function for
+this op runs, on the fast path directly, through the dispatcher under `chosen_backend`.
+
 Autograd stays correct: the ops have no autograd formula, and the fast path is only taken
 when autograd would record nothing (grad mode off, or no argument requires grad); the
 version bump it does is the one ADInplaceOrView does, before the kernel, for the same
@@ -21,16 +25,46 @@ them, as the dispatcher does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from .selection import BackendRegistry
+    from .spec import OpSpec
+
 _C = torch._C
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 _FUNCTIONALIZE = _C.DispatchKey.Functionalize
+
+# The backend modules (per op family) a call running now chose, for the device kernels the
+# dispatcher runs within it.
+_CHOSEN: contextvars.ContextVar[dict[Any, ModuleType] | None] = contextvars.ContextVar(
+    "lomo_kernels_backend", default=None
+)
+
+
+def chosen_backend(registry: BackendRegistry) -> ModuleType | None:
+    """The backend module of `registry`'s family a call running now chose, if any."""
+    chosen = _CHOSEN.get()
+    return None if chosen is None else chosen.get(registry)
+
+
+@contextlib.contextmanager
+def dispatching_to(chosen: dict[Any, ModuleType]) -> Iterator[None]:
+    """Within the block, the ops of each family in `chosen` (registry -> backend module)
+    that reach their CPU/CUDA kernels through the dispatcher run that module's kernel."""
+    token = _CHOSEN.set(chosen)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 def _eager(tensors: tuple[Any, ...]) -> bool:
@@ -56,37 +90,61 @@ def _eager(tensors: tuple[Any, ...]) -> bool:
 
 
 class FusedOp:
-    """One fused op, callable with the op's arguments (the backend name last).
+    """One fused op, called as ``op(backend, **arguments)`` with the spec's arguments.
 
-    Eager: bumps the versions of the mutated tensors and runs `device_kernel` (the function
-    `backends.register_kernels` registers for the CPU and CUDA dispatch keys) directly.
-    Otherwise: `overload` through the dispatcher.
+    Eager: bumps the versions of the mutated tensors and runs the chosen backend's function
+    for the op directly, its arguments by position in the spec's order (every backend's
+    parameter list is that order: tests/test_op_specs.py), which skips keyword matching in
+    the C++ bindings. Otherwise: `overload` through the dispatcher, whose CPU and CUDA
+    kernels (`backends.define`) run the same backend function.
     """
 
-    def __init__(self, overload: Any, device_kernel: Callable[..., None]) -> None:
+    def __init__(self, spec: OpSpec, overload: Any, registry: BackendRegistry) -> None:
+        self.spec = spec
         self.overload = overload
-        arguments = list(overload._schema.arguments)
-        tensor_indices = [i for i, a in enumerate(arguments) if "Tensor" in str(a.type)]
-        # itemgetter of two or more indices returns a tuple (every op has several tensors).
-        self._tensors = operator.itemgetter(*tensor_indices)
-        self._mutated_indices = tuple(
-            i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
-        self._device_kernel = device_kernel
+        self.registry = registry
+        self._function = spec.function
+        self._first = spec.names[0]
+        positions = {name: i for i, name in enumerate(spec.names)}
+        # itemgetter of two or more keys returns a tuple (every op has several tensors).
+        self._in_order = operator.itemgetter(*spec.names)
+        self._tensors = operator.itemgetter(*(positions[n] for n in spec.tensor_names))
+        self._mutated = tuple(positions[n] for n in spec.mutated_names)
 
-    def run_kernel(self, *args: Any) -> None:
+    def run_kernel(self, kernel: Callable[..., None], args: tuple[Any, ...]) -> None:
         """The fast path's kernel call: what the dispatcher runs for CPU and CUDA tensors."""
-        self._device_kernel(*args)
+        kernel(*args)
 
-    def __call__(self, *args: Any) -> None:
-        # is_compiling first: Dynamo folds it to True and never traces the rest.
-        if torch.compiler.is_compiling() or not _eager(self._tensors(args)):
-            self.overload(*args)
+    def _kernel(self, module: ModuleType, device_type: str) -> Callable[..., None]:
+        function = getattr(module, self._function)
+        # A C++ backend's function finds the extension of its first argument's device: the
+        # device is known here, so take the extension's own function.
+        for_device = getattr(function, "for_device", None)
+        return function if for_device is None else for_device(device_type)
+
+    def __call__(self, backend: str | ModuleType | None, /, **arguments: Any) -> None:
+        """`backend`: a name as the public ``backend=`` takes, or a module `self.registry`
+        resolved already (a caller running many ops resolves once)."""
+        # is_compiling first: Dynamo folds it to True and never traces the rest; a compiled
+        # graph runs the device's backend.
+        if torch.compiler.is_compiling():
+            self.overload(**arguments)
             return
-        first = args[0]
+        first = arguments[self._first]
         if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
-            self.overload(*args)
+            self.overload(**arguments)
             return
-        mutated = tuple(args[i] for i in self._mutated_indices if args[i] is not None)
-        _C._increment_version(mutated)
-        self.run_kernel(*args)
+        device_type = "cuda" if first.is_cuda else "cpu"
+        module = (
+            backend
+            if isinstance(backend, ModuleType)
+            else self.registry.resolve(first.device, backend)
+        )
+        args = self._in_order(arguments)
+        if not _eager(self._tensors(args)):  # modes, transforms, autograd, subclasses
+            with dispatching_to({self.registry: module}):
+                self.overload(**arguments)
+            return
+        kernel = self._kernel(module, device_type)
+        _C._increment_version(tuple(t for i in self._mutated if (t := args[i]) is not None))
+        self.run_kernel(kernel, args)

@@ -10,7 +10,8 @@ from torch import nn
 
 from .._rounding import aligned_pieces, mix32_int, seed_at_offset
 from ..distributed import DEFAULT_BUCKET_NUMEL
-from ..ops.sgd import sgd_update_op
+from ..ops.backends import LOMO
+from ..ops.lomo import lomo_update_op
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
 from .sharded_steps import SliceBatch
@@ -97,6 +98,8 @@ class Lomo(InBackwardOptimizer):
         # Per device: the per-step part of the rounding seed, refreshed in place each step
         # and read by the kernels, so a compiled backward does not depend on the step.
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
+        # The backend module per device, resolved once per step (not per update call).
+        self._backends: dict[torch.device, Any] = {}
         params = [p for g in self.param_groups for p in g["params"]]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
@@ -111,6 +114,7 @@ class Lomo(InBackwardOptimizer):
     @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
     def _prepare_scalars(self) -> None:
         super()._prepare_scalars()
+        self._backends = {d: LOMO.resolve(d, self._backend_name) for d in self._scalars}
         if not self.stochastic_rounding:
             return
         # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps the
@@ -201,22 +205,26 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
-        sgd_update_op(
-            target,
-            grad,
-            scalars.lr[self._group_of[id(param)]],
-            self._inv_scale_for(target.device),
-            group["clip_grad_value"],
-            (scalars.clip_coef if clip_coef is None else clip_coef)
+        # The op as the public function runs it, without the public function's per-call
+        # conversions: every value here is the optimizer's own, in the op's form (1-element
+        # fp32 device scalars made in _prepare_scalars; hyper-parameters checked each step
+        # by validation.py), and the binding checks the tensors' shapes and dtypes.
+        lomo_update_op(
+            None if torch.compiler.is_compiling() else self._backends[target.device],
+            param=target,
+            grad=grad.contiguous(),
+            lr=scalars.lr[self._group_of[id(param)]],
+            inv_scale=self._inv_scale_for(target.device),
+            clip_value=group["clip_grad_value"],
+            clip_coef=(scalars.clip_coef if clip_coef is None else clip_coef)
             if group["clip_grad_norm"] is not None
             else None,
-            group["weight_decay"],
-            scalars.update_found_inf,
-            skip_if,
-            use_sr,
-            seed,
-            seed_step,
-            self._backend_name,
+            weight_decay=group["weight_decay"],
+            found_inf=scalars.update_found_inf,
+            skip_if=skip_if,
+            stochastic_rounding=use_sr,
+            seed=seed,
+            seed_step=seed_step,
         )
 
     def _begin_attempt(self) -> None:

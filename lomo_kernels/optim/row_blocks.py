@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .. import compile as _compiled_autograd
-from ..ops.sgd import grad_sumsq_op
+from .. import ops
 from .step_mode import Phase
 
 # Stochastic rounding keys a block by its flat offset's low 32 bits (`seed_at_offset`).
@@ -116,8 +116,9 @@ class RowBlockStep:
             self._scalars.sumsq.add_(self._sumsq)  # the slot into the total, once
 
     def _accumulate(self, grad: torch.Tensor, sumsq: torch.Tensor, found: torch.Tensor) -> None:
-        if grad.numel():
-            grad_sumsq_op(grad, self._inv_scale, sumsq, found, self._optimizer._backend_name)
+        ops.grad_sumsq_(
+            grad, sumsq, inv_scale=self._inv_scale, found_inf=found, backend=self._optimizer.backend
+        )
 
 
 class RowBlockSteps:

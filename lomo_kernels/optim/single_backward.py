@@ -63,7 +63,6 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..ops.sgd import grad_sumsq_op
 
 CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
 
@@ -119,9 +118,7 @@ class SingleBackwardClip:
         m = self._measured(grad.device)
         m.pair.zero_()
         if grad.numel():
-            # The op itself: `ops.grad_sumsq_` would re-check, per gradient, what
-            # the optimizer checked once at construction (dtype, device, layout).
-            grad_sumsq_op(grad, inv_scale, m.sumsq, m.found, backend or "auto")
+            ops.grad_sumsq_(grad, m.sumsq, inv_scale=inv_scale, found_inf=m.found, backend=backend)
         self._account(m.pair, m.sumsq, m.found, m.bad, clip_coef)
         return m.found
 

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import (
+    add_output_arguments,
     comma_list,
     device,
     model_name,
-    output_path,
-    plot_path,
     positive_int,
     whole_number,
 )
@@ -281,7 +280,7 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
             family = backends.ADALOMO  # its own kernels
             opt = lomo_kernels.AdaLomo(model, lr=LR)
         else:
-            family = backends.SGD
+            family = backends.LOMO
             opt = lomo_kernels.Lomo(
                 model, lr=LR, clip_grad_norm=1.0 if config == "lomo_clip" else None
             )
@@ -515,12 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="adamw,sgd,lomo_optim,lomo,adalomo",
         help="comma list",
     )
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
-    parser.add_argument(
-        "--plot", type=plot_path, default=None, help="write the stacked bars (PNG) here"
-    )
     add_fused_head_argument(parser)
-    parser.add_argument("--no-progress", action="store_true")
+    add_output_arguments(parser, "write the stacked bars (PNG) here")
 
 
 def add_fused_head_argument(parser: argparse.ArgumentParser) -> None:
@@ -545,11 +540,7 @@ def command(args: argparse.Namespace) -> int:
     )
     from . import machine
 
-    print(machine.one_line(meta))
-    print(format_table(split, meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": meta, "split": split, "raw": raw}, f, indent=1)
+    machine.print_results(meta, format_table(split, meta), args.json, split=split, raw=raw)
     if args.plot:
         from .plots import plot_memory
 

@@ -25,17 +25,15 @@ system call: compare CPU step times between optimizers of one run, not with othe
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .argtypes import (
+    add_output_arguments,
     comma_list,
     device,
     model_name,
     non_negative_float,
-    output_path,
-    plot_path,
     positive_int,
     whole_number,
 )
@@ -221,10 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
-    parser.add_argument("--plot", type=plot_path, default=None, help="write the bars (PNG) here")
     add_fused_head_argument(parser)
-    parser.add_argument("--no-progress", action="store_true")
+    add_output_arguments(parser, "write the bars (PNG) here")
 
 
 def command(args: argparse.Namespace) -> int:
@@ -247,11 +243,7 @@ def command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         fused_head=args.fused_head,
     )
-    print(machine.one_line(meta))
-    print(format_table(results, meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": meta, "results": results}, f, indent=1)
+    machine.print_results(meta, format_table(results, meta), args.json, results=results)
     if args.plot:
         from .plots import plot_train
 

@@ -3,6 +3,7 @@
     lomo-kernels estimate --model llama-7b --optimizer lomo [--gpus N --gpu-mem GB --zero3]
     lomo-kernels bench kernels [--device cpu|cuda] [--csv F] [--json F] [--plot F.png]
     lomo-kernels bench memory --model llama-168m [--device cpu|cuda] [--plot F.png]
+    lomo-kernels bench head [--shape small|llama-3-8b] [--device cpu|cuda] [--variants ...]
     lomo-kernels bench train --model tiny [--device cpu|cuda] [--optimizers adamw,lomo,...]
     lomo-kernels demo [--steps N] [--optimizers lomo,adamw]
 
@@ -35,6 +36,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "lomo_kernels.tools.bench_memory",
         "measure peak memory per optimizer (parameters, gradients, states, activations)",
     ),
+    ("bench", "head"): (
+        "lomo_kernels.tools.bench_head",
+        "an LM head's loss, backward and update: fused, unfused, liger-kernel, cut-cross-entropy",
+    ),
     ("bench", "train"): (
         "lomo_kernels.tools.bench_train",
         "end-to-end fine-tuning per optimizer: tokens/s, step time, peak memory, OOM",
@@ -53,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
             if path[0] not in groups:
-                group = top.add_parser(path[0], help="benchmarks: kernels, memory, train")
+                group = top.add_parser(path[0], help="benchmarks: kernels, memory, head, train")
                 groups[path[0]] = group.add_subparsers(
                     dest="subcommand", required=True, metavar="WHAT"
                 )

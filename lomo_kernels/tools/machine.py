@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 from typing import Any
@@ -105,3 +106,13 @@ def one_line(info: dict[str, Any]) -> str:
         f"{where}; torch {info['torch']}, triton {info['triton']}, python {info['python']}; "
         f"{info['date']}"
     )
+
+
+def print_results(meta: dict[str, Any], table: str, json_path: str | None, **results: Any) -> None:
+    """A benchmark's output: the machine line and the table; with `json_path`, the machine
+    and `results` (by name) as JSON there too."""
+    print(one_line(meta))
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": meta, **results}, f, indent=1)

@@ -189,7 +189,7 @@ def _backend_name(opt: Any, model: torch.nn.Module) -> str:
     """The kernel backend that serves the model's device (loading it now, before any step)."""
     from lomo_kernels.ops import backends
 
-    family = backends.ADALOMO if type(opt).__name__ == "AdaLomo" else backends.SGD
+    family = backends.ADALOMO if type(opt).__name__ == "AdaLomo" else backends.LOMO
     device = next(model.parameters()).device
     return backends.backend_name(family.resolve(device, opt.backend))
 

@@ -11,15 +11,34 @@ import importlib
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
 # The package ships csrc/ (lomo_kernels/csrc, a link to the top-level sources in a checkout).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _MAX_REASON_CHARS = 4000
+
+
+# With this set to 1 the extensions are imported as built ahead of time by setup.py
+# (LOMO_KERNELS_BUILD_EXT=1), as `lomo_kernels.<name>`, instead of JIT-built.
+PREBUILT_ENV = "LOMO_KERNELS_PREBUILT"
+
+# Every extension: its name and sources (setup.py builds these when asked to).
+EXTENSIONS = {
+    "lomo_kernels_cpu": ("lomo_cpu.cpp",),
+    "lomo_kernels_cuda": ("lomo_cuda.cu", "lomo_cuda_binding.cpp"),
+    "lomo_kernels_adalomo_cpu": ("adalomo_cpu.cpp",),
+    "lomo_kernels_adalomo_cuda": ("adalomo_cuda.cu", "adalomo_cuda_binding.cpp"),
+}
+
+
+def prebuilt_name(name: str) -> str:
+    """The module an extension built ahead of time is imported as."""
+    return f"lomo_kernels._C_{name.removeprefix('lomo_kernels_')}"
 
 
 def device_type(t: torch.Tensor) -> str:
@@ -51,25 +70,17 @@ def _short(exc: BaseException) -> str:
 class ExtensionLoader:
     """One CPU and one CUDA extension of a backend, each built at most once per process."""
 
-    def __init__(
-        self,
-        label: str,
-        cpu: tuple[str, Sequence[str]],
-        cuda: tuple[str, Sequence[str]],
-        *,
-        prebuilt_cpu: str | None = None,
-    ) -> None:
+    def __init__(self, label: str, cpu: str, cuda: str) -> None:
         self.label = label
-        self._cpu_name, self._cpu_sources = cpu
-        self._cuda_name, self._cuda_sources = cuda
-        self._prebuilt_cpu = prebuilt_cpu
+        self._cpu_name, self._cpu_sources = cpu, EXTENSIONS[cpu]
+        self._cuda_name, self._cuda_sources = cuda, EXTENSIONS[cuda]
         self._lock = threading.Lock()
         self._modules: dict[str, ModuleType] = {}
         self._errors: dict[str, str] = {}
 
     def _build_cpu(self) -> ModuleType:
-        if self._prebuilt_cpu and os.environ.get("LOMO_KERNELS_PREBUILT") == "1":
-            return importlib.import_module(self._prebuilt_cpu)
+        if os.environ.get(PREBUILT_ENV) == "1":
+            return importlib.import_module(prebuilt_name(self._cpu_name))
         from torch.utils.cpp_extension import load
 
         failures = []
@@ -93,6 +104,8 @@ class ExtensionLoader:
             raise RuntimeError("this torch build has no CUDA support")
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device is available")
+        if os.environ.get(PREBUILT_ENV) == "1":
+            return importlib.import_module(prebuilt_name(self._cuda_name))
         from torch.utils.cpp_extension import load
 
         return load(
@@ -137,6 +150,25 @@ class ExtensionLoader:
         if self.get(device_type) is not None:
             return ""
         return self._errors.get(device_type, "unknown")
+
+    def function(self, name: str) -> Callable[..., None]:
+        """The extension function `name`, run on the extension of the device of the call's
+        first argument; arguments by position or keyword (the binding's declared names)."""
+
+        modules = self._modules
+
+        def for_device(kind: str) -> Callable[..., None]:
+            """The function of the extension for device type `kind` (built on first use)."""
+            return getattr(modules.get(kind) or self.module(kind), name)
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            first = args[0] if args else next(iter(kwargs.values()))
+            for_device(device_type(first))(*args, **kwargs)
+
+        call.for_device = for_device  # type: ignore[attr-defined]
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = f"The extension's {name} on the tensors' device (csrc/ bindings)."
+        return call
 
     def module(self, device_type: str) -> ModuleType:
         """The extension for `device_type`, or a RuntimeError saying why it is missing."""

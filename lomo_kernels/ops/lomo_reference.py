@@ -31,7 +31,7 @@ def _write_back(
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
 
-def sgd_update_(
+def lomo_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
     lr: torch.Tensor,

@@ -1,5 +1,5 @@
-"""Fused LOMO SGD update and gradient sum of squares: the Triton device code (launchers:
-`sgd.py`).
+"""Fused LOMO update and gradient sum of squares: the Triton device code (launchers:
+`lomo.py`).
 
 Each kernel makes one pass over one contiguous parameter. The numel n is split into an
 aligned bulk of `n - n % 16` elements, masked with a bound the JIT specialises as divisible
@@ -125,7 +125,7 @@ def _update_chunk(
 
 
 @triton.jit(do_not_specialize=["n", "seed_lo", "seed_hi"])
-def sgd_update_kernel(
+def lomo_update_kernel(
     param_ptr,
     grad_ptr,
     n_bulk,

@@ -1,6 +1,6 @@
-"""Triton launchers of the LOMO update ops (kernels: `sgd_kernels.py`).
+"""Triton launchers of the LOMO update ops (kernels: `lomo_kernels.py`).
 
-Same arguments and semantics as `lomo_kernels.ops.sgd_reference`. Runs on CUDA tensors, or
+Same arguments and semantics as `lomo_kernels.ops.lomo_reference`. Runs on CUDA tensors, or
 on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1). One launch per op, no host
 sync: the runtime scalars are read by the kernel from device memory, and skip_if suppresses
 every write on the device. Importing this module never imports triton.
@@ -8,6 +8,8 @@ every write on the device. Importing this module never imports triton.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ NUM_WARPS = 8
 # The bulk bound is a multiple of this so the JIT marks it divisible by 16.
 ALIGN = 16
 
-__all__ = ["grad_sumsq_", "is_available", "sgd_update_", "unavailable_reason"]
+__all__ = ["grad_sumsq_", "is_available", "lomo_update_", "unavailable_reason"]
 
 
 def _grid(n_bulk: int) -> tuple[int]:
@@ -35,7 +37,7 @@ def _int32_bits(value: int) -> int:
     return value - (1 << 32) if value >= (1 << 31) else value
 
 
-def sgd_update_args(
+def lomo_update_args(
     param: torch.Tensor,
     grad: torch.Tensor,
     lr: torch.Tensor,
@@ -100,25 +102,28 @@ def grad_sumsq_args(
     return _grid(n_bulk), args
 
 
-def sgd_update_(param: torch.Tensor, grad: torch.Tensor, *args: Any) -> None:
-    """One LOMO step on one contiguous parameter, in place, in one launch (arguments and
-    semantics of `sgd_reference.sgd_update_`)."""
-    if param.numel() == 0:
-        return
-    grid, launch = sgd_update_args(param, grad, *args)
-    kernels("sgd_kernels").sgd_update_kernel[grid](**launch, num_warps=NUM_WARPS)
+def _launcher(
+    build: Callable[..., tuple[tuple[int], dict[str, Any]]], kernel: str
+) -> Callable[..., None]:
+    """One launch of `kernel` with the arguments `build` makes of the op's arguments; the
+    launcher takes the op's arguments as `build` declares them (by position or keyword)."""
+
+    @functools.wraps(build)
+    def launch(*args: Any, **kwargs: Any) -> None:
+        grid, arguments = build(*args, **kwargs)
+        if arguments["n"]:
+            getattr(kernels("lomo_kernels"), kernel)[grid](**arguments, num_warps=NUM_WARPS)
+
+    return launch
 
 
-def grad_sumsq_(grad: torch.Tensor, *args: Any) -> None:
-    """sumsq += sum((fp32(grad) * inv_scale) ** 2), found_inf raised on inf/nan, one launch.
-
-    Partial sums are added atomically, so the summation order (and the last bits of sumsq)
-    differ from the reference's float64 sum.
-    """
-    if grad.numel() == 0:
-        return
-    grid, launch = grad_sumsq_args(grad, *args)
-    kernels("sgd_kernels").grad_sumsq_kernel[grid](**launch, num_warps=NUM_WARPS)
+# One LOMO step on one contiguous parameter, in place, in one launch (arguments and semantics
+# of `lomo_reference.lomo_update_`).
+lomo_update_ = _launcher(lomo_update_args, "lomo_update_kernel")
+# sumsq += sum((fp32(grad) * inv_scale) ** 2), found_inf raised on inf/nan, one launch.
+# Partial sums are added atomically, so the summation order (and the last bits of sumsq)
+# differ from the reference's float64 sum.
+grad_sumsq_ = _launcher(grad_sumsq_args, "grad_sumsq_kernel")
 
 
 # ----------------------------------------------------------------------------- ahead of time
@@ -172,7 +177,7 @@ def aot_update(
     for an aligned parameter whose numel is not a multiple of 16."""
     n = 2 * BLOCK + 5
     flag = torch.zeros(1)
-    _, args = sgd_update_args(
+    _, args = lomo_update_args(
         torch.empty(n, dtype=param_dtype),
         torch.empty(n, dtype=grad_dtype),
         torch.full((1,), 1e-3),
@@ -186,7 +191,7 @@ def aot_update(
         12345,
         torch.zeros(1, dtype=torch.int64),
     )
-    kernel = kernels("sgd_kernels").sgd_update_kernel
+    kernel = kernels("lomo_kernels").lomo_update_kernel
     return (kernel, *aot_signature(kernel, args))
 
 
@@ -196,5 +201,5 @@ def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
     _, args = grad_sumsq_args(
         torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
     )
-    kernel = kernels("sgd_kernels").grad_sumsq_kernel
+    kernel = kernels("lomo_kernels").grad_sumsq_kernel
     return (kernel, *aot_signature(kernel, args))
