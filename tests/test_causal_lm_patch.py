@@ -12,13 +12,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lomo_kernels import AdaLomo, Lomo, patch_causal_lm
 from lomo_kernels.integrations.causal_lm import unpatch_causal_lm
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+from lomo_kernels.ops import cross_entropy as lce
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 
 
-def _model(family: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
+def _model(family: str, tie: bool = False, seed: int = 0, **overrides) -> torch.nn.Module:
     import transformers
 
     config_class, model_class = {
@@ -27,7 +28,7 @@ def _model(family: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     }[family]
-    config = getattr(transformers, config_class)(**SMALL, tie_word_embeddings=tie)
+    config = getattr(transformers, config_class)(**SMALL, tie_word_embeddings=tie, **overrides)
     torch.manual_seed(seed)
     return getattr(transformers, model_class)(config).train()
 
@@ -135,12 +136,64 @@ def test_patched_step_never_creates_a_tokens_by_vocab_tensor(monkeypatch):
         assert (seen.largest[0] < limit) == expect_below, (patched, seen.largest)
 
 
-def _train(model, optimizer_class, single_backward, steps=3, **kwargs):
-    opt = optimizer_class(model, lr=0.05, clip_grad_norm=1.0, weight_decay=0.01,
+class _LargestMatrix(_LargestTensor):
+    """The largest tensor of two or more dimensions any op but `allowed` allocates (views of
+    an input are not allocations; the update kernels' flat fp32 temporaries are 1-D)."""
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        super().__init__()
+        self.allowed = allowed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in self.allowed:
+            return out
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() >= 2
+                and t.numel() > self.largest[0]
+                and t.untyped_storage().data_ptr() not in storages
+            ):
+                self.largest = (t.numel(), tuple(t.shape), str(func))
+        return out
+
+
+@pytest.mark.parametrize("single_backward", [False, True])
+def test_lomo_step_never_creates_the_head_gradient(monkeypatch, single_backward):
+    """1 x 8 tokens, vocab 96 x hidden 32: the head's gradient (3,072 elements) is the
+    largest matrix of an unpatched Lomo step (logits 768, MLP 576, attention 256, chunks of
+    64 vocabulary rows 2,048); with the head stepped from its chunks and the embedding from
+    its used rows, no matrix that large appears."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
+    data = batch(3, vocab=VOCAB, batch_size=1, seq=8)
+    limit = VOCAB * SMALL["hidden_size"]
+    allowed = ()
+    for patched, expect_below in ((False, False), (True, True)):
+        model = _model("llama")
+        if patched:
+            patch_causal_lm(model)
+        opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, single_backward=single_backward)
+        with _LargestMatrix(allowed) as seen:
+            opt.fused_backward(model(**data).loss)
+        opt.detach()
+        assert (seen.largest[0] < limit) == expect_below, (patched, seen.largest)
+
+
+def _data(step: int) -> dict[str, torch.Tensor]:
+    data = batch(step, vocab=VOCAB, seq=14)
+    data["labels"] = _labels_with_ignored(data["input_ids"])
+    return data
+
+
+def _train(model, optimizer_class, single_backward, steps=3, data_for=_data, **kwargs):
+    kwargs = {"weight_decay": 0.01, **kwargs}
+    opt = optimizer_class(model, lr=0.05, clip_grad_norm=1.0,
                           single_backward=single_backward, **kwargs)  # fmt: skip
     for step in range(steps):
-        data = batch(step, vocab=VOCAB, seq=14)
-        data["labels"] = _labels_with_ignored(data["input_ids"])
+        data = data_for(step)
         if single_backward:
             opt.fused_backward(model(**data).loss, 0.05)
         else:
@@ -149,22 +202,9 @@ def _train(model, optimizer_class, single_backward, steps=3, **kwargs):
     return model
 
 
-@pytest.mark.parametrize(
-    "family,optimizer_class,single_backward,tie",
-    [
-        ("llama", Lomo, False, False),
-        ("llama", Lomo, True, True),
-        ("qwen2", Lomo, False, True),
-        ("llama", AdaLomo, False, True),
-        ("qwen2", AdaLomo, True, False),
-    ],
-)
-def test_training_steps_match_unpatched(family, optimizer_class, single_backward, tie):
-    """3 steps with clip_grad_norm and weight decay: every parameter within 4 ulps of its
-    value or 1e-4 of its tensor's largest update over the run."""
-    start = _model(family, tie=tie)
-    plain = _train(clone(start), optimizer_class, single_backward)
-    fused = _train(patch_causal_lm(clone(start)), optimizer_class, single_backward)
+def _assert_steps_match(fused, plain, start):
+    """Every parameter within 4 ulps of its value or 1e-4 of its tensor's largest update over
+    the run (fp32)."""
     for (name, a), b, s in zip(
         fused.named_parameters(), plain.parameters(), start.parameters(), strict=True
     ):
@@ -175,6 +215,80 @@ def test_training_steps_match_unpatched(family, optimizer_class, single_backward
         )
         worst = ((a64 - b64).abs() / bound).max().item()
         assert worst <= 1.0, f"{name}: {worst:.3g} x the bound"
+
+
+@pytest.mark.parametrize(
+    "family,optimizer_class,single_backward,tie",
+    [
+        ("llama", Lomo, True, True),
+        ("qwen2", Lomo, False, True),
+        ("llama", AdaLomo, False, True),
+        ("qwen2", AdaLomo, True, False),
+    ],
+)
+def test_training_steps_match_unpatched(family, optimizer_class, single_backward, tie):
+    """3 steps with clip_grad_norm and weight decay, the head's gradient materialised (tied
+    weights, AdaLomo): within the bound of `_assert_steps_match`."""
+    start = _model(family, tie=tie)
+    plain = _train(clone(start), optimizer_class, single_backward)
+    fused = _train(patch_causal_lm(clone(start)), optimizer_class, single_backward)
+    _assert_steps_match(fused, plain, start)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("single_backward", [False, True])
+def test_lomo_head_stepped_from_chunks_matches_unpatched(monkeypatch, family, single_backward):
+    """An untied head owned by Lomo is stepped from its vocabulary chunks (64 rows: 96 is not
+    a multiple), never getting a gradient of its own: 3 steps with clip_grad_norm and weight
+    decay, exact and single_backward, within the bound of `_assert_steps_match`."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
+    start = _model(family)
+    plain = _train(clone(start), Lomo, single_backward)
+    materialised = []
+    monkeypatch.setattr(lce, "_backward_op", lambda *a: materialised.append(1))
+    fused = _train(patch_causal_lm(clone(start)), Lomo, single_backward)
+    assert not materialised and fused.lm_head.weight.grad is None
+    _assert_steps_match(fused, plain, start)
+
+
+PAD = 7
+
+
+def _padded_data(step: int) -> dict[str, torch.Tensor]:
+    """Ids with duplicates and padding (PAD, ignored by the loss), 28 tokens of 96 ids."""
+    data = _data(step)
+    data["input_ids"][0, -5:] = PAD
+    data["input_ids"][1, :4] = data["input_ids"][1, 4]
+    data["labels"] = torch.where(data["input_ids"] == PAD, -100, data["labels"])
+    return data
+
+
+@pytest.mark.parametrize(
+    "single_backward,weight_decay", [(False, 0.01), (True, 0.01), (False, 0.0)]
+)
+def test_lomo_embedding_stepped_from_used_rows_matches_unpatched(
+    monkeypatch, single_backward, weight_decay
+):
+    """The input embedding (padding_idx set, repeated ids) stepped from the rows the batch
+    used, every row decayed (or, without weight decay, only the used chunks touched): 3 steps
+    against unpatched Lomo within the bound of `_assert_steps_match`."""
+    from lomo_kernels.ops import embedding_backward
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * SMALL["hidden_size"])
+    start = _model("llama", pad_token_id=PAD)
+    assert start.model.embed_tokens.padding_idx == PAD
+    run = dict(data_for=_padded_data, weight_decay=weight_decay)
+    plain = _train(clone(start), Lomo, single_backward, **run)
+    by_rows = []
+    stepped = embedding_backward.step_used_rows
+    monkeypatch.setattr(
+        embedding_backward, "step_used_rows", lambda *a: by_rows.append(1) or stepped(*a)
+    )
+    fused = _train(patch_causal_lm(clone(start)), Lomo, single_backward, **run)
+    # Exact: grad_norm's pass, then fused_backward's own norm pass (another loss) and update.
+    assert len(by_rows) == (3 if single_backward else 9)
+    assert fused.model.embed_tokens.weight.grad is None
+    _assert_steps_match(fused, plain, start)
 
 
 def test_compiled_model_norm_pass_refused_clearly_before_any_change():

@@ -375,3 +375,20 @@ def test_fused_head_activation_model_bounds_the_tracked_peak(
     assert modelled <= measured <= modelled + cpu_extra, (modelled, measured, cpu_extra)
     unfused = est.activation_bytes(shape, batch, seq, checkpointing, precision)
     assert measured < unfused
+
+
+def test_fused_head_lomo_counts_no_vocab_by_hidden_gradient() -> None:
+    """Llama-3-8B (vocab 128,256 x 4096, untied), bf16, 8 x 2048, checkpointing: with the
+    fused head a Lomo's largest whole gradient is the MLP's 14,336 x 4096 (the head and the
+    embedding are stepped from blocks); AdaLomo, a tied model (Llama-3.2-1B) and ZeRO-3 keep
+    the 128,256-row gradient."""
+    run = dict(precision="bf16", batch=8, seq=2048, fused_head=True)
+    lomo = est.estimate("llama-3-8b", "lomo", **run)
+    assert lomo.gradients_gib == round(14336 * 4096 * 2 / 2**30, 2)
+    assert lomo.total_gib == 23.13
+    vocab_rows = round(128256 * 4096 * 2 / 2**30, 2)
+    assert est.estimate("llama-3-8b", "adalomo", **run).gradients_gib == vocab_rows
+    zero3 = est.estimate("llama-3-8b", "lomo", gpus=2, zero3=True, **run)
+    assert zero3.gradients_gib == vocab_rows
+    tied = est.estimate("llama-3-1b", "lomo", **run)
+    assert tied.gradients_gib == round(128256 * 2048 * 2 / 2**30, 2)

@@ -123,6 +123,25 @@ def test_all_ignored_rows_give_zero_loss_and_gradients(kernels):
     assert bool((d_hidden == 0).all()) and all(bool((c == 0).all()) for c in chunks)
 
 
+def test_skipped_outputs_leave_the_others_bit_identical(kernels, monkeypatch):
+    """No sink: the weight gradient's products are skipped, d_hidden is unchanged bit for
+    bit; no d_hidden: the chunks' weight gradients are unchanged bit for bit (on CPU, where
+    both kernels add in a fixed order)."""
+    hidden, weight, labels, grad = _problem(20, 16, 150, torch.float32)
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 32 * 16)  # 150 rows: 4 x 32 + 22
+    _, lse = kernels.forward(hidden, weight, labels, IGNORE)
+    args = (grad.float(), hidden, weight, labels, lse, IGNORE)
+    chunks, alone = [], []
+    both = lce.backward_by_chunks(*args, lambda a, b, c: chunks.append(c.clone()), kernels)
+    only_hidden = lce.backward_by_chunks(*args, None, kernels)
+    none = lce.backward_by_chunks(
+        *args, lambda a, b, c: alone.append(c.clone()), kernels, with_d_hidden=False
+    )
+    assert none is None and len(alone) == len(chunks) == 5
+    assert torch.equal(only_hidden, both)
+    assert all(torch.equal(a, b) for a, b in zip(alone, chunks, strict=True))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_public_function_matches_unfused_cross_entropy(reduction):
     """fp32, through autograd: the fused loss and both gradients against F.cross_entropy on

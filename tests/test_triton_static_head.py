@@ -30,6 +30,8 @@ for arch in (80, 90):
     for name, dtype in TYPES.items():
         for fn in (k.forward_kernel, k.backward_kernel):
             constexprs = {**m.GPU_TILES, "KIND": KIND[dtype], "NATIVE": True}
+            if fn is k.backward_kernel:  # both outputs, as the unowned head's backward
+                constexprs.update(WITH_D_HIDDEN=True, WITH_D_WEIGHT=True)
             signature = {}
             for p in fn.params:
                 if p.is_constexpr:

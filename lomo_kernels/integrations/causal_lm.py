@@ -6,6 +6,12 @@ linear + cross-entropy (`ops/cross_entropy.py`): the ``tokens x vocab`` logits a
 gradient never exist, and ``outputs.logits`` is None. Without labels (generation,
 evaluation without a loss) the original forward runs unchanged.
 
+With a `Lomo` attached (untied, unsharded weights, eager backward) the two ``vocab x
+hidden`` gradients go too: the head is stepped from each vocabulary chunk's gradient as the
+loss's backward produces it (`ops/head_gradient.py`), and the input embedding, looked up
+through `ops.embedding_backward.embedding_rows`, from the rows the batch used
+(`optim/row_blocks.py`). Any other optimizer gets both gradients as usual.
+
 Only architectures whose loss is exactly "bias-free linear head, then transformers'
 causal-LM cross-entropy" are patched; others are refused by name rather than given a
 different loss.
@@ -18,6 +24,7 @@ from typing import Any
 import torch
 
 from ..ops.cross_entropy import causal_lm_loss
+from ..ops.embedding_backward import embedding_rows
 
 # Classes whose forward is "decoder -> lm_head -> ForCausalLMLoss" with nothing in between.
 SUPPORTED_CLASSES = (
@@ -62,6 +69,9 @@ def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     original = model.forward
     head = model.get_output_embeddings()
     head.forward = _head_forward(head)
+    embedding = model.get_input_embeddings()
+    if _plain_embedding(embedding):
+        embedding.forward = _embedding_forward(embedding)
 
     def forward(
         input_ids: torch.Tensor | None = None,
@@ -138,10 +148,36 @@ def _head_forward(head: torch.nn.Linear) -> Any:
     return forward
 
 
+def _plain_embedding(embedding: torch.nn.Module) -> bool:
+    """An nn.Embedding whose lookup is F.embedding(ids, weight, padding_idx) alone."""
+    return (
+        type(embedding) is torch.nn.Embedding
+        and embedding.max_norm is None
+        and not embedding.scale_grad_by_freq
+        and not embedding.sparse
+    )
+
+
+def _embedding_forward(embedding: torch.nn.Embedding) -> Any:
+    """The input embedding's forward: `embedding_rows` (its backward hands a Lomo stepping
+    the weight only the used rows), except while tracing for torch.compile, where the plain
+    lookup keeps the compiled paths' handling of the embedding's gradient."""
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return torch.nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)
+        return embedding_rows(ids, embedding.weight, embedding.padding_idx)
+
+    return forward
+
+
 def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Restores the classes' forwards on a model `patch_causal_lm` patched."""
     if getattr(model, _PATCHED, False):
         del model.forward
         del model.get_output_embeddings().forward
+        embedding = model.get_input_embeddings()
+        if "forward" in vars(embedding):
+            del embedding.forward
         delattr(model, _PATCHED)
     return model

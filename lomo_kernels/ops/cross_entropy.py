@@ -48,7 +48,11 @@ def _kernels(device: torch.device):
 
 
 def chunk_rows(vocab: int, hidden: int) -> int:
-    return max(1, min(vocab, CHUNK_ELEMENTS // max(hidden, 1)))
+    """Rows per chunk: a power of two (chunk boundaries then fall on multiples of a large
+    power of two, which keeps a chunk's stochastic rounding to a few aligned pieces:
+    `optim/row_blocks.py`), at most CHUNK_ELEMENTS elements, at most the vocabulary."""
+    rows = max(1, CHUNK_ELEMENTS // max(hidden, 1))
+    return min(vocab, 1 << (rows.bit_length() - 1))
 
 
 def backward_by_chunks(
@@ -58,25 +62,33 @@ def backward_by_chunks(
     labels: torch.Tensor,
     lse: torch.Tensor,
     ignore_index: int,
-    sink: ChunkSink,
+    sink: ChunkSink | None,
     kernels=None,
-) -> torch.Tensor:
-    """``d_hidden`` (in hidden's dtype); each vocabulary chunk's complete fp32 weight gradient
-    is handed to ``sink(start, stop, grad)`` as soon as it exists, then reused."""
+    *,
+    with_d_hidden: bool = True,
+) -> torch.Tensor | None:
+    """``d_hidden`` (in hidden's dtype; None when not `with_d_hidden`); each vocabulary
+    chunk's complete fp32 weight gradient is handed to ``sink(start, stop, grad)`` as soon as
+    it exists, then reused. ``sink`` None: the weight gradient's products are skipped."""
     kernels = kernels or _kernels(hidden.device)
     counted_grad = torch.where(labels != ignore_index, grad_loss.float(), 0.0)
-    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    d_hidden = None
+    if with_d_hidden:
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     vocab, width = weight.shape
     rows = chunk_rows(vocab, width)
-    buffer = torch.empty((rows, width), dtype=torch.float32, device=hidden.device)
+    buffer = None
+    if sink is not None:
+        buffer = torch.empty((rows, width), dtype=torch.float32, device=hidden.device)
     for start in range(0, vocab, rows):
         stop = min(start + rows, vocab)
-        chunk_grad = buffer[: stop - start]
+        chunk_grad = None if buffer is None else buffer[: stop - start]
         kernels.backward_chunk(
             counted_grad, hidden, weight[start:stop], labels, lse, start, d_hidden, chunk_grad
         )
-        sink(start, stop, chunk_grad)
-    return d_hidden.to(hidden.dtype)
+        if sink is not None:
+            sink(start, stop, chunk_grad)
+    return None if d_hidden is None else d_hidden.to(hidden.dtype)
 
 
 def forward_impl(

@@ -9,7 +9,8 @@ in device tensors, so backward never waits for the host.
 
 The other jobs live beside it: checks before any change (`validation.py`, `_hyper.py`), the
 param groups (`param_groups.py`), routing to a sharding (`sharded_steps.py`), step reports
-(`reporting.py`) and checkpoints (`checkpoint.py`).
+(`reporting.py`), checkpoints (`checkpoint.py`) and parameters a fused op hands over in
+blocks of rows instead of a gradient (`row_blocks.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_ba
 from .loss_scaler import DynamicLossScaler
 from .param_groups import GroupHyperParameter, build_param_groups, group_index, hook_groups
 from .reporting import StepReporting
+from .row_blocks import RowBlockSteps
 from .sharded_steps import ShardedSteps
 from .single_backward import SingleBackwardClip
 from .step_mode import Phase, StepMode
@@ -97,7 +99,7 @@ class _DeviceScalars:
 
 
 class InBackwardOptimizer(
-    StepReporting, ShardedSteps, CheckpointState, metaclass=AttachedAfterInit
+    StepReporting, ShardedSteps, CheckpointState, RowBlockSteps, metaclass=AttachedAfterInit
 ):
     """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`
     and `_update_shards` (sharded slices).
@@ -155,6 +157,7 @@ class InBackwardOptimizer(
         self._norm_of_last_pass: torch.Tensor | None = None
         self._param_norms: torch.Tensor | None = None  # of the last eager norm pass
         self._init_reporting()
+        self._init_row_blocks()
         self._layout = ParameterLayout(model, params, sharded=self._sharding is not None)
         self.single_backward = bool(single_backward)
         self._single_backward_clip = (
@@ -284,6 +287,7 @@ class InBackwardOptimizer(
             raise RuntimeError(GRAD_ACCUMULATION_ERROR)
         if grad is None:
             return
+        self._note_whole_gradient(param)
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
         if self._sharding is not None:
@@ -535,6 +539,7 @@ class InBackwardOptimizer(
             loss = loss / self._static_inv_scale()
         self._mode.begin_pass(phase)
         self._updated.clear()
+        self._begin_row_block_pass()
         tracked = not _compiled_autograd.compiled_autograd_active()
         sharding = self._sharding
         try:

@@ -3,7 +3,8 @@
 Each trainable parameter gets one hook, attached once the optimizer's whole constructor
 succeeded and removed by `detach()` or when the optimizer is collected (the hooks hold it
 weakly). A registry of claims refuses a second optimizer on parameters a live one updates,
-and tells the compiled-autograd passes which parameters are updated in backward.
+tells the compiled-autograd passes which parameters are updated in backward, and tells a
+fused op producing a gradient in blocks which optimizer to hand them to (`owner_of`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from torch import nn
 
 
 class _Claim:
-    """Marks parameters as updated by one optimizer's hooks. A token of its own, so the
-    registry below holds no reference to the optimizer."""
+    """Marks parameters as updated by one optimizer's hooks. A token of its own holding the
+    optimizer weakly, so the registry below does not keep it alive."""
 
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
+    def __init__(self, optimizer: Any) -> None:
+        self.owner = type(optimizer).__name__
+        self.optimizer = weakref.ref(optimizer)
 
 
 # id(parameter) -> (the parameter, weakly; the claim of the optimizer whose hooks it has)
@@ -32,6 +34,14 @@ def updated_in_backward(t: Any) -> bool:
     """Whether `t` is a parameter that a live in-backward optimizer updates in its hooks."""
     entry = _OWNERS.get(id(t))
     return entry is not None and entry[0]() is t
+
+
+def owner_of(t: Any) -> Any:
+    """The live in-backward optimizer whose hooks update parameter `t`, or None (a fused op
+    that produces `t`'s gradient in blocks hands them to it: `row_blocks.py`)."""
+    if not updated_in_backward(t):
+        return None
+    return _OWNERS[id(t)][1].optimizer()
 
 
 def check_unowned(params: list[nn.Parameter], names: dict[int, str], new_owner: str) -> None:
@@ -69,7 +79,7 @@ def attach_hooks(optimizer: Any, params: list[nn.Parameter]) -> weakref.finalize
         if alive is not None:
             alive._on_grad_ready(param)
 
-    claim, handles = _Claim(type(optimizer).__name__), []
+    claim, handles = _Claim(optimizer), []
     ids = [id(p) for p in params]
     try:
         for p in params:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._rounding import mix32_int
+from .._rounding import aligned_pieces, mix32_int, seed_at_offset
 from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.backends import LOMO
 from ..ops.lomo import lomo_update_op
@@ -38,6 +38,10 @@ class Lomo(InBackwardOptimizer):
     their own lr, weight_decay or clip_grad_value; unlisted parameters keep the constructor's
     values: ``lomo_kernels.optim.param_groups``).
 
+    On a model patched by ``lomo_kernels.patch_causal_lm`` the head and the input embedding
+    (untied, unsharded, eager backward) are stepped from blocks of their rows' gradients, so
+    neither ``vocab x hidden`` gradient exists (``lomo_kernels.optim.row_blocks``).
+
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
@@ -50,6 +54,7 @@ class Lomo(InBackwardOptimizer):
     """
 
     _STATE_FORMAT = "Lomo"
+    _STEPS_ROWS = True  # elementwise: a fused op may hand it row blocks (row_blocks.py)
 
     def __init__(
         self,
@@ -136,6 +141,30 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         self._apply(param, param, 0, grad, group, scalars, skip_if)
 
+    def update_rows(
+        self,
+        param: torch.Tensor,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        skip_if: torch.Tensor,
+    ) -> None:
+        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad` exactly as
+        the whole tensor's step would (`row_blocks.py`)."""
+        group = self._hook_groups[self._group_of[id(param)]]
+        scalars = self._scalars_for(param.device)
+        if not (self.stochastic_rounding and param.dtype == torch.bfloat16):
+            self._apply(param, param[start:stop], 0, grad, group, scalars, skip_if)
+            return
+        # Each aligned piece is rounded with the bits its elements have in the whole tensor.
+        flat, flat_grad = param.view(-1), grad.reshape(-1)
+        first = start * (param.numel() // param.shape[0])
+        seed = self._index_of[id(param)]
+        for a, b in aligned_pieces(first, first + flat_grad.numel()):
+            piece_grad = flat_grad[a - first : b - first]
+            self._apply(param, flat[a:b], 0, piece_grad, group, scalars, skip_if,
+                        rounding_seed=seed_at_offset(seed, a))  # fmt: skip
+
     def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
         for i, (shard, grad) in enumerate(batch.entries):
@@ -162,15 +191,17 @@ class Lomo(InBackwardOptimizer):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
         clip_coef: torch.Tensor | None = None,
+        rounding_seed: int | None = None,
     ) -> None:
         """Updates `target` (the parameter, or its slice starting at flat `offset`);
-        `clip_coef` replaces the step-wide coefficient (single_backward under sharding)."""
+        `clip_coef` replaces the step-wide coefficient (single_backward under sharding),
+        `rounding_seed` the stochastic rounding's per-parameter seed."""
         use_sr = self.stochastic_rounding and target.dtype == torch.bfloat16
         seed, seed_step = 0, None
         if use_sr:
             # The same every step: distinct per (parameter, slice). The step's part is the
             # device tensor, XORed into the seed's high half by the kernel.
-            seed = self._index_of[id(param)]
+            seed = self._index_of[id(param)] if rounding_seed is None else rounding_seed
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]

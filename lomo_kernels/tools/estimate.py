@@ -11,6 +11,12 @@ Gradients
     AdamW, SGD: one gradient per parameter, N * p. LOMO and AdaLomo update each parameter
     inside backward and free its gradient at once: only the largest tensor's gradient,
     numel_max * p (LLaMA-7B: the 32000 x 4096 embedding / lm_head, 0.24 GiB in fp16).
+    With the fused head (``--fused-head``) a Lomo steps an untied, unsharded head from its
+    vocabulary chunks and the input embedding from the rows the batch used, so neither
+    ``vocab x hidden`` gradient is counted (the head's fp32 chunk is, with the loss's
+    activations; the used rows' fp32 sums, at most 4 h bytes a token, come after the
+    loss's and the layers' backward, below their peak); AdaLomo, tied weights and ZeRO-3
+    keep both.
 Optimizer states
     Mixed precision keeps an fp32 master copy of the weights for AdamW and SGD (4 bytes per
     parameter) and AdamW adds its fp32 first and second moments (8 more): AdamW 12 N bytes
@@ -135,12 +141,28 @@ def parameter_bytes(model: ModelShape, precision: str = "mixed") -> int:
     )
 
 
-def gradient_bytes(model: ModelShape, optimizer: str, precision: str = "mixed") -> int:
-    """Gradients alive at the peak: all of them, or (LOMO, AdaLomo) the largest one."""
+def in_backward_gradient_numels(
+    model: ModelShape, optimizer: str, fused_head: bool = False
+) -> list[int]:
+    """numel of each gradient an in-backward optimizer receives whole: every parameter's,
+    but, with the fused head (patch_causal_lm), a Lomo steps an untied head from its
+    vocabulary chunks and the input embedding from the rows the batch used (AdaLomo and
+    tied weights keep both)."""
+    numels = model.tensor_numels()
+    if fused_head and optimizer == "lomo" and not model.tie_word_embeddings:
+        numels = numels[1:-1]  # the embedding, first in module order, and the head, last
+    return numels
+
+
+def gradient_bytes(
+    model: ModelShape, optimizer: str, precision: str = "mixed", fused_head: bool = False
+) -> int:
+    """Gradients alive at the peak: all of them, or (LOMO, AdaLomo) the largest one the
+    optimizer receives whole (`in_backward_gradient_numels`)."""
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
     p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
     if opt in ("lomo", "adalomo"):
-        return model.largest_tensor_numel * p
+        return max(in_backward_gradient_numels(model, opt, fused_head)) * p
     return model.num_parameters * p
 
 
@@ -264,7 +286,8 @@ def estimate(
 
     model: a preset name (llama-7b, ...), a config.json path, a dict or an HF config.
     batch: sequences per GPU. activations_gib: use this figure instead of the model's.
-    fused_head: the loss is patch_causal_lm's logits-free one.
+    fused_head: the loss is patch_causal_lm's logits-free one (and with Lomo the untied head
+    and input embedding get no whole gradient).
     """
     shape = resolve_model(model)
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -277,7 +300,8 @@ def estimate(
         raise ValueError(f"activations_gib must be a finite number >= 0, got {activations_gib}")
     p = PRECISIONS[precision]
     params = parameter_bytes(shape, precision)
-    grads = gradient_bytes(shape, opt, precision)
+    # Sharded heads keep their gradient (gathered, then reduce-scattered).
+    grads = gradient_bytes(shape, opt, precision, fused_head and not (zero3 and gpus > 1))
     states = optimizer_state_bytes(shape, opt, precision)
     if zero3 and gpus > 1:
         params = params / gpus + shape.largest_tensor_numel * p  # + the gathered tensor

@@ -4,7 +4,7 @@ any device without Triton).
 The forward walks the vocabulary in blocks per block of tokens, keeping a running maximum
 and sum of exponentials (an online log-sum-exp): at most ``block_tokens x block_vocab`` fp32
 logits exist at a time. The backward, given one chunk of the vocabulary, recomputes that
-chunk's logits per block of tokens from the saved log-sum-exp, adds the chunk's share of
+chunk's logits in the same blocks from the saved log-sum-exp, adds the chunk's share of
 ``d_hidden`` into an fp32 accumulator and writes the chunk's complete weight gradient.
 
 Logits are computed in fp32 from fp32 copies of each block (a bf16/fp16 model's unfused
@@ -61,23 +61,31 @@ def backward_chunk(
     labels: torch.Tensor,
     lse: torch.Tensor,
     vocab_start: int,
-    d_hidden: torch.Tensor,
-    d_weight_chunk: torch.Tensor,
+    d_hidden: torch.Tensor | None,
+    d_weight_chunk: torch.Tensor | None,
 ) -> None:
     """For the vocabulary rows ``[vocab_start, vocab_start + len(weight_chunk))``: adds their
     share of the input gradient into ``d_hidden`` (fp32, tokens x hidden) and writes their
-    weight gradient into ``d_weight_chunk`` (fp32, chunk x hidden). ``grad_loss`` is the
-    per-token gradient, already 0 on ignored tokens."""
+    weight gradient into ``d_weight_chunk`` (fp32, chunk x hidden); either may be None, and
+    its products are then skipped. ``grad_loss`` is the per-token gradient, already 0 on
+    ignored tokens."""
     tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
     weight32 = weight_chunk.float()
-    d_weight_chunk.zero_()
+    if d_weight_chunk is not None:
+        d_weight_chunk.zero_()
     for t0 in range(0, tokens, BLOCK_TOKENS):
         t1 = min(t0 + BLOCK_TOKENS, tokens)
         h32 = hidden[t0:t1].float()
-        probs = (h32 @ weight32.T).sub_(lse[t0:t1, None]).exp_()
-        column = labels[t0:t1] - vocab_start
-        rows = torch.nonzero((column >= 0) & (column < chunk)).squeeze(1)
-        probs[rows, column[rows]] -= 1.0
-        probs *= grad_loss[t0:t1, None]
-        d_hidden[t0:t1].addmm_(probs, weight32)
-        d_weight_chunk.addmm_(probs.T, h32)
+        # Vocabulary blocks within the chunk: one block of logits at a time, as the forward.
+        for v0 in range(0, chunk, BLOCK_VOCAB):
+            v1 = min(v0 + BLOCK_VOCAB, chunk)
+            w32 = weight32[v0:v1]
+            probs = (h32 @ w32.T).sub_(lse[t0:t1, None]).exp_()
+            column = labels[t0:t1] - (vocab_start + v0)
+            rows = torch.nonzero((column >= 0) & (column < v1 - v0)).squeeze(1)
+            probs[rows, column[rows]] -= 1.0
+            probs *= grad_loss[t0:t1, None]
+            if d_hidden is not None:
+                d_hidden[t0:t1].addmm_(probs, w32)
+            if d_weight_chunk is not None:
+                d_weight_chunk[v0:v1].addmm_(probs.T, h32)

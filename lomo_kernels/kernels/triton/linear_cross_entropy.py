@@ -44,22 +44,26 @@ def backward_chunk(
     labels: torch.Tensor,
     lse: torch.Tensor,
     vocab_start: int,
-    d_hidden: torch.Tensor,
-    d_weight_chunk: torch.Tensor,
+    d_hidden: torch.Tensor | None,
+    d_weight_chunk: torch.Tensor | None,
 ) -> None:
     hidden, weight_chunk = hidden.contiguous(), weight_chunk.contiguous()
     tokens, width = hidden.shape
-    d_weight_chunk.zero_()
+    if d_weight_chunk is not None:
+        d_weight_chunk.zero_()
     h, meta = _launch_args(hidden)
     w, _ = _launch_args(weight_chunk)
     grid = (
         triton_cdiv(tokens, meta["BLOCK_T"]),
         triton_cdiv(weight_chunk.shape[0], meta["BLOCK_V"]),
     )
+    # A skipped output's pointer is never dereferenced (its products are compiled out).
     kernels("linear_cross_entropy_kernels").backward_kernel[grid](
-        grad_loss.contiguous(), h, w, labels.contiguous(), lse.contiguous(), d_hidden,
-        d_weight_chunk, tokens, weight_chunk.shape[0], width, vocab_start, h.stride(0),
-        w.stride(0), **meta,
+        grad_loss.contiguous(), h, w, labels.contiguous(), lse.contiguous(),
+        lse if d_hidden is None else d_hidden,
+        lse if d_weight_chunk is None else d_weight_chunk,
+        tokens, weight_chunk.shape[0], width, vocab_start, h.stride(0), w.stride(0),
+        WITH_D_HIDDEN=d_hidden is not None, WITH_D_WEIGHT=d_weight_chunk is not None, **meta,
     )  # fmt: skip
 
 

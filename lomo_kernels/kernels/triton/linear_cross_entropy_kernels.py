@@ -105,11 +105,13 @@ def forward_kernel(
 def backward_kernel(
     grad_ptr, hidden_ptr, weight_ptr, labels_ptr, lse_ptr, d_hidden_ptr, d_weight_ptr,
     n_tokens, n_vocab, width, vocab_start, stride_h, stride_w,
+    WITH_D_HIDDEN: tl.constexpr, WITH_D_WEIGHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     KIND: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """One (token tile, vocabulary tile) of a chunk: ``weight_ptr`` points at the chunk's
-    first row, ``n_vocab`` is the chunk's row count, ``vocab_start`` its first label."""
+    first row, ``n_vocab`` is the chunk's row count, ``vocab_start`` its first label.
+    ``WITH_D_HIDDEN`` / ``WITH_D_WEIGHT`` false: that output's products are not computed."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     t_ok = offs_t < n_tokens
@@ -128,25 +130,27 @@ def backward_kernel(
     for k0 in range(0, width, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < width
-        w = tl.load(
-            weight_ptr + offs_v[:, None] * stride_w + offs_k[None, :],
-            mask=v_ok[:, None] & k_ok[None, :],
-            other=0,
-        )
-        h = tl.load(
-            hidden_ptr + offs_t[:, None] * stride_h + offs_k[None, :],
-            mask=t_ok[:, None] & k_ok[None, :],
-            other=0,
-        )
-        d_h = _dot(probs_op, _operand(w, KIND, NATIVE), KIND, NATIVE)
-        tl.atomic_add(
-            d_hidden_ptr + offs_t[:, None] * width + offs_k[None, :],
-            d_h,
-            mask=t_ok[:, None] & k_ok[None, :],
-        )
-        d_w = _dot(tl.trans(probs_op), _operand(h, KIND, NATIVE), KIND, NATIVE)
-        tl.atomic_add(
-            d_weight_ptr + offs_v[:, None] * width + offs_k[None, :],
-            d_w,
-            mask=v_ok[:, None] & k_ok[None, :],
-        )
+        if WITH_D_HIDDEN:
+            w = tl.load(
+                weight_ptr + offs_v[:, None] * stride_w + offs_k[None, :],
+                mask=v_ok[:, None] & k_ok[None, :],
+                other=0,
+            )
+            d_h = _dot(probs_op, _operand(w, KIND, NATIVE), KIND, NATIVE)
+            tl.atomic_add(
+                d_hidden_ptr + offs_t[:, None] * width + offs_k[None, :],
+                d_h,
+                mask=t_ok[:, None] & k_ok[None, :],
+            )
+        if WITH_D_WEIGHT:
+            h = tl.load(
+                hidden_ptr + offs_t[:, None] * stride_h + offs_k[None, :],
+                mask=t_ok[:, None] & k_ok[None, :],
+                other=0,
+            )
+            d_w = _dot(tl.trans(probs_op), _operand(h, KIND, NATIVE), KIND, NATIVE)
+            tl.atomic_add(
+                d_weight_ptr + offs_v[:, None] * width + offs_k[None, :],
+                d_w,
+                mask=v_ok[:, None] & k_ok[None, :],
+            )

@@ -1,0 +1,189 @@
+"""Stepping a parameter from blocks of its rows' gradients, as a fused op produces them, so
+that the parameter's whole gradient never exists (the fused linear + cross-entropy's head:
+`ops/head_gradient.py` walks the vocabulary in chunks, each chunk's gradient complete when
+its rows are done).
+
+The op asks the parameter's owner (`hooks.owner_of`) for a `RowBlockStep`; None means "give
+the parameter its gradient as usual" (the hook then steps it whole). A step is offered only
+where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise; AdaLomo's
+statistics span the whole matrix), an eager backward of its own norm or update pass, an
+unsharded parameter registered once in the model (a tied weight gets a second contribution),
+and, with stochastic rounding of a bf16 parameter, fewer than 2**32 elements.
+
+What each pass does with the blocks:
+
+- norm pass (exact clip by norm, fp16): each block's sum of squares and non-finite flag go
+  into the parameter's slot, as its whole gradient's would (the fp32 sum of the blocks'
+  fp32 sums: a few ulps of the norm apart from one sum). An overflow anywhere in the head
+  is found before any parameter changes, so the update pass leaves every tensor unchanged.
+- update pass after a norm pass, or without clipping: each block gets the fused update with
+  the step's coefficient and skip flag; elementwise, so the blocks together are the whole
+  tensor's update (stochastic rounding: each block is rounded with the bits its elements
+  have in the whole tensor, `_rounding.seed_at_offset`).
+- single_backward: the coefficient needs the head's whole norm and a non-finite gradient
+  leaves the tensor unchanged whole, so the blocks are swept twice: first measured (sum of
+  squares and flag, no input gradient), then, with the coefficient and skip flag those give,
+  updated. The second sweep recomputes the logits: one more chunked pass of the head's
+  matmuls instead of a ``vocab x hidden`` buffer.
+
+A parameter stepped from blocks must get no other gradient in the same pass (it would be a
+second step): the second contribution, by blocks or through the hook, is refused with an
+error. In the norm pass, as when a norm pass precedes the update, that is before anything
+changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import compile as _compiled_autograd
+from .. import ops
+from .step_mode import Phase
+
+# Stochastic rounding keys a block by its flat offset's low 32 bits (`seed_at_offset`).
+ROUNDED_BLOCKS_MAX_NUMEL = 2**32
+
+
+def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
+    """The row-block step of `param`'s owning optimizer in the pass in progress, or None
+    (no owner, or it takes the whole gradient: see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
+    from .hooks import owner_of
+
+    owner = owner_of(param)
+    return None if owner is None else owner.row_block_step(param)
+
+
+def second_contribution_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"lomo_kernels: parameter {name!r} is stepped in backward from gradient blocks (the "
+        "fused head's vocabulary chunks or the input embedding's used rows) and got a second "
+        "gradient in the same backward: it is used elsewhere in the graph too, or its op "
+        "ran twice for one loss. Use the head and the input embedding once per loss, or "
+        "train this model unpatched (lomo_kernels.unpatch_causal_lm)."
+    )
+
+
+class RowBlockStep:
+    """One parameter's share of the pass in progress, fed block by block: with
+    `measure_first`, every block to `measure`, then `measured()`; then every block to
+    `apply`, then `finish()`. A block of rows whose gradient is all zero may be left out
+    unless `changes_zero_rows`; while `measuring`, `apply` only measures its argument."""
+
+    def __init__(self, optimizer: Any, param: torch.Tensor) -> None:
+        self._optimizer = optimizer
+        self._param = param
+        self._scalars = optimizer._scalars_for(param.device)
+        self._inv_scale = optimizer._inv_scale_for(param.device)
+        self._norm = optimizer._mode.phase is Phase.NORM
+        # A norm pass only measures: any blocks holding the gradient's values will do.
+        self.measuring = self._norm
+        self.measure_first = not self._norm and optimizer._mode.single_backward
+        # Whether a block whose gradient is zero still changes (decoupled weight decay).
+        group = optimizer._hook_groups[optimizer._group_of[id(param)]]
+        self.changes_zero_rows = group["weight_decay"] != 0
+        self._skip_if = optimizer._skip_if(self._scalars)
+        self._sumsq = self._scalars.sumsq
+        slots = self._scalars.param_sumsq
+        if self._norm and slots is not None:
+            index = optimizer._index_of[id(param)]
+            self._sumsq = slots[index : index + 1]
+        if self.measure_first:
+            # [sum of squares, non-finite flag], as SingleBackwardClip.prepare_measured reads.
+            self._measured = torch.zeros(2, device=param.device)
+            self._skip_if = self._measured[1:2]
+
+    def measure(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        self._accumulate(grad, self._measured[0:1], self._measured[1:2])
+
+    def measured(self) -> None:
+        """single_backward: the head's coefficient and skip flag from its whole norm."""
+        self._optimizer._single_backward_clip.prepare_measured(
+            self._measured, clip_coef=self._scalars.clip_coef
+        )
+
+    def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        if self._norm:
+            self._accumulate(grad, self._sumsq, self._scalars.norm_found_inf)
+        else:
+            self._optimizer.update_rows(self._param, start, stop, grad, self._skip_if)
+
+    def finish(self) -> None:
+        if self._norm and self._sumsq is not self._scalars.sumsq:
+            self._scalars.sumsq.add_(self._sumsq)  # the slot into the total, once
+
+    def _accumulate(self, grad: torch.Tensor, sumsq: torch.Tensor, found: torch.Tensor) -> None:
+        ops.grad_sumsq_(
+            grad, sumsq, inv_scale=self._inv_scale, found_inf=found, backend=self._optimizer.backend
+        )
+
+
+class RowBlockSteps:
+    """The in-backward optimizer's side of `RowBlockStep` (mixed into InBackwardOptimizer).
+    Subclasses that can step rows set `_STEPS_ROWS` and implement `update_rows`."""
+
+    _STEPS_ROWS = False
+
+    def _init_row_blocks(self) -> None:
+        # This pass's parameters stepped from blocks, and those given a whole gradient.
+        self._row_block_params: set[int] = set()
+        self._whole_params: set[int] = set()
+        self._tied_ids: set[int] | None = None
+
+    def row_block_step(self, param: torch.Tensor) -> RowBlockStep | None:
+        """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
+        the whole gradient (see the module docstring for when). Refuses a second
+        contribution to a parameter already stepped from blocks in this pass."""
+        if not self._takes_row_blocks(param):
+            return None
+        self._refuse_second_contribution(param)
+        self._row_block_params.add(id(param))
+        if self._mode.phase is Phase.UPDATE:
+            self._note_updated(param)
+        return RowBlockStep(self, param)
+
+    def update_rows(
+        self, param: torch.Tensor, start: int, stop: int, grad: torch.Tensor, skip_if: Any
+    ) -> None:
+        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad`."""
+        raise NotImplementedError
+
+    def _takes_row_blocks(self, param: torch.Tensor) -> bool:
+        if not self._STEPS_ROWS or self._mode.phase is Phase.IDLE or self._sharding is not None:
+            return False
+        if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
+            return False
+        if id(param) in self._tied():
+            return False
+        rounded = getattr(self, "stochastic_rounding", False) and param.dtype == torch.bfloat16
+        return not (rounded and param.numel() >= ROUNDED_BLOCKS_MAX_NUMEL)
+
+    def _tied(self) -> set[int]:
+        """Parameters registered under more than one name in the model (tied weights)."""
+        if self._tied_ids is None:
+            seen: set[int] = set()
+            self._tied_ids = set()
+            for _, p in self.model.named_parameters(remove_duplicate=False):
+                (self._tied_ids if id(p) in seen else seen).add(id(p))
+        return self._tied_ids
+
+    def _refuse_second_contribution(self, param: torch.Tensor) -> None:
+        if id(param) in self._row_block_params or id(param) in self._whole_params:
+            from .validation import parameter_names
+
+            raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
+
+    def _note_whole_gradient(self, param: torch.Tensor) -> None:
+        """The hook got `param`'s whole gradient: refused if blocks stepped it already."""
+        if torch.compiler.is_compiling():
+            return  # traced backward: no row blocks there
+        if id(param) in self._row_block_params:
+            self._refuse_second_contribution(param)
+        self._whole_params.add(id(param))
+
+    def _begin_row_block_pass(self) -> None:
+        self._row_block_params.clear()
+        self._whole_params.clear()
