@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
-from lomo_kernels.ops import adalomo, backends, cross_entropy, lomo
+from lomo_kernels.ops import adalomo, backends, cross_entropy, embedding_backward, lomo
 from lomo_kernels.ops.spec import REQUIRED, OpSpec
 
 FAMILIES = {
@@ -171,14 +171,15 @@ def test_sources_named_in_the_loader_exist():
             assert Path(CSRC, source).is_file(), source
 
 
-# The fused loss's ops return tensors; their bodies and every backend's forward take the
-# spec's arguments (the backward's kernels work per vocabulary chunk, under the body).
-LOSS_SPECS = (cross_entropy.FORWARD, cross_entropy.BACKWARD)
+# The ops that return tensors (the fused loss, the opaque embedding backward); their bodies
+# and every backend's forward take the spec's arguments (the loss's backward kernels work per
+# vocabulary chunk, under the body).
+RETURNING_SPECS = (cross_entropy.FORWARD, cross_entropy.BACKWARD, embedding_backward.DENSE_BACKWARD)
 
 
-def test_fused_loss_ops_are_declared_once():
+def test_ops_returning_tensors_are_declared_once():
     registered = torch.ops.lomo_kernels
-    for spec in LOSS_SPECS:
+    for spec in RETURNING_SPECS:
         schema = getattr(registered, spec.name).default._schema
         assert [a.name for a in schema.arguments] == list(spec.names), spec.name
         assert [r.name for r in schema.returns] == list(spec.returns), spec.name

@@ -125,7 +125,7 @@ FORWARD = OpSpec(
         Arg("hidden", "tensor"),
         Arg("weight", "tensor"),
         Arg("labels", "tensor"),
-        Arg("ignore_index", "index"),
+        Arg("ignore_index", "const"),
     ),
     returns=("loss", "lse"),
 )

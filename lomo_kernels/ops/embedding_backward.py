@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from .backends import define_returning
+from .spec import Arg, OpSpec
 
-@torch.library.custom_op("lomo_kernels::embedding_dense_backward_eager", mutates_args=())
-def _embedding_dense_backward_eager(
+
+def embedding_dense_backward(
     grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int
 ) -> torch.Tensor:
     """ATen's own embedding backward, opaque to Inductor (which would decompose it)."""
@@ -25,9 +27,22 @@ def _embedding_dense_backward_eager(
     )
 
 
-@_embedding_dense_backward_eager.register_fake
-def _(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int) -> Any:
+def _fake(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int) -> Any:
     return grad.new_empty((num_weights, *grad.shape[indices.dim() :]))
+
+
+DENSE_BACKWARD = OpSpec(
+    "embedding_dense_backward_eager",
+    "embedding_dense_backward",
+    (
+        Arg("grad", "tensor"),
+        Arg("indices", "tensor"),
+        Arg("num_weights", "const"),
+        Arg("padding_idx", "const"),
+    ),
+    returns=("grad_weight",),
+)
+_embedding_dense_backward_eager = define_returning(DENSE_BACKWARD, embedding_dense_backward, _fake)
 
 
 # -- the used-rows backward of an embedding a Lomo steps in backward ----------------------

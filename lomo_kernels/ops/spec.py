@@ -21,7 +21,7 @@ An argument's kind says what it is to the kernels and how a public call may give
     clip     an optional Python float > 0 (clip by value; None: no clipping)
     seed     a Python int in [0, 2**63)
     int      a Python int (a shape)
-    index    a Python int fixed for a run, not a size (a label to ignore)
+    const    a Python int a compiled graph specialises on (a label to ignore, a row count)
     bool     a Python bool
 """
 
@@ -46,7 +46,7 @@ _SCHEMA_TYPES = {
     "clip": "float?",
     "seed": "SymInt",
     "int": "SymInt",
-    "index": "int",
+    "const": "int",
     "bool": "bool",
 }
 _TENSOR_KINDS = ("tensor", "scalar", "factor", "flag", "step")
@@ -115,7 +115,7 @@ class Arg:
             return lambda v, device: _seed(v)
         if self.kind == "bool":
             return lambda v, device: bool(v)
-        if self.kind in ("int", "index"):
+        if self.kind in ("int", "const"):
             return lambda v, device: int(v)
         return None
 
