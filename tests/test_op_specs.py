@@ -207,3 +207,9 @@ def test_a_body_that_disagrees_with_its_spec_is_refused():
 
     with pytest.raises(TypeError, match="linear_cross_entropy_forward"):
         backends.define_returning(cross_entropy.FORWARD, body, body)
+
+
+def test_every_op_of_the_namespace_has_its_spec():
+    ops = torch.ops.lomo_kernels
+    registered = {name for name in dir(ops) if not name.startswith("_") and name != "name"}
+    assert registered == {spec.name for spec in SPECS + list(RETURNING_SPECS)}
