@@ -148,6 +148,27 @@ def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize(
+    "options", [{"clip_grad_norm": None}, {"clip_grad_norm": 1.0, "single_backward": True}]
+)
+@pytest.mark.parametrize("reused", ["lm_head", "embed_tokens"])
+def test_a_second_gradient_is_refused_before_any_change_without_a_norm_pass(options, reused):
+    """With no norm pass to meet it first (no clipping, or single_backward), the graph is
+    read before the backward: a block-stepped weight (the head, the input embedding) that the
+    loss also uses elsewhere is refused, naming it, with every parameter unchanged."""
+    model = patch_causal_lm(tiny_llama())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Lomo(model, lr=0.05, **options)
+    weight = model.get_submodule(f"model.{reused}" if reused == "embed_tokens" else reused).weight
+    loss = model(**batch(2)).loss + weight.square().sum() * 1e-3
+    with pytest.raises(RuntimeError, match=f"'.*{reused}.weight' is stepped .* Nothing was"):
+        opt.fused_backward(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The same model steps once the loss uses each weight once.
+    opt.fused_backward(model(**batch(2)).loss)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_used_rows_are_the_dense_gradients_nonzero_rows():
     """The used rows' fp32 sums against the float64 dense embedding gradient (padding row
     zeroed, as torch's): the same rows, each within k u of its sum of magnitudes (k

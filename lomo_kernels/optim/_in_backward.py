@@ -43,7 +43,7 @@ from .validation import (
     ParameterLayout,
     check_loss,
     parameter_names,
-    refuse_sparse_graph,
+    refuse_graph,
     sparse_gradient_error,
     trainable_parameters,
 )
@@ -435,7 +435,7 @@ class InBackwardOptimizer(
             self._report_previous_step()
             self._prepare_scalars()
         if not self._mode.norm_ready:
-            self._refuse_sparse_graph(loss)  # no norm pass would meet the sparse gradient first
+            self._refuse_graph(loss)  # no norm pass would meet such a gradient first
         if single:
             self._single_backward_clip.max_norm = self._max_norm
             self._single_backward_clip.begin_step()
@@ -447,8 +447,11 @@ class InBackwardOptimizer(
         self._finish_step(detection, single)
 
     @torch.compiler.disable  # see _check_call
-    def _refuse_sparse_graph(self, loss: torch.Tensor) -> None:
-        refuse_sparse_graph(loss)
+    def _refuse_graph(self, loss: torch.Tensor) -> None:
+        def stepped_from_blocks(param: torch.Tensor) -> bool:
+            return id(param) in self._group_of and self._eligible_for_row_blocks(param)
+
+        refuse_graph(loss, stepped_from_blocks, self.model)
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only

@@ -28,8 +28,8 @@ What each pass does with the blocks:
 
 A parameter stepped from blocks must get no other gradient in the same pass (it would be a
 second step): the second contribution, by blocks or through the hook, is refused with an
-error. In the norm pass, as when a norm pass precedes the update, that is before anything
-changes.
+error before anything changes: by the norm pass where one precedes the update, otherwise
+by a read of the loss's autograd graph before the backward (`validation.GraphFacts`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,12 @@ class RowBlockSteps:
         raise NotImplementedError
 
     def _takes_row_blocks(self, param: torch.Tensor) -> bool:
-        if not self._STEPS_ROWS or self._mode.phase is Phase.IDLE or self._sharding is not None:
+        return self._mode.phase is not Phase.IDLE and self._eligible_for_row_blocks(param)
+
+    def _eligible_for_row_blocks(self, param: torch.Tensor) -> bool:
+        """Whether a pass of this optimizer takes `param`'s gradient in row blocks where an
+        op offers them (the pass's phase aside)."""
+        if not self._STEPS_ROWS or self._sharding is not None:
             return False
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             return False

@@ -113,34 +113,72 @@ def refuse_sparse_embeddings(embeddings: list[tuple[str, nn.Module]]) -> None:
 _SPARSE_GRADIENT_NODES = ("EmbeddingBackward0", "EmbeddingBagBackward0")
 
 
-def sparse_embedding_in_graph(loss: torch.Tensor) -> bool:
-    """Whether the backward of `loss` holds an embedding lookup with sparse=True (the
-    functional form, F.embedding(..., sparse=True), that no module flag shows).
+# The backward nodes of the ops that hand a parameter's gradient to its owner in row blocks
+# (the fused head's loss, the input embedding's used rows: optim/row_blocks.py).
+ROW_BLOCK_NODES = (
+    "GeneratedBackwardFor_lomo_kernels_linear_cross_entropy_forward_defaultBackward",
+    "_EmbeddingRowsBackward",
+)
 
-    A walk of the autograd graph on the host, about 1.3 us per node (seen: 0.13 ms for a
-    2-layer LLaMA, 3.3 ms for a 32-layer one); run only for steps without a norm pass, where
-    the sparse gradient would otherwise arrive after other tensors were updated.
+
+class GraphFacts:
+    """What one walk of the autograd graph of a loss shows, before its backward runs:
+    whether it holds an embedding lookup with sparse=True (the functional form,
+    F.embedding(..., sparse=True), that no module flag shows), and the parameters a
+    row-block op feeds that receive a gradient more than once (used elsewhere in the graph
+    too, or the op ran twice).
+
+    About 1.3 us per node on the host (seen: 0.13 ms for a 2-layer LLaMA, 3.3 ms for a
+    32-layer one); run only for steps without a norm pass, where such a gradient would
+    otherwise arrive after other tensors were updated.
     """
-    stack = [loss.grad_fn]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.name() in _SPARSE_GRADIENT_NODES and getattr(node, "_saved_sparse", False):
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.sparse_embedding = False
+        uses: dict[int, int] = {}
+        fed_by_blocks: dict[int, torch.Tensor] = {}
+        stack = [loss.grad_fn]
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            name = node.name()
+            if name in _SPARSE_GRADIENT_NODES and getattr(node, "_saved_sparse", False):
+                self.sparse_embedding = True
+            for next_node, _ in node.next_functions:
+                variable = getattr(next_node, "variable", None)  # an AccumulateGrad's leaf
+                if variable is not None:
+                    uses[id(variable)] = uses.get(id(variable), 0) + 1
+                    if name in ROW_BLOCK_NODES:
+                        fed_by_blocks[id(variable)] = variable
+                stack.append(next_node)
+        self.reused_row_block_params = [p for i, p in fed_by_blocks.items() if uses[i] > 1]
 
 
-def refuse_sparse_graph(loss: torch.Tensor) -> None:
-    if sparse_embedding_in_graph(loss):
+def sparse_embedding_in_graph(loss: torch.Tensor) -> bool:
+    """Whether the backward of `loss` holds an embedding lookup with sparse=True."""
+    return GraphFacts(loss).sparse_embedding
+
+
+def refuse_graph(loss: torch.Tensor, takes_row_blocks: Any, model: nn.Module) -> None:
+    """Refuses, before the backward, a loss whose gradients would reach a parameter in a way
+    the in-backward step cannot take: a sparse embedding gradient, or a second gradient of
+    a parameter its owner steps from row blocks (`takes_row_blocks(param)`)."""
+    from .row_blocks import second_contribution_error
+
+    facts = GraphFacts(loss)
+    if facts.sparse_embedding:
         raise ValueError(
             "the loss's backward holds an embedding lookup with sparse=True "
             "(F.embedding(..., sparse=True)); LOMO updates dense parameters in place and "
             "nothing was updated: pass sparse=False"
         )
+    for param in facts.reused_row_block_params:
+        if takes_row_blocks(param):
+            error = second_contribution_error(parameter_names(model).get(id(param), "?"))
+            raise RuntimeError(f"{error} Nothing was updated.")
 
 
 def sparse_gradient_error(name: str) -> TypeError:
