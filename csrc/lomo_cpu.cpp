@@ -1,10 +1,9 @@
 // CPU kernels of the fused LOMO update and the gradient sum of squares, with their
 // torch binding. Semantics: lomo_kernels/ops/lomo_reference.py (bit for bit).
 //
-// The loops (lomo_cpu_loops.h) are built once per vector level of cpu_isa.h, each in its own
-// namespace under a GCC target pragma, and each call runs the level cpu_isa::active() names:
-// one build runs on any x86-64 and uses AVX2 or AVX-512 where the CPU has them. Threads:
-// at::parallel_for, at least 32K elements per thread.
+// The loops (lomo_cpu_loops.h) are built once per vector level (cpu_levels.h), and each call
+// runs the level cpu_isa::active() names: one build runs on any x86-64 and uses AVX2 or
+// AVX-512 where the CPU has them. Threads: at::parallel_for, at least 32K elements per thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -21,50 +20,12 @@
 #include <utility>
 
 #include "binding.h"
-#include "cpu_isa.h"
 #include "lomo_math.h"
 #include "op_bindings.h"
 
-#if LOMO_CPU_MULTI_ISA
-#include <immintrin.h>
-#endif
-
-// The loops at each level. The baseline level is the build's own target.
-namespace loops_baseline {
-#define LOMO_LOOPS_AVX2 0
-#define LOMO_LOOPS_AVX512 0
-#define LOMO_LOOPS_AVX512_BF16 0
-#include "lomo_cpu_loops.h"
-}  // namespace loops_baseline
-
-#if LOMO_CPU_MULTI_ISA
-#undef LOMO_LOOPS_AVX2
-#define LOMO_LOOPS_AVX2 1
-#pragma GCC push_options
-#pragma GCC target("avx2,f16c,prfchw")
-namespace loops_avx2 {
-#include "lomo_cpu_loops.h"
-}  // namespace loops_avx2
-#pragma GCC pop_options
-
-#undef LOMO_LOOPS_AVX512
-#define LOMO_LOOPS_AVX512 1
-#pragma GCC push_options
-#pragma GCC target("avx2,f16c,prfchw,avx512f,avx512bw,avx512dq,avx512vl")
-namespace loops_avx512 {
-#include "lomo_cpu_loops.h"
-}  // namespace loops_avx512
-#pragma GCC pop_options
-
-#undef LOMO_LOOPS_AVX512_BF16
-#define LOMO_LOOPS_AVX512_BF16 1
-#pragma GCC push_options
-#pragma GCC target("avx2,f16c,prfchw,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
-namespace loops_avx512bf16 {
-#include "lomo_cpu_loops.h"
-}  // namespace loops_avx512bf16
-#pragma GCC pop_options
-#endif
+// The loops of lomo_cpu_loops.h at every level (loops_baseline::, loops_avx2::, ...).
+#define LOMO_CPU_LOOPS "lomo_cpu_loops.h"
+#include "cpu_levels.h"
 
 namespace {
 
@@ -72,17 +33,6 @@ namespace {
 constexpr int64_t kGrain = 32768;
 
 using binding::OptTensor;
-
-// &loops_<level>::__VA_ARGS__: a function of the loops at `level` (cpu_isa::Level).
-#if LOMO_CPU_MULTI_ISA
-#define LOMO_AT_LEVEL(level, ...)                                  \
-  ((level) == cpu_isa::kAvx512Bf16 ? &loops_avx512bf16::__VA_ARGS__ \
-   : (level) == cpu_isa::kAvx512   ? &loops_avx512::__VA_ARGS__     \
-   : (level) == cpu_isa::kAvx2     ? &loops_avx2::__VA_ARGS__       \
-                                   : &loops_baseline::__VA_ARGS__)
-#else
-#define LOMO_AT_LEVEL(level, ...) (&loops_baseline::__VA_ARGS__)
-#endif
 
 // The per-step value of the rounding key: the low 32 bits of seed_step, 0 when absent.
 uint32_t read_seed_step(const OptTensor& t) {

@@ -1,8 +1,8 @@
 // The CPU loops of the fused LOMO update and the gradient sum of squares, at one vector
-// level. lomo_cpu.cpp includes this file once per level (cpu_isa.h), each time inside its own
-// namespace and GCC target, with LOMO_LOOPS_AVX2, LOMO_LOOPS_AVX512 and LOMO_LOOPS_AVX512_BF16
-// set to 0 or 1, so no include guard; everything it needs is included before (torch,
-// <immintrin.h>, lomo_math.h). Every level gives bit-identical results.
+// level. lomo_cpu.cpp includes this file once per level through cpu_levels.h (each copy in
+// its own namespace and GCC target, with LOMO_LOOPS_AVX2, LOMO_LOOPS_AVX512 and
+// LOMO_LOOPS_AVX512_BF16 set to 0 or 1), so no include guard; everything it needs is included
+// before (torch, <immintrin.h>, lomo_math.h). Every level gives bit-identical results.
 //
 // The hot loops are plain loops over raw pointers with selects instead of branches, so the
 // compiler vectorises them for the level (built with -O3 -fno-trapping-math
