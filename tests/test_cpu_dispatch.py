@@ -1,5 +1,6 @@
 """The C++ CPU kernels at every vector level this CPU runs (baseline, AVX2, AVX-512, ...),
-each forced in turn, against the reference backend bit for bit.
+each forced in turn: LOMO against the reference backend bit for bit, AdaLomo against float64
+math and bit for bit across levels.
 
 One build holds every level and picks the best the CPU has (csrc/cpu_isa.h); the levels
 above this CPU's cannot run here and are not parametrized. Sizes straddle the loops' trips
@@ -15,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+import test_adalomo_ops as adalomo_cases
 import test_cpp_backend as cases
 import torch
 from test_cpp_backend import (
@@ -31,6 +33,8 @@ from test_cpp_backend import (
     cpp_backend,
 )
 
+from lomo_kernels.kernels.cpp import adalomo as cpp_adalomo
+from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
 from lomo_kernels.tools import machine
 
 SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
@@ -47,6 +51,11 @@ def _extension():
     return cpp_backend._loader.module("cpu")
 
 
+def _extensions():
+    """Both CPU extensions (each holds its own level)."""
+    return [_extension(), cpp_adalomo._loader.module("cpu")]
+
+
 def _levels() -> list[str]:
     return _extension()._cpu_isas() if cpp_backend.is_available("cpu") else ["baseline"]
 
@@ -54,9 +63,10 @@ def _levels() -> list[str]:
 @pytest.fixture(params=_levels())
 def level(request) -> str:
     """Runs the test with the CPU kernels forced to one level, then restores the previous."""
-    previous = _extension()._set_cpu_isa(request.param)
+    previous = [ext._set_cpu_isa(request.param) for ext in _extensions()]
     yield request.param
-    _extension()._set_cpu_isa(previous)
+    for ext, name in zip(_extensions(), previous, strict=True):
+        ext._set_cpu_isa(name)
 
 
 def test_levels_follow_the_cpu_flags() -> None:
@@ -149,16 +159,63 @@ def test_grad_sumsq_identical_at_every_level(gdt: str) -> None:
     assert len(set(sums.values())) == 1, sums
 
 
+ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]
+ADALOMO_OPTIONS = dict(
+    inv_scale=2.0**-10, clip_value=1.0, clip_coef=torch.tensor([0.37]), weight_decay=0.01
+)
+
+
+def _adalomo_start(shape, dtype) -> tuple[torch.Tensor, torch.Generator]:
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    return torch.randn(shape, generator=gen).to(dtype), gen
+
+
+def _adalomo_steps(shape, dtype) -> tuple[torch.Tensor, dict]:
+    """Three AdaLomo steps of the C++ backend from a fixed start; the parameter and state."""
+    param, gen = _adalomo_start(shape, dtype)
+    state = init_adalomo_state(param)
+    for t in range(1, 4):
+        grad = (torch.randn(shape, generator=gen) * 2.0**10 / t).to(dtype)
+        beta2 = 1.0 - t**-0.8
+        adalomo_update_(param, grad, state, lr=0.05, beta2=beta2, backend="cpp", **ADALOMO_OPTIONS)
+    return param, state
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+@pytest.mark.parametrize("shape", ADALOMO_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adalomo_bit_identical_at_every_level(shape, pdt: str) -> None:
+    # Elementwise fp32 math and fixed-lane double sums: the same bits at every level, and at
+    # each level two steps with every option within test_adalomo_ops.py's float64 bounds.
+    results = {}
+    previous = [ext._set_cpu_isa("baseline") for ext in _extensions()]
+    try:
+        for name in _levels():
+            for ext in _extensions():
+                ext._set_cpu_isa(name)
+            results[name] = _adalomo_steps(shape, DTYPES[pdt])
+            adalomo_cases.run_steps("cpp", shape, DTYPES[pdt], adalomo_cases.OPTIONS["all"], 2)
+    finally:
+        for ext, name in zip(_extensions(), previous, strict=True):
+            ext._set_cpu_isa(name)
+    param, state = results["baseline"]
+    assert not torch.equal(param, _adalomo_start(shape, DTYPES[pdt])[0])  # it ran
+    for name, (other, other_state) in results.items():
+        assert torch.equal(other.view(torch.uint8), param.view(torch.uint8)), name
+        for key, value in state.items():
+            assert torch.equal(other_state[key], value), (name, key)
+
+
 def test_unknown_level_refused_and_level_kept() -> None:
-    before = _extension()._cpu_isa()
-    with pytest.raises(RuntimeError, match="not a CPU loop level; use one of baseline"):
-        _extension()._set_cpu_isa("sse9")
-    assert _extension()._cpu_isa() == before
-    above = [name for name in ("avx2", "avx512", "avx512bf16") if name not in _levels()]
-    if above:
-        with pytest.raises(RuntimeError, match="supports at most"):
-            _extension()._set_cpu_isa(above[0])
-        assert _extension()._cpu_isa() == before
+    for ext in _extensions():
+        before = ext._cpu_isa()
+        with pytest.raises(RuntimeError, match="not a CPU loop level; use one of baseline"):
+            ext._set_cpu_isa("sse9")
+        assert ext._cpu_isa() == before
+        above = [name for name in ("avx2", "avx512", "avx512bf16") if name not in _levels()]
+        if above:
+            with pytest.raises(RuntimeError, match="supports at most"):
+                ext._set_cpu_isa(above[0])
+            assert ext._cpu_isa() == before
 
 
 _CHILD = textwrap.dedent(
