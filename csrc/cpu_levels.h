@@ -14,6 +14,9 @@
 #include <immintrin.h>
 #endif
 
+// Internal linkage for every copy: nothing exported, no calls through the PLT.
+namespace {
+
 // The baseline level is the build's own target.
 namespace loops_baseline {
 #define LOMO_LOOPS_AVX2 0
@@ -50,6 +53,11 @@ namespace loops_avx512bf16 {
 }  // namespace loops_avx512bf16
 #pragma GCC pop_options
 
+#endif
+
+}  // namespace
+
+#if LOMO_CPU_MULTI_ISA
 // &loops_<level>::__VA_ARGS__: a function of the loops at `level` (a cpu_isa::Level).
 #define LOMO_AT_LEVEL(level, ...)                                  \
   ((level) == cpu_isa::kAvx512Bf16 ? &loops_avx512bf16::__VA_ARGS__ \
