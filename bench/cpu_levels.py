@@ -56,7 +56,8 @@ def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, C
             p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None
         )
 
-    out = {f"ours[{level}]": ours for level in levels}
+    # An extension without levels (an older build): its one loop set, as "ours".
+    out = {f"ours[{level}]": ours for level in levels} if levels else {"ours": ours}
     out["torch._fused_sgd_"] = lambda: torch._fused_sgd_(
         [p], [g], [], weight_decay=0.0, momentum=0.0, lr=LR, dampening=0.0,
         nesterov=False, maximize=False, is_first_step=False,
@@ -73,8 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ext = cpp._loader.module("cpu")
-    levels = ext._cpu_isas()
-    previous = ext._cpu_isa()
+    levels = ext._cpu_isas() if hasattr(ext, "_cpu_isas") else []
+    previous = ext._cpu_isa() if levels else None
     print(
         f"CPU {machine.cpu_model()} ({machine.vector_isa()}), 1 thread, torch {torch.__version__}"
     )
@@ -99,7 +100,8 @@ def main() -> None:
                 gbps = 3 * numel * p.element_size() / med["axpy"] / 1e9
                 print(f"{name} {size_label(numel):>4}: {cells}  (axpy {gbps:.1f} GB/s)")
     finally:
-        ext._set_cpu_isa(previous)
+        if previous is not None:
+            ext._set_cpu_isa(previous)
 
 
 if __name__ == "__main__":
