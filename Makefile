@@ -6,6 +6,9 @@ STAMP     := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
+BENCH_1B_BATCH ?= 4
+BENCH_7B_BATCH ?= 1
+
 .PHONY: setup test test-gpu test-compile-versions demo bench bench-gpu lint clean
 
 setup: $(STAMP)
@@ -26,16 +29,19 @@ $(STAMP): pyproject.toml Makefile
 
 # Two pytest-xdist workers, one file each at a time (module fixtures run once), one thread
 # each: most tests are single-threaded Python (Triton interpreter, Dynamo tracing), so two
-# workers use both cores.
+# workers use both cores. Files go out in collection order, the slowest first (conftest.py),
+# so the two longest start at once instead of ending the run.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
-# On a CUDA machine: every backend on CUDA tensors against the float64 model, the optimizers
-# end to end and the no-host-sync check (tests marked `cuda`; skipped with the reason elsewhere).
+# On a CUDA machine, every test that can use a GPU: those marked `cuda` (every backend on CUDA
+# tensors against the float64 model, the optimizers end to end, the no-host-sync check) and
+# every test taking the `test_device` fixture (conftest marks them `cuda`), which
+# LOMO_TEST_DEVICE=cuda moves onto the GPU. Skipped with the reason elsewhere.
 # TRITON_INTERPRET=0: Triton compiles real GPU kernels instead of interpreting them.
 test-gpu: $(STAMP)
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -rs tests
+	LOMO_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -rs tests
 
 # The compile tests on each torch version that compiled autograd is tested on (the package's
 # TESTED_TORCH_VERSIONS; TORCH_VERSIONS="2.13.0" picks some), each in a venv of its own
@@ -43,10 +49,12 @@ test-gpu: $(STAMP)
 # Not part of `make test`: each version is a separate install and a full run of the slowest
 # tests.
 TORCH_PIP_ARGS  ?= --extra-index-url https://download.pytorch.org/whl/cpu
-COMPILE_TESTS   ?= tests/test_compile.py tests/test_compile_scope.py tests/test_compile_llama.py
+COMPILE_TESTS   ?= tests/test_compile.py tests/test_compile_scope.py tests/test_compile_llama.py \
+	tests/test_compile_shapes.py tests/test_compiled_autograd_constants.py \
+	tests/test_embedding_backward_pass.py
 test-compile-versions: $(STAMP)
 	set -e; \
-	versions="$${TORCH_VERSIONS:-$$($(PY) -c 'from lomo_kernels.optim._compiled_autograd import TESTED_TORCH_VERSIONS as v; print(*v)')}"; \
+	versions="$${TORCH_VERSIONS:-$$($(PY) -c 'from lomo_kernels.compile import TESTED_TORCH_VERSIONS as v; print(*v)')}"; \
 	for version in $$versions; do \
 		venv=.venv-torch-$$version; \
 		echo "== torch $$version ($$venv)"; \
@@ -61,11 +69,16 @@ test-compile-versions: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m lomo_kernels.demo --plot demo.png
 
+# CPU figures of BENCHMARKS.md (CPU timings, never GPU ones): kernels, memory, end to end.
 bench: $(STAMP)
 	$(PY) -m lomo_kernels bench kernels --csv bench/results/kernels_cpu.csv \
 		--plot bench/results/kernels_cpu.png
 	$(PY) -m lomo_kernels bench memory --model llama-168m \
 		--plot bench/results/memory_cpu.png
+	$(PY) -m lomo_kernels bench train --model tiny --steps 3 \
+		--optimizers adamw,sgd,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
+		--json bench/results/train_cpu.json --plot bench/results/train_cpu.png \
+		| tee bench/results/train_cpu.txt
 	$(PY) bench/bench_update.py
 
 # The GPU figures of BENCHMARKS.md: tables on stdout, CSV and plots in bench/results/.
@@ -79,6 +92,18 @@ bench-gpu: $(STAMP)
 		| tee bench/results/memory_cuda.txt
 	$(PY) bench/single_backward.py --device cuda --steps 20 --batch 8 --seq 256 --threads 4 \
 		| tee bench/results/single_backward_cuda.txt
+	@# End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape
+	@# with activation checkpointing; an optimizer that does not fit reports OOM.
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \
+		--dtype bf16 --seq 2048 --batch $(BENCH_1B_BATCH) --steps 10 --warmup 3 \
+		--optimizers adamw,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
+		--json bench/results/train_cuda_1b.json --plot bench/results/train_cuda_1b.png \
+		| tee bench/results/train_cuda_1b.txt
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-7b \
+		--dtype bf16 --seq 2048 --batch $(BENCH_7B_BATCH) --checkpointing --steps 5 --warmup 2 \
+		--optimizers adamw,lomo,lomo_single,adalomo,adalomo_single \
+		--json bench/results/train_cuda_7b.json --plot bench/results/train_cuda_7b.png \
+		| tee bench/results/train_cuda_7b.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """CPU benchmark of the fused LOMO update (C++ backend) against its baselines.
 
-Method (shared/notes/MEASURING.md): 2 threads, one process, variants timed interleaved
+Method (MEASURING.md): 2 threads, one process, variants timed interleaved
 (A, B, C, A, B, C, ...), medians and ratios of medians from the same run. Sizes: one
 32M-element tensor (beyond the caches: memory-bound) and the tensor mix of a small LLaMA
 model (per-call overhead). Every variant updates the same tensors in place.
@@ -44,43 +44,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lomo_kernels.kernels.cpp import lomo as cpp_backend  # noqa: E402
 from lomo_kernels.ops import lomo_reference as reference  # noqa: E402
+from lomo_kernels.tools import bench_kernels  # noqa: E402
 from lomo_kernels.tools.bench_kernels import (  # noqa: E402
+    CLIP_VALUE,
+    LR,
+    WEIGHT_DECAY,
     fused_sgd_writes_params,
     official_chain,
     time_interleaved,
 )
 from lomo_kernels.tools.machine import cpu_model as machine  # noqa: E402
+from lomo_kernels.tools.models import PRESETS  # noqa: E402
 
 NUMEL = 32 * 2**20
-LR = 1e-3
-WEIGHT_DECAY = 0.01
-CLIP_VALUE = 1.0
-INV_SCALE = 2.0**-10  # a dynamic loss scale of 1024
-CLIP_COEF = 0.8  # as clip-by-norm computes it on the device
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {label: bench_kernels.DTYPES[label] for label in ("bf16", "fp32")}
 TARGETS = (
     "targets: fused/axpy <= 1.15 (bf16, fp32); official/fused >= 10 (bf16); fused/fused_sgd <= 1.0"
 )
 
 
-def llama_layer_shapes(hidden: int = 256, intermediate: int = 688, layers: int = 8) -> list[int]:
-    """numel of each parameter of a small LLaMA stack (attention, MLP, two RMSNorms)."""
-    per_layer = [hidden * hidden] * 4 + [hidden * intermediate] * 3 + [hidden] * 2
-    return per_layer * layers
+def llama_layer_shapes(layers: int = 8) -> list[int]:
+    """numel of each parameter of a small LLaMA stack: llama-20m's layer (hidden 256,
+    intermediate 688), `layers` times."""
+    return PRESETS["llama-20m"].layer_tensor_numels() * layers
 
 
-class Case:
-    """Parameters and grads of one benchmark case, and the variants that update them."""
+class Case(bench_kernels.Case):
+    """The kernel benchmark's case (same tensors, same option values) with the C++
+    backend's variants: every option set, stochastic rounding, torch's AMP SGD, the
+    reference, and the gradient-norm pass."""
 
-    def __init__(self, dtype: torch.dtype, sizes: list[int], seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.params = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
-        self.grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
-        self.found_inf = torch.zeros(1)
-        self.inv_scale = torch.full((1,), INV_SCALE)
-        self.clip_coef = torch.full((1,), CLIP_COEF)
+    def __init__(self, dtype: torch.dtype, sizes: list[int]) -> None:
+        super().__init__("cpu", sizes, dtype, "cpu")
         self.grad_scale = torch.ones(1)
-        self.lr = torch.full((1,), LR)
         self.dtype = dtype
 
     def _fused(self, module, stochastic_rounding: bool) -> None:
@@ -115,50 +111,27 @@ class Case:
     def reference(self) -> None:
         self._fused(reference, stochastic_rounding=False)
 
-    def axpy(self) -> None:
-        for p, g in zip(self.params, self.grads, strict=True):
-            p.add_(g, alpha=-LR)
-
     def official(self) -> None:
         official_chain(self.params, self.grads)
 
     def fused_sgd(self) -> None:
         # Per parameter, as a post-accumulate-grad hook would call it.
-        for p, g in zip(self.params, self.grads, strict=True):
-            torch._fused_sgd_(
-                [p],
-                [g],
-                [],
-                weight_decay=0.0,
-                momentum=0.0,
-                lr=LR,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-            )
+        bench_kernels.fused_sgd(self.params, self.grads, LR)
 
     def fused_sgd_amp(self) -> None:
-        for p, g in zip(self.params, self.grads, strict=True):
-            torch._fused_sgd_(
-                [p],
-                [g],
-                [],
-                weight_decay=WEIGHT_DECAY,
-                momentum=0.0,
-                lr=LR,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=self.grad_scale,
-                found_inf=self.found_inf,
-            )
+        # torch's sync-free AMP SGD: weight decay, unscale by grad_scale, skip on found_inf.
+        bench_kernels.fused_sgd(
+            self.params,
+            self.grads,
+            LR,
+            weight_decay=WEIGHT_DECAY,
+            grad_scale=self.grad_scale,
+            found_inf=self.found_inf,
+        )
 
     def settle(self) -> None:
         """Reads every parameter and gradient once: the same cache state before each call."""
-        for t in (*self.params, *self.grads):
-            t.view(torch.int16 if t.element_size() == 2 else torch.int32).max()
+        bench_kernels.Timer("cpu").settle(self)
 
     def variants(self) -> dict[str, Callable[[], None]]:
         out = {

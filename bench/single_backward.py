@@ -6,8 +6,8 @@
 A step is forward + `fused_backward` (for the exact mode that is the norm pass and the
 update pass; for single_backward=True one backward). For each configuration the two modes
 run on two copies of the same model, interleaved (exact, single, exact, single, ...), after
-two warm-up steps each; the figure is the ratio of the median step times, as the project's
-measuring notes ask (absolute times on a shared machine vary, ratios taken in one run hold).
+two warm-up steps each; the figure is the ratio of the median step times, as
+MEASURING.md asks (absolute times on a shared machine vary, ratios taken in one run hold).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from lomo_kernels import Lomo, AdaLomo      # drop-in for lomo_optim
 from lomo_kernels import ops                 # the fused per-parameter kernels
 """
 
+import torch
+
 from . import ops
 from .optim import AdaLomo, DynamicLossScaler, Lomo
 
@@ -14,6 +16,14 @@ def enable_transformers() -> None:
     from .integrations.huggingface import enable_transformers as enable
 
     enable()
+
+
+def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Makes a transformers causal LM's loss logits-free (fused linear + cross-entropy); see
+    lomo_kernels.integrations.causal_lm."""
+    from .integrations.causal_lm import patch_causal_lm as patch
+
+    return patch(model)
 
 
 def disable_transformers() -> None:
@@ -29,6 +39,7 @@ __all__ = [
     "DynamicLossScaler",
     "disable_transformers",
     "enable_transformers",
+    "patch_causal_lm",
     "ops",
 ]
 __version__ = "0.1.0"

@@ -32,6 +32,27 @@ def available_backends() -> list[str]:
     return names
 
 
+# The device of tests that can run on either (`make test-gpu` sets LOMO_TEST_DEVICE=cuda).
+TEST_DEVICE = os.environ.get("LOMO_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """LOMO_TEST_DEVICE (default cpu); a test asking for CUDA where there is none is skipped."""
+    if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip(f"LOMO_TEST_DEVICE={TEST_DEVICE} but no CUDA device here")
+    return TEST_DEVICE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test that takes `test_device` can use a GPU: `make test-gpu` (-m cuda) selects it.
+    for item in items:
+        if "test_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cuda)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable otherwise
+
+
 @pytest.fixture(params=["torch", "cpp", "triton"])
 def backend(request) -> str:
     from lomo_kernels.ops import backends
@@ -65,3 +86,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     elapsed = time.monotonic() - _suite_start
     over = "  OVER the 20-minute budget" if elapsed > SUITE_BUDGET_S else ""
     terminalreporter.write_line(f"suite time {elapsed / 60:.1f} min on {machine_line()}{over}")
+
+
+# The files that take longest (minutes each, compilation and 2-rank runs): collected first, so
+# that `make test`'s two workers start on them (the Makefile keeps collection order).
+SLOWEST_FIRST = (
+    "test_compile_llama.py",
+    "test_compile_shapes.py",
+    "test_memory.py",
+    "test_zero3.py",
+    "test_fsdp2.py",
+)

@@ -104,9 +104,22 @@ def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
         assert worst <= 1.0, f"{name}: error {err.max().item():.3g} over bound (x{worst:.2f})"
 
 
-def one_process(name: str, initial: dict, steps: int, train_fn=train, options=None):
+def assert_grad_norms_match(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The per-parameter gradient norms of a sharded run's last norm pass against one
+    process's: within 1e-4 of the global norm per entry (the same rounding effects as
+    `assert_within_update_tolerance`, on the gradients of the third step)."""
+    assert out.shape == ref.shape and ref.dim() == 1 and ref.numel() > 1
+    total = ref.double().norm().item()
+    assert total > 0
+    worst = (out.double() - ref.double()).abs().max().item() / total
+    assert worst <= 1e-4, f"per-parameter norms differ by {worst:.3g} of the global norm"
+
+
+def one_process(
+    name: str, initial: dict, steps: int, train_fn=train, options=None, model_class=ScaledLlama
+):
     """The sharded run's training in this process on the full batch, from `initial`."""
-    model = ScaledLlama()
+    model = model_class()
     model.load_state_dict(initial)
     opt = OPTIMIZERS[name](model, lr=LR[name], **(OPTIONS if options is None else options))
     train_fn(model, opt, global_batch, steps)
@@ -124,7 +137,7 @@ def in_order(cls):
 
     class InOrder(cls):
         def _on_grad_ready(self, param):
-            if self._single_step:  # held until backward ends, then replayed in order
+            if self._mode.single_backward:  # held until backward ends, then replayed in order
                 self._held[id(param)] = param.grad
                 param.grad = None
                 return
@@ -133,18 +146,18 @@ def in_order(cls):
         def _run_backward(self, loss, phase, retain_graph):
             self._held = {}
             super()._run_backward(loss, phase, retain_graph)
-            if not self._single_step:
+            if not self._mode.single_backward:
                 return
             assert len(self._held) == len(self.order)
             names = {n: p for n, p in self.model.named_parameters()}
-            self._phase = phase
+            self._mode.begin_pass(phase)
             try:
                 for name in self.order:
                     param = names[name]
                     param.grad = self._held.pop(id(param))
                     super()._on_grad_ready(param)
             finally:
-                self._phase = "idle"
+                self._mode.end_pass()
 
     return InOrder
 
@@ -173,10 +186,10 @@ def record_order(opt, model) -> list[str]:
     order: list[str] = []
     original = opt._update_shards
 
-    def wrapper(ready, *args, **kwargs):
+    def wrapper(batch):
         if opt.step_count == 0:
-            order.extend(names[id(shard.param)] for shard, _ in ready)
-        return original(ready, *args, **kwargs)
+            order.extend(names[id(shard.param)] for shard, _ in batch.entries)
+        return original(batch)
 
     opt._update_shards = wrapper
     return order
@@ -231,7 +244,7 @@ def count_phases(opt) -> list[str]:
     original = opt._run_backward
 
     def wrapper(loss, phase, retain_graph):
-        phases.append(phase)
+        phases.append(phase.value)
         return original(loss, phase, retain_graph)
 
     opt._run_backward = wrapper

@@ -29,7 +29,12 @@ class ScaledLlama(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        config = LlamaConfig(
+        self.llama = LlamaForCausalLM(self.config())
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    @staticmethod
+    def config() -> LlamaConfig:
+        return LlamaConfig(
             vocab_size=3001,
             hidden_size=40,
             intermediate_size=73,
@@ -39,13 +44,24 @@ class ScaledLlama(nn.Module):
             max_position_embeddings=64,
             tie_word_embeddings=False,
         )
-        self.llama = LlamaForCausalLM(config)
-        self.temperature = nn.Parameter(torch.ones(1))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.llama(input_ids=input_ids).logits * self.temperature
         shift = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
         return nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+class FusedHeadLlama(nn.Module):
+    """ScaledLlama's LLaMA without the temperature, its loss logits-free (patch_causal_lm)."""
+
+    def __init__(self) -> None:
+        from lomo_kernels import patch_causal_lm
+
+        super().__init__()
+        self.llama = patch_causal_lm(LlamaForCausalLM(ScaledLlama.config()))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=input_ids, labels=input_ids).loss
 
 
 def global_batch(step: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_adalomo_ops import adalomo_f64, beta2_at, check_param, check_state, make_param
 
-from lomo_kernels.distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
 from lomo_kernels.distributed.shard import Shard
 from lomo_kernels.ops.adalomo_reference import CHUNK, GradTransform
+from lomo_kernels.optim.adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 
 SHAPES = [(CHUNK // 100 + 7, 300), (3, CHUNK + 5), (2 * CHUNK + 3,)]
 

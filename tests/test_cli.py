@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lomo_kernels import demo
-from lomo_kernels.tools import bench_kernels, bench_memory
+from lomo_kernels.tools import bench_kernels, bench_memory, bench_train
 from lomo_kernels.tools.cli import main
 
 
@@ -24,6 +24,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(bench_kernels, "run", started)
     monkeypatch.setattr(bench_memory, "run", started)
+    monkeypatch.setattr(bench_train, "run", started)
     monkeypatch.setattr(demo, "run", started)
 
 
@@ -84,6 +85,21 @@ BAD_VALUES = {
         (["--optimizers", "adam"], "--optimizers: unknown 'adam'"),
         (["--model", "llama-3b"], "unknown model 'llama-3b'"),
     ],
+    "bench train": [
+        (["--batch", "0"], "--batch: got '0'"),
+        (["--seq", "0"], "--seq: got '0'"),
+        (["--steps", "0"], "--steps: got '0': give a whole number >= 1"),
+        (["--warmup", "0"], "--warmup: got '0': give a whole number >= 1"),
+        (["--threads", "0"], "--threads: got '0'"),
+        (["--clip-grad-norm", "-1"], "--clip-grad-norm: got '-1': give a finite number >= 0"),
+        (["--clip-grad-norm", "nan"], "--clip-grad-norm: got 'nan'"),
+        (["--dtype", "fp8"], "--dtype: invalid choice: 'fp8'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--json", f"{MISSING}/train.json"], "--json: folder"),
+        (["--plot", f"{MISSING}/train.png"], "--plot: folder"),
+        (["--optimizers", "adam"], "--optimizers: unknown 'adam'"),
+        (["--model", "llama-3b"], "unknown model 'llama-3b'"),
+    ],
     "demo": [
         (["--batch", "0"], "--batch: got '0': give a whole number >= 1"),
         (["--seq", "0"], "--seq: got '0': give a whole number 2 to 512"),
@@ -97,6 +113,7 @@ BAD_VALUES = {
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--plot", f"{MISSING}/demo.png"], "--plot: folder"),
         (["--optimizers", "lomo,adam"], "--optimizers: unknown 'adam'"),
+        (["--optimizers", "lomo_optim"], "--optimizers: unknown 'lomo_optim'"),
     ],
 }
 ESTIMATE_REQUIRED = ["--model", "llama-7b", "--optimizer", "lomo"]
@@ -122,7 +139,7 @@ def test_bad_value_is_refused_in_one_line(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["bench kernels", "bench memory", "demo"])
+@pytest.mark.parametrize("command", ["bench kernels", "bench memory", "bench train", "demo"])
 def test_cuda_without_a_device(capsys, monkeypatch, no_work, command):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     line = refusal(capsys, command_line(command, ["--device", "cuda"]))
@@ -201,7 +218,24 @@ def restore_threads():
 def test_demo_through_the_cli_exits_0(capsys, restore_threads):
     argv = ["demo", "--steps", "1", "--size", "tiny", "--batch", "1", "--seq", "8"]
     assert main(argv + ["--dtype", "fp32", "--optimizers", "lomo"]) == 0
-    assert "| lomo | 0.3 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dtype fp32: chosen with --dtype" in out
+    assert "| lomo | 2 | 0.3 |" in out
+
+
+@pytest.mark.parametrize(
+    ("native", "dtype", "reason"),
+    [(False, "fp32", "no native bf16 matmul"), (True, "bf16", "multiplies bf16 natively")],
+)
+def test_demo_dtype_follows_native_bf16_and_says_why(monkeypatch, native, dtype, reason):
+    from lomo_kernels.tools import machine
+
+    monkeypatch.setattr(machine, "native_bf16_matmul", lambda device="cpu": native)
+    parser = demo.Parser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([])
+    assert reason in demo.dtype_choice(args)
+    assert args.dtype == dtype
 
 
 def test_model_config_missing_a_field(capsys, tmp_path):

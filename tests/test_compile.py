@@ -10,16 +10,16 @@ from torch._dynamo import compiled_autograd
 from lomo_kernels import Lomo
 
 
-def mlp():
+def mlp(device="cpu"):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 5)).to(
-        torch.bfloat16
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 5))
+    return model.to(device=device, dtype=torch.bfloat16)
 
 
 def loss_of(model, step):
-    dtype = next(model.parameters()).dtype
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(dtype)
+    first = next(model.parameters())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    x = x.to(device=first.device, dtype=first.dtype)
     return model(x).float().pow(2).mean()
 
 
@@ -41,13 +41,13 @@ def train(model, steps, compile_forward=False, compile_backward=False, graphs_se
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward_and_compiled_autograd"])
-def test_compiled_training_matches_eager(mode):
+def test_compiled_training_matches_eager(mode, test_device):
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    eager = train(mlp(), 6)
+    eager = train(mlp(test_device), 6)
     graphs = []
     compiled = train(
-        mlp(),
+        mlp(test_device),
         6,
         compile_forward=True,
         compile_backward=mode == "forward_and_compiled_autograd",
@@ -61,9 +61,9 @@ def test_compiled_training_matches_eager(mode):
     assert graphs[2] == graphs[-1]
 
 
-def test_inductor_forward_with_fused_backward():
+def test_inductor_forward_with_fused_backward(test_device):
     torch._dynamo.reset()
-    eager, compiled = mlp().float(), mlp().float()
+    eager, compiled = mlp(test_device).float(), mlp(test_device).float()
     compiled_fwd = torch.compile(compiled)
     opt_e, opt_c = Lomo(eager, lr=0.1), Lomo(compiled, lr=0.1)
     for step in range(3):

@@ -5,7 +5,7 @@ The four ways a user compiles a step, each compared with the same loop in eager 
   forward_ca  compiled forward, fused_backward under compiled autograd (Inductor)
   whole       forward + fused_backward in one torch.compile, config.compiled_autograd
   eager_ca    eager forward, fused_backward under compiled autograd: refused (see
-              lomo_kernels/optim/_compiled_autograd.py), before any parameter changes
+              lomo_kernels/compile/eager_forward.py), before any parameter changes
 Bounds, after 3 steps, per element: within 4 ulps of its eager value (Inductor fuses and
 reassociates sums) or within BASELINE_FACTOR x torch's own rounding of the tensor's largest
 update, whichever is larger. Torch's own rounding is measured here, once per model
@@ -112,7 +112,7 @@ def train(
     **options: Any,
 ) -> None:
     """Three steps; the lr changes every step (a scheduler), graphs counted after each."""
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     opt = make_optimizer(opt_name, model, LR[dtype] if lr is None else lr, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     forward = torch.compile(model) if way in ("forward", "forward_ca") else model
@@ -124,6 +124,7 @@ def train(
     with torch._dynamo.config.patch(compiled_autograd=True):
         compiled_step = torch.compile(whole_step)
     for inputs in batches(model):
+        inputs = {k: v.to(device) for k, v in inputs.items()}
         if way == "whole":
             with torch._dynamo.config.patch(compiled_autograd=True):
                 compiled_step(inputs)
@@ -171,46 +172,61 @@ def assert_matches_eager(initial, eager, compiled, rounding: float, fp32_run=Non
         )
 
 
+def measure_torch_rounding(initial: torch.nn.Module, lr: float | None = None) -> float:
+    """Torch's own compiled-vs-eager difference on this model (module docstring), the
+    largest over tensors; in fp32 from the model's weights, on its device: in bf16 SGD's
+    updates are a few ulps of the weights, and its compiled run differs from eager by whole
+    ulps (seen: up to 0.67 of the update), which would make the bound void; bf16 rounding is
+    the ulps term's (or the fp32 rule's)."""
+    lr = LR[next(initial.parameters()).dtype] if lr is None else lr
+    fp32 = copy.deepcopy(initial).float()
+    eager, compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    train(eager, "sgd", "eager", [], lr=lr)
+    fresh_counters()
+    train(compiled, "sgd", "forward_ca", [], lr=lr)
+    return max(relative_differences(fp32, eager, compiled).values())
+
+
 @pytest.fixture(scope="module")
 def torch_rounding() -> Any:
-    """measure(initial, lr): torch's own compiled-vs-eager difference on this model (module
-    docstring), the largest over tensors; measured once per model (a few seconds), in fp32
-    from the model's weights: in bf16 SGD's updates are a few ulps of the weights, and
-    its compiled run differs from eager by whole ulps (seen: up to 0.67 of the update),
-    which would make the bound void; bf16 rounding is the ulps term's (or the fp32 rule's)."""
+    """measure(initial, lr): `measure_torch_rounding`, once per model (a few seconds)."""
     cache: dict[tuple, float] = {}
 
     def measure(initial: torch.nn.Module, lr: float | None = None) -> float:
-        lr = LR[next(initial.parameters()).dtype] if lr is None else lr
-        key = (initial.config.num_hidden_layers, initial.config.vocab_size, lr)
+        first = next(initial.parameters())
+        lr = LR[first.dtype] if lr is None else lr
+        key = (initial.config.to_json_string(), lr, str(first.device))
         if key not in cache:
-            fp32 = copy.deepcopy(initial).float()
-            eager, compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
-            train(eager, "sgd", "eager", [], lr=lr)
-            fresh_counters()
-            train(compiled, "sgd", "forward_ca", [], lr=lr)
-            cache[key] = max(relative_differences(fp32, eager, compiled).values())
+            cache[key] = measure_torch_rounding(initial, lr)
         return cache[key]
 
     return measure
 
 
+def eager_reference(initial: torch.nn.Module, opt_name: str, lr: float | None = None) -> tuple:
+    """(initial, eager-trained, the loop run in fp32 from the same weights: bf16 only)."""
+    dtype = next(initial.parameters()).dtype
+    eager = copy.deepcopy(initial)
+    train(eager, opt_name, "eager", [], lr=lr)
+    fp32_run = None
+    if dtype == torch.bfloat16:
+        fp32_run = copy.deepcopy(initial).float()
+        train(fp32_run, opt_name, "eager", [], lr=LR[dtype] if lr is None else lr)
+    return initial, eager, fp32_run
+
+
+class _References(dict):
+    """`eager_reference` of the tiny model per (optimizer, dtype, device), computed once."""
+
+    def __missing__(self, key: tuple[str, torch.dtype, str]) -> tuple:
+        opt_name, dtype, device = key
+        self[key] = eager_reference(tiny_llama(dtype).to(device), opt_name)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Initial and eager-trained models per (optimizer, dtype), computed once; for bf16
-    also the loop run in fp32 from the same (bf16-valued) weights."""
-    out = {}
-    for opt_name in ("lomo", "adalomo"):
-        for dtype in (torch.float32, torch.bfloat16):
-            initial = tiny_llama(dtype)
-            eager = copy.deepcopy(initial)
-            train(eager, opt_name, "eager", [])
-            fp32_run = None
-            if dtype == torch.bfloat16:
-                fp32_run = copy.deepcopy(initial).float()
-                train(fp32_run, opt_name, "eager", [], lr=LR[dtype])
-            out[opt_name, dtype] = (initial, eager, fp32_run)
-    return out
+    return _References()
 
 
 def fresh_counters() -> None:
@@ -223,16 +239,39 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 
 
 def check_compiled_step(
-    references, torch_rounding, way: str, opt_name: str, dtype: torch.dtype, emulate: bool
+    references,
+    torch_rounding,
+    way: str,
+    opt_name: str,
+    dtype: torch.dtype,
+    emulate: bool,
+    device: str = "cpu",
 ):
-    initial, eager, fp32_run = references[opt_name, dtype]
-    rounding = torch_rounding(initial)
+    reference = references[opt_name, dtype, device]
+    check_compiled_run(reference, torch_rounding(reference[0]), way, opt_name, emulate)
+
+
+def check_compiled_run(
+    reference: tuple,
+    rounding: float,
+    way: str,
+    opt_name: str,
+    emulate: bool,
+    lr: float | None = None,
+    against_fp32: bool = False,
+) -> None:
+    """`way` from `reference`'s initial weights (`eager_reference`) within the bounds of the
+    module docstring, compiling nothing after the first step, without graph breaks outside
+    the whole step's. bf16 is checked per element when Inductor rounds as eager does
+    (`emulate`), unless `against_fp32`: by the rule against the fp32 run."""
+    initial, eager, fp32_run = reference
+    dtype = next(initial.parameters()).dtype
     compiled = copy.deepcopy(initial)
     fresh_counters()
     graphs: list[int] = []
     with torch._inductor.config.patch(emulate_precision_casts=emulate):
-        train(compiled, opt_name, way, graphs)
-    per_element = dtype == torch.float32 or emulate
+        train(compiled, opt_name, way, graphs, lr=lr)
+    per_element = dtype == torch.float32 or (emulate and not against_fp32)
     assert_matches_eager(initial, eager, compiled, rounding, None if per_element else fp32_run)
     # The lr changes every step but lives in a device tensor: nothing compiles after step 0.
     assert graphs[0] == graphs[-1], f"graphs compiled per step: {graphs}"
@@ -250,17 +289,17 @@ def check_compiled_step(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
 @pytest.mark.parametrize("way", ["forward", "forward_ca", "whole"])
-def test_compiled_step_matches_eager(references, torch_rounding, way, opt_name, dtype):
+def test_compiled_step_matches_eager(references, torch_rounding, way, opt_name, dtype, test_device):
     """Per element; bf16 with Inductor rounding intermediates as eager does."""
     emulate = dtype == torch.bfloat16
-    check_compiled_step(references, torch_rounding, way, opt_name, dtype, emulate)
+    check_compiled_step(references, torch_rounding, way, opt_name, dtype, emulate, test_device)
 
 
 @pytest.mark.parametrize("opt_name", ["lomo", "adalomo"])
-def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt_name):
+def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt_name, test_device):
     """Inductor's default bf16 code (fp32 intermediates): the looser bound against fp32."""
     check_compiled_step(
-        references, torch_rounding, "forward_ca", opt_name, torch.bfloat16, emulate=False
+        references, torch_rounding, "forward_ca", opt_name, torch.bfloat16, False, test_device
     )
 
 
@@ -277,7 +316,7 @@ def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt
 def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
     references, opt_name, dtype
 ):
-    initial = references[opt_name, dtype][0]
+    initial = references[opt_name, dtype, "cpu"][0]
     model = copy.deepcopy(initial)
     fresh_counters()
     with pytest.raises(RuntimeError, match="Compile the forward as well"):
@@ -292,7 +331,7 @@ def test_check_detects_the_reordering_bug(references, torch_rounding, monkeypatc
     monkeypatch.setattr(
         owner, "reorder_accumulate_grad_nodes", owner.reorder_accumulate_grad_nodes.__wrapped__
     )
-    initial, eager, _ = references["lomo", torch.float32]
+    initial, eager, _ = references["lomo", torch.float32, "cpu"]
     rounding = torch_rounding(initial)
     compiled = copy.deepcopy(initial)
     fresh_counters()
@@ -329,12 +368,10 @@ def test_fused_read_after_update_is_caught(two_layer_gqa_reference, torch_roundi
     """Inductor lowering as torch 2.13 does it (a fused read of a weight after its update):
     the bound fails. Caches are off, as the cache key does not see the lowering change.
     Should this fail on a newer torch, its lowering orders the reads itself and
-    `_realizing_reads_before_writes` can go."""
-    from lomo_kernels.optim import _compiled_autograd
+    `realizing_reads_before_writes` can go."""
+    from lomo_kernels.compile import realize_reads
 
-    monkeypatch.setattr(
-        _compiled_autograd, "_realizing_reads_before_writes", contextlib.nullcontext
-    )
+    monkeypatch.setattr(realize_reads, "realizing_reads_before_writes", contextlib.nullcontext)
     initial, eager = two_layer_gqa_reference
     rounding = torch_rounding(initial, lr=TWO_LAYER_GQA_LR)
     compiled = copy.deepcopy(initial)

@@ -84,9 +84,9 @@ def lomo_on_another_model() -> object:
 
 def run_mode(mode: str, out: Path) -> None:
     if mode == "patch_all":  # the patches taking every parameter for ours
-        from lomo_kernels.optim import _compiled_autograd
+        from lomo_kernels.compile import install
 
-        _compiled_autograd.install(lambda t: isinstance(t, torch.nn.Parameter))
+        install(lambda t: isinstance(t, torch.nn.Parameter))
     keep = lomo_on_another_model() if mode != "plain" else None
     graph_code: list[str] = []
     model, inductor_code = train_user_model(graph_code)
@@ -142,7 +142,7 @@ def test_users_in_backward_optimizer_compiles_as_without_lomo_kernels(tmp_path):
 
 
 def test_tested_versions_are_matched_by_major_minor():
-    from lomo_kernels.optim._compiled_autograd import torch_version_tested
+    from lomo_kernels.compile import torch_version_tested
 
     assert torch_version_tested("2.13.0+cpu")
     assert torch_version_tested("2.13.1")
@@ -165,9 +165,9 @@ def lomo_loss(forward: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("enable", ["compiled_autograd_enable", "config_compiled_autograd"])
 def test_untested_torch_refuses_compiled_autograd_before_any_change(monkeypatch, enable):
     from lomo_kernels import Lomo
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import version_gate
 
-    monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")
+    monkeypatch.setattr(version_gate, "TORCH_VERSION", "2.99.0")
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     opt = Lomo(model, lr=0.1, clip_grad_norm=1.0)
@@ -179,9 +179,7 @@ def test_untested_torch_refuses_compiled_autograd_before_any_change(monkeypatch,
     with context, pytest.raises(RuntimeError) as refused:
         opt.fused_backward(loss)
     message = str(refused.value)
-    assert "2.99.0" in message and all(
-        v in message for v in _compiled_autograd.TESTED_TORCH_VERSIONS
-    )
+    assert "2.99.0" in message and all(v in message for v in version_gate.TESTED_TORCH_VERSIONS)
     assert "torch.compile of the forward alone keep working" in message
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -189,9 +187,9 @@ def test_untested_torch_refuses_compiled_autograd_before_any_change(monkeypatch,
 
 def test_untested_torch_still_runs_a_compiled_forward_step(monkeypatch):
     from lomo_kernels import Lomo
-    from lomo_kernels.optim import _compiled_autograd
+    from lomo_kernels.compile import version_gate
 
-    monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")
+    monkeypatch.setattr(version_gate, "TORCH_VERSION", "2.99.0")
     eager, compiled = mlp(), mlp()
     Lomo(eager, lr=0.1, clip_grad_norm=1.0).fused_backward(lomo_loss(eager))
     opt = Lomo(compiled, lr=0.1, clip_grad_norm=1.0)
@@ -206,8 +204,10 @@ def train_llama(model: torch.nn.Module, steps: int = 2) -> None:
     from lomo_kernels import Lomo
 
     opt = Lomo(model, lr=1e-2, clip_grad_norm=1.0, weight_decay=0.01)
+    device = next(model.parameters()).device
     for step in range(steps):
         ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(step))
+        ids = ids.to(device)
         opt.fused_backward(model(input_ids=ids, labels=ids).loss)
 
 
@@ -222,12 +222,12 @@ ROUNDING_EPS = 4
 
 
 @pytest.mark.slow
-def test_compiling_each_decoder_layer_matches_eager_on_any_torch(monkeypatch):
-    from lomo_kernels.optim import _compiled_autograd
+def test_compiling_each_decoder_layer_matches_eager_on_any_torch(monkeypatch, test_device):
+    from lomo_kernels.compile import version_gate
 
-    monkeypatch.setattr(_compiled_autograd, "TORCH_VERSION", "2.99.0")  # untested: no matter
+    monkeypatch.setattr(version_gate, "TORCH_VERSION", "2.99.0")  # untested: no matter
     torch._dynamo.reset()
-    start, eager, compiled = tiny_llama(), tiny_llama(), tiny_llama()
+    start, eager, compiled = (tiny_llama().to(test_device) for _ in range(3))
     for layer in compiled.model.layers:
         layer.compile()  # Inductor per layer; autograd runs eagerly between layers
     train_llama(eager)

@@ -15,7 +15,7 @@ from torch._functorch._aot_autograd.runtime_wrappers import (
     CachedAutogradLazyBackwardCompileInfo,
 )
 
-from lomo_kernels.optim import _compiled_autograd
+from lomo_kernels.compile import embedding_backward, install, scope
 from lomo_kernels.optim._in_backward import updated_in_backward
 
 SHAPE = [64, 32]
@@ -55,8 +55,8 @@ def test_torch_loader_keeps_the_constant_in_the_serialized_state():
 
 
 def test_compiled_autograd_loads_the_backward_from_a_copy(monkeypatch):
-    assert _compiled_autograd.install(updated_in_backward)
-    monkeypatch.setattr(_compiled_autograd, "_capturing_ours", True)  # as in our capture
+    assert install(updated_in_backward)
+    monkeypatch.setattr(scope, "_capturing_ours", True)  # as in our capture
     serialized = SerializedGraphModule(_backward_like_graph())
     before = _tensors_in(serialized.args[0])
     module = compiled_autograd.extract_bw_module(_CompiledFunction(serialized))
@@ -84,14 +84,14 @@ def _graph_reading_a_constant(keep_it: bool) -> tuple[torch.nn.Module, torch.fx.
 
 def test_dropping_an_unused_constant_frees_it_from_the_root():
     root, graph, nodes = _graph_reading_a_constant(keep_it=False)
-    _compiled_autograd._drop_unused(graph, root, nodes)
+    embedding_backward._drop_unused(graph, root, nodes)
     assert not hasattr(root, "_tensor_constant0")
     assert [n.op for n in graph.nodes] == ["placeholder", "output"]
 
 
 def test_a_constant_still_read_is_kept():
     root, graph, nodes = _graph_reading_a_constant(keep_it=True)
-    _compiled_autograd._drop_unused(graph, root, nodes)
+    embedding_backward._drop_unused(graph, root, nodes)
     assert hasattr(root, "_tensor_constant0")
     assert nodes[2] in graph.nodes
     assert nodes[1] not in graph.nodes

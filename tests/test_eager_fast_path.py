@@ -273,6 +273,7 @@ def test_compiled_autograd_sees_the_op(optimizer, fast_calls):
     assert fast_calls == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
 def test_fast_path_does_not_sync_on_cuda(optimizer, fast_calls):

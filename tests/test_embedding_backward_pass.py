@@ -1,5 +1,5 @@
 """The compiled-autograd pass that gives a hooked bf16/fp16 embedding ATen's backward instead
-of the fp32 decomposition a compiled forward leaves (`_use_eager_embedding_backward`).
+of the fp32 decomposition a compiled forward leaves (`use_eager_embedding_backward`).
 
 The decomposition differs between torch releases: the installed torch's own form is taken
 from its decomposition table; the form of torch <= 2.11 (masked_fill + `_unsafe_index_put`,
@@ -22,7 +22,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import lomo_kernels  # noqa: F401  (registers lomo_kernels::embedding_dense_backward_eager)
-from lomo_kernels.optim import _compiled_autograd
+from lomo_kernels.compile import embedding_backward
 
 VOCAB, HIDDEN = 50, 8
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -95,7 +95,7 @@ def _constants(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _accumulated(graph: torch.fx.Graph) -> torch.fx.Node:
     acc = graph.find_nodes(op="call_function", target=call_accumulate_grad)[0]
-    return _compiled_autograd._accumulated_grad(acc)
+    return embedding_backward._accumulated_grad(acc)
 
 
 CASES = {
@@ -113,7 +113,7 @@ def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx, ca
     fn, arity = CASES[case]
     graph, weight = _graph_with_accumulate(lambda g, i: fn(g, i, padding_idx), dtype, arity)
     root = _as_loaded_from_cache(graph) if cached else None
-    _compiled_autograd._use_eager_embedding_backward(graph, {weight}, root)
+    embedding_backward.use_eager_embedding_backward(graph, {weight}, root)
     grad = _accumulated(graph)
     grad_output, indices = graph.find_nodes(op="placeholder")[1:]
     assert grad.target is EAGER
@@ -126,6 +126,26 @@ def test_decomposition_is_replaced_by_aten_backward(case, dtype, padding_idx, ca
         assert not [name for name, t in _constants(root) if t.shape == (VOCAB, HIDDEN)]
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_tied_weight_gets_aten_backward_for_its_embedding_term(case):
+    # A weight tied to the output projection accumulates the sum of both uses' gradients.
+    fn, arity = CASES[case]
+
+    def tied(grad_output, indices):
+        ones = aten.full.default([VOCAB, 4], 1.0, dtype=grad_output.dtype)
+        projection = aten.mm.default(ones, aten.full.default([4, HIDDEN], 1.0, dtype=ones.dtype))
+        return aten.add.Tensor(projection, fn(grad_output, indices, 7))
+
+    graph, weight = _graph_with_accumulate(tied, torch.bfloat16, arity)
+    embedding_backward.use_eager_embedding_backward(graph, {weight})
+    total = _accumulated(graph)
+    grad_output, indices = graph.find_nodes(op="placeholder")[1:]
+    assert total.target is aten.add.Tensor
+    assert total.args[0].target is aten.mm.default
+    assert total.args[1].target is EAGER
+    assert total.args[1].args == (grad_output, indices, VOCAB, 7)
+
+
 def test_cached_constant_that_is_not_zero_is_left_alone():
     # A constant where the zero should be is matched only if it is zero: a nonzero fill
     # value would change the gradient of the padding rows.
@@ -135,7 +155,7 @@ def test_cached_constant_that_is_not_zero_is_left_alone():
     root = _as_loaded_from_cache(graph)
     scalar = next(name for name, t in _constants(root) if t.dim() == 0)
     setattr(root, scalar, torch.tensor(1.0))
-    _compiled_autograd._use_eager_embedding_backward(graph, {weight}, root)
+    embedding_backward.use_eager_embedding_backward(graph, {weight}, root)
     assert _accumulated(graph).target is prims.convert_element_type.default
 
 
@@ -143,7 +163,7 @@ def test_cached_constant_that_is_not_zero_is_left_alone():
 def test_unhooked_weight_keeps_the_decomposition(case):
     fn, arity = CASES[case]
     graph, _ = _graph_with_accumulate(lambda g, i: fn(g, i, -1), torch.bfloat16, arity)
-    _compiled_autograd._use_eager_embedding_backward(graph, set())
+    embedding_backward.use_eager_embedding_backward(graph, set())
     assert _accumulated(graph).target is prims.convert_element_type.default
     assert graph.find_nodes(op="call_function", target=aten.full.default)
 
@@ -153,7 +173,7 @@ def test_older_form_without_accumulation_is_left_alone():
     graph, weight = _graph_with_accumulate(
         lambda g, i: _older_decomposition(g, i, -1, accumulate=False), torch.bfloat16, 3
     )
-    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    embedding_backward.use_eager_embedding_backward(graph, {weight})
     assert _accumulated(graph).target is prims.convert_element_type.default
 
 
@@ -162,5 +182,5 @@ def test_fp32_weight_keeps_its_graph():
     graph, weight = _graph_with_accumulate(
         lambda g, i: _older_decomposition(g, i, -1), torch.float32, 3
     )
-    _compiled_autograd._use_eager_embedding_backward(graph, {weight})
+    embedding_backward.use_eager_embedding_backward(graph, {weight})
     assert _accumulated(graph).target is prims.convert_element_type.default

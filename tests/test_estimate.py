@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.tools import estimate as est
 from lomo_kernels.tools.machine import fast_dtype
 from lomo_kernels.tools.models import PRESETS, resolve_model
@@ -202,6 +203,12 @@ def test_prediction_bounds_measured_cpu_peak(optimizer: str) -> None:
 
 
 # -- against the tensors alive at the peak ---------------------------------------------------
+_OPENED_OPS = {
+    torch.ops.lomo_kernels.linear_cross_entropy_forward.default: lce.forward_impl,
+    torch.ops.lomo_kernels.linear_cross_entropy_backward.default: lce.backward_impl,
+}
+
+
 class LiveStorages(TorchDispatchMode):
     """Every storage an op creates (parameters' excluded) and, after each op, which are alive.
 
@@ -225,6 +232,12 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        implementation = _OPENED_OPS.get(func)
+        if implementation is not None:
+            # The fused loss's ops run their implementation under this mode, so the
+            # tensors they create inside are counted too.
+            with self:
+                return implementation(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[k]
@@ -285,17 +298,11 @@ TRACKED = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("precision", "checkpointing", "overrides", "batch", "seq"),
-    [case[1:] for case in TRACKED],
-    ids=[case[0] for case in TRACKED],
-)
-def test_activation_model_matches_the_tensors_alive_at_the_peak(
-    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
-) -> None:
-    """The model against the tracked peak of a small transformers LLaMA (sdpa attention,
-    per-layer non-reentrant checkpointing): within 0.5%. What it leaves out at this scale are
-    the integer inputs, labels and positions (under 0.2%)."""
+def _small_llama(
+    precision: str, checkpointing: bool, overrides: dict, fused_head: bool = False
+) -> tuple[torch.nn.Module, Any]:
+    """A small transformers LLaMA (sdpa attention) in `precision`, with per-layer
+    checkpointing and the logits-free loss as asked; (model, config)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         **{
@@ -313,10 +320,58 @@ def test_activation_model_matches_the_tensors_alive_at_the_peak(
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = transformers.LlamaForCausalLM(config).to(dtype).train()
+    if fused_head:
+        from lomo_kernels import patch_causal_lm
+
+        patch_causal_lm(model)
     if checkpointing:
         # The newer name where transformers has it (the older one warns there).
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
+    return model, config
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "overrides", "batch", "seq"),
+    [case[1:] for case in TRACKED],
+    ids=[case[0] for case in TRACKED],
+)
+def test_activation_model_matches_the_tensors_alive_at_the_peak(
+    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
+) -> None:
+    """The model against the tracked peak of a small transformers LLaMA (sdpa attention,
+    per-layer non-reentrant checkpointing): within 0.5%. What it leaves out at this scale are
+    the integer inputs, labels and positions (under 0.2%)."""
+    model, config = _small_llama(precision, checkpointing, overrides)
     measured = tracked_activation_peak(model, batch, seq)
     modelled = est.activation_bytes(resolve_model(config), batch, seq, checkpointing, precision)
     assert modelled == pytest.approx(measured, rel=0.005), (modelled, measured)
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "overrides", "batch", "seq"),
+    [("bf16", True, {}, 2, 48), ("fp32", False, {"vocab_size": 3001}, 2, 40)],
+    ids=["bf16-ckpt", "fp32-nockpt"],
+)
+def test_fused_head_activation_model_bounds_the_tracked_peak(
+    precision: str, checkpointing: bool, overrides: dict, batch: int, seq: int
+) -> None:
+    """patch_causal_lm's loss: the model (the GPU kernels' buffers) against the tracked peak
+    of the CPU kernels, which add their block temporaries: an fp32 copy of a token block and
+    of a vocabulary chunk in 16-bit models, and one block of logits, at most
+    4 (T_b h + C h + T_b max(V_b, C)) bytes (T_b, V_b the CPU blocks, C the chunk rows).
+    The tracked peak must lie between the model and the model plus that."""
+    from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
+
+    model, config = _small_llama(precision, checkpointing, overrides, fused_head=True)
+    measured = tracked_activation_peak(model, batch, seq)
+    shape = resolve_model(config)
+    modelled = est.activation_bytes(shape, batch, seq, checkpointing, precision, fused_head=True)
+    h, tokens = shape.hidden_size, batch * seq
+    block_t = min(blocked.BLOCK_TOKENS, tokens)
+    block_v = min(blocked.BLOCK_VOCAB, shape.vocab_size)
+    chunk = lce.chunk_rows(shape.vocab_size, h)
+    cpu_extra = 4 * (block_t * h + chunk * h + block_t * max(block_v, chunk))
+    assert modelled <= measured <= modelled + cpu_extra, (modelled, measured, cpu_extra)
+    unfused = est.activation_bytes(shape, batch, seq, checkpointing, precision)
+    assert measured < unfused

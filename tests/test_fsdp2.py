@@ -19,6 +19,7 @@ import torch
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
+    assert_grad_norms_match,
     assert_no_worse_than_low_precision,
     assert_ranks_agree,
     assert_single_backward_matches,
@@ -50,8 +51,11 @@ def checks(fsdp2_run) -> list[dict]:
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fsdp2_training_equals_one_process(fsdp2_run, name, pattern):
     saved = torch.load(fsdp2_run / f"{name}_{pattern}.pt")
-    model, _ = one_process(name, saved["initial"], steps=3, train_fn=PATTERNS[pattern])
+    model, opt = one_process(name, saved["initial"], steps=3, train_fn=PATTERNS[pattern])
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+    # Each whole parameter's gradient norm of the last norm pass, on every rank: one entry
+    # per parameter as in one process (the ranks' sums of squares of their rows, reduced).
+    assert_grad_norms_match(saved["grad_norms"], opt.grad_norms)
 
 
 @pytest.mark.slow

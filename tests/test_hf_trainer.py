@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import batch, tiny_llama
+from tiny_models import batch, max_rel_diff, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments  # noqa: E402
@@ -28,6 +28,15 @@ class RecordingTrainer(LomoTrainer):
 def dataset(n=8):
     fixed = batch(0, batch_size=1)
     return [{"input_ids": fixed["input_ids"][0], "labels": fixed["labels"][0]}] * n
+
+
+def trainer_batch():
+    rows = dataset(2)  # the Trainer's batch: two copies of one sequence
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def logged(trainer, key="grad_norm"):
+    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def args(tmp_path, **overrides):
@@ -139,3 +148,112 @@ def test_trainer_leaves_the_callers_arguments_unchanged(tmp_path, positional):
         assert trainer._lomo().clip_grad_norm == 1.0
     first, second = ([h["loss"] for h in t.state.log_history if "loss" in h] for t in trainers)
     assert first == second  # same model, data and clipping: the same steps
+
+
+def norm_weight_names(model):
+    return {n for n, _ in model.named_parameters() if "norm" in n}
+
+
+def sgd_with_transformers_split(model, steps, lr, weight_decay, max_norm):
+    """torch.optim.SGD with Trainer's groups (no decay on the RMSNorm weights: a LLaMA has
+    no bias), the linear schedule and clip_grad_norm_; returns the pre-clip norms."""
+    no_decay = norm_weight_names(model)
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(
+        [
+            {"params": [p for n, p in named if n not in no_decay]},
+            {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        weight_decay=weight_decay,
+    )
+    norms = []
+    for step in range(steps):
+        for group in sgd.param_groups:
+            group["lr"] = lr * (1 - step / steps)
+        sgd.zero_grad()
+        model(**trainer_batch()).loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        sgd.step()
+    return norms
+
+
+def test_trainer_decays_as_transformers_and_logs_the_pre_clip_norm(tmp_path):
+    model, ref = tiny_llama(), tiny_llama()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=3, learning_rate=0.2, weight_decay=0.3, max_grad_norm=0.5),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    decay, no_decay = trainer._lomo().param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == norm_weight_names(model)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.3, 0.0)
+    norms = sgd_with_transformers_split(ref, 3, lr=0.2, weight_decay=0.3, max_norm=0.5)
+    # As the one-group comparison with SGD (test_lomo_optimizer.py): fp32 sums in another
+    # order. Decaying the norm weights too would be off by about lr * 0.3 = 6e-2.
+    assert max_rel_diff(model, ref) <= 1e-6
+    assert min(norms) > 0.5  # every step clipped
+    assert logged(trainer) == pytest.approx(norms, rel=1e-5)
+
+
+def count_backwards(monkeypatch):
+    calls = []
+    original = torch.Tensor.backward
+
+    def backward(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    return calls
+
+
+@pytest.mark.parametrize("optim_args, per_step", [(None, 2), ("single_backward=True", 1)])
+def test_trainer_clipping_mode_from_optim_args(tmp_path, monkeypatch, optim_args, per_step):
+    """Exact clipping by default (a norm pass: two backward passes), one backward with
+    single_backward=True; both log the step's norm before clipping."""
+    model = tiny_llama()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(
+            tmp_path, max_steps=3, learning_rate=0.2, max_grad_norm=0.5, optim_args=optim_args
+        ),
+        train_dataset=dataset(),
+    )
+    calls = count_backwards(monkeypatch)
+    trainer.train()
+    assert trainer._lomo().single_backward == (optim_args is not None)
+    assert len(calls) == 3 * per_step
+    # The first step starts from the same weights in both modes: the same norm.
+    first = sgd_with_transformers_split(tiny_llama(), 1, lr=0.2, weight_decay=0.01, max_norm=0.5)
+    norms = logged(trainer)
+    assert len(norms) == 3 and norms[0] == pytest.approx(first[0], rel=1e-5)
+
+
+def test_trainer_logs_no_grad_norm_when_the_step_measures_none(tmp_path):
+    trainer = LomoTrainer(
+        model=tiny_llama(),
+        args=args(tmp_path, max_steps=2, max_grad_norm=0.0),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    assert logged(trainer) == [] and len(logged(trainer, "loss")) == 2  # not 0.0
+
+
+@pytest.mark.parametrize(
+    "optim_args, match",
+    [("momentum=0.9", "accepted: single_backward"), ("single_backward=maybe", "True or False")],
+)
+def test_trainer_refuses_optim_args_it_cannot_honour(tmp_path, optim_args, match):
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=2, optim_args=optim_args),
+        train_dataset=dataset(),
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))

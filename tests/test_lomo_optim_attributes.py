@@ -54,6 +54,10 @@ def test_clip_coef_grad_norms_and_lr_as_lomo_optim(cuda_is_identity, cls):
         assert float(ours.clip_coef) < 1  # the threshold is below the norm: clipping is on
         total = float(torch.norm(ours.grad_norms))
         assert total == pytest.approx(float(torch.norm(theirs.grad_norms)), rel=1e-5)
+        # One entry per gradient, as lomo-optim's (in model order; its list is in backward's)
+        assert sorted(ours.grad_norms.tolist()) == pytest.approx(
+            sorted(float(n) for n in theirs.grad_norms), rel=1e-5
+        )
         ours.fused_backward(loss_of(model, step), lr)
         theirs.fused_backward(loss, lr)
         assert isinstance(ours.lr, float) and ours.lr == theirs.lr == lr

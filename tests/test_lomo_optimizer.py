@@ -142,6 +142,7 @@ def test_stochastic_rounding_slices_draw_their_own_streams():
     """Sharded updates (ZeRO-3, FSDP2) pass each slice's flat offset: equal slices of one
     parameter at different offsets round differently, each reproducibly."""
     from lomo_kernels.distributed import Shard
+    from lomo_kernels.optim.sharded_steps import SliceBatch
 
     model = tiny_llama(torch.bfloat16)
     opt = Lomo(model, lr=1.0, stochastic_rounding=True)
@@ -154,7 +155,7 @@ def test_stochastic_rounding_slices_draw_their_own_streams():
         local = torch.ones(n, dtype=torch.bfloat16)
         grad = torch.full((n,), -0.3 * 2**-7)  # 30% of a bf16 ulp at 1
         shard = Shard(param, local, offset, param.shape, None)
-        opt._update_shards([(shard, grad)], scalars, scalars.no_skip)
+        opt._update_shards(SliceBatch([(shard, grad)], scalars, scalars.no_skip))
         return local
 
     first, second = update_slice(0), update_slice(n)

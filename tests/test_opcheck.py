@@ -112,10 +112,32 @@ def test_opcheck_compiled_autograd_embedding_backward() -> None:
         torch.library.opcheck(OPS.embedding_dense_backward_eager.default, args)
 
 
+def test_cross_entropy_ops() -> None:
+    """The fused linear + cross-entropy ops: fp32 and bf16, an ignored token, a vocabulary
+    that is no multiple of any block."""
+    from lomo_kernels.ops import cross_entropy as lce
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(9, 16, generator=gen).to(dtype).requires_grad_()
+        weight = torch.randn(41, 16, generator=gen).to(dtype).requires_grad_()
+        labels = torch.randint(0, 41, (9,), generator=gen)
+        labels[2] = -100
+        torch.library.opcheck(lce._forward_op, (hidden, weight, labels, -100))
+        _, lse = lce._forward_op(hidden.detach(), weight.detach(), labels, -100)
+        grad = torch.rand(9, generator=gen)
+        args = (grad, hidden.detach(), weight.detach(), labels, lse, -100)
+        torch.library.opcheck(lce._backward_op, args)
+
+
 def test_every_op_is_checked() -> None:
     """The cases above cover every op of the namespace."""
     names = {case[0].default.name() for case in _lomo_cases() + _adalomo_cases()}
     names.add("lomo_kernels::embedding_dense_backward_eager")
+    names |= {
+        "lomo_kernels::linear_cross_entropy_forward",
+        "lomo_kernels::linear_cross_entropy_backward",
+    }
     registered = {
         f"lomo_kernels::{name}" for name in dir(OPS) if not name.startswith("_") and name != "name"
     }

@@ -139,7 +139,7 @@ def test_functional_sparse_embedding_refused_before_any_change(name, model_name,
 
 @pytest.mark.parametrize("sparse", [True, False])
 def test_graph_walk_finds_sparse_embedding_and_bag_lookups(sparse):
-    from lomo_kernels.optim._in_backward import sparse_embedding_in_graph
+    from lomo_kernels.optim.validation import sparse_embedding_in_graph
 
     weight = torch.randn(10, 4, requires_grad=True)
     ids = torch.tensor([1, 2, 3])

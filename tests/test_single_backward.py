@@ -14,7 +14,7 @@ from tiny_models import batch, clone, tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.optim.single_pass import SinglePassClip
+from lomo_kernels.optim.single_backward import SingleBackwardClip
 
 MAX_NORM = 0.5
 
@@ -90,7 +90,10 @@ def test_applied_norm_within_the_stated_bound(factor):
         grads = true_grads(model, loss_fn)
         norm = math.sqrt(sum((g * g).sum().item() for g in grads))
         # The first gradient to arrive is one of the parameters': min over them bounds Q below.
-        q = max(opt._single.previous.item() if step else 0.0, min(g.norm().item() for g in grads))
+        q = max(
+            opt._single_backward_clip.previous.item() if step else 0.0,
+            min(g.norm().item() for g in grads),
+        )
         before = snapshot(model)
         opt.fused_backward(loss_fn(model))
         applied = applied_update(model, before, lr).norm().item()
@@ -112,7 +115,7 @@ def test_known_norm_gives_exact_direction():
     grads = true_grads(model, spike_loss(1, 1.0))
     norm = math.sqrt(sum((g * g).sum().item() for g in grads))
     big = 3.0 * norm
-    opt._single.norm_history.fill_(big)
+    opt._single_backward_clip.norm_history.fill_(big)
     before = snapshot(model)
     opt.fused_backward(model(**batch(1)).loss)
     expected = torch.cat([g.reshape(-1) for g in grads]) * (MAX_NORM / (big + 1e-6))
@@ -129,19 +132,21 @@ def test_first_step_and_history():
         factor = 100.0 if step == 1 else 1.0
         opt.fused_backward(model(**batch(step)).loss * factor)
         norms.append(opt.last_grad_norm.item())
-        opt._single.begin_step()  # what the next step does first: computes P
+        opt._single_backward_clip.begin_step()  # what the next step does first: computes P
         if step == 0:
-            assert opt._single.previous.item() == pytest.approx(norms[0])
+            assert opt._single_backward_clip.previous.item() == pytest.approx(norms[0])
         else:
             # The first clean norm fills the history; the spike (step 1) is outvoted.
             padded = (norms + [norms[0]] * 3)[:3]
-            assert opt._single.previous.item() == pytest.approx(sorted(padded)[1])
+            assert opt._single_backward_clip.previous.item() == pytest.approx(sorted(padded)[1])
     # The spike (step 1) does not set P for step 2: the clean norm of step 0 does.
     assert norms[1] > 50 * norms[0]
     # state_dict carries the history.
     fresh = Lomo(clone(model), lr=1e-3, clip_grad_norm=MAX_NORM, single_backward=True)
     fresh.load_state_dict(opt.state_dict())
-    assert torch.equal(fresh._single.norm_history, opt._single.norm_history)
+    assert torch.equal(
+        fresh._single_backward_clip.norm_history, opt._single_backward_clip.norm_history
+    )
 
 
 def norm_weights(model) -> list[str]:
@@ -210,8 +215,8 @@ def test_bucket_rule_equals_per_tensor_rule():
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen) * s for n, s in ((7, 0.1), (5, 3.0), (9, 0.5), (4, 1))]
     grads[2][3] = float("inf")
-    whole = SinglePassClip(MAX_NORM, torch.device("cpu"))
-    sharded = SinglePassClip(MAX_NORM, torch.device("cpu"))
+    whole = SingleBackwardClip(MAX_NORM, torch.device("cpu"))
+    sharded = SingleBackwardClip(MAX_NORM, torch.device("cpu"))
     for state in (whole, sharded):
         state.norm_history.fill_(0.7)
         state.begin_step()
@@ -228,7 +233,7 @@ def test_bucket_rule_equals_per_tensor_rule():
         t.add_(other["sums"])
 
     for rank in (1, 0):
-        probe = SinglePassClip(MAX_NORM, torch.device("cpu"))
+        probe = SingleBackwardClip(MAX_NORM, torch.device("cpu"))
         if rank == 1:  # only its measurement is needed
             probe.prepare_bucket(halves[1][:2], None, "torch", lambda t: other.update(a=t.clone()))
             probe.prepare_bucket(halves[1][2:], None, "torch", lambda t: other.update(b=t.clone()))
@@ -273,13 +278,13 @@ class GradSumsqRoute(AdaLomo):
 def record_measurements(opt) -> list[torch.Tensor]:
     """[coefficient, skip flag, counted sum of squares] of each gradient, in arrival order."""
     records: list[torch.Tensor] = []
-    account = opt._single._account
+    account = opt._single_backward_clip._account
 
     def recording(pair, sumsq, found, bad, clip_coef):
         account(pair, sumsq, found, bad, clip_coef)
         records.append(torch.cat([clip_coef, found, sumsq]).double())
 
-    opt._single._account = recording
+    opt._single_backward_clip._account = recording
     return records
 
 

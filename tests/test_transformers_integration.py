@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_trainer import args, dataset
+from test_hf_trainer import args, dataset, logged, norm_weight_names, trainer_batch
 from tiny_models import batch, max_rel_diff, tiny_llama
 
 pytest.importorskip("transformers")
@@ -78,31 +78,44 @@ def test_accelerate_refuses_what_the_step_cannot_honour():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
-def trainer_batch():
-    rows = dataset(2)  # the Trainer's batch: two copies of one sequence
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
-def trained_by_trainer(tmp_path, **overrides):
+def trained_by_trainer(tmp_path, trainer_class=Trainer, **overrides):
     model = tiny_llama()
-    trainer = Trainer(
+    trainer = trainer_class(
         model=model,
         args=args(tmp_path, max_steps=STEPS, learning_rate=LR, **overrides),
         train_dataset=dataset(),
     )
     trainer.train()
-    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    return model, trainer, logged
+    return model, trainer, logged(trainer)
 
 
+def no_decay_on_norms(model):
+    """The Trainer's split (a LLaMA has no bias): the RMSNorm weights without decay."""
+    return [{"params": sorted(norm_weight_names(model)), "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
-def test_trainer_optim_builds_ours_with_clip_and_decay(tmp_path, name):
-    model, trainer, logged = trained_by_trainer(tmp_path, optim=name)
+def test_trainer_optim_builds_ours_with_clip_and_decay(tmp_path, name, checkpointing):
+    """With activation checkpointing, layers recompute their forward inside backward, between
+    the hooks that update the layers above: the recomputation must read this step's weights."""
+    model, trainer, logged = trained_by_trainer(
+        tmp_path, optim=name, activation_checkpointing=checkpointing
+    )
+    assert model.is_activation_checkpointing == checkpointing
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
     assert type(opt) is CLASSES[name]
-    assert (opt.clip_grad_norm, opt.weight_decay) == (1.0, 0.01)
-    reference, norms = manual(tiny_llama(), CLASSES[name], trainer_batch(), **OPTIONS)
-    assert_same_parameters(model, reference.model)
+    assert opt.clip_grad_norm == 1.0
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    reference = tiny_llama()
+    _, norms = manual(
+        reference,
+        CLASSES[name],
+        trainer_batch(),
+        param_groups=no_decay_on_norms(reference),
+        **OPTIONS,
+    )
+    assert_same_parameters(model, reference)
     assert logged == pytest.approx(norms, rel=1e-6)
 
 
@@ -110,20 +123,41 @@ def test_trainer_max_grad_norm_zero_switches_clipping_off(tmp_path):
     model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo", max_grad_norm=0.0)
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
     assert opt.clip_grad_norm is None and logged == []  # no norm pass: no norm to log
-    reference, _ = manual(tiny_llama(), Lomo, trainer_batch(), weight_decay=0.01)
-    assert_same_parameters(model, reference.model)
+    reference = tiny_llama()
+    manual(
+        reference,
+        Lomo,
+        trainer_batch(),
+        weight_decay=0.01,
+        param_groups=no_decay_on_norms(reference),
+    )
+    assert_same_parameters(model, reference)
 
 
 def test_trainer_optim_lomo_matches_lomo_optim(tmp_path):
+    # lomo-optim decays every parameter: compared without decay.
     lomo_optim = pytest.importorskip("lomo_optim")
-    model, _, _ = trained_by_trainer(tmp_path, optim="lomo")
+    model, _, _ = trained_by_trainer(tmp_path, optim="lomo", weight_decay=0.0)
     reference = tiny_llama()
-    opt = lomo_optim.Lomo(reference, lr=LR, **OPTIONS)
+    opt = lomo_optim.Lomo(reference, lr=LR, clip_grad_norm=1.0)
     for step in range(STEPS):
         loss = reference(**trainer_batch()).loss
         opt.grad_norm(loss)
         opt.fused_backward(loss, schedule(step))
     assert max_rel_diff(model, reference) <= 1e-5
+
+
+def test_trainer_optim_args_single_backward_and_a_subclass_split(tmp_path):
+    class DecayEverything(Trainer):
+        def get_decay_parameter_names(self, model):
+            return [n for n, _ in model.named_parameters()]
+
+    _, trainer, logged = trained_by_trainer(
+        tmp_path, DecayEverything, optim="adalomo", optim_args="single_backward=True"
+    )
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.single_backward and len(logged) == STEPS
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01]  # the subclass's split
 
 
 def test_trainer_with_a_given_optimizer(tmp_path):
@@ -137,15 +171,16 @@ def test_trainer_with_a_given_optimizer(tmp_path):
         optimizers=(opt, None),
     )
     trainer.train()
-    reference, _ = manual(tiny_llama(), Lomo, trainer_batch(), **OPTIONS)
-    assert_same_parameters(model, reference.model)
+    reference = tiny_llama()
+    manual(reference, Lomo, trainer_batch(), **OPTIONS)
+    assert_same_parameters(model, reference)
 
 
 @pytest.mark.parametrize(
     "options, match",
     [
         ({"weight_decay": 0.01}, "max_grad_norm=1.0"),
-        (OPTIONS | {"weight_decay": 0.0}, "weight_decay"),
+        (OPTIONS | {"weight_decay": 0.0}, "weight_decay 0.0"),
     ],
 )
 def test_trainer_refuses_a_given_optimizer_that_would_drop_clip_or_decay(tmp_path, options, match):

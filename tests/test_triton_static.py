@@ -8,17 +8,10 @@ subprocess without TRITON_INTERPRET, which the interpreter tests set in this pro
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from aot import run_compile_script
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in the subprocess; prints one JSON object.
 _COMPILE_SCRIPT = r"""
@@ -121,19 +114,8 @@ _ITEMSIZE = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cubin = tmp_path_factory.mktemp("aot") / "kernel.cubin"
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, str(cubin)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE_SCRIPT, str(cubin))
 
 
 def _record_ids(compiled: dict) -> list[str]:

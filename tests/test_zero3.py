@@ -16,6 +16,7 @@ import torch
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
+    assert_grad_norms_match,
     assert_single_backward_matches,
     assert_within_update_tolerance,
     one_process,
@@ -41,8 +42,10 @@ def checks(zero3_run) -> list[dict]:
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero3_training_equals_one_process(zero3_run, name):
     saved = torch.load(zero3_run / f"{name}.pt")
-    model, _ = one_process(name, saved["initial"], steps=3)
+    model, opt = one_process(name, saved["initial"], steps=3)
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+    # Each whole parameter's gradient norm of the last norm pass (partitions' sums, reduced).
+    assert_grad_norms_match(saved["grad_norms"], opt.grad_norms)
 
 
 @pytest.mark.slow

@@ -1,12 +1,12 @@
-"""Sharded training: the optimizer updates only this rank's slice of each parameter.
+"""Sharded training: moving gradients and parameters between ranks, nothing else.
 
 `sharding_for` looks at the trainable parameters once, at construction, and returns the
-object that routes their gradients: `Zero3Sharding` (DeepSpeed ZeRO-3: full local gradients,
-reduce-scattered by us) or `Fsdp2Sharding` (FSDP2: gradients arrive reduced, one shard per
-rank), or None for one process. Both hand the optimizer this rank's `Shard`s with their
-reduced gradients, so one update path serves both engines. Set-ups that would train wrongly
-(replicated data parallelism, where each rank would apply its own unreduced gradient) are
-refused there, before any hook exists.
+`Sharding` that moves their gradients: `Zero3Sharding` (DeepSpeed ZeRO-3: full local
+gradients, reduce-scattered here) or `Fsdp2Sharding` (FSDP2: gradients arrive reduced, one
+shard per rank), or None for one process. The optimizer calls it and gets back this rank's
+`Shard`s with their reduced gradients, which it updates itself: one update path serves both
+engines. Set-ups that would train wrongly (replicated data parallelism, where each rank
+would apply its own unreduced gradient) are refused there, before any hook exists.
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from torch import nn
 
 from .fsdp2 import Fsdp2Sharding, compute_dtype, fsdp_params_of, is_dtensor
 from .reduce_scatter import DEFAULT_BUCKET_NUMEL, DEFAULT_MAX_INFLIGHT
-from .shard import Shard
+from .shard import Shard, ShardGrads
+from .sharding import Sharding
 from .zero3 import Zero3Sharding, gather_full, is_zero3_param, unwrap_engine
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
     "Fsdp2Sharding",
     "Shard",
+    "ShardGrads",
+    "Sharding",
     "Zero3Sharding",
     "compute_dtypes",
     "consolidated_state_dict",
@@ -42,7 +45,7 @@ def sharding_for(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
     replicated: bool = True,
-) -> Zero3Sharding | Fsdp2Sharding | None:
+) -> Sharding | None:
     """The sharding engine behind `params`, or None when one process holds them whole.
 
     `model` (the module owning `params`) is needed to find FSDP2's units. `replicated=False`

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .reduce_scatter import Consumer, gather_padded
-from .shard import Shard
+from .reduce_scatter import gather_padded
+from .shard import Shard, ShardGrads
 
 SUPPORTED_SETUP = (
     "Supported: FSDP2 (torch.distributed.fsdp.fully_shard) on a 1-D device mesh over all "
@@ -188,10 +188,10 @@ def refresh_unsharded(model: nn.Module) -> int:
 
 
 class Fsdp2Sharding:
-    """Hands FSDP2's reduced gradient shards to the optimizer, one FSDP2 unit at a time.
+    """The `Sharding` of FSDP2: hands its reduced gradient shards over one unit at a time.
 
     FSDP2 reduce-scatters a unit's gradients and then calls the hooks of its parameters one
-    after the other; the shards are collected and handed over together when the unit's last
+    after the other; the shards are collected and returned together when the unit's last
     trainable parameter arrives (or when another unit's does, or at the end of backward), so
     AdaLomo's cross-rank statistics cost two small all-reduces per unit, not per parameter.
     The shards handed over are views of FSDP2's reduce-scatter output, which it keeps until
@@ -211,19 +211,15 @@ class Fsdp2Sharding:
         self._unit_size: dict[int, int] = {}
         for unit in self._unit_of.values():
             self._unit_size[unit] = self._unit_size.get(unit, 0) + 1
-        self._pending: list[tuple[Shard, torch.Tensor]] = []
+        self._pending: ShardGrads = []
         self._pending_unit: int | None = None
-        self._consume: Consumer | None = None
 
     def shard(self, param: nn.Parameter) -> Shard:
         return fsdp2_shard(param, self.group)
 
-    def full_shape(self, param: nn.Parameter) -> torch.Size:
-        return torch.Size(param.shape)
-
-    def begin(self, consume: Consumer) -> None:
+    def begin(self) -> None:
         if self._pending:
-            raise RuntimeError("a previous backward pass left gradient shards unconsumed")
+            raise RuntimeError("a previous backward pass left gradient shards pending")
         if unsynced_units(self.model):
             raise RuntimeError(
                 "FSDP2 gradient synchronisation is off (set_requires_gradient_sync(False)): "
@@ -231,9 +227,8 @@ class Fsdp2Sharding:
                 "LOMO updates inside backward and cannot accumulate gradients; keep "
                 "synchronisation on and use a larger batch. " + SUPPORTED_SETUP
             )
-        self._consume = consume
 
-    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> list[ShardGrads]:
         if not is_dtensor(grad):
             raise RuntimeError(
                 f"FSDP2 parameter {self._name(param)!r}: the gradient is not a DTensor shard; "
@@ -248,21 +243,20 @@ class Fsdp2Sharding:
                 + SUPPORTED_SETUP
             )
         unit = self._unit_of[id(param)]
+        ready = []
         if self._pending and unit != self._pending_unit:
-            self._flush()  # a unit some of whose parameters got no gradient
+            ready.append(self._take_pending())  # a unit some of whose parameters got no gradient
         self._pending.append((shard, local.reshape(-1)))
         self._pending_unit = unit
         if len(self._pending) == self._unit_size[unit]:
-            self._flush()
+            ready.append(self._take_pending())
+        return ready
 
-    def finish(self) -> None:
-        self._flush()
-        self._consume = None
+    def finish(self) -> list[ShardGrads]:
+        return [self._take_pending()] if self._pending else []
 
     def abandon(self) -> None:
-        self._pending.clear()
-        self._pending_unit = None
-        self._consume = None
+        self._take_pending()
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
@@ -271,20 +265,15 @@ class Fsdp2Sharding:
         refresh_unsharded(self.model)
 
     def gather_slices(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor whose slice `values` is on this rank (a collective)."""
         world = dist.get_world_size(self.group)
         rows = param.shape[0] if param.dim() else 1
         row_numel = param.numel() // rows if rows else 0
         chunk = row_range(rows, world, 0)[1] * row_numel
         return gather_padded(values, chunk, param.numel(), self.group)
 
-    def _flush(self) -> None:
+    def _take_pending(self) -> ShardGrads:
         ready, self._pending, self._pending_unit = self._pending, [], None
-        if not ready:
-            return
-        if self._consume is None:
-            raise RuntimeError("gradient shards arrived outside a backward pass")
-        self._consume(ready)
+        return ready
 
     def _name(self, param: nn.Parameter) -> str:
         return next((n for n, p in self.model.named_parameters() if p is param), "?")

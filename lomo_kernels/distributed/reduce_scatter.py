@@ -8,9 +8,9 @@ Gradients are packed into buckets as they arrive: a bucket's input holds W rank 
 and each segment the slices of every parameter in the bucket that the rank owns (zero
 padded). When the next gradient would overflow the bucket, the bucket is packed into one
 buffer and its collective is launched asynchronously, so communication overlaps the rest of
-backward; the gradients are dropped once packed. A bucket is handed to the consumer (the
-optimizer's update) when its collective has completed: at the latest when `max_inflight`
-newer buckets are in flight, or at `finish()`.
+backward; the gradients are dropped once packed. A bucket's reduced partitions are returned
+to the caller (the optimizer, which updates them) once its collective has completed: by
+`add` when `max_inflight` newer buckets are in flight, the rest by `finish()`.
 
 A gradient larger than a bucket goes alone, without a copy when its size divides evenly.
 
@@ -24,19 +24,17 @@ large gradient each) with their outputs (1/W of that): at most
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .shard import Shard
+from .shard import Shard, ShardGrads
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 16M elements: 32 MiB in bf16, large enough for full bandwidth
 DEFAULT_MAX_INFLIGHT = 2
-
-Consumer = Callable[[list[tuple[Shard, torch.Tensor]]], None]
 
 
 @dataclass
@@ -80,52 +78,51 @@ class ReduceScatterBuckets:
         self.max_inflight = int(max_inflight)
         self._open: dict[tuple[torch.dtype, torch.device, int], _Bucket] = {}
         self._inflight: deque[_InFlight] = deque()
-        self._consume: Consumer | None = None
         self.collectives_launched = 0
 
-    def begin(self, consume: Consumer) -> None:
-        """Starts a backward pass whose reduced partitions go to `consume`."""
+    def begin(self) -> None:
+        """Starts a backward pass."""
         if self._open or self._inflight:
             raise RuntimeError("a previous backward pass left gradients unreduced")
-        self._consume = consume
 
-    def add(self, shard: Shard, grad: torch.Tensor, size: int) -> None:
-        """Queues the full local gradient of `shard.param` (partition size `size`)."""
+    def add(self, shard: Shard, grad: torch.Tensor, size: int) -> list[ShardGrads]:
+        """Queues the full local gradient of `shard.param` (partition size `size`); returns
+        the buckets whose collectives completed meanwhile, oldest first."""
         world = dist.get_world_size(shard.group)
         key = (grad.dtype, grad.device, id(shard.group))
         entry = _Entry(shard, grad, size, 0)
         if world * size >= self.bucket_numel:
-            self._launch_alone(entry, world)
-            return
+            return self._launch_alone(entry, world)
         bucket = self._open.get(key)
+        ready = []
         if bucket is not None and world * (bucket.local_numel + size) > self.bucket_numel:
-            self._launch(self._open.pop(key))
+            ready = self._launch(self._open.pop(key))
             bucket = None
         if bucket is None:
             bucket = self._open[key] = _Bucket(grad.dtype, grad.device, shard.group)
         entry.out_offset = bucket.local_numel
         bucket.entries.append(entry)
         bucket.local_numel += size
+        return ready
 
-    def finish(self) -> None:
-        """Launches the open buckets, waits for every collective and consumes the results."""
+    def finish(self) -> Iterator[ShardGrads]:
+        """Launches the open buckets and yields every remaining bucket's reduced partitions
+        as its collective completes, oldest first (one bucket's output held at a time)."""
         for key in list(self._open):
-            self._launch(self._open.pop(key))
+            yield from self._launch(self._open.pop(key))
         while self._inflight:
-            self._complete_oldest()
-        self._consume = None
+            yield self._complete_oldest()
 
     def abandon(self) -> None:
-        """Drops everything queued (after a failed backward): nothing is consumed."""
+        """Drops everything queued (after a failed backward): nothing is returned."""
         self._open.clear()
         while self._inflight:
             pending = self._inflight.popleft()
             if pending.work is not None:
                 pending.work.wait()
-        self._consume = None
 
     # -- internals --------------------------------------------------------------------
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket) -> list[ShardGrads]:
         world = dist.get_world_size(bucket.group)
         total = bucket.local_numel
         packed = torch.empty(world * total, dtype=bucket.dtype, device=bucket.device)
@@ -133,9 +130,9 @@ class ReduceScatterBuckets:
         for entry in bucket.entries:
             _pack(rows[:, entry.out_offset : entry.out_offset + entry.size], entry, world)
             entry.grad = None
-        self._start(packed, bucket.entries, bucket.group, total)
+        return self._start(packed, bucket.entries, bucket.group, total)
 
-    def _launch_alone(self, entry: _Entry, world: int) -> None:
+    def _launch_alone(self, entry: _Entry, world: int) -> list[ShardGrads]:
         grad = entry.grad.reshape(-1)
         if grad.numel() == world * entry.size:
             packed = grad  # already in rank-major order: no copy
@@ -143,19 +140,23 @@ class ReduceScatterBuckets:
             packed = torch.empty(world * entry.size, dtype=grad.dtype, device=grad.device)
             _pack(packed.view(world, entry.size), entry, world)
         entry.grad = None
-        self._start(packed, [entry], entry.shard.group, entry.size)
+        return self._start(packed, [entry], entry.shard.group, entry.size)
 
     def _start(
         self, packed: torch.Tensor, entries: list[_Entry], group: dist.ProcessGroup, total: int
-    ) -> None:
+    ) -> list[ShardGrads]:
+        """Launches one collective; returns the buckets completed to stay within
+        `max_inflight`."""
         output = torch.empty(total, dtype=packed.dtype, device=packed.device)
         work = reduce_scatter(output, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
         self.collectives_launched += 1
         self._inflight.append(_InFlight(work, output, entries, packed))
+        ready = []
         while len(self._inflight) > self.max_inflight:
-            self._complete_oldest()
+            ready.append(self._complete_oldest())
+        return ready
 
-    def _complete_oldest(self) -> None:
+    def _complete_oldest(self) -> ShardGrads:
         pending = self._inflight.popleft()
         if pending.work is not None:
             pending.work.wait()
@@ -164,9 +165,7 @@ class ReduceScatterBuckets:
         for entry in pending.entries:
             owned = entry.shard.local.numel()
             ready.append((entry.shard, pending.output[entry.out_offset : entry.out_offset + owned]))
-        if self._consume is None:
-            raise RuntimeError("reduced gradients arrived outside a backward pass")
-        self._consume(ready)
+        return ready
 
 
 def reduce_scatter(output: torch.Tensor, packed: torch.Tensor, **kwargs: Any) -> dist.Work | None:

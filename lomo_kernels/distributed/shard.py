@@ -33,3 +33,8 @@ class Shard:
     @property
     def full_numel(self) -> int:
         return self.full_shape.numel()
+
+
+# One batch of reduced gradients a sharding hands over: this rank's shard of each parameter
+# with its slice of the averaged gradient, in the order every rank sees them.
+ShardGrads = list[tuple[Shard, torch.Tensor]]

@@ -13,14 +13,14 @@ rest of the package sees `Shard`s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .reduce_scatter import Consumer, ReduceScatterBuckets, all_gather, gather_padded
-from .shard import Shard
+from .reduce_scatter import ReduceScatterBuckets, all_gather, gather_padded
+from .shard import Shard, ShardGrads
 
 SUPPORTED_SETUP = (
     "Supported: DeepSpeed ZeRO stage 3 with no optimizer passed to deepspeed.initialize "
@@ -193,7 +193,8 @@ def gather_full(param: nn.Parameter) -> torch.Tensor:
 
 
 class Zero3Sharding:
-    """Routes full local gradients to their owner ranks and refreshes gathered copies."""
+    """The `Sharding` of DeepSpeed ZeRO-3: reduce-scatters full local gradients to their
+    owner ranks (in buckets) and refreshes the gathered copies."""
 
     # DeepSpeed releases the gathered parameters after a backward: no second one per graph.
     second_backward_ok = False
@@ -212,22 +213,19 @@ class Zero3Sharding:
     def shard(self, param: nn.Parameter) -> Shard:
         return zero3_shard(param)
 
-    def full_shape(self, param: nn.Parameter) -> torch.Size:
-        return torch.Size(param.ds_shape)
+    def begin(self) -> None:
+        self.reducer.begin()
 
-    def begin(self, consume: Consumer) -> None:
-        self.reducer.begin(consume)
-
-    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+    def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> list[ShardGrads]:
         if tuple(grad.shape) != tuple(param.ds_shape):
             raise RuntimeError(
                 f"ZeRO-3 parameter ds_id={param.ds_id}: gradient of shape {tuple(grad.shape)}, "
                 f"expected the full shape {tuple(param.ds_shape)}. " + SUPPORTED_SETUP
             )
-        self.reducer.add(zero3_shard(param), grad, partition_size(param))
+        return self.reducer.add(zero3_shard(param), grad, partition_size(param))
 
-    def finish(self) -> None:
-        self.reducer.finish()
+    def finish(self) -> Iterator[ShardGrads]:
+        return self.reducer.finish()
 
     def abandon(self) -> None:
         self.reducer.abandon()
@@ -239,5 +237,4 @@ class Zero3Sharding:
         refresh_gathered(self.params)
 
     def gather_slices(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor whose slice `values` is on this rank (a collective)."""
         return gather_padded(values, partition_size(param), int(param.ds_numel), self.group)

@@ -5,10 +5,16 @@
                              max_grad_norm=1.0)
     LomoTrainer(model=model, args=args, train_dataset=ds).train()
 
-`optim="adalomo"` selects AdaLomo. Unlike `Trainer(optim="lomo")`, weight decay and
-`max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, fp16
-weights work, and gradient accumulation (impossible with LOMO) is refused up front. A
-`Lomo`/`AdaLomo` passed through `optimizers=(opt, scheduler)` is used as given.
+`optim="adalomo"` selects AdaLomo. Unlike `Trainer(optim="lomo")` with lomo-optim, weight
+decay (on the parameters transformers decays: not on norm weights and biases) and
+`max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, the
+logged `grad_norm` is the step's gradient norm before clipping, fp16 weights work, and
+gradient accumulation (impossible with LOMO) is refused up front. A `Lomo`/`AdaLomo` passed
+through `optimizers=(opt, scheduler)` is used as given.
+
+Clipping: exact by default (`max_grad_norm > 0` runs a norm pass, so two backward passes per
+step, as lomo-optim); `optim_args="single_backward=True"` clips within one backward
+(see trainer_optimizer.py for the trade-off).
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..optim import AdaLomo, Lomo
 from ..optim._in_backward import InBackwardOptimizer
 from .huggingface import check_training_arguments, in_backward_optimizer
+from .trainer_optimizer import optimizer_class, optimizer_kwargs
 
 
 def _with_own_training_arguments(
@@ -58,23 +64,21 @@ class LomoTrainer(Trainer):
             )
         # Clipping happens inside the optimizer (it needs the norm before any update); the
         # Trainer's own clipping would only see freed gradients.
-        self.lomo_max_grad_norm = targs.max_grad_norm if targs.max_grad_norm else None
+        self.lomo_max_grad_norm = targs.max_grad_norm
         targs.max_grad_norm = 0.0
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> InBackwardOptimizer:
         if self.optimizer is None:
-            name = str(getattr(self.args.optim, "value", self.args.optim)).lower()
-            if name not in ("lomo", "adalomo"):
-                raise ValueError(
-                    f"LomoTrainer needs TrainingArguments(optim='lomo' or "
-                    f"'adalomo'), got optim={name!r}"
-                )
-            cls = Lomo if name == "lomo" else AdaLomo
+            model = self.model if model is None else model
+            cls = optimizer_class(self.args.optim)
             self.optimizer = cls(
-                self.model,
-                lr=self.args.learning_rate,
-                clip_grad_norm=self.lomo_max_grad_norm,
-                weight_decay=self.args.weight_decay,
+                model,
+                **optimizer_kwargs(
+                    self.args,
+                    model,
+                    self.get_decay_parameter_names(model),
+                    max_grad_norm=self.lomo_max_grad_norm,
+                ),
             )
         return self.optimizer
 
@@ -93,3 +97,8 @@ class LomoTrainer(Trainer):
         # The learning rate comes from the param groups, which the scheduler sets.
         self._lomo().fused_backward(loss)
         return loss.detach()
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        # The Trainer would measure the freed gradients (0.0): log the norm the step measured
+        # before clipping, or nothing when it measured none (no clipping, not fp16).
+        return self._lomo().last_grad_norm

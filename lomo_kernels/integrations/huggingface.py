@@ -7,14 +7,17 @@
 After `enable_transformers()` (process-wide, undone by `disable_transformers()`):
 
 - `TrainingArguments(optim="lomo" | "adalomo")` builds our `Lomo` / `AdaLomo` with the
-  learning rate, `weight_decay` (every trainable parameter, as lomo-optim decays) and
-  `max_grad_norm` as `clip_grad_norm` (0 switches clipping off).
+  learning rate, `weight_decay` on the parameters the Trainer decays (not norm weights and
+  biases: `Trainer.get_decay_parameter_names`), `max_grad_norm` as `clip_grad_norm` (0
+  switches clipping off) and `optim_args="single_backward=True"` for clipping within one
+  backward per step (default: exact, two backward passes; see trainer_optimizer.py).
 - `accelerator.backward(loss)` and `accelerator.backward(loss, learning_rate=lr)` run
   `fused_backward` of the prepared Lomo/AdaLomo; a prepared optimizer has `fused_backward`
   and `grad_norm`.
-- `accelerator.clip_grad_norm_(params, max_norm)` returns the step's gradient norm measured
-  by the optimizer (clipping already happened inside the step, with its own
-  `clip_grad_norm`), so the Trainer logs the real `grad_norm`.
+- `accelerator.clip_grad_norm_(params, max_norm)` returns the step's gradient norm before
+  clipping, measured by the optimizer (clipping already happened inside the step, with its
+  own `clip_grad_norm`), or None when the step measured none: the Trainer logs the real
+  `grad_norm`.
 - What the step cannot honour is refused before the first step: gradient accumulation, fp16
   autocast (`fp16=True`), DeepSpeed, and a Trainer whose `max_grad_norm` or `weight_decay`
   differs from the values a given optimizer was built with.
@@ -23,6 +26,7 @@ After `enable_transformers()` (process-wide, undone by `disable_transformers()`)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -33,8 +37,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext
 from transformers.training_args import OptimizerNames
 
-from ..optim import AdaLomo, Lomo
 from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
+from .trainer_optimizer import optimizer_class, optimizer_kwargs
 
 # (id(owner), attribute) -> (owner, the value enable_transformers() replaced); a dict owner
 # is patched by key.
@@ -83,26 +87,38 @@ def check_matches_arguments(optimizer: InBackwardOptimizer, args: TrainingArgume
             f"with clip_grad_norm={optimizer.clip_grad_norm}: LOMO clips inside backward, so "
             "build it with the same value (or set max_grad_norm=0 for no clipping)"
         )
-    if args.weight_decay and args.weight_decay != optimizer.weight_decay:
+    decays = sorted({group["weight_decay"] for group in optimizer.param_groups})
+    if args.weight_decay and args.weight_decay not in decays:
         raise ValueError(
             f"TrainingArguments(weight_decay={args.weight_decay}) but the optimizer was built "
-            f"with weight_decay={optimizer.weight_decay}: build it with the same value (or "
-            "leave the Trainer's weight_decay at 0)"
+            f"with weight_decay {' and '.join(map(str, decays))}: build it with the same value "
+            "(or leave the Trainer's weight_decay at 0)"
         )
+
+
+# The Trainer whose create_optimizer is running: transformers' handler gets no Trainer, and
+# the decay split is the Trainer's (a subclass may override get_decay_parameter_names).
+_BUILDING_FOR: ContextVar[Trainer | None] = ContextVar("lomo_kernels_trainer", default=None)
 
 
 def lomo_optimizer_handler(ctx: OptimizerContext) -> tuple[type, dict[str, Any]]:
     """transformers' handler for optim="lomo"/"adalomo", building this package's classes."""
     if ctx.model is None:
         raise ValueError("LOMO optimizers need the model: pass model= to the Trainer")
-    cls = AdaLomo if ctx.args.optim == OptimizerNames.ADALOMO else Lomo
-    kwargs = dict(ctx.optimizer_kwargs)
-    kwargs.update(
-        model=ctx.model,
-        weight_decay=ctx.args.weight_decay,
-        clip_grad_norm=ctx.args.max_grad_norm if ctx.args.max_grad_norm else None,
+    trainer = _BUILDING_FOR.get()
+    # Outside a Trainer (get_optimizer_cls_and_kwargs called directly), transformers' own
+    # split, which reads nothing of the Trainer.
+    decay_names = (
+        trainer.get_decay_parameter_names(ctx.model)
+        if trainer is not None
+        else Trainer.get_decay_parameter_names(None, ctx.model)  # type: ignore[arg-type]
     )
-    return cls, kwargs
+    kwargs = {
+        **ctx.optimizer_kwargs,
+        **optimizer_kwargs(ctx.args, ctx.model, decay_names, ctx.args.max_grad_norm),
+        "model": ctx.model,
+    }
+    return optimizer_class(ctx.args.optim), kwargs
 
 
 def _prepared_in_backward(accelerator: Accelerator) -> InBackwardOptimizer | None:
@@ -170,7 +186,11 @@ def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_optimizer(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-        optimizer = original(self, *args, **kwargs)
+        token = _BUILDING_FOR.set(self)
+        try:
+            optimizer = original(self, *args, **kwargs)
+        finally:
+            _BUILDING_FOR.reset(token)
         lomo = in_backward_optimizer(optimizer)
         if lomo is not None:  # checked before the first step changes anything
             check_training_arguments(self.args)

@@ -242,7 +242,7 @@ def adalomo_update_(
     ``on_grad_sumsq`` (tensors with >= 2 dims only): called after pass A, before anything
     reads ``clip_coef``, with the workspace's 2-element view [sum((grad * inv_scale)^2),
     non-finite flag]; it may write the value of a `clip_coef` tensor (single_backward
-    computes the coefficient from that very sum, see `optim.single_pass`).
+    computes the coefficient from that very sum, see `optim.single_backward`).
     """
     check_pair(param, grad)
     device = param.device

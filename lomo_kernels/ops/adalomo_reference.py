@@ -106,18 +106,20 @@ def _record_flags(
 
 
 def step_scalars(
-    stats: torch.Tensor,
+    p_sumsq: torch.Tensor,
+    u_sumsq: torch.Tensor,
     numel: int,
     lr: torch.Tensor,
     eps1: float,
     clip_threshold: float,
     weight_decay: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, decay): lr_t / max(1, rms(update) / clip_threshold) and 1 - lr_t * wd."""
+    """(scale, decay): lr_t / max(1, rms(update) / clip_threshold) and 1 - lr_t * wd, from
+    the whole tensor's sums of p^2 and update^2 (fp32)."""
     lr_eff = value_of(lr)
-    p_rms = torch.sqrt(stats[P_SUMSQ] / numel)
+    p_rms = torch.sqrt(p_sumsq / numel)
     lr_t = lr_eff * torch.clamp(p_rms, min=eps1)
-    u_rms = torch.sqrt(stats[U_SUMSQ] / numel)
+    u_rms = torch.sqrt(u_sumsq / numel)
     scale = lr_t / torch.clamp(u_rms / clip_threshold, min=1.0)
     return scale, 1.0 - lr_t * weight_decay
 
@@ -174,6 +176,13 @@ def mean_u(acc: torch.Tensor, count: int, coef: torch.Tensor | None, eps0: float
     return m + eps0
 
 
+def update_moment_(
+    state: torch.Tensor, mean: torch.Tensor, b: torch.Tensor | float, skip: torch.Tensor
+) -> None:
+    """state = b * state + (1 - b) * mean, unless `skip`."""
+    state.copy_(torch.where(skip, state, state * b + mean * (1.0 - b)))
+
+
 def factored_moments_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
@@ -192,16 +201,16 @@ def factored_moments_(
         (exp_avg_sq_row, workspace[:rows], cols),
         (exp_avg_sq_col, workspace[rows : rows + cols], rows),
     ):
-        new = state * b + mean_u(acc, count, coef, eps0) * (1.0 - b)
-        state.copy_(torch.where(skip, state, new))
+        update_moment_(state, mean_u(acc, count, coef, eps0), b, skip)
     stats[R_SUM] = exp_avg_sq_row.sum(dtype=F64)
 
 
-def _factors(
-    exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor, stats: torch.Tensor
+def moment_factors(
+    exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor, row_sum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, c): rsqrt(R / mean(R)) and rsqrt(C); vectors, not tensor-sized."""
-    mean = stats[R_SUM] / exp_avg_sq_row.numel()
+    """(r, c): rsqrt(R / mean(R)) and rsqrt(C), `row_sum` the fp32 sum of R; vectors, not
+    tensor-sized."""
+    mean = row_sum / exp_avg_sq_row.numel()
     return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
 
 
@@ -217,7 +226,7 @@ def factored_norm_(
     """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
-    r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
+    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, stats[R_SUM])
     transform = GradTransform(inv_scale, clip_value, clip_coef)
     g2 = grad.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
@@ -244,8 +253,10 @@ def factored_apply_(
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = step_scalars(stats, param.numel(), lr, eps1, clip_threshold, weight_decay)
-    r, c = _factors(exp_avg_sq_row, exp_avg_sq_col, stats)
+    scale, decay = step_scalars(
+        stats[P_SUMSQ], stats[U_SUMSQ], param.numel(), lr, eps1, clip_threshold, weight_decay
+    )
+    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, stats[R_SUM])
     transform = GradTransform(inv_scale, clip_value, clip_coef)
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
     for r0, r1, c0, c1 in _tiles(rows, cols):
@@ -258,14 +269,14 @@ def factored_apply_(
 # ----------------------------------------------------------------------------- 1-D
 
 
-def _vector_update(
+def vector_update(
     transform: GradTransform,
     grad: torch.Tensor,
     v: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | float,
     eps0: float,
-):
-    """(update, new v, finite mask) of one span."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(update, new v, finite mask) of one span of a 1-D tensor (v not written)."""
     g, finite = transform(grad)
     v_new = v * b + (g * g + eps0) * (1.0 - b)
     return torch.rsqrt(v_new) * g, v_new, finite
@@ -292,7 +303,7 @@ def vector_stats_(
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
     for s0, s1 in _spans(g1.numel()):
-        update, _, finite = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+        update, _, finite = vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
         stats[U_SUMSQ] += (update * update).sum(dtype=F64)
         p = p1[s0:s1].to(torch.float32)
         stats[P_SUMSQ] += (p * p).sum(dtype=F64)
@@ -318,12 +329,14 @@ def vector_apply_(
     """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
     stats = _stats_slots(workspace)
     skip = stats[SKIP] != 0
-    scale, decay = step_scalars(stats, param.numel(), lr, eps1, clip_threshold, weight_decay)
+    scale, decay = step_scalars(
+        stats[P_SUMSQ], stats[U_SUMSQ], param.numel(), lr, eps1, clip_threshold, weight_decay
+    )
     transform = GradTransform(inv_scale, clip_value, clip_coef)
     b = value_of(beta2)
     g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
     for s0, s1 in _spans(g1.numel()):
-        update, v_new, _ = _vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+        update, v_new, _ = vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
         tile = p1[s0:s1]
         store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
         v1[s0:s1] = torch.where(skip, v1[s0:s1], v_new)

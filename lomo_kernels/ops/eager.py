@@ -93,7 +93,9 @@ class FusedOp:
     """One fused op, called as ``op(backend, **arguments)`` with the spec's arguments.
 
     Eager: bumps the versions of the mutated tensors and runs the chosen backend's function
-    for the op directly. Otherwise: `overload` through the dispatcher, whose CPU and CUDA
+    for the op directly, its arguments by position in the spec's order (every backend's
+    parameter list is that order: tests/test_op_specs.py), which skips keyword matching in
+    the C++ bindings. Otherwise: `overload` through the dispatcher, whose CPU and CUDA
     kernels (`backends.define`) run the same backend function.
     """
 
@@ -103,17 +105,26 @@ class FusedOp:
         self.registry = registry
         self._function = spec.function
         self._first = spec.names[0]
-        # itemgetter of two or more names returns a tuple (every op has several tensors).
-        self._tensors = operator.itemgetter(*spec.tensor_names)
-        self._mutated_names = spec.mutated_names
+        positions = {name: i for i, name in enumerate(spec.names)}
+        # itemgetter of two or more keys returns a tuple (every op has several tensors).
+        self._in_order = operator.itemgetter(*spec.names)
+        self._tensors = operator.itemgetter(*(positions[n] for n in spec.tensor_names))
+        self._mutated = tuple(positions[n] for n in spec.mutated_names)
 
-    def run_kernel(self, kernel: Callable[..., None], arguments: dict[str, Any]) -> None:
+    def run_kernel(self, kernel: Callable[..., None], args: tuple[Any, ...]) -> None:
         """The fast path's kernel call: what the dispatcher runs for CPU and CUDA tensors."""
-        kernel(**arguments)
+        kernel(*args)
+
+    def _kernel(self, module: ModuleType, device_type: str) -> Callable[..., None]:
+        function = getattr(module, self._function)
+        # A C++ backend's function finds the extension of its first argument's device: the
+        # device is known here, so take the extension's own function.
+        for_device = getattr(function, "for_device", None)
+        return function if for_device is None else for_device(device_type)
 
     def __call__(self, backend: str | ModuleType | None, /, **arguments: Any) -> None:
         """`backend`: a name as the public ``backend=`` takes, or a module `self.registry`
-        resolved already (a public function running several ops resolves once)."""
+        resolved already (a caller running many ops resolves once)."""
         # is_compiling first: Dynamo folds it to True and never traces the rest; a compiled
         # graph runs the device's backend.
         if torch.compiler.is_compiling():
@@ -123,15 +134,17 @@ class FusedOp:
         if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
             self.overload(**arguments)
             return
+        device_type = "cuda" if first.is_cuda else "cpu"
         module = (
             backend
             if isinstance(backend, ModuleType)
             else self.registry.resolve(first.device, backend)
         )
-        if not _eager(self._tensors(arguments)):  # modes, transforms, autograd, subclasses
+        args = self._in_order(arguments)
+        if not _eager(self._tensors(args)):  # modes, transforms, autograd, subclasses
             with dispatching_to({self.registry: module}):
                 self.overload(**arguments)
             return
-        mutated = tuple(t for n in self._mutated_names if (t := arguments[n]) is not None)
-        _C._increment_version(mutated)
-        self.run_kernel(getattr(module, self._function), arguments)
+        kernel = self._kernel(module, device_type)
+        _C._increment_version(tuple(t for i in self._mutated if (t := args[i]) is not None))
+        self.run_kernel(kernel, args)

@@ -13,6 +13,8 @@ once (by the spec: `OpSpec.convert`); the ops take them only as tensors. Kernels
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from .backends import LOMO, define
@@ -66,7 +68,7 @@ def fused_lomo_update_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
-    backend: str | None = None,
+    backend: str | ModuleType | None = None,
 ) -> None:
     """Applies one LOMO step to `param` in place, reading `grad` and `param` once.
 
@@ -84,6 +86,9 @@ def fused_lomo_update_(
     ``found_inf`` (1-element fp32) is only ever raised to 1. When ``skip_if`` is given and
     non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
     ``skip_if`` is omitted, ``found_inf``'s own value on entry acts as the skip flag.
+
+    ``backend``: 'triton', 'cpp', 'torch' or None (automatic), or the module
+    `ops.backends.resolve` returned, for a caller making many calls (resolved once).
     """
     public = locals()  # the arguments, by name
     check_pair(param, grad)

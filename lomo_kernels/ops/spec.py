@@ -27,7 +27,7 @@ An argument's kind says what it is to the kernels and how a public call may give
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,13 +86,22 @@ class Arg:
         name, rule = self.name, self.rule
         if self.kind == "scalar":
             non_negative, unit = rule == "non_negative", rule == "unit_interval"
-            return lambda v, device: device_scalar(
-                name, v, device, non_negative=non_negative, unit_interval=unit
+            return lambda v, device: (
+                v
+                if _device_scalar_already(v, device)
+                else device_scalar(name, v, device, non_negative=non_negative, unit_interval=unit)
             )
         if self.kind == "factor":
-            return lambda v, device: optional_factor(name, v, device)
+            return lambda v, device: (
+                v if _device_scalar_already(v, device) else optional_factor(name, v, device)
+            )
         if self.kind == "flag":
-            return lambda v, device: _flag(name, v, device, self.required)
+            required = self.required
+            return lambda v, device: (
+                v
+                if (v is None and not required) or _device_scalar_already(v, device)
+                else _flag(name, v, device, required)
+            )
         if self.kind == "step":
             return lambda v, device: _flag(name, v, device, False, torch.int64)
         if self.kind == "hyper":
@@ -107,6 +116,17 @@ class Arg:
         if self.kind == "int":
             return lambda v, device: int(v)
         return None
+
+
+def _device_scalar_already(value: Any, device: torch.device) -> bool:
+    """True for what the ops take as it is: a 1-element fp32 tensor on `device` (the common
+    case, tested first and at once: optimizers make several such calls per parameter)."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype is torch.float32
+        and value.device == device
+        and value.numel() == 1
+    )
 
 
 def _flag(
@@ -138,26 +158,28 @@ class OpSpec:
     name: str
     function: str
     args: tuple[Arg, ...]
+    # Derived from `args` (below): the public checks, and the argument names in the op's order.
+    plan: tuple[tuple[str, Callable[[Any, torch.device], Any] | None], ...] = field(
+        init=False, repr=False, compare=False
+    )
+    names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    tensor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    mutated_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Built once: a public call only runs them (and traced code reads no cache).
-        object.__setattr__(self, "plan", self.converters())
+        # Built once: a public call only reads them (and traced code reads no cache).
+        derived = {
+            "plan": self.converters(),
+            "names": tuple(a.name for a in self.args),
+            "tensor_names": tuple(a.name for a in self.args if a.is_tensor),
+            "mutated_names": tuple(a.name for a in self.args if a.mutable),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def qualname(self) -> str:
         return f"lomo_kernels::{self.name}"
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args)
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args if a.is_tensor)
-
-    @property
-    def mutated_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args if a.mutable)
 
     def schema(self) -> str:
         """The `torch.library` schema: ``(Tensor(a0!) param, Tensor grad, ...) -> ()``."""

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, unwrap_engine
-from ..distributed.adalomo_shards import SliceStep, adalomo_slices_, init_slice_state
+from ..distributed import DEFAULT_BUCKET_NUMEL, unwrap_engine
 from ..ops.adalomo import adalomo_update_, init_adalomo_state
 from ..ops.adalomo_reference import GradTransform
 from ._hyper import check_loss_scale
-from ._in_backward import (
-    GroupHyperParameter,
-    InBackwardOptimizer,
-    _DeviceScalars,
-    computes_in_fp16,
-    parameter_names,
-    trainable_parameters,
-)
+from ._in_backward import InBackwardOptimizer, _DeviceScalars
+from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
+from .param_groups import GroupHyperParameter
+from .sharded_steps import SliceBatch
+from .validation import computes_in_fp16, parameter_names, trainable_parameters
 
 
 def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -54,11 +50,18 @@ class AdaLomo(InBackwardOptimizer):
     ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the median of the last three steps'
     norms, S_i this step's running sum of squares, so the clipped gradient's norm is at most
     ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at most M when P >= ||g||
-    (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient has inf/nan keeps its
+    (see ``lomo_kernels.optim.single_backward``). A tensor whose gradient has inf/nan keeps its
     values and moments, the others are updated: an overflowing step is *partial*
     (``last_step_partial``; AdaLomo's loss scale is static, as in lomo-optim). Under ZeRO-3
     and FSDP2 too (every rank applies the same coefficients and skips).
+
+    ``param_groups`` (keyword-only): torch-style groups of the model's parameters, by tensor
+    or name, with their own lr, weight_decay, eps, clip_threshold, decay_rate or
+    clip_grad_value; unlisted parameters keep the constructor's values
+    (``lomo_kernels.optim.param_groups``).
     """
+
+    _STATE_FORMAT = "AdaLomo"
 
     def __init__(
         self,
@@ -76,6 +79,7 @@ class AdaLomo(InBackwardOptimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         params = trainable_parameters(model)
@@ -97,6 +101,7 @@ class AdaLomo(InBackwardOptimizer):
             bucket_numel=bucket_numel,
             single_backward=single_backward,
             replicated=replicated,
+            param_groups=param_groups,
         )
         self.loss_scale = loss_scale
         self._fp16 = computes_in_fp16(model)
@@ -172,28 +177,20 @@ class AdaLomo(InBackwardOptimizer):
             on_grad_sumsq=on_grad_sumsq,
         )
 
-    def _update_shards(
-        self,
-        ready: list[tuple[Shard, torch.Tensor]],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-        clip_coefs: torch.Tensor | None = None,
-        skips: torch.Tensor | None = None,
-    ) -> None:
-        # Row/column statistics span ranks: the whole bucket is stepped together, with two
-        # small all-reduces (see distributed/adalomo_shards.py).
+    def _update_shards(self, batch: SliceBatch) -> None:
+        # Row/column statistics span ranks: the whole batch is stepped together, with two
+        # small all-reduces (see adalomo_slices.py).
         t = self.step_count + 1
         steps = []
-        for i, (shard, grad) in enumerate(ready):
+        for i, (shard, grad) in enumerate(batch.entries):
             index = self._group_of[id(shard.param)]
             group = self._hook_groups[index]
-            coef = scalars.clip_coef if clip_coefs is None else clip_coefs[i : i + 1]
             steps.append(
                 SliceStep(
                     shard=shard,
                     grad=grad,
                     state=self.state[shard.param],
-                    lr=scalars.lr[index],
+                    lr=batch.scalars.lr[index],
                     beta2=1.0 - math.pow(t, group["decay_rate"]),
                     eps=group["eps"],
                     clip_threshold=group["clip_threshold"],
@@ -201,12 +198,13 @@ class AdaLomo(InBackwardOptimizer):
                     transform=GradTransform(
                         self._inv_scale_for(shard.local.device),
                         group["clip_grad_value"],
-                        coef if group["clip_grad_norm"] is not None else None,
+                        batch.clip_coef_of(i) if group["clip_grad_norm"] is not None else None,
                     ),
-                    skip=None if skips is None else skips[i : i + 1],
+                    skip=batch.skip_of(i),
                 )
             )
-        adalomo_slices_(steps, skip_if, scalars.update_found_inf, self._sharding.all_reduce_sum_)
+        found_inf = batch.scalars.update_found_inf
+        adalomo_slices_(steps, batch.skip_if, found_inf, self._sharding.all_reduce_sum_)
 
     def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
         # R and C are replicated on every rank; a 1-D parameter's v is sliced like it.

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._rounding import mix32_int
-from ..distributed import DEFAULT_BUCKET_NUMEL, Shard
-from ..ops.lomo import fused_lomo_update_
-from ._in_backward import (
-    InBackwardOptimizer,
-    _DeviceScalars,
-    computes_in_fp16,
-    split_loss_scale_args,
-)
+from ..distributed import DEFAULT_BUCKET_NUMEL
+from ..ops.backends import LOMO
+from ..ops.lomo import lomo_update_op
+from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
+from .sharded_steps import SliceBatch
+from .validation import computes_in_fp16, split_loss_scale_args
 
 
 class Lomo(InBackwardOptimizer):
@@ -33,19 +32,24 @@ class Lomo(InBackwardOptimizer):
     Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
     of the write-back; seeded from ``seed``, the step and the parameter index, the step's
     part kept in a device tensor so a compiled backward is not rebuilt each step),
-    ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward`` and
-    ``replicated`` (False: under torch.distributed, each rank's parameters are its own).
+    ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward``,
+    ``replicated`` (False: under torch.distributed, each rank's parameters are its own) and
+    ``param_groups`` (torch-style groups of the model's parameters, by tensor or name, with
+    their own lr, weight_decay or clip_grad_value; unlisted parameters keep the constructor's
+    values: ``lomo_kernels.optim.param_groups``).
 
     ``single_backward=True``: one backward per step with ``clip_grad_norm`` and in fp16 (the
     default False keeps lomo-optim's norm pass, i.e. exact clipping and atomic fp16 steps).
     Each gradient is clipped with ``c_i = min(1, M / (max(P, sqrt(S_i)) + 1e-6))``, P the
     median of the last three steps' norms, S_i this step's running sum of squares; the applied
     gradient's norm is at most ``M * sqrt(1 + 2 ln(||g|| / max(P, ||g_first||)))`` and at
-    most M when P >= ||g|| (see ``lomo_kernels.optim.single_pass``). A tensor whose gradient
+    most M when P >= ||g|| (see ``lomo_kernels.optim.single_backward``). A tensor whose gradient
     has inf/nan is left unchanged, the others are updated, the scale is lowered: an
     overflowing fp16 step is *partial* (``last_step_partial``). Under ZeRO-3 and FSDP2 too
     (every rank applies the same coefficients and skips; no second forward under ZeRO-3).
     """
+
+    _STATE_FORMAT = "Lomo"
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class Lomo(InBackwardOptimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
@@ -81,13 +86,16 @@ class Lomo(InBackwardOptimizer):
             bucket_numel=bucket_numel,
             single_backward=single_backward,
             replicated=replicated,
+            param_groups=param_groups,
         )
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         # Per device: the per-step part of the rounding seed, refreshed in place each step
         # and read by the kernels, so a compiled backward does not depend on the step.
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
-        params = self.param_groups[0]["params"]
+        # The backend module per device, resolved once per step (not per update call).
+        self._backends: dict[torch.device, Any] = {}
+        params = [p for g in self.param_groups for p in g["params"]]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
         if fp16:
@@ -101,6 +109,7 @@ class Lomo(InBackwardOptimizer):
     @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
     def _prepare_scalars(self) -> None:
         super()._prepare_scalars()
+        self._backends = {d: LOMO.resolve(d, self._backend_name) for d in self._scalars}
         if not self.stochastic_rounding:
             return
         # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps the
@@ -127,16 +136,9 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         self._apply(param, param, 0, grad, group, scalars, skip_if)
 
-    def _update_shards(
-        self,
-        ready: list[tuple[Shard, torch.Tensor]],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-        clip_coefs: torch.Tensor | None = None,
-        skips: torch.Tensor | None = None,
-    ) -> None:
+    def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
-        for i, (shard, grad) in enumerate(ready):
+        for i, (shard, grad) in enumerate(batch.entries):
             if shard.local.numel():
                 group = self._hook_groups[self._group_of[id(shard.param)]]
                 self._apply(
@@ -145,9 +147,9 @@ class Lomo(InBackwardOptimizer):
                     shard.offset,
                     grad,
                     group,
-                    scalars,
-                    skip_if if skips is None else skips[i : i + 1],
-                    None if clip_coefs is None else clip_coefs[i : i + 1],
+                    batch.scalars,
+                    batch.skip_of(i),
+                    batch.clip_coef_of(i),
                 )
 
     def _apply(
@@ -172,9 +174,14 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
-        fused_lomo_update_(
-            target,
-            grad,
+        # The op as the public function runs it, without the public function's per-call
+        # conversions: every value here is the optimizer's own, in the op's form (1-element
+        # fp32 device scalars made in _prepare_scalars; hyper-parameters checked each step
+        # by validation.py), and the binding checks the tensors' shapes and dtypes.
+        lomo_update_op(
+            None if torch.compiler.is_compiling() else self._backends[target.device],
+            param=target,
+            grad=grad.contiguous(),
             lr=scalars.lr[self._group_of[id(param)]],
             inv_scale=self._inv_scale_for(target.device),
             clip_value=group["clip_grad_value"],
@@ -187,7 +194,6 @@ class Lomo(InBackwardOptimizer):
             stochastic_rounding=use_sr,
             seed=seed,
             seed_step=seed_step,
-            backend=self._backend_name,
         )
 
     def _begin_attempt(self) -> None:

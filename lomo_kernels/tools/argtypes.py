@@ -150,3 +150,10 @@ def plot_path(text: str) -> str:
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(NEEDS_MATPLOTLIB)
     return path
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, plot_help: str) -> None:
+    """The benchmarks' common outputs: --json (results), --plot (a PNG), --no-progress."""
+    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
+    parser.add_argument("--plot", type=plot_path, default=None, help=plot_help)
+    parser.add_argument("--no-progress", action="store_true")

@@ -14,7 +14,7 @@ Every case updates parameters in place with gradients of the same dtype. Variant
   torch_fused_sgd  `torch._fused_sgd_` (plain SGD: no unscale, clip or check)
   axpy_floor       `p.add_(g, alpha=-lr)`: the same bytes moved (read p and g, write p)
 
-Method (shared notes, MEASURING.md): one process, variants timed interleaved within each
+Method (MEASURING.md): one process, variants timed interleaved within each
 repetition (A, B, C, A, B, C, ...), an untimed pass over the data before every timed call
 (the same cache state for each; on CUDA a 256 MiB buffer is overwritten to flush L2),
 medians. `x floor` = median / median(axpy_floor) of the same case and run. GB/s = bytes moved
@@ -133,23 +133,31 @@ def fused_sgd_writes_params(dtype: torch.dtype, device: str = "cpu") -> bool:
     """
     param = torch.ones(1000, dtype=dtype, device=device)
     grad = torch.ones(1000, dtype=dtype, device=device)
-    _fused_sgd([param], [grad])
+    fused_sgd([param], [grad])
     return bool((param == 0.5).all())
 
 
-def _fused_sgd(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float = 0.5):
+def fused_sgd(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    lr: float = 0.5,
+    weight_decay: float = 0.0,
+    **amp: torch.Tensor,
+) -> None:
+    """torch._fused_sgd_ per parameter (plain SGD; `amp`: its grad_scale and found_inf)."""
     for p, g in zip(params, grads, strict=True):
         torch._fused_sgd_(
             [p],
             [g],
             [],
-            weight_decay=0.0,
+            weight_decay=weight_decay,
             momentum=0.0,
             lr=lr,
             dampening=0.0,
             nesterov=False,
             maximize=False,
             is_first_step=False,
+            **amp,
         )
 
 
@@ -224,7 +232,7 @@ class Case:
         if compile_chain:
             compiled = compiled_official_chain()
             out["lomo_optim+compile"] = lambda: compiled(self.params, self.grads)
-        out["torch_fused_sgd"] = lambda: _fused_sgd(self.params, self.grads, LR)
+        out["torch_fused_sgd"] = lambda: fused_sgd(self.params, self.grads, LR)
         out[FLOOR] = self.axpy
         return out
 

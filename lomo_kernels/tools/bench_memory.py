@@ -5,7 +5,7 @@
                               [--json F] [--plot F.png]
 
 Each configuration runs in a fresh process (`run_isolated`).
-CPU (shared notes, MEASURING.md): the process starts with MALLOC_MMAP_THRESHOLD_=65536, so
+CPU (MEASURING.md): the process starts with MALLOC_MMAP_THRESHOLD_=65536, so
 every block >= 64 KiB is mmapped and returned on free; the model is built directly in its
 dtype; the baseline is VmRSS once the model, the inputs and the optimizer exist; before each
 step "5" is written to /proc/self/clear_refs (resets VmHWM) and VmHWM is read after it.
@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import (
+    add_output_arguments,
     comma_list,
     device,
     model_name,
-    output_path,
-    plot_path,
     positive_int,
     whole_number,
 )
 from .models import PRESETS, resolve_model
+from .optimizers import state_bytes
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 MMAP_VALUE = "65536"
@@ -63,8 +63,9 @@ CONFIGS = (
     "adalomo",
     "lomo_compiled_forward",
     "lomo_compiled_autograd",
+    "lomo_compiled_layers",
 )
-COMPILED = ("lomo_compiled_forward", "lomo_compiled_autograd")
+COMPILED = ("lomo_compiled_forward", "lomo_compiled_autograd", "lomo_compiled_layers")
 OPTIMIZER_CONFIGS = ("adamw", "sgd", "official_lomo", "lomo", "adalomo")
 # Names accepted on the command line for the optimizer configurations.
 ALIASES = {"lomo_optim": "official_lomo", "lomo-optim": "official_lomo"}
@@ -79,6 +80,7 @@ LABELS = {
     "adalomo": "lomo_kernels.AdaLomo",
     "lomo_compiled_forward": "lomo_kernels.Lomo, torch.compile(model), eager backward",
     "lomo_compiled_autograd": "lomo_kernels.Lomo, torch.compile(model) + compiled autograd",
+    "lomo_compiled_layers": "lomo_kernels.Lomo, each decoder layer compiled, eager backward",
 }
 SHORT = {
     "sgd": "SGD",
@@ -89,6 +91,7 @@ SHORT = {
     "adalomo": "AdaLomo (ours)",
     "lomo_compiled_forward": "Lomo, compiled fwd",
     "lomo_compiled_autograd": "Lomo, compiled fwd + CA",
+    "lomo_compiled_layers": "Lomo, compiled layers",
 }
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -180,8 +183,11 @@ def tensor_balance(run: Callable[[], None], device: str) -> tuple[int, int]:
 
 
 # -- the model and one step -----------------------------------------------------------------
-def build_model(model: str, dtype: str = "bf16", device: str = "cpu") -> Any:
-    """A LlamaForCausalLM of `model`'s shape, created directly in `dtype` on `device`.
+def build_model(
+    model: str, dtype: str = "bf16", device: str = "cpu", fused_head: bool = False
+) -> Any:
+    """A LlamaForCausalLM of `model`'s shape, created directly in `dtype` on `device`;
+    `fused_head`: its loss made logits-free (`lomo_kernels.patch_causal_lm`).
 
     An fp32 model cast afterwards would leave its freed fp32 pages in the baseline.
     """
@@ -198,6 +204,10 @@ def build_model(model: str, dtype: str = "bf16", device: str = "cpu") -> Any:
     finally:
         torch.set_default_dtype(previous)
     assert all(p.dtype == torch_dtype for p in net.parameters())
+    if fused_head:
+        from ..integrations.causal_lm import patch_causal_lm
+
+        patch_causal_lm(net)
     return net.train()
 
 
@@ -246,7 +256,12 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
         import lomo_kernels
 
         opt = lomo_kernels.Lomo(model, lr=LR)
-        forward = torch.compile(model)
+        if config == "lomo_compiled_layers":
+            for layer in model.model.layers:
+                layer.compile()  # in place; autograd runs eagerly between the layers
+            forward = model
+        else:
+            forward = torch.compile(model)
         backward_ctx = (
             (lambda: compiled_autograd._enable(torch.compile(backend="inductor")))
             if config == "lomo_compiled_autograd"
@@ -282,18 +297,6 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
     return step, opt, notes
 
 
-def state_bytes(opt: Any) -> int:
-    """Bytes of the tensors in an optimizer's state (0 for none / no state)."""
-    import torch
-
-    state = getattr(opt, "state", None) or {}
-    total = 0
-    for per_param in state.values():
-        values = per_param.values() if isinstance(per_param, dict) else [per_param]
-        total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
-    return total
-
-
 def measure(
     config: str,
     batch: int,
@@ -302,6 +305,7 @@ def measure(
     model: str = DEFAULT_MODEL,
     dtype: str = "bf16",
     device: str = "cpu",
+    fused_head: bool = False,
 ) -> dict[str, Any]:
     """Runs `config` in this process and returns its figures (see the module docstring)."""
     cuda = device.startswith("cuda")
@@ -314,7 +318,7 @@ def measure(
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    net = build_model(model, dtype, device)
+    net = build_model(model, dtype, device, fused_head)
     params = list(net.parameters())
     ids = torch.randint(0, net.config.vocab_size, (batch, seq), device=device)
     labels = ids.clone()
@@ -326,6 +330,7 @@ def measure(
         "batch": batch,
         "seq": seq,
         "steps": steps,
+        "fused_head": fused_head,
         "model_mb": sum(p.numel() * p.element_size() for p in params) / MIB,
         "num_parameters": sum(p.numel() for p in params),
         "largest_param_numel": max(p.numel() for p in params),
@@ -381,11 +386,12 @@ def run_isolated(
     model: str = DEFAULT_MODEL,
     dtype: str = "bf16",
     device: str = "cpu",
+    fused_head: bool = False,
 ) -> dict[str, Any]:
     """`measure` in a fresh interpreter started with the malloc setting; its JSON result."""
     cmd = [sys.executable, "-m", "lomo_kernels.tools.bench_memory", config, "--model", model]
     cmd += ["--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--dtype", dtype]
-    cmd += ["--device", device]
+    cmd += ["--device", device] + (["--fused-head"] if fused_head else [])
     proc = subprocess.run(
         cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -451,6 +457,7 @@ def run(
     dtype: str = "bf16",
     device: str = "cpu",
     progress: bool = True,
+    fused_head: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, dict[str, Any]]]:
     """Every config plus `forward_graph`, each in its own process: (split, meta, raw)."""
     from . import machine
@@ -466,12 +473,21 @@ def run(
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(config)
         raw[config] = run_isolated(
-            config, batch, seq, steps, model=model, dtype=dtype, device=device
-        )
+            config, batch, seq, steps, model=model, dtype=dtype, device=device,
+            fused_head=fused_head,
+        )  # fmt: skip
     first = raw["forward_graph"]
     meta = machine.describe(device) | {
         k: first[k]
-        for k in ("model", "num_parameters", "dtype", "batch", "seq", "attn_implementation")
+        for k in (
+            "model",
+            "num_parameters",
+            "dtype",
+            "batch",
+            "seq",
+            "attn_implementation",
+            "fused_head",
+        )  # fmt: skip
     }
     meta["largest_param_numel"] = first["largest_param_numel"]
     meta["threads"] = first["threads"]
@@ -498,11 +514,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="adamw,sgd,lomo_optim,lomo,adalomo",
         help="comma list",
     )
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
+    add_fused_head_argument(parser)
+    add_output_arguments(parser, "write the stacked bars (PNG) here")
+
+
+def add_fused_head_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--plot", type=plot_path, default=None, help="write the stacked bars (PNG) here"
+        "--fused-head",
+        action="store_true",
+        help="the logits-free loss of lomo_kernels.patch_causal_lm (no [tokens x vocab] tensors)",
     )
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def command(args: argparse.Namespace) -> int:
@@ -515,6 +536,7 @@ def command(args: argparse.Namespace) -> int:
         args.dtype,
         args.device,
         progress=not args.no_progress,
+        fused_head=args.fused_head,
     )
     from . import machine
 
@@ -540,8 +562,9 @@ def _child_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fused-head", action="store_true")
     a = parser.parse_args(argv)
-    result = measure(a.config, a.batch, a.seq, a.steps, a.model, a.dtype, a.device)
+    result = measure(a.config, a.batch, a.seq, a.steps, a.model, a.dtype, a.device, a.fused_head)
     print(json.dumps(result))
 
 

@@ -3,6 +3,7 @@
     lomo-kernels estimate --model llama-7b --optimizer lomo [--gpus N --gpu-mem GB --zero3]
     lomo-kernels bench kernels [--device cpu|cuda] [--csv F] [--json F] [--plot F.png]
     lomo-kernels bench memory --model llama-168m [--device cpu|cuda] [--plot F.png]
+    lomo-kernels bench train --model tiny [--device cpu|cuda] [--optimizers adamw,lomo,...]
     lomo-kernels demo [--steps N] [--optimizers lomo,adamw]
 
 Each subcommand's module adds its own arguments (`add_arguments`) and runs them (`command`);
@@ -22,7 +23,10 @@ from .argtypes import Parser
 # subcommand path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("estimate",): ("lomo_kernels.tools.estimate", "analytic peak memory per GPU: does it fit?"),
-    ("demo",): ("lomo_kernels.demo", "fine-tune a small LLaMA with Lomo and AdamW side by side"),
+    ("demo",): (
+        "lomo_kernels.demo",
+        "fine-tune a small LLaMA with Lomo, AdaLomo and AdamW side by side",
+    ),
     ("bench", "kernels"): (
         "lomo_kernels.tools.bench_kernels",
         "time the fused update against its baselines, sizes 4K to 64M",
@@ -30,6 +34,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "memory"): (
         "lomo_kernels.tools.bench_memory",
         "measure peak memory per optimizer (parameters, gradients, states, activations)",
+    ),
+    ("bench", "train"): (
+        "lomo_kernels.tools.bench_train",
+        "end-to-end fine-tuning per optimizer: tokens/s, step time, peak memory, OOM",
     ),
 }
 
@@ -45,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
             if path[0] not in groups:
-                group = top.add_parser(path[0], help="benchmarks: bench kernels, bench memory")
+                group = top.add_parser(path[0], help="benchmarks: kernels, memory, train")
                 groups[path[0]] = group.add_subparsers(
                     dest="subcommand", required=True, metavar="WHAT"
                 )

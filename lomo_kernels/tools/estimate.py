@@ -189,16 +189,40 @@ def loss_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
     return final_norm + 3 * FP32 * model.vocab_size
 
 
+def fused_loss_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
+    """The logits-free loss (patch_causal_lm): the final norm's saved tensors, the fp32 loss
+    and log-sum-exp kept for the backward, and in the backward the per-token gradient (and
+    its ignore-masked copy), the fp32 accumulator of the hidden states' gradient and, for a
+    16-bit model, that gradient cast back."""
+    h = model.hidden_size
+    final_norm = (FP32 + 2 * act_bytes) * h + FP32
+    cast = act_bytes * h if act_bytes != FP32 else 0
+    return final_norm + 4 * FP32 + FP32 * h + cast
+
+
+def fused_loss_constant_bytes(model: ModelShape) -> int:
+    """The logits-free loss's backward: one vocabulary chunk of the head's gradient in fp32."""
+    from ..ops.cross_entropy import chunk_rows
+
+    return chunk_rows(model.vocab_size, model.hidden_size) * model.hidden_size * FP32
+
+
 def rope_bytes_per_position(model: ModelShape, act_bytes: int) -> int:
     """cos and sin, [seq, head_dim] each, computed once per forward and shared by the batch."""
     return 2 * act_bytes * (model.hidden_size // model.num_heads)
 
 
 def activation_bytes(
-    model: ModelShape, batch: int, seq: int, checkpointing: bool, precision: str = "mixed"
+    model: ModelShape,
+    batch: int,
+    seq: int,
+    checkpointing: bool,
+    precision: str = "mixed",
+    fused_head: bool = False,
 ) -> int:
     """Peak bytes of activations (module docstring): what is kept across the whole backward
-    plus the larger of the loss's backward and one decoder layer's backward."""
+    plus the larger of the loss's backward and one decoder layer's backward. `fused_head`:
+    the loss is the logits-free one (no logits kept, no [T, V] tensor in its backward)."""
     if batch <= 0 or seq <= 0:
         raise ValueError(f"batch and seq must be positive, got {batch} and {seq}")
     a = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
@@ -211,9 +235,15 @@ def activation_bytes(
     else:
         kept = model.num_layers * saved
         layer_phase = layer_backward_bytes_per_token(model, a)
-    kept += a * model.vocab_size  # the logits, while the caller holds the model's output
-    per_token = kept + max(loss_bytes_per_token(model, a), layer_phase)
-    return batch * seq * per_token + seq * rope_bytes_per_position(model, a)
+    tokens = batch * seq
+    if fused_head:
+        per_token = fused_loss_bytes_per_token(model, a)
+        loss_phase = tokens * per_token + fused_loss_constant_bytes(model)
+    else:
+        kept += a * model.vocab_size  # the logits, while the caller holds the model's output
+        loss_phase = tokens * loss_bytes_per_token(model, a)
+    peak = tokens * kept + max(loss_phase, tokens * layer_phase)
+    return peak + seq * rope_bytes_per_position(model, a)
 
 
 def estimate(
@@ -228,11 +258,13 @@ def estimate(
     zero3: bool = False,
     precision: str = "mixed",
     activations_gib: float | None = None,
+    fused_head: bool = False,
 ) -> Estimate:
     """Peak memory per GPU of fine-tuning `model` with `optimizer` (see the module docstring).
 
     model: a preset name (llama-7b, ...), a config.json path, a dict or an HF config.
     batch: sequences per GPU. activations_gib: use this figure instead of the model's.
+    fused_head: the loss is patch_causal_lm's logits-free one.
     """
     shape = resolve_model(model)
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -253,7 +285,7 @@ def estimate(
             grads = grads / gpus
         states = states / gpus
     if activations_gib is None:
-        acts = activation_bytes(shape, batch, seq, checkpointing, precision) / GIB
+        acts = activation_bytes(shape, batch, seq, checkpointing, precision, fused_head) / GIB
     else:
         acts = float(activations_gib)
     parts = [params / GIB, grads / GIB, states / GIB, acts]
@@ -269,6 +301,7 @@ def estimate(
         "batch_per_gpu": batch,
         "seq": seq,
         "checkpointing": checkpointing,
+        "fused_head": fused_head,
         "activations": "given" if activations_gib is not None else "modelled",
     }
     return Estimate(
@@ -288,6 +321,7 @@ def format_estimate(est: Estimate) -> str:
         + (" with ZeRO-3" if d["zero3"] else "")
         + f", batch {d['batch_per_gpu']} x {d['seq']} per GPU, activation checkpointing "
         + ("on" if d["checkpointing"] else "off")
+        + (", logits-free loss (fused head)" if d["fused_head"] else "")
     )
     rows = [
         ("parameters", est.parameters_gib),
@@ -337,6 +371,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="use this activation figure (e.g. a measured one) instead of the model's",
     )
+    parser.add_argument(
+        "--fused-head",
+        action="store_true",
+        help="the logits-free loss of lomo_kernels.patch_causal_lm (no [tokens x vocab] tensors)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -352,6 +391,7 @@ def command(args: argparse.Namespace) -> int:
         zero3=args.zero3,
         precision=args.precision,
         activations_gib=args.activations_gib,
+        fused_head=args.fused_head,
     )
     print(json.dumps(est.to_json()) if args.json else format_estimate(est))
     return 0

@@ -99,10 +99,19 @@ PRESETS: dict[str, ModelShape] = {
     "llama-13b": _llama("llama-13b", 5120, 13824, 40, 40),
     "llama-30b": _llama("llama-30b", 6656, 17920, 60, 52),
     "llama-65b": _llama("llama-65b", 8192, 22016, 80, 64),
+    # Llama 3.2 1B (grouped-query attention, 128K vocabulary, tied embeddings) and Llama 3 8B.
+    "llama-3-1b": ModelShape("llama-3-1b", 128256, 2048, 8192, 16, 32, 8, True),
+    "llama-3-8b": ModelShape("llama-3-8b", 128256, 4096, 14336, 32, 32, 8),
+    # A 1B shape of LLaMA-1's proportions: hidden 2048, 16 layers, LLaMA's MLP width rule
+    # (8/3 x hidden rounded up to 256), 16 heads of 128.
+    "llama-1b": _llama("llama-1b", 2048, 5632, 16, 16),
     # The 168M model of the project's CPU memory measurements.
     "llama-168m": _llama("llama-168m", 1024, 2816, 8, 16),
     # Small enough for a CPU test or a demo in seconds.
     "llama-20m": _llama("llama-20m", 256, 688, 4, 4),
+    # For tests and `bench train` on a CPU in seconds: 8.6M parameters, 95% of them in the
+    # embedding and the head (a 32000 vocabulary), so the optimizers' state dominates.
+    "tiny": _llama("tiny", 128, 344, 2, 4),
 }
 
 

@@ -82,3 +82,31 @@ def plot_memory(results: Sequence[dict[str, Any]], meta: dict[str, Any], path: s
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_train(results: Sequence[dict[str, Any]], meta: dict[str, Any], path: str | Path) -> None:
+    """Bars per optimizer: tokens/s and peak memory above the model; OOM and unavailable
+    ones are labelled where their bar would be."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.5 * len(results) + 3), 4.2))
+    names = [r["optimizer"] for r in results]
+    panels = (
+        ("tokens_per_s", "tokens/s (higher is better)", "#4c72b0"),
+        ("peak_above_model_mib", "peak above the model, MiB (lower is better)", "#c44e52"),
+    )
+    for ax, (key, label, colour) in zip(axes, panels, strict=True):
+        values = [r.get(key, 0.0) if r["status"] == "ok" else 0.0 for r in results]
+        ax.bar(names, values, color=colour)
+        for x, r in enumerate(results):
+            text = f"{values[x]:,.0f}" if r["status"] == "ok" else r["status"]
+            ax.text(x, values[x], text, ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"{meta['model']}, {meta['dtype']}, batch {meta['batch']} x {meta['seq']}\n" + _title(meta),
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

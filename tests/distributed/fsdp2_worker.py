@@ -75,7 +75,8 @@ def run_training(
     if rank == 0:
         label = f"{name}_{pattern}" + ("_unsharded" if keep_unsharded else "")
         label += "" if clip else "_no_clip"
-        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{label}.pt")
+        saved = {"initial": initial, "final": final, "opt": opt_state}
+        torch.save({**saved, "grad_norms": opt.grad_norms}, OUT / f"{label}.pt")
 
 
 def run_single(name: str, rank: int, checks: dict) -> None:
@@ -89,7 +90,7 @@ def run_single(name: str, rank: int, checks: dict) -> None:
     checks[f"single_{name}"] = {
         "order": order,
         "norms": norms,
-        "norm_history": opt._single.norm_history.tolist(),
+        "norm_history": opt._single_backward_clip.norm_history.tolist(),
         "phases": phases,
     }
     if rank == 0:
@@ -240,7 +241,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
         "skipped": opt.last_step_skipped,
         "warned": any("partial" in str(w.message) for w in caught),
         "norm": float(opt.last_grad_norm),
-        "norm_history": opt._single.norm_history.tolist(),
+        "norm_history": opt._single_backward_clip.norm_history.tolist(),
         "later": [],
     }
     inject["on"] = False
@@ -255,7 +256,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
                 "finite": finite_everywhere(model, opt),
             }
         )
-    result["norm_history_after"] = opt._single.norm_history.tolist()
+    result["norm_history_after"] = opt._single_backward_clip.norm_history.tolist()
     checks[f"single_partial_{label}"] = result
 
 
@@ -281,7 +282,7 @@ def run_single_fp16(rank: int, checks: dict) -> None:
     checks["single_fp16_lomo"] = {
         "order": order,
         "norms": norms,
-        "norm_history": opt._single.norm_history.tolist(),
+        "norm_history": opt._single_backward_clip.norm_history.tolist(),
         "phases": phases,
         "scales": scales,
         "partial": partial,

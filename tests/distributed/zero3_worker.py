@@ -110,7 +110,8 @@ def run_training(name: str, cls, rank: int, checks: dict) -> None:
     persistent = sum(p.ds_persist for p in model.parameters())
     checks[name] = {"stale_persistent": stale, "persistent": int(persistent)}
     if rank == 0:
-        torch.save({"initial": initial, "final": final, "opt": opt_state}, OUT / f"{name}.pt")
+        saved = {"initial": initial, "final": final, "opt": opt_state}
+        torch.save({**saved, "grad_norms": opt.grad_norms}, OUT / f"{name}.pt")
 
 
 def run_single(name: str, cls, rank: int, checks: dict) -> None:
@@ -122,7 +123,7 @@ def run_single(name: str, cls, rank: int, checks: dict) -> None:
     order, phases = record_order(opt, model), count_phases(opt)
     norms = train_single(model, opt, lambda step: rank_batch(step, rank))
     final = consolidated_state_dict(model)
-    history = opt._single.norm_history.tolist()
+    history = opt._single_backward_clip.norm_history.tolist()
     checks[f"single_{name}"] = {
         "order": order,
         "norms": norms,
@@ -170,7 +171,7 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
         "skipped": opt.last_step_skipped,
         "warned": any("partial" in str(w.message) for w in caught),
         "norm": float(opt.last_grad_norm),
-        "norm_history": opt._single.norm_history.tolist(),
+        "norm_history": opt._single_backward_clip.norm_history.tolist(),
     }
 
 

@@ -165,12 +165,15 @@ class ExtensionLoader:
 
         modules = self._modules
 
+        def for_device(kind: str) -> Callable[..., None]:
+            """The function of the extension for device type `kind` (built on first use)."""
+            return getattr(modules.get(kind) or self.module(kind), name)
+
         def call(*args: Any, **kwargs: Any) -> None:
             first = args[0] if args else next(iter(kwargs.values()))
-            kind = "cuda" if first.is_cuda else "cpu"
-            module = modules.get(kind) or self.module(device_type(first))
-            getattr(module, name)(*args, **kwargs)
+            for_device(device_type(first))(*args, **kwargs)
 
+        call.for_device = for_device  # type: ignore[attr-defined]
         call.__name__ = call.__qualname__ = name
         call.__doc__ = f"The extension's {name} on the tensors' device (csrc/ bindings)."
         return call

@@ -35,17 +35,17 @@ and the norm may exceed M by the factor above.
 Overflow (inf/nan in a gradient): each gradient's sum of squares and non-finite flag are
 measured first, and a tensor whose gradient has any non-finite element is left unchanged
 whole; the others are updated. Lomo and AdaLomo's 1-D tensors measure with
-``ops.grad_sumsq_`` and skip through ``skip_if`` (`SinglePassClip.prepare`); AdaLomo's
+``ops.grad_sumsq_`` and skip through ``skip_if`` (`SingleBackwardClip.prepare`); AdaLomo's
 factored tensors are measured by the first pass of their own update, whose workspace then
 holds [sum of squares, non-finite flag] and skips the tensor by itself
-(`SinglePassClip.prepare_measured`), so their gradients are not read an extra time. The
+(`SingleBackwardClip.prepare_measured`), so their gradients are not read an extra time. The
 step is *partial*, the loss scale is lowered as for a skipped step, the non-finite tensors
 do not count in S, and the norm history is kept from the last clean step. Everything stays
 in device tensors: no host sync.
 
 Sharded parameters (ZeRO-3, FSDP2): a rank holds a slice of each parameter, and the reduced
 slices reach the optimizer per reduce-scatter bucket (ZeRO-3) or per FSDP2 unit, in the same
-order on every rank. `SinglePassClip.prepare_bucket` measures each slice, then one
+order on every rank. `SingleBackwardClip.prepare_bucket` measures each slice, then one
 all-reduce of ``[sumsq_1..n, found_1..n]`` gives every rank each whole parameter's
 ``||g_i||^2`` and non-finite flag, and the bucket's parameters are walked in order exactly
 as `prepare` walks arriving tensors. Every rank thus has the same S_i, coefficients and
@@ -66,13 +66,6 @@ from .. import ops
 
 CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
 
-PARTIAL_STEP_WARNING = (
-    "step {step}: {count} tensor(s) had inf/nan gradient elements and were left unchanged "
-    "whole; the other tensors were updated (single_backward=True: an overflowing step is "
-    "partial{scale}). The default single_backward=False checks every gradient first, which "
-    "makes an overflowing step change nothing, at the cost of a second backward."
-)
-
 
 class _Measured:
     """One gradient's [sumsq, found] and its skip mask, reused for every gradient on a device."""
@@ -83,7 +76,7 @@ class _Measured:
         self.bad = torch.zeros(1, dtype=torch.bool, device=device)
 
 
-class SinglePassClip:
+class SingleBackwardClip:
     """Device-side state of the one-backward rule for one optimizer (see the module doc).
 
     The step's running sum and flags live on one home device (the first parameter's); a

@@ -5,12 +5,13 @@ A rank owns a flat slice ``[offset, offset + n)`` of each parameter, which for a
 ``g*g`` before the clip coefficient (factored, >= 2 dims; the coefficient and eps0 are
 applied to the means, as by the reference's moments pass), ``sum(update^2)`` and
 ``sum(p^2)`` over the whole tensor, and whether any gradient element is non-finite. Each
-rank adds up its slice's share; per reduce-scatter bucket two small all-reduces (the
-row/column sums and flags, then the update sums, which need the new moments) give every rank
-the single-process totals, so the moments R [rows] and C [cols], replicated on every rank,
-stay identical everywhere, and 1-D moments v live with their slice. The math and its
-rounding are those of the reference passes (`ops.adalomo_reference`), in fp32 blocks of at
-most CHUNK elements.
+rank adds up its slice's share; per batch of slices (a reduce-scatter bucket, an FSDP2 unit)
+two small all-reduces, asked of the sharding (the row/column sums and flags, then the update
+sums, which need the new moments), give every rank the single-process totals, so the moments
+R [rows] and C [cols], replicated on every rank, stay identical everywhere, and 1-D moments v
+live with their slice. The math is the reference passes' own (`ops.adalomo_reference`:
+moments, factors, step scalars and rounding), here applied to slices in fp32 blocks of at
+most CHUNK elements; this module adds only the slicing and the partial sums.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.shard import Shard
 from ..ops.adalomo_reference import (
     CHUNK,
-    NUM_SLOTS,
-    P_SUMSQ,
-    U_SUMSQ,
     GradTransform,
     mean_u,
+    moment_factors,
     step_scalars,
     store_rounded,
+    update_moment_,
+    vector_update,
 )
-from .shard import Shard
 
 
 @dataclass
@@ -102,18 +103,32 @@ def _pieces(step: SliceStep) -> Iterator[tuple[slice, int, int, int, int]]:
             yield slice(begin, begin + rows * width), row + r0, rows, col, width
 
 
-def _update_piece(
-    step: SliceStep, g: torch.Tensor, span: slice, row: int, nrows: int, col: int, width: int
-) -> torch.Tensor:
-    """The unnormalised update of one block from the moments (R, C or v, already new)."""
-    if not _factored(step):
-        return torch.rsqrt(step.state["exp_avg_sq"][span]) * g
+def _factors(step: SliceStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, c) of the whole parameter from its (new) moments R and C."""
     big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
-    mean = big_r.sum(dtype=torch.float64).to(torch.float32) / big_r.numel()
-    factors = torch.rsqrt(big_r[row : row + nrows, None] / mean) * torch.rsqrt(
-        big_c[None, col : col + width]
-    )
-    return (factors * g.view(nrows, width)).reshape(-1)
+    return moment_factors(big_r, big_c, big_r.sum(dtype=torch.float64).to(torch.float32))
+
+
+def _block_updates(
+    step: SliceStep, skip: torch.Tensor, write_moments: bool
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(span in the slice, unnormalised update) of each block, from the new moments: R and C
+    already written, a 1-D slice's v computed here and, with `write_moments`, stored unless
+    `skip`."""
+    grad = step.grad.reshape(-1)
+    if _factored(step):
+        r, c = _factors(step)
+    for span, row, nrows, col, width in _pieces(step):
+        if _factored(step):
+            g, _ = step.transform(grad[span])
+            factors = r[row : row + nrows, None] * c[None, col : col + width]
+            yield span, (factors * g.view(nrows, width)).reshape(-1)
+            continue
+        v = step.state["exp_avg_sq"][span]
+        update, v_new, _ = vector_update(step.transform, grad[span], v, step.beta2, step.eps[0])
+        if write_moments:
+            v.copy_(torch.where(skip, v, v_new))
+        yield span, update
 
 
 def _first_sums(step: SliceStep) -> torch.Tensor:
@@ -162,7 +177,7 @@ def adalomo_slices_(
     totals = torch.cat([_first_sums(step) for step in steps])
     all_reduce_sum_(totals)
 
-    # Phase 2: new moments (identical on every rank), then this rank's sum of update^2.
+    # Phase 2: new R and C (identical on every rank), then this rank's sum of update^2.
     at = 0
     skips, p_sumsqs, second = [], [], []
     for step in steps:
@@ -182,20 +197,12 @@ def adalomo_slices_(
             skip = skip | (step.skip.reshape(-1)[0] != 0)
         flag = found_inf.view(-1)
         flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
-        b, one_minus_b = step.beta2, 1.0 - step.beta2
         if _factored(step):
-            big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
-            big_r.copy_(torch.where(skip, big_r, big_r * b + row_mean * one_minus_b))
-            big_c.copy_(torch.where(skip, big_c, big_c * b + col_mean * one_minus_b))
+            update_moment_(step.state["exp_avg_sq_row"], row_mean, step.beta2, skip)
+            update_moment_(step.state["exp_avg_sq_col"], col_mean, step.beta2, skip)
         # A skipped slice's moments keep their old values; its update is never written.
         u_sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        grad = step.grad.reshape(-1)
-        for span, row, nrows, col, width in _pieces(step):
-            g, _ = step.transform(grad[span])
-            if not _factored(step):
-                v = step.state["exp_avg_sq"][span]
-                v.copy_(torch.where(skip, v, v * b + (g * g + step.eps[0]) * one_minus_b))
-            update = _update_piece(step, g, span, row, nrows, col, width)
+        for _, update in _block_updates(step, skip, write_moments=False):
             u_sumsq += (update * update).sum(dtype=torch.float64)
         skips.append(skip)
         p_sumsqs.append(p_sumsq)
@@ -203,26 +210,21 @@ def adalomo_slices_(
     u_sumsqs = torch.stack(second)
     all_reduce_sum_(u_sumsqs)
 
-    # Phase 3: the write-back, with the per-tensor RMS values of the whole parameter.
+    # Phase 3: the write-back (and a 1-D slice's v), with the whole parameter's RMS values.
     for i, step in enumerate(steps):
         local = step.shard.local
         if not local.numel():
             continue
-        stats = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
-        stats[P_SUMSQ] = p_sumsqs[i]
-        stats[U_SUMSQ] = u_sumsqs[i]
         scale, decay = step_scalars(
-            stats,
+            p_sumsqs[i].to(torch.float32),
+            u_sumsqs[i].to(torch.float32),
             step.shard.full_numel,
             step.lr,
             step.eps[1],
             step.clip_threshold,
             step.weight_decay,
         )
-        grad = step.grad.reshape(-1)
-        for span, row, nrows, col, width in _pieces(step):
-            g, _ = step.transform(grad[span])
-            update = _update_piece(step, g, span, row, nrows, col, width)
+        for span, update in _block_updates(step, skips[i], write_moments=True):
             store_rounded(
                 local[span], local[span].to(torch.float32) * decay - scale * update, skips[i]
             )

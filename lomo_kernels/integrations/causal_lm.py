@@ -1,0 +1,147 @@
+"""`patch_causal_lm`: a transformers causal LM whose loss never materialises its logits.
+
+The patched model's ``forward`` runs the decoder as before, then, when labels are given,
+takes the loss straight from the last hidden states and the head's weight through the fused
+linear + cross-entropy (`ops/cross_entropy.py`): the ``tokens x vocab`` logits and their
+gradient never exist, and ``outputs.logits`` is None. Without labels (generation,
+evaluation without a loss) the original forward runs unchanged.
+
+Only architectures whose loss is exactly "bias-free linear head, then transformers'
+causal-LM cross-entropy" are patched; others are refused by name rather than given a
+different loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ops.cross_entropy import causal_lm_loss
+
+# Classes whose forward is "decoder -> lm_head -> ForCausalLMLoss" with nothing in between.
+SUPPORTED_CLASSES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Config options that change the logits between the head and the loss.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+_PATCHED = "_lomo_kernels_fused_head"
+
+
+def _refusal(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    if name not in SUPPORTED_CLASSES:
+        return (
+            f"{name} is not one of the architectures the fused head reproduces exactly "
+            f"({', '.join(SUPPORTED_CLASSES)}); train it unpatched"
+        )
+    for option in LOGIT_TRANSFORMS:
+        if getattr(model.config, option, None):
+            return f"{name} sets config.{option}, which the fused head does not apply"
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return f"{name}'s output head is not a bias-free nn.Linear ({type(head).__name__})"
+    loss_type = getattr(model.config, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        return f"{name} uses loss_type={loss_type!r}, not transformers' causal-LM loss"
+    return ""
+
+
+def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Makes ``model(input_ids=..., labels=...).loss`` logits-free (see the module docstring);
+    returns the model. Refuses, naming the reason, an architecture or option it does not
+    reproduce exactly. Idempotent; `unpatch_causal_lm` undoes it."""
+    reason = _refusal(model)
+    if reason:
+        raise ValueError(f"lomo_kernels.patch_causal_lm: {reason}")
+    if getattr(model, _PATCHED, False):
+        return model
+    original = model.forward
+    head = model.get_output_embeddings()
+    head.forward = _head_forward(head)
+
+    def forward(
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        if labels is None and kwargs.get("shift_labels") is None:
+            return original(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+            )  # fmt: skip
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                "lomo_kernels.patch_causal_lm: logits_to_keep with labels is not supported "
+                "(the loss covers every position); call without logits_to_keep"
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        outputs = model.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, **kwargs,
+        )  # fmt: skip
+        # Through the head module's call, so that sharding engines' module hooks (ZeRO-3's
+        # gather, FSDP's unshard) see the head used, in forward and in backward.
+        loss = head(
+            outputs.last_hidden_state,
+            loss_labels=labels,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            shift_labels=kwargs.get("shift_labels"),
+        )
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return result.to_tuple() if return_dict is False else result
+
+    model.forward = forward
+    setattr(model, _PATCHED, True)
+    return model
+
+
+def _head_forward(head: torch.nn.Linear) -> Any:
+    """The head's forward: logits as before, or, given ``loss_labels`` or ``shift_labels``,
+    the fused causal-LM loss of its input."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        loss_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        shift_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if loss_labels is None and shift_labels is None:
+            return torch.nn.functional.linear(hidden_states, head.weight)
+        return causal_lm_loss(
+            hidden_states,
+            head.weight,
+            loss_labels,
+            num_items_in_batch=num_items_in_batch,
+            shift_labels=shift_labels,
+        )
+
+    return forward
+
+
+def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Restores the classes' forwards on a model `patch_causal_lm` patched."""
+    if getattr(model, _PATCHED, False):
+        del model.forward
+        del model.get_output_embeddings().forward
+        delattr(model, _PATCHED)
+    return model

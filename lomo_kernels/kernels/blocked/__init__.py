@@ -1,0 +1,1 @@
+"""Kernels written as blocked torch operations: any device, no build step."""

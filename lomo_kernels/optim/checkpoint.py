@@ -1,0 +1,228 @@
+"""The optimizer's checkpoint: `state_dict()` and a `load_state_dict` that checks the whole
+checkpoint before applying any of it (lomo-optim's state_dicts included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .loss_scaler import check_scaler_state
+from .param_groups import check_saved_groups
+from .single_backward import SingleBackwardClip
+from .step_mode import StepMode
+from .validation import parameter_names
+
+# The param-group keys of lomo-optim 0.1.1's state_dict(), by class: its torch.optim
+# defaults (it keeps AdaLomo's moments and step count outside the state, so they are absent).
+LOMO_OPTIM_GROUP_KEYS = {
+    "Lomo": frozenset({"lr", "clip_grad_norm", "clip_grad_value"}),
+    "AdaLomo": frozenset({"lr", "eps", "weight_decay", "clip_grad_norm", "clip_grad_value"}),
+}
+
+
+def lomo_optim_writer(state_dict: Any) -> str | None:
+    """The lomo-optim class that wrote `state_dict` (no 'lomo' entry, no per-parameter state,
+    one group with exactly its keys), or None."""
+    if not isinstance(state_dict, dict) or "lomo" in state_dict or state_dict.get("state") != {}:
+        return None
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict):
+        return None
+    if not isinstance(groups[0].get("params"), list):
+        return None
+    keys = set(groups[0]) - {"params"}
+    return next((name for name, own in LOMO_OPTIM_GROUP_KEYS.items() if keys == own), None)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class CheckpointState(torch.optim.Optimizer):
+    """The optimizer's state_dict and its checks (a base of `InBackwardOptimizer`, which
+    provides `model`, `step_count`, `_mode`, `_sharding`, `_single_backward_clip` and
+    `_loss_scaler()`).
+
+    ``state_dict()["lomo"]`` holds what torch.optim's part does not: the class that wrote it
+    (`_STATE_FORMAT`), the step count, the loss scaler and the single-backward norm history.
+    Subclasses with state of their own override the hooks below (`_full_state`,
+    `_check_state_values`, `_load_torch_state`, `_load_scaler_state`,
+    `_after_lomo_optim_load`).
+    """
+
+    # The optimizer whose state the class keeps: "Lomo" or "AdaLomo" (their subclasses too).
+    _STATE_FORMAT: ClassVar[str]
+    model: nn.Module
+    step_count: int
+    _mode: StepMode
+    _sharding: Any
+    _single_backward_clip: SingleBackwardClip | None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        scaler = self._loss_scaler()
+        state["lomo"] = {
+            "optimizer": self._STATE_FORMAT,
+            "step_count": self.step_count,
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+        }
+        if self._single_backward_clip is not None:
+            state["lomo"]["single_backward"] = self._single_backward_clip.state_dict()
+        return state
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` with sharded state gathered whole, on every rank (a collective).
+
+        Loads into the same optimizer built on the unsharded model in one process. Without
+        sharding it is `state_dict()`.
+        """
+        state = self.state_dict()
+        if self._sharding is None:
+            return state
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, values in state["state"].items():
+            state["state"][index] = self._full_state(params[index], values)
+        return state
+
+    def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's state, unsharded (subclasses with sliced state gather it)."""
+        return values
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads `state_dict` after checking the whole of it: a checkpoint of another
+        optimizer class, model or sharding, or with non-finite values, is refused with
+        nothing applied."""
+        writer = lomo_optim_writer(state_dict)
+        if writer is not None:
+            state_dict = self._from_lomo_optim(state_dict, writer)
+        self._check_state_dict(state_dict)
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("lomo", None)
+        self._load_torch_state(state_dict)
+        self._mode.forget_norm()  # a norm measured before the load belongs to the old state
+        if extra is not None:
+            self.step_count = int(extra["step_count"])
+            self._load_scaler_state(extra["loss_scaler"])
+            if self._single_backward_clip is not None and "single_backward" in extra:
+                self._single_backward_clip.load_state_dict(extra["single_backward"])
+        if writer is not None:
+            self._after_lomo_optim_load()
+
+    def _after_lomo_optim_load(self) -> None:
+        """Called once a lomo-optim state_dict was loaded (AdaLomo says what it lacked)."""
+
+    def _from_lomo_optim(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+        """This optimizer's own state_dict with the hyper-parameters of a lomo-optim one.
+
+        lomo-optim's state_dict holds only its constructor's hyper-parameters (lomo-optim
+        itself never reads them back); what it lacks (AdaLomo's moments and step count,
+        the loss scaler) stays as it is here. Its ``weight_decay <= 0`` means off, as here 0.
+        """
+        own = self._STATE_FORMAT
+        if writer != own:
+            raise ValueError(
+                f"this state_dict was written by lomo_optim.{writer}; {own} keeps other "
+                f"hyper-parameters: load it into lomo_kernels.{writer}, or start {own} from its "
+                "fresh state"
+            )
+        saved = state_dict["param_groups"][0]
+        # lomo-optim lists every parameter of the model, frozen ones included.
+        count = len(list(self.model.parameters()))
+        if len(self.param_groups) != 1 or len(saved["params"]) != count:
+            raise ValueError(
+                f"this lomo_optim.{writer} state_dict lists {len(saved['params'])} parameters, "
+                f"this model has {count}: the checkpoint belongs to another model"
+            )
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        if "weight_decay" in hyper and _is_number(hyper["weight_decay"]):
+            hyper["weight_decay"] = max(hyper["weight_decay"], 0.0)
+        current = self.state_dict()
+        group = current["param_groups"][0]
+        return {**current, "param_groups": [{**group, **hyper, "params": group["params"]}]}
+
+    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
+        """Applies torch.optim's part (param_groups, per-parameter state), already checked."""
+        super().load_state_dict(state_dict)
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                "load_state_dict takes an optimizer state_dict: a dict with 'state' and "
+                "'param_groups' (from optimizer.state_dict())"
+            )
+        extra = state_dict.get("lomo")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError("state_dict['lomo'] must be a dict (from optimizer.state_dict())")
+        own = self._STATE_FORMAT
+        writer = (extra or {}).get("optimizer", own)
+        if writer != own:
+            raise ValueError(
+                f"this state_dict was written by {writer}; {own} keeps other state and "
+                f"hyper-parameters: load it into a {writer}, or start {own} from its fresh state"
+            )
+        check_saved_groups(state_dict["param_groups"], self.param_groups)
+        self._check_saved_states(state_dict["state"])
+        if extra is not None:
+            self._check_saved_extra(extra)
+
+    def _check_saved_states(self, states: Any) -> None:
+        """Per-parameter state: the same indices, keys and shapes as this optimizer's own
+        (Lomo keeps none), finite values (see `_check_state_values`)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        names = parameter_names(self.model)
+        if not isinstance(states, dict):
+            raise ValueError("state_dict['state'] must be a dict of parameter index -> state")
+        expected = {i for i, p in enumerate(params) if self.state.get(p)}
+        unknown = set(states) - expected
+        if unknown:
+            raise ValueError(
+                f"state_dict['state'] holds state for parameter indices {sorted(unknown)[:8]}, "
+                f"for which {type(self).__name__} keeps none: the checkpoint belongs to another "
+                "optimizer class or model"
+            )
+        for index in sorted(expected):
+            param = params[index]
+            where = f"state_dict['state'][{index}] (parameter {names.get(id(param), '?')!r})"
+            if index not in states:
+                raise ValueError(f"{where} is missing: the checkpoint belongs to another model")
+            self._check_saved_state(where, states[index], self.state[param])
+
+    def _check_saved_state(self, where: str, saved: Any, own: dict[str, Any]) -> None:
+        if not isinstance(saved, dict) or set(saved) != set(own):
+            keys = sorted(saved) if isinstance(saved, dict) else saved
+            raise ValueError(f"{where} has the keys {keys}, this optimizer's {sorted(own)}")
+        for key, value in own.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            incoming = saved[key]
+            if not isinstance(incoming, torch.Tensor) or incoming.shape != value.shape:
+                shape = tuple(incoming.shape) if isinstance(incoming, torch.Tensor) else incoming
+                raise ValueError(
+                    f"{where}[{key!r}] has shape {shape}, this optimizer's "
+                    f"{tuple(value.shape)}: the checkpoint belongs to another model or "
+                    "sharding (consolidated_state_dict() loads into the unsharded model)"
+                )
+            problem = self._check_state_values(incoming)
+            if problem:
+                raise ValueError(f"{where}[{key!r}] {problem}: the checkpoint is corrupt")
+
+    def _check_state_values(self, values: torch.Tensor) -> str | None:
+        """What is wrong with a saved state tensor's values, or None."""
+        if not bool(torch.isfinite(values).all()):
+            return "holds inf/nan"
+        return None
+
+    def _check_saved_extra(self, extra: dict[str, Any]) -> None:
+        step = extra.get("step_count")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state_dict['lomo']['step_count'] must be an int >= 0, got {step!r}")
+        if extra.get("loss_scaler") is not None:
+            check_scaler_state(extra["loss_scaler"], "state_dict['lomo']['loss_scaler']")
+        if extra.get("single_backward") is not None:
+            SingleBackwardClip.check_state_dict(extra["single_backward"])
+
+    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        """Subclasses with a loss scaler restore it here."""

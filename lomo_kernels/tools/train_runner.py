@@ -1,0 +1,207 @@
+"""One optimizer's training run, measured, in a process of its own.
+
+`bench train` and the demo both call `run_isolated` once per optimizer. A run builds its
+workload (model and batches) with a seed, so every optimizer starts from the same weights
+and sees the same batches, then times and meters each step:
+
+- step time: forward + backward + update, `perf_counter` around the step (after a CUDA
+  synchronize on GPUs); the first `warmup` steps are left out of the median (lazy state,
+  first calls, compilation).
+- peak memory: on CUDA `max_memory_allocated()` (reset after the warm-up); on CPU the
+  process's VmHWM (reset through /proc/self/clear_refs after the warm-up), in a fresh
+  process started with MALLOC_MMAP_THRESHOLD_=65536 so freed blocks leave the RSS (method:
+  MEASURING.md). "Above the model" subtracts the memory held once the model and the first
+  batch exist, before the optimizer: the optimizer's state counts in the peak.
+- out of memory is a result ("OOM"), not a crash: CUDA's OutOfMemoryError, a CPU
+  allocation failure, or the process killed by the system.
+
+A workload is a module with `build(spec: dict) -> Workload`; the spec travels to the child
+process as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+MIB = 2**20
+
+
+@dataclass
+class Workload:
+    model: Any
+    batches: Iterator[Any]  # endless: each item is the input ids (labels are the same ids)
+    evaluate: Callable[[], float] | None = None  # a held-out loss, measured before and after
+    # Builds a learning-rate scheduler on the optimizer (stepped after every step), or None.
+    make_scheduler: Callable[[Any], Any] | None = None
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
+
+
+def measure(
+    workload_module: str,
+    spec: dict[str, Any],
+    optimizer: str,
+    steps: int,
+    warmup: int,
+    lr: float,
+    clip_grad_norm: float | None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Trains with `optimizer` in this process; its figures (see the module docstring)."""
+    import torch
+
+    from .bench_memory import Meter
+    from .optimizers import make_trainer, state_bytes
+
+    device = spec.get("device", "cpu")
+    meter = Meter(device)
+    result: dict[str, Any] = {"optimizer": optimizer, "status": "ok", "lr": lr}
+    try:
+        work = importlib.import_module(workload_module).build(spec)
+        params = list(work.model.parameters())
+        result["num_parameters"] = sum(p.numel() for p in params)
+        result["model_mib"] = sum(p.numel() * p.element_size() for p in params) / MIB
+        if work.evaluate is not None:
+            result["loss_before"] = work.evaluate()
+        first = next(work.batches).to(device)
+        baseline = meter.current()
+        trainer = make_trainer(optimizer, work.model, lr, clip_grad_norm)
+        result.update(trainer.notes)
+        scheduler = work.make_scheduler and work.make_scheduler(trainer.optimizer)
+        losses, times = [], []
+        ids = first
+        bar = _progress(optimizer, steps) if progress else None
+        # A run shorter than its warm-up (a smoke test) measures its last step.
+        warmup = min(warmup, steps - 1)
+        for i in range(steps):
+            if i == warmup:
+                meter.reset_peak()
+            if i > 0:
+                ids = next(work.batches).to(device)
+            began = time.perf_counter()
+            loss = trainer.step(ids, ids)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+            losses.append(float(loss.detach()))
+            if scheduler is not None:
+                scheduler.step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {losses[-1]:.3f}, {times[-1] * 1e3:.0f} ms/step")
+        if bar is not None:
+            bar.close()
+        if hasattr(trainer.optimizer, "flush_report"):
+            trainer.optimizer.flush_report()
+        peak = meter.peak()
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        return result | {"status": "OOM", "error": str(exc).splitlines()[0][:300]}
+    timed = times[warmup:]
+    result |= {
+        "losses": losses,
+        "step_s": times,
+        "median_step_s": statistics.median(timed),
+        "tokens_per_step": first.numel(),
+        "tokens_per_s": first.numel() / statistics.median(timed),
+        "peak_mib": peak / MIB,
+        "peak_above_model_mib": (peak - baseline) / MIB,
+        "state_mib": state_bytes(trainer.optimizer) / MIB,
+        "threads": torch.get_num_threads(),
+    }
+    if work.evaluate is not None:
+        result["loss_after"] = work.evaluate()
+    return result
+
+
+def _progress(name: str, steps: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc=f"{name:>14}", unit="step", file=sys.stderr)
+
+
+def run_isolated(
+    workload_module: str,
+    spec: dict[str, Any],
+    optimizer: str,
+    *,
+    steps: int,
+    warmup: int = 1,
+    lr: float,
+    clip_grad_norm: float | None = 1.0,
+    threads: int = 1,
+    progress: bool = False,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """`measure` in a fresh interpreter with the malloc setting; its result.
+
+    With `progress`, the child's progress bar goes to this process's stderr; otherwise its
+    stderr is kept and shown if it fails.
+    """
+    from .bench_memory import child_env
+
+    request = {
+        "workload": workload_module,
+        "spec": spec,
+        "optimizer": optimizer,
+        "steps": steps,
+        "warmup": warmup,
+        "lr": lr,
+        "clip_grad_norm": clip_grad_norm,
+        "threads": threads,
+        "progress": progress,
+    }
+    cmd = [sys.executable, "-m", "lomo_kernels.tools.train_runner", json.dumps(request)]
+    proc = subprocess.run(
+        cmd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=None if progress else subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode == -signal.SIGKILL:  # the system's out-of-memory killer
+        return {"optimizer": optimizer, "status": "OOM", "error": "killed (SIGKILL)"}
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{optimizer} failed (exit status {proc.returncode}):\n{(proc.stderr or '')[-4000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _child_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one measured training run (internal)")
+    parser.add_argument("request", help="JSON written by run_isolated")
+    request = json.loads(parser.parse_args(argv).request)
+    import torch
+
+    torch.set_num_threads(request.pop("threads"))
+    result = measure(
+        request.pop("workload"),
+        request.pop("spec"),
+        request.pop("optimizer"),
+        **request,
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,44 @@
+"""The step mode's transitions: a measured norm serves only the loss it measured, with the
+clip threshold of then (or any loss of the batch where each pass has its own forward), and
+closing the update pass forgets it. End to end in test_lomo_optimizer.py and
+test_single_backward.py; here the rules alone."""
+
+from __future__ import annotations
+
+import torch
+
+from lomo_kernels.optim.step_mode import Phase, StepMode
+
+
+def measured(loss: torch.Tensor, max_norm: float | None = 1.0, graph: bool = False) -> StepMode:
+    mode = StepMode()
+    mode.begin_pass(Phase.NORM)
+    mode.end_pass()
+    mode.norm_measured(loss, max_norm, keep_graph=graph)
+    return mode
+
+
+def a_loss() -> torch.Tensor:
+    return (torch.ones(2, requires_grad=True) * 2).sum()
+
+
+def test_norm_serves_only_its_loss_and_threshold():
+    loss, other = a_loss(), a_loss()
+    cases = [(loss, 1.0, False, True), (other, 1.0, False, False), (loss, 2.0, False, False)]
+    cases.append((other, 1.0, True, True))  # a forward per pass: any loss of the batch
+    for candidate, max_norm, same_batch, kept in cases:
+        mode = measured(loss)
+        mode.keep_norm_only_for(candidate, max_norm, same_batch=same_batch)
+        assert mode.norm_ready is kept
+
+
+def test_end_update_reports_the_norm_pass_and_forgets_it():
+    loss = a_loss()
+    mode = measured(loss, graph=True)
+    assert mode.phase is Phase.IDLE and mode.same_graph_as_norm(loss)
+    mode.begin_update(single_backward=False)
+    assert mode.end_update() is True
+    assert not mode.norm_ready and not mode.same_graph_as_norm(loss)
+    mode.begin_update(single_backward=True)
+    assert mode.single_backward
+    assert mode.end_update() is False and not mode.single_backward
