@@ -4,7 +4,8 @@ Metadata lives in pyproject.toml. By default nothing is compiled: the C++ backen
 themselves on first use (see lomo_kernels/kernels/cpp/extension.py). With
 LOMO_KERNELS_BUILD_EXT=1 every extension is built here (the CPU ones always, the CUDA ones
 with a CUDA build of torch); load them with LOMO_KERNELS_PREBUILT=1. This build targets the
-baseline ISA of the compiler (portable wheels); the JIT build uses -march=native.
+baseline ISA of the compiler (portable wheels); on x86-64 the CPU kernels still pick their
+AVX2 or AVX-512 loops at run time (csrc/cpu_isa.h), as the JIT build does.
 """
 
 import importlib.util

@@ -19,15 +19,34 @@
 #include "binding.h"
 #include "op_bindings.h"
 
+// What the loops and the bindings share.
+namespace adalomo_cpu {
+
+// Independent accumulators so the row loops vectorise (no reassociation is allowed).
+constexpr int kLanes = 8;
+
+// One block's share of a stats pass: a sum of squares (of h in pass A, of the update in pass
+// A1), the sum of p^2 and the non-finite flag.
+struct Partial {
+  double sumsq = 0.0, p_sumsq = 0.0;
+  uint32_t bad = 0;
+};
+
+}  // namespace adalomo_cpu
+
+using adalomo_cpu::kLanes;
+using adalomo_cpu::Partial;
+
+// The loops of adalomo_cpu_loops.h at every level (loops_baseline::, loops_avx2::, ...).
+#define LOMO_CPU_LOOPS "adalomo_cpu_loops.h"
+#include "cpu_levels.h"
+
 namespace {
 
 using binding::OptTensor;
 
 // Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
 constexpr int64_t kGrain = 32768;
-// Independent accumulators so the row loops vectorise (no reassociation is allowed).
-constexpr int kLanes = 8;
-
 using binding::dispatch_dtype;
 
 // Runtime scalars (lr, beta2, inv_scale, clip_coef, skip_if) are read on the CPU.
@@ -100,13 +119,6 @@ Blocks make_blocks(int64_t rows, int64_t cols) {
   return b;
 }
 
-// One block's share of a stats pass: a sum of squares (of h in pass A, of the update in pass
-// A1), the sum of p^2 and the non-finite flag.
-struct Partial {
-  double sumsq = 0.0, p_sumsq = 0.0;
-  uint32_t bad = 0;
-};
-
 // Adds the blocks' sums, in block order (so the result does not depend on the threads), to
 // the workspace slot `slot` and P_SUMSQ; a non-finite gradient marks the tensor skipped and
 // raises found_inf.
@@ -128,59 +140,6 @@ void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
 
 // ----------------------------------------------------------------------------- factored
 
-// One element of pass A into its row, column, h^2 and p^2 accumulators. h is squared in
-// double, as grad_sumsq_ measures it; g = clamp(h) in fp32, as the reference.
-template <class P, class G>
-void stats_element(const typename G::T& grad, const typename P::T& param,
-                   const adalomo::GradScalars& s, double& row, double& col, double& g_acc,
-                   double& p_acc, uint32_t& any_bad) {
-  uint32_t b;
-  const float h = adalomo::scaled_grad(G::load(grad), s, b);
-  const float g = adalomo::clamp_grad(h, s);
-  const double k = static_cast<double>(lomo::mul_rn(g, g));
-  row += k;
-  col += k;
-  g_acc += static_cast<double>(h) * static_cast<double>(h);
-  const double p = static_cast<double>(P::load(param));
-  p_acc += p * p;
-  any_bad |= b;
-}
-
-// Pass A over one block: row sums (per row) and column sums (per column) of g^2, and the
-// block's sums of h^2 and p^2.
-template <class P, class G>
-void stats_block(const typename G::T* grad, const typename P::T* param, int64_t cols,
-                 int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                 const adalomo::GradScalars& s, double* row_part, double* col_part,
-                 Partial& part) {
-  double g_acc[kLanes] = {}, p_acc[kLanes] = {};
-  uint32_t any_bad = 0;
-  for (int64_t i = r0; i < r1; ++i) {
-    const typename G::T* g_row = grad + i * cols;
-    const typename P::T* p_row = param + i * cols;
-    double r_acc[kLanes] = {};
-    int64_t j = c0;
-    for (; j + kLanes <= c1; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        stats_element<P, G>(g_row[j + l], p_row[j + l], s, r_acc[l], col_part[j + l - c0],
-                            g_acc[l], p_acc[l], any_bad);
-      }
-    }
-    for (int l = 0; j < c1; ++j, ++l) {
-      stats_element<P, G>(g_row[j], p_row[j], s, r_acc[l], col_part[j - c0], g_acc[l],
-                          p_acc[l], any_bad);
-    }
-    double total = 0.0;
-    for (int l = 0; l < kLanes; ++l) total += r_acc[l];
-    row_part[i] = total;
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    part.sumsq += g_acc[l];
-    part.p_sumsq += p_acc[l];
-  }
-  part.bad |= any_bad;
-}
-
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
                      const OptTensor& inv_scale, std::optional<double> clip_value) {
@@ -190,6 +149,7 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
               "lomo_kernels: bad factored shape");
   const int64_t rows = grad.numel() / cols;
   float* stats = workspace_stats(workspace);
+  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
               "lomo_kernels: workspace size does not match the parameter");
   // Scalars are checked even when the step is skipped, as the CUDA binding does. No clip
@@ -211,12 +171,13 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
       using G = decltype(g_tag);
       const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
       const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
+      const auto block_stats = LOMO_AT_LEVEL(level, stats_block<P, G>);
       at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b) {
           const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
           const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
           const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
-          stats_block<P, G>(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
+          block_stats(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
                             col_part.data() + rb * cols + c0, parts[b]);
         }
       });
@@ -276,45 +237,6 @@ std::vector<float> col_factors(const at::Tensor& exp_avg_sq_col) {
   return c;
 }
 
-// Calls f(row, col_begin, col_end, flat_begin) for the row segments of [begin, end).
-template <class F>
-void for_row_segments(int64_t begin, int64_t end, int64_t cols, F&& f) {
-  while (begin < end) {
-    const int64_t i = begin / cols, j0 = begin % cols;
-    const int64_t j1 = std::min(cols, j0 + (end - begin));
-    f(i, j0, j1, begin);
-    begin += j1 - j0;
-  }
-}
-
-// The squared update of one element of pass B, in double.
-template <class G>
-double norm_term(const typename G::T& grad, float r, float c, const adalomo::GradScalars& s) {
-  uint32_t bad;
-  const float update = lomo::mul_rn(lomo::mul_rn(r, c), adalomo::grad_g(G::load(grad), s, bad));
-  return static_cast<double>(update) * static_cast<double>(update);
-}
-
-template <class G>
-double norm_span(const typename G::T* grad, const float* R, const float* c, float mean,
-                 int64_t cols, int64_t begin, int64_t end, const adalomo::GradScalars& s) {
-  double acc[kLanes] = {};
-  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
-    const float r = adalomo::rsqrt_f(R[i] / mean);
-    const typename G::T* g_row = grad + flat - j0;
-    // Lanes restart at each segment: a fixed order, and a lane loop the compiler vectorises.
-    int64_t j = j0;
-    for (; j + kLanes <= j1; j += kLanes) {
-#pragma omp simd  // independent lanes: vectorised without reassociating any sum
-      for (int l = 0; l < kLanes; ++l) acc[l] += norm_term<G>(g_row[j + l], r, c[j + l], s);
-    }
-    for (int l = 0; j < j1; ++j, ++l) acc[l] += norm_term<G>(g_row[j], r, c[j], s);
-  });
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += acc[l];
-  return total;
-}
-
 void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
                     const OptTensor& inv_scale, std::optional<double> clip_value,
@@ -325,6 +247,7 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
   TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
   float* stats = workspace_stats(workspace);
+  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   if (stats[adalomo::kSkip] != 0.0f) return;
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
@@ -337,9 +260,10 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
     using G = decltype(g_tag);
     const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+    const auto span_norm = LOMO_AT_LEVEL(level, norm_span<G>);
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t k = first; k < last; ++k) {
-        partial[k] = norm_span<G>(g, R, c.data(), mean, cols, k * kGrain,
+        partial[k] = span_norm(g, R, c.data(), mean, cols, k * kGrain,
                                   std::min(n, (k + 1) * kGrain), s);
       }
     });
@@ -347,23 +271,6 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   double total = 0.0;
   for (double v : partial) total += v;
   add_to(stats + adalomo::kUSumsq, total);
-}
-
-template <class P, class G>
-void apply_span(typename P::T* param, const typename G::T* grad, const float* R,
-                const float* c, float mean, int64_t cols, int64_t begin, int64_t end,
-                const adalomo::GradScalars& s, const adalomo::StepScalars& step) {
-  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
-    const float r = adalomo::rsqrt_f(R[i] / mean);
-    typename P::T* p_row = param + flat - j0;
-    const typename G::T* g_row = grad + flat - j0;
-    for (int64_t j = j0; j < j1; ++j) {
-      uint32_t bad;
-      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
-                                        adalomo::grad_g(G::load(g_row[j]), s, bad));
-      p_row[j] = P::round(adalomo::apply(P::load(p_row[j]), update, step));
-    }
-  });
 }
 
 void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
@@ -379,6 +286,7 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
               "lomo_kernels: param/grad do not match the moments");
   float* stats = workspace_stats(workspace);
+  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   const float lr_value = read_scalar(lr, "lr");
   if (stats[adalomo::kSkip] != 0.0f) return;
@@ -395,39 +303,15 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
       using G = decltype(g_tag);
       auto* p = static_cast<typename P::T*>(param.data_ptr());
       const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G>);
       at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        apply_span<P, G>(p, g, R, c.data(), mean, cols, begin, end, s, step);
+        span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step);
       });
     });
   });
 }
 
 // ----------------------------------------------------------------------------- 1-D
-
-template <class P, class G>
-Partial vector_stats_span(const typename G::T* grad, const typename P::T* param,
-                          const float* v, int64_t begin, int64_t end,
-                          const adalomo::GradScalars& s, float b, float omb, float eps0) {
-  double u_acc[kLanes] = {}, p_acc[kLanes] = {};
-  uint32_t any_bad = 0;
-  for (int64_t k = begin; k < end; ++k) {
-    uint32_t bad;
-    const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
-    const float update =
-        lomo::mul_rn(adalomo::rsqrt_f(adalomo::moment(v[k], g, b, omb, eps0)), g);
-    const double p = static_cast<double>(P::load(param[k]));
-    u_acc[k % kLanes] += static_cast<double>(update) * static_cast<double>(update);
-    p_acc[k % kLanes] += p * p;
-    any_bad |= bad;
-  }
-  Partial out;
-  for (int l = 0; l < kLanes; ++l) {
-    out.sumsq += u_acc[l];
-    out.p_sumsq += p_acc[l];
-  }
-  out.bad = any_bad;
-  return out;
-}
 
 void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
                    const at::Tensor& exp_avg_sq, at::Tensor workspace,
@@ -440,6 +324,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   check_state(exp_avg_sq, n, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
   float* stats = workspace_stats(workspace);
+  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   const auto [b, omb] = beta_pair(beta2);
   if (skipped_on_entry(stats, skip_if)) {
@@ -456,29 +341,16 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
       using G = decltype(g_tag);
       const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
       const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
+      const auto span_stats = LOMO_AT_LEVEL(level, vector_stats_span<P, G>);
       at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
         for (int64_t k = first; k < last; ++k) {
-          partial[k] = vector_stats_span<P, G>(g, p, v, k * kGrain,
+          partial[k] = span_stats(g, p, v, k * kGrain,
                                                std::min(n, (k + 1) * kGrain), s, b, omb, eps);
         }
       });
     });
   });
   commit_parts(partial, stats, adalomo::kUSumsq, found_inf);
-}
-
-template <class P, class G>
-void vector_apply_span(typename P::T* param, const typename G::T* grad, float* v,
-                       int64_t begin, int64_t end, const adalomo::GradScalars& s, float b,
-                       float omb, float eps0, const adalomo::StepScalars& step) {
-  for (int64_t k = begin; k < end; ++k) {
-    uint32_t bad;
-    const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
-    const float v_new = adalomo::moment(v[k], g, b, omb, eps0);
-    v[k] = v_new;
-    param[k] = P::round(
-        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step));
-  }
 }
 
 void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_sq,
@@ -492,6 +364,7 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   check_state(exp_avg_sq, n, "exp_avg_sq");
   TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
   float* stats = workspace_stats(workspace);
+  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   const auto [b, omb] = beta_pair(beta2);
   const float lr_value = read_scalar(lr, "lr");
@@ -507,8 +380,9 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
       using G = decltype(g_tag);
       auto* p = static_cast<typename P::T*>(param.data_ptr());
       const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+      const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G>);
       at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        vector_apply_span<P, G>(p, g, v, begin, end, s, b, omb, eps, step);
+        span_apply(p, g, v, begin, end, s, b, omb, eps, step);
       });
     });
   });
@@ -520,4 +394,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
   op_bindings::def_adalomo_ops(m, &factored_stats_, &factored_moments_, &factored_norm_,
                                &factored_apply_, &vector_stats_, &vector_apply_);
+  cpu_isa::def_bindings(m);
 }

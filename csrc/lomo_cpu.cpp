@@ -1,10 +1,9 @@
 // CPU kernels of the fused LOMO update and the gradient sum of squares, with their
 // torch binding. Semantics: lomo_kernels/ops/lomo_reference.py (bit for bit).
 //
-// The hot loops are plain loops over raw pointers with selects instead of branches, so
-// GCC/Clang vectorise them (build with -O3 -fno-trapping-math -ffp-contract=off; the first
-// lets selects between float values be if-converted, the second keeps the reference's
-// rounding). Threads: at::parallel_for, at least 32K elements per thread.
+// The loops (lomo_cpu_loops.h) are built once per vector level (cpu_levels.h), and each call
+// runs the level cpu_isa::active() names: one build runs on any x86-64 and uses AVX2 or
+// AVX-512 where the CPU has them. Threads: at::parallel_for, at least 32K elements per thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -21,557 +20,17 @@
 #include <utility>
 
 #include "binding.h"
-#include "op_bindings.h"
 #include "lomo_math.h"
+#include "op_bindings.h"
 
-#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+// The loops of lomo_cpu_loops.h at every level (loops_baseline::, loops_avx2::, ...).
+#define LOMO_CPU_LOOPS "lomo_cpu_loops.h"
+#include "cpu_levels.h"
 
 namespace {
 
 // Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
 constexpr int64_t kGrain = 32768;
-
-// Software prefetch a fixed distance ahead of the streams, one line per 64 bytes: the
-// hardware prefetchers alone leave the 2-thread loops well short of bandwidth (measured
-// at 32M elements: fp32 full option set 0.96 -> 0.84 of torch._fused_sgd_, bf16 7.1 ->
-// 4.0 ms). Prefetches never fault, so running past the end of an array is harmless.
-constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kLineBytes = 64;
-
-// kWrite: the line will be written (PREFETCHW where the target has it: no ownership
-// request later).
-template <bool kWrite>
-LOMO_INLINE void prefetch_line(const char* address) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(address, kWrite ? 1 : 0, 3);
-#else
-  (void)address;
-#endif
-}
-
-LOMO_INLINE void prefetch_ahead(const void* p, const void* g) {
-  prefetch_line<true>(static_cast<const char*>(p) + kPrefetchBytes);
-  prefetch_line<false>(static_cast<const char*>(g) + kPrefetchBytes);
-}
-
-// The lines of [ptr, ptr + bytes), kPrefetchBytes ahead.
-template <bool kWrite>
-LOMO_INLINE void prefetch_lines_ahead(const void* ptr, int64_t bytes) {
-  const char* ahead = static_cast<const char*>(ptr) + kPrefetchBytes;
-  for (int64_t k = 0; k < bytes; k += kLineBytes) prefetch_line<kWrite>(ahead + k);
-}
-
-// The update of n consecutive elements, one at a time. lo/hi: 32-bit halves of the flat
-// index of element 0 (the block never crosses a multiple of 2^32, so lo + i cannot wrap).
-template <class P, class G, bool kStochastic>
-uint32_t update_elements(typename P::T* __restrict p, const typename G::T* __restrict g,
-                         int64_t n, uint32_t lo, uint32_t hi, const lomo::LomoScalars s,
-                         uint32_t key) {
-  // Max of the gradient exponents: one vpmaxud per vector, fewer instructions than an OR
-  // of 0/1 flags in this loop (the fp32 path).
-  uint32_t max_exponent = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const typename P::T old = p[i];
-    uint32_t exponent;
-    const float updated = lomo::lomo_element_exp(G::load(g[i]), P::load(old), s, exponent);
-    typename P::T out;
-    if constexpr (kStochastic) {
-      out = lomo::f32_to_bf16_sr(updated,
-                                 lomo::random_bits16(lo + static_cast<uint32_t>(i), hi, key));
-    } else {
-      out = P::round(updated);
-    }
-    p[i] = exponent == lomo::kNonFiniteExponent ? old : out;
-    max_exponent = std::max(max_exponent, exponent);
-  }
-  return max_exponent == lomo::kNonFiniteExponent ? 1u : 0u;
-}
-
-// bf16 params: two elements per 32-bit word. The even element is word << 16, the odd one
-// word & 0xFFFF0000, and the result is reassembled the same way, so the vector loop needs
-// no 16 <-> 32-bit lane packing (measured ~15-20% faster than update_elements in cache).
-template <class G>
-LOMO_INLINE void load_pair(const typename G::T* g, int64_t k, float& even, float& odd) {
-  if constexpr (std::is_same_v<G, lomo::Bf16>) {
-    uint32_t w;
-    memcpy(&w, g + 2 * k, sizeof(w));
-    even = lomo::float_of(w << 16);
-    odd = lomo::float_of(w & 0xFFFF0000u);
-  } else {
-    even = G::load(g[2 * k]);
-    odd = G::load(g[2 * k + 1]);
-  }
-}
-
-// Rounded bf16 bits of v in the high half of a word, low half zero (f32_to_bf16_rne << 16).
-LOMO_INLINE uint32_t bf16_rne_high(float v) {
-  const uint32_t b = lomo::bits_of(v);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  const uint32_t quiet_nan = (b | 0x00400000u) & 0xFFFF0000u;
-  return lomo::is_nan(v) ? quiet_nan : rounded;
-}
-
-template <class G, bool kStochastic>
-uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restrict g, int64_t n,
-                           uint32_t lo, uint32_t hi, const lomo::LomoScalars s, uint32_t key) {
-  uint32_t any_bad = 0;
-  const int64_t pairs = n / 2;
-  for (int64_t k = 0; k < pairs; ++k) {
-    uint32_t word;
-    memcpy(&word, p + 2 * k, sizeof(word));
-    float g_even, g_odd;
-    load_pair<G>(g, k, g_even, g_odd);
-    uint32_t bad_even, bad_odd;
-    const float u_even =
-        lomo::lomo_element(g_even, lomo::float_of(word << 16), s, bad_even);
-    const float u_odd =
-        lomo::lomo_element(g_odd, lomo::float_of(word & 0xFFFF0000u), s, bad_odd);
-    uint32_t out_even, out_odd;
-    if constexpr (kStochastic) {
-      const uint32_t index = lo + static_cast<uint32_t>(2 * k);
-      out_even = lomo::f32_to_bf16_sr(u_even, lomo::random_bits16(index, hi, key));
-      out_odd = static_cast<uint32_t>(
-                    lomo::f32_to_bf16_sr(u_odd, lomo::random_bits16(index + 1u, hi, key)))
-                << 16;
-    } else {
-      out_even = bf16_rne_high(u_even) >> 16;
-      out_odd = bf16_rne_high(u_odd);
-    }
-    out_even = bad_even ? (word & 0xFFFFu) : out_even;
-    out_odd = bad_odd ? (word & 0xFFFF0000u) : out_odd;
-    const uint32_t out = out_even | out_odd;
-    memcpy(p + 2 * k, &out, sizeof(out));
-    any_bad |= bad_even | bad_odd;
-  }
-  if (n & 1) {
-    any_bad |= update_elements<lomo::Bf16, G, kStochastic>(
-        p + n - 1, g + n - 1, 1, lo + static_cast<uint32_t>(n - 1), hi, s, key);
-  }
-  return any_bad;
-}
-
-#if defined(__AVX512F__)
-// AVX-512 loops for the common same-dtype pairs (fp32, bf16 with nearest rounding): GCC
-// prefers 256-bit vectors and spends extra instructions on the generic loops, which are
-// compute-bound at two threads. Options that are neutral at run time are compiled out
-// (x * 1 == x, clamping to +-inf and decay 1 change nothing): 16 instantiations per loop.
-enum SgdFlags : int { kUnscale = 1, kClip = 2, kDecay = 4, kCoef = 8, kFlagCount = 16 };
-
-struct SgdVectors {
-  lomo::LomoScalars scalars;
-  __m512 inv_scale, neg_clip, clip, coef, lr, decay;
-  explicit SgdVectors(const lomo::LomoScalars& s)
-      : scalars(s),
-        inv_scale(_mm512_set1_ps(s.inv_scale)),
-        neg_clip(_mm512_set1_ps(-s.clip)),
-        clip(_mm512_set1_ps(s.clip)),
-        coef(_mm512_set1_ps(s.coef)),
-        lr(_mm512_set1_ps(s.lr)),
-        decay(_mm512_set1_ps(s.decay)) {}
-};
-
-int sgd_flags(const lomo::LomoScalars& s) {
-  return (s.inv_scale != 1.0f ? kUnscale : 0) |
-         (s.clip != std::numeric_limits<float>::infinity() ? kClip : 0) |
-         (s.decay != 1.0f ? kDecay : 0) | (s.coef != 1.0f ? kCoef : 0);
-}
-
-// The vector loops clamp with one VRANGEPS, which needs a bound >= 0 (the public op
-// refuses others); any other bound takes the generic loops, which follow torch.clamp.
-bool avx512_supports(const lomo::LomoScalars& s) { return s.clip >= 0.0f; }
-
-// Lanes whose value is inf or nan.
-LOMO_INLINE __mmask16 nonfinite_mask(__m512 v) {
-#if defined(__AVX512DQ__)
-  return _mm512_fpclass_ps_mask(v, 0x99);  // qnan | +inf | -inf | snan
-#else
-  const __m512i e = _mm512_set1_epi32(static_cast<int>(lomo::kNonFiniteExponent));
-  return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e);
-#endif
-}
-
-// torch.clamp(g, -clip, clip) for clip >= 0. VRANGEPS "smaller magnitude, sign of g" is
-// the clamp in one instruction: ties pick equal magnitudes, -0 stays -0 (nan lanes are
-// never written). MAX/MIN take the bound first: they return the second operand on ties
-// and nans, exactly like the reference's selects.
-LOMO_INLINE __m512 clamp_vector(__m512 g, const SgdVectors& v) {
-#if defined(__AVX512DQ__)
-  return _mm512_range_ps(g, v.clip, 0x02);
-#else
-  return _mm512_min_ps(v.clip, _mm512_max_ps(v.neg_clip, g));
-#endif
-}
-
-// lomo_element on 16 lanes; bad = lanes whose unscaled gradient is inf/nan (when kCheck).
-template <int kF, bool kCheck = true>
-LOMO_INLINE __m512 sgd_vector(__m512 g, __m512 p, const SgdVectors& v, __mmask16& bad) {
-  if constexpr ((kF & kUnscale) != 0) g = _mm512_mul_ps(g, v.inv_scale);
-  if constexpr (kCheck) bad = nonfinite_mask(g);
-  if constexpr ((kF & kClip) != 0) g = clamp_vector(g, v);
-  if constexpr ((kF & kCoef) != 0) g = _mm512_mul_ps(g, v.coef);
-  if constexpr ((kF & kDecay) != 0) p = _mm512_mul_ps(p, v.decay);
-  return _mm512_sub_ps(p, _mm512_mul_ps(v.lr, g));
-}
-
-template <int kF>
-uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int64_t n,
-                            const lomo::LomoScalars& s) {
-  const SgdVectors v(s);
-  __mmask16 any_bad = 0;
-  int64_t i = 0;
-  // Two vectors per trip halve the loop overhead, which shows at two threads.
-#pragma GCC unroll 2
-  for (; i + 16 <= n; i += 16) {
-    prefetch_ahead(p + i, g + i);
-    const __m512 old = _mm512_loadu_ps(p + i);
-    __mmask16 bad;
-    const __m512 u = sgd_vector<kF>(_mm512_loadu_ps(g + i), old, v, bad);
-    _mm512_storeu_ps(p + i, _mm512_mask_mov_ps(u, bad, old));
-    any_bad |= bad;
-  }
-  return (any_bad != 0 ? 1u : 0u) |
-         update_elements<lomo::Fp32, lomo::Fp32, false>(p + i, g + i, n - i, 0, 0, s, 0);
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// 32 bf16 elements per step. Unpacking against zero widens each 128-bit lane to fp32
-// exactly; VCVTNE2PS2BF16 rounds to nearest even and quiets nans as the reference does,
-// and vpermw restores element order. The instruction treats subnormal inputs as zero, so
-// a block with a subnormal result takes the exact loop, as does a block with an inf/nan
-// gradient (rare: the step is then skipped anyway); the vector loop itself never blends.
-template <int kF>
-uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                            const lomo::LomoScalars& s) {
-  const SgdVectors v(s);
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
-                                         9, 8, 23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2,
-                                         1, 0);
-  uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    prefetch_ahead(p + i, g + i);
-    const __m512i pw = _mm512_loadu_si512(p + i);
-    const __m512i gw = _mm512_loadu_si512(g + i);
-    __mmask16 bad_lo, bad_hi;
-    const __m512 u_lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v,
-                                       bad_lo);
-    const __m512 u_hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v,
-                                       bad_hi);
-    const __mmask16 exact = bad_lo | bad_hi | _mm512_fpclass_ps_mask(u_lo, 0x20) |
-                            _mm512_fpclass_ps_mask(u_hi, 0x20);
-    if (__builtin_expect(exact != 0, 0)) {
-      any_bad |= update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, 32, 0, 0, s, 0);
-      continue;
-    }
-    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(u_hi, u_lo);  // same bits
-    _mm512_storeu_si512(p + i, _mm512_permutexvar_epi16(order, packed));
-  }
-  return any_bad | update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, n - i, 0, 0, s, 0);
-}
-#else
-// bf16_rne_high on 16 lanes; lanes in bad keep old (a bf16 value in the high half).
-LOMO_INLINE __m512i bf16_rne_high_vector(__m512 u, __m512i old, __mmask16 bad) {
-  const __m512i b = _mm512_castps_si512(u);
-  // b + 0x7FFF, or b + 0x8000 where the lowest kept bit is set (ties to even).
-  const __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
-  __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
-  r = _mm512_mask_add_epi32(r, odd, b, _mm512_set1_epi32(0x8000));
-  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x00400000));
-  return _mm512_mask_mov_epi32(r, bad, old);
-}
-
-// 32 bf16 elements per step, split into even/odd halves of each 32-bit word as in
-// update_bf16_pairs, rounded with integer operations (no AVX512-BF16 here).
-template <int kF>
-uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                            const lomo::LomoScalars& s) {
-  const SgdVectors v(s);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __mmask16 any_bad = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512i pw = _mm512_loadu_si512(p + i);
-    const __m512i gw = _mm512_loadu_si512(g + i);
-    const __m512i p_even = _mm512_slli_epi32(pw, 16);
-    const __m512i p_odd = _mm512_and_si512(pw, high);
-    __mmask16 bad_even, bad_odd;
-    const __m512 u_even = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_slli_epi32(gw, 16)),
-                                         _mm512_castsi512_ps(p_even), v, bad_even);
-    const __m512 u_odd = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_and_si512(gw, high)),
-                                        _mm512_castsi512_ps(p_odd), v, bad_odd);
-    const __m512i r_even = bf16_rne_high_vector(u_even, p_even, bad_even);
-    const __m512i r_odd = bf16_rne_high_vector(u_odd, p_odd, bad_odd);
-    // (r_odd & high) | (r_even >> 16)
-    const __m512i out = _mm512_ternarylogic_epi32(r_odd, _mm512_srli_epi32(r_even, 16), high, 0xE4);
-    _mm512_storeu_si512(p + i, out);
-    any_bad |= bad_even | bad_odd;
-  }
-  return (any_bad != 0 ? 1u : 0u) |
-         update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, n - i, 0, 0, s, 0);
-}
-#endif
-
-#if defined(__AVX512BW__)
-// lomo::mix32 on 16 lanes.
-LOMO_INLINE __m512i mix32_vector(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-// lomo::f32_to_bf16_sr on 16 lanes, the result in the high half of each lane. index: the
-// low 32 bits of each lane's flat element index (random_bits16's hash of it).
-LOMO_INLINE __m512i bf16_sr_high_vector(__m512 u, __m512i index, __m512i key, __m512i hi) {
-  const __m512i random = _mm512_srli_epi32(
-      mix32_vector(_mm512_xor_si512(mix32_vector(_mm512_xor_si512(index, key)), hi)), 16);
-  const __m512i b = _mm512_castps_si512(u);
-  const __mmask16 nonfinite = nonfinite_mask(u);  // inf/nan are not perturbed
-  const __m512i out = _mm512_mask_add_epi32(b, static_cast<__mmask16>(~nonfinite), b, random);
-  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-  return _mm512_mask_or_epi32(out, nan, out, _mm512_set1_epi32(0x00400000));
-}
-
-// bf16 params with stochastic rounding, 32 elements per step: the layout of the nearest
-// rounding loop (unpack against zero), the hash on 16 lanes, and one vpermt2w that takes
-// the high halves back in element order. Integer rounding is exact for subnormal results,
-// so only a block with an inf/nan gradient takes the exact loop.
-template <int kF>
-uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                               uint32_t lo, uint32_t hi, uint32_t key,
-                               const lomo::LomoScalars& s) {
-  const SgdVectors v(s);
-  const __m512i zero = _mm512_setzero_si512();
-  // Element offset of each lane: lane k of 128-bit lane L holds element 8L + k (unpacklo)
-  // or 8L + 4 + k (unpackhi).
-  const __m512i offset_lo =
-      _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
-  const __m512i offset_hi = _mm512_add_epi32(offset_lo, _mm512_set1_epi32(4));
-  // Output element e = 8L + k: the high word of dword 4L + k of the first operand (k < 4)
-  // or of dword 4L + k - 4 of the second (word index + 32).
-  const __m512i gather_high = _mm512_set_epi16(63, 61, 59, 57, 31, 29, 27, 25, 55, 53, 51, 49,
-                                               23, 21, 19, 17, 47, 45, 43, 41, 15, 13, 11, 9,
-                                               39, 37, 35, 33, 7, 5, 3, 1);
-  const __m512i key_v = _mm512_set1_epi32(static_cast<int>(key));
-  const __m512i hi_v = _mm512_set1_epi32(static_cast<int>(hi));
-  uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    prefetch_ahead(p + i, g + i);
-    const __m512i pw = _mm512_loadu_si512(p + i);
-    const __m512i gw = _mm512_loadu_si512(g + i);
-    __mmask16 bad_lo, bad_hi;
-    const __m512 u_lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v,
-                                       bad_lo);
-    const __m512 u_hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v,
-                                       bad_hi);
-    const uint32_t first = lo + static_cast<uint32_t>(i);  // no wrap: see update_span
-    if (__builtin_expect((bad_lo | bad_hi) != 0, 0)) {
-      any_bad |= update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, 32, first, hi, s, key);
-      continue;
-    }
-    const __m512i base = _mm512_set1_epi32(static_cast<int>(first));
-    const __m512i r_lo = bf16_sr_high_vector(u_lo, _mm512_add_epi32(base, offset_lo), key_v, hi_v);
-    const __m512i r_hi = bf16_sr_high_vector(u_hi, _mm512_add_epi32(base, offset_hi), key_v, hi_v);
-    _mm512_storeu_si512(p + i, _mm512_permutex2var_epi16(r_lo, gather_high, r_hi));
-  }
-  return any_bad | update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, n - i,
-                                                       lo + static_cast<uint32_t>(i), hi, s, key);
-}
-
-template <int kF>
-struct Bf16SrKernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, uint32_t lo, uint32_t hi,
-                      uint32_t key, const lomo::LomoScalars& s) {
-    return update_bf16_sr_avx512<kF>(p, g, n, lo, hi, key, s);
-  }
-};
-#endif
-
-// Runs K<flags of s>::run: a table of the 16 instantiations, indexed at run time.
-template <template <int> class K, int... kF, class... A>
-uint32_t run_flagged(std::integer_sequence<int, kF...>, const lomo::LomoScalars& s, A... args) {
-  using Fn = uint32_t (*)(A..., const lomo::LomoScalars&);
-  static constexpr Fn kTable[] = {&K<kF>::run...};
-  return kTable[sgd_flags(s)](args..., s);
-}
-
-template <template <int> class K, class... A>
-uint32_t with_flags(const lomo::LomoScalars& s, A... args) {
-  return run_flagged<K>(std::make_integer_sequence<int, kFlagCount>{}, s, args...);
-}
-
-template <int kF>
-struct Fp32Kernel {
-  static uint32_t run(float* p, const float* g, int64_t n, const lomo::LomoScalars& s) {
-    return update_fp32_avx512<kF>(p, g, n, s);
-  }
-};
-
-template <int kF>
-struct Bf16Kernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, const lomo::LomoScalars& s) {
-    return update_bf16_avx512<kF>(p, g, n, s);
-  }
-};
-#endif
-
-#if defined(__F16C__) && defined(__AVX__)
-// fp16 operands: the portable integer conversions cost ~25 vector instructions per 16
-// elements; F16C converts in one. GCC does not vectorise _Float16 conversions itself, so
-// stage tiles through fp32 buffers with the F16C intrinsics (exact IEEE, like the
-// portable path) and keep the math loop plain.
-constexpr bool kHaveF16C = true;
-constexpr int64_t kTile = 256;
-
-void halves_to_floats(const uint16_t* src, float* dst) {
-  for (int64_t k = 0; k < kTile; k += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-    _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(h));
-  }
-}
-
-void floats_to_halves(const float* src, uint16_t* dst) {
-  for (int64_t k = 0; k < kTile; k += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), h);
-  }
-}
-
-template <class P, class G, bool kStochastic>
-uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restrict g, int64_t n,
-                      uint32_t lo, uint32_t hi, const lomo::LomoScalars s, uint32_t key) {
-  constexpr bool kHalfP = std::is_same_v<P, lomo::Fp16>;
-  constexpr bool kHalfG = std::is_same_v<G, lomo::Fp16>;
-  alignas(64) float g_tile[kTile];
-  alignas(64) float p_tile[kTile];
-  alignas(64) float u_tile[kTile];
-  alignas(64) uint32_t bad_tile[kTile];
-  alignas(64) uint16_t h_tile[kTile];
-  uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + kTile <= n; i += kTile) {
-    typename P::T* __restrict pp = p + i;
-    const typename G::T* __restrict gg = g + i;
-    prefetch_lines_ahead<true>(pp, kTile * sizeof(typename P::T));
-    prefetch_lines_ahead<false>(gg, kTile * sizeof(typename G::T));
-    if constexpr (kHalfG) halves_to_floats(gg, g_tile);
-    if constexpr (kHalfP) halves_to_floats(pp, p_tile);
-    for (int64_t j = 0; j < kTile; ++j) {
-      const float gv = kHalfG ? g_tile[j] : G::load(gg[j]);
-      const float pv = kHalfP ? p_tile[j] : P::load(pp[j]);
-      uint32_t bad;
-      u_tile[j] = lomo::lomo_element(gv, pv, s, bad);
-      bad_tile[j] = bad;
-      any_bad |= bad;
-    }
-    if constexpr (kHalfP) {
-      floats_to_halves(u_tile, h_tile);
-      for (int64_t j = 0; j < kTile; ++j) pp[j] = bad_tile[j] ? pp[j] : h_tile[j];
-    } else {
-      for (int64_t j = 0; j < kTile; ++j) {
-        typename P::T out;
-        if constexpr (kStochastic) {
-          out = lomo::f32_to_bf16_sr(
-              u_tile[j],
-              lomo::random_bits16(lo + static_cast<uint32_t>(i + j), hi, key));
-        } else {
-          out = P::round(u_tile[j]);
-        }
-        pp[j] = bad_tile[j] ? pp[j] : out;
-      }
-    }
-  }
-  return any_bad | update_elements<P, G, kStochastic>(p + i, g + i, n - i,
-                                                       lo + static_cast<uint32_t>(i), hi, s,
-                                                       key);
-}
-#else
-constexpr bool kHaveF16C = false;
-#endif
-
-// The paired loop assumes element 2k sits in the low half of a 32-bit word.
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-constexpr bool kLittleEndian = false;
-#else
-constexpr bool kLittleEndian = true;
-#endif
-
-// Picks the loop shape for a dtype pair. Same results whichever is taken.
-template <class P, class G, bool kStochastic>
-uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
-                      uint32_t hi, const lomo::LomoScalars& s, uint32_t key) {
-  constexpr bool kAnyHalf = std::is_same_v<P, lomo::Fp16> || std::is_same_v<G, lomo::Fp16>;
-  constexpr bool kSame = std::is_same_v<P, G> && !kStochastic;
-#if defined(__AVX512F__)
-  if constexpr (kSame && std::is_same_v<P, lomo::Fp32>) {
-    if (avx512_supports(s)) return with_flags<Fp32Kernel>(s, p, g, n);
-  } else if constexpr (kSame && std::is_same_v<P, lomo::Bf16> && kLittleEndian) {
-    if (avx512_supports(s)) return with_flags<Bf16Kernel>(s, p, g, n);
-  }
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (kStochastic && std::is_same_v<P, lomo::Bf16> && std::is_same_v<G, lomo::Bf16> &&
-                kLittleEndian) {
-    if (avx512_supports(s)) return with_flags<Bf16SrKernel>(s, p, g, n, lo, hi, key);
-  }
-#endif
-  if constexpr (kHaveF16C && kAnyHalf) {
-#if defined(__F16C__) && defined(__AVX__)
-    return update_tiled<P, G, kStochastic>(p, g, n, lo, hi, s, key);
-#endif
-  } else if constexpr (std::is_same_v<P, lomo::Bf16> && kLittleEndian) {
-    return update_bf16_pairs<G, kStochastic>(p, g, n, lo, hi, s, key);
-  } else {
-    return update_elements<P, G, kStochastic>(p, g, n, lo, hi, s, key);
-  }
-}
-
-// One span [begin, end) of the update; returns non-zero if any unscaled grad was inf/nan.
-template <class P, class G, bool kStochastic>
-uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t begin,
-                     int64_t end, const lomo::LomoScalars& s, uint32_t key) {
-  uint32_t any_bad = 0;
-  while (begin < end) {
-    // The hash takes the index as two 32-bit halves: keep the high half fixed per block
-    // so the loops run on 32-bit lanes.
-    const int64_t stop = kStochastic ? std::min(end, ((begin >> 32) + 1) << 32) : end;
-    any_bad |= update_block<P, G, kStochastic>(
-        param + begin, grad + begin, stop - begin, static_cast<uint32_t>(begin),
-        static_cast<uint32_t>(begin >> 32), s, key);
-    begin = stop;
-  }
-  return any_bad;
-}
-
-// Sum of squares of grad * inv_scale over one span, in double; sets bad on inf/nan.
-// Without reassociation GCC will not vectorise a floating-point sum; `omp simd` with a
-// reduction clause permits exactly that (lane-wise partial sums, a fixed order for a given
-// build, so results stay deterministic).
-template <class G>
-double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_scale,
-                  uint32_t& bad) {
-  double acc = 0.0;
-  uint32_t any_bad = 0;
-#pragma omp simd reduction(+ : acc) reduction(| : any_bad)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = lomo::mul_rn(G::load(grad[i]), inv_scale);
-    acc += static_cast<double>(v) * static_cast<double>(v);  // exact square in double
-    any_bad |= lomo::is_nonfinite(v);
-  }
-  bad |= any_bad;
-  return acc;
-}
 
 using binding::OptTensor;
 
@@ -583,12 +42,13 @@ uint32_t read_seed_step(const OptTensor& t) {
 
 template <class P, class G, bool kStochastic>
 bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::LomoScalars& s,
-                uint32_t key) {
+                uint32_t key, cpu_isa::Level level) {
+  const auto span_update = LOMO_AT_LEVEL(level, update_span<P, G, kStochastic>);
   auto* p = static_cast<typename P::T*>(param.data_ptr());
   const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
   std::atomic<uint32_t> bad{0};
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    if (update_span<P, G, kStochastic>(p, g, begin, end, s, key) != 0) {
+    if (span_update(p, g, begin, end, s, key) != 0) {
       bad.store(1, std::memory_order_relaxed);
     }
   });
@@ -603,6 +63,7 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
   binding::check_dense(param, c10::kCPU, "param");
   binding::check_dense(grad, c10::kCPU, "grad");
   TORCH_CHECK(param.numel() == grad.numel(), "lomo_kernels: param and grad differ in numel");
+  const cpu_isa::Level level = cpu_isa::active();
   lomo::LomoScalars s;
   s.lr = binding::read_scalar(lr, c10::kCPU, "lr");
   s.decay = lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(weight_decay)));
@@ -627,10 +88,10 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
     binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
       using G = decltype(g_tag);
       if constexpr (std::is_same_v<P, lomo::Bf16>) {
-        bad = stochastic ? run_update<P, G, true>(param, grad, s, key)
-                         : run_update<P, G, false>(param, grad, s, key);
+        bad = stochastic ? run_update<P, G, true>(param, grad, s, key, level)
+                         : run_update<P, G, false>(param, grad, s, key, level);
       } else {
-        bad = run_update<P, G, false>(param, grad, s, key);
+        bad = run_update<P, G, false>(param, grad, s, key, level);
       }
     });
   });
@@ -645,6 +106,7 @@ void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor 
                  const OptTensor& found_inf) {
   binding::check_dense(grad, c10::kCPU, "grad");
   binding::check_scalar(sumsq, c10::kCPU, "sumsq");
+  const cpu_isa::Level level = cpu_isa::active();
   const float inv = binding::read_factor(inv_scale, c10::kCPU, "inv_scale");
   const int64_t n = grad.numel();
   const int64_t chunks = (n + kGrain - 1) / kGrain;
@@ -654,11 +116,12 @@ void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor 
   binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
     using G = decltype(g_tag);
     const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+    const auto span_sumsq = LOMO_AT_LEVEL(level, sumsq_span<G>);
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       uint32_t local_bad = 0;
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * kGrain;
-        partial[c] = sumsq_span<G>(g + begin, std::min(kGrain, n - begin), inv, local_bad);
+        partial[c] = span_sumsq(g + begin, std::min(kGrain, n - begin), inv, local_bad);
       }
       if (local_bad != 0) bad.store(1, std::memory_order_relaxed);
     });
@@ -679,4 +142,5 @@ void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
   op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_);
+  cpu_isa::def_bindings(m);
 }

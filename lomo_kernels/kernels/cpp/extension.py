@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import sys
 import threading
 from collections.abc import Callable
@@ -21,6 +22,8 @@ import torch
 # The package ships csrc/ (lomo_kernels/csrc, a link to the top-level sources in a checkout).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _MAX_REASON_CHARS = 4000
+# platform.machine() of x86 hosts, whose CPU extensions dispatch by CPU feature at run time.
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 
 # With this set to 1 the extensions are imported as built ahead of time by setup.py
@@ -50,7 +53,10 @@ def device_type(t: torch.Tensor) -> str:
 def cpu_build_flags() -> list[list[str]]:
     """Compiler flag sets for a CPU extension, tried in order until one builds.
 
-    -march=native: the extension is built on the machine that runs it (first use);
+    x86-64 builds for the baseline ISA: the kernels pick their AVX2 or AVX-512 loops at run
+    time from the CPU's features (csrc/cpu_isa.h), so one build runs on any x86-64 and the
+    LOMO_KERNELS_CPU_ISA levels can be compared on one machine. Elsewhere -march=native: the
+    extension is built on the machine that runs it (first use);
     -ffp-contract=off keeps the reference's per-operation fp32 rounding (no FMA), so the
     vector width changes speed, not results;
     -fno-trapping-math lets GCC turn the float selects of the hot loops into vector blends;
@@ -59,6 +65,8 @@ def cpu_build_flags() -> list[list[str]]:
     if sys.platform == "win32":
         return [["/O2", "/openmp"], ["/O2"]]
     base = ["-O3", "-fno-trapping-math", "-ffp-contract=off"]
+    if platform.machine().lower() in X86_MACHINES:
+        return [base + ["-fopenmp"], base]
     return [base + ["-march=native", "-fopenmp"], base + ["-fopenmp"], base]
 
 

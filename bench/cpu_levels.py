@@ -1,0 +1,108 @@
+"""The C++ CPU update at every vector level this CPU runs, against the axpy floor.
+
+One build holds every level (csrc/cpu_isa.h: baseline, avx2, avx512, avx512bf16); this times
+the binding `lomo_update_` with the full LOMO option set (the `bench kernels` values: unscale
+by a device-tensor loss scale, clip by value, a clip_coef tensor, weight decay, inf/nan flag)
+at each level the CPU has, `torch._fused_sgd_` (plain SGD) and the floor `p.add_(g,
+alpha=-lr)` (the same bytes moved), one thread, interleaved, an untimed pass over the data
+before each call, medians. Cells: median / median(axpy) of the same size and dtype.
+
+Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
+shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.
+Memory stalls are CPU time, so memory-bound kernels are measured fully. CPU figures only.
+
+Run: python bench/cpu_levels.py [--sizes 4M,16M] [--reps 41]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lomo_kernels.kernels.cpp import lomo as cpp
+from lomo_kernels.tools import machine
+from lomo_kernels.tools.bench_kernels import (
+    CLIP_COEF,
+    CLIP_VALUE,
+    DTYPES,
+    INV_SCALE,
+    LR,
+    WEIGHT_DECAY,
+    parse_sizes,
+    size_label,
+)
+
+INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def cpu_time(fn: Callable[[], None]) -> float:
+    start = time.thread_time_ns()
+    fn()
+    return (time.thread_time_ns() - start) * 1e-9
+
+
+def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
+    """ours[<level>] per level (the caller sets the level), torch._fused_sgd_, axpy."""
+    ext = cpp._loader.module("cpu")
+    lr, inv_scale = torch.tensor([LR]), torch.tensor([INV_SCALE])
+    coef, found = torch.tensor([CLIP_COEF]), torch.zeros(1)
+
+    def ours() -> None:
+        ext.lomo_update_(
+            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None
+        )
+
+    # An extension without levels (an older build): its one loop set, as "ours".
+    out = {f"ours[{level}]": ours for level in levels} if levels else {"ours": ours}
+    out["torch._fused_sgd_"] = lambda: torch._fused_sgd_(
+        [p], [g], [], weight_decay=0.0, momentum=0.0, lr=LR, dampening=0.0,
+        nesterov=False, maximize=False, is_first_step=False,
+    )  # fmt: skip
+    out["axpy"] = lambda: p.add_(g, alpha=-LR)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64K,1M,4M,16M"))
+    parser.add_argument("--dtype", default=",".join(DTYPES), help="comma list of bf16,fp16,fp32")
+    parser.add_argument("--reps", type=int, default=41)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ext = cpp._loader.module("cpu")
+    levels = ext._cpu_isas() if hasattr(ext, "_cpu_isas") else []
+    previous = ext._cpu_isa() if levels else None
+    print(
+        f"CPU {machine.cpu_model()} ({machine.vector_isa()}), 1 thread, torch {torch.__version__}"
+    )
+    print("cells: median thread CPU time / that of axpy (p.add_), same size and dtype")
+    try:
+        for name in args.dtype.split(","):
+            for numel in args.sizes:
+                gen = torch.Generator().manual_seed(numel)
+                p = torch.randn(numel, generator=gen).to(DTYPES[name])
+                g = (torch.randn(numel, generator=gen) * 1e-2).to(DTYPES[name])
+                fns = variants(p, g, levels)
+                times: dict[str, list[float]] = {k: [] for k in fns}
+                for _ in range(args.reps):
+                    for key, fn in fns.items():
+                        if key.startswith("ours["):  # ours[<level>]: set outside the timing
+                            ext._set_cpu_isa(key[5:-1])
+                        for t in (p, g):  # the same cache state before every call
+                            t.view(INT_VIEW[t.element_size()]).max()
+                        times[key].append(cpu_time(fn))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                cells = "  ".join(f"{k} {med[k] / med['axpy']:.3f}" for k in fns if k != "axpy")
+                gbps = 3 * numel * p.element_size() / med["axpy"] / 1e9
+                print(f"{name} {size_label(numel):>4}: {cells}  (axpy {gbps:.1f} GB/s)")
+    finally:
+        if previous is not None:
+            ext._set_cpu_isa(previous)
+
+
+if __name__ == "__main__":
+    main()

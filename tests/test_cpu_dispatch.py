@@ -1,0 +1,252 @@
+"""The C++ CPU kernels at every vector level this CPU runs (baseline, AVX2, AVX-512, ...),
+each forced in turn: LOMO against the reference backend bit for bit, AdaLomo against float64
+math and bit for bit across levels.
+
+One build holds every level and picks the best the CPU has (csrc/cpu_isa.h); the levels
+above this CPU's cannot run here and are not parametrized. Sizes straddle the loops' trips
+(16 and 32 elements, 64-byte prefetch lines) and leave tails; the inf/nan specials sit in
+the first vectors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import test_adalomo_ops as adalomo_cases
+import test_cpp_backend as cases
+import torch
+from test_cpp_backend import (
+    COMBOS,
+    DTYPES,
+    _both,
+    _grad_scale,
+    _make_grad,
+    _make_param,
+    _options,
+    _run,
+    _subset_options,
+    assert_same_bits,
+    cpp_backend,
+)
+
+from lomo_kernels.kernels.cpp import adalomo as cpp_adalomo
+from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
+from lomo_kernels.tools import machine
+
+SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
+# The CPU flags (/proc/cpuinfo names) each level needs on top of the one below.
+LEVEL_FLAGS = {
+    "avx2": {"avx2", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
+    "avx512bf16": {"avx512_bf16"},
+}
+ENV_VAR = "LOMO_KERNELS_CPU_ISA"
+
+
+def _extension():
+    return cpp_backend._loader.module("cpu")
+
+
+def _extensions():
+    """Both CPU extensions (each holds its own level)."""
+    return [_extension(), cpp_adalomo._loader.module("cpu")]
+
+
+def _levels() -> list[str]:
+    return _extension()._cpu_isas() if cpp_backend.is_available("cpu") else ["baseline"]
+
+
+@pytest.fixture(params=_levels())
+def level(request) -> str:
+    """Runs the test with the CPU kernels forced to one level, then restores the previous."""
+    previous = [ext._set_cpu_isa(request.param) for ext in _extensions()]
+    yield request.param
+    for ext, name in zip(_extensions(), previous, strict=True):
+        ext._set_cpu_isa(name)
+
+
+def test_levels_follow_the_cpu_flags() -> None:
+    # Independent of the extension's own detection: the kernel's flags in /proc/cpuinfo.
+    flags = machine.cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    expected, needed = ["baseline"], set()
+    if os.uname().machine in ("x86_64", "i686"):
+        for name, extra in LEVEL_FLAGS.items():
+            needed |= extra
+            if not needed <= flags:
+                break
+            expected.append(name)
+    assert _extension()._cpu_isas() == expected
+    # Without the environment variable the kernels run the best level.
+    if not os.environ.get(ENV_VAR):
+        assert _extension()._cpu_isa() == expected[-1]
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_every_level_matches_reference(level: str, pdt: str, gdt: str, size: int) -> None:
+    for k, kind in enumerate(("plain", "full", "tensors")):
+        param = _make_param(size, DTYPES[pdt], seed=size + k, specials=True)
+        grad = _make_grad(size, DTYPES[gdt], seed=size + k, scale=_grad_scale(kind), specials=True)
+        (got, want), (f_got, f_want) = _both(param, grad, _options(kind), with_skip=True)
+        assert_same_bits(got, want)
+        assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_every_level_option_subset_matches_reference(level: str, pdt: str) -> None:
+    # Each option on or neutral, with and without inf/nan gradients; bf16 also with stochastic
+    # rounding (with and without the per-step seed); clip bounds of 0 and below 0 too.
+    dtype, n = DTYPES[pdt], 4133
+    for bits in range(16):
+        opts = _subset_options(bits)
+        param = _make_param(n, dtype, seed=bits, specials=True)
+        bad = _make_grad(n, dtype, seed=bits, scale=1024.0 if bits & 1 else 1.0, specials=True)
+        clean = _make_grad(n, dtype, seed=bits + 99, scale=1.0, specials=False)
+        for grad, flagged in ((bad, 1.0), (clean, 0.0)):
+            (got, want), (f_got, f_want) = _both(param, grad, opts)
+            assert_same_bits(got, want)
+            assert f_got.item() == f_want.item() == flagged
+            if dtype == torch.bfloat16:
+                step = torch.tensor([bits * 977], dtype=torch.int64)
+                for seed_step in (None, step):
+                    (got, want), _ = _both(
+                        param, grad, opts, sr=True, seed=bits, seed_step=seed_step
+                    )
+                    assert_same_bits(got, want)
+    for clip in (0.0, -0.5):
+        param = _make_param(n, dtype, seed=5, specials=True)
+        grad = _make_grad(n, dtype, seed=5, scale=1.0, specials=True)
+        (got, want), _ = _both(param, grad, _options("plain") | dict(clip_value=clip))
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_every_level_unaligned_views_and_skip(level: str, pdt: str) -> None:
+    # Views at odd storage offsets (unaligned vector loads and stores; the elements around
+    # them untouched), as test_cpp_backend.py checks them at the best level.
+    cases.test_unaligned_views_match_reference(pdt, pdt)
+    # A non-zero skip_if: nothing is written, nothing is flagged.
+    param = _make_param(4133, DTYPES[pdt], seed=8, specials=True)
+    grad = _make_grad(4133, DTYPES[pdt], seed=8, scale=1.0, specials=True)
+    p, found = param.clone(), torch.zeros(1)
+    _run(cpp_backend, p, grad, _options("full"), found=found, skip=torch.ones(1))
+    assert torch.equal(p.view(torch.uint8), param.view(torch.uint8))
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_identical_at_every_level(gdt: str) -> None:
+    # Fixed partial sums, added in a fixed order: every level gives the same bits (the sum
+    # itself is checked against float64 in test_cpp_backend.py).
+    n = 100_003
+    grad = _make_grad(n, DTYPES[gdt], seed=4, scale=3.0, specials=False)
+    sums = {}
+    previous = _extension()._set_cpu_isa("baseline")
+    try:
+        for name in _levels():
+            _extension()._set_cpu_isa(name)
+            out = torch.zeros(1)
+            cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, None)
+            sums[name] = out.item()
+    finally:
+        _extension()._set_cpu_isa(previous)
+    assert len(set(sums.values())) == 1, sums
+
+
+ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]
+ADALOMO_OPTIONS = dict(
+    inv_scale=2.0**-10, clip_value=1.0, clip_coef=torch.tensor([0.37]), weight_decay=0.01
+)
+
+
+def _adalomo_start(shape, dtype) -> tuple[torch.Tensor, torch.Generator]:
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    return torch.randn(shape, generator=gen).to(dtype), gen
+
+
+def _adalomo_steps(shape, dtype) -> tuple[torch.Tensor, dict]:
+    """Three AdaLomo steps of the C++ backend from a fixed start; the parameter and state."""
+    param, gen = _adalomo_start(shape, dtype)
+    state = init_adalomo_state(param)
+    for t in range(1, 4):
+        grad = (torch.randn(shape, generator=gen) * 2.0**10 / t).to(dtype)
+        beta2 = 1.0 - t**-0.8
+        adalomo_update_(param, grad, state, lr=0.05, beta2=beta2, backend="cpp", **ADALOMO_OPTIONS)
+    return param, state
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+@pytest.mark.parametrize("shape", ADALOMO_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adalomo_bit_identical_at_every_level(shape, pdt: str) -> None:
+    # Elementwise fp32 math and fixed-lane double sums: the same bits at every level, and at
+    # each level two steps with every option within test_adalomo_ops.py's float64 bounds.
+    results = {}
+    previous = [ext._set_cpu_isa("baseline") for ext in _extensions()]
+    try:
+        for name in _levels():
+            for ext in _extensions():
+                ext._set_cpu_isa(name)
+            results[name] = _adalomo_steps(shape, DTYPES[pdt])
+            adalomo_cases.run_steps("cpp", shape, DTYPES[pdt], adalomo_cases.OPTIONS["all"], 2)
+    finally:
+        for ext, name in zip(_extensions(), previous, strict=True):
+            ext._set_cpu_isa(name)
+    param, state = results["baseline"]
+    assert not torch.equal(param, _adalomo_start(shape, DTYPES[pdt])[0])  # it ran
+    for name, (other, other_state) in results.items():
+        assert torch.equal(other.view(torch.uint8), param.view(torch.uint8)), name
+        for key, value in state.items():
+            assert torch.equal(other_state[key], value), (name, key)
+
+
+def test_unknown_level_refused_and_level_kept() -> None:
+    for ext in _extensions():
+        before = ext._cpu_isa()
+        with pytest.raises(RuntimeError, match="not a CPU loop level; use one of baseline"):
+            ext._set_cpu_isa("sse9")
+        assert ext._cpu_isa() == before
+        above = [name for name in ("avx2", "avx512", "avx512bf16") if name not in _levels()]
+        if above:
+            with pytest.raises(RuntimeError, match="supports at most"):
+                ext._set_cpu_isa(above[0])
+            assert ext._cpu_isa() == before
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os
+    import torch
+    from lomo_kernels.kernels.cpp import lomo as cpp
+    ext = cpp._loader.module("cpu")
+    lr = torch.tensor([0.5])
+    for value in ("bogus", "baseline", "avx2"):
+        os.environ["LOMO_KERNELS_CPU_ISA"] = value
+        p, g = torch.ones(40), torch.ones(40)
+        try:
+            cpp.lomo_update_(p, g, lr, None, None, None, 0.0, None, None, False, 0, None)
+        except RuntimeError as exc:
+            print("refused", bool(torch.all(p == 1)), str(exc).splitlines()[0])
+        else:
+            print("ran", ext._cpu_isa(), p[0].item())
+    """
+)
+
+
+def test_environment_variable_picks_the_level() -> None:
+    # Read at the first call that succeeds: an unknown level is refused before any write, a
+    # valid one runs, and later changes to the variable are ignored.
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    refused, ran, ignored = out.stdout.splitlines()
+    assert refused.startswith("refused True"), refused
+    assert ENV_VAR in refused and "bogus" in refused
+    assert ran.split() == ["ran", "baseline", "0.5"]
+    assert ignored.split() == ["ran", "baseline", "0.5"]
