@@ -135,10 +135,11 @@ class FusedOp:
             self.overload(**arguments)
             return
         device_type = "cuda" if first.is_cuda else "cpu"
+        # A name (or None) is resolved here; anything else is a backend resolved already.
         module = (
-            backend
-            if isinstance(backend, ModuleType)
-            else self.registry.resolve(first.device, backend)
+            self.registry.resolve(first.device, backend)
+            if backend is None or isinstance(backend, str)
+            else backend
         )
         args = self._in_order(arguments)
         if not _eager(self._tensors(args)):  # modes, transforms, autograd, subclasses
