@@ -213,3 +213,21 @@ def test_every_op_of_the_namespace_has_its_spec():
     ops = torch.ops.lomo_kernels
     registered = {name for name in dir(ops) if not name.startswith("_") and name != "name"}
     assert registered == {spec.name for spec in SPECS + list(RETURNING_SPECS)}
+
+
+@pytest.mark.parametrize("clip_grad_norm", [None, 1.0])
+def test_lomo_runs_the_update_public_checks_once_per_step(clip_grad_norm):
+    """Lomo's per-tensor calls skip the public function's conversions; the spec's checks run
+    on the step's values once per step instead: a value not in the op's form (here its clip
+    coefficient holding two elements) is refused by name before any parameter changes."""
+    from lomo_kernels import Lomo
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = Lomo(model, lr=0.1, clip_grad_norm=clip_grad_norm)
+    x = torch.randn(4, 6)
+    opt.fused_backward(model(x).square().mean())  # a good step
+    before = [p.detach().clone() for p in model.parameters()]
+    opt._scalars[torch.device("cpu")].clip_coef = torch.ones(2)
+    with pytest.raises(ValueError, match="clip_coef must be a 1-element"):
+        opt.fused_backward(model(x).square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

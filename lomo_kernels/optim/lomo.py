@@ -11,7 +11,7 @@ from torch import nn
 from .._rounding import aligned_pieces, mix32_int, seed_at_offset
 from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.backends import LOMO
-from ..ops.lomo import lomo_update_op
+from ..ops.lomo import LOMO_UPDATE, lomo_update_op
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
 from .sharded_steps import SliceBatch
@@ -115,17 +115,42 @@ class Lomo(InBackwardOptimizer):
     def _prepare_scalars(self) -> None:
         super()._prepare_scalars()
         self._backends = {d: LOMO.resolve(d, self._backend_name) for d in self._scalars}
-        if not self.stochastic_rounding:
-            return
-        # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps the
-        # stream of the 63-bit seed ``step_key << 32 | index``.
-        step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
-        for device in self._scalars:
-            seed_step = self._seed_steps.get(device)
-            if seed_step is None:
-                seed_step = torch.zeros(1, dtype=torch.int64, device=device)
-                self._seed_steps[device] = seed_step
-            seed_step.fill_(step_key)
+        if self.stochastic_rounding:
+            # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps
+            # the stream of the 63-bit seed ``step_key << 32 | index``.
+            step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
+            for device in self._scalars:
+                seed_step = self._seed_steps.get(device)
+                if seed_step is None:
+                    seed_step = torch.zeros(1, dtype=torch.int64, device=device)
+                    self._seed_steps[device] = seed_step
+                seed_step.fill_(step_key)
+        self._check_update_arguments()
+
+    def _check_update_arguments(self) -> None:
+        """The update op's public checks (its spec's), once per step, on the step-wide values
+        every per-tensor call of the step passes (`_apply` skips them per call)."""
+        for device, scalars in self._scalars.items():
+            for index, group in enumerate(self._hook_groups):
+                if index not in scalars.lr:
+                    continue  # no parameter of this group on this device
+                LOMO_UPDATE.convert(
+                    device,
+                    {
+                        "param": None,
+                        "grad": None,
+                        "lr": scalars.lr[index],
+                        "inv_scale": self._inv_scale_for(device),
+                        "clip_value": group["clip_grad_value"],
+                        "clip_coef": scalars.clip_coef,
+                        "weight_decay": group["weight_decay"],
+                        "found_inf": scalars.update_found_inf,
+                        "skip_if": scalars.update_found_inf,
+                        "stochastic_rounding": self.stochastic_rounding,
+                        "seed": 0,  # per tensor: its index (or slice offset), always valid
+                        "seed_step": self._seed_steps.get(device),
+                    },
+                )
 
     def _needs_detection_pass(self) -> bool:
         # fp16 overflows are common: find them before any parameter changes.
@@ -206,9 +231,9 @@ class Lomo(InBackwardOptimizer):
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
         # The op as the public function runs it, without the public function's per-call
-        # conversions: every value here is the optimizer's own, in the op's form (1-element
-        # fp32 device scalars made in _prepare_scalars; hyper-parameters checked each step
-        # by validation.py), and the binding checks the tensors' shapes and dtypes.
+        # conversions: every value here is the optimizer's own, in the op's form, and passed
+        # the op's public checks once this step (_check_update_arguments); the binding checks
+        # the tensors' shapes and dtypes.
         lomo_update_op(
             None if torch.compiler.is_compiling() else self._backends[target.device],
             param=target,
