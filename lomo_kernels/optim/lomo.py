@@ -54,7 +54,6 @@ class Lomo(InBackwardOptimizer):
     """
 
     _STATE_FORMAT = "Lomo"
-    _STEPS_ROWS = True  # elementwise: a fused op may hand it row blocks (row_blocks.py)
 
     def __init__(
         self,

@@ -123,9 +123,9 @@ class RowBlockStep:
 
 class RowBlockSteps:
     """The in-backward optimizer's side of `RowBlockStep` (mixed into InBackwardOptimizer).
-    Subclasses that can step rows set `_STEPS_ROWS` and implement `update_rows`."""
-
-    _STEPS_ROWS = False
+    Only an optimizer with ``update_rows(param, start, stop, grad, skip_if)`` is handed row
+    blocks: one whose update is elementwise, so rows stepped apart equal the whole tensor's
+    step (Lomo; AdaLomo's statistics span the whole matrix)."""
 
     def _init_row_blocks(self) -> None:
         # This pass's parameters stepped from blocks, and those given a whole gradient.
@@ -145,19 +145,13 @@ class RowBlockSteps:
             self._note_updated(param)
         return RowBlockStep(self, param)
 
-    def update_rows(
-        self, param: torch.Tensor, start: int, stop: int, grad: torch.Tensor, skip_if: Any
-    ) -> None:
-        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad`."""
-        raise NotImplementedError
-
     def _takes_row_blocks(self, param: torch.Tensor) -> bool:
         return self._mode.phase is not Phase.IDLE and self._eligible_for_row_blocks(param)
 
     def _eligible_for_row_blocks(self, param: torch.Tensor) -> bool:
         """Whether a pass of this optimizer takes `param`'s gradient in row blocks where an
         op offers them (the pass's phase aside)."""
-        if not self._STEPS_ROWS or self._sharding is not None:
+        if not hasattr(self, "update_rows") or self._sharding is not None:
             return False
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             return False
