@@ -57,23 +57,29 @@ LOMO_INLINE void store_words(uint16_t* p, __m256i v) {
 // 1 when any lane of the OR of bad masks is set.
 LOMO_INLINE uint32_t any_lane(__m256i bad) { return _mm256_testz_si256(bad, bad) ? 0u : 1u; }
 
-// fp32: 16 elements (64 bytes of each stream) per trip.
+// fp32: 16 elements (64 bytes of each stream) per trip. A trip with an inf/nan gradient lane
+// (rare: the step is then skipped anyway) stores old values there; the others store the
+// updates unblended, which saves a blend per vector in the common case.
 inline uint32_t update_fp32_avx2(float* __restrict p, const float* __restrict g, int64_t n,
                                  const lomo::LomoScalars& s) {
   const Avx2Scalars v(s);
-  __m256i any_bad = _mm256_setzero_si256();
+  uint32_t any_bad = 0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     prefetch_streams(p + i, g + i);
     const __m256 old0 = load8(p + i), old1 = load8(p + i + 8);
     __m256i bad0, bad1;
-    const __m256 u0 = lomo_vector8(load8(g + i), old0, v, bad0);
-    const __m256 u1 = lomo_vector8(load8(g + i + 8), old1, v, bad1);
-    _mm256_storeu_ps(p + i, _mm256_blendv_ps(u0, old0, _mm256_castsi256_ps(bad0)));
-    _mm256_storeu_ps(p + i + 8, _mm256_blendv_ps(u1, old1, _mm256_castsi256_ps(bad1)));
-    any_bad = _mm256_or_si256(any_bad, _mm256_or_si256(bad0, bad1));
+    __m256 u0 = lomo_vector8(load8(g + i), old0, v, bad0);
+    __m256 u1 = lomo_vector8(load8(g + i + 8), old1, v, bad1);
+    if (__builtin_expect(any_lane(_mm256_or_si256(bad0, bad1)) != 0, 0)) {
+      u0 = _mm256_blendv_ps(u0, old0, _mm256_castsi256_ps(bad0));
+      u1 = _mm256_blendv_ps(u1, old1, _mm256_castsi256_ps(bad1));
+      any_bad = 1;
+    }
+    _mm256_storeu_ps(p + i, u0);
+    _mm256_storeu_ps(p + i + 8, u1);
   }
-  return any_lane(any_bad) |
+  return any_bad |
          update_elements<lomo::Fp32, lomo::Fp32, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
 
@@ -116,7 +122,8 @@ LOMO_INLINE __m256i bf16_sr_high8(__m256 u, __m256i index, __m256i key, __m256i 
 
 // bf16 parameter and gradient, 32 elements per trip in two halves of 16. Each 32-bit word
 // holds elements 2k (low half) and 2k + 1 (high half), split and reassembled in place as in
-// update_bf16_pairs, so no lane crosses. Bad lanes keep the old bits.
+// update_bf16_pairs, so no lane crosses. A trip with an inf/nan gradient lane (rare) takes
+// update_bf16_pairs, which keeps the old bits there; the vector path never blends.
 template <bool kStochastic>
 uint32_t update_bf16_avx2(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
                           uint32_t lo, uint32_t hi, const lomo::LomoScalars& s, uint32_t key) {
@@ -127,67 +134,77 @@ uint32_t update_bf16_avx2(uint16_t* __restrict p, const uint16_t* __restrict g, 
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i key_v = _mm256_set1_epi32(static_cast<int>(key));
   const __m256i hi_v = _mm256_set1_epi32(static_cast<int>(hi));
-  __m256i any_bad = _mm256_setzero_si256();
+  uint32_t any_bad = 0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_streams(p + i, g + i);
-    for (int64_t half = 0; half < 32; half += 16) {
-      const __m256i pw = load_words(p + i + half);
-      const __m256i gw = load_words(g + i + half);
-      const __m256i p_even = _mm256_slli_epi32(pw, 16);
-      const __m256i p_odd = _mm256_and_si256(pw, high);
+    __m256 u_even[2], u_odd[2];
+    __m256i trip_bad = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      const __m256i pw = load_words(p + i + 16 * half);
+      const __m256i gw = load_words(g + i + 16 * half);
       __m256i bad_even, bad_odd;
-      const __m256 u_even =
-          lomo_vector8(_mm256_castsi256_ps(_mm256_slli_epi32(gw, 16)),
-                       _mm256_castsi256_ps(p_even), v, bad_even);
-      const __m256 u_odd = lomo_vector8(_mm256_castsi256_ps(_mm256_and_si256(gw, high)),
-                                        _mm256_castsi256_ps(p_odd), v, bad_odd);
+      u_even[half] = lomo_vector8(_mm256_castsi256_ps(_mm256_slli_epi32(gw, 16)),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(pw, 16)), v, bad_even);
+      u_odd[half] = lomo_vector8(_mm256_castsi256_ps(_mm256_and_si256(gw, high)),
+                                 _mm256_castsi256_ps(_mm256_and_si256(pw, high)), v, bad_odd);
+      trip_bad = _mm256_or_si256(trip_bad, _mm256_or_si256(bad_even, bad_odd));
+    }
+    if (__builtin_expect(any_lane(trip_bad) != 0, 0)) {
+      any_bad |= update_bf16_pairs<lomo::Bf16, kStochastic>(
+          p + i, g + i, 32, lo + static_cast<uint32_t>(i), hi, s, key);
+      continue;
+    }
+    for (int half = 0; half < 2; ++half) {
       __m256i r_even, r_odd;
       if constexpr (kStochastic) {
         // No wrap: update_span keeps a block inside one 2^32 range of indices.
-        const __m256i first = _mm256_set1_epi32(static_cast<int>(lo + static_cast<uint32_t>(i + half)));
+        const __m256i first =
+            _mm256_set1_epi32(static_cast<int>(lo + static_cast<uint32_t>(i + 16 * half)));
         const __m256i index_even = _mm256_add_epi32(first, even_offset);
-        r_even = bf16_sr_high8(u_even, index_even, key_v, hi_v);
-        r_odd = bf16_sr_high8(u_odd, _mm256_add_epi32(index_even, one), key_v, hi_v);
+        r_even = bf16_sr_high8(u_even[half], index_even, key_v, hi_v);
+        r_odd = bf16_sr_high8(u_odd[half], _mm256_add_epi32(index_even, one), key_v, hi_v);
       } else {
-        r_even = bf16_rne_high8(u_even);
-        r_odd = bf16_rne_high8(u_odd);
+        r_even = bf16_rne_high8(u_even[half]);
+        r_odd = bf16_rne_high8(u_odd[half]);
       }
-      r_even = _mm256_blendv_epi8(r_even, p_even, bad_even);
-      r_odd = _mm256_blendv_epi8(r_odd, p_odd, bad_odd);
-      store_words(p + i + half, _mm256_or_si256(r_odd, _mm256_srli_epi32(r_even, 16)));
-      any_bad = _mm256_or_si256(any_bad, _mm256_or_si256(bad_even, bad_odd));
+      store_words(p + i + 16 * half, _mm256_or_si256(r_odd, _mm256_srli_epi32(r_even, 16)));
     }
   }
-  return any_lane(any_bad) |
+  return any_bad |
          update_bf16_pairs<lomo::Bf16, kStochastic>(p + i, g + i, n - i,
                                                     lo + static_cast<uint32_t>(i), hi, s, key);
 }
 
 // fp16 parameter and gradient, 32 elements per trip: F16C widens 8 halves to fp32 and
 // rounds 8 back to nearest even, exact IEEE conversions like lomo::fp16_to_f32 and
-// f32_to_fp16. Bad lanes keep the old halves.
+// f32_to_fp16. A trip with an inf/nan gradient lane (rare) takes the element loop, which
+// keeps the old halves there; the vector path never blends.
 inline uint32_t update_fp16_avx2(uint16_t* __restrict p, const uint16_t* __restrict g,
                                  int64_t n, const lomo::LomoScalars& s) {
   const Avx2Scalars v(s);
-  __m256i any_bad = _mm256_setzero_si256();
+  uint32_t any_bad = 0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_streams(p + i, g + i);
-    for (int64_t part = 0; part < 32; part += 8) {
-      const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + part));
-      const __m128i gh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i + part));
+    __m256 u[4];
+    __m256i trip_bad = _mm256_setzero_si256();
+    for (int part = 0; part < 4; ++part) {
+      const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 8 * part));
+      const __m128i gh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i + 8 * part));
       __m256i bad;
-      const __m256 u = lomo_vector8(_mm256_cvtph_ps(gh), _mm256_cvtph_ps(old), v, bad);
-      const __m128i out = _mm256_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      // The 32-bit lane masks narrowed to 16 bits (saturation keeps 0 and -1).
-      const __m128i bad16 =
-          _mm_packs_epi32(_mm256_castsi256_si128(bad), _mm256_extracti128_si256(bad, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i + part),
-                       _mm_blendv_epi8(out, old, bad16));
-      any_bad = _mm256_or_si256(any_bad, bad);
+      u[part] = lomo_vector8(_mm256_cvtph_ps(gh), _mm256_cvtph_ps(old), v, bad);
+      trip_bad = _mm256_or_si256(trip_bad, bad);
+    }
+    if (__builtin_expect(any_lane(trip_bad) != 0, 0)) {
+      any_bad |= update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, 32, 0, 0, s, 0);
+      continue;
+    }
+    for (int part = 0; part < 4; ++part) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i + 8 * part),
+                       _mm256_cvtps_ph(u[part], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
   }
-  return any_lane(any_bad) |
+  return any_bad |
          update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
