@@ -5,7 +5,7 @@ math and bit for bit across levels.
 One build holds every level and picks the best the CPU has (csrc/cpu_isa.h); the levels
 above this CPU's cannot run here and are not parametrized. Sizes straddle the loops' trips
 (16 and 32 elements, 64-byte prefetch lines) and leave tails; the inf/nan specials sit in
-the first vectors.
+the first vectors, one in the middle and the last element.
 """
 
 from __future__ import annotations
