@@ -98,6 +98,17 @@ bench-gpu: $(STAMP)
 	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench head --device cuda --shape llama-3-8b \
 		--dtype bf16 --steps 10 --warmup 2 --json bench/results/head_cuda.json \
 		| tee bench/results/head_cuda.txt
+	@# The headline: a Llama-3-8B shape, 8 x 2048 tokens, bf16, activation checkpointing, capped
+	@# at 24 GiB (a 24 GiB GPU): with the fused head and embedding, then without them.
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
+		--warmup 1 --optimizers lomo,lomo_single,adalomo --fused-head \
+		--json bench/results/train_cuda_8b_24gib_fused.json \
+		| tee bench/results/train_cuda_8b_24gib_fused.txt
+	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
+		--warmup 1 --optimizers lomo,lomo_single,adalomo \
+		--json bench/results/train_cuda_8b_24gib.json | tee bench/results/train_cuda_8b_24gib.txt
 	@# End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape
 	@# with activation checkpointing; an optimizer that does not fit reports OOM.
 	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \

@@ -3,7 +3,7 @@
     lomo-kernels bench train [--device cpu|cuda] [--model tiny|llama-1b|llama-3-1b|llama-7b|
                              CONFIG.json] [--dtype bf16|fp16|fp32] [--batch B] [--seq S]
                              [--checkpointing] [--steps N] [--optimizers adamw,lomo,...]
-                             [--json F] [--plot F.png]
+                             [--fused-head] [--memory-cap-gib G] [--json F] [--plot F.png]
 
 A LLaMA-architecture model of the named shape (random weights, nothing downloaded) is
 fine-tuned for `--steps` steps on random token batches by each optimizer in turn, each in a
@@ -34,6 +34,7 @@ from .argtypes import (
     device,
     model_name,
     non_negative_float,
+    positive_float,
     positive_int,
     whole_number,
 )
@@ -86,6 +87,7 @@ def run(
     seed: int = 0,
     progress: bool = True,
     fused_head: bool = False,
+    memory_cap_gib: float | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each optimizer (and `forward_backward`) in its own process: (results, meta)."""
     from . import machine
@@ -99,6 +101,7 @@ def run(
         "checkpointing": checkpointing,
         "seed": seed,
         "fused_head": fused_head,
+        "memory_cap_gib": memory_cap_gib,
     }
     todo = [FORWARD_BACKWARD, *optimizers]
     it: Any = todo
@@ -149,6 +152,12 @@ def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _cap_text(cap_gib: float | None, cuda: bool) -> str:
+    if cap_gib is None:
+        return ""
+    return f", memory capped at {cap_gib:g} GiB" + ("" if cuda else " (VmHWM compared)")
+
+
 def format_table(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     cuda = str(meta["device"]).startswith("cuda")
     peak = "max_memory_allocated" if cuda else "VmHWM"
@@ -157,7 +166,9 @@ def format_table(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
     lines = [
         f"{meta['model']}: {meta['num_parameters'] / 1e6:.1f}M parameters, {meta['dtype']}, "
         f"batch {meta['batch']} x {meta['seq']}"
-        f"{', activation checkpointing' if meta['checkpointing'] else ''}, "
+        f"{', activation checkpointing' if meta['checkpointing'] else ''}"
+        f"{', fused head' if meta.get('fused_head') else ''}"
+        f"{_cap_text(meta.get('memory_cap_gib'), cuda)}, "
         f"{meta['steps']} timed steps after {meta['warmup']} warm-up, clip by norm "
         f"{meta['clip_grad_norm']}; forward + backward without update: {base_ms}; "
         f"memory: {peak}, MiB",
@@ -219,6 +230,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--memory-cap-gib",
+        type=positive_float,
+        default=None,
+        help="the memory of a smaller GPU: CUDA allocations beyond it run out of memory; on "
+        "CPU a peak (VmHWM) above it is reported as OOM",
+    )
     add_fused_head_argument(parser)
     add_output_arguments(parser, "write the bars (PNG) here")
 
@@ -242,6 +260,7 @@ def command(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         fused_head=args.fused_head,
+        memory_cap_gib=args.memory_cap_gib,
     )
     machine.print_results(meta, format_table(results, meta), args.json, results=results)
     if args.plot:

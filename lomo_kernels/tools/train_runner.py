@@ -14,6 +14,10 @@ and sees the same batches, then times and meters each step:
   batch exist, before the optimizer: the optimizer's state counts in the peak.
 - out of memory is a result ("OOM"), not a crash: CUDA's OutOfMemoryError, a CPU
   allocation failure, or the process killed by the system.
+- a memory cap (`spec["memory_cap_gib"]`, the size of a smaller GPU): on CUDA the caching
+  allocator is capped (`set_per_process_memory_fraction`), so a step that needs more runs
+  out of memory as it would there; on CPU a run whose peak is above the cap is reported as
+  OOM after it ran (nothing enforces it).
 
 A workload is a module with `build(spec: dict) -> Workload`; the spec travels to the child
 process as JSON.
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MIB = 2**20
+GIB = 2**30
 
 
 @dataclass
@@ -70,6 +75,9 @@ def measure(
     from .optimizers import make_trainer, state_bytes
 
     device = spec.get("device", "cpu")
+    cap_gib = spec.get("memory_cap_gib")
+    if cap_gib is not None and device.startswith("cuda"):
+        cap_cuda_memory(device, cap_gib)
     meter = Meter(device)
     result: dict[str, Any] = {"optimizer": optimizer, "status": "ok", "lr": lr}
     try:
@@ -128,7 +136,27 @@ def measure(
     }
     if work.evaluate is not None:
         result["loss_after"] = work.evaluate()
+    if cap_gib is not None and peak > cap_gib * GIB:  # CPU: measured, not enforced
+        return result | {
+            "status": "OOM",
+            "error": f"peak {peak / MIB:,.0f} MiB above the {cap_gib:g} GiB cap (VmHWM)",
+        }
     return result
+
+
+def cap_cuda_memory(device: str, gib: float) -> None:
+    """Makes this process's CUDA caching allocator raise OutOfMemoryError beyond `gib` GiB,
+    as a GPU with that much memory would (the CUDA context, ~0.5 GiB, is not counted)."""
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    total = torch.cuda.get_device_properties(index).total_memory
+    if gib * GIB > total:
+        raise ValueError(
+            f"memory cap {gib:g} GiB is above this GPU's {total / GIB:.1f} GiB: it caps nothing"
+        )
+    torch.cuda.set_per_process_memory_fraction(gib * GIB / total, index)
 
 
 def _progress(name: str, steps: int) -> Any:
