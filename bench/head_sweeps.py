@@ -1,5 +1,4 @@
-"""The fused head's backward: what one more sweep over the vocabulary costs, against the
-materialised weight gradient.
+"""The fused head's backward: what one more sweep over the vocabulary costs.
 
     python bench/head_sweeps.py [--device cpu|cuda] [--tokens T] [--vocab V] [--hidden H]
         [--dtype fp32|bf16] [--repeats N] [--json-out PATH]
