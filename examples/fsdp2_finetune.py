@@ -79,7 +79,7 @@ def main() -> None:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # the root: embeddings, final norm, head
 
-    lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "lomo" else 1e-2)
+    lr = args.lr if args.lr is not None else (0.3 if args.optimizer == "lomo" else 0.03)
     cls = Lomo if args.optimizer == "lomo" else AdaLomo
     opt = cls(model, lr=lr, clip_grad_norm=args.clip_grad_norm or None, weight_decay=0.01)
 
