@@ -103,10 +103,15 @@ def _clamp(h, clip_value, HAS_CLIP_VALUE: tl.constexpr):
 
 
 @triton.jit
-def _grad(source, offs, mask, GRAD_MODE: tl.constexpr):
-    """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite.
-    GRAD_MODE = (GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)."""
-    GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF = GRAD_MODE
+def _grad(
+    source,
+    offs,
+    mask,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
+    """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
     _, _, clip_value, clip_coef = source
     h, finite = _scaled(source, offs, mask, GRAD_KIND)
     g = _clamp(h, clip_value, HAS_CLIP_VALUE)
@@ -289,7 +294,15 @@ def _update_tiles(
 
 
 @triton.jit
-def _factored_update(source, tiles, it, GRAD_MODE: tl.constexpr, BLOCK_M: tl.constexpr):
+def _factored_update(
+    source,
+    tiles,
+    it,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """(update, offsets, mask) of tile `it` of `tiles` ([BLOCK_M, BLOCK_N]): r_i * c_j * g_ij,
     with r_i = rsqrt(R_i / mean(R))."""
     row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c = tiles
@@ -298,7 +311,7 @@ def _factored_update(source, tiles, it, GRAD_MODE: tl.constexpr, BLOCK_M: tl.con
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows_idx[:, None] * cols + cols_idx[None, :]
     r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-    g, _ = _grad(source, offs, mask, GRAD_MODE)
+    g, _ = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     return (r[:, None] * c[None, :]) * g, offs, mask
 
 
@@ -328,9 +341,10 @@ def factored_norm_kernel(
             row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
         )
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        grad_mode = (GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
         for it in range(0, n_iter):
-            update, _, mask = _factored_update(source, tiles, it, grad_mode, BLOCK_M)
+            update, _, mask = _factored_update(
+                source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
+            )
             acc += tl.where(mask, update * update, 0.0)
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
 
@@ -368,9 +382,10 @@ def factored_apply_kernel(
         tiles, n_iter = _update_tiles(
             row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
         )
-        grad_mode = (GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
         for it in range(0, n_iter):
-            update, offs, mask = _factored_update(source, tiles, it, grad_mode, BLOCK_M)
+            update, offs, mask = _factored_update(
+                source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
+            )
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
             _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
 
@@ -379,10 +394,20 @@ def factored_apply_kernel(
 
 
 @triton.jit
-def _vector_update(source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_MODE: tl.constexpr):
+def _vector_update(
+    source,
+    v_ptr,
+    offs,
+    mask,
+    beta2_ptr,
+    eps0,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
     """(update, v_new, finite) of one block; masked lanes give update 0."""
     b, omb = _beta(beta2_ptr)
-    g, finite = _grad(source, offs, mask, GRAD_MODE)
+    g, finite = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     v_new = tl.load(v_ptr + offs, mask=mask, other=1.0) * b + (g * g + eps0) * omb
     return tl.math.rsqrt(v_new) * g, v_new, finite
 
@@ -411,8 +436,9 @@ def vector_stats_kernel(
     if _runs(ws_ptr, skip_if_ptr):
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         offs, mask = _vector_block(n, BLOCK)
-        grad_mode = (GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
-        update, _, finite = _vector_update(source, v_ptr, offs, mask, beta2_ptr, eps0, grad_mode)
+        update, _, finite = _vector_update(
+            source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
+        )
         tl.atomic_add(ws_ptr + U_SUMSQ, tl.sum(tl.where(mask, update * update, 0.0)), sem="relaxed")
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
         tl.atomic_add(ws_ptr + P_SUMSQ, tl.sum(p * p), sem="relaxed")
@@ -449,8 +475,9 @@ def vector_apply_kernel(
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         scale, decay = _step_scalars(ws_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
         offs, mask = _vector_block(n, BLOCK)
-        grad_mode = (GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
-        update, v_new, _ = _vector_update(source, v_ptr, offs, mask, beta2_ptr, eps0, grad_mode)
+        update, v_new, _ = _vector_update(
+            source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
+        )
         tl.store(v_ptr + offs, v_new, mask=mask)
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
         _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
