@@ -75,6 +75,15 @@ std::pair<float, float> beta_pair(const at::Tensor& beta2) {
 }
 
 // The slots after the row and column sums of a checked workspace.
+// The write-back scalars (passes C and C1) of `n` elements from the workspace sums, lr read
+// from its tensor. Called before the skip test: lr is checked even when the step is skipped.
+adalomo::StepScalars write_back_step(const float* stats, int64_t n, const at::Tensor& lr,
+                                     double eps1, double clip_threshold, double weight_decay) {
+  return adalomo::step_scalars(stats, static_cast<float>(n), read_scalar(lr, "lr"),
+                               static_cast<float>(eps1), static_cast<float>(clip_threshold),
+                               static_cast<float>(weight_decay));
+}
+
 float* workspace_stats(at::Tensor& workspace) {
   return workspace.data_ptr<float>() + workspace.numel() - adalomo::kNumSlots;
 }
@@ -265,12 +274,10 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
-  const float lr_value = read_scalar(lr, "lr");
-  if (stats[adalomo::kSkip] != 0.0f) return;
   const int64_t n = param.numel();
-  const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
-      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
+  const adalomo::StepScalars step =
+      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
+  if (stats[adalomo::kSkip] != 0.0f) return;
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
   const float* R = exp_avg_sq_row.const_data_ptr<float>();
@@ -330,11 +337,9 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   const auto [b, omb] = beta_pair(beta2);
-  const float lr_value = read_scalar(lr, "lr");
+  const adalomo::StepScalars step =
+      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
-      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
   const float eps = static_cast<float>(eps0);
   float* v = exp_avg_sq.data_ptr<float>();
   binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
