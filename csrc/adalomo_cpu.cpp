@@ -74,7 +74,6 @@ std::pair<float, float> beta_pair(const at::Tensor& beta2) {
   return {b, lomo::sub_rn(1.0f, b)};
 }
 
-// The slots after the row and column sums of a checked workspace.
 // The write-back scalars (passes C and C1) of `n` elements from the workspace sums, lr read
 // from its tensor. Called before the skip test: lr is checked even when the step is skipped.
 adalomo::StepScalars write_back_step(const float* stats, int64_t n, const at::Tensor& lr,
@@ -84,6 +83,7 @@ adalomo::StepScalars write_back_step(const float* stats, int64_t n, const at::Te
                                static_cast<float>(weight_decay));
 }
 
+// The slots after the row and column sums of a checked workspace.
 float* workspace_stats(at::Tensor& workspace) {
   return workspace.data_ptr<float>() + workspace.numel() - adalomo::kNumSlots;
 }
