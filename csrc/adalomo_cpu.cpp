@@ -74,21 +74,18 @@ std::pair<float, float> beta_pair(const at::Tensor& beta2) {
   return {b, lomo::sub_rn(1.0f, b)};
 }
 
+// The write-back scalars (passes C and C1) of `n` elements from the workspace sums, lr read
+// from its tensor. Called before the skip test: lr is checked even when the step is skipped.
+adalomo::StepScalars write_back_step(const float* stats, int64_t n, const at::Tensor& lr,
+                                     double eps1, double clip_threshold, double weight_decay) {
+  return adalomo::step_scalars(stats, static_cast<float>(n), read_scalar(lr, "lr"),
+                               static_cast<float>(eps1), static_cast<float>(clip_threshold),
+                               static_cast<float>(weight_decay));
+}
+
+// The slots after the row and column sums of a checked workspace.
 float* workspace_stats(at::Tensor& workspace) {
-  TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
-                  workspace.device().is_cpu() && workspace.numel() >= adalomo::kNumSlots,
-              "lomo_kernels: the workspace must be a contiguous fp32 CPU tensor");
   return workspace.data_ptr<float>() + workspace.numel() - adalomo::kNumSlots;
-}
-
-void check_cpu(const at::Tensor& t, const char* what) {
-  binding::check_dense(t, c10::kCPU, what);
-}
-
-void check_state(const at::Tensor& t, int64_t numel, const char* what) {
-  check_cpu(t, what);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == numel, "lomo_kernels: ", what,
-              " must be fp32 with ", numel, " elements");
 }
 
 // True when this call must do nothing: the SKIP slot or the caller's skip_if is non-zero.
@@ -99,6 +96,17 @@ bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
 
 void add_to(float* dst, double value) {
   *dst = static_cast<float>(static_cast<double>(*dst) + value);
+}
+
+// f(begin, end) of each fixed kGrain-element chunk of [0, n), one task per chunk, in chunk
+// order: partial results combined in that order do not depend on the thread count.
+template <class R, class F>
+std::vector<R> map_chunks(int64_t n, F&& f) {
+  std::vector<R> out(static_cast<size_t>((n + kGrain - 1) / kGrain));
+  at::parallel_for(0, static_cast<int64_t>(out.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) out[k] = f(k * kGrain, std::min(n, (k + 1) * kGrain));
+  });
+  return out;
 }
 
 // A split of [rows, cols] into row_blocks x col_blocks blocks of work, one per thread at
@@ -143,15 +151,9 @@ void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
                      const OptTensor& inv_scale, std::optional<double> clip_value) {
-  check_cpu(grad, "grad");
-  check_cpu(param, "param");
-  TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
-              "lomo_kernels: bad factored shape");
-  const int64_t rows = grad.numel() / cols;
+  const int64_t rows = binding::check_adalomo_stats(grad, param, workspace, cols, c10::kCPU);
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
-              "lomo_kernels: workspace size does not match the parameter");
   // Scalars are checked even when the step is skipped, as the CUDA binding does. No clip
   // coefficient here: the moments pass applies it.
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, std::nullopt);
@@ -165,22 +167,20 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
   std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
   std::vector<Partial> parts(static_cast<size_t>(n_blocks));
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
-      const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
-      const auto block_stats = LOMO_AT_LEVEL(level, stats_block<P, G>);
-      at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
-        for (int64_t b = first; b < last; ++b) {
-          const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
-          const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
-          const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
-          block_stats(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
-                            col_part.data() + rb * cols + c0, parts[b]);
-        }
-      });
+    using G = decltype(g_tag);
+    const auto* g = binding::elements<G>(grad);
+    const auto* p = binding::elements<P>(param);
+    const auto block_stats = LOMO_AT_LEVEL(level, stats_block<P, G>);
+    at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
+        const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
+        const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
+        block_stats(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
+                    col_part.data() + rb * cols + c0, parts[b]);
+      }
     });
   });
   float* ws = workspace.data_ptr<float>();
@@ -204,11 +204,8 @@ void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
                        at::Tensor workspace, const at::Tensor& beta2,
                        const OptTensor& clip_coef, double eps0) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
-  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
   float* stats = workspace_stats(workspace);
-  TORCH_CHECK(workspace.numel() == rows + cols + adalomo::kNumSlots,
-              "lomo_kernels: workspace size does not match the moments");
   const auto [b, omb] = beta_pair(beta2);
   const float coef = read_factor(clip_coef, "clip_coef");
   if (stats[adalomo::kSkip] != 0.0f) return;
@@ -242,10 +239,8 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
                     const OptTensor& inv_scale, std::optional<double> clip_value,
                     const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_cpu(grad, "grad");
-  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
-  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
-  TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
+  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "grad");
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
@@ -253,19 +248,13 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
   const float* R = exp_avg_sq_row.const_data_ptr<float>();
-  const int64_t n = grad.numel();
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
-  // Fixed chunks summed in order: the result does not depend on the thread count.
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  std::vector<double> partial;
   dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
     using G = decltype(g_tag);
-    const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+    const auto* g = binding::elements<G>(grad);
     const auto span_norm = LOMO_AT_LEVEL(level, norm_span<G>);
-    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t k = first; k < last; ++k) {
-        partial[k] = span_norm(g, R, c.data(), mean, cols, k * kGrain,
-                                  std::min(n, (k + 1) * kGrain), s);
-      }
+    partial = map_chunks<double>(grad.numel(), [&](int64_t begin, int64_t end) {
+      return span_norm(g, R, c.data(), mean, cols, begin, end, s);
     });
   });
   double total = 0.0;
@@ -279,34 +268,27 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
                      double weight_decay, const OptTensor& inv_scale,
                      std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_cpu(param, "param");
-  check_cpu(grad, "grad");
-  check_state(exp_avg_sq_row, rows, "exp_avg_sq_row");
-  check_state(exp_avg_sq_col, cols, "exp_avg_sq_col");
-  TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
-              "lomo_kernels: param/grad do not match the moments");
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
+  binding::check_adalomo_tile(param, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "param");
+  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "grad");
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
-  const float lr_value = read_scalar(lr, "lr");
-  if (stats[adalomo::kSkip] != 0.0f) return;
   const int64_t n = param.numel();
-  const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
-      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
+  const adalomo::StepScalars step =
+      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
+  if (stats[adalomo::kSkip] != 0.0f) return;
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
   const float* R = exp_avg_sq_row.const_data_ptr<float>();
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      auto* p = static_cast<typename P::T*>(param.data_ptr());
-      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
-      const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G>);
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step);
-      });
+    using G = decltype(g_tag);
+    auto* p = binding::mutable_elements<P>(param);
+    const auto* g = binding::elements<G>(grad);
+    const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G>);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step);
     });
   });
 }
@@ -319,10 +301,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
                    const at::Tensor& beta2, double eps0, const OptTensor& inv_scale,
                    std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
-  check_cpu(grad, "grad");
-  check_cpu(param, "param");
-  check_state(exp_avg_sq, n, "exp_avg_sq");
-  TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
+  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCPU);
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
@@ -333,21 +312,15 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
   }
   const float eps = static_cast<float>(eps0);
   const float* v = exp_avg_sq.const_data_ptr<float>();
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<Partial> partial(static_cast<size_t>(chunks));
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  std::vector<Partial> partial;
+  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
-      const auto* p = static_cast<const typename P::T*>(param.const_data_ptr());
-      const auto span_stats = LOMO_AT_LEVEL(level, vector_stats_span<P, G>);
-      at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-        for (int64_t k = first; k < last; ++k) {
-          partial[k] = span_stats(g, p, v, k * kGrain,
-                                               std::min(n, (k + 1) * kGrain), s, b, omb, eps);
-        }
-      });
+    using G = decltype(g_tag);
+    const auto* g = binding::elements<G>(grad);
+    const auto* p = binding::elements<P>(param);
+    const auto span_stats = LOMO_AT_LEVEL(level, vector_stats_span<P, G>);
+    partial = map_chunks<Partial>(n, [&](int64_t begin, int64_t end) {
+      return span_stats(g, p, v, begin, end, s, b, omb, eps);
     });
   });
   commit_parts(partial, stats, adalomo::kUSumsq, found_inf);
@@ -359,31 +332,24 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
                    double weight_decay, const OptTensor& inv_scale,
                    std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
-  check_cpu(grad, "grad");
-  check_cpu(param, "param");
-  check_state(exp_avg_sq, n, "exp_avg_sq");
-  TORCH_CHECK(grad.numel() == n, "lomo_kernels: grad does not match param");
+  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCPU);
   float* stats = workspace_stats(workspace);
   const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
   const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
   const auto [b, omb] = beta_pair(beta2);
-  const float lr_value = read_scalar(lr, "lr");
+  const adalomo::StepScalars step =
+      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const adalomo::StepScalars step = adalomo::step_scalars(
-      stats, static_cast<float>(n), lr_value, static_cast<float>(eps1),
-      static_cast<float>(clip_threshold), static_cast<float>(weight_decay));
   const float eps = static_cast<float>(eps0);
   float* v = exp_avg_sq.data_ptr<float>();
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      auto* p = static_cast<typename P::T*>(param.data_ptr());
-      const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
-      const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G>);
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        span_apply(p, g, v, begin, end, s, b, omb, eps, step);
-      });
+    using G = decltype(g_tag);
+    auto* p = binding::mutable_elements<P>(param);
+    const auto* g = binding::elements<G>(grad);
+    const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G>);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      span_apply(p, g, v, begin, end, s, b, omb, eps, step);
     });
   });
 }

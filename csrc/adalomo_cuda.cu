@@ -83,6 +83,56 @@ __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const flo
 
 // ----------------------------------------------------------------------------- factored
 
+// This block's part of a factored pass: kTileCols columns from col0 and the rows
+// [row0, row1); warp `warp` walks rows row0 + warp, row0 + warp + kWarps, ..., and lane
+// `lane` takes columns col0 + lane + 32 * k.
+struct BlockTile {
+  int warp, lane;
+  int64_t col0, row0, row1;
+};
+
+__device__ __forceinline__ BlockTile block_tile(int64_t rows, int64_t rows_per_block) {
+  BlockTile t;
+  t.warp = threadIdx.x / 32;
+  t.lane = threadIdx.x % 32;
+  t.col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  t.row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  t.row1 = min(t.row0 + rows_per_block, rows);
+  return t;
+}
+
+// Passes B and C: visit(index, update) for each element of this block's tile, with
+// update = rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij.
+template <class G, class Visit>
+__device__ __forceinline__ void for_each_update(const typename G::T* __restrict__ grad,
+                                                const float* __restrict__ row_state,
+                                                const float* __restrict__ col_state,
+                                                const float* stats, int64_t rows, int64_t cols,
+                                                int64_t rows_per_block,
+                                                const adalomo::GradScalars& s, Visit&& visit) {
+  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
+  const BlockTile t = block_tile(rows, rows_per_block);
+  float c[kColsPerLane];
+#pragma unroll
+  for (int k = 0; k < kColsPerLane; ++k) {
+    const int64_t j = t.col0 + t.lane + 32 * k;
+    c[k] = j < cols ? adalomo::rsqrt_f(col_state[j]) : 0.0f;
+  }
+  for (int64_t i = t.row0 + t.warp; i < t.row1; i += kWarps) {
+    const int64_t base = i * cols;
+    const float r = adalomo::rsqrt_f(row_state[i] / mean);
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) {
+      const int64_t j = t.col0 + t.lane + 32 * k;
+      if (j < cols) {
+        uint32_t b;
+        visit(base + j,
+              __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b)));
+      }
+    }
+  }
+}
+
 // Pass A. g is clamped but not scaled by the clip coefficient (the moments kernel applies
 // it), so grad_args.clip_coef is unused; h = grad * inv_scale is also summed squared.
 template <class P, class G>
@@ -97,19 +147,16 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
     return;
   }
   const adalomo::GradScalars s = resolve(grad_args);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  const int64_t row1 = min(row0 + rows_per_block, rows);
+  const BlockTile t = block_tile(rows, rows_per_block);
   float col_acc[kColsPerLane] = {};
   float p_acc = 0.0f, h_acc = 0.0f;
   uint32_t bad = 0;
-  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
+  for (int64_t i = t.row0 + t.warp; i < t.row1; i += kWarps) {
     const int64_t base = i * cols;
     float row_acc = 0.0f;
 #pragma unroll
     for (int k = 0; k < kColsPerLane; ++k) {
-      const int64_t j = col0 + lane + 32 * k;
+      const int64_t j = t.col0 + t.lane + 32 * k;
       if (j < cols) {
         uint32_t b;
         const float h = adalomo::scaled_grad(G::load(grad[base + j]), s, b);
@@ -124,16 +171,16 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
       }
     }
     row_acc = warp_sum(row_acc);
-    if (lane == 0) atomicAdd(ws + i, row_acc);
+    if (t.lane == 0) atomicAdd(ws + i, row_acc);
   }
   __shared__ float col_scratch[kWarps][kTileCols];
 #pragma unroll
-  for (int k = 0; k < kColsPerLane; ++k) col_scratch[warp][lane + 32 * k] = col_acc[k];
+  for (int k = 0; k < kColsPerLane; ++k) col_scratch[t.warp][t.lane + 32 * k] = col_acc[k];
   const float p_total = block_sum(p_acc);  // its barrier also publishes col_scratch
-  if (threadIdx.x < kTileCols && col0 + threadIdx.x < cols) {
+  if (threadIdx.x < kTileCols && t.col0 + threadIdx.x < cols) {
     float total = 0.0f;
     for (int w = 0; w < kWarps; ++w) total += col_scratch[w][threadIdx.x];
-    atomicAdd(ws + rows + col0 + threadIdx.x, total);
+    atomicAdd(ws + rows + t.col0 + threadIdx.x, total);
   }
   const float h_total = block_sum(h_acc);
   const int any_bad = __syncthreads_or(bad != 0);
@@ -182,32 +229,9 @@ factored_norm_kernel(const typename G::T* __restrict__ grad,
   float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
-  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  const int64_t row1 = min(row0 + rows_per_block, rows);
-  float c[kColsPerLane];
-#pragma unroll
-  for (int k = 0; k < kColsPerLane; ++k) {
-    const int64_t j = col0 + lane + 32 * k;
-    c[k] = j < cols ? adalomo::rsqrt_f(col_state[j]) : 0.0f;
-  }
   float acc = 0.0f;
-  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
-    const int64_t base = i * cols;
-    const float r = adalomo::rsqrt_f(row_state[i] / mean);
-#pragma unroll
-    for (int k = 0; k < kColsPerLane; ++k) {
-      const int64_t j = col0 + lane + 32 * k;
-      if (j < cols) {
-        uint32_t b;
-        const float update =
-            __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b));
-        acc += __fmul_rn(update, update);
-      }
-    }
-  }
+  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
+                     [&](int64_t, float update) { acc += __fmul_rn(update, update); });
   const float total = block_sum(acc);
   if (threadIdx.x == 0) atomicAdd(stats + adalomo::kUSumsq, total);
 }
@@ -224,31 +248,10 @@ factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __
   const adalomo::GradScalars s = resolve(grad_args);
   const adalomo::StepScalars step =
       resolve_step(step_args, stats, static_cast<float>(rows * cols));
-  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  const int64_t row1 = min(row0 + rows_per_block, rows);
-  float c[kColsPerLane];
-#pragma unroll
-  for (int k = 0; k < kColsPerLane; ++k) {
-    const int64_t j = col0 + lane + 32 * k;
-    c[k] = j < cols ? adalomo::rsqrt_f(col_state[j]) : 0.0f;
-  }
-  for (int64_t i = row0 + warp; i < row1; i += kWarps) {
-    const int64_t base = i * cols;
-    const float r = adalomo::rsqrt_f(row_state[i] / mean);
-#pragma unroll
-    for (int k = 0; k < kColsPerLane; ++k) {
-      const int64_t j = col0 + lane + 32 * k;
-      if (j < cols) {
-        uint32_t b;
-        const float update =
-            __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b));
-        param[base + j] = P::round(adalomo::apply(P::load(param[base + j]), update, step));
-      }
-    }
-  }
+  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
+                     [&](int64_t k, float update) {
+                       param[k] = P::round(adalomo::apply(P::load(param[k]), update, step));
+                     });
 }
 
 // ----------------------------------------------------------------------------- 1-D

@@ -21,18 +21,7 @@ using binding::OptTensor;
 using binding::dtype_code;
 using binding::scalar_ptr;
 
-void check_cuda(const at::Tensor& t, const char* what) {
-  binding::check_dense(t, c10::kCUDA, what);
-}
-
 float* ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
-
-float* stats_check(const at::Tensor& workspace, int64_t expected) {
-  check_cuda(workspace, "workspace");
-  TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() == expected,
-              "lomo_kernels: the workspace must be fp32 with ", expected, " elements");
-  return workspace.data_ptr<float>();
-}
 
 AdalomoGradArgs grad_args(const at::Tensor& like, const OptTensor& inv_scale,
                           std::optional<double> clip_value, const OptTensor& clip_coef) {
@@ -62,12 +51,7 @@ void check_launch(int status) {
 void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
                      const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
                      const OptTensor& inv_scale, std::optional<double> clip_value) {
-  check_cuda(grad, "grad");
-  check_cuda(param, "param");
-  TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
-              "lomo_kernels: bad factored shape");
-  const int64_t rows = grad.numel() / cols;
-  stats_check(workspace, rows + cols + adalomo::kNumSlots);
+  const int64_t rows = binding::check_adalomo_stats(grad, param, workspace, cols, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
@@ -80,9 +64,7 @@ void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
                        at::Tensor workspace, const at::Tensor& beta2,
                        const OptTensor& clip_coef, double eps0) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_cuda(exp_avg_sq_row, "exp_avg_sq_row");
-  check_cuda(exp_avg_sq_col, "exp_avg_sq_col");
-  stats_check(workspace, rows + cols + adalomo::kNumSlots);
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(workspace.device());
   // No parameter here: the moments' device stands for it.
   check_launch(adalomo_cuda_factored_moments(
@@ -96,9 +78,8 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
                     const OptTensor& inv_scale, std::optional<double> clip_value,
                     const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_cuda(grad, "grad");
-  TORCH_CHECK(grad.numel() == rows * cols, "lomo_kernels: grad does not match the moments");
-  stats_check(workspace, rows + cols + adalomo::kNumSlots);
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCUDA);
+  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCUDA, "grad");
   const c10::cuda::CUDAGuard guard(grad.device());
   check_launch(adalomo_cuda_factored_norm(
       grad.const_data_ptr(), dtype_code(grad, "grad"), ptr(exp_avg_sq_row),
@@ -112,11 +93,9 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
                      double weight_decay, const OptTensor& inv_scale,
                      std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  check_cuda(param, "param");
-  check_cuda(grad, "grad");
-  TORCH_CHECK(param.numel() == rows * cols && grad.numel() == rows * cols,
-              "lomo_kernels: param/grad do not match the moments");
-  stats_check(workspace, rows + cols + adalomo::kNumSlots);
+  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCUDA);
+  binding::check_adalomo_tile(param, exp_avg_sq_row, exp_avg_sq_col, c10::kCUDA, "param");
+  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCUDA, "grad");
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_factored_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
@@ -131,12 +110,7 @@ void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
                    const at::Tensor& beta2, double eps0, const OptTensor& inv_scale,
                    std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
-  check_cuda(grad, "grad");
-  check_cuda(param, "param");
-  check_cuda(exp_avg_sq, "exp_avg_sq");
-  TORCH_CHECK(grad.numel() == n && exp_avg_sq.numel() == n,
-              "lomo_kernels: grad/state do not match param");
-  stats_check(workspace, adalomo::kNumSlots);
+  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_vector_stats(
       grad.const_data_ptr(), dtype_code(grad, "grad"), param.const_data_ptr(),
@@ -152,12 +126,7 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
                    double weight_decay, const OptTensor& inv_scale,
                    std::optional<double> clip_value, const OptTensor& clip_coef) {
   const int64_t n = param.numel();
-  check_cuda(param, "param");
-  check_cuda(grad, "grad");
-  check_cuda(exp_avg_sq, "exp_avg_sq");
-  TORCH_CHECK(grad.numel() == n && exp_avg_sq.numel() == n,
-              "lomo_kernels: grad/state do not match param");
-  stats_check(workspace, adalomo::kNumSlots);
+  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(adalomo_cuda_vector_apply(
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),

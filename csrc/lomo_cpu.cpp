@@ -44,8 +44,8 @@ template <class P, class G, bool kStochastic>
 bool run_update(at::Tensor& param, const at::Tensor& grad, const lomo::LomoScalars& s,
                 uint32_t key, cpu_isa::Level level) {
   const auto span_update = LOMO_AT_LEVEL(level, update_span<P, G, kStochastic>);
-  auto* p = static_cast<typename P::T*>(param.data_ptr());
-  const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+  auto* p = binding::mutable_elements<P>(param);
+  const auto* g = binding::elements<G>(grad);
   std::atomic<uint32_t> bad{0};
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
     if (span_update(p, g, begin, end, s, key) != 0) {
@@ -83,17 +83,15 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
   }
 
   bool bad = false;
-  binding::dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
+  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
-    binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      if constexpr (std::is_same_v<P, lomo::Bf16>) {
-        bad = stochastic ? run_update<P, G, true>(param, grad, s, key, level)
-                         : run_update<P, G, false>(param, grad, s, key, level);
-      } else {
-        bad = run_update<P, G, false>(param, grad, s, key, level);
-      }
-    });
+    using G = decltype(g_tag);
+    if constexpr (std::is_same_v<P, lomo::Bf16>) {
+      bad = stochastic ? run_update<P, G, true>(param, grad, s, key, level)
+                       : run_update<P, G, false>(param, grad, s, key, level);
+    } else {
+      bad = run_update<P, G, false>(param, grad, s, key, level);
+    }
   });
   binding::bump_version(param);
   if (bad && found_inf.has_value()) {
@@ -115,7 +113,7 @@ void grad_sumsq_(const at::Tensor& grad, const OptTensor& inv_scale, at::Tensor 
   std::atomic<uint32_t> bad{0};
   binding::dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
     using G = decltype(g_tag);
-    const auto* g = static_cast<const typename G::T*>(grad.const_data_ptr());
+    const auto* g = binding::elements<G>(grad);
     const auto span_sumsq = LOMO_AT_LEVEL(level, sumsq_span<G>);
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       uint32_t local_bad = 0;

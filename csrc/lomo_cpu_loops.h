@@ -182,6 +182,28 @@ LOMO_INLINE __m512 sgd_vector(__m512 g, __m512 p, const SgdVectors& v, __mmask16
   return _mm512_sub_ps(p, _mm512_mul_ps(v.lr, g));
 }
 
+// The updated fp32 values of 32 bf16 elements: lo holds elements 8L + k of each 128-bit
+// lane L, hi elements 8L + 4 + k; bad_lo/bad_hi flag their inf/nan gradients.
+struct Bf16Block {
+  __m512 lo, hi;
+  __mmask16 bad_lo, bad_hi;
+};
+
+// sgd_vector of the 32 bf16 elements at p and g, unpacked against zero (which widens each
+// 128-bit lane to fp32 exactly).
+template <int kF>
+LOMO_INLINE Bf16Block sgd_bf16_block(const uint16_t* p, const uint16_t* g, const SgdVectors& v) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i pw = _mm512_loadu_si512(p);
+  const __m512i gw = _mm512_loadu_si512(g);
+  Bf16Block u;
+  u.lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
+                        _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v, u.bad_lo);
+  u.hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
+                        _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v, u.bad_hi);
+  return u;
+}
+
 template <int kF>
 uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int64_t n,
                             const lomo::LomoScalars& s) {
@@ -203,16 +225,15 @@ uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int6
 }
 
 #if LOMO_LOOPS_AVX512_BF16
-// 32 bf16 elements per step. Unpacking against zero widens each 128-bit lane to fp32
-// exactly; VCVTNE2PS2BF16 rounds to nearest even and quiets nans as the reference does,
-// and vpermw restores element order. The instruction treats subnormal inputs as zero, so
-// a block with a subnormal result takes the exact loop, as does a block with an inf/nan
-// gradient (rare: the step is then skipped anyway); the vector loop itself never blends.
+// 32 bf16 elements per step (sgd_bf16_block). VCVTNE2PS2BF16 rounds to nearest even and
+// quiets nans as the reference does, and vpermw restores element order. The instruction
+// treats subnormal inputs as zero, so a block with a subnormal result takes the exact loop,
+// as does a block with an inf/nan gradient (rare: the step is then skipped anyway); the
+// vector loop itself never blends.
 template <int kF>
 uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
                             const lomo::LomoScalars& s) {
   const SgdVectors v(s);
-  const __m512i zero = _mm512_setzero_si512();
   const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
                                          9, 8, 23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2,
                                          1, 0);
@@ -220,22 +241,14 @@ uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(p + i, g + i);
-    const __m512i pw = _mm512_loadu_si512(p + i);
-    const __m512i gw = _mm512_loadu_si512(g + i);
-    __mmask16 bad_lo, bad_hi;
-    const __m512 u_lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v,
-                                       bad_lo);
-    const __m512 u_hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v,
-                                       bad_hi);
-    const __mmask16 exact = bad_lo | bad_hi | _mm512_fpclass_ps_mask(u_lo, 0x20) |
-                            _mm512_fpclass_ps_mask(u_hi, 0x20);
+    const Bf16Block u = sgd_bf16_block<kF>(p + i, g + i, v);
+    const __mmask16 exact = u.bad_lo | u.bad_hi | _mm512_fpclass_ps_mask(u.lo, 0x20) |
+                            _mm512_fpclass_ps_mask(u.hi, 0x20);
     if (__builtin_expect(exact != 0, 0)) {
       any_bad |= update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, 32, 0, 0, s, 0);
       continue;
     }
-    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(u_hi, u_lo);  // same bits
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(u.hi, u.lo);  // same bits
     _mm512_storeu_si512(p + i, _mm512_permutexvar_epi16(order, packed));
   }
   return any_bad | update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, n - i, 0, 0, s, 0);
@@ -315,7 +328,6 @@ uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restric
                                uint32_t lo, uint32_t hi, uint32_t key,
                                const lomo::LomoScalars& s) {
   const SgdVectors v(s);
-  const __m512i zero = _mm512_setzero_si512();
   // Element offset of each lane: lane k of 128-bit lane L holds element 8L + k (unpacklo)
   // or 8L + 4 + k (unpackhi).
   const __m512i offset_lo =
@@ -332,23 +344,15 @@ uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restric
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(p + i, g + i);
-    const __m512i pw = _mm512_loadu_si512(p + i);
-    const __m512i gw = _mm512_loadu_si512(g + i);
-    __mmask16 bad_lo, bad_hi;
-    const __m512 u_lo = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, pw)), v,
-                                       bad_lo);
-    const __m512 u_hi = sgd_vector<kF>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gw)),
-                                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, pw)), v,
-                                       bad_hi);
+    const Bf16Block u = sgd_bf16_block<kF>(p + i, g + i, v);
     const uint32_t first = lo + static_cast<uint32_t>(i);  // no wrap: see update_span
-    if (__builtin_expect((bad_lo | bad_hi) != 0, 0)) {
+    if (__builtin_expect((u.bad_lo | u.bad_hi) != 0, 0)) {
       any_bad |= update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, 32, first, hi, s, key);
       continue;
     }
     const __m512i base = _mm512_set1_epi32(static_cast<int>(first));
-    const __m512i r_lo = bf16_sr_high_vector(u_lo, _mm512_add_epi32(base, offset_lo), key_v, hi_v);
-    const __m512i r_hi = bf16_sr_high_vector(u_hi, _mm512_add_epi32(base, offset_hi), key_v, hi_v);
+    const __m512i r_lo = bf16_sr_high_vector(u.lo, _mm512_add_epi32(base, offset_lo), key_v, hi_v);
+    const __m512i r_hi = bf16_sr_high_vector(u.hi, _mm512_add_epi32(base, offset_hi), key_v, hi_v);
     _mm512_storeu_si512(p + i, _mm512_permutex2var_epi16(r_lo, gather_high, r_hi));
   }
   return any_bad | update_bf16_pairs<lomo::Bf16, true>(p + i, g + i, n - i,

@@ -295,10 +295,13 @@ def adalomo_update_(
 
 def _check_factored(
     param_or_grad: torch.Tensor,
+    grad: torch.Tensor,
     row: torch.Tensor | None,
     col: torch.Tensor | None,
     workspace: torch.Tensor,
 ) -> None:
+    """The arguments of a factored pass; `param_or_grad` is grad itself in pass B."""
+    check_pair(param_or_grad, grad)
     if param_or_grad.dim() < 2:
         raise ValueError("lomo_kernels: factored passes need a tensor with >= 2 dims")
     rows, cols = _rows_cols(param_or_grad.shape)
@@ -339,8 +342,7 @@ def adalomo_factored_stats_(
     into `workspace`; a non-finite h sets its SKIP slot and raises `found_inf`. With
     ``skip_if`` non-zero it sets SKIP and raises nothing (the sums are then not used).
     """
-    check_pair(param, grad)
-    _check_factored(param, None, None, workspace)
+    _check_factored(param, grad, None, None, workspace)
     _run(factored_stats_op, backend, param.device, locals(), cols=param.shape[-1])
 
 
@@ -380,8 +382,7 @@ def adalomo_factored_norm_(
     backend: str | None = None,
 ) -> None:
     """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
-    check_pair(grad, grad)
-    _check_factored(grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    _check_factored(grad, grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
     _run(factored_norm_op, backend, grad.device, locals())
 
 
@@ -406,8 +407,7 @@ def adalomo_factored_apply_(
     ``lr_t = lr * max(eps1, rms(param))``, ``scale = lr_t / max(1, rms(update) /
     clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums.
     """
-    check_pair(param, grad)
-    _check_factored(param, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    _check_factored(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
     _run(factored_apply_op, backend, param.device, locals())
 
 
@@ -431,8 +431,7 @@ def adalomo_vector_stats_(
     Adds ``sum((g * rsqrt(v_new))^2)`` (``v_new = beta2*v + (1-beta2)*(g*g + eps0)``) and
     ``sum(param^2)`` to the workspace; flags as `adalomo_factored_stats_`.
     """
-    check_pair(param, grad)
-    _check_vector(param, exp_avg_sq, workspace)
+    _check_vector(param, grad, exp_avg_sq, workspace)
     _run(vector_stats_op, backend, param.device, locals())
 
 
@@ -455,11 +454,13 @@ def adalomo_vector_apply_(
 ) -> None:
     """Pass C1: ``v = v_new``, ``param = param * decay - scale * g * rsqrt(v_new)`` unless
     SKIP is set (scalars as in `adalomo_factored_apply_`)."""
-    check_pair(param, grad)
-    _check_vector(param, exp_avg_sq, workspace)
+    _check_vector(param, grad, exp_avg_sq, workspace)
     _run(vector_apply_op, backend, param.device, locals())
 
 
-def _check_vector(param: torch.Tensor, exp_avg_sq: torch.Tensor, workspace: torch.Tensor) -> None:
+def _check_vector(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg_sq: torch.Tensor, workspace: torch.Tensor
+) -> None:
+    check_pair(param, grad)
     _check_state("exp_avg_sq", exp_avg_sq, param.numel(), param.device)
     _check_state("workspace", workspace, NUM_SLOTS, param.device)

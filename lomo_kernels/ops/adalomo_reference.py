@@ -124,6 +124,22 @@ def step_scalars(
     return scale, 1.0 - lr_t * weight_decay
 
 
+def _write_back_scalars(
+    workspace: torch.Tensor,
+    numel: int,
+    lr: torch.Tensor,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(skip, scale, decay) of a write-back pass (C, C1), from the workspace's sums."""
+    stats = _stats_slots(workspace)
+    scale, decay = step_scalars(
+        stats[P_SUMSQ], stats[U_SUMSQ], numel, lr, eps1, clip_threshold, weight_decay
+    )
+    return stats[SKIP] != 0, scale, decay
+
+
 def store_rounded(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
     """Writes fp32 `new` into `param_tile` in its dtype (bf16: nearest even on the bits)."""
     param_tile.copy_(torch.where(skip, param_tile, round_to_dtype(new, param_tile.dtype)))
@@ -214,6 +230,25 @@ def moment_factors(
     return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
 
 
+def _factored_updates(
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """(row slice, column slice, r_i * c_j * g_ij) per tile (passes B and C)."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, _stats_slots(workspace)[R_SUM])
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
+    g2 = grad.view(rows, cols)
+    for r0, r1, c0, c1 in _tiles(rows, cols):
+        g, _ = transform(g2[r0:r1, c0:c1])
+        yield slice(r0, r1), slice(c0, c1), (r[r0:r1, None] * c[None, c0:c1]) * g
+
+
 def factored_norm_(
     grad: torch.Tensor,
     exp_avg_sq_row: torch.Tensor,
@@ -224,14 +259,10 @@ def factored_norm_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2)."""
-    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
     stats = _stats_slots(workspace)
-    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, stats[R_SUM])
-    transform = GradTransform(inv_scale, clip_value, clip_coef)
-    g2 = grad.view(rows, cols)
-    for r0, r1, c0, c1 in _tiles(rows, cols):
-        g, _ = transform(g2[r0:r1, c0:c1])
-        update = (r[r0:r1, None] * c[None, c0:c1]) * g
+    for _, _, update in _factored_updates(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
+    ):
         stats[U_SUMSQ] += (update * update).sum(dtype=F64)
 
 
@@ -250,19 +281,14 @@ def factored_apply_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped."""
-    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
-    stats = _stats_slots(workspace)
-    skip = stats[SKIP] != 0
-    scale, decay = step_scalars(
-        stats[P_SUMSQ], stats[U_SUMSQ], param.numel(), lr, eps1, clip_threshold, weight_decay
+    skip, scale, decay = _write_back_scalars(
+        workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
     )
-    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, stats[R_SUM])
-    transform = GradTransform(inv_scale, clip_value, clip_coef)
-    g2, p2 = grad.view(rows, cols), param.view(rows, cols)
-    for r0, r1, c0, c1 in _tiles(rows, cols):
-        g, _ = transform(g2[r0:r1, c0:c1])
-        update = (r[r0:r1, None] * c[None, c0:c1]) * g
-        tile = p2[r0:r1, c0:c1]
+    p2 = param.view(exp_avg_sq_row.numel(), exp_avg_sq_col.numel())
+    for rows, cols, update in _factored_updates(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
+    ):
+        tile = p2[rows, cols]
         store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
 
 
@@ -282,6 +308,23 @@ def vector_update(
     return torch.rsqrt(v_new) * g, v_new, finite
 
 
+def _vector_updates(
+    grad: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    beta2: torch.Tensor,
+    eps0: float,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(span, update, new v, finite mask) per span of a 1-D tensor (passes A1 and C1)."""
+    transform = GradTransform(inv_scale, clip_value, clip_coef)
+    b = value_of(beta2)
+    g1, v1 = grad.view(-1), exp_avg_sq.view(-1)
+    for s0, s1 in _spans(g1.numel()):
+        yield slice(s0, s1), *vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+
+
 def vector_stats_(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -298,14 +341,13 @@ def vector_stats_(
     """Pass A1: U_SUMSQ += sum(g^2 / v_new), P_SUMSQ += sum(p^2); v itself is not written."""
     stats = _stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
-    transform = GradTransform(inv_scale, clip_value, clip_coef)
-    b = value_of(beta2)
-    g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
+    p1 = param.view(-1)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
-    for s0, s1 in _spans(g1.numel()):
-        update, _, finite = vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
+    for span, update, _, finite in _vector_updates(
+        grad, exp_avg_sq, beta2, eps0, inv_scale, clip_value, clip_coef
+    ):
         stats[U_SUMSQ] += (update * update).sum(dtype=F64)
-        p = p1[s0:s1].to(torch.float32)
+        p = p1[span].to(torch.float32)
         stats[P_SUMSQ] += (p * p).sum(dtype=F64)
         bad = bad | ~finite.all()
     _record_flags(stats, found_inf, skip_in, bad)
@@ -327,16 +369,13 @@ def vector_apply_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
-    stats = _stats_slots(workspace)
-    skip = stats[SKIP] != 0
-    scale, decay = step_scalars(
-        stats[P_SUMSQ], stats[U_SUMSQ], param.numel(), lr, eps1, clip_threshold, weight_decay
+    skip, scale, decay = _write_back_scalars(
+        workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
     )
-    transform = GradTransform(inv_scale, clip_value, clip_coef)
-    b = value_of(beta2)
-    g1, p1, v1 = grad.view(-1), param.view(-1), exp_avg_sq.view(-1)
-    for s0, s1 in _spans(g1.numel()):
-        update, v_new, _ = vector_update(transform, g1[s0:s1], v1[s0:s1], b, eps0)
-        tile = p1[s0:s1]
+    p1, v1 = param.view(-1), exp_avg_sq.view(-1)
+    for span, update, v_new, _ in _vector_updates(
+        grad, exp_avg_sq, beta2, eps0, inv_scale, clip_value, clip_coef
+    ):
+        tile = p1[span]
         store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
-        v1[s0:s1] = torch.where(skip, v1[s0:s1], v_new)
+        v1[span] = torch.where(skip, v1[span], v_new)

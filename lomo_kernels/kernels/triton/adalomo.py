@@ -119,6 +119,27 @@ def _step_kwargs(
     }
 
 
+def _vector_launch(
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: torch.Tensor,
+    eps0: float,
+) -> tuple[tuple[int], dict[str, Any]]:
+    """(grid, arguments) both 1-D passes take: the tensors, their size and beta2, eps0."""
+    n = param.numel()
+    return (-(-n // VECTOR_BLOCK),), {
+        "param_ptr": storage(param),
+        "v_ptr": exp_avg_sq,
+        "ws_ptr": workspace,
+        "n": n,
+        "beta2_ptr": beta2,
+        "eps0": float(eps0),
+        "PARAM_KIND": KIND[param.dtype],
+        "BLOCK": VECTOR_BLOCK,
+    }
+
+
 def _kernels() -> ModuleType:
     return kernels("adalomo_kernels")
 
@@ -239,18 +260,11 @@ def vector_stats_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass A1: sum of update^2 and of p^2 of a 1-D tensor."""
-    n = param.numel()
-    _kernels().vector_stats_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=storage(param),
-        v_ptr=exp_avg_sq,
-        ws_ptr=workspace,
+    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
+    _kernels().vector_stats_kernel[grid](
         found_inf_ptr=found_inf,
         skip_if_ptr=skip_if,
-        n=n,
-        beta2_ptr=beta2,
-        eps0=float(eps0),
-        PARAM_KIND=KIND[param.dtype],
-        BLOCK=VECTOR_BLOCK,
+        **vector,
         **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )
@@ -272,17 +286,10 @@ def vector_apply_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass C1: the write-back of a 1-D tensor and its second moment."""
-    n = param.numel()
-    _kernels().vector_apply_kernel[(-(-n // VECTOR_BLOCK),)](
-        param_ptr=storage(param),
-        v_ptr=exp_avg_sq,
-        ws_ptr=workspace,
-        n=n,
-        beta2_ptr=beta2,
-        eps0=float(eps0),
-        PARAM_KIND=KIND[param.dtype],
-        BLOCK=VECTOR_BLOCK,
-        **_step_kwargs(n, lr, eps1, clip_threshold, weight_decay),
+    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
+    _kernels().vector_apply_kernel[grid](
+        **vector,
+        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
         **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
         num_warps=NUM_WARPS,
     )

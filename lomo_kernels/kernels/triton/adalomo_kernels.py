@@ -81,8 +81,15 @@ def _beta(beta2_ptr):
 
 
 @triton.jit
-def _scaled(grad_ptr, offs, mask, inv_scale, GRAD_KIND: tl.constexpr):
+def _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr):
+    """The gradient with its scalars read once: (ptr, inv_scale, clip_value, clip_coef)."""
+    return grad_ptr, _factor(inv_scale_ptr), clip_value, _factor(clip_coef_ptr)
+
+
+@triton.jit
+def _scaled(source, offs, mask, GRAD_KIND: tl.constexpr):
     """(h, finite): h = grad * inv_scale in fp32 and whether it is finite."""
+    grad_ptr, inv_scale, _, _ = source
     h = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
     return h, tl.abs(h) < float("inf")
 
@@ -97,18 +104,16 @@ def _clamp(h, clip_value, HAS_CLIP_VALUE: tl.constexpr):
 
 @triton.jit
 def _grad(
-    grad_ptr,
+    source,
     offs,
     mask,
-    inv_scale,
-    clip_value,
-    clip_coef,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
 ):
     """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
-    h, finite = _scaled(grad_ptr, offs, mask, inv_scale, GRAD_KIND)
+    _, _, clip_value, clip_coef = source
+    h, finite = _scaled(source, offs, mask, GRAD_KIND)
     g = _clamp(h, clip_value, HAS_CLIP_VALUE)
     if HAS_CLIP_COEF:
         g = g * clip_coef
@@ -157,6 +162,20 @@ def _row_group(rows, rows_per_prog, BLOCK_M: tl.constexpr):
     return row_start, row_end, tl.cdiv(row_end - row_start, BLOCK_M)
 
 
+@triton.jit
+def _column_block(cols, BLOCK_N: tl.constexpr):
+    """(column indices, mask) of this program's column block."""
+    cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols_idx, cols_idx < cols
+
+
+@triton.jit
+def _vector_block(n, BLOCK: tl.constexpr):
+    """(offsets, mask) of this program's block of a 1-D tensor."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
 # ----------------------------------------------------------------------------- factored
 
 
@@ -182,10 +201,9 @@ def factored_stats_kernel(
     h^2 = (grad * inv_scale)^2, sum of p^2, non-finite flag."""
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
-        inv = _factor(inv_scale_ptr)
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, None)
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols_idx < cols
+        cols_idx, col_mask = _column_block(cols, BLOCK_N)
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # Per row (reduced within the tile rows each iteration): a second tile-sized
@@ -197,7 +215,7 @@ def factored_stats_kernel(
             row_mask = rows_idx < row_end
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            h, finite = _scaled(grad_ptr, offs, mask, inv, GRAD_KIND)
+            h, finite = _scaled(source, offs, mask, GRAD_KIND)
             g = _clamp(h, clip_value, HAS_CLIP_VALUE)
             k = tl.where(mask, g * g, 0.0)
             tl.atomic_add(ws_ptr + rows_idx, tl.sum(k, axis=1), mask=row_mask, sem="relaxed")
@@ -256,32 +274,44 @@ def factored_moments_kernel(
 
 
 @triton.jit
-def _factored_update(
-    grad_ptr,
+def _update_tiles(
     row_state_ptr,
-    rows_idx,
-    row_end,
-    cols_idx,
-    col_mask,
+    col_state_ptr,
+    stats_ptr,
+    rows,
     cols,
-    c,
-    mean,
-    inv,
-    clip_value,
-    coef,
+    rows_per_prog,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(tiles, iterations) of this program's part of r_i * c_j * g_ij (passes B and C): tiles
+    holds the row group, the column block and its c_j = rsqrt(C_j), and mean(R)."""
+    row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+    cols_idx, col_mask = _column_block(cols, BLOCK_N)
+    c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
+    mean = tl.load(stats_ptr + R_SUM) / rows
+    return (row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c), n_iter
+
+
+@triton.jit
+def _factored_update(
+    source,
+    tiles,
+    it,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """(update, offsets, mask) of one [BLOCK_M, BLOCK_N] tile: r_i * c_j * g_ij, with
-    r_i = rsqrt(R_i / mean(R)) and `c` the tile's rsqrt(C_j) (passes B and C)."""
+    """(update, offsets, mask) of tile `it` of `tiles` ([BLOCK_M, BLOCK_N]): r_i * c_j * g_ij,
+    with r_i = rsqrt(R_i / mean(R))."""
+    row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c = tiles
+    rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows_idx < row_end
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows_idx[:, None] * cols + cols_idx[None, :]
     r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
-    g, _ = _grad(
-        grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
-    )
+    g, _ = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     return (r[:, None] * c[None, :]) * g, offs, mask
 
 
@@ -306,32 +336,14 @@ def factored_norm_kernel(
     """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
-        inv = _factor(inv_scale_ptr)
-        coef = _factor(clip_coef_ptr)
-        mean = tl.load(stats_ptr + R_SUM) / rows
-        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols_idx < cols
-        c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
+        tiles, n_iter = _update_tiles(
+            row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
+        )
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for it in range(0, n_iter):
-            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
-            update, offs, mask = _factored_update(
-                grad_ptr,
-                row_state_ptr,
-                rows_idx,
-                row_end,
-                cols_idx,
-                col_mask,
-                cols,
-                c,
-                mean,
-                inv,
-                clip_value,
-                coef,
-                GRAD_KIND,
-                HAS_CLIP_VALUE,
-                HAS_CLIP_COEF,
+            update, _, mask = _factored_update(
+                source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
             acc += tl.where(mask, update * update, 0.0)
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
@@ -365,32 +377,14 @@ def factored_apply_kernel(
     """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
-        inv = _factor(inv_scale_ptr)
-        coef = _factor(clip_coef_ptr)
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         scale, decay = _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
-        mean = tl.load(stats_ptr + R_SUM) / rows
-        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
-        cols_idx = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols_idx < cols
-        c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
+        tiles, n_iter = _update_tiles(
+            row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
+        )
         for it in range(0, n_iter):
-            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
             update, offs, mask = _factored_update(
-                grad_ptr,
-                row_state_ptr,
-                rows_idx,
-                row_end,
-                cols_idx,
-                col_mask,
-                cols,
-                c,
-                mean,
-                inv,
-                clip_value,
-                coef,
-                GRAD_KIND,
-                HAS_CLIP_VALUE,
-                HAS_CLIP_COEF,
+                source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
             _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
@@ -401,24 +395,19 @@ def factored_apply_kernel(
 
 @triton.jit
 def _vector_update(
-    grad_ptr,
+    source,
     v_ptr,
     offs,
     mask,
-    b,
-    omb,
+    beta2_ptr,
     eps0,
-    inv,
-    clip_value,
-    coef,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
 ):
     """(update, v_new, finite) of one block; masked lanes give update 0."""
-    g, finite = _grad(
-        grad_ptr, offs, mask, inv, clip_value, coef, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
-    )
+    b, omb = _beta(beta2_ptr)
+    g, finite = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     v_new = tl.load(v_ptr + offs, mask=mask, other=1.0) * b + (g * g + eps0) * omb
     return tl.math.rsqrt(v_new) * g, v_new, finite
 
@@ -445,25 +434,10 @@ def vector_stats_kernel(
 ):
     """Pass A1: U_SUMSQ += sum(update^2), P_SUMSQ += sum(p^2); v is read, not written."""
     if _runs(ws_ptr, skip_if_ptr):
-        b, omb = _beta(beta2_ptr)
-        inv = _factor(inv_scale_ptr)
-        coef = _factor(clip_coef_ptr)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        update, v_new, finite = _vector_update(
-            grad_ptr,
-            v_ptr,
-            offs,
-            mask,
-            b,
-            omb,
-            eps0,
-            inv,
-            clip_value,
-            coef,
-            GRAD_KIND,
-            HAS_CLIP_VALUE,
-            HAS_CLIP_COEF,
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
+        offs, mask = _vector_block(n, BLOCK)
+        update, _, finite = _vector_update(
+            source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
         )
         tl.atomic_add(ws_ptr + U_SUMSQ, tl.sum(tl.where(mask, update * update, 0.0)), sem="relaxed")
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
@@ -498,26 +472,11 @@ def vector_apply_kernel(
 ):
     """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped)."""
     if tl.load(ws_ptr + SKIP) == 0:
-        b, omb = _beta(beta2_ptr)
-        inv = _factor(inv_scale_ptr)
-        coef = _factor(clip_coef_ptr)
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         scale, decay = _step_scalars(ws_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        update, v_new, finite = _vector_update(
-            grad_ptr,
-            v_ptr,
-            offs,
-            mask,
-            b,
-            omb,
-            eps0,
-            inv,
-            clip_value,
-            coef,
-            GRAD_KIND,
-            HAS_CLIP_VALUE,
-            HAS_CLIP_COEF,
+        offs, mask = _vector_block(n, BLOCK)
+        update, v_new, _ = _vector_update(
+            source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
         )
         tl.store(v_ptr + offs, v_new, mask=mask)
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
