@@ -25,13 +25,18 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def fast_calls(monkeypatch) -> list[str]:
     """Records each fused-op call that took the fast path (the kernel run directly)."""
     calls: list[str] = []
-    original = eager.FusedOp.run_kernel
+    original = eager.FusedOp._kernel
 
-    def run_kernel(self, *args):
-        calls.append(self.overload.name())
-        return original(self, *args)
+    def _kernel(self, module, device_type):
+        kernel = original(self, module, device_type)
 
-    monkeypatch.setattr(eager.FusedOp, "run_kernel", run_kernel)
+        def recorded(*args):
+            calls.append(self.overload.name())
+            return kernel(*args)
+
+        return recorded
+
+    monkeypatch.setattr(eager.FusedOp, "_kernel", _kernel)
     return calls
 
 
@@ -41,7 +46,7 @@ def dispatcher_only(monkeypatch):
 
     class Switch:
         def __enter__(self):
-            monkeypatch.setattr(eager, "_eager", lambda tensors: False)
+            monkeypatch.setattr(eager, "_nothing_listening", lambda: False)
 
         def __exit__(self, *exc):
             monkeypatch.undo()
