@@ -48,7 +48,7 @@ _len_torch_dispatch_stack = _C._len_torch_dispatch_stack
 _is_torch_function_mode_enabled = _C._is_torch_function_mode_enabled
 _are_functorch_transforms_active = _C._are_functorch_transforms_active
 _profiler_enabled = _C._autograd._profiler_enabled
-_get_tracing_state = _C._get_tracing_state
+_is_tracing = _C._is_tracing
 _dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
 _is_grad_enabled = _C.is_grad_enabled
 _any_requires_grad = _C._any_requires_grad
@@ -92,7 +92,7 @@ def _nothing_listening() -> bool:
         or _is_torch_function_mode_enabled()
         or _are_functorch_transforms_active()
         or _profiler_enabled()
-        or _get_tracing_state() is not None
+        or _is_tracing()
         or _dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
     )
 
@@ -161,37 +161,21 @@ class FusedOp:
         if _is_compiling():
             self.overload(**arguments)
             return
-        self._run(backend, self._in_order(arguments), arguments)
+        self.call_in_order(backend, self._in_order(arguments))
 
     def call_in_order(self, backend: str | ModuleType | None, args: tuple[Any, ...]) -> None:
         """As ``op(backend, **arguments)``, the arguments given as a tuple in the spec's order
         (``spec.names``): for a caller that makes many calls and builds them so."""
         if _is_compiling():
-            self.overload(**self._by_name(args))
+            self._dispatch(args)
             return
-        self._run(backend, args, None)
-
-    def _by_name(self, args: tuple[Any, ...]) -> dict[str, Any]:
-        return dict(zip(self._names, args, strict=True))
-
-    def _dispatch(self, args: tuple[Any, ...], arguments: dict[str, Any] | None) -> None:
-        self.overload(**(self._by_name(args) if arguments is None else arguments))
-
-    def _run(
-        self,
-        backend: str | ModuleType | None,
-        args: tuple[Any, ...],
-        arguments: dict[str, Any] | None,
-    ) -> None:
-        """The eager call of `args` (the spec's order); `arguments`: the same by name, as the
-        caller gave them (None: made from `args` where the dispatcher needs them)."""
         first = args[0]
         if first.is_cuda:
             device_type = "cuda"
         elif first.is_cpu:
             device_type = "cpu"
         else:  # meta and others: the op's registrations
-            self._dispatch(args, arguments)
+            self._dispatch(args)
             return
         # A name (or None) is resolved here; anything else is a backend resolved already.
         module = (
@@ -202,8 +186,13 @@ class FusedOp:
         # Modes, transforms, profiler, tracer, subclasses, autograd: the dispatcher.
         if not (_nothing_listening() and _plain_unrecorded(self._tensors(args))):
             with dispatching_to({self.registry: module}):
-                self._dispatch(args, arguments)
+                self._dispatch(args)
             return
         kernel = self._kernel(module, device_type)
         _increment_version(filter(_given, self._mutated(args)))
         kernel(*args)
+
+    def _dispatch(self, args: tuple[Any, ...]) -> None:
+        """The call through the dispatcher, the arguments by name (as the public layer gives
+        them, in the spec's order)."""
+        self.overload(**dict(zip(self._names, args, strict=True)))

@@ -232,7 +232,7 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
-        device = target.device
+        device = scalars.device  # target's
         if torch.compiler.is_compiling():
             # Traced: the device's backend, and nothing read from host-side caches.
             backend, inv_scale = None, self._inv_scale_for(device)
