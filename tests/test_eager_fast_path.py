@@ -213,44 +213,37 @@ def test_autograd_recording_goes_through_dispatcher(fast_calls):
     assert torch.equal(param.detach(), expected)
 
 
-class _Recorder(TorchDispatchMode):
+class _Seen:
+    """A mode noting the name of each call it sees, then running it."""
+
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[str] = []
 
+    def _record(self, func, args, kwargs):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchRecorder(_Seen, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return self._record(func, args, kwargs)
 
 
-def test_dispatch_mode_sees_the_op(fast_calls):
-    param, grad = _sgd_inputs(torch.float32)
-    expected = param.clone()
-    ops.fused_sgd_update_(expected, grad, lr=0.1)
-    fast_calls.clear()
-    with _Recorder() as recorder:
-        ops.fused_sgd_update_(param, grad, lr=0.1)
-    assert "lomo_kernels.lomo_update_.default" in recorder.seen
-    assert fast_calls == []
-    assert torch.equal(param, expected)
-
-
-class _FunctionRecorder(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
+class _FunctionRecorder(_Seen, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return self._record(func, args, kwargs)
 
 
-def test_torch_function_mode_sees_the_op(fast_calls):
+@pytest.mark.parametrize(
+    "mode", [_DispatchRecorder, _FunctionRecorder], ids=["dispatch_mode", "function_mode"]
+)
+def test_modes_see_the_op(fast_calls, mode):
     param, grad = _sgd_inputs(torch.float32)
     expected = param.clone()
     ops.fused_sgd_update_(expected, grad, lr=0.1)
     fast_calls.clear()
-    with _FunctionRecorder() as recorder:
+    with mode() as recorder:
         ops.fused_sgd_update_(param, grad, lr=0.1)
     assert "lomo_kernels.lomo_update_.default" in recorder.seen
     assert fast_calls == []
