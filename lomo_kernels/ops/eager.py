@@ -5,15 +5,19 @@ layers (autograd, ADInplaceOrView, the backend impl), which cost ~60-150 us of h
 per call, more than the kernel itself takes on a small parameter, and the optimizers call
 one op per parameter (AdaLomo: four) inside backward. In plain eager execution those layers
 do two things for these ops: bump the version counters of the mutated arguments and run
-the kernel registered for the device. `FusedOp.__call__` does exactly that when nothing
+the kernel registered for the device. A `FusedOp` call does exactly that when nothing
 else could be listening, and calls the op through the dispatcher otherwise, so
 torch.compile, compiled autograd, FakeTensor, functionalization, torch.func transforms,
 tensor subclasses, TorchFunction/TorchDispatch modes, the profiler and the JIT tracer all
 keep seeing the op.
 
 The public layer calls a `FusedOp` with the caller's backend name and the op's arguments
-by keyword; the name is resolved to a backend module (a cached lookup) whose function for
-this op runs, on the fast path directly, through the dispatcher under `chosen_backend`.
+by keyword (Lomo's per-tensor update: `FusedOp.call_in_order`, the arguments as a tuple in
+the spec's order); the name is resolved to a backend module (a cached lookup) whose
+function for this op runs, on the fast path directly, through the dispatcher under
+`chosen_backend`. What each fast call checks is the least that proves nothing else could
+see the op: a few reads of this thread's state, the exact types of the tensor arguments,
+and autograd's grad mode; everything else it needs is cached per op and device type.
 
 Autograd stays correct: the ops have no autograd formula, and the fast path is only taken
 when autograd would record nothing (grad mode off, or no argument requires grad); the
