@@ -308,7 +308,9 @@ def test_fast_path_runs_a_replaced_backend_function(monkeypatch, fast_calls):
     assert fast_calls == ["lomo_kernels::lomo_update_"] * 2
 
 
+# The tracer is deprecated but still in torch, and still must see the op.
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
 def test_jit_tracer_sees_the_op(fast_calls):
     param, grad = _sgd_inputs(torch.float32)
     lr = torch.full((1,), 0.1)
