@@ -8,6 +8,8 @@ Rows, timed interleaved in one process (MEASURING.md: ratios from one run):
                      and converted, the backend resolved by name
   public (module)    the same with a backend module resolved once (ops.backends.resolve)
   Lomo per tensor    what Lomo runs for one parameter inside backward (Lomo._apply)
+  kernel alone       the backend's kernel called as the eager fast path calls it, with the
+                     public call's arguments: the floor of any call through lomo_kernels
   p.add_             torch's own in-place axpy, the floor of one eager call
 
 A row is the minimum over R repetitions of C back-to-back calls (CUDA: synchronised at the
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lomo_kernels import Lomo  # noqa: E402
 from lomo_kernels.ops import fused_lomo_update_  # noqa: E402
 from lomo_kernels.ops.backends import resolve  # noqa: E402
+from lomo_kernels.ops.lomo import LOMO_UPDATE, lomo_update_op  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -46,6 +49,18 @@ def lomo_per_tensor(param: torch.Tensor, backend: str) -> Callable[[], None]:
     return lambda: optimizer._apply(
         weight, weight, 0, grad, group, scalars, scalars.update_found_inf
     )
+
+
+def kernel_alone(
+    module: object, param: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor, flag: torch.Tensor
+) -> Callable[[], None]:
+    """The kernel the fast path runs for `module`, given what the public call below passes
+    (its floats converted as the public function converts them)."""
+    kernel = lomo_update_op._kernel(module, param.device.type)
+    given = {"param": param, "grad": grad, "lr": lr, "found_inf": flag, "skip_if": flag}
+    defaults = {"weight_decay": 0.0, "stochastic_rounding": False, "seed": 0}
+    args = tuple(given.get(name, defaults.get(name)) for name in LOMO_UPDATE.names)
+    return lambda: kernel(*args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "public (name)": public(args.backend),
         "public (module)": public(module),
         "Lomo per tensor": lomo_per_tensor(param.clone(), args.backend),
+        "kernel alone": kernel_alone(module, param, grad, lr, flag),
         "p.add_": lambda: param.add_(grad, alpha=-1e-3),
     }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

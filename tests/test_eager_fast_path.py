@@ -13,10 +13,11 @@ import torch
 from tiny_models import batch, clone, tiny_llama
 from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lomo_kernels import AdaLomo, Lomo, ops
-from lomo_kernels.ops import eager
+from lomo_kernels.ops import backends, eager, lomo
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -25,13 +26,18 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def fast_calls(monkeypatch) -> list[str]:
     """Records each fused-op call that took the fast path (the kernel run directly)."""
     calls: list[str] = []
-    original = eager.FusedOp.run_kernel
+    original = eager.FusedOp._kernel
 
-    def run_kernel(self, *args):
-        calls.append(self.overload.name())
-        return original(self, *args)
+    def _kernel(self, module, device_type):
+        kernel = original(self, module, device_type)
 
-    monkeypatch.setattr(eager.FusedOp, "run_kernel", run_kernel)
+        def recorded(*args):
+            calls.append(self.overload.name())
+            return kernel(*args)
+
+        return recorded
+
+    monkeypatch.setattr(eager.FusedOp, "_kernel", _kernel)
     return calls
 
 
@@ -41,7 +47,7 @@ def dispatcher_only(monkeypatch):
 
     class Switch:
         def __enter__(self):
-            monkeypatch.setattr(eager, "_eager", lambda tensors: False)
+            monkeypatch.setattr(eager, "_nothing_listening", lambda: False)
 
         def __exit__(self, *exc):
             monkeypatch.undo()
@@ -127,6 +133,8 @@ def test_adalomo_update_fast_path_is_bit_identical(backend, shape, fast_calls, d
         grad = torch.randn(shape, generator=gen).to(torch.bfloat16)
         state = ops.init_adalomo_state(param)
         found = torch.zeros(1)
+        written = {"param": param, "found_inf": found, **state}
+        versions = {name: t._version for name, t in written.items()}
         for step in range(2):
             kwargs = dict(
                 lr=0.01,
@@ -144,9 +152,12 @@ def test_adalomo_update_fast_path_is_bit_identical(backend, shape, fast_calls, d
             else:
                 with dispatcher_only:
                     ops.adalomo_update_(param, grad, state, **kwargs)
-        results.append((_bits(param).clone(), {k: v.clone() for k, v in state.items()}))
+        bumped = {name: t._version - versions[name] for name, t in written.items()}
+        results.append((_bits(param).clone(), {k: v.clone() for k, v in state.items()}, bumped))
     assert len(fast_calls) == (8 if len(shape) >= 2 else 4)
-    (p_fast, s_fast), (p_slow, s_slow) = results
+    (p_fast, s_fast, v_fast), (p_slow, s_slow, v_slow) = results
+    # Each op's mutated arguments (one or several) move their counters as the dispatcher's.
+    assert v_fast == v_slow and v_fast["param"] > 0
     assert torch.equal(p_fast, p_slow)
     assert s_fast.keys() == s_slow.keys()
     assert all(torch.equal(s_fast[k], s_slow[k]) for k in s_fast)
@@ -202,24 +213,117 @@ def test_autograd_recording_goes_through_dispatcher(fast_calls):
     assert torch.equal(param.detach(), expected)
 
 
-class _Recorder(TorchDispatchMode):
+class _Seen:
+    """A mode noting the name of each call it sees, then running it."""
+
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _record(self, func, args, kwargs):
         self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-def test_dispatch_mode_sees_the_op(fast_calls):
+class _DispatchRecorder(_Seen, TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._record(func, args, kwargs)
+
+
+class _FunctionRecorder(_Seen, TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._record(func, args, kwargs)
+
+
+@pytest.mark.parametrize(
+    "mode", [_DispatchRecorder, _FunctionRecorder], ids=["dispatch_mode", "function_mode"]
+)
+def test_modes_see_the_op(fast_calls, mode):
     param, grad = _sgd_inputs(torch.float32)
     expected = param.clone()
     ops.fused_sgd_update_(expected, grad, lr=0.1)
     fast_calls.clear()
-    with _Recorder() as recorder:
+    with mode() as recorder:
         ops.fused_sgd_update_(param, grad, lr=0.1)
     assert "lomo_kernels.lomo_update_.default" in recorder.seen
+    assert fast_calls == []
+    assert torch.equal(param, expected)
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass with torch's own __torch_function__."""
+
+
+class _NoFunctionSubclass(torch.Tensor):
+    """A subclass that opts out of __torch_function__ (as DTensor and Parameter do)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _ParameterSubclass(torch.nn.Parameter):
+    pass
+
+
+@pytest.mark.parametrize(
+    "where,kind",
+    [
+        ("grad", _Subclass),
+        ("grad", _NoFunctionSubclass),
+        ("found_inf", _NoFunctionSubclass),
+        ("param", _ParameterSubclass),
+    ],
+    ids=["grad_subclass", "grad_no_function", "flag_no_function", "param_subclass"],
+)
+def test_tensor_subclasses_go_through_dispatcher(fast_calls, where, kind):
+    param, grad = _sgd_inputs(torch.float32)
+    expected, expected_found = param.clone(), torch.zeros(1)
+    ops.fused_sgd_update_(expected, grad, lr=0.1, found_inf=expected_found)
+    fast_calls.clear()
+    tensors = {"param": param, "grad": grad, "found_inf": torch.zeros(1)}
+    if kind is _ParameterSubclass:
+        tensors[where] = _ParameterSubclass(tensors[where], requires_grad=False)
+    else:
+        tensors[where] = tensors[where].as_subclass(kind)
+    with torch.no_grad():
+        ops.fused_sgd_update_(
+            tensors["param"], tensors["grad"], lr=0.1, found_inf=tensors["found_inf"]
+        )
+    assert fast_calls == []
+    assert torch.equal(tensors["param"].as_subclass(torch.Tensor), expected)
+    assert torch.equal(tensors["found_inf"].as_subclass(torch.Tensor), expected_found)
+
+
+def test_fast_path_runs_a_replaced_backend_function(monkeypatch, fast_calls):
+    """The kernel a call found is reused only while the backend still holds that function."""
+    reference = backends.LOMO.resolve(torch.device("cpu"), "torch")
+    param, grad = _sgd_inputs(torch.float32)
+    ops.fused_sgd_update_(param, grad, lr=0.1, backend=reference)
+    seen = []
+    original = reference.lomo_update_
+    monkeypatch.setattr(
+        reference, "lomo_update_", lambda *args: (seen.append(len(args)), original(*args))
+    )
+    ops.fused_sgd_update_(param, grad, lr=0.1, backend=reference)
+    assert seen == [len(lomo.LOMO_UPDATE.names)]
+    assert fast_calls == ["lomo_kernels::lomo_update_"] * 2
+
+
+# The tracer is deprecated but still in torch, and still must see the op.
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+def test_jit_tracer_sees_the_op(fast_calls):
+    param, grad = _sgd_inputs(torch.float32)
+    lr = torch.full((1,), 0.1)
+    expected = param.clone()
+    ops.fused_sgd_update_(expected, grad, lr=lr)
+    fast_calls.clear()
+
+    def step(param, grad, lr):
+        ops.fused_sgd_update_(param, grad, lr=lr)
+        return param
+
+    traced = torch.jit.trace(step, (param, grad, lr), check_trace=False)
+    assert "lomo_kernels::lomo_update_" in str(traced.graph)
     assert fast_calls == []
     assert torch.equal(param, expected)
 

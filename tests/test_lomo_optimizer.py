@@ -254,3 +254,71 @@ def test_fp16_scale_grows_after_window_and_drops_on_overflow():
 
 def test_package_exports():
     assert lomo_kernels.Lomo is Lomo
+
+
+class _RecordingBackend:
+    """A resolved backend whose update function notes each call's arguments by the spec's
+    names (the eager path passes them by position, in the spec's order), then runs."""
+
+    def __init__(self, backend, calls: list[dict]) -> None:
+        self._backend = backend
+        self._calls = calls
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def lomo_update_(self, *args, **kwargs) -> None:
+        from lomo_kernels.ops.lomo import LOMO_UPDATE
+
+        self._calls.append({**dict(zip(LOMO_UPDATE.names, args, strict=False)), **kwargs})
+        self._backend.lomo_update_(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16_sr"])
+def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
+    """Every argument of Lomo's per-tensor update lands under its own name: the values are
+    told apart (two group lrs, clip value 0.5 vs weight decay 0.25, distinct flag tensors,
+    the loss scale's inverse, per-parameter seeds)."""
+    from lomo_kernels.ops import backends
+
+    calls: list[dict] = []
+    resolve = backends.LOMO.resolve
+    monkeypatch.setattr(
+        backends.LOMO, "resolve", lambda *a, **k: _RecordingBackend(resolve(*a, **k), calls)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+    model.to(dtype)
+    sr = dtype == torch.bfloat16
+    opt = Lomo(
+        model,
+        lr=0.05,
+        clip_grad_norm=1e-3,  # a coefficient below 1
+        clip_grad_value=0.5,
+        weight_decay=0.25,
+        stochastic_rounding=sr,
+        seed=3,
+        param_groups=[{"params": [model[0].weight], "lr": 0.02}],
+    )
+    opt.fused_backward(model(torch.randn(5, 12).to(dtype)).float().pow(2).mean())
+    params = list(model.parameters())
+    assert [id(c["param"]) for c in calls] == [id(p) for p in reversed(params)]
+    scalars = opt._scalars[params[0].device]
+    for call in calls:
+        param = call["param"]
+        index = next(i for i, p in enumerate(params) if p is param)
+        assert call["grad"].shape == param.shape and call["grad"].is_contiguous()
+        lr = 0.02 if param is model[0].weight else 0.05
+        assert call["lr"].item() == torch.tensor(lr).item()
+        if sr:
+            assert call["inv_scale"] is None
+        else:
+            assert call["inv_scale"] is opt.loss_scaler.inv_scale
+        assert call["clip_value"] == 0.5
+        assert call["clip_coef"].item() == opt.clip_coef.item() < 1.0
+        assert call["weight_decay"] == 0.25
+        assert call["found_inf"] is scalars.update_found_inf
+        assert call["skip_if"] is scalars.norm_found_inf
+        assert call["stochastic_rounding"] is sr
+        assert call["seed"] == (index if sr else 0)
+        assert call["seed_step"] is (opt._seed_steps[param.device] if sr else None)

@@ -5,15 +5,19 @@ layers (autograd, ADInplaceOrView, the backend impl), which cost ~60-150 us of h
 per call, more than the kernel itself takes on a small parameter, and the optimizers call
 one op per parameter (AdaLomo: four) inside backward. In plain eager execution those layers
 do two things for these ops: bump the version counters of the mutated arguments and run
-the kernel registered for the device. `FusedOp.__call__` does exactly that when nothing
+the kernel registered for the device. A `FusedOp` call does exactly that when nothing
 else could be listening, and calls the op through the dispatcher otherwise, so
 torch.compile, compiled autograd, FakeTensor, functionalization, torch.func transforms,
 tensor subclasses, TorchFunction/TorchDispatch modes, the profiler and the JIT tracer all
 keep seeing the op.
 
 The public layer calls a `FusedOp` with the caller's backend name and the op's arguments
-by keyword; the name is resolved to a backend module (a cached lookup) whose function for
-this op runs, on the fast path directly, through the dispatcher under `chosen_backend`.
+by keyword (Lomo's per-tensor update: `FusedOp.call_in_order`, the arguments as a tuple in
+the spec's order); the name is resolved to a backend module (a cached lookup) whose
+function for this op runs, on the fast path directly, through the dispatcher under
+`chosen_backend`. What each fast call checks is the least that proves nothing else could
+see the op: a few reads of this thread's state, the exact types of the tensor arguments,
+and autograd's grad mode; everything else it needs is cached per op and device type.
 
 Autograd stays correct: the ops have no autograd formula, and the fast path is only taken
 when autograd would record nothing (grad mode off, or no argument requires grad); the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import operator
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -40,8 +45,23 @@ if TYPE_CHECKING:
     from .spec import OpSpec
 
 _C = torch._C
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+# What an eager call reads each time, bound once: attribute lookups on torch's modules are
+# a measurable part of a call's host time.
+_is_compiling = torch.compiler.is_compiling
+_len_torch_dispatch_stack = _C._len_torch_dispatch_stack
+_is_torch_function_mode_enabled = _C._is_torch_function_mode_enabled
+_are_functorch_transforms_active = _C._are_functorch_transforms_active
+_profiler_enabled = _C._autograd._profiler_enabled
+_is_tracing = _C._is_tracing
+_dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
+_is_grad_enabled = _C.is_grad_enabled
+_any_requires_grad = _C._any_requires_grad
+_increment_version = _C._increment_version
+_given = functools.partial(operator.is_not, None)  # an optional argument that is not None
 _FUNCTIONALIZE = _C.DispatchKey.Functionalize
+# The exact types of a Tensor? argument the fast path takes (a subclass, even one without
+# `__torch_function__` such as DTensor, may dispatch on its own).
+_PLAIN_OR_ABSENT = frozenset((torch.Tensor, nn.Parameter, type(None)))
 
 # The backend modules (per op family) a call running now chose, for the device kernels the
 # dispatcher runs within it.
@@ -67,30 +87,42 @@ def dispatching_to(chosen: dict[Any, ModuleType]) -> Iterator[None]:
         _CHOSEN.reset(token)
 
 
-def _eager(tensors: tuple[Any, ...]) -> bool:
-    """Outside Dynamo, True when calling the op would reach its device kernel with nothing in
-    between but the version bump: no mode, transform, profiler, tracer or tensor subclass.
-    `tensors`: the op's Tensor and Tensor? arguments (None where absent)."""
-    if (
-        _C._len_torch_dispatch_stack()
-        or _C._are_functorch_transforms_active()
-        or _C._autograd._profiler_enabled()
-        or _C._get_tracing_state() is not None
-        or _C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
-        or _C._has_torch_function(tensors)
-    ):
+def _nothing_listening() -> bool:
+    """Whether this thread's state lets an op called now reach its device kernel with
+    nothing in between: no TorchFunction or TorchDispatch mode, torch.func transform,
+    profiler, JIT tracer or functionalization."""
+    return not (
+        _len_torch_dispatch_stack()
+        or _is_torch_function_mode_enabled()
+        or _are_functorch_transforms_active()
+        or _profiler_enabled()
+        or _is_tracing()
+        or _dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+    )
+
+
+def _plain_unrecorded(tensors: tuple[Any, ...]) -> bool:
+    """Whether `tensors` (the op's Tensor and Tensor? arguments, None where absent) are
+    plain tensors or Parameters that autograd does not record. Their exact types also mean
+    no `__torch_function__` of a subclass: only a mode could intercept them, and
+    `_nothing_listening` looks for those."""
+    if not _PLAIN_OR_ABSENT.issuperset(map(type, tensors)):
         return False
     # With autograd recording, the op's autograd layer runs: leave it to the dispatcher.
-    # (The loop is _C._any_requires_grad over the tensors, at a third of its cost.)
-    recording = _C.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TYPES or (recording and t.requires_grad)):
-            return False
-    return True
+    return not (_is_grad_enabled() and _any_requires_grad(*tensors))
+
+
+def _tuple_of(positions: tuple[int, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The items of a tuple at `positions`, as a tuple (itemgetter of a single key returns
+    the item itself: that one is taken as a slice)."""
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions)
 
 
 class FusedOp:
-    """One fused op, called as ``op(backend, **arguments)`` with the spec's arguments.
+    """One fused op, called as ``op(backend, **arguments)`` with the spec's arguments, or as
+    ``op.call_in_order(backend, args)`` with them as a tuple in the spec's order.
 
     Eager: bumps the versions of the mutated tensors and runs the chosen backend's function
     for the op directly, its arguments by position in the spec's order (every backend's
@@ -104,48 +136,67 @@ class FusedOp:
         self.overload = overload
         self.registry = registry
         self._function = spec.function
-        self._first = spec.names[0]
+        self._names = spec.names
         positions = {name: i for i, name in enumerate(spec.names)}
-        # itemgetter of two or more keys returns a tuple (every op has several tensors).
         self._in_order = operator.itemgetter(*spec.names)
-        self._tensors = operator.itemgetter(*(positions[n] for n in spec.tensor_names))
-        self._mutated = tuple(positions[n] for n in spec.mutated_names)
-
-    def run_kernel(self, kernel: Callable[..., None], args: tuple[Any, ...]) -> None:
-        """The fast path's kernel call: what the dispatcher runs for CPU and CUDA tensors."""
-        kernel(*args)
+        self._tensors = _tuple_of(tuple(positions[n] for n in spec.tensor_names))
+        self._mutated = _tuple_of(tuple(positions[n] for n in spec.mutated_names))
+        # Per device type: the backend function last seen and the kernel it runs there.
+        self._kernels: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {}
 
     def _kernel(self, module: ModuleType, device_type: str) -> Callable[..., None]:
+        """The fast path's kernel: what the dispatcher runs for CPU and CUDA tensors."""
         function = getattr(module, self._function)
+        cached = self._kernels.get(device_type)
+        if cached is not None and cached[0] is function:
+            return cached[1]
         # A C++ backend's function finds the extension of its first argument's device: the
         # device is known here, so take the extension's own function.
         for_device = getattr(function, "for_device", None)
-        return function if for_device is None else for_device(device_type)
+        kernel = function if for_device is None else for_device(device_type)
+        self._kernels[device_type] = (function, kernel)
+        return kernel
 
     def __call__(self, backend: str | ModuleType | None, /, **arguments: Any) -> None:
         """`backend`: a name as the public ``backend=`` takes, or a module `self.registry`
         resolved already (a caller running many ops resolves once)."""
         # is_compiling first: Dynamo folds it to True and never traces the rest; a compiled
         # graph runs the device's backend.
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self.overload(**arguments)
             return
-        first = arguments[self._first]
-        if not (first.is_cpu or first.is_cuda):  # meta and others: the op's registrations
-            self.overload(**arguments)
+        self.call_in_order(backend, self._in_order(arguments))
+
+    def call_in_order(self, backend: str | ModuleType | None, args: tuple[Any, ...]) -> None:
+        """As ``op(backend, **arguments)``, the arguments given as a tuple in the spec's order
+        (``spec.names``): for a caller that makes many calls and builds them so."""
+        if _is_compiling():
+            self._dispatch(args)
             return
-        device_type = "cuda" if first.is_cuda else "cpu"
+        first = args[0]
+        if first.is_cuda:
+            device_type = "cuda"
+        elif first.is_cpu:
+            device_type = "cpu"
+        else:  # meta and others: the op's registrations
+            self._dispatch(args)
+            return
         # A name (or None) is resolved here; anything else is a backend resolved already.
         module = (
             self.registry.resolve(first.device, backend)
             if backend is None or isinstance(backend, str)
             else backend
         )
-        args = self._in_order(arguments)
-        if not _eager(self._tensors(args)):  # modes, transforms, autograd, subclasses
+        # Modes, transforms, profiler, tracer, subclasses, autograd: the dispatcher.
+        if not (_nothing_listening() and _plain_unrecorded(self._tensors(args))):
             with dispatching_to({self.registry: module}):
-                self.overload(**arguments)
+                self._dispatch(args)
             return
         kernel = self._kernel(module, device_type)
-        _C._increment_version(tuple(t for i in self._mutated if (t := args[i]) is not None))
-        self.run_kernel(kernel, args)
+        _increment_version(filter(_given, self._mutated(args)))
+        kernel(*args)
+
+    def _dispatch(self, args: tuple[Any, ...]) -> None:
+        """The call through the dispatcher, the arguments by name (as the public layer gives
+        them, in the spec's order)."""
+        self.overload(**dict(zip(self._names, args, strict=True)))

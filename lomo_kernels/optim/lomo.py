@@ -97,8 +97,9 @@ class Lomo(InBackwardOptimizer):
         # Per device: the per-step part of the rounding seed, refreshed in place each step
         # and read by the kernels, so a compiled backward does not depend on the step.
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
-        # The backend module per device, resolved once per step (not per update call).
-        self._backends: dict[torch.device, Any] = {}
+        # Per device, what every eager update call of a step passes: the backend module and
+        # the inverse loss scale (set once per step, not looked up per call).
+        self._step_constants: dict[torch.device, tuple[Any, torch.Tensor | None]] = {}
         params = [p for g in self.param_groups for p in g["params"]]
         # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         self.loss_scaler: DynamicLossScaler | None = None
@@ -113,7 +114,9 @@ class Lomo(InBackwardOptimizer):
     @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
     def _prepare_scalars(self) -> None:
         super()._prepare_scalars()
-        self._backends = {d: LOMO.resolve(d, self._backend_name) for d in self._scalars}
+        self._step_constants = {
+            d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
+        }
         if self.stochastic_rounding:
             # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps
             # the stream of the 63-bit seed ``step_key << 32 | index``.
@@ -139,7 +142,7 @@ class Lomo(InBackwardOptimizer):
                         "param": None,
                         "grad": None,
                         "lr": scalars.lr[index],
-                        "inv_scale": self._inv_scale_for(device),
+                        "inv_scale": self._step_constants[device][1],
                         "clip_value": group["clip_grad_value"],
                         "clip_coef": scalars.clip_coef,
                         "weight_decay": group["weight_decay"],
@@ -229,26 +232,37 @@ class Lomo(InBackwardOptimizer):
             if offset:
                 seed = mix32_int(seed ^ mix32_int(offset))
             seed_step = self._seed_steps[target.device]
+        device = scalars.device  # target's
+        if torch.compiler.is_compiling():
+            # Traced: the device's backend, and nothing read from host-side caches.
+            backend, inv_scale = None, self._inv_scale_for(device)
+        else:
+            backend, inv_scale = self._step_constants[device]
+        if group["clip_grad_norm"] is None:
+            clip_coef = None
+        elif clip_coef is None:
+            clip_coef = scalars.clip_coef
         # The op as the public function runs it, without the public function's per-call
         # conversions: every value here is the optimizer's own, in the op's form, and passed
         # the op's public checks once this step (_check_update_arguments); the binding checks
-        # the tensors' shapes and dtypes.
-        lomo_update_op(
-            None if torch.compiler.is_compiling() else self._backends[target.device],
-            param=target,
-            grad=grad.contiguous(),
-            lr=scalars.lr[self._group_of[id(param)]],
-            inv_scale=self._inv_scale_for(target.device),
-            clip_value=group["clip_grad_value"],
-            clip_coef=(scalars.clip_coef if clip_coef is None else clip_coef)
-            if group["clip_grad_norm"] is not None
-            else None,
-            weight_decay=group["weight_decay"],
-            found_inf=scalars.update_found_inf,
-            skip_if=skip_if,
-            stochastic_rounding=use_sr,
-            seed=seed,
-            seed_step=seed_step,
+        # the tensors' shapes and dtypes. In the op's order (LOMO_UPDATE.names; each name's
+        # value: tests/test_lomo_optimizer.py), which saves building a keyword dict per call.
+        lomo_update_op.call_in_order(
+            backend,
+            (
+                target,  # param
+                grad.contiguous(),  # grad
+                scalars.lr[self._group_of[id(param)]],  # lr
+                inv_scale,  # inv_scale
+                group["clip_grad_value"],  # clip_value
+                clip_coef,  # clip_coef
+                group["weight_decay"],  # weight_decay
+                scalars.update_found_inf,  # found_inf
+                skip_if,  # skip_if
+                use_sr,  # stochastic_rounding
+                seed,  # seed
+                seed_step,  # seed_step
+            ),
         )
 
     def _begin_attempt(self) -> None:
