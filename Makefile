@@ -5,11 +5,17 @@ PY        := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
+# A benchmark piped into tee fails the target when it fails.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
 BENCH_1B_BATCH ?= 4
 BENCH_7B_BATCH ?= 1
+BENCH_GPU := bench-gpu-kernels bench-gpu-memory bench-gpu-single-backward bench-gpu-head \
+	bench-gpu-24gib bench-gpu-train-1b bench-gpu-train-7b
 
-.PHONY: setup test test-gpu test-compile-versions demo bench bench-gpu lint clean
+.PHONY: setup test test-gpu test-compile-versions demo bench bench-gpu $(BENCH_GPU) gpu-wheels \
+	gpu-setup lint clean
 
 setup: $(STAMP)
 
@@ -40,8 +46,33 @@ test: $(STAMP)
 # every test taking the `test_device` fixture (conftest marks them `cuda`), which
 # LOMO_TEST_DEVICE=cuda moves onto the GPU. Skipped with the reason elsewhere.
 # TRITON_INTERPRET=0: Triton compiles real GPU kernels instead of interpreting them.
-test-gpu: $(STAMP)
-	LOMO_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -rs tests
+test-gpu: $(GPU_STAMP)
+	$(GPU_ENV) LOMO_TEST_DEVICE=cuda $(PY) -m pytest -q -m cuda -rs tests
+
+# A GPU box whose python3 already holds a CUDA torch, triton and transformers, offline (a
+# lent machine): `make gpu-wheels` beforehand, where PyPI is reachable, fetches the
+# pure-Python packages it lacks into $(GPU_WHEELS); there, `make gpu-setup` installs them
+# into that python3 from the folder, and `make test-gpu bench-gpu-... GPU_PY=python3` runs the
+# tree in place (PYTHONPATH, no build of the package: its extensions compile on first use).
+GPU_WHEELS    ?= .gpu-wheels
+GPU_PACKAGES  := lomo-optim liger-kernel cut-cross-entropy
+GPU_PY        ?=
+ifeq ($(GPU_PY),)
+GPU_STAMP     := $(STAMP)
+else
+PY            := $(GPU_PY)
+GPU_STAMP     :=
+endif
+GPU_ENV       := PYTHONPATH=$(CURDIR) TRITON_INTERPRET=0
+RESULTS       ?= bench/results
+
+gpu-wheels:
+	python3 -m pip download -q --no-deps -d $(GPU_WHEELS) $(GPU_PACKAGES)
+
+gpu-setup:
+	$(if $(GPU_PY),,$(error give the box's python: make gpu-setup GPU_PY=python3))
+	$(GPU_PY) -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'"
+	$(GPU_PY) -m pip install -q --no-index --no-deps --find-links $(GPU_WHEELS) $(GPU_PACKAGES)
 
 # The compile tests on each torch version that compiled autograd is tested on (the package's
 # TESTED_TORCH_VERSIONS; TORCH_VERSIONS="2.13.0" picks some), each in a venv of its own
@@ -81,46 +112,69 @@ bench: $(STAMP)
 		| tee bench/results/train_cpu.txt
 	$(PY) bench/bench_update.py
 
-# The GPU figures of BENCHMARKS.md: tables on stdout, CSV and plots in bench/results/.
-bench-gpu: $(STAMP)
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench kernels --device cuda \
-		--csv bench/results/kernels_cuda.csv --json bench/results/kernels_cuda.json \
-		--plot bench/results/kernels_cuda.png | tee bench/results/kernels_cuda.txt
-	$(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 --seq 512 \
+# The GPU figures of BENCHMARKS.md: tables on stdout, JSON/CSV and plots in $(RESULTS). One
+# target per table, each a few minutes on one H100 (a lent machine runs at most 10 minutes
+# per command); `bench-gpu` runs them all.
+bench-gpu: $(BENCH_GPU)
+
+bench-gpu-kernels: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) -m lomo_kernels bench kernels --device cuda \
+		--csv $(RESULTS)/kernels_cuda.csv --json $(RESULTS)/kernels_cuda.json \
+		--plot $(RESULTS)/kernels_cuda.png | tee $(RESULTS)/kernels_cuda.txt
+
+bench-gpu-memory: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 \
+		--seq 512 \
 		--optimizers adamw,sgd,lomo_optim,lomo,lomo_clip,adalomo,lomo_compiled_forward,lomo_compiled_autograd \
-		--json bench/results/memory_cuda.json --plot bench/results/memory_cuda.png \
-		| tee bench/results/memory_cuda.txt
-	$(PY) bench/single_backward.py --device cuda --steps 20 --batch 8 --seq 256 --threads 4 \
-		| tee bench/results/single_backward_cuda.txt
-	@# The LM head alone (Llama-3-8B's 128,256 x 4096 at 8 x 2048 tokens), beside liger-kernel
-	@# and cut-cross-entropy (installed without dependencies: they must not replace torch).
-	$(PY) -m pip install -q --no-deps liger-kernel cut-cross-entropy
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench head --device cuda --shape llama-3-8b \
-		--dtype bf16 --steps 10 --warmup 2 --json bench/results/head_cuda.json \
-		| tee bench/results/head_cuda.txt
-	@# The headline: a Llama-3-8B shape, 8 x 2048 tokens, bf16, activation checkpointing, capped
-	@# at 24 GiB (a 24 GiB GPU): with the fused head and embedding, then without them.
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+		--json $(RESULTS)/memory_cuda.json --plot $(RESULTS)/memory_cuda.png \
+		| tee $(RESULTS)/memory_cuda.txt
+	@# The same with the logits-free loss (the fused head and embedding).
+	$(GPU_ENV) $(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 \
+		--seq 512 --optimizers sgd,lomo,adalomo --fused-head \
+		--json $(RESULTS)/memory_cuda_fused_head.json | tee $(RESULTS)/memory_cuda_fused_head.txt
+
+bench-gpu-single-backward: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) bench/single_backward.py --device cuda --steps 20 --batch 8 --seq 256 \
+		--threads 4 | tee $(RESULTS)/single_backward_cuda.txt
+
+# The LM head alone (Llama-3-8B's 128,256 x 4096 at 8 x 2048 tokens), beside liger-kernel and
+# cut-cross-entropy (installed without dependencies: they must not replace torch; on an
+# offline box `make gpu-setup` has installed them).
+bench-gpu-head: $(GPU_STAMP)
+	$(PY) -c "import liger_kernel, cut_cross_entropy" 2>/dev/null || \
+		$(PY) -m pip install -q --no-deps liger-kernel cut-cross-entropy
+	$(GPU_ENV) $(PY) -m lomo_kernels bench head --device cuda --shape llama-3-8b \
+		--dtype bf16 --steps 10 --warmup 2 --json $(RESULTS)/head_cuda.json \
+		| tee $(RESULTS)/head_cuda.txt
+
+# The headline: a Llama-3-8B shape, 8 x 2048 tokens, bf16, activation checkpointing, capped
+# at 24 GiB (a 24 GiB GPU): with the fused head and embedding, then without them.
+bench-gpu-24gib: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
 		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
-		--warmup 1 --optimizers lomo,lomo_single,adalomo --fused-head \
-		--json bench/results/train_cuda_8b_24gib_fused.json \
-		| tee bench/results/train_cuda_8b_24gib_fused.txt
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+		--warmup 1 --optimizers lomo,lomo_single,adalomo --fused-head --no-progress \
+		--json $(RESULTS)/train_cuda_8b_24gib_fused.json \
+		| tee $(RESULTS)/train_cuda_8b_24gib_fused.txt
+	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
 		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
-		--warmup 1 --optimizers lomo,lomo_single,adalomo \
-		--json bench/results/train_cuda_8b_24gib.json | tee bench/results/train_cuda_8b_24gib.txt
-	@# End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape
-	@# with activation checkpointing; an optimizer that does not fit reports OOM.
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \
-		--dtype bf16 --seq 2048 --batch $(BENCH_1B_BATCH) --steps 10 --warmup 3 \
+		--warmup 1 --optimizers lomo,lomo_single,adalomo --no-progress \
+		--json $(RESULTS)/train_cuda_8b_24gib.json | tee $(RESULTS)/train_cuda_8b_24gib.txt
+
+# End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape with
+# activation checkpointing; an optimizer that does not fit reports OOM.
+bench-gpu-train-1b: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \
+		--dtype bf16 --seq 2048 --batch $(BENCH_1B_BATCH) --steps 10 --warmup 3 --no-progress \
 		--optimizers adamw,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
-		--json bench/results/train_cuda_1b.json --plot bench/results/train_cuda_1b.png \
-		| tee bench/results/train_cuda_1b.txt
-	TRITON_INTERPRET=0 $(PY) -m lomo_kernels bench train --device cuda --model llama-7b \
+		--json $(RESULTS)/train_cuda_1b.json --plot $(RESULTS)/train_cuda_1b.png \
+		| tee $(RESULTS)/train_cuda_1b.txt
+
+bench-gpu-train-7b: $(GPU_STAMP)
+	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-7b \
 		--dtype bf16 --seq 2048 --batch $(BENCH_7B_BATCH) --checkpointing --steps 5 --warmup 2 \
-		--optimizers adamw,lomo,lomo_single,adalomo,adalomo_single \
-		--json bench/results/train_cuda_7b.json --plot bench/results/train_cuda_7b.png \
-		| tee bench/results/train_cuda_7b.txt
+		--optimizers adamw,lomo,lomo_single,adalomo,adalomo_single --no-progress \
+		--json $(RESULTS)/train_cuda_7b.json --plot $(RESULTS)/train_cuda_7b.png \
+		| tee $(RESULTS)/train_cuda_7b.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
