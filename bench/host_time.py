@@ -8,6 +8,7 @@ Rows, timed interleaved in one process (MEASURING.md: ratios from one run):
                      and converted, the backend resolved by name
   public (module)    the same with a backend module resolved once (ops.backends.resolve)
   Lomo per tensor    what Lomo runs for one parameter inside backward (Lomo._apply)
+  AdaLomo per tensor the same for AdaLomo (AdaLomo._update: its passes, several op calls)
   kernel alone       the backend's kernel called as the eager fast path calls it, with the
                      public call's arguments: the floor of any call through lomo_kernels
   p.add_             torch's own in-place axpy, the floor of one eager call
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lomo_kernels import Lomo  # noqa: E402
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.ops import fused_lomo_update_  # noqa: E402
 from lomo_kernels.ops.backends import resolve  # noqa: E402
 from lomo_kernels.ops.lomo import LOMO_UPDATE, lomo_update_op  # noqa: E402
@@ -49,6 +50,20 @@ def lomo_per_tensor(param: torch.Tensor, backend: str) -> Callable[[], None]:
     return lambda: optimizer._apply(
         weight, weight, 0, grad, group, scalars, scalars.update_found_inf
     )
+
+
+def adalomo_per_tensor(param: torch.Tensor, backend: str) -> Callable[[], None]:
+    """AdaLomo's update of `param` (as a 64-row matrix where its size allows: the factored
+    statistics, its passes over rows and columns) as its hook makes it, after one real step."""
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(param.view(64, -1) if param.numel() % 64 == 0 else param)
+    optimizer = AdaLomo(model, lr=1e-3, clip_grad_norm=None, backend=backend)
+    optimizer.fused_backward(model.weight.float().pow(2).sum(), lr=1e-3)
+    group = optimizer._hook_groups[0]
+    scalars = optimizer._scalars[param.device]
+    weight = model.weight
+    grad = torch.randn_like(weight)
+    return lambda: optimizer._update(weight, grad, group, scalars, scalars.update_found_inf)
 
 
 def kernel_alone(
@@ -90,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         "public (name)": public(args.backend),
         "public (module)": public(module),
         "Lomo per tensor": lomo_per_tensor(param.clone(), args.backend),
+        "AdaLomo per tensor": adalomo_per_tensor(param.clone(), args.backend),
         "kernel alone": kernel_alone(module, param, grad, lr, flag),
         "p.add_": lambda: param.add_(grad, alpha=-1e-3),
     }
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, seconds in best.items():
         ratio = seconds / best["p.add_"]
-        print(f"  {name:16s} {seconds * 1e6:7.2f} us  {ratio:5.2f}x p.add_")
+        print(f"  {name:18s} {seconds * 1e6:7.2f} us  {ratio:5.2f}x p.add_")
 
 
 if __name__ == "__main__":
