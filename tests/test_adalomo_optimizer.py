@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_lomo_safety import poison, snapshot, unchanged
@@ -174,3 +176,69 @@ def test_no_host_sync_in_fused_backward(dtype, clip):
         loss = model(**batch(step)).loss
         with NoHostSync():
             opt.fused_backward(loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_tensor_update_is_the_public_function_bit_for_bit(backend, dtype):
+    """AdaLomo's eager per-tensor update (backend resolved, arguments checked once per step,
+    one workspace per shape reused) against `ops.adalomo_update_` called on each gradient
+    with the step's values: the same bits. Two same-shape matrices and two biases share
+    workspaces; the weight decay and clip value reach every pass."""
+    from lomo_kernels.ops import adalomo_update_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(7, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 5, bias=False)
+    ).to(dtype)
+    reference = copy.deepcopy(model)
+    options = {"weight_decay": 0.1, "clip_grad_value": 0.05}
+    opt = AdaLomo(model, lr=LR, backend=backend, **options)
+    states = {p: {} for p in reference.parameters()}
+    inv_scale = 1.0 / opt.loss_scale
+    for t in range(1, 4):
+        x = torch.randn(4, 7, dtype=dtype)
+        opt.fused_backward(model(x).square().mean(), LR)
+        (reference(x).square().mean() / inv_scale).backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                adalomo_update_(
+                    p, p.grad, states[p], lr=LR, beta2=1.0 - t**-0.8, inv_scale=inv_scale,
+                    weight_decay=0.1, clip_value=0.05, backend=backend,
+                )  # fmt: skip
+                p.grad = None
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
+    assert all(torch.equal(p, q) for p, q in pairs)
+    for p, q in pairs:
+        assert all(torch.equal(opt.state[p][k], v) for k, v in states[q].items())
+
+
+BROKEN_EACH_STEP = {
+    # A step-wide scalar the per-tensor calls pass, checked once per step.
+    "beta2": (lambda opt, p: opt._beta2.update({(p.device, 0): torch.ones(2)}), "beta2"),
+    # A moment replaced by one of another size: checked once per step too.
+    "state": (
+        lambda opt, p: opt.state[p].update(exp_avg_sq_row=torch.zeros(p.shape[0] + 1)),
+        "exp_avg_sq_row",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_EACH_STEP)
+@pytest.mark.parametrize("clip_grad_norm", [None, 1.0])
+def test_the_update_public_checks_run_once_per_step(broken, clip_grad_norm):
+    """AdaLomo's per-tensor calls skip the public function's conversions and state checks;
+    they run on the step's values once per step instead: a value not in the op's form is
+    refused by name before any parameter changes (even of the parameters stepped before
+    the broken one in backward)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = AdaLomo(model, lr=0.1, clip_grad_norm=clip_grad_norm)
+    x = torch.randn(4, 6)
+    opt.fused_backward(model(x).square().mean())  # a good step
+    before = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for k, v in opt.state[model[1].weight].items()}
+    breaks, name = BROKEN_EACH_STEP[broken]
+    breaks(opt, model[0].weight)  # the first layer's weight: stepped last in backward
+    with pytest.raises(ValueError, match=name):
+        opt.fused_backward(model(x).square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(opt.state[model[1].weight][k], v) for k, v in states.items())

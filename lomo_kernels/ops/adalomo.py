@@ -28,6 +28,8 @@ reads a device value on the host, so a step never synchronises. Kernels per devi
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -40,6 +42,9 @@ from .spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 
 __all__ = [
     "adalomo_update_",
+    "adalomo_step_arguments",
+    "check_adalomo_state",
+    "run_adalomo_passes_",
     "init_adalomo_state",
     "adalomo_workspace",
     "adalomo_factored_stats_",
@@ -245,14 +250,58 @@ def adalomo_update_(
     computes the coefficient from that very sum, see `optim.single_backward`).
     """
     check_pair(param, grad)
-    device = param.device
-    eps0, eps1 = _eps_pair(eps)
     factored = param.dim() >= 2
-    arguments = (_FACTORED_STEP if factored else _VECTOR_STEP).convert(
+    arguments = adalomo_step_arguments(
+        param.device,
+        factored,
+        lr=lr,
+        beta2=beta2,
+        eps=eps,
+        clip_threshold=clip_threshold,
+        weight_decay=weight_decay,
+        inv_scale=inv_scale,
+        clip_value=clip_value,
+        clip_coef=clip_coef,
+        found_inf=found_inf,
+        skip_if=skip_if,
+    )
+    arguments.update(param=param, grad=grad.contiguous())  # contiguous once, not per pass
+    if not state:
+        state.update(init_adalomo_state(param))
+    if param.numel() == 0:
+        return
+    arguments["workspace"] = adalomo_workspace(param)
+    # Resolved once for the step's passes (eager; a traced step runs the device's backend).
+    if not torch.compiler.is_compiling() and (param.is_cpu or param.is_cuda):
+        backend = ADALOMO.resolve(param.device, backend)
+    check_adalomo_state(param, state)
+    arguments.update(state)
+    run_adalomo_passes_(backend, arguments, on_grad_sumsq)
+
+
+def adalomo_step_arguments(
+    device: torch.device,
+    factored: bool,
+    *,
+    lr: Scalar,
+    beta2: Scalar,
+    eps: tuple[float, float],
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: Scalar | None,
+    clip_value: float | None,
+    clip_coef: Scalar | None,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+) -> dict[str, Any]:
+    """`adalomo_update_`'s public checks and conversions of everything but the tensors of
+    one parameter (of a factored or a 1-D one): the step-wide arguments of its passes by
+    name, as `run_adalomo_passes_` takes them. Raises, naming the argument, before anything
+    runs; an optimizer runs it once per step on the values its per-tensor calls pass."""
+    eps0, eps1 = _eps_pair(eps)
+    return (_FACTORED_STEP if factored else _VECTOR_STEP).convert(
         device,
         {
-            "param": param,
-            "grad": grad.contiguous(),  # once here rather than in each pass
             "lr": lr,
             "beta2": beta2,
             "eps0": eps0,
@@ -266,31 +315,44 @@ def adalomo_update_(
             "skip_if": skip_if,
         },
     )
-    if not state:
-        state.update(init_adalomo_state(param))
-    if param.numel() == 0:
-        return
-    arguments["workspace"] = adalomo_workspace(param)
-    # Resolved once for the step's passes (eager; a traced step runs the device's backend).
-    if not torch.compiler.is_compiling() and (param.is_cpu or param.is_cuda):
-        backend = ADALOMO.resolve(device, backend)
-    if factored:
+
+
+def check_adalomo_state(param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    """Refuses, by name, a `state` not in the form `init_adalomo_state(param)` gives."""
+    device = param.device
+    if param.dim() >= 2:
         rows, cols = _rows_cols(param.shape)
         _check_state("exp_avg_sq_row", state["exp_avg_sq_row"], rows, device)
         _check_state("exp_avg_sq_col", state["exp_avg_sq_col"], cols, device)
-        arguments.update(cols=cols, exp_avg_sq_row=state["exp_avg_sq_row"])
-        arguments["exp_avg_sq_col"] = state["exp_avg_sq_col"]
-        factored_stats_op(backend, **FACTORED_STATS.pick(arguments))
-        if on_grad_sumsq is not None:
-            on_grad_sumsq(measured_view(arguments["workspace"]))
-        factored_moments_op(backend, **FACTORED_MOMENTS.pick(arguments))
-        factored_norm_op(backend, **FACTORED_NORM.pick(arguments))
-        factored_apply_op(backend, **FACTORED_APPLY.pick(arguments))
     else:
         _check_state("exp_avg_sq", state["exp_avg_sq"], param.numel(), device)
-        arguments["exp_avg_sq"] = state["exp_avg_sq"]
-        vector_stats_op(backend, **VECTOR_STATS.pick(arguments))
-        vector_apply_op(backend, **VECTOR_APPLY.pick(arguments))
+
+
+def run_adalomo_passes_(
+    backend: str | ModuleType | None,
+    arguments: dict[str, Any],
+    on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """The passes of one `adalomo_update_` step on arguments already checked and converted.
+
+    `arguments`: `adalomo_step_arguments`' values plus ``param``, ``grad`` (contiguous),
+    ``workspace`` (zeroed, `adalomo_workspace`) and the parameter's state tensors by their
+    names (`check_adalomo_state`), for a parameter with at least one element; `backend` a
+    name, or the module `ADALOMO.resolve` returned (None under tracing: the device's). Each
+    pass is called through `FusedOp`, so a traced step still reaches the dispatcher.
+    """
+    param = arguments["param"]
+    if param.dim() >= 2:
+        arguments["cols"] = param.shape[-1]
+        factored_stats_op.call_from(backend, arguments)
+        if on_grad_sumsq is not None:
+            on_grad_sumsq(measured_view(arguments["workspace"]))
+        factored_moments_op.call_from(backend, arguments)
+        factored_norm_op.call_from(backend, arguments)
+        factored_apply_op.call_from(backend, arguments)
+    else:
+        vector_stats_op.call_from(backend, arguments)
+        vector_apply_op.call_from(backend, arguments)
 
 
 def _check_factored(

@@ -160,10 +160,15 @@ class FusedOp:
     def __call__(self, backend: str | ModuleType | None, /, **arguments: Any) -> None:
         """`backend`: a name as the public ``backend=`` takes, or a module `self.registry`
         resolved already (a caller running many ops resolves once)."""
-        # is_compiling first: Dynamo folds it to True and never traces the rest; a compiled
-        # graph runs the device's backend.
+        self.call_from(backend, arguments)
+
+    def call_from(self, backend: str | ModuleType | None, arguments: dict[str, Any]) -> None:
+        """As ``op(backend, **arguments)``, this op's arguments taken by name out of
+        `arguments`, which may hold other ops' too (a caller running several ops on one set)."""
+        # is_compiling first: Dynamo folds it to True and never traces the rest (it cannot
+        # trace an itemgetter); a compiled graph runs the device's backend.
         if _is_compiling():
-            self.overload(**arguments)
+            self.overload(**{name: arguments[name] for name in self._names})
             return
         self.call_in_order(backend, self._in_order(arguments))
 

@@ -215,10 +215,6 @@ class OpSpec:
         arguments, ``locals()`` on entry), in the op's order."""
         return {name: derived[name] if name in derived else public[name] for name in self.names}
 
-    def pick(self, converted: dict[str, Any]) -> dict[str, Any]:
-        """This op's arguments, in its order, out of values a `Conversion` converted."""
-        return {name: converted[name] for name in self.names}
-
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional and keyword arguments of a call of the op, by name."""
         bound = dict(zip(self.names, args, strict=False))

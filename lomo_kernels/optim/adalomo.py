@@ -11,8 +11,16 @@ import torch
 from torch import nn
 
 from ..distributed import DEFAULT_BUCKET_NUMEL, unwrap_engine
-from ..ops.adalomo import adalomo_update_, init_adalomo_state
+from ..ops.adalomo import (
+    adalomo_step_arguments,
+    adalomo_update_,
+    check_adalomo_state,
+    init_adalomo_state,
+    run_adalomo_passes_,
+)
 from ..ops.adalomo_reference import GradTransform
+from ..ops.adalomo_workspace import workspace_numel
+from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
@@ -111,6 +119,16 @@ class AdaLomo(InBackwardOptimizer):
             else:
                 self.state[p] = init_slice_state(self._sharding.shard(p))
         self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
+        # Per device: the backend module every eager update call of a step runs (resolved
+        # once per step). Per (device, group index): the step-wide arguments of its passes,
+        # checked and converted once per step (_check_update_arguments).
+        self._backends: dict[torch.device, Any] = {}
+        self._step_arguments: dict[tuple[torch.device, int], dict[str, Any]] = {}
+        # Zeroed again for each eager update, not allocated per call: the passes of one
+        # parameter, and the parameters one after another, run in the order of the device's
+        # stream (CPU: in program order), so a workspace is free again when the next update
+        # zeroes it. Keyed by stream on CUDA, as the caching allocator keys its blocks.
+        self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
 
     # lomo-optim's attribute names for AdaLomo's hyper-parameters (see GroupHyperParameter).
     eps = GroupHyperParameter("eps")
@@ -134,6 +152,39 @@ class AdaLomo(InBackwardOptimizer):
                 if key not in self._beta2:
                     self._beta2[key] = torch.zeros(1, device=device)
                 self._beta2[key].fill_(beta2)
+        self._backends = {d: ADALOMO.resolve(d, self._backend_name) for d in self._scalars}
+        self._check_update_arguments()
+
+    def _check_update_arguments(self) -> None:
+        """The update's public checks (`ops.adalomo_update_`'s), once per step, on the values
+        every per-tensor call of the step passes (`_update` skips them per call), and the
+        moments' form; a value not in the op's form is refused before any parameter changes."""
+        self._step_arguments = {}
+        for device, scalars in self._scalars.items():
+            inv_scale = self._inv_scale_for(device)
+            for index, group in enumerate(self._hook_groups):
+                if index not in scalars.lr:
+                    continue  # no parameter of this group on this device
+                clip = group["clip_grad_norm"] is not None
+                self._step_arguments[device, index] = adalomo_step_arguments(
+                    device,
+                    True,  # the factored passes take every step-wide argument
+                    lr=scalars.lr[index],
+                    beta2=self._beta2[device, index],
+                    eps=group["eps"],
+                    clip_threshold=group["clip_threshold"],
+                    weight_decay=group["weight_decay"],
+                    inv_scale=inv_scale,
+                    clip_value=group["clip_grad_value"],
+                    clip_coef=scalars.clip_coef if clip else None,
+                    found_inf=scalars.update_found_inf,
+                    # Per call: one of the optimizer's own flags (or None), like this one.
+                    skip_if=scalars.norm_found_inf,
+                )
+        if self._sharding is None:  # sharded steps keep slices of their own (adalomo_slices)
+            for group in self.param_groups:
+                for param in group["params"]:
+                    check_adalomo_state(param, self.state[param])
 
     def _host_hyper_parameters(self) -> dict[str, Any]:
         return {"loss_scale": self.loss_scale}
@@ -159,23 +210,54 @@ class AdaLomo(InBackwardOptimizer):
         on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         group_index = self._group_of[id(param)]
-        adalomo_update_(
-            param,
-            grad,
-            self.state[param],
-            lr=scalars.lr[group_index],
-            beta2=self._beta2[param.device, group_index],
-            eps=group["eps"],
-            clip_threshold=group["clip_threshold"],
-            weight_decay=group["weight_decay"],
-            inv_scale=self._inv_scale_for(param.device),
-            clip_value=group["clip_grad_value"],
-            clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
-            found_inf=scalars.update_found_inf,
-            skip_if=skip_if,
-            backend=self.backend,
-            on_grad_sumsq=on_grad_sumsq,
-        )
+        if torch.compiler.is_compiling():
+            # Traced: the public function as it is, nothing read from host-side caches.
+            adalomo_update_(
+                param,
+                grad,
+                self.state[param],
+                lr=scalars.lr[group_index],
+                beta2=self._beta2[param.device, group_index],
+                eps=group["eps"],
+                clip_threshold=group["clip_threshold"],
+                weight_decay=group["weight_decay"],
+                inv_scale=self._inv_scale_for(param.device),
+                clip_value=group["clip_grad_value"],
+                clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
+                found_inf=scalars.update_found_inf,
+                skip_if=skip_if,
+                backend=self.backend,
+                on_grad_sumsq=on_grad_sumsq,
+            )
+            return
+        if not param.numel():
+            return
+        # The public function's passes without its per-call checks and conversions: the
+        # step-wide values passed them this step, the state's form too; the rest is the
+        # parameter, its gradient and one of the optimizer's own flags.
+        device = param.device
+        arguments = {
+            **self._step_arguments[device, group_index],
+            **self.state[param],
+            "param": param,
+            "grad": grad.contiguous(),
+            "skip_if": skip_if,
+            "workspace": self._workspace(param),
+        }
+        run_adalomo_passes_(self._backends[device], arguments, on_grad_sumsq)
+
+    def _workspace(self, param: torch.Tensor) -> torch.Tensor:
+        """A zeroed fp32 workspace for one eager update of `param` (see `_workspaces`)."""
+        device = param.device
+        key = (device, param.shape)
+        if param.is_cuda:
+            key += (torch.cuda.current_stream(device).cuda_stream,)
+        workspace = self._workspaces.get(key)
+        if workspace is None:
+            numel = workspace_numel(param.shape)
+            workspace = torch.empty(numel, dtype=torch.float32, device=device)
+            self._workspaces[key] = workspace
+        return workspace.zero_()
 
     def _update_shards(self, batch: SliceBatch) -> None:
         # Row/column statistics span ranks: the whole batch is stepped together, with two
