@@ -391,3 +391,49 @@ def test_fast_path_does_not_sync_on_cuda(optimizer, fast_calls):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert fast_calls
+
+
+FACTORED_PASSES = [
+    "lomo_kernels::adalomo_factored_stats_",
+    "lomo_kernels::adalomo_factored_moments_",
+    "lomo_kernels::adalomo_factored_norm_",
+    "lomo_kernels::adalomo_factored_apply_",
+]
+
+
+@pytest.mark.parametrize("listening", ["nothing", "dispatch_mode", "later_pass_subclass"])
+def test_adalomo_passes_are_checked_for_the_fast_path_together(fast_calls, listening):
+    """An AdaLomo step's passes are checked once for the fast path: all four run directly,
+    or, when anything could see one of them, each pass decides on its own as a lone op call
+    does: a mode sees them all; a subclass among the tensors of the later passes only sends
+    those through the dispatcher. The same bits either way."""
+    gen = torch.Generator().manual_seed(3)
+    param = torch.randn(9, 13, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(9, 13, generator=gen).to(torch.bfloat16)
+    kwargs = {"lr": 0.01, "beta2": 0.5, "weight_decay": 0.1, "backend": "cpp"}
+    expected, expected_state = param.clone(), ops.init_adalomo_state(param)
+    ops.adalomo_update_(expected, grad, expected_state, **kwargs)
+    assert fast_calls == FACTORED_PASSES
+    fast_calls.clear()
+    state = ops.init_adalomo_state(param)
+    with torch.no_grad():
+        if listening == "dispatch_mode":
+            with _DispatchRecorder() as recorder:
+                ops.adalomo_update_(param, grad, state, **kwargs)
+            seen = [name for name in recorder.seen if name.startswith("lomo_kernels.")]
+            assert seen == [f"{n.replace('::', '.')}.default" for n in FACTORED_PASSES]
+        else:
+            if listening == "later_pass_subclass":  # not read by pass A
+                state["exp_avg_sq_col"] = state["exp_avg_sq_col"].as_subclass(_NoFunctionSubclass)
+            ops.adalomo_update_(param, grad, state, **kwargs)
+    # Pass A reads no column moment: it alone may run directly beside the subclass.
+    direct = {
+        "nothing": FACTORED_PASSES,
+        "dispatch_mode": [],
+        "later_pass_subclass": FACTORED_PASSES[:1],
+    }
+    assert fast_calls == direct[listening]
+    assert torch.equal(_bits(param), _bits(expected))
+    assert all(
+        torch.equal(state[k].as_subclass(torch.Tensor), v) for k, v in expected_state.items()
+    )

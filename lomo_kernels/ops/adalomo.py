@@ -27,6 +27,7 @@ reads a device value on the host, so a step never synchronises. Kernels per devi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, define
 from .checks import check_pair
-from .eager import FusedOp
+from .eager import FusedOp, FusedSequence
 from .scalars import Scalar
 from .spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 
@@ -149,6 +150,11 @@ factored_norm_op = define(FACTORED_NORM, ADALOMO)
 factored_apply_op = define(FACTORED_APPLY, ADALOMO)
 vector_stats_op = define(VECTOR_STATS, ADALOMO)
 vector_apply_op = define(VECTOR_APPLY, ADALOMO)
+# One step's passes, in order (`run_adalomo_passes_`).
+_FACTORED_PASSES = FusedSequence(
+    factored_stats_op, factored_moments_op, factored_norm_op, factored_apply_op
+)
+_VECTOR_PASSES = FusedSequence(vector_stats_op, vector_apply_op)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -338,21 +344,19 @@ def run_adalomo_passes_(
     `arguments`: `adalomo_step_arguments`' values plus ``param``, ``grad`` (contiguous),
     ``workspace`` (zeroed, `adalomo_workspace`) and the parameter's state tensors by their
     names (`check_adalomo_state`), for a parameter with at least one element; `backend` a
-    name, or the module `ADALOMO.resolve` returned (None under tracing: the device's). Each
-    pass is called through `FusedOp`, so a traced step still reaches the dispatcher.
+    name, or the module `ADALOMO.resolve` returned (None under tracing: the device's). The
+    passes run as a `FusedSequence`: eager with a module, the fast path's checks once for
+    all of them; traced, or with anything listening, each op through the dispatcher.
     """
     param = arguments["param"]
     if param.dim() >= 2:
         arguments["cols"] = param.shape[-1]
-        factored_stats_op.call_from(backend, arguments)
+        between = None
         if on_grad_sumsq is not None:
-            on_grad_sumsq(measured_view(arguments["workspace"]))
-        factored_moments_op.call_from(backend, arguments)
-        factored_norm_op.call_from(backend, arguments)
-        factored_apply_op.call_from(backend, arguments)
+            between = functools.partial(on_grad_sumsq, measured_view(arguments["workspace"]))
+        _FACTORED_PASSES(backend, arguments, between)
     else:
-        vector_stats_op.call_from(backend, arguments)
-        vector_apply_op.call_from(backend, arguments)
+        _VECTOR_PASSES(backend, arguments)
 
 
 def _check_factored(

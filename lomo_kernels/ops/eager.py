@@ -13,7 +13,8 @@ keep seeing the op.
 
 The public layer calls a `FusedOp` with the caller's backend name and the op's arguments
 by keyword (Lomo's per-tensor update: `FusedOp.call_in_order`, the arguments as a tuple in
-the spec's order); the name is resolved to a backend module (a cached lookup) whose
+the spec's order; AdaLomo's passes: a `FusedSequence`, several ops on one set of arguments,
+checked once for all of them); the name is resolved to a backend module (a cached lookup) whose
 function for this op runs, on the fast path directly, through the dispatcher under
 `chosen_backend`. What each fast call checks is the least that proves nothing else could
 see the op: a few reads of this thread's state, the exact types of the tensor arguments,
@@ -170,7 +171,7 @@ class FusedOp:
         if _is_compiling():
             self.overload(**{name: arguments[name] for name in self._names})
             return
-        self.call_in_order(backend, self._in_order(arguments))
+        self._call_eager(backend, self._in_order(arguments))
 
     def call_in_order(self, backend: str | ModuleType | None, args: tuple[Any, ...]) -> None:
         """As ``op(backend, **arguments)``, the arguments given as a tuple in the spec's order
@@ -178,6 +179,10 @@ class FusedOp:
         if _is_compiling():
             self._dispatch(args)
             return
+        self._call_eager(backend, args)
+
+    def _call_eager(self, backend: str | ModuleType | None, args: tuple[Any, ...]) -> None:
+        """`call_in_order` outside tracing."""
         first = args[0]
         if first.is_cuda:
             device_type = "cuda"
@@ -197,6 +202,11 @@ class FusedOp:
             with dispatching_to({self.registry: module}):
                 self._dispatch(args)
             return
+        self._run_kernel(module, device_type, args)
+
+    def _run_kernel(self, module: ModuleType, device_type: str, args: tuple[Any, ...]) -> None:
+        """The fast path itself, once `_nothing_listening` and `_plain_unrecorded` allow it:
+        the dispatcher's version bump, then the backend's kernel."""
         kernel = self._kernel(module, device_type)
         _increment_version(filter(_given, self._mutated(args)))
         kernel(*args)
@@ -205,3 +215,54 @@ class FusedOp:
         """The call through the dispatcher, the arguments by name (as the public layer gives
         them, in the spec's order)."""
         self.overload(**dict(zip(self._names, args, strict=True)))
+
+
+class FusedSequence:
+    """Ops of one family run one after another on one set of arguments by name (AdaLomo's
+    passes of one parameter), each as `FusedOp.call_from` runs it; eager, with a backend
+    module resolved already, the fast path's checks (thread state, the exact types and grad
+    mode of every tensor any of the ops takes) are made once for the whole sequence: nothing
+    between the ops changes them (`between` runs only tensor ops of the library's own)."""
+
+    def __init__(self, *ops: FusedOp) -> None:
+        self.ops = ops
+        tensor_names = dict.fromkeys(name for op in ops for name in op.spec.tensor_names)
+        self._first = ops[0].spec.names[0]
+        self._tensors = operator.itemgetter(*tensor_names)
+
+    def __call__(
+        self,
+        backend: str | ModuleType | None,
+        arguments: dict[str, Any],
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """Runs the ops in order; `between` (if given) after the first."""
+        # is_compiling first, as in FusedOp.call_from.
+        if not _is_compiling() and self._run_fast(backend, arguments, between):
+            return
+        for index, op in enumerate(self.ops):
+            op.call_from(backend, arguments)
+            if index == 0 and between is not None:
+                between()
+
+    def _run_fast(
+        self,
+        backend: str | ModuleType | None,
+        arguments: dict[str, Any],
+        between: Callable[[], None] | None,
+    ) -> bool:
+        """The sequence on the fast path, if every op may take it (else False, nothing run)."""
+        first = arguments[self._first]
+        device_type = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
+        if (
+            device_type is None
+            or backend is None
+            or isinstance(backend, str)
+            or not (_nothing_listening() and _plain_unrecorded(self._tensors(arguments)))
+        ):
+            return False
+        for index, op in enumerate(self.ops):
+            op._run_kernel(backend, device_type, op._in_order(arguments))
+            if index == 0 and between is not None:
+                between()
+        return True
