@@ -113,6 +113,14 @@ def _plain_unrecorded(tensors: tuple[Any, ...]) -> bool:
     return not (_is_grad_enabled() and _any_requires_grad(*tensors))
 
 
+def _kernel_device_type(tensor: torch.Tensor) -> str | None:
+    """'cuda' or 'cpu', the device types the fast path runs kernels on; None for meta and
+    others (their calls go to the op's registrations)."""
+    if tensor.is_cuda:
+        return "cuda"
+    return "cpu" if tensor.is_cpu else None
+
+
 def _tuple_of(positions: tuple[int, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """The items of a tuple at `positions`, as a tuple (itemgetter of a single key returns
     the item itself: that one is taken as a slice)."""
@@ -184,11 +192,8 @@ class FusedOp:
     def _call_eager(self, backend: str | ModuleType | None, args: tuple[Any, ...]) -> None:
         """`call_in_order` outside tracing."""
         first = args[0]
-        if first.is_cuda:
-            device_type = "cuda"
-        elif first.is_cpu:
-            device_type = "cpu"
-        else:  # meta and others: the op's registrations
+        device_type = _kernel_device_type(first)
+        if device_type is None:
             self._dispatch(args)
             return
         # A name (or None) is resolved here; anything else is a backend resolved already.
@@ -238,31 +243,27 @@ class FusedSequence:
     ) -> None:
         """Runs the ops in order; `between` (if given) after the first."""
         # is_compiling first, as in FusedOp.call_from.
-        if not _is_compiling() and self._run_fast(backend, arguments, between):
-            return
+        device_type = None if _is_compiling() else self._fast_device_type(backend, arguments)
         for index, op in enumerate(self.ops):
-            op.call_from(backend, arguments)
+            if device_type is None:
+                op.call_from(backend, arguments)
+            else:
+                op._run_kernel(backend, device_type, op._in_order(arguments))
             if index == 0 and between is not None:
                 between()
 
-    def _run_fast(
-        self,
-        backend: str | ModuleType | None,
-        arguments: dict[str, Any],
-        between: Callable[[], None] | None,
-    ) -> bool:
-        """The sequence on the fast path, if every op may take it (else False, nothing run)."""
-        first = arguments[self._first]
-        device_type = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
+    def _fast_device_type(
+        self, backend: str | ModuleType | None, arguments: dict[str, Any]
+    ) -> str | None:
+        """The device type whose kernels every op runs directly, if each may take the fast
+        path (a resolved backend module, nothing listening, plain unrecorded tensors); else
+        None: each op decides for itself, as `FusedOp.call_from` does."""
+        device_type = _kernel_device_type(arguments[self._first])
         if (
             device_type is None
             or backend is None
             or isinstance(backend, str)
             or not (_nothing_listening() and _plain_unrecorded(self._tensors(arguments)))
         ):
-            return False
-        for index, op in enumerate(self.ops):
-            op._run_kernel(backend, device_type, op._in_order(arguments))
-            if index == 0 and between is not None:
-                between()
-        return True
+            return None
+        return device_type
