@@ -208,3 +208,44 @@ inline uint32_t update_fp16_avx2(uint16_t* __restrict p, const uint16_t* __restr
   return any_bad |
          update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
+
+// ----------------------------------------------------------------------------------------
+// Gradient sum of squares
+
+// Eight elements, in order, as fp32: the gradient's own dtype widened exactly.
+template <class G>
+LOMO_INLINE __m256 load_floats8(const typename G::T* g) {
+  if constexpr (std::is_same_v<G, lomo::Fp32>) {
+    return _mm256_loadu_ps(g);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g));
+    if constexpr (std::is_same_v<G, lomo::Fp16>) {
+      return _mm256_cvtph_ps(h);
+    } else {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// sumsq_span's lanes over the first n - n % 8 elements: lanes 0-3 and 4-7 are two vectors
+// of doubles, element i + l goes to lane l as there, and each square is exact in double
+// (24-bit significands), so every lane's sum is the portable loop's bit for bit. Adds into
+// `lanes`; returns the number of elements consumed. Two dependent adds per 8 elements keep
+// this at about memory speed; more accumulators would change the summation order.
+template <class G>
+int64_t sumsq_lanes_avx2(const typename G::T* __restrict g, int64_t n, float inv_scale,
+                         double* lanes) {
+  const __m256 inv = _mm256_set1_ps(inv_scale);
+  __m256d low = _mm256_loadu_pd(lanes), high = _mm256_loadu_pd(lanes + 4);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(load_floats8<G>(g + i), inv);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    low = _mm256_add_pd(low, _mm256_mul_pd(a, a));
+    high = _mm256_add_pd(high, _mm256_mul_pd(b, b));
+  }
+  _mm256_storeu_pd(lanes, low);
+  _mm256_storeu_pd(lanes + 4, high);
+  return i;
+}

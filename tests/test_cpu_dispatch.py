@@ -140,23 +140,82 @@ def test_every_level_unaligned_views_and_skip(level: str, pdt: str) -> None:
     assert found.item() == 0.0
 
 
+SUMSQ_GRAIN = 32_768  # csrc/lomo_cpu.cpp's kGrain: the fixed chunks of grad_sumsq_
+SUMSQ_LANES = 8  # csrc/lomo_cpu_loops.h's kSumLanes
+
+
+def _lane_order_sumsq(grad: torch.Tensor, inv_scale: float, start: float) -> float:
+    """grad_sumsq_'s documented order in float64: per chunk, element i into lane i % 8 in
+    sequence, the lanes added in order, the chunks added in order to `start`, one fp32
+    rounding at the end. Independent of the kernels: the loops must match it bit for bit."""
+    scaled = (grad.float() * torch.tensor(inv_scale, dtype=torch.float32)).double().tolist()
+    total = 0.0
+    for begin in range(0, len(scaled), SUMSQ_GRAIN):
+        lanes = [0.0] * SUMSQ_LANES
+        for i, v in enumerate(scaled[begin : begin + SUMSQ_GRAIN]):
+            lanes[i % SUMSQ_LANES] += v * v  # exact: a fp32 value squared fits a double
+        partial = 0.0
+        for lane in lanes:
+            partial += lane
+        total += partial
+    return torch.tensor(start + total, dtype=torch.float64).float().item()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 17, 100_003], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("gdt", list(DTYPES))
-def test_grad_sumsq_identical_at_every_level(gdt: str) -> None:
-    # Fixed partial sums, added in a fixed order: every level gives the same bits (the sum
-    # itself is checked against float64 in test_cpp_backend.py).
-    n = 100_003
-    grad = _make_grad(n, DTYPES[gdt], seed=4, scale=3.0, specials=False)
-    sums = {}
-    previous = _extension()._set_cpu_isa("baseline")
-    try:
-        for name in _levels():
-            _extension()._set_cpu_isa(name)
-            out = torch.zeros(1)
-            cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, None)
-            sums[name] = out.item()
-    finally:
-        _extension()._set_cpu_isa(previous)
-    assert len(set(sums.values())) == 1, sums
+def test_grad_sumsq_every_level_matches_lane_order(level: str, gdt: str, n: int) -> None:
+    # Every level (the AVX2 loops hold the lanes in vectors of doubles) gives the bits of the
+    # stated order; sizes leave tails inside and across the 32768-element chunks.
+    # Started at minus the sum's fp32 value, the fp32 result is the double sum's low bits:
+    # a different summation order shows there, where one fp32 rounding would hide it.
+    grad = _make_grad(n, DTYPES[gdt], seed=n, scale=3.0, specials=False)
+    for start in (1.25, -_lane_order_sumsq(grad, 0.5, 0.0)):
+        out, found = torch.tensor([start]), torch.zeros(1)
+        cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, found)
+        assert out.item() == _lane_order_sumsq(grad, 0.5, start)
+        assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("n", [43, 40_000], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_every_level_keeps_each_lane(level: str, gdt: str, n: int) -> None:
+    # One large square (2^24, ulp 2^-28) in lane `big` and tiny ones (2^-30, under half that
+    # ulp) everywhere else: the tiny squares sharing its lane vanish one by one, the other
+    # lanes' sums (five or more of them) survive the final adds.
+    # Started at -2^24, the fp32 result is what survived, so a loop that puts any element in
+    # another lane, or adds the lanes in another order, gives other bits.
+    for big in range(SUMSQ_LANES):
+        grad = torch.full((n,), 2.0**-14).to(DTYPES[gdt])  # scaled by 0.5: 2^-15
+        grad[big] = 2.0**13  # scaled: 2^12
+        out = torch.tensor([-(2.0**24)])
+        cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, None)
+        assert out.item() == _lane_order_sumsq(grad, 0.5, -(2.0**24))
+        assert out.item() != 0.0
+
+
+@pytest.mark.parametrize("where", ["first", "vector body", "tail"])
+@pytest.mark.parametrize("special", ["inf", "-inf", "nan", "overflow"])
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_every_level_flags_non_finite(
+    level: str, gdt: str, special: str, where: str
+) -> None:
+    # The loops flag a non-finite scaled element through the non-finite total; "overflow" is
+    # a finite gradient that the inverse scale (2.0 here) takes past the dtype's fp32 range
+    # (fp16's largest is not: it stays finite and must not be flagged).
+    n = 4_101  # 512 vectors of 8 and a tail of 5
+    grad = _make_grad(n, DTYPES[gdt], seed=9, scale=1.0, specials=False)
+    value = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}.get(
+        special, torch.finfo(DTYPES[gdt]).max
+    )
+    index = {"first": 0, "vector body": 2_053, "tail": n - 2}[where]
+    grad[index] = value
+    out, found = torch.zeros(1), torch.zeros(1)
+    cpp_backend.grad_sumsq_(grad, torch.tensor([2.0]), out, found)
+    scaled = grad[index].float() * 2.0
+    expect_flag = not torch.isfinite(scaled).item()
+    assert found.item() == float(expect_flag)
+    if not expect_flag:
+        assert out.item() == _lane_order_sumsq(grad, 2.0, 0.0)
 
 
 ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]
