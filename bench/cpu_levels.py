@@ -1,4 +1,4 @@
-"""The C++ CPU update at every vector level this CPU runs, against the axpy floor.
+"""The C++ CPU update and sum of squares at every vector level this CPU runs, against floors.
 
 One build holds every level (csrc/cpu_isa.h: baseline, avx2, avx512, avx512bf16); this times
 the binding `lomo_update_` with the full LOMO option set (the `bench kernels` values: unscale
@@ -6,6 +6,11 @@ by a device-tensor loss scale, clip by value, a clip_coef tensor, weight decay, 
 at each level the CPU has, `torch._fused_sgd_` (plain SGD) and the floor `p.add_(g,
 alpha=-lr)` (the same bytes moved), one thread, interleaved, an untimed pass over the data
 before each call, medians. Cells: median / median(axpy) of the same size and dtype.
+
+The gradient's sum of squares (`grad_sumsq_`, the norm pass of clipping by global norm:
+squares in double, inf/nan flag) is timed the same way at each level against torch's
+`torch.linalg.vector_norm(g, dtype=float32)`, what `clip_grad_norm_` runs (one read of the
+gradient, fp32 accumulation): "sumsq" lines, cells median / median(vector_norm).
 
 Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
 shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.
@@ -66,6 +71,35 @@ def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, C
     return out
 
 
+def sumsq_variants(g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
+    """sumsq[<level>] per level (the caller sets the level) and vector_norm."""
+    ext = cpp._loader.module("cpu")
+    inv_scale, sumsq, found = torch.tensor([INV_SCALE]), torch.zeros(1), torch.zeros(1)
+
+    def ours() -> None:
+        ext.grad_sumsq_(g, inv_scale, sumsq, found)
+
+    out = {f"sumsq[{level}]": ours for level in levels} if levels else {"sumsq": ours}
+    out["vector_norm"] = lambda: torch.linalg.vector_norm(g, dtype=torch.float32)
+    return out
+
+
+def time_interleaved(
+    fns: dict[str, Callable], tensors: tuple[torch.Tensor, ...], reps: int, ext
+) -> dict[str, float]:
+    """Median thread CPU time of each function, interleaved, the same cache state before
+    every call; a key "<name>[<level>]" runs at that level."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            if key.endswith("]"):  # <name>[<level>]: set outside the timing
+                ext._set_cpu_isa(key[key.index("[") + 1 : -1])
+            for t in tensors:
+                t.view(INT_VIEW[t.element_size()]).max()
+            times[key].append(cpu_time(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64K,1M,4M,16M"))
@@ -79,26 +113,31 @@ def main() -> None:
     print(
         f"CPU {machine.cpu_model()} ({machine.vector_isa()}), 1 thread, torch {torch.__version__}"
     )
-    print("cells: median thread CPU time / that of axpy (p.add_), same size and dtype")
+    print(
+        "cells: median thread CPU time / that of axpy (p.add_); sumsq lines: / that of "
+        "vector_norm; same size and dtype"
+    )
     try:
         for name in args.dtype.split(","):
             for numel in args.sizes:
                 gen = torch.Generator().manual_seed(numel)
                 p = torch.randn(numel, generator=gen).to(DTYPES[name])
                 g = (torch.randn(numel, generator=gen) * 1e-2).to(DTYPES[name])
-                fns = variants(p, g, levels)
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.reps):
-                    for key, fn in fns.items():
-                        if key.startswith("ours["):  # ours[<level>]: set outside the timing
-                            ext._set_cpu_isa(key[5:-1])
-                        for t in (p, g):  # the same cache state before every call
-                            t.view(INT_VIEW[t.element_size()]).max()
-                        times[key].append(cpu_time(fn))
-                med = {k: statistics.median(v) for k, v in times.items()}
-                cells = "  ".join(f"{k} {med[k] / med['axpy']:.3f}" for k in fns if k != "axpy")
+                med = time_interleaved(variants(p, g, levels), (p, g), args.reps, ext)
+                cells = "  ".join(
+                    f"{k} {v / med['axpy']:.3f}" for k, v in med.items() if k != "axpy"
+                )
                 gbps = 3 * numel * p.element_size() / med["axpy"] / 1e9
                 print(f"{name} {size_label(numel):>4}: {cells}  (axpy {gbps:.1f} GB/s)")
+                med = time_interleaved(sumsq_variants(g, levels), (g,), args.reps, ext)
+                floor = med["vector_norm"]
+                cells = "  ".join(
+                    f"{k} {v / floor:.3f}" for k, v in med.items() if k != "vector_norm"
+                )
+                gbps = numel * g.element_size() / floor / 1e9
+                print(
+                    f"{name} {size_label(numel):>4} sumsq: {cells}  (vector_norm {gbps:.1f} GB/s)"
+                )
     finally:
         if previous is not None:
             ext._set_cpu_isa(previous)
