@@ -106,7 +106,7 @@ bench: $(STAMP)
 		--plot bench/results/kernels_cpu.png
 	$(PY) -m lomo_kernels bench memory --model llama-168m \
 		--plot bench/results/memory_cpu.png
-	$(PY) -m lomo_kernels bench train --model tiny --steps 3 \
+	$(PY) -m lomo_kernels bench train --model tiny --steps 5 --rounds 3 \
 		--optimizers adamw,sgd,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
 		--json bench/results/train_cpu.json --plot bench/results/train_cpu.png \
 		| tee bench/results/train_cpu.txt

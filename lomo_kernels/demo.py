@@ -17,7 +17,8 @@ most of the step's memory, as in fine-tuning a large model on short sequences: A
 gradients and two fp32 moments are 3x the model, while LOMO holds one gradient at a time.
 Peak memory is the process's VmHWM above what it holds once the model exists (CUDA: the
 allocator's peak above the model), after a warm-up step. CPU timings are CPU timings, not
-GPU figures.
+GPU figures; with one thread they are the process's CPU time, which other jobs on the machine
+do not inflate (`train_runner.step_clock`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def report(tmp_path_factory, test_device) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def test_one_row_per_optimizer_with_every_figure(report, capsys) -> None:
+def test_one_row_per_optimizer_with_every_figure(report, capsys, test_device) -> None:
     results = report["results"]
     assert [r["optimizer"] for r in results] == OPTIMIZERS
     for r in results:
@@ -60,6 +60,14 @@ def test_one_row_per_optimizer_with_every_figure(report, capsys) -> None:
         assert r["tokens_per_s"] == pytest.approx(64 / r["median_step_s"])
         assert 0 < r["peak_above_model_mib"] < r["peak_mib"]
     meta = report["machine"]
+    # One CPU thread: the figures are the process's CPU time (a shared machine's other jobs
+    # do not count); on a GPU the wall clock. Both clocks are kept per step.
+    clock = "wall" if test_device.startswith("cuda") else "cpu"
+    assert meta["step_clock"] == clock and meta["rounds"] == 1
+    for r in results:
+        assert r["step_clock"] == clock and len(r["cpu_step_s"]) == WARMUP + STEPS
+        assert r["median_step_s"] == r[f"median_{clock}_step_s"]
+        assert r["median_cpu_step_s"] > 0 and r["median_wall_step_s"] > 0
     base = meta["forward_backward"]
     assert base["status"] == "ok" and base["state_mib"] == 0
     for r in results:  # the share: what the step costs beyond forward + backward
@@ -79,6 +87,55 @@ def test_one_row_per_optimizer_with_every_figure(report, capsys) -> None:
         " notes ",
     ]
     assert [line.split("|")[1].strip() for line in table[3:]] == OPTIMIZERS
+
+
+def test_step_clock() -> None:
+    assert train_runner.step_clock("cpu", 1) == "cpu"
+    assert train_runner.step_clock("cpu", 2) == "wall"  # CPU time would add the threads up
+    assert train_runner.step_clock("cuda", 1) == "wall"
+    assert train_runner.step_clock("cuda:1", 1) == "wall"
+
+
+def test_rounds_rotate_the_order_and_report_the_median_of_their_medians(monkeypatch) -> None:
+    # The processes are replaced by a recorder: round r starts r places along the list, an
+    # optimizer that ran out of memory once is not run again, and the table gives the median
+    # of the rounds' medians with their range.
+    calls: list[str] = []
+    step_s = {
+        "forward_backward": [1.0, 1.2, 1.1],
+        "adamw": [2.0, 9.0, 2.2],
+        "lomo": [3.0, 3.4, 3.2],
+    }
+
+    def fake_run(workload, spec, name, **kwargs):
+        calls.append(name)
+        if name == "sgd":
+            return {"optimizer": name, "status": "OOM", "error": "out of memory"}
+        median = step_s[name][sum(c == name for c in calls) - 1]
+        return {"optimizer": name, "status": "ok", "median_step_s": median, "tokens_per_step": 64}
+
+    monkeypatch.setattr(bench_train, "run_isolated", fake_run)
+    monkeypatch.setattr(bench_train, "resolve_model", lambda name: _Shape())
+    results, meta = bench_train.run("tiny", ["adamw", "sgd", "lomo"], rounds=3, progress=False)
+    assert calls == [
+        *("forward_backward", "adamw", "sgd", "lomo"),
+        *("adamw", "lomo", "forward_backward"),  # sgd: out of memory in round 1
+        *("lomo", "forward_backward", "adamw"),
+    ]
+    adamw, sgd, lomo = results
+    assert sgd["status"] == "OOM"
+    assert adamw["round_median_step_s"] == [2.0, 9.0, 2.2] and adamw["median_step_s"] == 2.2
+    assert adamw["tokens_per_s"] == pytest.approx(64 / 2.2)
+    assert adamw["update_share"] == pytest.approx(1 - 1.1 / 2.2)
+    assert lomo["median_step_s"] == 3.2 and lomo["round_median_step_s"] == [3.0, 3.4, 3.2]
+    assert meta["rounds"] == 3
+    table = bench_train.format_table(results, meta)
+    assert "median of 3 rounds of processes" in table
+    assert "| adamw | 29 | 2200.0 (2000.0-9000.0) |" in table
+
+
+class _Shape:
+    name, num_parameters = "tiny", 1
 
 
 def _sgd_losses(device: str) -> list[float]:

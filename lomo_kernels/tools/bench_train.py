@@ -2,7 +2,8 @@
 
     lomo-kernels bench train [--device cpu|cuda] [--model tiny|llama-1b|llama-3-1b|llama-7b|
                              CONFIG.json] [--dtype bf16|fp16|fp32] [--batch B] [--seq S]
-                             [--checkpointing] [--steps N] [--optimizers adamw,lomo,...]
+                             [--checkpointing] [--steps N] [--rounds R]
+                             [--optimizers adamw,lomo,...]
                              [--fused-head] [--memory-cap-gib G] [--json F] [--plot F.png]
 
 A LLaMA-architecture model of the named shape (random weights, nothing downloaded) is
@@ -11,6 +12,13 @@ fresh process (`train_runner`), all from the same initial weights on the same ba
 Per optimizer: tokens/s and the median step time (warm-up steps left out), the peak memory
 (CUDA: `max_memory_allocated`; CPU: the process's VmHWM, and both above the model), the
 optimizer's state, the update's share of the step, or OOM where the step does not fit.
+
+Step times are the process's CPU time on a one-thread CPU run (a shared machine's other jobs
+do not count), the wall clock otherwise (`train_runner.step_clock`). With `--rounds R` the
+whole sequence of processes runs R times, each round in a rotated order, so a burst of load
+on the machine hits every optimizer alike: the table gives the median of the rounds' medians
+and their range (MEASURING.md's interleaving, one process per run). Memory comes from the
+first round.
 
 The update's share is 1 - t(forward_backward) / t(step): `forward_backward` is the same
 forward and backward with no update at all (gradients dropped), run in its own process. It
@@ -25,6 +33,7 @@ system call: compare CPU step times between optimizers of one run, not with othe
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,7 +50,7 @@ from .argtypes import (
 from .bench_memory import DTYPES, add_fused_head_argument
 from .models import PRESETS, resolve_model
 from .optimizers import DEFAULT_LR, FORWARD_BACKWARD, OPTIMIZERS, unavailable_reason
-from .train_runner import Workload, run_isolated
+from .train_runner import Workload, run_isolated, step_clock
 
 DEFAULT_OPTIMIZERS = "adamw,sgd,lomo_optim,lomo,lomo_single,adalomo,adalomo_single"
 ALIASES = {"lomo-optim": "lomo_optim"}
@@ -82,6 +91,7 @@ def run(
     checkpointing: bool = False,
     steps: int = 3,
     warmup: int = 1,
+    rounds: int = 1,
     threads: int = 1,
     clip_grad_norm: float | None = 1.0,
     seed: int = 0,
@@ -104,29 +114,36 @@ def run(
         "memory_cap_gib": memory_cap_gib,
     }
     todo = [FORWARD_BACKWARD, *optimizers]
-    it: Any = todo
+    # Round r starts r places further along the list, so no run is always first or last.
+    order = [todo[(r + i) % len(todo)] for r in range(rounds) for i in range(len(todo))]
+    it: Any = order
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(todo, desc="bench train", unit="process")
-    raw: dict[str, dict[str, Any]] = {}
+        it = tqdm(order, desc="bench train", unit="process")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in todo}
     for name in it:
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(name)
+        if runs[name] and runs[name][0]["status"] != "ok":
+            continue  # out of memory or unavailable: once is the result
         reason = unavailable_reason(name)
         if reason:
-            raw[name] = {"optimizer": name, "status": "unavailable", "error": reason}
+            runs[name].append({"optimizer": name, "status": "unavailable", "error": reason})
             continue
-        raw[name] = run_isolated(
-            __name__,
-            spec,
-            name,
-            steps=warmup + steps,
-            warmup=warmup,
-            lr=DEFAULT_LR.get(name, 0.0),
-            clip_grad_norm=clip_grad_norm,
-            threads=threads,
+        runs[name].append(
+            run_isolated(
+                __name__,
+                spec,
+                name,
+                steps=warmup + steps,
+                warmup=warmup,
+                lr=DEFAULT_LR.get(name, 0.0),
+                clip_grad_norm=clip_grad_norm,
+                threads=threads,
+            )
         )
+    raw = {name: merge_rounds(results) for name, results in runs.items()}
     base = raw.pop(FORWARD_BACKWARD)
     for result in raw.values():
         if result["status"] == "ok" and base["status"] == "ok":
@@ -140,9 +157,46 @@ def run(
         "warmup": warmup,
         "clip_grad_norm": clip_grad_norm,
         "forward_backward": base,
+        "rounds": rounds,
+        "step_clock": step_clock(device, threads),
     }
     meta["threads"] = threads if not device.startswith("cuda") else meta["threads"]
     return [raw[name] for name in optimizers], meta
+
+
+def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer's runs over the rounds as one result: the first run that did not finish
+    (OOM, unavailable) if any; else the first run with the median of the runs' median step
+    times (and tokens/s from it) and each run's median in `round_median_step_s`."""
+    for result in results:
+        if result["status"] != "ok":
+            return result
+    medians = [r["median_step_s"] for r in results]
+    median = statistics.median(medians)
+    return results[0] | {
+        "round_median_step_s": medians,
+        "median_step_s": median,
+        "tokens_per_s": results[0]["tokens_per_step"] / median,
+    }
+
+
+def _step_cell(result: dict[str, Any]) -> str:
+    """The median step in ms, with the rounds' range when there were several."""
+    if result["status"] != "ok":
+        return result["status"]
+    text = f"{result['median_step_s'] * 1e3:.1f}"
+    rounds = result.get("round_median_step_s", [])
+    if len(rounds) > 1:
+        text += f" ({min(rounds) * 1e3:.1f}-{max(rounds) * 1e3:.1f})"
+    return text
+
+
+def _clock_text(meta: dict[str, Any]) -> str:
+    clock = "process CPU time" if meta.get("step_clock") == "cpu" else "wall clock"
+    rounds = meta.get("rounds", 1)
+    if rounds == 1:
+        return f"step times: {clock}"
+    return f"step times: {clock}, median of {rounds} rounds of processes (their range)"
 
 
 def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
@@ -171,7 +225,7 @@ def format_table(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
         f"{_cap_text(meta.get('memory_cap_gib'), cuda)}, "
         f"{meta['steps']} timed steps after {meta['warmup']} warm-up, clip by norm "
         f"{meta['clip_grad_norm']}; forward + backward without update: {base_ms}; "
-        f"memory: {peak}, MiB",
+        f"{_clock_text(meta)}; memory: {peak}, MiB",
         "| optimizer | tokens/s | median step (ms) | update share | peak | above model | "
         "optimizer state | notes |",
         "|---|---|---|---|---|---|---|---|",
@@ -179,10 +233,9 @@ def format_table(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
     for r in results:
         share = _cell(r, "update_share", ".0%")
         notes = r.get("implementation") or r.get("backend") or r.get("error", "")
-        ms = r["median_step_s"] * 1e3 if r["status"] == "ok" else None
         lines.append(
-            f"| {r['optimizer']} | {_cell(r, 'tokens_per_s', ',.0f')} | "
-            f"{r['status'] if ms is None else format(ms, '.1f')} | {share} | "
+            f"| {r['optimizer']} | {_cell(r, 'tokens_per_s', ',.0f')} | {_step_cell(r)} | "
+            f"{share} | "
             f"{_cell(r, 'peak_mib', ',.0f')} | {_cell(r, 'peak_above_model_mib', ',.0f')} | "
             f"{_cell(r, 'state_mib', ',.1f')} | {notes} |"
         )
@@ -209,6 +262,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
         "--steps", type=positive_int, default=3, help="timed steps per optimizer (default 3)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every optimizer's process this many times, in rotated order; the table "
+        "gives the median of the rounds and their range (default 1)",
     )
     parser.add_argument(
         "--warmup",
@@ -255,6 +315,7 @@ def command(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         steps=args.steps,
         warmup=args.warmup,
+        rounds=args.rounds,
         threads=args.threads,
         clip_grad_norm=args.clip_grad_norm or None,
         seed=args.seed,

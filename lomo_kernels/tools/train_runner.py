@@ -5,8 +5,11 @@ workload (model and batches) with a seed, so every optimizer starts from the sam
 and sees the same batches, then times and meters each step:
 
 - step time: forward + backward + update, `perf_counter` around the step (after a CUDA
-  synchronize on GPUs); the first `warmup` steps are left out of the median (lazy state,
-  first calls, compilation).
+  synchronize on GPUs), and the process's CPU time over the same span (`process_time`); the
+  first `warmup` steps are left out of the medians (lazy state, first calls, compilation).
+  The figure a table uses (`median_step_s`) is the CPU time for a one-thread run on the CPU,
+  where it is the step's own work and a machine shared with other jobs does not inflate it;
+  elsewhere the wall clock (`step_clock`).
 - peak memory: on CUDA `max_memory_allocated()` (reset after the warm-up); on CPU the
   process's VmHWM (reset through /proc/self/clear_refs after the warm-up), in a fresh
   process started with MALLOC_MMAP_THRESHOLD_=65536 so freed blocks leave the RSS (method:
@@ -48,6 +51,13 @@ class Workload:
     evaluate: Callable[[], float] | None = None  # a held-out loss, measured before and after
     # Builds a learning-rate scheduler on the optimizer (stepped after every step), or None.
     make_scheduler: Callable[[Any], Any] | None = None
+
+
+def step_clock(device: str, threads: int) -> str:
+    """The clock of a run's step times: "cpu" (the process's CPU time) for one thread on the
+    CPU, else "wall" (with threads the CPU time would add theirs up; a GPU's work is not the
+    host's CPU time)."""
+    return "cpu" if not device.startswith("cuda") and threads == 1 else "wall"
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -92,7 +102,7 @@ def measure(
         trainer = make_trainer(optimizer, work.model, lr, clip_grad_norm)
         result.update(trainer.notes)
         scheduler = work.make_scheduler and work.make_scheduler(trainer.optimizer)
-        losses, times = [], []
+        losses, times, cpu_times = [], [], []
         ids = first
         bar = _progress(optimizer, steps) if progress else None
         # A run shorter than its warm-up (a smoke test) measures its last step.
@@ -102,11 +112,12 @@ def measure(
                 meter.reset_peak()
             if i > 0:
                 ids = next(work.batches).to(device)
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             loss = trainer.step(ids, ids)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)
+            cpu_times.append(time.process_time() - began_cpu)
             losses.append(float(loss.detach()))
             if scheduler is not None:
                 scheduler.step()
@@ -122,13 +133,19 @@ def measure(
         if not _is_oom(exc):
             raise
         return result | {"status": "OOM", "error": str(exc).splitlines()[0][:300]}
-    timed = times[warmup:]
+    clock = step_clock(device, torch.get_num_threads())
+    wall, cpu = statistics.median(times[warmup:]), statistics.median(cpu_times[warmup:])
+    median = cpu if clock == "cpu" else wall
     result |= {
         "losses": losses,
         "step_s": times,
-        "median_step_s": statistics.median(timed),
+        "cpu_step_s": cpu_times,
+        "step_clock": clock,
+        "median_wall_step_s": wall,
+        "median_cpu_step_s": cpu,
+        "median_step_s": median,
         "tokens_per_step": first.numel(),
-        "tokens_per_s": first.numel() / statistics.median(timed),
+        "tokens_per_s": first.numel() / median,
         "peak_mib": peak / MIB,
         "peak_above_model_mib": (peak - baseline) / MIB,
         "state_mib": state_bytes(trainer.optimizer) / MIB,
