@@ -132,6 +132,42 @@ def test_bad_param_group_edit_refused_before_any_change(name, key, value, error,
     assert_refused(model, opt, lambda: getattr(opt, call)(loss), error, f"param_groups.0.: {match}")
 
 
+def add_foreign_group(opt, model):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+
+
+def list_twice(opt, model):
+    opt.param_groups[0]["params"].append(model[2].weight)
+
+
+def remove_group(opt, model):
+    opt.param_groups.pop()
+
+
+GROUP_EDITS = {
+    "group added": (add_foreign_group, r"param_groups\[1\] lists a tensor of shape \(3,\), which"),
+    "listed twice": (list_twice, r"param_groups\[0\] lists '2.weight', already in"),
+    "group removed": (remove_group, "'0.weight' is in no param group"),
+}
+
+
+@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+@pytest.mark.parametrize("edit", GROUP_EDITS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_param_group_membership_edit_refused_before_any_change(name, edit, call):
+    """The hooks step the parameters the optimizer was built with, each with its group's
+    values: a parameter added to the groups (no hook), listed twice or left out of every
+    group is refused before any change (moving one between groups is served:
+    test_param_groups.py)."""
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.1)
+    opt.fused_backward(loss_of(model, 0))
+    change, match = GROUP_EDITS[edit]
+    change(opt, model)
+    loss = loss_of(model, 1)
+    assert_refused(model, opt, lambda: getattr(opt, call)(loss), ValueError, match)
+
+
 def test_adalomo_loss_scale_edit_refused_before_any_change():
     model = mlp()
     opt = AdaLomo(model, lr=0.05)

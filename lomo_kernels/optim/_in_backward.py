@@ -33,7 +33,13 @@ from ._hyper import check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
 from .loss_scaler import DynamicLossScaler
-from .param_groups import GroupHyperParameter, build_param_groups, group_index, hook_groups
+from .param_groups import (
+    GroupHyperParameter,
+    build_param_groups,
+    current_group_index,
+    group_index,
+    hook_groups,
+)
 from .reporting import StepReporting
 from .row_blocks import RowBlockSteps
 from .sharded_steps import ShardedSteps
@@ -470,6 +476,11 @@ class InBackwardOptimizer(
         _compiled_autograd.check_supported()
         groups = self._checked_groups(None if lr is None else check_lr(lr))
         checked_group(self._host_hyper_parameters(), type(self).__name__)
+        group_of = current_group_index(
+            self.param_groups, self._index_of, lambda: parameter_names(self.model)
+        )
+        if group_of != self._group_of:  # a parameter moved: the hooks read its new group
+            self._group_of = group_of
         if lr is not None:
             for group in self.param_groups:
                 group["lr"] = float(lr)
