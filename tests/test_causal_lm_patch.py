@@ -311,3 +311,42 @@ def test_compiled_model_norm_pass_refused_clearly_before_any_change():
             opt.fused_backward(loss)
             changed = zip(before, model.parameters(), strict=True)
             assert any(not torch.equal(a, b) for a, b in changed)
+
+
+def test_a_deep_copy_of_the_patched_model_trains_its_own_weights():
+    """copy.deepcopy of a patched model (a reference or EMA copy) computes its loss from the
+    copy's weights: trained with Lomo it matches the unpatched model trained alike, and the
+    model it was copied from is neither read nor changed (its weights are halved first, so a
+    loss read from them would differ)."""
+    start = _model("llama")
+    original = patch_causal_lm(clone(start))
+    copied = clone(original)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.mul_(0.5)
+    halved = [p.detach().clone() for p in original.parameters()]
+    plain = _train(clone(start), Lomo, False, steps=2)
+    fused = _train(copied, Lomo, False, steps=2)
+    _assert_steps_match(fused, plain, start)
+    for p, before in zip(original.parameters(), halved, strict=True):
+        assert p.grad is None and torch.equal(p, before)
+
+
+def test_a_head_replaced_after_patching_is_refused_until_patched_again():
+    """resize_token_embeddings replaces the head (and the input embedding): the patched
+    forward refuses to compute the loss with the old head, unpatching still works, and
+    patching again gives the unpatched model's loss (within the 64 u of
+    test_loss_and_gradients_match_unpatched)."""
+    model = patch_causal_lm(_model("llama"))
+    model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    data = _data(0)
+    refusal = r"output head was replaced.*patch_causal_lm\(model\) again"
+    with pytest.raises(ValueError, match=refusal):
+        model(**data)
+    plain = unpatch_causal_lm(clone(model))
+    assert plain(**data).logits.shape[-1] == VOCAB + 8
+    patch_causal_lm(model)
+    assert "forward" in vars(model.get_input_embeddings())  # the new embedding's rows path
+    out = model(**data)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, plain(**data).loss, rtol=64 * 2.0**-24, atol=0)
