@@ -9,6 +9,7 @@ from float64_reference import ulp
 from tiny_models import batch, clone
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lomo_kernels
 from lomo_kernels import AdaLomo, Lomo, patch_causal_lm
 from lomo_kernels.integrations.causal_lm import unpatch_causal_lm
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
@@ -343,7 +344,7 @@ def test_a_head_replaced_after_patching_is_refused_until_patched_again():
     refusal = r"output head was replaced.*patch_causal_lm\(model\) again"
     with pytest.raises(ValueError, match=refusal):
         model(**data)
-    plain = unpatch_causal_lm(clone(model))
+    plain = lomo_kernels.unpatch_causal_lm(clone(model))  # as refusals name it
     assert plain(**data).logits.shape[-1] == VOCAB + 8
     patch_causal_lm(model)
     assert "forward" in vars(model.get_input_embeddings())  # the new embedding's rows path
