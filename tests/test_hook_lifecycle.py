@@ -120,9 +120,9 @@ def cast(model):
 
 
 CHANGES = {
-    "unfrozen": (unfreeze, "has no hook"),
+    "unfrozen": (unfreeze, "'0.bias' is trainable but has no hook"),
     "frozen": (freeze, "was frozen"),
-    "replaced": (replace, "has no hook"),
+    "replaced": (replace, "'2.weight' is trainable but has no hook"),
     "non_contiguous": (transpose_data, "no longer contiguous"),
     "cast": (cast, "was torch.float32"),
 }
@@ -142,3 +142,22 @@ def test_parameters_changed_since_construction_refused_before_backward(name, cha
     assert_refused(model, opt, lambda: getattr(opt, call)(loss), RuntimeError, match)
     refused = pytest.raises(RuntimeError, getattr(opt, call), loss)
     assert "build a new optimizer" in str(refused.value)
+
+
+@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+@pytest.mark.parametrize("second", OPTIMIZERS)
+@pytest.mark.parametrize("first", OPTIMIZERS)
+def test_two_optimizers_on_parts_of_one_model_refused_before_backward(first, second, call):
+    """Each optimizer's backward would reach the other's parameters, whose hooks refuse a
+    gradient outside their own step after this one's updates: refused first, by name."""
+    model = mlp()
+    model[2].requires_grad_(False)
+    opt = OPTIMIZERS[first](model, lr=0.1)  # the first layer
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(True)
+    other = OPTIMIZERS[second](model, lr=0.1)  # the last layer
+    model[0].requires_grad_(True)
+    loss = loss_of(model, 0)
+    match = "'2.weight' is trainable in the model .* another live optimizer's hooks update it"
+    assert_refused(model, opt, lambda: getattr(opt, call)(loss), RuntimeError, match)
+    other.detach()

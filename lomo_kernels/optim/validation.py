@@ -11,6 +11,7 @@ from torch import nn
 
 from ..distributed import compute_dtypes, unwrap_engine
 from ..ops.checks import SUPPORTED_DTYPES
+from .hooks import updated_in_backward
 from .loss_scaler import LOSS_SCALE_KEYS
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -218,15 +219,21 @@ class ParameterLayout:
                 break
         if problem is None and not self.sharded:
             hooked = {id(p) for p, _, _ in self.entries}
-            current = {id(p) for p in self.model.parameters() if p.requires_grad}
-            if current != hooked:
-                added = next(iter(current - hooked), None)
-                problem = (
-                    added,
-                    "is trainable but has no hook (unfrozen or replaced)"
-                    if added is not None
-                    else "is no longer in the model (replaced)",
-                )
+            current = {id(p): p for p in self.model.parameters() if p.requires_grad}
+            if current.keys() != hooked:
+                added = next((p for i, p in current.items() if i not in hooked), None)
+                if added is None:
+                    problem = (None, "is no longer in the model (replaced)")
+                elif updated_in_backward(added):
+                    name = parameter_names(self.model).get(id(added), "?")
+                    raise RuntimeError(
+                        f"parameter {name!r} is trainable in the model this {owner} steps, but "
+                        "another live optimizer's hooks update it: one Lomo or AdaLomo steps "
+                        "all of a model's trainable parameters. To give parts of the model "
+                        "their own values, detach both and build one with param_groups=[...]"
+                    )
+                else:
+                    problem = (added, "is trainable but has no hook (unfrozen or replaced)")
         if problem is not None:
             self._refuse_changed(*problem, owner)
         refuse_sparse_embeddings(self.embeddings)
