@@ -351,3 +351,22 @@ def test_a_head_replaced_after_patching_is_refused_until_patched_again():
     out = model(**data)
     assert out.logits is None
     torch.testing.assert_close(out.loss, plain(**data).loss, rtol=64 * 2.0**-24, atol=0)
+
+
+def test_a_pickled_patched_model_loads_patched_with_its_own_weights():
+    """torch.save(model) of a patched model loads as a patched model (its loss logits-free,
+    its gradients on its own parameters), with the loss of the model it was saved from,
+    bit for bit; its forward keeps the named parameters transformers' Trainer reads."""
+    import inspect
+    import pickle
+
+    model = patch_causal_lm(_model("llama"))
+    loaded = pickle.loads(pickle.dumps(model))
+    assert {"input_ids", "labels"} <= set(inspect.signature(loaded.forward).parameters)
+    data = _data(0)
+    out = loaded(**data)
+    assert out.logits is None
+    assert torch.equal(out.loss, model(**data).loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in loaded.parameters())
+    assert all(p.grad is None for p in model.parameters())

@@ -19,7 +19,7 @@ different loss.
 
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
 import torch
@@ -66,28 +66,33 @@ def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     reproduce exactly. Idempotent, and patches again a head or input embedding replaced
     since (``resize_token_embeddings``); `unpatch_causal_lm` undoes it.
 
-    The forwards are methods bound to the model, its head and its embedding, so a deep copy
-    of the patched model computes its loss from its own weights."""
+    The forwards are module-level functions partially applied to the model, its head and
+    its embedding, so a deep copy (or a pickled and loaded copy) of the patched model
+    computes its loss from its own weights."""
     reason = _refusal(model)
     if reason:
         raise ValueError(f"lomo_kernels.patch_causal_lm: {reason}")
     if not getattr(model, _PATCHED, False):
         setattr(model, _UNPATCHED_FORWARD, model.forward)
-        model.forward = types.MethodType(_forward, model)
+        model.forward = functools.partial(_forward, model)
         setattr(model, _PATCHED, True)
     head = model.get_output_embeddings()
     if not _patched_with(head, _head_forward):
-        head.forward = types.MethodType(_head_forward, head)
+        head.forward = functools.partial(_head_forward, head)
     embedding = model.get_input_embeddings()
     if _plain_embedding(embedding) and not _patched_with(embedding, _embedding_forward):
-        embedding.forward = types.MethodType(_embedding_forward, embedding)
+        embedding.forward = functools.partial(_embedding_forward, embedding)
     return model
 
 
 def _patched_with(module: torch.nn.Module, function: Any) -> bool:
-    """Whether `module`'s forward is `function` bound to it."""
+    """Whether `module`'s forward is `function` applied to it."""
     forward = vars(module).get("forward")
-    return getattr(forward, "__func__", None) is function and forward.__self__ is module
+    return (
+        isinstance(forward, functools.partial)
+        and forward.func is function
+        and forward.args == (module,)
+    )
 
 
 def _forward(
@@ -102,7 +107,7 @@ def _forward(
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs: Any,
 ) -> Any:
-    """The patched model's forward (bound to it)."""
+    """The patched model's forward (applied to it)."""
     if labels is None and kwargs.get("shift_labels") is None:
         return getattr(model, _UNPATCHED_FORWARD)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -154,7 +159,7 @@ def _head_forward(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The head's forward (bound to it): logits as before, or, given ``loss_labels`` or
+    """The head's forward (applied to it): logits as before, or, given ``loss_labels`` or
     ``shift_labels``, the fused causal-LM loss of its input."""
     if loss_labels is None and shift_labels is None:
         return torch.nn.functional.linear(hidden_states, head.weight)
@@ -178,7 +183,7 @@ def _plain_embedding(embedding: torch.nn.Module) -> bool:
 
 
 def _embedding_forward(embedding: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """The input embedding's forward (bound to it): `embedding_rows` (its backward hands a
+    """The input embedding's forward (applied to it): `embedding_rows` (its backward hands a
     Lomo stepping the weight only the used rows), except while tracing for torch.compile,
     where the plain lookup keeps the compiled paths' handling of the embedding's gradient."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
