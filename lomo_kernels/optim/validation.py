@@ -4,6 +4,7 @@ cannot serve, checked at construction and again before every step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -190,6 +191,26 @@ def sparse_gradient_error(name: str) -> TypeError:
     )
 
 
+def refuse_shared_memory(params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """Refuses two trainable parameters whose memory overlaps (``b.weight =
+    nn.Parameter(a.weight)``): the hook of one updates it in place while the backward may
+    still read the other's values for another gradient."""
+    spans = sorted(
+        (p.device.type, p.device.index or 0, p.data_ptr(), p.data_ptr() + p.nbytes, id(p))
+        for p in params
+        if p.numel()
+    )
+    for before, after in itertools.pairwise(spans):
+        if before[:2] == after[:2] and after[2] < before[3]:
+            first, second = names.get(before[4], "?"), names.get(after[4], "?")
+            raise ValueError(
+                f"parameters {first!r} and {second!r} share memory but are different "
+                "Parameters: LOMO updates one in place while the backward may still read the "
+                f"other. Tie them as one Parameter ({second} = {first}) or give each its own "
+                "memory (.clone())"
+            )
+
+
 class ParameterLayout:
     """The trainable parameters the hooks and state were built for, with their dtype and
     device then: a step on a model whose parameters changed since is refused."""
@@ -199,6 +220,8 @@ class ParameterLayout:
         self.sharded = sharded
         self.entries = [(p, p.dtype, p.device) for p in params]
         self.embeddings = trained_embeddings(model)
+        if not sharded:  # sharding engines keep parameters in buffers of their own
+            refuse_shared_memory(params, parameter_names(model))
 
     def check(self, owner: str) -> None:
         """Refuses a step when the model's parameters changed since construction.
