@@ -146,6 +146,10 @@ def remove_group(opt, model):
     opt.param_groups.pop()
 
 
+def list_names(opt, model):
+    opt.param_groups[0]["params"] = [name for name, _ in model.named_parameters()]
+
+
 def delete_key(opt, model):
     del opt.param_groups[0]["weight_decay"]
 
@@ -154,6 +158,7 @@ GROUP_EDITS = {
     "group added": (add_foreign_group, r"param_groups\[1\] lists a tensor of shape \(3,\), which"),
     "listed twice": (list_twice, r"param_groups\[0\] lists '2.weight', already in"),
     "group removed": (remove_group, "'0.weight' is in no param group"),
+    "names listed": (list_names, r"param_groups\[0\] lists str '0.weight', which"),
     "key deleted": (delete_key, r"param_groups\[0\] has no \['weight_decay'\]"),
 }
 

@@ -136,7 +136,9 @@ def current_group_index(
                 index[id(p)] = i
                 continue
             name = names().get(id(p))
-            shown = repr(name) if name else f"a tensor of shape {tuple(p.shape)}"
+            shown = repr(name) if name else f"{type(p).__name__} {p!r:.40}"
+            if isinstance(p, torch.Tensor) and not name:
+                shown = f"a tensor of shape {tuple(p.shape)}"
             if id(p) in index:
                 raise ValueError(
                     f"param_groups[{i}] lists {shown}, already in param_groups[{index[id(p)]}]: "

@@ -195,14 +195,14 @@ def refuse_shared_memory(params: list[nn.Parameter], names: dict[int, str]) -> N
     """Refuses two trainable parameters whose memory overlaps (``b.weight =
     nn.Parameter(a.weight)``): the hook of one updates it in place while the backward may
     still read the other's values for another gradient."""
-    spans = sorted(
-        (p.device.type, p.device.index or 0, p.data_ptr(), p.data_ptr() + p.nbytes, id(p))
-        for p in params
+    spans = sorted(  # by address, then in model order
+        (p.device.type, p.device.index or 0, p.data_ptr(), i, p.data_ptr() + p.nbytes)
+        for i, p in enumerate(params)
         if p.numel()
     )
     for before, after in itertools.pairwise(spans):
-        if before[:2] == after[:2] and after[2] < before[3]:
-            first, second = names.get(before[4], "?"), names.get(after[4], "?")
+        if before[:2] == after[:2] and after[2] < before[4]:
+            first, second = (names.get(id(params[s[3]]), "?") for s in (before, after))
             raise ValueError(
                 f"parameters {first!r} and {second!r} share memory but are different "
                 "Parameters: LOMO updates one in place while the backward may still read the "
