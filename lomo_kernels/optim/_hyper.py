@@ -129,6 +129,7 @@ def checked_groups(
     """`checked_group` of every group (with `lr` in place of the groups' own when given),
     each holding every key of `required`; `where` names the list in errors ("param_groups")."""
     override = {} if lr is None else {"lr": lr}
+    required = tuple(required)
     for i, group in enumerate(groups):
         missing = sorted(set(required) - set(group) - set(override))
         if missing:
