@@ -26,6 +26,13 @@ def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return patch(model)
 
 
+def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Undoes `patch_causal_lm`: the model computes its logits and transformers' loss again."""
+    from .integrations.causal_lm import unpatch_causal_lm as unpatch
+
+    return unpatch(model)
+
+
 def disable_transformers() -> None:
     """Undoes `enable_transformers()`."""
     from .integrations.huggingface import disable_transformers as disable
@@ -40,6 +47,7 @@ __all__ = [
     "disable_transformers",
     "enable_transformers",
     "patch_causal_lm",
+    "unpatch_causal_lm",
     "ops",
 ]
 __version__ = "0.1.0"

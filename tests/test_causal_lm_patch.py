@@ -9,6 +9,7 @@ from float64_reference import ulp
 from tiny_models import batch, clone
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lomo_kernels
 from lomo_kernels import AdaLomo, Lomo, patch_causal_lm
 from lomo_kernels.integrations.causal_lm import unpatch_causal_lm
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
@@ -311,3 +312,61 @@ def test_compiled_model_norm_pass_refused_clearly_before_any_change():
             opt.fused_backward(loss)
             changed = zip(before, model.parameters(), strict=True)
             assert any(not torch.equal(a, b) for a, b in changed)
+
+
+def test_a_deep_copy_of_the_patched_model_trains_its_own_weights():
+    """copy.deepcopy of a patched model (a reference or EMA copy) computes its loss from the
+    copy's weights: trained with Lomo it matches the unpatched model trained alike, and the
+    model it was copied from is neither read nor changed (its weights are halved first, so a
+    loss read from them would differ)."""
+    start = _model("llama")
+    original = patch_causal_lm(clone(start))
+    copied = clone(original)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.mul_(0.5)
+    halved = [p.detach().clone() for p in original.parameters()]
+    plain = _train(clone(start), Lomo, False, steps=2)
+    fused = _train(copied, Lomo, False, steps=2)
+    _assert_steps_match(fused, plain, start)
+    for p, before in zip(original.parameters(), halved, strict=True):
+        assert p.grad is None and torch.equal(p, before)
+
+
+def test_a_head_replaced_after_patching_is_refused_until_patched_again():
+    """resize_token_embeddings replaces the head (and the input embedding): the patched
+    forward refuses to compute the loss with the old head, unpatching still works, and
+    patching again gives the unpatched model's loss (within the 64 u of
+    test_loss_and_gradients_match_unpatched)."""
+    model = patch_causal_lm(_model("llama"))
+    model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    data = _data(0)
+    refusal = r"output head was replaced.*patch_causal_lm\(model\) again"
+    with pytest.raises(ValueError, match=refusal):
+        model(**data)
+    plain = lomo_kernels.unpatch_causal_lm(clone(model))  # as refusals name it
+    assert plain(**data).logits.shape[-1] == VOCAB + 8
+    patch_causal_lm(model)
+    assert "forward" in vars(model.get_input_embeddings())  # the new embedding's rows path
+    out = model(**data)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, plain(**data).loss, rtol=64 * 2.0**-24, atol=0)
+
+
+def test_a_pickled_patched_model_loads_patched_with_its_own_weights():
+    """torch.save(model) of a patched model loads as a patched model (its loss logits-free,
+    its gradients on its own parameters), with the loss of the model it was saved from,
+    bit for bit; its forward keeps the named parameters transformers' Trainer reads."""
+    import inspect
+    import pickle
+
+    model = patch_causal_lm(_model("llama"))
+    loaded = pickle.loads(pickle.dumps(model))
+    assert {"input_ids", "labels"} <= set(inspect.signature(loaded.forward).parameters)
+    data = _data(0)
+    out = loaded(**data)
+    assert out.logits is None
+    assert torch.equal(out.loss, model(**data).loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in loaded.parameters())
+    assert all(p.grad is None for p in model.parameters())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from tiny_models import batch, tiny_llama
@@ -130,6 +132,69 @@ def test_bad_param_group_edit_refused_before_any_change(name, key, value, error,
     opt.param_groups[0][key] = value
     loss = loss_of(model, 1)
     assert_refused(model, opt, lambda: getattr(opt, call)(loss), error, f"param_groups.0.: {match}")
+
+
+def add_foreign_group(opt, model):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+
+
+def list_twice(opt, model):
+    opt.param_groups[0]["params"].append(model[2].weight)
+
+
+def remove_group(opt, model):
+    opt.param_groups.pop()
+
+
+def list_names(opt, model):
+    opt.param_groups[0]["params"] = [name for name, _ in model.named_parameters()]
+
+
+def delete_key(opt, model):
+    del opt.param_groups[0]["weight_decay"]
+
+
+GROUP_EDITS = {
+    "group added": (add_foreign_group, r"param_groups\[1\] lists a tensor of shape \(3,\), which"),
+    "listed twice": (list_twice, r"param_groups\[0\] lists '2.weight', already in"),
+    "group removed": (remove_group, "'0.weight' is in no param group"),
+    "names listed": (list_names, r"param_groups\[0\] lists str '0.weight', which"),
+    "key deleted": (delete_key, r"param_groups\[0\] has no \['weight_decay'\]"),
+}
+
+
+@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+@pytest.mark.parametrize("edit", GROUP_EDITS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_param_group_structure_edit_refused_before_any_change(name, edit, call):
+    """The hooks step the parameters the optimizer was built with, each with its group's
+    values: a parameter added to the groups (no hook), listed twice or left out of every
+    group, or a group without one of the values, is refused before any change (moving a
+    parameter between groups is served: test_param_groups.py)."""
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.1)
+    opt.fused_backward(loss_of(model, 0))
+    change, match = GROUP_EDITS[edit]
+    change(opt, model)
+    loss = loss_of(model, 1)
+    assert_refused(model, opt, lambda: getattr(opt, call)(loss), ValueError, match)
+
+
+@pytest.mark.parametrize("name,dtype", [("lomo", torch.float16), ("adalomo", torch.float32)])
+def test_fused_backward_under_no_grad_is_the_same_step(name, dtype):
+    """A loss scaled inside fused_backward (fp16 Lomo's dynamic scale, AdaLomo's static one)
+    with the call under torch.no_grad(): the same steps, bit for bit, as outside it."""
+
+    def run(no_grad: bool) -> list[torch.Tensor]:
+        model = mlp().to(dtype)
+        opt = OPTIMIZERS[name](model, lr=0.05)
+        for step in range(2):
+            loss = loss_of(model, step)
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                opt.fused_backward(loss)
+        return tensors(model, opt)
+
+    assert same_bits(run(True), run(False))
 
 
 def test_adalomo_loss_scale_edit_refused_before_any_change():

@@ -70,12 +70,13 @@ def test_lomo_two_groups_equal_torch_sgd(single_lr):
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in sgd.param_groups]
 
 
-def adalomo_f64_steps(model, groups, steps, lr, weight_decay):
+def adalomo_f64_steps(model, groups, steps, lr, weight_decay, start=0, state=None):
     """AdaLomo in float64 on the model's own gradients (torch autograd), the clip coefficient
-    from the global norm of all of them; written back to the fp32 parameters each step."""
+    from the global norm of all of them; written back to the fp32 parameters each step.
+    Steps `start` to `start + steps - 1` from the moments `state`; returns the moments."""
     group_of = {id(p): g for g in groups for p in g["params"]}
-    state = {}
-    for step in range(steps):
+    state = {} if state is None else state
+    for step in range(start, start + steps):
         model.zero_grad(set_to_none=True)
         model(**batch(step)).loss.backward()
         norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
@@ -97,6 +98,7 @@ def adalomo_f64_steps(model, groups, steps, lr, weight_decay):
                     p, p.grad, state[id(p)], lr=lr, beta2=beta2, weight_decay=decay, clip_coef=coef
                 )
                 p.copy_(new.view_as(p))
+    return state
 
 
 def test_adalomo_two_groups_match_float64():
@@ -109,6 +111,50 @@ def test_adalomo_two_groups_match_float64():
     adalomo_f64_steps(ref, torch_groups(ref), 3, lr=0.01, weight_decay=0.5)
     # The fp32 kernels' bound (test_adalomo_ops.py: 1e-5 of max(|p|, |update|) per step) over
     # 3 steps; decay on the norm weights would be off by lr * rms(p) * 0.5 (about 5e-3).
+    assert max_rel_diff(ours, ref) <= 1e-5
+
+
+def regroup(groups, model):
+    """Between steps, as torch.optim allows: the head's weight moves from the last group into
+    the first (the no-decay group), then the two groups swap places."""
+    head = model.lm_head.weight
+    groups[-1]["params"] = [p for p in groups[-1]["params"] if p is not head]
+    groups[0]["params"].append(head)
+    groups.reverse()
+
+
+def test_lomo_parameter_moved_between_groups_steps_with_its_new_group():
+    """A parameter moved to another group, and groups reordered, after a step: the next step
+    uses each parameter's group as it is then, as torch.optim.SGD does (the head keeping its
+    old group's lr and decay would be off by about 1e-2)."""
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.1, weight_decay=0.3, param_groups=two_groups(ours, lr=0.03))
+    sgd = torch.optim.SGD(torch_groups(ref, lr=0.03), lr=0.1, weight_decay=0.3)
+    for step in range(2):
+        if step == 1:
+            regroup(opt.param_groups, ours)
+            regroup(sgd.param_groups, ref)
+        opt.fused_backward(ours(**batch(step)).loss)
+        sgd.zero_grad()
+        ref(**batch(step)).loss.backward()
+        sgd.step()
+    assert max_rel_diff(ours, ref) <= 1e-6  # as test_lomo_two_groups_equal_torch_sgd
+
+
+def test_adalomo_parameter_moved_between_groups_matches_float64():
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = AdaLomo(
+        ours, lr=0.01, clip_grad_norm=MAX_NORM, weight_decay=0.5, param_groups=two_groups(ours)
+    )
+    groups = torch_groups(ref)
+    opt.fused_backward(ours(**batch(0)).loss)
+    state = adalomo_f64_steps(ref, groups, 1, lr=0.01, weight_decay=0.5)
+    regroup(opt.param_groups, ours)
+    regroup(groups, ref)
+    opt.fused_backward(ours(**batch(1)).loss)
+    adalomo_f64_steps(ref, groups, 1, lr=0.01, weight_decay=0.5, start=1, state=state)
+    # As test_adalomo_two_groups_match_float64; the head decayed by its old group would be
+    # off by lr * rms(p) * 0.5 (about 5e-3).
     assert max_rel_diff(ours, ref) <= 1e-5
 
 

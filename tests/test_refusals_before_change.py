@@ -359,3 +359,42 @@ def test_lomo_optim_state_not_mistaken_for_ours():
     own = opt.state_dict()
     del own["lomo"]  # an older checkpoint of ours: loads as before
     Lomo(mlp()).load_state_dict(own)
+
+
+class LayerInTwoCheckpoints(torch.nn.Module):
+    """One layer applied in two reentrant checkpoint segments: each segment runs a backward
+    of its own, so the layer's gradient reaches its hook in two parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(
+                lambda t: torch.tanh(self.layer(t)), x, use_reentrant=True
+            )
+        return self.head(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_in_parts_refused_or_reported(name, mode):
+    """Stepping each part would decay, clamp and (AdaLomo) normalise the layer twice: with a
+    norm pass the step is refused before any change, without one it stops at the second
+    part and reports what it updated."""
+    options, dtype, norm_pass = MODES[mode]
+    model = LayerInTwoCheckpoints().to(dtype)
+    opt = OPTIMIZERS[name](model, lr=0.05, weight_decay=0.1, **options)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    loss = model(x.requires_grad_())
+    match = "'layer.bias' got a second gradient in the same backward.*use_reentrant=False"
+    if norm_pass:
+        assert_refused(model, opt, lambda: opt.fused_backward(loss), RuntimeError, match)
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=match) as raised:
+        opt.fused_backward(loss)
+    assert_reported(model, opt, before, raised.value)

@@ -19,6 +19,7 @@ different loss.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ SUPPORTED_CLASSES = (
 # Config options that change the logits between the head and the loss.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 _PATCHED = "_lomo_kernels_fused_head"
+# The forward the model had before it was patched (run without labels).
+_UNPATCHED_FORWARD = "_lomo_kernels_unpatched_forward"
 
 
 def _refusal(model: torch.nn.Module) -> str:
@@ -60,92 +63,113 @@ def _refusal(model: torch.nn.Module) -> str:
 def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Makes ``model(input_ids=..., labels=...).loss`` logits-free (see the module docstring);
     returns the model. Refuses, naming the reason, an architecture or option it does not
-    reproduce exactly. Idempotent; `unpatch_causal_lm` undoes it."""
+    reproduce exactly. Idempotent, and patches again a head or input embedding replaced
+    since (``resize_token_embeddings``); `unpatch_causal_lm` undoes it.
+
+    The forwards are module-level functions partially applied to the model, its head and
+    its embedding, so a deep copy (or a pickled and loaded copy) of the patched model
+    computes its loss from its own weights."""
     reason = _refusal(model)
     if reason:
         raise ValueError(f"lomo_kernels.patch_causal_lm: {reason}")
-    if getattr(model, _PATCHED, False):
-        return model
-    original = model.forward
+    if not getattr(model, _PATCHED, False):
+        setattr(model, _UNPATCHED_FORWARD, model.forward)
+        model.forward = functools.partial(_forward, model)
+        setattr(model, _PATCHED, True)
     head = model.get_output_embeddings()
-    head.forward = _head_forward(head)
+    if not _patched_with(head, _head_forward):
+        head.forward = functools.partial(_head_forward, head)
     embedding = model.get_input_embeddings()
-    if _plain_embedding(embedding):
-        embedding.forward = _embedding_forward(embedding)
-
-    def forward(
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Any,
-    ) -> Any:
-        if labels is None and kwargs.get("shift_labels") is None:
-            return original(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
-            )  # fmt: skip
-        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(
-                "lomo_kernels.patch_causal_lm: logits_to_keep with labels is not supported "
-                "(the loss covers every position); call without logits_to_keep"
-            )
-        return_dict = kwargs.pop("return_dict", None)
-        outputs = model.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, **kwargs,
-        )  # fmt: skip
-        # Through the head module's call, so that sharding engines' module hooks (ZeRO-3's
-        # gather, FSDP's unshard) see the head used, in forward and in backward.
-        loss = head(
-            outputs.last_hidden_state,
-            loss_labels=labels,
-            num_items_in_batch=kwargs.get("num_items_in_batch"),
-            shift_labels=kwargs.get("shift_labels"),
-        )
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        result = CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-        return result.to_tuple() if return_dict is False else result
-
-    model.forward = forward
-    setattr(model, _PATCHED, True)
+    if _plain_embedding(embedding) and not _patched_with(embedding, _embedding_forward):
+        embedding.forward = functools.partial(_embedding_forward, embedding)
     return model
 
 
-def _head_forward(head: torch.nn.Linear) -> Any:
-    """The head's forward: logits as before, or, given ``loss_labels`` or ``shift_labels``,
-    the fused causal-LM loss of its input."""
+def _patched_with(module: torch.nn.Module, function: Any) -> bool:
+    """Whether `module`'s forward is `function` applied to it."""
+    forward = vars(module).get("forward")
+    return (
+        isinstance(forward, functools.partial)
+        and forward.func is function
+        and forward.args == (module,)
+    )
 
-    def forward(
-        hidden_states: torch.Tensor,
-        loss_labels: torch.Tensor | None = None,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        shift_labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if loss_labels is None and shift_labels is None:
-            return torch.nn.functional.linear(hidden_states, head.weight)
-        return causal_lm_loss(
-            hidden_states,
-            head.weight,
-            loss_labels,
-            num_items_in_batch=num_items_in_batch,
-            shift_labels=shift_labels,
+
+def _forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Any,
+) -> Any:
+    """The patched model's forward (applied to it)."""
+    if labels is None and kwargs.get("shift_labels") is None:
+        return getattr(model, _UNPATCHED_FORWARD)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+        )  # fmt: skip
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            "lomo_kernels.patch_causal_lm: logits_to_keep with labels is not supported "
+            "(the loss covers every position); call without logits_to_keep"
         )
+    head = model.get_output_embeddings()
+    if not _patched_with(head, _head_forward):
+        raise ValueError(
+            "lomo_kernels.patch_causal_lm: the model's output head was replaced after it was "
+            "patched (resize_token_embeddings and set_output_embeddings do that), so the loss "
+            "would not be the patched one; call lomo_kernels.patch_causal_lm(model) again"
+        )
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = model.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+        use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+    # Through the head module's call, so that sharding engines' module hooks (ZeRO-3's
+    # gather, FSDP's unshard) see the head used, in forward and in backward.
+    loss = head(
+        outputs.last_hidden_state,
+        loss_labels=labels,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        shift_labels=kwargs.get("shift_labels"),
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return forward
+    result = CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+    return result.to_tuple() if return_dict is False else result
+
+
+def _head_forward(
+    head: torch.nn.Linear,
+    hidden_states: torch.Tensor,
+    loss_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The head's forward (applied to it): logits as before, or, given ``loss_labels`` or
+    ``shift_labels``, the fused causal-LM loss of its input."""
+    if loss_labels is None and shift_labels is None:
+        return torch.nn.functional.linear(hidden_states, head.weight)
+    return causal_lm_loss(
+        hidden_states,
+        head.weight,
+        loss_labels,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )
 
 
 def _plain_embedding(embedding: torch.nn.Module) -> bool:
@@ -158,26 +182,25 @@ def _plain_embedding(embedding: torch.nn.Module) -> bool:
     )
 
 
-def _embedding_forward(embedding: torch.nn.Embedding) -> Any:
-    """The input embedding's forward: `embedding_rows` (its backward hands a Lomo stepping
-    the weight only the used rows), except while tracing for torch.compile, where the plain
-    lookup keeps the compiled paths' handling of the embedding's gradient."""
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return torch.nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)
-        return embedding_rows(ids, embedding.weight, embedding.padding_idx)
-
-    return forward
+def _embedding_forward(embedding: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding's forward (applied to it): `embedding_rows` (its backward hands a
+    Lomo stepping the weight only the used rows), except while tracing for torch.compile,
+    where the plain lookup keeps the compiled paths' handling of the embedding's gradient."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return torch.nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)
+    return embedding_rows(ids, embedding.weight, embedding.padding_idx)
 
 
 def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Restores the classes' forwards on a model `patch_causal_lm` patched."""
     if getattr(model, _PATCHED, False):
         del model.forward
-        del model.get_output_embeddings().forward
-        embedding = model.get_input_embeddings()
-        if "forward" in vars(embedding):
-            del embedding.forward
+        delattr(model, _UNPATCHED_FORWARD)
         delattr(model, _PATCHED)
+        for module, function in (
+            (model.get_output_embeddings(), _head_forward),
+            (model.get_input_embeddings(), _embedding_forward),
+        ):
+            if _patched_with(module, function):
+                del module.forward
     return model

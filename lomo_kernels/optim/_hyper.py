@@ -8,7 +8,7 @@ off, as in lomo-optim) or raises with what is wrong and what to pass instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,11 +121,22 @@ def checked_group(group: Mapping[str, Any], where: str | None = None) -> dict[st
 
 
 def checked_groups(
-    groups: Sequence[Mapping[str, Any]], where: str, lr: float | None = None
+    groups: Sequence[Mapping[str, Any]],
+    where: str,
+    lr: float | None = None,
+    required: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
-    """`checked_group` of every group (with `lr` in place of the groups' own when given);
-    `where` names the list in errors ("param_groups")."""
+    """`checked_group` of every group (with `lr` in place of the groups' own when given),
+    each holding every key of `required`; `where` names the list in errors ("param_groups")."""
     override = {} if lr is None else {"lr": lr}
+    required = tuple(required)
+    for i, group in enumerate(groups):
+        missing = sorted(set(required) - set(group) - set(override))
+        if missing:
+            raise ValueError(
+                f"{where}[{i}] has no {missing}: every group keeps each of the optimizer's "
+                f"hyper-parameters ({', '.join(required)}); set the value back"
+            )
     checked = [
         checked_group({**group, **override}, f"{where}[{i}]") for i, group in enumerate(groups)
     ]

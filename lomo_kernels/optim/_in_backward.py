@@ -29,11 +29,17 @@ from .. import ops
 from ..distributed import DEFAULT_BUCKET_NUMEL, sharding_for, unwrap_engine
 from ..ops.backends import requested_backend
 from ..ops.scalars import optional_factor
-from ._hyper import check_lr, checked_group, checked_groups
+from ._hyper import CHECKS, check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
 from .loss_scaler import DynamicLossScaler
-from .param_groups import GroupHyperParameter, build_param_groups, group_index, hook_groups
+from .param_groups import (
+    GroupHyperParameter,
+    build_param_groups,
+    current_group_index,
+    group_index,
+    hook_groups,
+)
 from .reporting import StepReporting
 from .row_blocks import RowBlockSteps
 from .sharded_steps import ShardedSteps
@@ -470,6 +476,11 @@ class InBackwardOptimizer(
         _compiled_autograd.check_supported()
         groups = self._checked_groups(None if lr is None else check_lr(lr))
         checked_group(self._host_hyper_parameters(), type(self).__name__)
+        group_of = current_group_index(
+            self.param_groups, self._index_of, lambda: parameter_names(self.model)
+        )
+        if group_of != self._group_of:  # a parameter moved: the hooks read its new group
+            self._group_of = group_of
         if lr is not None:
             for group in self.param_groups:
                 group["lr"] = float(lr)
@@ -478,7 +489,8 @@ class InBackwardOptimizer(
         self._begin_pass_report()
 
     def _checked_groups(self, lr: float | None = None) -> list[dict[str, Any]]:
-        return checked_groups(self.param_groups, "param_groups", lr)
+        hyper = [key for key in self.defaults if key in CHECKS]  # not torch.optim's own keys
+        return checked_groups(self.param_groups, "param_groups", lr, required=hyper)
 
     @torch.compiler.disable
     def _finish_step(self, detection: bool, single: bool) -> None:
@@ -536,10 +548,11 @@ class InBackwardOptimizer(
 
     def _run_backward(self, loss: torch.Tensor, phase: Phase, retain_graph: bool) -> None:
         scaler = self._loss_scaler()
-        if scaler is not None:
-            loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
-        elif self._static_inv_scale() != 1.0:
-            loss = loss / self._static_inv_scale()
+        with torch.enable_grad():  # the scaled loss needs a graph under torch.no_grad() too
+            if scaler is not None:
+                loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
+            elif self._static_inv_scale() != 1.0:
+                loss = loss / self._static_inv_scale()
         self._mode.begin_pass(phase)
         self._updated.clear()
         self._begin_row_block_pass()

@@ -21,7 +21,7 @@ Rules, checked before any hook is attached:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -120,6 +120,44 @@ def _overrides(group: Mapping[str, Any], where: str, defaults: Mapping[str, Any]
 def group_index(groups: list[dict[str, Any]]) -> dict[int, int]:
     """id(parameter) -> the index of its group."""
     return {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+
+
+def current_group_index(
+    groups: list[dict[str, Any]], hooked: Mapping[int, Any], names: Callable[[], dict[int, str]]
+) -> dict[int, int]:
+    """`group_index` of the groups as they are now, after checking that they list exactly
+    the `hooked` parameters (ids), each once. A parameter may move to another group between
+    steps (the hooks read this index); one added to the groups has no hook, and one left out
+    of every group has no values. `names()`: the model's parameter names, for the error."""
+    index: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) in hooked and id(p) not in index:
+                index[id(p)] = i
+                continue
+            name = names().get(id(p))
+            shown = repr(name) if name else f"{type(p).__name__} {p!r:.40}"
+            if isinstance(p, torch.Tensor) and not name:
+                shown = f"a tensor of shape {tuple(p.shape)}"
+            if id(p) in index:
+                raise ValueError(
+                    f"param_groups[{i}] lists {shown}, already in param_groups[{index[id(p)]}]: "
+                    "a parameter belongs to one group only; nothing was changed"
+                )
+            raise ValueError(
+                f"param_groups[{i}] lists {shown}, which the optimizer has no hook on (a group "
+                "added with add_param_group, or a parameter appended to a group): it steps the "
+                "trainable parameters of the model it was built with; nothing was changed. "
+                "Build a new optimizer with param_groups=[...] to train other parameters"
+            )
+    if len(index) != len(hooked):
+        name = next(n for i, n in names().items() if i in hooked and i not in index)
+        raise ValueError(
+            f"parameter {name!r} is in no param group (a group or a parameter was removed from "
+            "param_groups): every trainable parameter stays in one group; move it to another "
+            "group instead (or freeze it and build a new optimizer); nothing was changed"
+        )
+    return index
 
 
 def hook_groups(checked: list[dict[str, Any]]) -> list[dict[str, Any]]:

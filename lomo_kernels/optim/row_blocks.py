@@ -67,6 +67,19 @@ def second_contribution_error(name: str) -> RuntimeError:
     )
 
 
+def gradient_in_parts_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"lomo_kernels: parameter {name!r} got a second gradient in the same backward: its "
+        "gradient reached it in parts, as when it is used in two "
+        "torch.utils.checkpoint(use_reentrant=True) segments (or in one and outside it), "
+        "each of which runs a backward of its own. LOMO steps a parameter once, from its "
+        "whole gradient: use use_reentrant=False (transformers: "
+        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})). A step with a norm pass (clip_grad_norm, fp16) refuses "
+        "this before any change."
+    )
+
+
 class RowBlockStep:
     """One parameter's share of the pass in progress, fed block by block: with
     `measure_first`, every block to `measure`, then `measured()`; then every block to
@@ -176,11 +189,16 @@ class RowBlockSteps:
             raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
 
     def _note_whole_gradient(self, param: torch.Tensor) -> None:
-        """The hook got `param`'s whole gradient: refused if blocks stepped it already."""
+        """The hook got `param`'s whole gradient: refused if blocks stepped it already, or
+        if the hook got one already in this pass (the gradient came in parts)."""
         if torch.compiler.is_compiling():
             return  # traced backward: no row blocks there
         if id(param) in self._row_block_params:
             self._refuse_second_contribution(param)
+        if id(param) in self._whole_params and self._sharding is None:
+            from .validation import parameter_names
+
+            raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
         self._whole_params.add(id(param))
 
     def _begin_row_block_pass(self) -> None:

@@ -4,6 +4,7 @@ cannot serve, checked at construction and again before every step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from ..distributed import compute_dtypes, unwrap_engine
 from ..ops.checks import SUPPORTED_DTYPES
+from .hooks import updated_in_backward
 from .loss_scaler import LOSS_SCALE_KEYS
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -189,6 +191,26 @@ def sparse_gradient_error(name: str) -> TypeError:
     )
 
 
+def refuse_shared_memory(params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """Refuses two trainable parameters whose memory overlaps (``b.weight =
+    nn.Parameter(a.weight)``): the hook of one updates it in place while the backward may
+    still read the other's values for another gradient."""
+    spans = sorted(  # by address, then in model order
+        (p.device.type, p.device.index or 0, p.data_ptr(), i, p.data_ptr() + p.nbytes)
+        for i, p in enumerate(params)
+        if p.numel()
+    )
+    for before, after in itertools.pairwise(spans):
+        if before[:2] == after[:2] and after[2] < before[4]:
+            first, second = (names.get(id(params[s[3]]), "?") for s in (before, after))
+            raise ValueError(
+                f"parameters {first!r} and {second!r} share memory but are different "
+                "Parameters: LOMO updates one in place while the backward may still read the "
+                f"other. Tie them as one Parameter ({second} = {first}) or give each its own "
+                "memory (.clone())"
+            )
+
+
 class ParameterLayout:
     """The trainable parameters the hooks and state were built for, with their dtype and
     device then: a step on a model whose parameters changed since is refused."""
@@ -198,6 +220,8 @@ class ParameterLayout:
         self.sharded = sharded
         self.entries = [(p, p.dtype, p.device) for p in params]
         self.embeddings = trained_embeddings(model)
+        if not sharded:  # sharding engines keep parameters in buffers of their own
+            refuse_shared_memory(params, parameter_names(model))
 
     def check(self, owner: str) -> None:
         """Refuses a step when the model's parameters changed since construction.
@@ -218,15 +242,21 @@ class ParameterLayout:
                 break
         if problem is None and not self.sharded:
             hooked = {id(p) for p, _, _ in self.entries}
-            current = {id(p) for p in self.model.parameters() if p.requires_grad}
-            if current != hooked:
-                added = next(iter(current - hooked), None)
-                problem = (
-                    added,
-                    "is trainable but has no hook (unfrozen or replaced)"
-                    if added is not None
-                    else "is no longer in the model (replaced)",
-                )
+            current = {id(p): p for p in self.model.parameters() if p.requires_grad}
+            if current.keys() != hooked:
+                added = next((p for i, p in current.items() if i not in hooked), None)
+                if added is None:
+                    problem = (None, "is no longer in the model (replaced)")
+                elif updated_in_backward(added):
+                    name = parameter_names(self.model).get(id(added), "?")
+                    raise RuntimeError(
+                        f"parameter {name!r} is trainable in the model this {owner} steps, but "
+                        "another live optimizer's hooks update it: one Lomo or AdaLomo steps "
+                        "all of a model's trainable parameters. To give parts of the model "
+                        "their own values, detach both and build one with param_groups=[...]"
+                    )
+                else:
+                    problem = (added, "is trainable but has no hook (unfrozen or replaced)")
         if problem is not None:
             self._refuse_changed(*problem, owner)
         refuse_sparse_embeddings(self.embeddings)
