@@ -195,6 +195,19 @@ def test_one_step_matches_float64(backend, shape, dtype, options):
     run_steps(backend, shape, dtype, OPTIONS[options], steps=1)
 
 
+@pytest.mark.parametrize("magnitude", [0.0, 1e-5], ids=["zero", "tiny"])
+@pytest.mark.parametrize("shape", [(7,), (3, 5)], ids=_shape_id)
+def test_small_parameters_step_with_the_eps1_floor(backend, shape, magnitude):
+    """rms(p) below eps[1]: lr_t = lr * eps[1], so a zero-initialised tensor still moves."""
+    param = make_param(shape, torch.float32) * magnitude
+    grad, before = make_grad(shape, torch.float32, 1), param.clone()
+    state = init_adalomo_state(param)
+    ref, _, delta = adalomo_f64(before, grad, state, lr=LR, beta2=beta2_at(1))
+    adalomo_update_(param, grad, state, lr=LR, beta2=beta2_at(1), backend=backend)
+    assert before.double().square().mean().sqrt() < EPS[1] / 10  # the floor sets lr_t
+    check_param(param, ref, before, delta, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_five_steps_match_float64(backend, shape, dtype):
