@@ -16,6 +16,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from dependencies import require  # noqa: E402
 from float64_reference import ulp  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -235,7 +236,7 @@ def test_triton_small_tiles_many_programs(monkeypatch):
 def official_optimizer(param, *, lr, loss_scale, clip_value, clip_coef, weight_decay):
     """lomo_optim.AdaLomo around one parameter, with the state its __init__ would create but
     on the CPU (its __init__ hard-codes .cuda()); returns (optimizer, fuse_update closure)."""
-    lomo_optim = pytest.importorskip("lomo_optim")
+    lomo_optim = require("lomo_optim")
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(param.clone())
     opt = lomo_optim.AdaLomo.__new__(lomo_optim.AdaLomo)

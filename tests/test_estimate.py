@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from dependencies import require
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -77,7 +78,7 @@ def test_llama_7b_activation_terms() -> None:
 
 @pytest.mark.parametrize("name", ["llama-7b", "llama-13b", "llama-30b", "llama-65b"])
 def test_parameter_counts_match_transformers(name: str) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     shape = PRESETS[name]
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(shape.to_hf_config())
@@ -183,7 +184,7 @@ def test_prediction_bounds_measured_cpu_peak(optimizer: str) -> None:
              above the model, plus up to two temporaries the size of the largest parameter
              (torch's AdamW step; the fp32 upcast of a gradient) and 16 MiB of runtime.
     """
-    pytest.importorskip("transformers")
+    require("transformers")
     from lomo_kernels.tools.bench_memory import run_isolated
 
     shape = PRESETS[SMALL]
@@ -305,7 +306,7 @@ def _small_llama(
 ) -> tuple[torch.nn.Module, Any]:
     """A small transformers LLaMA (sdpa attention) in `precision`, with per-layer
     checkpointing and the logits-free loss as asked; (model, config)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     config = transformers.LlamaConfig(
         **{
             "vocab_size": 2000,

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from dependencies import require
 from float64_reference import FP32_NORM_RTOL
 from tiny_models import batch, max_rel_diff, tiny_llama
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from lomo_kernels import Lomo  # noqa: E402

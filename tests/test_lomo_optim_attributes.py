@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dependencies import require
 from float64_reference import FP32_NORM_RTOL as NORM_RTOL
 from torch import nn
 
 from lomo_kernels import AdaLomo, Lomo
 
-lomo_optim = pytest.importorskip("lomo_optim")
+lomo_optim = require("lomo_optim")
 
 LR = 0.05
 

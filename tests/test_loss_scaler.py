@@ -11,10 +11,11 @@ import random
 
 import pytest
 import torch
+from dependencies import require
 
 from lomo_kernels.optim.loss_scaler import DynamicLossScaler
 
-lomo_optim = pytest.importorskip("lomo_optim")
+lomo_optim = require("lomo_optim")
 
 SETTINGS = {
     "default": {},

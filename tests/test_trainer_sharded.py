@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dependencies import require
 from sharded_checks import assert_within_update_tolerance, in_order, run_ranks
 from trainer_runs import (
     EVAL,
@@ -29,9 +30,9 @@ from trainer_runs import (
     training_args,
 )
 
-pytest.importorskip("deepspeed")
+require("deepspeed")
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
-safetensors = pytest.importorskip("safetensors.torch")
+safetensors = require("safetensors.torch")
 
 from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
 from lomo_kernels.integrations.trainer_optimizer import (  # noqa: E402
