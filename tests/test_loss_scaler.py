@@ -65,7 +65,7 @@ def test_overflow_at_the_minimum_is_flagged_as_lomo_optim_raises(monkeypatch, ca
     for scaler_update in (lambda o: ours.update(torch.tensor([float(o)])), theirs.update_scale):
         scaler_update(True)  # 4 -> 2, the minimum
     assert ours.loss_scale == theirs.cur_scale == 2.0 and ours.overflow_at_min.item() == 0
-    with pytest.raises(Exception, match="already at minimum"):
+    with pytest.raises(Exception, match="already at minimum"):  # lomo_optim raises a bare one
         theirs.update_scale(True)
     ours.update(torch.tensor([1.0]))
     assert ours.overflow_at_min.item() == 1 and ours.loss_scale == 2.0
