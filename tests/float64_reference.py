@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+U32 = 2.0**-24  # unit roundoff of fp32: one rounding moves a value by at most U32 * |value|
+# Our gradient norm against one torch (or lomo_optim) takes in fp32 of the same gradients:
+# torch adds each tensor's squares in a cascade (~log2(n) + vector-lane roundings, under 32 on
+# any ISA for the test models' tensors of <= a few thousand elements), then the norm of the
+# norms; ours sums each tensor in float64. Relative difference within 64 u (seen: <= 4 u).
+FP32_NORM_RTOL = 64 * U32
 MANTISSA_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 MIN_EXPONENT = {torch.float32: -126, torch.float16: -14, torch.bfloat16: -126}
 
@@ -54,3 +62,22 @@ def assert_within_ulp(out, ref64, dtype, *, scale=None, ulps=1.0, mask=None):
             f"{int((~ok).sum())} elements beyond {ulps} ulp; first at {i}: "
             f"out={out64[i].item()!r} ref={ref64[i].item()!r} bound={bound[i].item()!r}"
         )
+
+
+def sumsq_rel_bound(backend: str, n: int) -> float:
+    """Worst-case relative error of `grad_sumsq_` on n positive terms, by how it adds.
+
+    A sum of positive terms through a chain of k fp32 additions is within k * u (u = 2^-24)
+    of the exact value (plus O(k^2 u^2)). The torch and cpp backends sum in float64 and
+    round once, then add into sumsq: 2 roundings. Triton sums each BLOCK in a tree
+    (log2(BLOCK) levels), then adds one partial per program with an fp32 atomic: one chain
+    of ceil(n / BLOCK) additions, plus the tail's and the final one. Squaring and scaling
+    each term in fp32 adds 2 roundings per term (relative, so they add 2u overall).
+    """
+    if backend == "triton":
+        from lomo_kernels.kernels.triton.lomo import BLOCK
+
+        chain = math.log2(BLOCK) + math.ceil(n / BLOCK) + 2
+    else:
+        chain = 2
+    return (chain + 2) * U32 * 1.01

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from float64_reference import FP32_NORM_RTOL
 from sharded_models import LR, OPTIONS, SINGLE, ScaledLlama, global_batch, train, train_single
 
 import lomo_kernels
@@ -92,7 +93,8 @@ def assert_within_update_tolerance(out: dict, ref: dict, initial: dict) -> None:
     The sharded run differs from one process only in rounding: the gradient average is
     taken over two half batches (and summed in another order), and AdaLomo's statistics
     are summed in partial sums. Both are fp32 rounding effects, a few ulps of the values,
-    amplified over 3 steps only through the tiny fp32 differences of later gradients.
+    amplified over 3 steps only through the tiny fp32 differences of later gradients. Seen
+    on AVX2 (ZeRO-3, FSDP2, LomoTrainer): up to 3.6e-5 of the largest update.
     """
     for name, expected in ref.items():
         got = out[name].double()
@@ -213,7 +215,10 @@ def assert_single_backward_matches(saved: dict, ranks: list[dict], name: str) ->
     first = ranks[0]
     model, norms = one_process_single(name, saved["initial"], first["order"])
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
-    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+    # Global norms: fp32 sums of the same squares in another order, of gradients that differ
+    # by the half-batch average's roundings (seen on AVX2: 1.6 u).
+    norms_got, norms_want = torch.tensor(first["norms"]), torch.tensor(norms)
+    torch.testing.assert_close(norms_got, norms_want, rtol=FP32_NORM_RTOL, atol=0)
 
 
 def assert_no_worse_than_low_precision(
@@ -275,7 +280,11 @@ def assert_checkpoint_resumes(saved: dict, name: str, steps: int = 3) -> None:
         for p_res, p_ref in zip(resumed.parameters(), reference.parameters(), strict=True):
             if state_name in ref_opt.state.get(p_ref, {}):
                 got, want = opt.state[p_res][state_name], ref_opt.state[p_ref][state_name]
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+                # Row and column means of g^2 + eps0 (positive terms, no cancellation) of
+                # gradients that differ by the half-batch average's roundings, over 3 steps:
+                # seen 24 u on AVX2 (ZeRO-3 and FSDP2), held to 1e-5 (168 u) for other
+                # summation orders; every element, the smallest included.
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     before = {k: v.clone() for k, v in reference.state_dict().items()}
     step = lambda m, o: train(m, o, lambda s: global_batch(steps + s), steps=1)  # noqa: E731
     step(reference, ref_opt)

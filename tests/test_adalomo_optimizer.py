@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from dependencies import require
 from test_lomo_safety import poison, snapshot, unchanged
 from tiny_models import batch, max_abs_diff, max_rel_diff, tiny_llama
 
@@ -32,7 +33,7 @@ def train_ours(model, steps=STEPS, call_grad_norm=False, **kwargs):
 
 
 def train_official(model, steps=STEPS, **kwargs):
-    lomo_optim = pytest.importorskip("lomo_optim")
+    lomo_optim = require("lomo_optim")
     opt = lomo_optim.AdaLomo(model, lr=LR, **kwargs)
     for step in range(steps):
         loss = model(**batch(step)).loss

@@ -79,7 +79,7 @@ def test_table_has_every_variant_and_the_unfused_logits_in_its_peak():
     assert "| liger | needs CUDA |" in table
 
 
-def test_cli_parses_the_shape_and_overrides():
+def test_cli_parses_the_shape_and_overrides(capsys):
     from lomo_kernels.tools.cli import build_parser
 
     args = build_parser().parse_args(
@@ -87,5 +87,7 @@ def test_cli_parses_the_shape_and_overrides():
     )
     assert args.shape == "llama-3-8b" and args.tokens == 128
     assert args.variants == ["fused", "cce"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["bench", "head", "--variants", "fused,other"])
+    assert exc.value.code == 2
+    assert "--variants: unknown 'other'" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from float64_reference import U32
 from torch._dynamo import compiled_autograd
 
 from lomo_kernels import Lomo
@@ -70,5 +71,9 @@ def test_inductor_forward_with_fused_backward(test_device):
         opt_e.fused_backward(loss_of(eager, step))
         opt_c.fused_backward(loss_of(compiled_fwd, step))
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        # Inductor may reassociate fp32 sums in the forward: fp32 rounding differences only.
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        # Inductor may reassociate fp32 sums in the forward: the gradients differ by a few
+        # U32 relative, which moves lr * g far less than an ulp of p; each of the 3 writes
+        # rounds (<= 1/2 ulp each side). Within 1 ulp of the tensor's largest value per
+        # step, held to 2 (U32 * max|b| is 1/2 to 1 ulp); seen on AVX2: 1/2 ulp.
+        largest = b.detach().abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=3 * 4 * U32 * largest)

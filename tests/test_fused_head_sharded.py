@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dependencies import require
 from sharded_checks import assert_within_update_tolerance, one_process, run_ranks
 from sharded_models import STEPS, FusedHeadLlama
 
-deepspeed = pytest.importorskip("deepspeed")
+deepspeed = require("deepspeed")
 
 WORKER = Path(__file__).parent / "distributed" / "fused_head_worker.py"
 

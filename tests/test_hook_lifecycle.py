@@ -82,17 +82,20 @@ def test_second_optimizer_on_owned_parameters_refused(first, second):
 
 
 @pytest.mark.parametrize(
-    "build",
+    "build, match",
     [
-        lambda m: Lomo(m, backend="nonexistent"),
-        lambda m: AdaLomo(m, backend="nonexistent"),
-        lambda m: Lomo(m.half(), loss_scale_args={"init_scale": -1.0}),
+        (lambda m: Lomo(m, backend="nonexistent"), "unknown lomo_kernels backend 'nonexistent'"),
+        (lambda m: AdaLomo(m, backend="nonexistent"), "unknown lomo_kernels backend 'nonexistent'"),
+        (
+            lambda m: Lomo(m.half(), loss_scale_args={"init_scale": -1.0}),
+            "init_scale must be finite and > 0",
+        ),
     ],
     ids=["lomo_backend", "adalomo_backend", "lomo_loss_scale"],
 )
-def test_failed_constructor_leaves_no_hook_and_no_claim(build):
+def test_failed_constructor_leaves_no_hook_and_no_claim(build, match):
     model = mlp()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         build(model)
     model.float()
     trains_with(model, sgd)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from float64_reference import ulp
+from float64_reference import U32, ulp
 
 from lomo_kernels.kernels.blocked import linear_cross_entropy as blocked
 from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.ops import cross_entropy_reference as ref
 
-U32 = 2.0**-24
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IGNORE = -100
 

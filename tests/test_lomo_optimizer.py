@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dependencies import require
 from tiny_models import batch, max_abs_diff, max_rel_diff, tiny_llama
 
 import lomo_kernels
@@ -38,7 +39,7 @@ def train_sgd(
 
 
 def train_official(model, steps=STEPS, lr=0.05, clip_grad_norm=None, **kwargs):
-    lomo_optim = pytest.importorskip("lomo_optim")
+    lomo_optim = require("lomo_optim")
     opt = lomo_optim.Lomo(model, lr=lr, clip_grad_norm=clip_grad_norm, **kwargs)
     for step in range(steps):
         loss = model(**batch(step)).loss

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from dependencies import require
 
 from lomo_kernels.tools.machine import fast_dtype
 
@@ -41,7 +42,7 @@ def _load_bench() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    pytest.importorskip("transformers")
+    require("transformers")
     return _load_bench()
 
 

@@ -6,30 +6,11 @@ import math
 
 import pytest
 import torch
+from float64_reference import sumsq_rel_bound
 
 from lomo_kernels import ops
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-U32 = 2.0**-24  # unit roundoff of fp32
-
-
-def sumsq_rel_bound(backend: str, n: int) -> float:
-    """Worst-case relative error of `grad_sumsq_` on n positive terms, by how it adds.
-
-    A sum of positive terms through a chain of k fp32 additions is within k * u (u = 2^-24)
-    of the exact value (plus O(k^2 u^2)). The torch and cpp backends sum in float64 and
-    round once, then add into sumsq: 2 roundings. Triton sums each BLOCK in a tree
-    (log2(BLOCK) levels), then adds one partial per program with an fp32 atomic: one chain
-    of ceil(n / BLOCK) additions, plus the tail's and the final one. Squaring and scaling
-    each term in fp32 adds 2 roundings per term (relative, so they add 2u overall).
-    """
-    if backend == "triton":
-        from lomo_kernels.kernels.triton.lomo import BLOCK
-
-        chain = math.log2(BLOCK) + math.ceil(n / BLOCK) + 2
-    else:
-        chain = 2
-    return (chain + 2) * U32 * 1.01
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 4097, 278011], ids=lambda n: f"n{n}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pytest
+from dependencies import require
 
-setuptools = pytest.importorskip("setuptools")
+setuptools = require("setuptools")
 from setuptools.config.pyprojecttoml import apply_configuration  # noqa: E402
 from setuptools.dist import Distribution  # noqa: E402
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dependencies import require
 from test_optimizer_state_validation import (
     OPTIMIZERS,
     assert_refused,
@@ -293,7 +294,7 @@ def test_exception_under_compiled_autograd_says_the_updates_are_unknown():
 @pytest.fixture
 def lomo_optim(monkeypatch):
     """lomo_optim.AdaLomo allocates its moments with a hard-coded .cuda(): keep them on CPU."""
-    module = pytest.importorskip("lomo_optim")
+    module = require("lomo_optim")
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     return module
 

@@ -9,9 +9,10 @@ import json
 
 import pytest
 import torch
+from dependencies import require
 from tiny_models import tiny_llama
 
-pytest.importorskip("transformers")
+require("transformers")
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import lomo_kernels  # noqa: E402

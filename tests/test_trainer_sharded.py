@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from dependencies import require
+from float64_reference import FP32_NORM_RTOL
 from sharded_checks import assert_within_update_tolerance, in_order, run_ranks
 from trainer_runs import (
     EVAL,
@@ -29,9 +31,9 @@ from trainer_runs import (
     training_args,
 )
 
-pytest.importorskip("deepspeed")
+require("deepspeed")
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
-safetensors = pytest.importorskip("safetensors.torch")
+safetensors = require("safetensors.torch")
 
 from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
 from lomo_kernels.integrations.trainer_optimizer import (  # noqa: E402
@@ -42,9 +44,10 @@ from lomo_kernels.integrations.trainer_optimizer import (  # noqa: E402
 WORKER = Path(__file__).parent / "distributed" / "trainer_sharded_worker.py"
 EXACT = ["lomo", "adalomo"]
 SINGLE = ["lomo_single", "adalomo_single"]
-# The norms a step logs: the same rounding effects as the parameters (fp32 sums over half
-# batches, reduced), as `sharded_checks.assert_single_backward_matches` holds them to.
-NORM_RTOL = 1e-5
+# The norms a step logs and the evaluation losses: fp32 sums over half batches, reduced, of
+# parameters within `assert_within_update_tolerance` of one process's; held to the bound of
+# `sharded_checks.assert_single_backward_matches` (64 u; seen on AVX2: <= 1.8 u).
+NORM_RTOL = FP32_NORM_RTOL
 
 
 @pytest.fixture(scope="module")

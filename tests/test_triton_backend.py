@@ -20,22 +20,22 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from dependencies import require  # noqa: E402
+from float64_reference import sumsq_rel_bound  # noqa: E402
 
 from lomo_kernels import _rounding, ops  # noqa: E402
 from lomo_kernels.kernels.triton import lomo as triton_backend  # noqa: E402
 from lomo_kernels.ops import lomo_reference as reference  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(
-        os.environ["TRITON_INTERPRET"] != "1",
-        reason="interpreter tests: TRITON_INTERPRET=0 runs compiled kernels (test_cuda.py)",
-    ),
-    pytest.mark.skipif(
-        not triton_backend.is_available(), reason=triton_backend.unavailable_reason()
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    os.environ["TRITON_INTERPRET"] != "1",
+    reason="interpreter tests: TRITON_INTERPRET=0 runs compiled kernels (test_cuda.py)",
+)
+if os.environ["TRITON_INTERPRET"] == "1" and not triton_backend.is_available():
+    # Triton is a dependency and runs on any CPU under the interpreter: a failure, not a skip.
+    pytest.fail(f"Triton backend unavailable: {triton_backend.unavailable_reason()}", pytrace=False)
 
-pytest.importorskip("lomo_kernels.kernels.triton.lomo_kernels")
+require("lomo_kernels.kernels.triton.lomo_kernels")
 BLOCK = triton_backend.BLOCK
 SIZES = [1, 7, 15, 16, 17, 4097, 278011]
 SMALL_SIZES = [1, 15, 17, 4097]
@@ -461,9 +461,10 @@ def test_grad_sumsq(n: int, dtype: str) -> None:
     exact = 2.0 + ((grad.double() * 1.5) ** 2).sum().item()
     ref_sumsq = torch.tensor([2.0])
     reference.grad_sumsq_(grad, inv_scale, ref_sumsq, None)
-    # Partial sums per program make the order differ from torch.dot, not the accuracy.
-    assert sumsq.item() == pytest.approx(exact, rel=1e-5)
-    assert ref_sumsq.item() == pytest.approx(exact, rel=1e-5)
+    # Partial sums per program make the order differ from torch.dot, not the accuracy: each
+    # within its backend's worst-case bound for its order of additions.
+    assert sumsq.item() == pytest.approx(exact, rel=sumsq_rel_bound("triton", n))
+    assert ref_sumsq.item() == pytest.approx(exact, rel=sumsq_rel_bound("torch", n))
     assert found_inf.item() == 0.0
 
 
@@ -481,7 +482,8 @@ def test_grad_sumsq_without_found_inf() -> None:
     _, grad = _inputs(33, torch.float32, torch.float32)
     sumsq = torch.zeros(1)
     triton_backend.grad_sumsq_(grad, torch.tensor([2.0]), sumsq, None)
-    assert sumsq.item() == pytest.approx(((grad.double() * 2) ** 2).sum().item(), rel=1e-6)
+    exact = ((grad.double() * 2) ** 2).sum().item()
+    assert sumsq.item() == pytest.approx(exact, rel=sumsq_rel_bound("triton", grad.numel()))
 
 
 # ----------------------------------------------------------------------------- availability

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 from aot import run_compile_script
+from dependencies import require
 
-pytest.importorskip("triton")
+require("triton")
 
 # Runs in the subprocess; prints one JSON object.
 _COMPILE_SCRIPT = r"""

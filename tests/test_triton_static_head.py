@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 from aot import run_compile_script
+from dependencies import require
 
-pytest.importorskip("triton")
+require("triton")
 
 _COMPILE_SCRIPT = r"""
 import json, re

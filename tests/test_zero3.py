@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dependencies import require
 from sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
@@ -23,7 +24,7 @@ from sharded_checks import (
     run_ranks,
 )
 
-deepspeed = pytest.importorskip("deepspeed")
+deepspeed = require("deepspeed")
 
 WORKER = Path(__file__).parent / "distributed" / "zero3_worker.py"
 
