@@ -11,6 +11,7 @@ from test_optimizer_state_validation import OPTIMIZERS, assert_refused, loss_of,
 from tiny_models import batch, tiny_llama
 
 from lomo_kernels import AdaLomo, Lomo
+from lomo_kernels.optim.validation import refuse_shared_memory
 
 
 def trains_with(model, make_optimizer) -> None:
@@ -166,6 +167,30 @@ def test_two_optimizers_on_parts_of_one_model_refused_before_backward(first, sec
     other.detach()
 
 
+@pytest.mark.parametrize(
+    ("trained", "frozen", "overlap"),
+    [
+        ([(0, 16)], [(8, 24)], True),  # a frozen view half over a trained one
+        ([(0, 16)], [(16, 32)], False),  # adjacent, disjoint
+        ([(40, 48)], [(0, 32), (4, 8)], False),  # frozen views over each other only
+        ([(0, 50)], [(5, 100), (20, 30)], True),  # the inner frozen view is in the trained one
+        ([(10, 20), (0, 5)], [], False),  # trained views out of order, disjoint
+        ([(0, 64), (60, 70)], [], True),
+    ],
+)
+def test_shared_memory_spans(trained, frozen, overlap) -> None:
+    # Views of one buffer as Parameters, trained or frozen: any overlap with a trained span is
+    # refused, wherever the spans sort; frozen spans may overlap each other.
+    flat = torch.zeros(128)
+    views = [[torch.nn.Parameter(flat[a:b]) for a, b in spans] for spans in (trained, frozen)]
+    names = {id(p): f"p{k}" for k, p in enumerate(views[0] + views[1])}
+    if overlap:
+        with pytest.raises(ValueError, match="share memory but are different Parameters"):
+            refuse_shared_memory(views[0], views[1], names)
+    else:
+        refuse_shared_memory(views[0], views[1], names)
+
+
 def square_layers(flat: torch.Tensor | None = None) -> torch.nn.Module:
     """Two 4 x 4 layers; with `flat`, their weights are disjoint views of it."""
     torch.manual_seed(0)
@@ -191,6 +216,19 @@ def test_parameters_sharing_memory_refused_at_construction(name):
     model[2].weight = torch.nn.Parameter(model[0].weight)
     with pytest.raises(ValueError, match="'0.weight' and '2.weight' share memory"):
         OPTIMIZERS[name](model, lr=0.1)
+    # A frozen Parameter over a trained one's memory, either layer frozen: the same hazard.
+    for frozen in (0, 2):
+        model = square_layers()
+        model[2].weight = torch.nn.Parameter(model[0].weight)
+        model[frozen].weight.requires_grad_(False)
+        with pytest.raises(ValueError, match="'0.weight' and '2.weight' share memory"):
+            OPTIMIZERS[name](model, lr=0.1)
+    # Frozen Parameters may share memory among themselves: nothing writes it.
+    model = square_layers()
+    model[2].weight = torch.nn.Parameter(model[0].weight)
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    OPTIMIZERS[name](model, lr=0.1).detach()
     square_loss(model).backward()  # no hook left behind to refuse a plain backward
     ours, ref = square_layers(torch.zeros(32)), square_layers()
     OPTIMIZERS["lomo"](ours, lr=0.5).fused_backward(square_loss(ours))

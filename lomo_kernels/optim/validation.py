@@ -4,7 +4,6 @@ cannot serve, checked at construction and again before every step.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -191,24 +190,41 @@ def sparse_gradient_error(name: str) -> TypeError:
     )
 
 
-def refuse_shared_memory(params: list[nn.Parameter], names: dict[int, str]) -> None:
-    """Refuses two trainable parameters whose memory overlaps (``b.weight =
-    nn.Parameter(a.weight)``): the hook of one updates it in place while the backward may
-    still read the other's values for another gradient."""
-    spans = sorted(  # by address, then in model order
-        (p.device.type, p.device.index or 0, p.data_ptr(), i, p.data_ptr() + p.nbytes)
-        for i, p in enumerate(params)
+def refuse_shared_memory(
+    params: list[nn.Parameter], frozen: list[nn.Parameter], names: dict[int, str]
+) -> None:
+    """Refuses a trainable parameter whose memory overlaps another parameter's, trainable or
+    frozen (``b.weight = nn.Parameter(a.weight)``): the hook of one updates it in place while
+    the backward may still read the other's values for another gradient. Frozen parameters
+    may share memory among themselves."""
+    spans = sorted(  # by device and address, then trainable first, then in model order
+        (p.device.type, p.device.index or 0, p.data_ptr(), not trainable, i, p)
+        for trainable, group in ((True, params), (False, frozen))
+        for i, p in enumerate(group)
         if p.numel()
     )
-    for before, after in itertools.pairwise(spans):
-        if before[:2] == after[:2] and after[2] < before[4]:
-            first, second = (names.get(id(params[s[3]]), "?") for s in (before, after))
+    # The span reaching furthest so far, among all and among trained ones: (device, end, p).
+    reach_any: tuple[Any, int, Any] = (None, -1, None)
+    reach_trained = reach_any
+    for device_type, index, start, is_frozen, _, p in spans:
+        device = (device_type, index)
+        # A trained span may overlap no span; a frozen one no trained span.
+        reach_device, reach, other = reach_trained if is_frozen else reach_any
+        if reach_device == device and start < reach:
+            order = {key: k for k, key in enumerate(names)}  # names: in model order
+            pair = sorted((other, p), key=lambda q: order.get(id(q), len(order)))
+            first, second = (names.get(id(q), "?") for q in pair)
             raise ValueError(
                 f"parameters {first!r} and {second!r} share memory but are different "
-                "Parameters: LOMO updates one in place while the backward may still read the "
-                f"other. Tie them as one Parameter ({second} = {first}) or give each its own "
-                "memory (.clone())"
+                "Parameters, and one of them is trained: LOMO updates it in place while the "
+                f"backward may still read the other. Tie them as one Parameter ({second} = "
+                f"{first}) or give each its own memory (.clone())"
             )
+        end = start + p.nbytes
+        if reach_any[0] != device or end > reach_any[1]:
+            reach_any = (device, end, p)
+        if not is_frozen and (reach_trained[0] != device or end > reach_trained[1]):
+            reach_trained = (device, end, p)
 
 
 class ParameterLayout:
@@ -221,7 +237,8 @@ class ParameterLayout:
         self.entries = [(p, p.dtype, p.device) for p in params]
         self.embeddings = trained_embeddings(model)
         if not sharded:  # sharding engines keep parameters in buffers of their own
-            refuse_shared_memory(params, parameter_names(model))
+            frozen = [p for p in model.parameters() if not p.requires_grad]
+            refuse_shared_memory(params, frozen, parameter_names(model))
 
     def check(self, owner: str) -> None:
         """Refuses a step when the model's parameters changed since construction.
