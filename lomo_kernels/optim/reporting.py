@@ -117,7 +117,9 @@ class StepReporting:
                 self._report = torch.empty(3, pin_memory=True)
             self._report.copy_(flags, non_blocking=True)
             self._report_event = torch.cuda.Event()
-            self._report_event.record()
+            # After the copy, which runs on the flags' device's stream (not necessarily the
+            # current device's).
+            self._report_event.record(torch.cuda.current_stream(flags.device))
         else:
             self._report = flags
             self._report_event = None

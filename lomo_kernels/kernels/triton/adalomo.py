@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from .runtime import KIND, is_available, kernels, storage, unavailable_reason
+from .runtime import (
+    KIND,
+    is_available,
+    kernels,
+    on_first_argument_device,
+    storage,
+    unavailable_reason,
+)
 
 __all__ = [
     "factored_apply_",
@@ -144,6 +151,7 @@ def _kernels() -> ModuleType:
     return kernels("adalomo_kernels")
 
 
+@on_first_argument_device
 def factored_stats_(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -168,6 +176,7 @@ def factored_stats_(
     )
 
 
+@on_first_argument_device
 def factored_moments_(
     exp_avg_sq_row: torch.Tensor,
     exp_avg_sq_col: torch.Tensor,
@@ -196,6 +205,7 @@ def factored_moments_(
     )
 
 
+@on_first_argument_device
 def factored_norm_(
     grad: torch.Tensor,
     exp_avg_sq_row: torch.Tensor,
@@ -217,6 +227,7 @@ def factored_norm_(
     )
 
 
+@on_first_argument_device
 def factored_apply_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -246,6 +257,7 @@ def factored_apply_(
     )
 
 
+@on_first_argument_device
 def vector_stats_(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -270,6 +282,7 @@ def vector_stats_(
     )
 
 
+@on_first_argument_device
 def vector_apply_(
     param: torch.Tensor,
     grad: torch.Tensor,

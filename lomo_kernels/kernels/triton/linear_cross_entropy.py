@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import KIND, interpret_mode, kernels, storage
+from .runtime import KIND, interpret_mode, kernels, on_first_argument_device, storage
 
 # Tile shapes (compile-time: they size the programs' registers). The interpreter runs the
 # smallest tiles tl.dot accepts, so tests stay fast on awkward sizes.
@@ -19,6 +19,7 @@ def _launch_args(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, int | bool]]:
     return (t if native else storage(t)), {**tiles, "KIND": KIND[t.dtype], "NATIVE": native}
 
 
+@on_first_argument_device
 def forward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +38,7 @@ def forward(
     return loss, lse
 
 
+@on_first_argument_device
 def backward_chunk(
     grad_loss: torch.Tensor,
     hidden: torch.Tensor,

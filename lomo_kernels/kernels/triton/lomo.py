@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from ..._rounding import seed_parts
-from .runtime import KIND, is_available, kernels, snapshot_skip_flag, storage, unavailable_reason
+from .runtime import (
+    KIND,
+    is_available,
+    kernels,
+    on_first_argument_device,
+    snapshot_skip_flag,
+    storage,
+    unavailable_reason,
+)
 
 # 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
 # small register footprint (no spills, see tests/test_triton_static.py).
@@ -108,6 +116,7 @@ def _launcher(
     """One launch of `kernel` with the arguments `build` makes of the op's arguments; the
     launcher takes the op's arguments as `build` declares them (by position or keyword)."""
 
+    @on_first_argument_device
     @functools.wraps(build)
     def launch(*args: Any, **kwargs: Any) -> None:
         grid, arguments = build(*args, **kwargs)

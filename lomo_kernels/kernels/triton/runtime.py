@@ -5,9 +5,13 @@ import of the package); the functions do.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -48,6 +52,29 @@ def kernels(name: str) -> ModuleType:
     if interpret_mode() != module.DECORATED_FOR_INTERPRETER:
         module = importlib.reload(module)
     return module
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a launch on `t`'s tensors runs in: Triton launches on the current CUDA
+    device and its stream, so a tensor on another device (a model on cuda:1, or spread over
+    several GPUs) is launched with that device made current, as the CUDA C++ bindings'
+    device guard does."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def on_first_argument_device(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """`launch` (a launcher whose first argument is one of its tensors) run under
+    `on_device_of` that tensor; the same parameters (tests/test_op_specs.py reads them)."""
+
+    @functools.wraps(launch)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()))
+        with on_device_of(first):
+            return launch(*args, **kwargs)
+
+    return run
 
 
 def storage(t: torch.Tensor) -> torch.Tensor:

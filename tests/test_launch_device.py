@@ -1,0 +1,94 @@
+"""Triton launches on tensors that are not on the current CUDA device.
+
+Triton launches on the current device and its stream, so every Triton launcher makes its
+tensors' device current first (`runtime.on_device_of`), as the CUDA C++ bindings' device
+guard does. Checked here without a GPU: the device logic on a stand-in for a tensor on
+cuda:1 (CUDA's device functions replaced by recorders), and that every Triton launcher runs
+under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lomo_kernels.kernels.triton import linear_cross_entropy, runtime
+from lomo_kernels.ops import backends
+from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
+from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
+
+
+class _OnCuda:
+    """What `on_device_of` reads of a CUDA tensor on device `index`."""
+
+    is_cuda = True
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.device = torch.device("cuda", index)
+
+    def get_device(self) -> int:
+        return self.index
+
+
+@pytest.fixture
+def made_current(monkeypatch) -> list[torch.device]:
+    """CUDA's current device is 0; each `torch.cuda.device(d)` entered is recorded."""
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def device(d: torch.device):
+        entered.append(d)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return entered
+
+
+def test_a_tensor_on_another_cuda_device_is_launched_on_its_own(made_current) -> None:
+    with runtime.on_device_of(_OnCuda(1)):
+        pass
+    assert made_current == [torch.device("cuda", 1)]
+
+
+def test_a_tensor_on_the_current_device_or_the_cpu_changes_nothing(made_current) -> None:
+    for tensor in (_OnCuda(0), torch.zeros(1)):
+        with runtime.on_device_of(tensor):
+            pass
+    assert made_current == []
+
+
+def _launchers() -> list:
+    lomo = backends.LOMO.importers["triton"]()
+    adalomo = backends.ADALOMO.importers["triton"]()
+    return [
+        *(getattr(lomo, spec.function) for spec in (LOMO_UPDATE, GRAD_SUMSQ)),
+        *(getattr(adalomo, spec.function) for spec in ADALOMO_SPECS),
+        linear_cross_entropy.forward,
+        linear_cross_entropy.backward_chunk,
+    ]
+
+
+@pytest.mark.parametrize("launcher", _launchers(), ids=lambda f: f.__name__)
+def test_every_triton_launcher_runs_on_its_first_tensor_device(launcher) -> None:
+    assert launcher.__code__ is runtime.on_first_argument_device(len).__code__
+
+
+def test_a_launch_is_made_under_its_first_tensor_device(monkeypatch) -> None:
+    """A real launch (the interpreter, on CPU) enters `on_device_of` with its parameter."""
+    seen: list[torch.Tensor] = []
+
+    def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+        seen.append(t)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(runtime, "on_device_of", on_device_of)
+    param, grad = torch.ones(7), torch.full((7,), 2.0)
+    lomo = backends.LOMO.importers["triton"]()
+    lomo.lomo_update_(param, grad, torch.full((1,), 0.5), None, None, None, 0.0, None, None,
+                      False, 0, None)  # fmt: skip
+    assert len(seen) == 1 and seen[0] is param
+    assert torch.equal(param, torch.zeros(7))  # 1 - 0.5 * 2, launched
