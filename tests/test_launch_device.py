@@ -1,10 +1,10 @@
-"""Triton launches on tensors that are not on the current CUDA device.
+"""Work on a CUDA device that is not the current one (a model on cuda:1, `--device cuda:1`).
 
 Triton launches on the current device and its stream, so every Triton launcher makes its
 tensors' device current first (`runtime.on_device_of`), as the CUDA C++ bindings' device
 guard does. Checked here without a GPU: the device logic on a stand-in for a tensor on
 cuda:1 (CUDA's device functions replaced by recorders), and that every Triton launcher runs
-under it.
+under it; the benchmarks' memory meter reads and synchronises the device it was given.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lomo_kernels.kernels.triton import linear_cross_entropy, runtime
 from lomo_kernels.ops import backends
 from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
 from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
+from lomo_kernels.tools.bench_memory import Meter
 
 
 class _OnCuda:
@@ -92,3 +93,13 @@ def test_a_launch_is_made_under_its_first_tensor_device(monkeypatch) -> None:
                       False, 0, None)  # fmt: skip
     assert len(seen) == 1 and seen[0] is param
     assert torch.equal(param, torch.zeros(7))  # 1 - 0.5 * 2, launched
+
+
+def test_the_memory_meter_reads_the_device_it_measures(monkeypatch) -> None:
+    calls: list[tuple[str, object]] = []
+    for name in ("synchronize", "memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda d=None, name=name: calls.append((name, d)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: calls.append(("max", d)))
+    meter = Meter("cuda:1")
+    meter.current(), meter.reset_peak(), meter.peak()
+    assert calls and all(device == "cuda:1" for _, device in calls), calls

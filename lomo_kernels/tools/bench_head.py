@@ -155,7 +155,8 @@ def run(
             rows[variant]["status"] = built
             continue
         heads[variant], steps_of[variant] = head, built
-    sync = torch.cuda.synchronize if device_name.startswith("cuda") else (lambda: None)
+    cuda = device_name.startswith("cuda")
+    sync = (lambda: torch.cuda.synchronize(device_name)) if cuda else (lambda: None)
     times: dict[str, list[float]] = {v: [] for v in steps_of}
 
     def one(variant: str) -> None:

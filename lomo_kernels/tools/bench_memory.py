@@ -127,24 +127,26 @@ class Meter:
 
         self.torch = torch
         self.cuda = device.startswith("cuda")
+        # The statistics of `device` itself (cuda:N), not of the current device.
+        self.device = device
 
     def current(self) -> int:
         if self.cuda:
-            self.torch.cuda.synchronize()
-            return self.torch.cuda.memory_allocated()
+            self.torch.cuda.synchronize(self.device)
+            return self.torch.cuda.memory_allocated(self.device)
         return rss_bytes()
 
     def reset_peak(self) -> None:
         if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.reset_peak_memory_stats(self.device)
         else:
             reset_hwm()
 
     def peak(self) -> int:
         if self.cuda:
-            self.torch.cuda.synchronize()
-            return self.torch.cuda.max_memory_allocated()
+            self.torch.cuda.synchronize(self.device)
+            return self.torch.cuda.max_memory_allocated(self.device)
         return hwm_bytes()
 
 
@@ -166,7 +168,7 @@ def tensor_balance(run: Callable[[], None], device: str) -> tuple[int, int]:
     with profile(activities=activities, profile_memory=True) as prof:
         run()
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
     events = sorted(
         (
             e

@@ -115,7 +115,7 @@ def measure(
             began, began_cpu = time.perf_counter(), time.process_time()
             loss = trainer.step(ids, ids)
             if device.startswith("cuda"):
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - began)
             cpu_times.append(time.process_time() - began_cpu)
             losses.append(float(loss.detach()))
