@@ -1,10 +1,13 @@
-"""Work on a CUDA device that is not the current one (a model on cuda:1, `--device cuda:1`).
+"""Work on a CUDA device that is not the current one (a model on cuda:1, `--device cuda:1`),
+and copies between a GPU and the CPU (a model partly on each).
 
 Triton launches on the current device and its stream, so every Triton launcher makes its
 tensors' device current first (`runtime.on_device_of`), as the CUDA C++ bindings' device
 guard does. Checked here without a GPU: the device logic on a stand-in for a tensor on
 cuda:1 (CUDA's device functions replaced by recorders), and that every Triton launcher runs
-under it; the benchmarks' memory meter reads and synchronises the device it was given.
+under it; the benchmarks' memory meter reads and synchronises the device it was given; the
+optimizers' copies of their scalars onto the CPU are synchronous (an asynchronous one lands in
+pinned memory the host could read before it is written), onto a GPU asynchronous.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from lomo_kernels.kernels.triton import linear_cross_entropy, runtime
 from lomo_kernels.ops import backends
 from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
 from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
+from lomo_kernels.ops.scalars import copied_to
 from lomo_kernels.tools.bench_memory import Meter
 
 
@@ -103,3 +107,15 @@ def test_the_memory_meter_reads_the_device_it_measures(monkeypatch) -> None:
     meter = Meter("cuda:1")
     meter.current(), meter.reset_peak(), meter.peak()
     assert calls and all(device == "cuda:1" for _, device in calls), calls
+
+
+def test_scalars_reach_the_cpu_synchronously_and_a_gpu_asynchronously() -> None:
+    class Recorded:
+        def to(self, device: torch.device, non_blocking: bool = False) -> tuple:
+            return device, non_blocking
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert copied_to(Recorded(), cpu) == (cpu, False)
+    assert copied_to(Recorded(), gpu) == (gpu, True)
+    value = torch.tensor([2.5])
+    assert copied_to(value, cpu) is value  # already there: no copy

@@ -87,6 +87,13 @@ def grad_transform(
     )
 
 
+def copied_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without a host sync where none is needed: onto a GPU asynchronously;
+    onto the CPU synchronously, as an asynchronous device-to-host copy lands in pinned memory
+    that the host would read before the copy has ended (a model partly on the CPU)."""
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def value_of(scalar: torch.Tensor) -> torch.Tensor:
     """The fp32 value of a 1-element device tensor, as a 0-d tensor (no host sync)."""
     return scalar.reshape(-1)[0].to(torch.float32)

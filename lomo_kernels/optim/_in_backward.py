@@ -28,7 +28,7 @@ from .. import compile as _compiled_autograd
 from .. import ops
 from ..distributed import DEFAULT_BUCKET_NUMEL, sharding_for, unwrap_engine
 from ..ops.backends import requested_backend
-from ..ops.scalars import optional_factor
+from ..ops.scalars import copied_to, optional_factor
 from ._hyper import CHECKS, check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
@@ -399,9 +399,9 @@ class InBackwardOptimizer(
         if self._max_norm is not None:
             self._clip_coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm).reshape(())
         for device, scalars in self._scalars.items():
-            scalars.norm_found_inf.copy_(found.to(device, non_blocking=True))
+            scalars.norm_found_inf.copy_(copied_to(found, device))
             if self._max_norm is not None:
-                scalars.clip_coef.copy_(self._clip_coef.to(device, non_blocking=True))
+                scalars.clip_coef.copy_(copied_to(self._clip_coef, device))
         self._after_norm_pass(found)
         self._mode.norm_measured(loss, self._max_norm, keep_graph=self._sharding is not None)
         return self.last_grad_norm
@@ -417,7 +417,7 @@ class InBackwardOptimizer(
         values = [pick(s) for s in self._scalars.values()]
         total = values[0].clone()
         for v in values[1:]:
-            total += v.to(total.device, non_blocking=True)
+            total += copied_to(v, total.device)
         return total
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -550,7 +550,7 @@ class InBackwardOptimizer(
         scaler = self._loss_scaler()
         with torch.enable_grad():  # the scaled loss needs a graph under torch.no_grad() too
             if scaler is not None:
-                loss = loss * scaler.scale.to(loss.device, non_blocking=True).reshape(())
+                loss = loss * copied_to(scaler.scale, loss.device).reshape(())
             elif self._static_inv_scale() != 1.0:
                 loss = loss / self._static_inv_scale()
         self._mode.begin_pass(phase)

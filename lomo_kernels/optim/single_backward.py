@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..ops.scalars import copied_to
 
 CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
 
@@ -151,7 +152,7 @@ class SingleBackwardClip:
         torch.ne(found, 0.0, out=bad)
         sumsq.masked_fill_(bad, 0.0)  # a skipped tensor does not count in the step's norm
         home = pair.device == self.home
-        self._step.add_(pair if home else pair.to(self.home, non_blocking=True))
+        self._step.add_(pair if home else copied_to(pair, self.home))
         if self.max_norm is not None:
             # min(1, M / (max(P, sqrt(S_i)) + eps)), the same ops in the same order as
             # `prepare_bucket`, written straight into the coefficient on the home device.
@@ -160,7 +161,7 @@ class SingleBackwardClip:
             torch.maximum(self.previous, value, out=value)
             value.add_(CLIP_EPS).reciprocal_().mul_(self.max_norm).clamp_(max=1.0)
             if not home:
-                clip_coef.copy_(value.to(pair.device, non_blocking=True))
+                clip_coef.copy_(copied_to(value, pair.device))
 
     def prepare_bucket(
         self,
@@ -193,16 +194,16 @@ class SingleBackwardClip:
         all_reduce_sum_(measured)
         bad = measured[n:] != 0
         skips = bad.to(torch.float32)
-        sumsq = measured[:n].masked_fill(bad, 0.0).to(self.home, non_blocking=True)
+        sumsq = copied_to(measured[:n].masked_fill(bad, 0.0), self.home)
         # Running sums in bucket order, continuing the step's: S_i of every entry at once.
         running = torch.cumsum(torch.cat([self.step_sumsq, sumsq]), 0)[1:]
         self.step_sumsq.copy_(running[-1:])
-        self.step_found.add_(skips.sum().reshape(1).to(self.home, non_blocking=True))
+        self.step_found.add_(copied_to(skips.sum().reshape(1), self.home))
         if self.max_norm is None:
             return None, skips
         denom = torch.maximum(self.previous, running.sqrt()).add_(CLIP_EPS)
         coefs = torch.reciprocal(denom).mul_(self.max_norm).clamp_(max=1.0)
-        return coefs.to(device, non_blocking=True), skips
+        return copied_to(coefs, device), skips
 
     def end_step(self) -> torch.Tensor:
         """Closes the step: records its norm if clean, returns its found flag (home device)."""
