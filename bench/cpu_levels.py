@@ -88,7 +88,8 @@ def time_interleaved(
     fns: dict[str, Callable], tensors: tuple[torch.Tensor, ...], reps: int, ext
 ) -> dict[str, float]:
     """Median thread CPU time of each function, interleaved, the same cache state before
-    every call; a key "<name>[<level>]" runs at that level."""
+    every call; a key "<name>[<level>]" runs at that level, set outside the timing (what
+    `bench_kernels.time_interleaved`, wall clock and no per-call level, does not do)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for key, fn in fns.items():

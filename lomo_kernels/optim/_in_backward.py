@@ -476,11 +476,10 @@ class InBackwardOptimizer(
         _compiled_autograd.check_supported()
         groups = self._checked_groups(None if lr is None else check_lr(lr))
         checked_group(self._host_hyper_parameters(), type(self).__name__)
-        group_of = current_group_index(
+        # The groups as they are now (a parameter may have moved): the hooks read this index.
+        self._group_of = current_group_index(
             self.param_groups, self._index_of, lambda: parameter_names(self.model)
         )
-        if group_of != self._group_of:  # a parameter moved: the hooks read its new group
-            self._group_of = group_of
         if lr is not None:
             for group in self.param_groups:
                 group["lr"] = float(lr)
