@@ -140,11 +140,50 @@ def bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return signed.to(torch.int16).view(torch.bfloat16)
 
 
+# fp32 bit patterns (magnitudes) of fp16's smallest normal (2^-14) and largest finite (65504).
+FP16_MIN_NORMAL_BITS = 0x38800000
+FP16_MAX_BITS = 0x477FE000
+
+
+def fp16_stochastic(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """fp32 `value` rounded stochastically onto the fp16 grid (returned as fp32 holding an
+    exactly representable fp16 value), with `random16` uniform 16-bit integers per element.
+
+    Normal range (2^-14 <= |x| <= 65504): fp16 keeps the top 10 of fp32's 23 mantissa bits,
+    so ``random16 >> 3`` (13 bits) is added to the magnitude's bit pattern and the low 13
+    bits cleared: up with probability exactly (dropped bits) / 2^13. Subnormal range: the
+    grid is multiples of 2^-24; ``q = |x| * 2^24`` (exact) rounds up iff
+    ``random16 + floor(frac(q) * 2^16) >= 2^16`` (probability within 2^-16 of frac(q),
+    never above it). Beyond 65504, inf and nan: the nearest cast's result (65504 up to
+    65520, inf above, nan stays nan). The sign is kept (-0.0 too).
+    """
+    bits = value.contiguous().view(torch.int32).to(torch.int64) & MASK32
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = (mag + (random16 >> 3)) & ~0x1FFF
+    q = value.abs() * 2.0**24
+    whole = torch.floor(q)
+    frac16 = torch.floor((q - whole) * 65536.0).to(torch.int64)
+    up = ((random16 + frac16) >= 65536).to(torch.float32)
+    small = ((whole + up) * 2.0**-24).view(torch.int32).to(torch.int64) & MASK32
+    rounded_mag = torch.where(mag < FP16_MIN_NORMAL_BITS, small, normal)
+    out = (rounded_mag | sign).to(torch.int32).view(torch.float32).view(value.shape)
+    return torch.where(mag > FP16_MAX_BITS, value, out)
+
+
 def round_to_dtype(
     value: torch.Tensor, dtype: torch.dtype, random16: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """fp32 `value` stored in `dtype` as the kernels store it: bf16 rounded on the bit pattern
-    (nearest even, or stochastically with `random16`), other dtypes by a cast."""
+    """fp32 `value` stored in `dtype` as the kernels store it: bf16 rounded on the bit pattern,
+    fp16 by the cast; both stochastically when `random16` (uniform 16-bit integers) is given
+    (`fp32_to_bf16_bits`, `fp16_stochastic`). fp32 is returned as it is."""
     if dtype == torch.bfloat16:
         return bf16_from_bits(fp32_to_bf16_bits(value, random16)).view(value.shape)
+    if dtype == torch.float16 and random16 is not None:
+        return fp16_stochastic(value, random16).to(dtype)
     return value.to(dtype)
+
+
+def rounds_stochastically(dtype: torch.dtype) -> bool:
+    """Whether stochastic rounding applies to parameters of `dtype` (the low-precision ones)."""
+    return dtype in (torch.bfloat16, torch.float16)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._rounding import rounds_stochastically
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, define
 from .checks import check_pair
@@ -104,10 +105,25 @@ FACTORED_MOMENTS = OpSpec(
 FACTORED_NORM = OpSpec(
     "adalomo_factored_norm_", "factored_norm_", (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM)
 )
+# The write-back's rounding, as the LOMO update's (`lomo.LOMO_UPDATE`).
+_ROUNDING = (
+    Arg("stochastic_rounding", "bool", default=False),
+    Arg("seed", "seed", default=0),
+    Arg("seed_step", "step", default=None),
+)
 FACTORED_APPLY = OpSpec(
     "adalomo_factored_apply_",
     "factored_apply_",
-    (_PARAM_WRITTEN, _GRAD, _ROW, _COL, Arg("workspace", "tensor"), *_STEP, *GRAD_TRANSFORM),
+    (
+        _PARAM_WRITTEN,
+        _GRAD,
+        _ROW,
+        _COL,
+        Arg("workspace", "tensor"),
+        *_STEP,
+        *GRAD_TRANSFORM,
+        *_ROUNDING,
+    ),
 )
 VECTOR_STATS = OpSpec(
     "adalomo_vector_stats_",
@@ -135,6 +151,7 @@ VECTOR_APPLY = OpSpec(
         _EPS0,
         *_STEP,
         *GRAD_TRANSFORM,
+        *_ROUNDING,
     ),
 )
 _FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)
@@ -228,6 +245,9 @@ def adalomo_update_(
     clip_coef: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
     skip_if: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
     backend: str | None = None,
     on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
@@ -239,7 +259,9 @@ def adalomo_update_(
     ``update = g * rsqrt(R_i / mean(R)) * rsqrt(C_j)``; 1-D: ``v = beta2*v + (1-beta2)*u``,
     ``update = g * rsqrt(v)``. Then ``update /= max(1, rms(update) / clip_threshold)``,
     ``lr_t = lr * max(eps[1], rms(param))``, ``param = param*(1 - lr_t*wd) - lr_t*update``,
-    written back in the parameter's dtype (round to nearest even). Factored tensors form
+    written back in the parameter's dtype: round to nearest even, or with
+    ``stochastic_rounding=True`` (bf16 and fp16 parameters) stochastically, from ``seed``,
+    ``seed_step`` and the element index as `fused_lomo_update_` rounds. Factored tensors form
     ``mean u`` as ``clip_coef * (clip_coef * mean(g0*g0)) + eps[0]``, g0 being g before the
     coefficient (the same value up to rounding; see `adalomo_reference`).
 
@@ -256,6 +278,7 @@ def adalomo_update_(
     computes the coefficient from that very sum, see `optim.single_backward`).
     """
     check_pair(param, grad)
+    check_rounding(param, stochastic_rounding)
     factored = param.dim() >= 2
     arguments = adalomo_step_arguments(
         param.device,
@@ -270,6 +293,9 @@ def adalomo_update_(
         clip_coef=clip_coef,
         found_inf=found_inf,
         skip_if=skip_if,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        seed_step=seed_step,
     )
     arguments.update(param=param, grad=grad.contiguous())  # contiguous once, not per pass
     if not state:
@@ -299,6 +325,9 @@ def adalomo_step_arguments(
     clip_coef: Scalar | None,
     found_inf: torch.Tensor | None,
     skip_if: torch.Tensor | None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """`adalomo_update_`'s public checks and conversions of everything but the tensors of
     one parameter (of a factored or a 1-D one): the step-wide arguments of its passes by
@@ -319,8 +348,21 @@ def adalomo_step_arguments(
             "clip_coef": clip_coef,
             "found_inf": found_inf,
             "skip_if": skip_if,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": seed,
+            "seed_step": seed_step,
         },
     )
+
+
+def check_rounding(param: torch.Tensor, stochastic_rounding: bool) -> None:
+    """Refuses stochastic rounding of a parameter that stores fp32 results exactly."""
+    if stochastic_rounding and not rounds_stochastically(param.dtype):
+        raise ValueError(
+            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
+            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
+            "stochastic_rounding=False"
+        )
 
 
 def check_adalomo_state(param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
@@ -466,14 +508,19 @@ def adalomo_factored_apply_(
     inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Pass C: ``param = param * decay - scale * update`` unless SKIP is set.
 
     ``lr_t = lr * max(eps1, rms(param))``, ``scale = lr_t / max(1, rms(update) /
-    clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums.
+    clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums; the
+    write-back rounds as `adalomo_update_`'s.
     """
     _check_factored(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    check_rounding(param, stochastic_rounding)
     _run(factored_apply_op, backend, param.device, locals())
 
 
@@ -516,11 +563,15 @@ def adalomo_vector_apply_(
     inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Pass C1: ``v = v_new``, ``param = param * decay - scale * g * rsqrt(v_new)`` unless
-    SKIP is set (scalars as in `adalomo_factored_apply_`)."""
+    SKIP is set (scalars and rounding as in `adalomo_factored_apply_`)."""
     _check_vector(param, grad, exp_avg_sq, workspace)
+    check_rounding(param, stochastic_rounding)
     _run(vector_apply_op, backend, param.device, locals())
 
 

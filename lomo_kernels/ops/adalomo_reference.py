@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._rounding import round_to_dtype
+from .._rounding import random_bits16, round_to_dtype, rounding_key, rounds_stochastically
 from .adalomo_workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ
 from .scalars import value_of
 
@@ -140,9 +140,49 @@ def _write_back_scalars(
     return stats[SKIP] != 0, scale, decay
 
 
-def store_rounded(param_tile: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
-    """Writes fp32 `new` into `param_tile` in its dtype (bf16: nearest even on the bits)."""
-    param_tile.copy_(torch.where(skip, param_tile, round_to_dtype(new, param_tile.dtype)))
+class Rounding:
+    """How a write-back pass rounds fp32 results into the parameter's dtype: to nearest even,
+    or stochastically (bf16 and fp16 parameters) with 16 bits per element drawn from the key
+    `rounding_key(seed, seed_step)` and the element's flat index in the whole parameter, so
+    a tile, a block or another rank's slice rounds as the whole tensor would."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        stochastic_rounding: bool,
+        seed: int,
+        seed_step: torch.Tensor | None,
+    ) -> None:
+        self.stochastic = stochastic_rounding and rounds_stochastically(dtype)
+        self.key = rounding_key(seed, seed_step) if self.stochastic else 0
+
+    def random16(self, index: torch.Tensor) -> torch.Tensor | None:
+        """The bits for elements at flat `index` (int64), or None to round to nearest."""
+        return random_bits16(index, self.key) if self.stochastic else None
+
+
+NEAREST = Rounding(torch.float32, False, 0, None)
+
+
+def store_rounded(
+    param_tile: torch.Tensor,
+    new: torch.Tensor,
+    skip: torch.Tensor,
+    rounding: Rounding = NEAREST,
+    index: torch.Tensor | None = None,
+) -> None:
+    """Writes fp32 `new` into `param_tile` in its dtype unless `skip`; `index`: the tile's
+    flat element indices in the whole parameter (needed when `rounding` is stochastic)."""
+    random16 = None if index is None else rounding.random16(index)
+    rounded = round_to_dtype(new, param_tile.dtype, random16)
+    param_tile.copy_(torch.where(skip, param_tile, rounded))
+
+
+def tile_index(r0: int, r1: int, c0: int, c1: int, cols: int, device: torch.device) -> torch.Tensor:
+    """Flat element indices of tile [r0:r1, c0:c1] of a [*, cols] matrix (int64)."""
+    rows = torch.arange(r0, r1, device=device, dtype=torch.int64)
+    columns = torch.arange(c0, c1, device=device, dtype=torch.int64)
+    return rows[:, None] * cols + columns[None, :]
 
 
 # ----------------------------------------------------------------------------- factored
@@ -279,17 +319,27 @@ def factored_apply_(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
-    """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped."""
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped; rounded as
+    `Rounding` says."""
     skip, scale, decay = _write_back_scalars(
         workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
     )
-    p2 = param.view(exp_avg_sq_row.numel(), exp_avg_sq_col.numel())
+    rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
+    n_cols = exp_avg_sq_col.numel()
+    p2 = param.view(exp_avg_sq_row.numel(), n_cols)
     for rows, cols, update in _factored_updates(
         grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
     ):
         tile = p2[rows, cols]
-        store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
+        index = None
+        if rounding.stochastic:
+            index = tile_index(rows.start, rows.stop, cols.start, cols.stop, n_cols, param.device)
+        new = tile.to(torch.float32) * decay - scale * update
+        store_rounded(tile, new, skip, rounding, index)
 
 
 # ----------------------------------------------------------------------------- 1-D
@@ -367,15 +417,24 @@ def vector_apply_(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
-    """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped."""
+    """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped;
+    rounded as `Rounding` says."""
     skip, scale, decay = _write_back_scalars(
         workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
     )
+    rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
     p1, v1 = param.view(-1), exp_avg_sq.view(-1)
     for span, update, v_new, _ in _vector_updates(
         grad, exp_avg_sq, beta2, eps0, inv_scale, clip_value, clip_coef
     ):
         tile = p1[span]
-        store_rounded(tile, tile.to(torch.float32) * decay - scale * update, skip)
+        index = None
+        if rounding.stochastic:
+            index = torch.arange(span.start, span.stop, device=param.device, dtype=torch.int64)
+        new = tile.to(torch.float32) * decay - scale * update
+        store_rounded(tile, new, skip, rounding, index)
         v1[span] = torch.where(skip, v1[span], v_new)

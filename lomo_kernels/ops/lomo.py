@@ -17,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from .._rounding import rounds_stochastically
 from .backends import LOMO, define
 from .checks import check_finite, check_pair
 from .scalars import Scalar
@@ -75,8 +76,9 @@ def fused_lomo_update_(
     In fp32: ``g = grad * inv_scale``; an element whose ``g`` is inf/nan keeps its parameter
     value and sets ``found_inf``; ``g = clamp(g, -clip_value, clip_value)``;
     ``g *= clip_coef``; ``param = param * (1 - lr * weight_decay) - lr * g``, written back in
-    the parameter's dtype (bf16/fp16 round to nearest even, or stochastically for bf16 with
-    ``stochastic_rounding=True``, reproducible from ``seed`` and the element index).
+    the parameter's dtype (bf16/fp16 round to nearest even, or stochastically with
+    ``stochastic_rounding=True``: unbiased, reproducible from ``seed`` and the element index;
+    `_rounding.round_to_dtype`).
 
     ``seed_step`` (optional, a 1-element int64 tensor on the parameter's device) is the
     per-step part of the rounding seed, read by the kernel: its low 32 bits are XORed into
@@ -92,9 +94,11 @@ def fused_lomo_update_(
     """
     public = locals()  # the arguments, by name
     check_pair(param, grad)
-    if stochastic_rounding and param.dtype != torch.bfloat16:
+    if stochastic_rounding and not rounds_stochastically(param.dtype):
         raise ValueError(
-            f"lomo_kernels: stochastic_rounding applies to bfloat16 parameters, got {param.dtype}"
+            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
+            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
+            "stochastic_rounding=False"
         )
     # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
     skip = found_inf if skip_if is None else skip_if

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._rounding import random_bits16, round_to_dtype, rounding_key
+from .._rounding import random_bits16, round_to_dtype, rounding_key, rounds_stochastically
 from .scalars import value_of
 
 
@@ -25,7 +25,7 @@ def _write_back(
     """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
     flat = param.view(-1)
     random16 = None
-    if stochastic_rounding and param.dtype == torch.bfloat16:
+    if stochastic_rounding and rounds_stochastically(param.dtype):
         index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
         random16 = random_bits16(index, rounding_key(seed, seed_step))
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))

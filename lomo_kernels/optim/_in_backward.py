@@ -41,6 +41,7 @@ from .param_groups import (
     hook_groups,
 )
 from .reporting import StepReporting
+from .rounding import WriteBackRounding
 from .row_blocks import RowBlockSteps
 from .sharded_steps import ShardedSteps
 from .single_backward import SingleBackwardClip
@@ -124,6 +125,7 @@ class InBackwardOptimizer(
         single_backward: bool = False,
         replicated: bool = True,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
+        rounding: WriteBackRounding | None = None,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
@@ -132,7 +134,8 @@ class InBackwardOptimizer(
         (single_backward.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
         own (pipeline stages, a model per rank), so no rank waits for another's gradients.
-        `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
+        `param_groups`: torch-style groups of the model's parameters (param_groups.py).
+        `rounding`: the write-back's rounding (rounding.py; None: to nearest)."""
         defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
@@ -146,6 +149,7 @@ class InBackwardOptimizer(
         )
         super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
+        self.rounding = WriteBackRounding(False, 0) if rounding is None else rounding
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
         self.step_count = 0
@@ -179,6 +183,16 @@ class InBackwardOptimizer(
     weight_decay = GroupHyperParameter("weight_decay")
     clip_grad_norm = GroupHyperParameter("clip_grad_norm")
     clip_grad_value = GroupHyperParameter("clip_grad_value")
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether bf16 and fp16 parameters are written back with stochastic rounding."""
+        return self.rounding.stochastic
+
+    @property
+    def seed(self) -> int:
+        """The stochastic rounding's seed."""
+        return self.rounding.seed
 
     @property
     def clip_coef(self) -> torch.Tensor | None:

@@ -18,13 +18,14 @@ from ..ops.adalomo import (
     init_adalomo_state,
     run_adalomo_passes_,
 )
-from ..ops.adalomo_reference import GradTransform
+from ..ops.adalomo_reference import GradTransform, Rounding
 from ..ops.adalomo_workspace import workspace_numel
 from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 from .param_groups import GroupHyperParameter
+from .rounding import WriteBackRounding
 from .sharded_steps import SliceBatch
 from .validation import computes_in_fp16, parameter_names, trainable_parameters
 
@@ -83,6 +84,8 @@ class AdaLomo(InBackwardOptimizer):
         clip_grad_value: float | None = None,
         weight_decay: float = 0.0,
         *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
@@ -90,6 +93,7 @@ class AdaLomo(InBackwardOptimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
+        rounding = WriteBackRounding(stochastic_rounding, seed)
         params = trainable_parameters(model)
         check_factorable(model, params)
         loss_scale = check_loss_scale(loss_scale)
@@ -110,6 +114,7 @@ class AdaLomo(InBackwardOptimizer):
             single_backward=single_backward,
             replicated=replicated,
             param_groups=param_groups,
+            rounding=rounding,
         )
         self.loss_scale = loss_scale
         self._fp16 = computes_in_fp16(model)
@@ -153,6 +158,7 @@ class AdaLomo(InBackwardOptimizer):
                     self._beta2[key] = torch.zeros(1, device=device)
                 self._beta2[key].fill_(beta2)
         self._backends = {d: ADALOMO.resolve(d, self._backend_name) for d in self._scalars}
+        self.rounding.begin_step(self.step_count, self._scalars)
         self._check_update_arguments()
 
     def _check_update_arguments(self) -> None:
@@ -180,6 +186,10 @@ class AdaLomo(InBackwardOptimizer):
                     found_inf=scalars.update_found_inf,
                     # Per call: one of the optimizer's own flags (or None), like this one.
                     skip_if=scalars.norm_found_inf,
+                    # Per call: whether the parameter's dtype is rounded, and its index.
+                    stochastic_rounding=self.rounding.stochastic,
+                    seed=0,
+                    seed_step=self.rounding.seed_step(device),
                 )
         if self._sharding is None:  # sharded steps keep slices of their own (adalomo_slices)
             for group in self.param_groups:
@@ -226,6 +236,7 @@ class AdaLomo(InBackwardOptimizer):
                 clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
                 found_inf=scalars.update_found_inf,
                 skip_if=skip_if,
+                **self._rounding_arguments(param),
                 backend=self.backend,
                 on_grad_sumsq=on_grad_sumsq,
             )
@@ -243,8 +254,18 @@ class AdaLomo(InBackwardOptimizer):
             "grad": grad.contiguous(),
             "skip_if": skip_if,
             "workspace": self._workspace(param),
+            **self._rounding_arguments(param),
         }
         run_adalomo_passes_(self._backends[device], arguments, on_grad_sumsq)
+
+    def _rounding_arguments(self, param: torch.Tensor) -> dict[str, Any]:
+        """The write-back's rounding arguments of `param` (rounding.py)."""
+        stochastic = self.rounding.applies_to(param.dtype)
+        return {
+            "stochastic_rounding": stochastic,
+            "seed": self._index_of[id(param)] if stochastic else 0,
+            "seed_step": self.rounding.seed_step(param.device) if stochastic else None,
+        }
 
     def _workspace(self, param: torch.Tensor) -> torch.Tensor:
         """A zeroed fp32 workspace for one eager update of `param` (see `_workspaces`)."""
@@ -283,6 +304,7 @@ class AdaLomo(InBackwardOptimizer):
                         batch.clip_coef_of(i) if group["clip_grad_norm"] is not None else None,
                     ),
                     skip=batch.skip_of(i),
+                    rounding=Rounding(shard.local.dtype, **self._rounding_arguments(shard.param)),
                 )
             )
         found_inf = batch.scalars.update_found_inf

@@ -24,7 +24,9 @@ import torch
 from ..distributed.shard import Shard
 from ..ops.adalomo_reference import (
     CHUNK,
+    NEAREST,
     GradTransform,
+    Rounding,
     mean_u,
     moment_factors,
     step_scalars,
@@ -48,6 +50,7 @@ class SliceStep:
     weight_decay: float
     transform: GradTransform
     skip: torch.Tensor | None = None  # non-zero: this slice's parameter is not updated
+    rounding: Rounding = NEAREST  # keyed by the flat index in the whole parameter
 
 
 def init_slice_state(shard: Shard) -> dict[str, torch.Tensor]:
@@ -225,6 +228,9 @@ def adalomo_slices_(
             step.weight_decay,
         )
         for span, update in _block_updates(step, skips[i], write_moments=True):
-            store_rounded(
-                local[span], local[span].to(torch.float32) * decay - scale * update, skips[i]
-            )
+            index = None
+            if step.rounding.stochastic:
+                first = step.shard.offset + span.start
+                index = torch.arange(first, first + update.numel(), device=local.device)
+            new = local[span].to(torch.float32) * decay - scale * update
+            store_rounded(local[span], new, skips[i], step.rounding, index)

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._rounding import aligned_pieces, mix32_int, seed_at_offset
 from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.backends import LOMO
 from ..ops.lomo import LOMO_UPDATE, lomo_update_op
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .loss_scaler import DynamicLossScaler
+from .rounding import WriteBackRounding
 from .sharded_steps import SliceBatch
 from .validation import computes_in_fp16, split_loss_scale_args
 
@@ -29,9 +29,14 @@ class Lomo(InBackwardOptimizer):
     ``fused_backward`` runs the norm pass itself when ``grad_norm`` was not called for this
     loss; ``state_dict()`` carries the step count and the loss scaler.
 
-    Extra keyword-only options: ``stochastic_rounding`` (bf16 parameters, unbiased rounding
-    of the write-back; seeded from ``seed``, the step and the parameter index, the step's
-    part kept in a device tensor so a compiled backward is not rebuilt each step),
+    A deliberate difference: bf16 and fp16 parameters are written back with stochastic
+    rounding by default (``stochastic_rounding=True``; unbiased, seeded from ``seed``, the
+    step and the element's index, so a slice or shard rounds as the whole tensor would).
+    Round-to-nearest, lomo-optim's, drops most updates at fine-tuning learning rates
+    (BENCHMARKS.md, "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32
+    parameters are never rounded.
+
+    Extra keyword-only options:
     ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward``,
     ``replicated`` (False: under torch.distributed, each rank's parameters are its own) and
     ``param_groups`` (torch-style groups of the model's parameters, by tensor or name, with
@@ -64,7 +69,7 @@ class Lomo(InBackwardOptimizer):
         weight_decay: float = 0.0,
         loss_scale_args: dict[str, Any] | None = None,
         *,
-        stochastic_rounding: bool = False,
+        stochastic_rounding: bool = True,
         seed: int = 0,
         backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -73,6 +78,7 @@ class Lomo(InBackwardOptimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
+        rounding = WriteBackRounding(stochastic_rounding, seed)
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
         fp16 = computes_in_fp16(model)
         if fp16:
@@ -91,12 +97,8 @@ class Lomo(InBackwardOptimizer):
             single_backward=single_backward,
             replicated=replicated,
             param_groups=param_groups,
+            rounding=rounding,
         )
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.seed = int(seed)
-        # Per device: the per-step part of the rounding seed, refreshed in place each step
-        # and read by the kernels, so a compiled backward does not depend on the step.
-        self._seed_steps: dict[torch.device, torch.Tensor] = {}
         # Per device, what every eager update call of a step passes: the backend module and
         # the inverse loss scale (set once per step, not looked up per call).
         self._step_constants: dict[torch.device, tuple[Any, torch.Tensor | None]] = {}
@@ -117,16 +119,7 @@ class Lomo(InBackwardOptimizer):
         self._step_constants = {
             d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
         }
-        if self.stochastic_rounding:
-            # Distinct per (seed, step); 31 bits, so each (seed, step, parameter, slice) keeps
-            # the stream of the 63-bit seed ``step_key << 32 | index``.
-            step_key = mix32_int(self.seed ^ mix32_int(self.step_count)) & 0x7FFFFFFF
-            for device in self._scalars:
-                seed_step = self._seed_steps.get(device)
-                if seed_step is None:
-                    seed_step = torch.zeros(1, dtype=torch.int64, device=device)
-                    self._seed_steps[device] = seed_step
-                seed_step.fill_(step_key)
+        self.rounding.begin_step(self.step_count, self._scalars)
         self._check_update_arguments()
 
     def _check_update_arguments(self) -> None:
@@ -148,9 +141,9 @@ class Lomo(InBackwardOptimizer):
                         "weight_decay": group["weight_decay"],
                         "found_inf": scalars.update_found_inf,
                         "skip_if": scalars.update_found_inf,
-                        "stochastic_rounding": self.stochastic_rounding,
+                        "stochastic_rounding": self.rounding.stochastic,
                         "seed": 0,  # per tensor: its index (or slice offset), always valid
-                        "seed_step": self._seed_steps.get(device),
+                        "seed_step": self.rounding.seed_step(device),
                     },
                 )
 
@@ -180,17 +173,8 @@ class Lomo(InBackwardOptimizer):
         the whole tensor's step would (`row_blocks.py`)."""
         group = self._hook_groups[self._group_of[id(param)]]
         scalars = self._scalars_for(param.device)
-        if not (self.stochastic_rounding and param.dtype == torch.bfloat16):
-            self._apply(param, param[start:stop], 0, grad, group, scalars, skip_if)
-            return
-        # Each aligned piece is rounded with the bits its elements have in the whole tensor.
-        flat, flat_grad = param.view(-1), grad.reshape(-1)
         first = start * (param.numel() // param.shape[0])
-        seed = self._index_of[id(param)]
-        for a, b in aligned_pieces(first, first + flat_grad.numel()):
-            piece_grad = flat_grad[a - first : b - first]
-            self._apply(param, flat[a:b], 0, piece_grad, group, scalars, skip_if,
-                        rounding_seed=seed_at_offset(seed, a))  # fmt: skip
+        self._apply(param, param[start:stop], first, grad, group, scalars, skip_if)
 
     def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
@@ -218,20 +202,38 @@ class Lomo(InBackwardOptimizer):
         scalars: _DeviceScalars,
         skip_if: torch.Tensor,
         clip_coef: torch.Tensor | None = None,
-        rounding_seed: int | None = None,
     ) -> None:
-        """Updates `target` (the parameter, or its slice starting at flat `offset`);
-        `clip_coef` replaces the step-wide coefficient (single_backward under sharding),
-        `rounding_seed` the stochastic rounding's per-parameter seed."""
-        use_sr = self.stochastic_rounding and target.dtype == torch.bfloat16
-        seed, seed_step = 0, None
-        if use_sr:
-            # The same every step: distinct per (parameter, slice). The step's part is the
-            # device tensor, XORed into the seed's high half by the kernel.
-            seed = self._index_of[id(param)] if rounding_seed is None else rounding_seed
-            if offset:
-                seed = mix32_int(seed ^ mix32_int(offset))
-            seed_step = self._seed_steps[target.device]
+        """Updates `target` (the parameter, or its contiguous slice starting at flat
+        `offset`); `clip_coef` replaces the step-wide coefficient (single_backward under
+        sharding). A stochastically rounded slice rounds as the whole tensor would."""
+        if not self.rounding.applies_to(target.dtype):
+            self._apply_piece(param, target, grad, group, scalars, skip_if, clip_coef)
+            return
+        flat, flat_grad = target.reshape(-1), grad.reshape(-1)
+        seeds_step = self.rounding.seed_step(target.device)
+
+        def piece(a: int, b: int, seed: int) -> None:
+            whole = a == 0 and b == flat.numel()  # the tensors as given (a traced step's)
+            self._apply_piece(param, target if whole else flat[a:b],
+                              grad if whole else flat_grad[a:b], group, scalars, skip_if,
+                              clip_coef, (seed, seeds_step))  # fmt: skip
+
+        self.rounding.in_pieces(self._index_of[id(param)], offset, flat.numel(), piece)
+
+    def _apply_piece(
+        self,
+        param: torch.Tensor,
+        target: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scalars: _DeviceScalars,
+        skip_if: torch.Tensor,
+        clip_coef: torch.Tensor | None,
+        seeds: tuple[int, torch.Tensor | None] | None = None,
+    ) -> None:
+        """One fused update call on `target`; `seeds`: (seed, seed_step) of its stochastic
+        rounding, None to round to nearest."""
+        seed, seed_step = (0, None) if seeds is None else seeds
         device = scalars.device  # target's
         if torch.compiler.is_compiling():
             # Traced: the device's backend, and nothing read from host-side caches.
@@ -259,7 +261,7 @@ class Lomo(InBackwardOptimizer):
                 group["weight_decay"],  # weight_decay
                 scalars.update_found_inf,  # found_inf
                 skip_if,  # skip_if
-                use_sr,  # stochastic_rounding
+                seeds is not None,  # stochastic_rounding
                 seed,  # seed
                 seed_step,  # seed_step
             ),

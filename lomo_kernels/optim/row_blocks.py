@@ -8,7 +8,7 @@ the parameter its gradient as usual" (the hook then steps it whole). A step is o
 where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise; AdaLomo's
 statistics span the whole matrix), an eager backward of its own norm or update pass, an
 unsharded parameter registered once in the model (a tied weight gets a second contribution),
-and, with stochastic rounding of a bf16 parameter, fewer than 2**32 elements.
+and, with stochastic rounding of a bf16 or fp16 parameter, fewer than 2**32 elements.
 
 What each pass does with the blocks:
 
@@ -40,10 +40,8 @@ import torch
 
 from .. import compile as _compiled_autograd
 from .. import ops
+from .rounding import MAX_SLICED_NUMEL
 from .step_mode import Phase
-
-# Stochastic rounding keys a block by its flat offset's low 32 bits (`seed_at_offset`).
-ROUNDED_BLOCKS_MAX_NUMEL = 2**32
 
 
 def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
@@ -170,8 +168,8 @@ class RowBlockSteps:
             return False
         if id(param) in self._tied():
             return False
-        rounded = getattr(self, "stochastic_rounding", False) and param.dtype == torch.bfloat16
-        return not (rounded and param.numel() >= ROUNDED_BLOCKS_MAX_NUMEL)
+        rounded = self.rounding.applies_to(param.dtype)
+        return not (rounded and param.numel() > MAX_SLICED_NUMEL)
 
     def _tied(self) -> set[int]:
         """Parameters registered under more than one name in the model (tied weights)."""

@@ -5,6 +5,7 @@
     lomo-kernels bench memory --model llama-168m [--device cpu|cuda] [--plot F.png]
     lomo-kernels bench head [--shape small|llama-3-8b] [--device cpu|cuda] [--variants ...]
     lomo-kernels bench train --model tiny [--device cpu|cuda] [--optimizers adamw,lomo,...]
+    lomo-kernels bench quality [--steps N] [--rows all|paper] [--json F] [--plot F.png]
     lomo-kernels demo [--steps N] [--optimizers lomo,adamw]
 
 Each subcommand's module adds its own arguments (`add_arguments`) and runs them (`command`);
@@ -40,6 +41,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "lomo_kernels.tools.bench_head",
         "an LM head's loss, backward and update: fused, unfused, liger-kernel, cut-cross-entropy",
     ),
+    ("bench", "quality"): (
+        "lomo_kernels.tools.bench_quality",
+        "fine-tuning quality of bf16/fp16 weights: the share of the fp32-weights gain kept",
+    ),
     ("bench", "train"): (
         "lomo_kernels.tools.bench_train",
         "end-to-end fine-tuning per optimizer: tokens/s, step time, peak memory, OOM",
@@ -58,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
             if path[0] not in groups:
-                group = top.add_parser(path[0], help="benchmarks: kernels, memory, head, train")
+                help_text = "benchmarks: kernels, memory, head, quality, train"
+                group = top.add_parser(path[0], help=help_text)
                 groups[path[0]] = group.add_subparsers(
                     dest="subcommand", required=True, metavar="WHAT"
                 )

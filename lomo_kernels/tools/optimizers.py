@@ -8,6 +8,10 @@ set-up), each the way its optimizer does it:
   adamw            torch.optim.AdamW, `fused=True` where torch has the fused kernel for the
                    device (CUDA and, since torch 2.4, CPU), else `foreach=True`; the notes
                    say which; `clip_grad_norm_` (foreach) before `step()`
+  adamw_master     AdamW on fp32 master copies of bf16/fp16 weights (mixed-precision
+                   training as frameworks run it: the model computes in its dtype, the
+                   optimizer steps the fp32 copies and writes them back rounded); on fp32
+                   weights the same as adamw
   sgd              torch.optim.SGD, the same clipping
   lomo_optim       lomo_optim.Lomo (the lomo-optim package): `grad_norm` + `fused_backward`
   lomo             lomo_kernels.Lomo, exact clipping: a norm pass and an update pass
@@ -32,6 +36,7 @@ import torch
 
 OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim.AdamW",
+    "adamw_master": "torch.optim.AdamW, fp32 master weights",
     "sgd": "torch.optim.SGD",
     "lomo_optim": "lomo_optim.Lomo (lomo-optim)",
     "lomo": "Lomo, exact clip (2 backward)",
@@ -44,6 +49,7 @@ OPTIMIZERS: dict[str, str] = {
 # (its figures do not depend on the value).
 DEFAULT_LR = {
     "adamw": 2e-3,
+    "adamw_master": 2e-3,
     "sgd": 0.3,
     "lomo_optim": 0.3,
     "lomo": 0.3,
@@ -54,7 +60,7 @@ DEFAULT_LR = {
 }
 FORWARD_BACKWARD = "forward_backward"
 # Optimizers that hold every gradient at once (and, AdamW, two fp32 states per parameter).
-HOLDS_ALL_GRADIENTS = ("adamw", "sgd")
+HOLDS_ALL_GRADIENTS = ("adamw", "adamw_master", "sgd")
 
 
 class Unavailable(RuntimeError):
@@ -95,9 +101,17 @@ def adamw(params: list[torch.nn.Parameter], lr: float) -> tuple[torch.optim.Adam
 
 
 def make_trainer(
-    name: str, model: torch.nn.Module, lr: float, clip_grad_norm: float | None = 1.0
+    name: str,
+    model: torch.nn.Module,
+    lr: float,
+    clip_grad_norm: float | None = 1.0,
+    options: dict[str, Any] | None = None,
 ) -> Trainer:
-    """The optimizer `name` on `model` and its training step (see the module docstring)."""
+    """The optimizer `name` on `model` and its training step (see the module docstring);
+    `options`: further keyword arguments of a lomo_kernels optimizer's constructor (e.g.
+    ``stochastic_rounding``)."""
+    if options and (name == "lomo_optim" or not name.startswith(("lomo", "adalomo"))):
+        raise ValueError(f"{name} takes no options, got {sorted(options)}")
     if name not in OPTIMIZERS and name != FORWARD_BACKWARD:
         raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     reason = unavailable_reason(name)
@@ -118,6 +132,8 @@ def make_trainer(
         return Trainer(name, None, no_update)
     if name in ("adamw", "sgd"):
         return _torch_trainer(_Run(name, model, lr, clip_grad_norm, loss_of))
+    if name == "adamw_master":
+        return _master_weights_trainer(_Run(name, model, lr, clip_grad_norm, loss_of))
     if name == "lomo_optim":
         import lomo_optim
 
@@ -131,7 +147,7 @@ def make_trainer(
             return loss
 
         return Trainer(name, opt, official_step)
-    return _lomo_kernels_trainer(_Run(name, model, lr, clip_grad_norm, loss_of))
+    return _lomo_kernels_trainer(_Run(name, model, lr, clip_grad_norm, loss_of), options or {})
 
 
 def _torch_trainer(run: _Run) -> Trainer:
@@ -155,13 +171,37 @@ def _torch_trainer(run: _Run) -> Trainer:
     return Trainer(name, opt, step, notes)
 
 
-def _lomo_kernels_trainer(run: _Run) -> Trainer:
+def _master_weights_trainer(run: _Run) -> Trainer:
+    name, model, lr, clip_grad_norm, loss_of = run
+    params = [p for p in model.parameters() if p.requires_grad]
+    master = [p.detach().float().clone().requires_grad_() for p in params]
+    opt, implementation = adamw(master, lr)
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(ids, labels)
+        loss.backward()
+        for p, m in zip(params, master, strict=True):
+            m.grad = p.grad.float() if p.grad is not None else None
+            p.grad = None
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(master, clip_grad_norm, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, master, strict=True):
+                p.copy_(m)
+        return loss
+
+    return Trainer(name, opt, step, {"implementation": implementation, "master": "fp32"})
+
+
+def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
     name, model, lr, clip_grad_norm, loss_of = run
     from lomo_kernels import AdaLomo, Lomo
 
     cls = AdaLomo if name.startswith("adalomo") else Lomo
     single = name.endswith("_single")
-    opt = cls(model, lr=lr, clip_grad_norm=clip_grad_norm, single_backward=single)
+    opt = cls(model, lr=lr, clip_grad_norm=clip_grad_norm, single_backward=single, **options)
     notes = {"backend": _backend_name(opt, model)}
     if name != "lomo_compiled_autograd":
 

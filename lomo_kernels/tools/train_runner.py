@@ -51,6 +51,8 @@ class Workload:
     evaluate: Callable[[], float] | None = None  # a held-out loss, measured before and after
     # Builds a learning-rate scheduler on the optimizer (stepped after every step), or None.
     make_scheduler: Callable[[Any], Any] | None = None
+    # Called after every optimizer step (e.g. a rounding applied to the weights), or None.
+    after_step: Callable[[], None] | None = None
 
 
 def step_clock(device: str, threads: int) -> str:
@@ -77,8 +79,10 @@ def measure(
     lr: float,
     clip_grad_norm: float | None,
     progress: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Trains with `optimizer` in this process; its figures (see the module docstring)."""
+    """Trains with `optimizer` in this process; its figures (see the module docstring).
+    `options`: keyword arguments of the optimizer's constructor (`make_trainer`)."""
     import torch
 
     from .bench_memory import Meter
@@ -99,7 +103,7 @@ def measure(
             result["loss_before"] = work.evaluate()
         first = next(work.batches).to(device)
         baseline = meter.current()
-        trainer = make_trainer(optimizer, work.model, lr, clip_grad_norm)
+        trainer = make_trainer(optimizer, work.model, lr, clip_grad_norm, options)
         result.update(trainer.notes)
         scheduler = work.make_scheduler and work.make_scheduler(trainer.optimizer)
         losses, times, cpu_times = [], [], []
@@ -119,6 +123,8 @@ def measure(
             times.append(time.perf_counter() - began)
             cpu_times.append(time.process_time() - began_cpu)
             losses.append(float(loss.detach()))
+            if work.after_step is not None:
+                work.after_step()
             if scheduler is not None:
                 scheduler.step()
             if bar is not None:
@@ -195,6 +201,7 @@ def run_isolated(
     threads: int = 1,
     progress: bool = False,
     timeout: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`measure` in a fresh interpreter with the malloc setting; its result.
 
@@ -213,6 +220,7 @@ def run_isolated(
         "clip_grad_norm": clip_grad_norm,
         "threads": threads,
         "progress": progress,
+        "options": options,
     }
     cmd = [sys.executable, "-m", "lomo_kernels.tools.train_runner", json.dumps(request)]
     proc = subprocess.run(

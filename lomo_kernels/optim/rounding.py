@@ -1,0 +1,90 @@
+"""How an optimizer rounds its write-back into low-precision parameters.
+
+At fine-tuning learning rates most per-element updates are below half a bf16 (or fp16) ulp,
+so round-to-nearest returns the old weight and the update is lost. Stochastic rounding
+rounds up with probability equal to the distance from the lower neighbour over the spacing:
+unbiased, so the expected weight follows the fp32 trajectory (BENCHMARKS.md, "Fine-tuning
+quality"). It is on by default for bf16 and fp16 parameters; fp32 parameters are stored
+exactly and never rounded.
+
+The bits are counter-based: a per-parameter seed (the parameter's index, fixed for a run),
+a per-step value kept in a device tensor (so a compiled backward does not depend on the
+step) and the element's flat index in the whole parameter. A slice (a row block, a ZeRO-3 or
+FSDP2 shard) is cut into aligned pieces that each take `seed_at_offset`, so it rounds
+exactly as the whole tensor would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .._rounding import aligned_pieces, mix32_int, rounds_stochastically, seed_at_offset
+
+# seed_at_offset keys a piece by the low 32 bits of its flat offset.
+MAX_SLICED_NUMEL = 1 << 32
+
+
+def check_seed(seed: object) -> int:
+    """`seed` as an int in [0, 2**63), or a clear refusal."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return seed
+
+
+class WriteBackRounding:
+    """The rounding of one optimizer's write-back: whether it is stochastic, its seed, and
+    per device the per-step part of the key the kernels read."""
+
+    def __init__(self, stochastic: bool, seed: int) -> None:
+        self.stochastic = bool(stochastic)
+        self.seed = check_seed(seed)
+        self._seed_steps: dict[torch.device, torch.Tensor] = {}
+
+    def applies_to(self, dtype: torch.dtype) -> bool:
+        """Whether parameters of `dtype` are rounded stochastically (bf16, fp16)."""
+        return self.stochastic and rounds_stochastically(dtype)
+
+    def begin_step(self, step_count: int, devices: Iterable[torch.device]) -> None:
+        """Refreshes the per-step value on each device, in place (host-side, no sync)."""
+        if not self.stochastic:
+            return
+        # Distinct per (seed, step); 31 bits, so each (seed, step, parameter) keeps the
+        # stream of the 63-bit seed ``step_key << 32 | index``.
+        step_key = mix32_int(self.seed ^ mix32_int(step_count)) & 0x7FFFFFFF
+        for device in devices:
+            seed_step = self._seed_steps.get(device)
+            if seed_step is None:
+                seed_step = self._seed_steps[device] = torch.zeros(
+                    1, dtype=torch.int64, device=device
+                )
+            seed_step.fill_(step_key)
+
+    def seed_step(self, device: torch.device) -> torch.Tensor | None:
+        """This step's per-step value on `device` (None before the first step or when off)."""
+        return self._seed_steps.get(device)
+
+    def in_pieces(
+        self,
+        param_index: int,
+        offset: int,
+        numel: int,
+        run: Callable[[int, int, int], None],
+    ) -> None:
+        """Calls ``run(start, stop, seed)`` over elements ``[start, stop)`` of a slice that
+        begins at flat `offset` of its parameter (positions relative to the slice), each
+        piece with the seed under which it rounds as the whole parameter would."""
+        if offset == 0:
+            run(0, numel, param_index)
+            return
+        if offset + numel > MAX_SLICED_NUMEL:
+            raise ValueError(
+                f"stochastic rounding of a slice ending at element {offset + numel} of a "
+                f"parameter: slices are keyed by 32-bit offsets (at most {MAX_SLICED_NUMEL} "
+                "elements); pass stochastic_rounding=False for this model"
+            )
+        for a, b in aligned_pieces(offset, offset + numel):
+            run(a - offset, b - offset, seed_at_offset(param_index, a))
