@@ -638,6 +638,8 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
     grad_args = (None, 0.5, torch.tensor([0.5]))
     step_args = (torch.tensor([LR]), 1e-3, 1.0, 0.1)
     beta2 = torch.tensor([0.5])
+    # Stochastic rounding where the dtype has it: its random bits are tile-sized too.
+    rounding = (param.dtype != torch.float32, 7, torch.tensor([3], dtype=torch.int64))
     found_inf = torch.zeros(1)
     recorder = _RecordOps()
     with recorder:
@@ -648,13 +650,17 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
             )
             reference.factored_moments_(row, col, workspace, beta2, grad_args[2], 1e-30)
             reference.factored_norm_(grad, row, col, workspace, *grad_args)
-            reference.factored_apply_(param, grad, row, col, workspace, *step_args, *grad_args)
+            reference.factored_apply_(
+                param, grad, row, col, workspace, *step_args, *grad_args, *rounding
+            )
         else:
             v = state["exp_avg_sq"]
             reference.vector_stats_(
                 grad, param, v, workspace, found_inf, None, beta2, 1e-30, *grad_args
             )
-            reference.vector_apply_(param, grad, v, workspace, beta2, 1e-30, *step_args, *grad_args)
+            reference.vector_apply_(
+                param, grad, v, workspace, beta2, 1e-30, *step_args, *grad_args, *rounding
+            )
     vectors = workspace.numel()
     largest = max(numel for _, numel in recorder.calls)
     assert largest <= max(reference.CHUNK, vectors), largest
@@ -803,7 +809,8 @@ types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "col_state_ptr": "*fp32", "v_ptr": "*fp32", "lr_ptr": "*fp32",
          "beta2_ptr": "*fp32", "inv_scale_ptr": "*fp32",
          "clip_coef_ptr": "*fp32", "rows": "i64", "cols": "i64",
-         "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64"}
+         "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64",
+         "seed_step_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32"}
 flags = {"GRAD_KIND": 2, "PARAM_KIND": 2, "HAS_CLIP_VALUE": True, "HAS_CLIP_COEF": True}
 grad_flags = {f: v for f, v in flags.items() if f != "PARAM_KIND"}
 stats_flags = {f: v for f, v in flags.items() if f != "HAS_CLIP_COEF"}  # the moments apply it
@@ -813,9 +820,9 @@ cases = [
     (k.factored_moments_kernel, {"BLOCK": 1024}),
     (k.factored_moments_kernel, {"BLOCK": 1024, "clip_coef_ptr": None}),  # no coefficient
     (k.factored_norm_kernel, {**grad_flags, **tiles}),
-    (k.factored_apply_kernel, {**flags, **tiles}),
+    (k.factored_apply_kernel, {**flags, **tiles, "STOCHASTIC_ROUNDING": True}),
     (k.vector_stats_kernel, {**flags, "BLOCK": 4096}),
-    (k.vector_apply_kernel, {**flags, "BLOCK": 4096}),
+    (k.vector_apply_kernel, {**flags, "BLOCK": 4096, "STOCHASTIC_ROUNDING": True}),
 ]
 for kernel, constexprs in cases:
     # Every pointer parameter has its type above (an unknown name would compile as fp32).

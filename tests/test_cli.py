@@ -215,27 +215,28 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def test_demo_through_the_cli_exits_0(capsys, restore_threads):
-    argv = ["demo", "--steps", "1", "--size", "tiny", "--batch", "1", "--seq", "8"]
-    assert main(argv + ["--dtype", "fp32", "--optimizers", "lomo"]) == 0
+def test_demo_through_the_cli_exits_0(capsys, restore_threads, monkeypatch, tmp_path):
+    monkeypatch.setenv("LOMO_KERNELS_CACHE", str(tmp_path))  # a fresh pretrained checkpoint
+    argv = ["demo", "--steps", "2", "--size", "tiny", "--batch", "2", "--seq", "16"]
+    assert main(argv + ["--pretrain-steps", "2", "--optimizers", "lomo", "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "dtype fp32: chosen with --dtype" in out
-    assert "| lomo | 2 | 0.3 |" in out
+    assert "bf16 weights, computed" in out
+    assert "| lomo | 2 | 0.01 | bf16, stochastic (default) |" in out
+    assert "| lomo | 2 | 0.01 | fp32 weights |" in out
+    assert "lomo: keeps" in out
+    assert list((tmp_path / "quality").glob("pretrained-tiny-*.pt"))
 
 
 @pytest.mark.parametrize(
-    ("native", "dtype", "reason"),
-    [(False, "fp32", "no native bf16 matmul"), (True, "bf16", "multiplies bf16 natively")],
+    ("native", "note"), [(False, "computed fp32 (upcast)"), (True, "computed native")]
 )
-def test_demo_dtype_follows_native_bf16_and_says_why(monkeypatch, native, dtype, reason):
+def test_demo_says_how_bf16_weights_compute(monkeypatch, native, note):
     from lomo_kernels.tools import machine
 
     monkeypatch.setattr(machine, "native_bf16_matmul", lambda device="cpu": native)
     parser = demo.Parser()
     demo.add_arguments(parser)
-    args = parser.parse_args([])
-    assert reason in demo.dtype_choice(args)
-    assert args.dtype == dtype
+    assert note in demo.banner(parser.parse_args([]))
 
 
 def test_model_config_missing_a_field(capsys, tmp_path):

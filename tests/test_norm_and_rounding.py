@@ -131,10 +131,3 @@ def test_stochastic_rounding_keeps_exact_values_and_specials(backend):
             out, grad, lr=1.0, stochastic_rounding=True, seed=seed, backend=backend
         )
         assert torch.equal(out, param)
-
-
-def test_stochastic_rounding_rejects_non_bf16():
-    with pytest.raises(ValueError, match="bfloat16"):
-        ops.fused_sgd_update_(
-            torch.zeros(4, dtype=torch.float16), torch.zeros(4), lr=0.1, stochastic_rounding=True
-        )

@@ -63,6 +63,7 @@ def _adalomo_cases() -> list[tuple]:
     ws2[rows + cols + R_SUM] = row.sum()  # as the moments pass leaves it
     ws1[P_SUMSQ], ws1[U_SUMSQ] = float(n), float(n)  # rms 1
     beta2, lr = _scalar(0.5), _scalar(0.1)
+    step = torch.tensor([42], dtype=torch.int64)  # stochastic rounding of the bf16 p1
     grad_args = _grad_args()
     inv_scale, clip_value, clip_coef = grad_args
     return [
@@ -74,7 +75,7 @@ def _adalomo_cases() -> list[tuple]:
         (OPS.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args)),
         (
             OPS.adalomo_factored_apply_,
-            (p2, g2, row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args),
+            (p2, g2, row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args, False, 0, None),
         ),
         (
             OPS.adalomo_vector_stats_,
@@ -82,7 +83,7 @@ def _adalomo_cases() -> list[tuple]:
         ),
         (
             OPS.adalomo_vector_apply_,
-            (p1, g1, v, ws1, beta2, 1e-30, lr, 1e-3, 1.0, 0.0, *grad_args),
+            (p1, g1, v, ws1, beta2, 1e-30, lr, 1e-3, 1.0, 0.0, *grad_args, True, 5, step),
         ),
     ]
 

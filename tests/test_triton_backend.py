@@ -1,10 +1,12 @@
 """Triton backend under the Triton interpreter, against float64 math and the reference.
 
 Triton-specific cases: the bulk/tail split around multiples of 16 and of the block size,
-unaligned views, bit-identical bf16 rounding (nearest and stochastic), the device-side
-found_inf / skip_if flags, including the same tensor passed as both, and the sum of squares.
-The backend functions take their arguments positionally (`lomo_reference.lomo_update_` order),
-the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
+unaligned views, bit-identical bf16 rounding (nearest and stochastic) and fp16 stochastic
+rounding, the device-side found_inf / skip_if flags, including the same tensor passed as
+both, and the sum of squares. The backend functions take their arguments positionally
+(`lomo_reference.lomo_update_` order), the runtime scalars lr, inv_scale and clip_coef as
+1-element fp32 tensors (None: 1). Last, the stochastic rounding of the AdaLomo write-back
+passes (`adalomo_reference.factored_apply_`, `vector_apply_`), bit for bit.
 """
 
 import os
@@ -24,8 +26,19 @@ from dependencies import require  # noqa: E402
 from float64_reference import sumsq_rel_bound  # noqa: E402
 
 from lomo_kernels import _rounding, ops  # noqa: E402
+from lomo_kernels.kernels.triton import adalomo as triton_adalomo  # noqa: E402
 from lomo_kernels.kernels.triton import lomo as triton_backend  # noqa: E402
+from lomo_kernels.kernels.triton import runtime  # noqa: E402
+from lomo_kernels.ops import adalomo_reference as ada_reference  # noqa: E402
 from lomo_kernels.ops import lomo_reference as reference  # noqa: E402
+from lomo_kernels.ops.adalomo_workspace import (  # noqa: E402
+    NUM_SLOTS,
+    P_SUMSQ,
+    R_SUM,
+    SKIP,
+    U_SUMSQ,
+    workspace_numel,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ["TRITON_INTERPRET"] != "1",
@@ -343,6 +356,167 @@ def test_stochastic_rounding_depends_on_seed() -> None:
     assert not torch.equal(_bits(a), _bits(b))
 
 
+# ----------------------------------------------------------------------------- fp16 stochastic
+
+# fp32 bit patterns (magnitudes) around fp16's ranges, each also taken negative.
+FP16_EDGE_PATTERNS = [
+    0x00000001,  # fp32 subnormals: 0 or 2^-24, almost always 0
+    0x007FFFFF,
+    0x33000000,  # 2^-25, half of fp16's smallest subnormal 2^-24
+    0x337FFFFF,  # just below 2^-24
+    0x33800000,  # 2^-24, exact
+    0x33C00000,  # 1.5 * 2^-24
+    0x34A00001,  # just above 5 * 2^-24
+    0x3800A3D7,  # a subnormal with many dropped bits
+    0x387FC000,  # 1023 * 2^-24, the largest subnormal, exact
+    0x387FE000,  # 1023.5 * 2^-24
+    0x387FFFFF,  # just below 2^-14
+    0x38800000,  # 2^-14, the smallest normal, exact
+    0x38800001,  # just above it
+    0x38801FFF,  # just below its successor
+    0x3F800001,  # normal range: 1 + 2^-23
+    0x3F801000,  # 1 + 2^-11 (half an ulp)
+    0x3F801FFF,
+    0x3FFFFFFF,  # just below 2, rounds to 2 or 2 - 2^-10
+    0x477FDFFF,  # just below 65504: 65472 or 65504, never beyond
+    0x477FE000,  # 65504, the largest finite, exact
+    0x477FE001,  # beyond 65504: the nearest cast, 65504 ...
+    0x477FEFFF,  # ... up to 65520 (excluded)
+    0x477FF000,  # 65520: inf
+    0x47800000,  # 65536
+    0x49742400,  # 1e6
+    0x5DDE0B6B,  # 2e18 (its square is finite: the 1-D AdaLomo pass squares it)
+]
+
+
+def _fp32_from_bits(patterns: list[int]) -> torch.Tensor:
+    bits = torch.tensor(patterns, dtype=torch.int64)
+    return torch.cat([bits, bits | 0x80000000]).to(torch.int32).view(torch.float32)
+
+
+def _fp16_neighbours(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16 values just below and above each finite in-range fp32 `value` (equal when
+    it is on the grid), as float64."""
+    nearest = value.to(torch.float16)
+    other = torch.where(
+        nearest.double() > value.double(),
+        torch.nextafter(nearest, torch.tensor(-INF, dtype=torch.float16)),
+        torch.nextafter(nearest, torch.tensor(INF, dtype=torch.float16)),
+    )
+    other = torch.where(nearest.double() == value.double(), nearest, other)
+    low = torch.minimum(nearest.double(), other.double())
+    high = torch.maximum(nearest.double(), other.double())
+    return low, high
+
+
+def _check_fp16_stochastic(out: torch.Tensor, value: torch.Tensor) -> None:
+    """Stochastic rounding's contract on each element: the fp16 neighbour below or above
+    within fp16's range (sign and -0.0 kept), the nearest cast beyond 65504, non-finite
+    values as they are."""
+    beyond = value.abs() > 65504
+    assert torch.equal(_bits(out[beyond]), _bits(value[beyond].to(torch.float16)))
+    low, high = _fp16_neighbours(value[~beyond])
+    got = out[~beyond].double()
+    assert bool(((got == low) | (got == high)).all())
+    assert torch.equal(torch.signbit(out), torch.signbit(value))
+
+
+@pytest.mark.parametrize(
+    ("n", "grad_dtype"),
+    [(1, "fp16"), (7, "fp32"), (17, "fp16"), (4097, "fp32"), (278011, "fp16")],
+)
+def test_fp16_stochastic_bit_identical_across_bulk_tail(n: int, grad_dtype: str) -> None:
+    param, grad = _inputs(n, torch.float16, DTYPES[grad_dtype], seed=11)
+    ours, theirs, opts, _ = _both(param, grad, **FULL, stochastic_rounding=True, seed=2**40 + 3)
+    assert torch.equal(_bits(ours), _bits(theirs))
+    _assert_close_to_fp64(ours, param, grad, opts, ulps=1.0)
+    if n >= 17:  # and not the nearest rounding
+        nearest, _, _, _ = _both(param, grad, **FULL)
+        assert not torch.equal(_bits(ours), _bits(nearest))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("seed", [5, 2**63 + 17])
+def test_fp16_stochastic_rounding_of_edge_values(seed: int) -> None:
+    """p = 0 - 1 * (-v) is exactly v: subnormals, 2^-14, 65504 and beyond; inf, nan and -0.0
+    parameters with a zero gradient (p = p * 1 - 0) keep their values and signs."""
+    value = _fp32_from_bits(FP16_EDGE_PATTERNS)
+    specials = torch.tensor([INF, -INF, float("nan"), -float("nan"), -0.0], dtype=torch.float16)
+    param = torch.cat([torch.zeros(len(value), dtype=torch.float16), specials])
+    grad = torch.cat([-value, torch.zeros(len(specials))])
+    ours, theirs, _, _ = _both(param, grad, lr=1.0, stochastic_rounding=True, seed=seed)
+    assert torch.equal(_bits(ours), _bits(theirs))
+    _check_fp16_stochastic(ours[: len(value)], value)
+    assert _bits(ours[len(value) :]).tolist() == _bits(specials).tolist()
+
+
+def test_fp16_stochastic_rounding_is_unbiased() -> None:
+    """4096 copies of a value a quarter of the way from one fp16 value to the next round
+    up about a quarter of the time: normal range, subnormal range, next to 65504."""
+    values = [1 + 2.0**-12, 3.25 * 2.0**-24, 65480.0, -(2.0**-14 + 2.0**-26)]
+    value = torch.tensor(values).repeat_interleave(BLOCK)
+    ours, theirs, _, _ = _both(
+        torch.zeros(len(value), dtype=torch.float16), -value, lr=1.0, stochastic_rounding=True
+    )
+    assert torch.equal(_bits(ours), _bits(theirs))
+    low, high = _fp16_neighbours(value)
+    up = ((ours.double() - low) / (high - low)).view(len(values), BLOCK).mean(dim=1)
+    magnitude_up = torch.where(torch.tensor(values) < 0, 1 - up, up)
+    # 5 standard deviations of the mean of 4096 Bernoulli(1/4) draws.
+    assert bool(((magnitude_up - 0.25).abs() < 5 * (0.25 * 0.75 / BLOCK) ** 0.5).all())
+
+
+@pytest.mark.parametrize("step", [0, 2**31 + 7, -3])
+def test_fp16_stochastic_rounding_seed_step_from_device(step: int) -> None:
+    param, grad = _inputs(4097, torch.float16, torch.float16, seed=12)
+    seed_step = torch.tensor([step], dtype=torch.int64)
+    ours, theirs, _, _ = _both(
+        param, grad, **FULL, stochastic_rounding=True, seed=2**33 + 11, seed_step=seed_step
+    )
+    assert torch.equal(_bits(ours), _bits(theirs))
+    folded = (2**33 + 11) ^ ((step & 0xFFFFFFFF) << 32)
+    expected, _, _, _ = _both(param, grad, **FULL, stochastic_rounding=True, seed=folded)
+    assert torch.equal(_bits(ours), _bits(expected))
+
+
+def test_fp16_stochastic_rounding_with_flags() -> None:
+    """Non-finite gradients keep their elements (bulk and tail) and raise found_inf; a set
+    skip_if writes nothing."""
+    n = 2 * BLOCK + 5
+    param, grad = _with_bad_grads(n, [3, n - 1], torch.float16)
+    step = torch.tensor([9], dtype=torch.int64)
+    sr = dict(stochastic_rounding=True, seed=77, seed_step=step)
+    ours, theirs, opts, ref_opts = _both(param, grad, **FULL, **sr, found_inf=[0.0])
+    assert torch.equal(_bits(ours), _bits(theirs))
+    assert torch.equal(_bits(ours[[3, n - 1]]), _bits(param[[3, n - 1]]))
+    assert opts["found_inf"].item() == ref_opts["found_inf"].item() == 1.0
+    skipped, _, _, _ = _both(param, grad, **FULL, **sr, found_inf=[0.0], skip_if=[1.0])
+    assert torch.equal(_bits(skipped), _bits(param))
+
+
+def test_stochastic_rounding_launch_arguments() -> None:
+    """bf16 and fp16 parameters launch the stochastic variant with the per-step seed; fp32
+    stores the result exactly and launches the nearest one (as the references ignore it)."""
+    step = torch.zeros(1, dtype=torch.int64)
+    for dtype, stochastic in [
+        (torch.bfloat16, True),
+        (torch.float16, True),
+        (torch.float32, False),
+    ]:
+        _, args = triton_backend.lomo_update_args(
+            torch.zeros(33, dtype=dtype), torch.zeros(33), torch.ones(1), None, None, None,
+            0.0, None, None, True, 2**63 + 17, step,
+        )  # fmt: skip
+        assert args["STOCHASTIC_ROUNDING"] is stochastic
+        assert (args["seed_step_ptr"] is step) is stochastic
+        assert all(-(2**31) <= args[k] < 2**31 for k in ("seed_lo", "seed_hi"))
+        assert runtime.rounding_args(torch.zeros(1, dtype=dtype), True, 3)[0] is stochastic
+    param, grad = _inputs(33, torch.float32, torch.float32)
+    ours, _, _, _ = _both(param, grad, **FULL, stochastic_rounding=True, seed=3)
+    nearest, _, _, _ = _both(param, grad, **FULL)
+    assert torch.equal(_bits(ours), _bits(nearest))
+
+
 # ----------------------------------------------------------------------------- flags
 
 
@@ -527,3 +701,226 @@ def test_interpreter_enabled_after_triton_was_imported() -> None:
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------- AdaLomo write-back
+
+# The AdaLomo write-back passes round as the LOMO update (bf16 and fp16, stochastically from
+# the seed, its per-step part and each element's flat index in the whole parameter). Their
+# inputs (moments, workspace sums) come from the reference's earlier passes, so both
+# backends write back from the same values and must agree bit for bit. But for the sums of
+# p^2 and update^2: they are set to numel * (exact square), since the write-back takes
+# their rms and torch.sqrt on CPU is not always correctly rounded (1 ulp off for about a
+# fifth of fp32 inputs with torch 2.13 on AVX-512) while the kernels' sqrt_rn is, which
+# would make the scale, not the rounding, differ.
+ADA_SCALARS = dict(lr=0.05, eps1=1e-3, clip_threshold=0.8, weight_decay=0.1)
+ADA_GRAD = dict(inv_scale=1.0 / 1024, clip_value=1.5, clip_coef=0.37)
+ADA_BETA2, ADA_EPS0 = 0.5, 1e-30
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _t(value: float) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32)
+
+
+def _ada_prepared(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """(param, grad, state, workspace) of a first step, the reference's passes before the
+    write-back run (A, the moments and B; or A1)."""
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(shape, generator=gen).to(dtype)
+    grad = (1024 * torch.randn(shape, generator=gen)).to(dtype)
+    inv, cv, cc = _t(ADA_GRAD["inv_scale"]), ADA_GRAD["clip_value"], _t(ADA_GRAD["clip_coef"])
+    workspace = torch.zeros(workspace_numel(param.shape))
+    if param.dim() >= 2:
+        cols = shape[-1]
+        rows = param.numel() // cols
+        state = (torch.zeros(rows), torch.zeros(cols))
+        ada_reference.factored_stats_(grad, param, workspace, None, None, cols, inv, cv)
+        ada_reference.factored_moments_(*state, workspace, _t(ADA_BETA2), cc, ADA_EPS0)
+        ada_reference.factored_norm_(grad, *state, workspace, inv, cv, cc)
+    else:
+        state = (torch.zeros(param.numel()),)
+        ada_reference.vector_stats_(
+            grad, param, *state, workspace, None, None, _t(ADA_BETA2), ADA_EPS0, inv, cv, cc
+        )
+    # rms(p) = 0.5 and rms(update) = 1.5, exactly (the update is clipped: 1.5 > 0.8).
+    workspace[workspace.numel() - NUM_SLOTS + P_SUMSQ] = param.numel() * 0.25
+    workspace[workspace.numel() - NUM_SLOTS + U_SUMSQ] = param.numel() * 2.25
+    return param, grad, state, workspace
+
+
+def _ada_apply(
+    backend,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: tuple[torch.Tensor, ...],
+    workspace: torch.Tensor,
+    *,
+    scalars: dict = ADA_SCALARS,
+    grad_options: dict | None = ADA_GRAD,
+    beta2: float = ADA_BETA2,
+    stochastic_rounding: bool = True,
+    seed: int = 2**40 + 3,
+    seed_step: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`backend`'s write-back pass on copies of the parameter and state: (param, state)."""
+    param, state = param.clone(), tuple(s.clone() for s in state)
+    step = (_t(scalars["lr"]), scalars["eps1"], scalars["clip_threshold"], scalars["weight_decay"])
+    transform = (None, None, None)
+    if grad_options is not None:
+        transform = (
+            _t(grad_options["inv_scale"]),
+            grad_options["clip_value"],
+            _t(grad_options["clip_coef"]),
+        )
+    rounding = (stochastic_rounding, seed, seed_step)
+    if param.dim() >= 2:
+        backend.factored_apply_(param, grad, *state, workspace, *step, *transform, *rounding)
+    else:
+        backend.vector_apply_(
+            param, grad, *state, workspace, _t(beta2), ADA_EPS0, *step, *transform, *rounding
+        )
+    return param, state
+
+
+def _assert_same_write_back(
+    ours: tuple[torch.Tensor, tuple[torch.Tensor, ...]],
+    theirs: tuple[torch.Tensor, tuple[torch.Tensor, ...]],
+) -> None:
+    assert torch.equal(_bits(ours[0]), _bits(theirs[0]))
+    for mine, reference_state in zip(ours[1], theirs[1], strict=True):
+        assert torch.equal(_bits(mine), _bits(reference_state))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize(
+    "shape", [(1,), (7,), (4097,), (278011,), (1, 7), (2, 3, 7), (37, 1031)], ids=str
+)
+def test_adalomo_write_back_stochastic_bit_identical(shape: tuple, dtype: str) -> None:
+    prepared = _ada_prepared(shape, LOW_PRECISION[dtype], seed=len(shape))
+    ours = _ada_apply(triton_adalomo, *prepared)
+    _assert_same_write_back(ours, _ada_apply(ada_reference, *prepared))
+    if prepared[0].numel() >= 4097:  # and not the nearest rounding
+        nearest = _ada_apply(triton_adalomo, *prepared, stochastic_rounding=False)
+        assert not torch.equal(_bits(ours[0]), _bits(nearest[0]))
+
+
+def _gpu_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' CUDA tiling (132 SMs, as an H100's) for CPU tensors."""
+    tiling = triton_adalomo._tiling
+    monkeypatch.setattr(triton_adalomo, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(
+        triton_adalomo,
+        "_tiling",
+        lambda rows, cols, device: tiling(rows, cols, torch.device("cuda", 0)),
+    )
+
+
+def _small_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small interpreter tiles: column blocks, and several tiles per program."""
+    monkeypatch.setattr(triton_adalomo, "INTERPRETER_TILE", 256)
+    monkeypatch.setattr(triton_adalomo, "INTERPRETER_MAX_BLOCK_N", 32)
+    monkeypatch.setattr(triton_adalomo, "INTERPRETER_PROGRAMS", 16)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("tiling", ["gpu", "small"])
+def test_adalomo_factored_write_back_tilings(
+    monkeypatch: pytest.MonkeyPatch, tiling: str, dtype: str
+) -> None:
+    """Each tile rounds its elements with their indices in the whole parameter: the bits do
+    not depend on how the launch cuts the matrix."""
+    {"gpu": _gpu_tiling, "small": _small_tiling}[tiling](monkeypatch)
+    grid, sizes = triton_adalomo._tiling(37, 1031, torch.device("cpu"))
+    assert grid[0] > 1 and (grid[1] > 1 or sizes["rows_per_prog"] > sizes["BLOCK_M"])
+    prepared = _ada_prepared((37, 1031), LOW_PRECISION[dtype], seed=3)
+    seed_step = torch.tensor([41], dtype=torch.int64)
+    ours = _ada_apply(triton_adalomo, *prepared, seed_step=seed_step)
+    _assert_same_write_back(ours, _ada_apply(ada_reference, *prepared, seed_step=seed_step))
+
+
+@pytest.mark.parametrize("step", [0, 2**31 + 7, -3, 2**40 + 9])
+@pytest.mark.parametrize(("shape", "dtype"), [((4097,), "fp16"), ((37, 1031), "bf16")], ids=str)
+def test_adalomo_write_back_seed_step_from_device(shape: tuple, dtype: str, step: int) -> None:
+    """The per-step value read by the kernel: the reference's bits, which are the seed's
+    with the step's low 32 bits XORed into its high half."""
+    prepared = _ada_prepared(shape, LOW_PRECISION[dtype], seed=5)
+    seed_step = torch.tensor([step], dtype=torch.int64)
+    ours = _ada_apply(triton_adalomo, *prepared, seed=2**33 + 11, seed_step=seed_step)
+    theirs = _ada_apply(ada_reference, *prepared, seed=2**33 + 11, seed_step=seed_step)
+    _assert_same_write_back(ours, theirs)
+    folded = (2**33 + 11) ^ ((step & 0xFFFFFFFF) << 32)
+    _assert_same_write_back(ours, _ada_apply(triton_adalomo, *prepared, seed=folded))
+
+
+def _ada_exact(
+    value: torch.Tensor, param: torch.Tensor, factored: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """Inputs whose write-back computes p * 1 - 1 * g exactly, g = -`value` then 0 (for the
+    rest of `param`): unit moments (r = c = 1, or v = 1 kept by beta2 = 1), sums of zero
+    (lr_t = lr * eps1 = 1, no clip), no decay."""
+    grad = torch.cat([-value, torch.zeros(len(param) - len(value))])
+    if factored:
+        param, grad = param.view(2, -1), grad.view(2, -1)
+        rows, cols = param.shape
+        state = (torch.ones(rows), torch.ones(cols))
+        workspace = torch.zeros(rows + cols + NUM_SLOTS)
+        workspace[rows + cols + R_SUM] = rows
+    else:
+        state = (torch.ones(param.numel()),)
+        workspace = torch.zeros(NUM_SLOTS)
+    assert workspace[-NUM_SLOTS + P_SUMSQ] == workspace[-NUM_SLOTS + U_SUMSQ] == 0
+    return param, grad, state, workspace
+
+
+EXACT = dict(
+    scalars=dict(lr=1.0, eps1=1.0, clip_threshold=1.0, weight_decay=0.0),
+    grad_options=None,
+    beta2=1.0,
+)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("factored", [False, True], ids=["1d", "factored"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_adalomo_write_back_rounding_of_edge_values(dtype: str, factored: bool) -> None:
+    """The write-back of exact fp32 values v (p = 0 - (-v)): subnormals, 2^-14, 65504 and
+    beyond; inf, nan and -0.0 parameters with a zero gradient keep their values."""
+    value = _fp32_from_bits(FP16_EDGE_PATTERNS)
+    specials = torch.tensor([INF, -INF, float("nan"), -float("nan"), -0.0, 0.0])
+    param = torch.cat([torch.zeros(len(value)), specials]).to(LOW_PRECISION[dtype])
+    prepared = _ada_exact(value, param, factored)
+    ours = _ada_apply(triton_adalomo, *prepared, **EXACT, seed_step=torch.tensor([3]))
+    _assert_same_write_back(
+        ours, _ada_apply(ada_reference, *prepared, **EXACT, seed_step=torch.tensor([3]))
+    )
+    # The inputs give v itself: rounded to nearest, it is v's nearest value.
+    nearest = _ada_apply(ada_reference, *prepared, **EXACT, stochastic_rounding=False)
+    expected = _rounding.round_to_dtype(value, LOW_PRECISION[dtype])
+    assert torch.equal(_bits(nearest[0].reshape(-1)[: len(value)]), _bits(expected))
+    out = ours[0].reshape(-1)
+    if dtype == "fp16":
+        _check_fp16_stochastic(out[: len(value)], value)
+    assert _bits(out[len(value) :]).tolist() == _bits(param[len(value) :]).tolist()
+
+
+@pytest.mark.parametrize("shape", [(4097,), (37, 1031)], ids=str)
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_adalomo_write_back_skip_leaves_bits(shape: tuple, dtype: str) -> None:
+    """A set SKIP slot: neither the parameter nor the 1-D moment is written."""
+    param, grad, state, workspace = _ada_prepared(shape, LOW_PRECISION[dtype], seed=7)
+    workspace[workspace.numel() - NUM_SLOTS + SKIP] = 1.0
+    ours = _ada_apply(triton_adalomo, param, grad, state, workspace, seed_step=torch.tensor([5]))
+    _assert_same_write_back(ours, (param, state))
+
+
+def test_adalomo_fp32_write_back_ignores_stochastic_rounding() -> None:
+    """fp32 parameters store the result exactly: the nearest variant, as in the reference."""
+    for shape in [(33,), (5, 7)]:
+        prepared = _ada_prepared(shape, torch.float32)
+        ours = _ada_apply(triton_adalomo, *prepared, seed_step=torch.tensor([1]))
+        nearest = _ada_apply(triton_adalomo, *prepared, stochastic_rounding=False)
+        _assert_same_write_back(ours, nearest)
+        _assert_same_write_back(ours, _ada_apply(ada_reference, *prepared))

@@ -2,8 +2,9 @@
 
 The kernels are compiled ahead of time for sm_80 and sm_90 with the specialisation the JIT
 gives an aligned parameter, and the PTX is checked: every bulk load and store is 128 bits
-wide and nothing lives in local memory (no register spills). Compilation runs in a
-subprocess without TRITON_INTERPRET, which the interpreter tests set in this process.
+wide and nothing lives in local memory (no register spills), with round to nearest and with
+stochastic rounding of bf16 and fp16 parameters. Compilation runs in a subprocess without
+TRITON_INTERPRET, which the interpreter tests set in this process.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from lomo_kernels.kernels.triton import lomo as m
 from lomo_kernels.kernels.triton import lomo_kernels as k
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+# (param, grad, stochastic rounding): SR for both low-precision parameter types.
 UPDATES = [(bf16, bf16, False), (fp16, fp16, False), (fp32, fp32, False), (bf16, fp32, False),
-           (bf16, bf16, True)]
+           (bf16, bf16, True), (fp16, fp16, True), (fp16, fp32, True)]
 SUMSQ = [bf16, fp16, fp32]
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
@@ -82,6 +84,9 @@ if native_specialize_impl is not None:
             torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
             torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7,
             torch.zeros(1, dtype=torch.int64))),
+        (k.lomo_update_kernel, m.lomo_update_args(
+            torch.empty(2 * m.BLOCK + 5, dtype=fp16), torch.empty(2 * m.BLOCK + 5, dtype=fp16),
+            torch.full((1,), 0.1), None, None, None, 0.0, None, None, True, 2**63 + 17, None)),
         # (grad, inv_scale, sumsq, found_inf)
         (k.grad_sumsq_kernel, m.grad_sumsq_args(
             torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),
@@ -128,7 +133,7 @@ def _record_ids(compiled: dict) -> list[str]:
 
 def test_every_variant_compiled_for_both_architectures(compiled: dict) -> None:
     ids = _record_ids(compiled)
-    assert len(ids) == len(set(ids)) == 16
+    assert len(ids) == len(set(ids)) == 20
     assert {r["arch"] for r in compiled["records"]} == {80, 90}
 
 

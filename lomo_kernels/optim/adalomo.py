@@ -53,6 +53,14 @@ class AdaLomo(InBackwardOptimizer):
     every gradient first, so an overflowing step changes nothing at all); ``lr`` may be
     omitted so lr schedulers work; no fp32 copy of any whole tensor is made.
 
+    A deliberate difference: bf16 and fp16 parameters are written back with stochastic
+    rounding by default (``stochastic_rounding=True``, keyword-only, seeded from ``seed``,
+    the step and the element's index; a shard rounds as the whole tensor would). AdaLomo's
+    update is relative (about ``lr * rms(p)`` per element), so at fine-tuning learning rates
+    round-to-nearest, lomo-optim's, returns most weights unchanged (BENCHMARKS.md,
+    "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32 parameters are
+    never rounded.
+
     ``single_backward=True`` (keyword-only; default False, lomo-optim's two passes): one
     backward per step with ``clip_grad_norm`` and in fp16. Only the clip coefficient changes
     (the update normalisation and lr scaling are per tensor): each gradient gets

@@ -8,6 +8,9 @@ Every case updates parameters in place with gradients of the same dtype. Variant
   lomo_kernels[B]  `ops.fused_sgd_update_` on backend B with the full LOMO option set, all
                    non-neutral: unscale by a device-tensor loss scale, clip by value, a
                    clip_coef tensor, weight decay and inf/nan detection, one pass
+  lomo_kernels[B]+sr  the same with stochastic rounding (bf16, fp16: the optimizers'
+                   default), the per-step seed a device value; a line per dtype gives its
+                   time over round-to-nearest's, per case
   lomo_optim       lomo-optim 0.1.1's per-parameter op chain (to fp32, div, clamp, mul,
                    param to fp32, mul, add, copy back)
   lomo_optim+compile  the same chain under `torch.compile` (dynamic shapes: one compilation)
@@ -205,9 +208,13 @@ class Case:
         """Read param, read grad, write param."""
         return 3 * self.numel * self.element_size
 
-    def ours(self, backend: str) -> Callable[[], None]:
+    def ours(self, backend: str, stochastic: bool = False) -> Callable[[], None]:
+        """The fused update with `backend`; `stochastic`: with stochastic rounding (the
+        optimizers' default for bf16 and fp16 parameters), the per-step seed a device value."""
+        seed_step = torch.zeros(1, dtype=torch.int64, device=self.device) if stochastic else None
+
         def run() -> None:
-            for p, g in zip(self.params, self.grads, strict=True):
+            for i, (p, g) in enumerate(zip(self.params, self.grads, strict=True)):
                 ops.fused_sgd_update_(
                     p,
                     g,
@@ -217,6 +224,9 @@ class Case:
                     clip_coef=self.clip_coef,
                     weight_decay=WEIGHT_DECAY,
                     found_inf=self.found_inf,
+                    stochastic_rounding=stochastic,
+                    seed=i,
+                    seed_step=seed_step,
                     backend=backend,
                 )
 
@@ -228,6 +238,8 @@ class Case:
             if name == "torch" and self.device == "cpu" and self.numel > CPU_REFERENCE_MAX_NUMEL:
                 continue
             out[f"lomo_kernels[{name}]"] = self.ours(name)
+            if self.element_size == 2 and name != "torch":
+                out[f"lomo_kernels[{name}]+sr"] = self.ours(name, stochastic=True)
         out["lomo_optim"] = lambda: official_chain(self.params, self.grads)
         if compile_chain:
             compiled = compiled_official_chain()
@@ -481,6 +493,7 @@ def format_table(rows: Sequence[Row], meta: dict[str, Any]) -> str:
                 pct = f", {r.pct_copy:.0f}%" if r.pct_copy is not None else ""
                 out.append(f"{r.x_floor:.2f}x{star} ({r.gb_per_s:.1f} GB/s{pct})")
             lines.append(f"| {case} | " + " | ".join(out) + " |")
+        lines += _rounding_cost(by_case)
         if gpu:
             # Host time is per call, whatever the size: the median over this dtype's cases.
             per_variant = {
@@ -495,6 +508,21 @@ def format_table(rows: Sequence[Row], meta: dict[str, Any]) -> str:
                 + " |"
             )
     return "\n".join(lines)
+
+
+def _rounding_cost(by_case: dict[str, dict[str, Row]]) -> list[str]:
+    """Per backend: stochastic rounding's time over round-to-nearest's, per case."""
+    lines = []
+    for nearest in dict.fromkeys(v for cells in by_case.values() for v in cells):
+        stochastic = f"{nearest}+sr"
+        ratios = [
+            f"{case} {cells[stochastic].x_floor / cells[nearest].x_floor:.2f}x"
+            for case, cells in by_case.items()
+            if stochastic in cells and nearest in cells
+        ]
+        if ratios:
+            lines.append(f"{stochastic} / {nearest}: " + ", ".join(ratios))
+    return lines
 
 
 def write_csv(rows: Sequence[Row], path: str | Path) -> None:

@@ -20,6 +20,7 @@ from .runtime import (
     is_available,
     kernels,
     on_first_argument_device,
+    rounding_args,
     storage,
     unavailable_reason,
 )
@@ -123,6 +124,21 @@ def _step_kwargs(
         "eps1": float(eps1),
         "clip_threshold": float(clip_threshold),
         "weight_decay": float(weight_decay),
+    }
+
+
+def _rounding_kwargs(
+    param: torch.Tensor, stochastic_rounding: bool, seed: int, seed_step: torch.Tensor | None
+) -> dict[str, Any]:
+    """The write-back's rounding arguments, as the LOMO update's (`lomo.lomo_update_args`):
+    stochastic for bf16 and fp16 parameters when asked, the per-step value read on the
+    device."""
+    stochastic, seed_lo, seed_hi = rounding_args(param, stochastic_rounding, seed)
+    return {
+        "seed_lo": seed_lo,
+        "seed_hi": seed_hi,
+        "seed_step_ptr": seed_step if stochastic else None,
+        "STOCHASTIC_ROUNDING": stochastic,
     }
 
 
@@ -241,6 +257,9 @@ def factored_apply_(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
     """Pass C: the write-back."""
     grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), param.device)
@@ -253,6 +272,7 @@ def factored_apply_(
         **sizes,
         **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
         **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
+        **_rounding_kwargs(param, stochastic_rounding, seed, seed_step),
         num_warps=NUM_WARPS,
     )
 
@@ -297,6 +317,9 @@ def vector_apply_(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
 ) -> None:
     """Pass C1: the write-back of a 1-D tensor and its second moment."""
     grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
@@ -304,5 +327,6 @@ def vector_apply_(
         **vector,
         **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
         **_grad_kwargs(grad, inv_scale, clip_value, clip_coef),
+        **_rounding_kwargs(param, stochastic_rounding, seed, seed_step),
         num_warps=NUM_WARPS,
     )

@@ -7,9 +7,12 @@ Row partial sums are added atomically per tile row; column partials stay in regi
 the whole row group and are added atomically once. 1-D tensors run on flat blocks.
 
 All math is fp32 and all offsets int64. Runtime values (sizes, lr, beta2, scales, clip
-values) are kernel arguments; `tl.constexpr` only selects code paths and tile shapes. bf16
-travels as int16 bit patterns and is rounded to nearest even on the bits, so the
-interpreter (whose fp32 -> bf16 cast truncates) and the GPU write the same values.
+values, the rounding seed and its per-step part) are kernel arguments; `tl.constexpr` only
+selects code paths and tile shapes. Loads and roundings are `rounding_kernels.py`'s, as the
+LOMO update's: bf16 travels as int16 bit patterns and is rounded on the bits (the
+interpreter's fp32 -> bf16 cast truncates), to nearest even or, in the write-back passes,
+stochastically (bf16 and fp16) from the element's flat index in the whole parameter, so the
+interpreter and the GPU write the same values.
 
 The workspace layout is the one of `lomo_kernels.ops.adalomo_workspace`: row sums, column sums,
 then the P_SUMSQ, U_SUMSQ, G_SUMSQ, SKIP, R_SUM slots.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .runtime import interpret_mode
+from .runtime import interpret_mode, kernels
 
 # Slot offsets after the row/column sums (ops.adalomo_workspace.P_SUMSQ etc.).
 P_SUMSQ = tl.constexpr(0)
@@ -32,6 +35,9 @@ R_SUM = tl.constexpr(4)
 
 # triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
 DECORATED_FOR_INTERPRETER = interpret_mode()
+# The shared loads, hash and roundings, decorated for the same mode as this module.
+_shared = kernels("rounding_kernels")
+_rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -40,27 +46,16 @@ DECORATED_FOR_INTERPRETER = interpret_mode()
 @triton.jit
 def _load_fp32(ptr, offs, mask, KIND: tl.constexpr):
     """fp32 values of a 0 = fp32, 1 = fp16, 2 = bf16 (as int16 bits) tensor."""
-    raw = tl.load(ptr + offs, mask=mask, other=0)
-    if KIND == 2:
-        # bf16 bits are the top half of the fp32 bits: exact, no cast.
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return raw.to(tl.float32)
+    return _to_fp32(tl.load(ptr + offs, mask=mask, other=0), KIND)
 
 
 @triton.jit
-def _store_param(ptr, offs, mask, value, KIND: tl.constexpr):
-    """Stores fp32 `value` in the parameter's dtype, rounding to nearest even."""
-    if KIND == 0:
-        tl.store(ptr + offs, value, mask=mask)
-    elif KIND == 1:
-        tl.store(ptr + offs, value.to(tl.float16), mask=mask)
-    else:
-        bits = value.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        # NaN stays a quiet NaN (the carry above could turn it into inf).
-        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded)
-        tl.store(ptr + offs, rounded.to(tl.int16), mask=mask)
+def _store_param(
+    ptr, offs, mask, value, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr
+):
+    """Stores fp32 `value` at the flat indices `offs` in the parameter's dtype, rounded to
+    nearest even or stochastically under `key` (`rounding_kernels.to_storage`)."""
+    tl.store(ptr + offs, _to_storage(value, offs, key, KIND, STOCHASTIC_ROUNDING), mask=mask)
 
 
 @triton.jit
@@ -349,7 +344,7 @@ def factored_norm_kernel(
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def factored_apply_kernel(
     param_ptr,
     grad_ptr,
@@ -367,18 +362,25 @@ def factored_apply_kernel(
     inv_scale_ptr,
     clip_value,
     clip_coef_ptr,
+    seed_lo,
+    seed_hi,
+    seed_step_ptr,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped)."""
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped),
+    rounded as the LOMO update rounds (key `seed_lo ^ mix32(seed_hi ^ step)`, the step read
+    here from `seed_step_ptr`)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         scale, decay = _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
+        key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
         tiles, n_iter = _update_tiles(
             row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
         )
@@ -387,7 +389,8 @@ def factored_apply_kernel(
                 source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
             p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
-            _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
+            new = p * decay - scale * update
+            _store_param(param_ptr, offs, mask, new, key, PARAM_KIND, STOCHASTIC_ROUNDING)
 
 
 # ----------------------------------------------------------------------------- 1-D
@@ -447,7 +450,7 @@ def vector_stats_kernel(
         tl.atomic_max(ws_ptr + SKIP, 1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def vector_apply_kernel(
     param_ptr,
     grad_ptr,
@@ -464,20 +467,27 @@ def vector_apply_kernel(
     inv_scale_ptr,
     clip_value,
     clip_coef_ptr,
+    seed_lo,
+    seed_hi,
+    seed_step_ptr,
     GRAD_KIND: tl.constexpr,
     PARAM_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped)."""
+    """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped),
+    rounded as in pass C."""
     if tl.load(ws_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         scale, decay = _step_scalars(ws_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
+        key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
         offs, mask = _vector_block(n, BLOCK)
         update, v_new, _ = _vector_update(
             source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
         )
         tl.store(v_ptr + offs, v_new, mask=mask)
         p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
-        _store_param(param_ptr, offs, mask, p * decay - scale * update, PARAM_KIND)
+        new = p * decay - scale * update
+        _store_param(param_ptr, offs, mask, new, key, PARAM_KIND, STOCHASTIC_ROUNDING)

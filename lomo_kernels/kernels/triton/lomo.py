@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ..._rounding import seed_parts
 from .runtime import (
     KIND,
     is_available,
     kernels,
     on_first_argument_device,
+    rounding_args,
     snapshot_skip_flag,
     storage,
     unavailable_reason,
@@ -40,11 +40,6 @@ def _grid(n_bulk: int) -> tuple[int]:
     return (max(1, -(-n_bulk // BLOCK)),)
 
 
-def _int32_bits(value: int) -> int:
-    """A uint32 passed as int32 bits: one kernel signature for every value."""
-    return value - (1 << 32) if value >= (1 << 31) else value
-
-
 def lomo_update_args(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -62,8 +57,7 @@ def lomo_update_args(
     """Grid and arguments, by kernel parameter name, of the update launch for these inputs."""
     n = param.numel()
     n_bulk = n - n % ALIGN
-    stochastic = bool(stochastic_rounding) and param.dtype == torch.bfloat16
-    seed_lo, seed_hi = seed_parts(seed) if stochastic else (0, 0)
+    stochastic, seed_lo, seed_hi = rounding_args(param, stochastic_rounding, seed)
     args = {
         "param_ptr": storage(param),
         "grad_ptr": storage(grad),
@@ -71,8 +65,8 @@ def lomo_update_args(
         "n": n,
         "weight_decay": float(weight_decay),
         "clip_value": 0.0 if clip_value is None else float(clip_value),
-        "seed_lo": _int32_bits(seed_lo),
-        "seed_hi": _int32_bits(seed_hi),
+        "seed_lo": seed_lo,
+        "seed_hi": seed_hi,
         "lr_ptr": lr,
         "inv_scale_ptr": inv_scale,
         "clip_coef_ptr": clip_coef,

@@ -4,8 +4,9 @@
 Each kernel makes one pass over one contiguous parameter. The numel n is split into an
 aligned bulk of `n - n % 16` elements, masked with a bound the JIT specialises as divisible
 by 16 (so loads and stores are 128-bit wide), and a tail of fewer than 16 elements handled
-by the last program. bf16 values travel as int16 bit patterns and are rounded with integer
-operations, so the interpreter and the GPU write identical bits (see `_rounding.py`).
+by the last program. Loads and roundings are `rounding_kernels.py`'s: bf16 values travel as
+int16 bit patterns and are rounded with integer operations, fp16 is rounded stochastically
+on the fp32 bits, so the interpreter and the GPU write identical bits (see `_rounding.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ... import _rounding
-from .runtime import interpret_mode
-
-# Kind codes of the element types (runtime.KIND).
-_FP32, _FP16, _BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-_MUL_1 = tl.constexpr(_rounding._HASH_MUL_1)
-_MUL_2 = tl.constexpr(_rounding._HASH_MUL_2)
+from .runtime import interpret_mode, kernels
 
 # tl.max / tl.sum are @triton.jit functions decorated for the mode active when triton was
 # first imported, so they break the interpreter if TRITON_INTERPRET was set later. The
@@ -32,62 +26,12 @@ _SUM = tl.standard._sum_combine
 
 # triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
 DECORATED_FOR_INTERPRETER = interpret_mode()
+# The shared loads, hash and roundings, decorated for the same mode as this module.
+_shared = kernels("rounding_kernels")
+_rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
 
 
 # ----------------------------------------------------------------------------- device code
-
-
-@triton.jit
-def _mix32(x):
-    """lowbias32 finaliser on uint32 (wrapping multiplies), as `_rounding.mix32`."""
-    x ^= x >> 16
-    x *= _MUL_1
-    x ^= x >> 15
-    x *= _MUL_2
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def _seed_hi_with_step(seed_hi, seed_step_ptr):
-    """The salted high half of the seed XOR the low 32 bits of the per-step value, read from
-    device memory (`_rounding.seed_key`); `seed_step_ptr` None: no per-step value."""
-    hi = seed_hi.to(tl.uint32, bitcast=True)
-    if seed_step_ptr is not None:
-        hi ^= (tl.load(seed_step_ptr) & 0xFFFFFFFF).to(tl.uint32)
-    return hi
-
-
-@triton.jit
-def _to_fp32(raw, KIND: tl.constexpr):
-    if KIND == _BF16:
-        # bf16 bits are the top half of the fp32 bits: exact, no cast.
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return raw.to(tl.float32)
-
-
-@triton.jit
-def _from_fp32(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
-    """`value` in the parameter's storage type; bf16 as int16 bits per `fp32_to_bf16_bits`."""
-    if KIND == _FP32:
-        return value
-    elif KIND == _FP16:
-        return value.to(tl.float16)
-    else:
-        bits = value.to(tl.uint32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        if STOCHASTIC_ROUNDING:
-            lo = offs.to(tl.uint32)
-            hi = (offs >> 32).to(tl.uint32)
-            random16 = _mix32(_mix32(lo ^ key) ^ hi) >> 16
-            # inf has 16 zero low bits, so adding random16 cannot carry: it stays inf.
-            rounded = (bits + random16) >> 16
-        else:
-            # Round to nearest even; wraps only for NaN patterns, replaced below.
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(magnitude > 0x7F800000, (bits >> 16) | 0x40, rounded)
-        return rounded.to(tl.int16)
 
 
 @triton.jit
@@ -117,7 +61,7 @@ def _update_chunk(
         g = g * clip_coef
     raw = tl.load(param_ptr + offs, mask=mask, other=0)
     new = _to_fp32(raw, PARAM_KIND) * decay - lr * g
-    out = _from_fp32(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+    out = _to_storage(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
     # Rewriting the old bits instead of masking them out keeps the store mask uniform
     # over 16 elements, which the 128-bit stores need.
     tl.store(param_ptr + offs, tl.where(finite, out, raw), mask=mask)
@@ -163,9 +107,7 @@ def lomo_update_kernel(
         clip_coef = 1.0
         if clip_coef_ptr is not None:
             clip_coef = tl.load(clip_coef_ptr)
-        ukey = seed_lo.to(tl.uint32, bitcast=True)
-        if STOCHASTIC_ROUNDING:
-            ukey ^= _mix32(_seed_hi_with_step(seed_hi, seed_step_ptr))
+        ukey = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
 
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..._rounding import rounds_stochastically, seed_parts
+
 # Kind codes of the element types the kernels load and store.
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -92,3 +94,20 @@ def snapshot_skip_flag(skip_if: torch.Tensor | None, found_inf: torch.Tensor | N
     if skip_if is not None and found_inf is not None and same_storage(skip_if, found_inf):
         return skip_if.clone()
     return skip_if
+
+
+def _int32_bits(value: int) -> int:
+    """A uint32 passed as int32 bits: one kernel signature for every value."""
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+def rounding_args(
+    param: torch.Tensor, stochastic_rounding: bool, seed: int
+) -> tuple[bool, int, int]:
+    """(STOCHASTIC_ROUNDING, seed_lo, seed_hi) of a launch writing `param`: stochastic rounding
+    applies to bf16 and fp16 parameters (fp32 stores the result exactly, as in the
+    references), the seed's halves (`_rounding.seed_parts`) as int32 bits; the kernel adds
+    the per-step value (`rounding_kernels.rounding_key`)."""
+    stochastic = bool(stochastic_rounding) and rounds_stochastically(param.dtype)
+    seed_lo, seed_hi = seed_parts(seed) if stochastic else (0, 0)
+    return stochastic, _int32_bits(seed_lo), _int32_bits(seed_hi)
