@@ -5,7 +5,10 @@ the binding `lomo_update_` with the full LOMO option set (the `bench kernels` va
 by a device-tensor loss scale, clip by value, a clip_coef tensor, weight decay, inf/nan flag)
 at each level the CPU has, `torch._fused_sgd_` (plain SGD) and the floor `p.add_(g,
 alpha=-lr)` (the same bytes moved), one thread, interleaved, an untimed pass over the data
-before each call, medians. Cells: median / median(axpy) of the same size and dtype.
+before each call, medians. Cells: median / median(axpy) of the same size and dtype. For
+bf16 and fp16 the update with stochastic rounding (`sr[<level>]`, a seed and a per-step seed
+tensor) is timed too; "sr/nearest" lines give its median over that of the round-to-nearest
+update at the same level.
 
 The gradient's sum of squares (`grad_sumsq_`, the norm pass of clipping by global norm:
 squares in double, inf/nan flag) is timed the same way at each level against torch's
@@ -42,6 +45,7 @@ from lomo_kernels.tools.bench_kernels import (
 )
 
 INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+SR_DTYPES = (torch.bfloat16, torch.float16)  # the parameters stochastic rounding applies to
 
 
 def cpu_time(fn: Callable[[], None]) -> float:
@@ -51,18 +55,27 @@ def cpu_time(fn: Callable[[], None]) -> float:
 
 
 def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
-    """ours[<level>] per level (the caller sets the level), torch._fused_sgd_, axpy."""
+    """ours[<level>] per level (the caller sets the level), for bf16 and fp16 also sr[<level>]
+    (stochastic rounding, with a per-step seed tensor), torch._fused_sgd_, axpy."""
     ext = cpp._loader.module("cpu")
     lr, inv_scale = torch.tensor([LR]), torch.tensor([INV_SCALE])
     coef, found = torch.tensor([CLIP_COEF]), torch.zeros(1)
+    seed_step = torch.tensor([3], dtype=torch.int64)
 
     def ours() -> None:
         ext.lomo_update_(
             p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None
         )
 
+    def sr() -> None:
+        ext.lomo_update_(
+            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, True, 7, seed_step
+        )
+
     # An extension without levels (an older build): its one loop set, as "ours".
     out = {f"ours[{level}]": ours for level in levels} if levels else {"ours": ours}
+    if p.dtype in SR_DTYPES:
+        out.update({f"sr[{level}]": sr for level in levels} if levels else {"sr": sr})
     out["torch._fused_sgd_"] = lambda: torch._fused_sgd_(
         [p], [g], [], weight_decay=0.0, momentum=0.0, lr=LR, dampening=0.0,
         nesterov=False, maximize=False, is_first_step=False,
@@ -130,6 +143,13 @@ def main() -> None:
                 )
                 gbps = 3 * numel * p.element_size() / med["axpy"] / 1e9
                 print(f"{name} {size_label(numel):>4}: {cells}  (axpy {gbps:.1f} GB/s)")
+                ratios = [
+                    f"{key[2:]} {v / med['ours' + key[2:]]:.3f}"
+                    for key, v in med.items()
+                    if key.startswith("sr")
+                ]
+                if ratios:
+                    print(f"{name} {size_label(numel):>4} sr/nearest: {'  '.join(ratios)}")
                 med = time_interleaved(sumsq_variants(g, levels), (g,), args.reps, ext)
                 floor = med["vector_norm"]
                 cells = "  ".join(

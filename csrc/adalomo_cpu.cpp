@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "adalomo_math.h"
@@ -92,6 +93,29 @@ float* workspace_stats(at::Tensor& workspace) {
 bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
   if (stats[adalomo::kSkip] != 0.0f) return true;
   return skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f;  // nan skips too
+}
+
+// The stochastic-rounding key of a write-back pass (bf16 and fp16 parameters; csrc/lomo_cpu.cpp
+// forms it the same way), or nullopt to round to nearest: read (and seed_step checked) only
+// when stochastic rounding applies, before anything is written.
+std::optional<uint32_t> rounding_key(const at::Tensor& param, bool stochastic_rounding,
+                                     uint64_t seed, const OptTensor& seed_step) {
+  const at::ScalarType type = param.scalar_type();
+  if (!stochastic_rounding || (type != at::kBFloat16 && type != at::kHalf)) return std::nullopt;
+  const int64_t* step = binding::seed_step_ptr(seed_step, c10::kCPU);
+  return lomo::rounding_key(lomo::seed_lo_mixed(seed), lomo::seed_hi_salted(seed),
+                            step == nullptr ? 0u : static_cast<uint32_t>(*step));
+}
+
+// f(std::true_type{}) when `key` holds a stochastic-rounding key, f(std::false_type{}) to
+// round to nearest: the loops are instantiated for each.
+template <class F>
+void with_rounding(const std::optional<uint32_t>& key, F&& f) {
+  if (key.has_value()) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
 }
 
 void add_to(float* dst, double value) {
@@ -266,7 +290,8 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
                      const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
                      const at::Tensor& lr, double eps1, double clip_threshold,
                      double weight_decay, const OptTensor& inv_scale,
-                     std::optional<double> clip_value, const OptTensor& clip_coef) {
+                     std::optional<double> clip_value, const OptTensor& clip_coef,
+                     bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
   binding::check_adalomo_tile(param, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "param");
@@ -277,6 +302,8 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
   const int64_t n = param.numel();
   const adalomo::StepScalars step =
       write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
+  const std::optional<uint32_t> key =
+      rounding_key(param, stochastic_rounding, seed, seed_step);
   if (stats[adalomo::kSkip] != 0.0f) return;
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
   const std::vector<float> c = col_factors(exp_avg_sq_col);
@@ -286,9 +313,12 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
     using G = decltype(g_tag);
     auto* p = binding::mutable_elements<P>(param);
     const auto* g = binding::elements<G>(grad);
-    const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G>);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step);
+    with_rounding(key, [&](auto stochastic) {
+      constexpr bool kStochastic = decltype(stochastic)::value && P::kRoundsStochastically;
+      const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G, kStochastic>);
+      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step, key.value_or(0u));
+      });
     });
   });
 }
@@ -330,7 +360,8 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
                    at::Tensor workspace, const at::Tensor& beta2, double eps0,
                    const at::Tensor& lr, double eps1, double clip_threshold,
                    double weight_decay, const OptTensor& inv_scale,
-                   std::optional<double> clip_value, const OptTensor& clip_coef) {
+                   std::optional<double> clip_value, const OptTensor& clip_coef,
+                   bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
   const int64_t n = param.numel();
   binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCPU);
   float* stats = workspace_stats(workspace);
@@ -339,6 +370,8 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
   const auto [b, omb] = beta_pair(beta2);
   const adalomo::StepScalars step =
       write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
+  const std::optional<uint32_t> key =
+      rounding_key(param, stochastic_rounding, seed, seed_step);
   if (stats[adalomo::kSkip] != 0.0f) return;
   const float eps = static_cast<float>(eps0);
   float* v = exp_avg_sq.data_ptr<float>();
@@ -347,9 +380,12 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
     using G = decltype(g_tag);
     auto* p = binding::mutable_elements<P>(param);
     const auto* g = binding::elements<G>(grad);
-    const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G>);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      span_apply(p, g, v, begin, end, s, b, omb, eps, step);
+    with_rounding(key, [&](auto stochastic) {
+      constexpr bool kStochastic = decltype(stochastic)::value && P::kRoundsStochastically;
+      const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G, kStochastic>);
+      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        span_apply(p, g, v, begin, end, s, b, omb, eps, step, key.value_or(0u));
+      });
     });
   });
 }

@@ -96,19 +96,29 @@ double norm_span(const typename G::T* grad, const float* R, const float* c, floa
   return total;
 }
 
-template <class P, class G>
+// The write-back of element `index` (its flat index in the whole parameter: the key of
+// stochastic rounding, lomo::store_rounded).
+template <class P, bool kStochastic>
+LOMO_INLINE typename P::T rounded(float value, int64_t index, uint32_t key) {
+  return lomo::store_rounded<P, kStochastic>(value, static_cast<uint32_t>(index),
+                                             static_cast<uint32_t>(index >> 32), key);
+}
+
+template <class P, class G, bool kStochastic>
 void apply_span(typename P::T* param, const typename G::T* grad, const float* R,
                 const float* c, float mean, int64_t cols, int64_t begin, int64_t end,
-                const adalomo::GradScalars& s, const adalomo::StepScalars& step) {
+                const adalomo::GradScalars& s, const adalomo::StepScalars& step, uint32_t key) {
   for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
     const float r = adalomo::rsqrt_f(R[i] / mean);
     typename P::T* p_row = param + flat - j0;
     const typename G::T* g_row = grad + flat - j0;
+    const int64_t row_start = flat - j0;  // i * cols
     for (int64_t j = j0; j < j1; ++j) {
       uint32_t bad;
       const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
                                         adalomo::grad_g(G::load(g_row[j]), s, bad));
-      p_row[j] = P::round(adalomo::apply(P::load(p_row[j]), update, step));
+      p_row[j] = rounded<P, kStochastic>(adalomo::apply(P::load(p_row[j]), update, step),
+                                         row_start + j, key);
     }
   });
 }
@@ -138,16 +148,17 @@ Partial vector_stats_span(const typename G::T* grad, const typename P::T* param,
   return out;
 }
 
-template <class P, class G>
+template <class P, class G, bool kStochastic>
 void vector_apply_span(typename P::T* param, const typename G::T* grad, float* v,
                        int64_t begin, int64_t end, const adalomo::GradScalars& s, float b,
-                       float omb, float eps0, const adalomo::StepScalars& step) {
+                       float omb, float eps0, const adalomo::StepScalars& step, uint32_t key) {
   for (int64_t k = begin; k < end; ++k) {
     uint32_t bad;
     const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
     const float v_new = adalomo::moment(v[k], g, b, omb, eps0);
     v[k] = v_new;
-    param[k] = P::round(
-        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step));
+    param[k] = rounded<P, kStochastic>(
+        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step), k,
+        key);
   }
 }

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "adalomo_cuda.h"
 #include "adalomo_math.h"
 
@@ -74,6 +76,21 @@ __device__ adalomo::GradScalars resolve(const AdalomoGradArgs& a) {
 __device__ void resolve_beta(const float* beta2, float& b, float& one_minus_b) {
   b = *beta2;
   one_minus_b = __fsub_rn(1.0f, b);
+}
+
+// The stochastic-rounding key, finished on the device with the per-step value (its low 32
+// bits), so the host never reads it (lomo_cuda.cu does the same).
+__device__ __forceinline__ uint32_t resolve_key(const AdalomoRoundingArgs& a) {
+  const uint32_t step = a.seed_step != nullptr ? static_cast<uint32_t>(*a.seed_step) : 0u;
+  return lomo::rounding_key(a.seed_lo_mixed, a.seed_hi_salted, step);
+}
+
+// The parameter's new value stored in its dtype: nearest even, or stochastically from the
+// element's flat index `k` in the whole parameter.
+template <class P, bool kStochastic>
+__device__ __forceinline__ typename P::T round_param(float value, int64_t k, uint32_t key) {
+  return lomo::store_rounded<P, kStochastic>(value, static_cast<uint32_t>(k),
+                                             static_cast<uint32_t>(k >> 32), key);
 }
 
 __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const float* stats,
@@ -236,21 +253,23 @@ factored_norm_kernel(const typename G::T* __restrict__ grad,
   if (threadIdx.x == 0) atomicAdd(stats + adalomo::kUSumsq, total);
 }
 
-template <class P, class G>
+template <class P, class G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
 factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                       const float* __restrict__ row_state, const float* __restrict__ col_state,
                       const float* __restrict__ ws, int64_t rows, int64_t cols,
                       int64_t rows_per_block, AdalomoStepArgs step_args,
-                      AdalomoGradArgs grad_args) {
+                      AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding) {
   const float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   const adalomo::StepScalars step =
       resolve_step(step_args, stats, static_cast<float>(rows * cols));
+  const uint32_t key = kStochastic ? resolve_key(rounding) : 0u;
   for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
                      [&](int64_t k, float update) {
-                       param[k] = P::round(adalomo::apply(P::load(param[k]), update, step));
+                       param[k] = round_param<P, kStochastic>(
+                           adalomo::apply(P::load(param[k]), update, step), k, key);
                      });
 }
 
@@ -296,17 +315,18 @@ vector_stats_kernel(const typename G::T* __restrict__ grad,
   }
 }
 
-template <class P, class G>
+template <class P, class G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
 vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                     float* __restrict__ v, const float* __restrict__ ws, int64_t n,
                     const float* beta2, float eps0, AdalomoStepArgs step_args,
-                    AdalomoGradArgs grad_args) {
+                    AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding) {
   if (ws[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
   resolve_beta(beta2, b, one_minus_b);
   const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(n));
+  const uint32_t key = kStochastic ? resolve_key(rounding) : 0u;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
        k += stride) {
@@ -315,7 +335,8 @@ vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __re
     const float v_new = adalomo::moment(v[k], g, b, one_minus_b, eps0);
     v[k] = v_new;
     const float update = __fmul_rn(adalomo::rsqrt_f(v_new), g);
-    param[k] = P::round(adalomo::apply(P::load(param[k]), update, step));
+    param[k] = round_param<P, kStochastic>(adalomo::apply(P::load(param[k]), update, step), k,
+                                           key);
   }
 }
 
@@ -391,6 +412,21 @@ bool dispatch_two(int param_code, int grad_code, F&& f) {
   return ok;
 }
 
+// dispatch_two, and whether the write-back rounds stochastically (std::true_type or
+// std::false_type): only for the parameter dtypes that take it (bf16, fp16).
+template <class F>
+bool dispatch_apply(int param_code, int grad_code, const AdalomoRoundingArgs& rounding, F&& f) {
+  return dispatch_two(param_code, grad_code, [&](auto p_tag, auto g_tag) {
+    if constexpr (decltype(p_tag)::kRoundsStochastically) {
+      if (rounding.stochastic != 0) {
+        f(p_tag, g_tag, std::true_type{});
+        return;
+      }
+    }
+    f(p_tag, g_tag, std::false_type{});
+  });
+}
+
 // The required scalar pointers (lr, beta2) must be set: the kernels read them unconditionally.
 constexpr int kMissingScalar = static_cast<int>(cudaErrorInvalidValue);
 
@@ -449,18 +485,19 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
                                 const float* exp_avg_sq_row, const float* exp_avg_sq_col,
                                 const float* workspace, int64_t rows, int64_t cols,
                                 AdalomoStepArgs step, AdalomoGradArgs grad_args,
-                                cudaStream_t stream) {
+                                AdalomoRoundingArgs rounding, cudaStream_t stream) {
   if (step.lr == nullptr) return kMissingScalar;
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
-  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
-    using G = decltype(g_tag);
-    factored_apply_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
-        static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
-        exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, g.rows_per_block, step,
-        grad_args);
-  });
+  const bool ok =
+      dispatch_apply(param_dtype, grad_dtype, rounding, [&](auto p_tag, auto g_tag, auto sr) {
+        using P = decltype(p_tag);
+        using G = decltype(g_tag);
+        factored_apply_kernel<P, G, decltype(sr)::value><<<g.grid, kThreads, 0, stream>>>(
+            static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
+            exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, g.rows_per_block, step,
+            grad_args, rounding);
+      });
   return launch_status(ok);
 }
 
@@ -485,17 +522,19 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
                               const float* beta2, float eps0, AdalomoStepArgs step,
-                              AdalomoGradArgs grad_args, cudaStream_t stream) {
+                              AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding,
+                              cudaStream_t stream) {
   if (beta2 == nullptr || step.lr == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
-  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
-    using G = decltype(g_tag);
-    vector_apply_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
-        static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
-        exp_avg_sq, workspace, n, beta2, eps0, step, grad_args);
-  });
+  const bool ok =
+      dispatch_apply(param_dtype, grad_dtype, rounding, [&](auto p_tag, auto g_tag, auto sr) {
+        using P = decltype(p_tag);
+        using G = decltype(g_tag);
+        vector_apply_kernel<P, G, decltype(sr)::value><<<blocks, kThreads, 0, stream>>>(
+            static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
+            exp_avg_sq, workspace, n, beta2, eps0, step, grad_args, rounding);
+      });
   return launch_status(ok);
 }
 

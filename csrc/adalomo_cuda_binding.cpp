@@ -43,6 +43,19 @@ AdalomoStepArgs step_args(const at::Tensor& like, const at::Tensor& lr, double e
   return a;
 }
 
+// The write-back's rounding: stochastic for bf16 and fp16 parameters when asked, the key
+// finished on the device from seed_step (checked only then), as lomo_cuda_binding.cpp does.
+AdalomoRoundingArgs rounding_args(const at::Tensor& param, bool stochastic_rounding,
+                                  uint64_t seed, const OptTensor& seed_step) {
+  const at::ScalarType type = param.scalar_type();
+  AdalomoRoundingArgs a;
+  a.stochastic = stochastic_rounding && (type == at::kBFloat16 || type == at::kHalf) ? 1 : 0;
+  a.seed_lo_mixed = lomo::seed_lo_mixed(seed);
+  a.seed_hi_salted = lomo::seed_hi_salted(seed);
+  a.seed_step = a.stochastic != 0 ? binding::seed_step_ptr(seed_step, param.device()) : nullptr;
+  return a;
+}
+
 void check_launch(int status) {
   TORCH_CHECK(status == 0, "lomo_kernels: AdaLomo CUDA launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(status)));
@@ -91,7 +104,8 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
                      const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
                      const at::Tensor& lr, double eps1, double clip_threshold,
                      double weight_decay, const OptTensor& inv_scale,
-                     std::optional<double> clip_value, const OptTensor& clip_coef) {
+                     std::optional<double> clip_value, const OptTensor& clip_coef,
+                     bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCUDA);
   binding::check_adalomo_tile(param, exp_avg_sq_row, exp_avg_sq_col, c10::kCUDA, "param");
@@ -101,7 +115,9 @@ void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor&
       param.data_ptr(), dtype_code(param, "param"), grad.const_data_ptr(),
       dtype_code(grad, "grad"), ptr(exp_avg_sq_row), ptr(exp_avg_sq_col), ptr(workspace), rows,
       cols, step_args(param, lr, eps1, clip_threshold, weight_decay),
-      grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
+      grad_args(param, inv_scale, clip_value, clip_coef),
+      rounding_args(param, stochastic_rounding, seed, seed_step),
+      c10::cuda::getCurrentCUDAStream()));
 }
 
 void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
@@ -124,7 +140,8 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
                    at::Tensor workspace, const at::Tensor& beta2, double eps0,
                    const at::Tensor& lr, double eps1, double clip_threshold,
                    double weight_decay, const OptTensor& inv_scale,
-                   std::optional<double> clip_value, const OptTensor& clip_coef) {
+                   std::optional<double> clip_value, const OptTensor& clip_coef,
+                   bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
   const int64_t n = param.numel();
   binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(param.device());
@@ -133,7 +150,9 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
       dtype_code(grad, "grad"), ptr(exp_avg_sq), ptr(workspace), n,
       scalar_ptr(beta2, param.device(), "beta2"), static_cast<float>(eps0),
       step_args(param, lr, eps1, clip_threshold, weight_decay),
-      grad_args(param, inv_scale, clip_value, clip_coef), c10::cuda::getCurrentCUDAStream()));
+      grad_args(param, inv_scale, clip_value, clip_coef),
+      rounding_args(param, stochastic_rounding, seed, seed_step),
+      c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

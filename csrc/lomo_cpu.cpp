@@ -71,8 +71,10 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
   s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
                                   : std::numeric_limits<float>::infinity();
   s.coef = binding::read_factor(clip_coef, c10::kCPU, "clip_coef");
-  // Stochastic rounding applies to bf16 parameters only.
-  const bool stochastic = stochastic_rounding && param.scalar_type() == at::kBFloat16;
+  // Stochastic rounding applies to the low-precision parameters (bf16, fp16).
+  const bool stochastic =
+      stochastic_rounding &&
+      (param.scalar_type() == at::kBFloat16 || param.scalar_type() == at::kHalf);
   const uint32_t key = stochastic ? lomo::rounding_key(lomo::seed_lo_mixed(seed),
                                                        lomo::seed_hi_salted(seed),
                                                        read_seed_step(seed_step))
@@ -86,7 +88,7 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
   binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
     using P = decltype(p_tag);
     using G = decltype(g_tag);
-    if constexpr (std::is_same_v<P, lomo::Bf16>) {
+    if constexpr (P::kRoundsStochastically) {
       bad = stochastic ? run_update<P, G, true>(param, grad, s, key, level)
                        : run_update<P, G, false>(param, grad, s, key, level);
     } else {

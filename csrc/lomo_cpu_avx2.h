@@ -105,11 +105,21 @@ LOMO_INLINE __m256i mix32_8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
+// The last multiply of random_bits16's hash on 8 lanes: its bits 16..31 are the 16 random
+// bits (mix32's final x ^= x >> 16 leaves them as they are), so callers shift once, by 16,
+// or by 19 for the 13 bits below fp16's mantissa.
+LOMO_INLINE __m256i random_product8(__m256i index, __m256i key, __m256i hi) {
+  __m256i x = _mm256_xor_si256(mix32_8(_mm256_xor_si256(index, key)), hi);
+  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)),
+                         _mm256_set1_epi32(0x7FEB352D));
+  return _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
+                            _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+}
+
 // lomo::f32_to_bf16_sr on 8 lanes, the result in the high half. index: the low 32 bits of
 // each lane's flat element index; key, hi: as random_bits16 takes them.
 LOMO_INLINE __m256i bf16_sr_high8(__m256 u, __m256i index, __m256i key, __m256i hi) {
-  const __m256i random =
-      _mm256_srli_epi32(mix32_8(_mm256_xor_si256(mix32_8(_mm256_xor_si256(index, key)), hi)), 16);
+  const __m256i random = _mm256_srli_epi32(random_product8(index, key, hi), 16);
   const __m256i b = _mm256_castps_si256(u);
   const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
   // mag >= 0x7F800000 (inf/nan: not perturbed); mag < 2^31, so a signed compare is exact.
@@ -118,6 +128,53 @@ LOMO_INLINE __m256i bf16_sr_high8(__m256 u, __m256i index, __m256i key, __m256i 
   const __m256i out = _mm256_and_si256(sum, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(u, u, _CMP_UNORD_Q));
   return _mm256_or_si256(out, _mm256_and_si256(nan, _mm256_set1_epi32(0x00400000)));
+}
+
+// random_bits16 of 8 consecutive flat indices (the same high half), in 32-bit lanes.
+struct Avx2Random {
+  __m256i key, hi, offset;
+  Avx2Random(uint32_t key_value, uint32_t hi_value)
+      : key(_mm256_set1_epi32(static_cast<int>(key_value))),
+        hi(_mm256_set1_epi32(static_cast<int>(hi_value))),
+        offset(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)) {}
+  // Lanes first .. first + 7 (update_span keeps a block inside one 2^32 range: no wrap).
+  LOMO_INLINE __m256i bits(uint32_t first) const {
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), offset);
+    return _mm256_srli_epi32(random_product8(index, key, hi), 16);
+  }
+};
+
+// lomo::fp16_sr_value on 8 lanes: the stochastically rounded value on the fp16 grid (fp32),
+// or u itself beyond 65504 (inf, nan), so a nearest conversion stores the reference's bits.
+// The subnormal count is only formed for a vector with a lane below 2^-14 (rare for
+// parameters).
+LOMO_INLINE __m256 fp16_sr_value8(__m256 u, __m256i random) {
+  const __m256i b = _mm256_castps_si256(u);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i mag = _mm256_and_si256(b, abs_mask);
+  __m256i out = _mm256_and_si256(_mm256_add_epi32(mag, _mm256_srli_epi32(random, 3)),
+                                 _mm256_set1_epi32(~0x1FFF));
+  // mag < 2^31 everywhere, so signed compares are exact.
+  const __m256i small =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lomo::kFp16MinNormalBits)), mag);
+  if (__builtin_expect(!_mm256_testz_si256(small, small), 0)) {
+    // fp16_subnormal_q16: m >> (110 - e) or m << (e - 110); a count outside [0, 31] (the
+    // other shift's, wrapped) gives 0.
+    const __m256i e = _mm256_min_epu32(_mm256_srli_epi32(mag, 23), _mm256_set1_epi32(112));
+    const __m256i m = _mm256_or_si256(_mm256_and_si256(mag, _mm256_set1_epi32(0x007FFFFF)),
+                                      _mm256_set1_epi32(0x00800000));
+    const __m256i e0 = _mm256_set1_epi32(110);
+    const __m256i q16 = _mm256_or_si256(_mm256_srlv_epi32(m, _mm256_sub_epi32(e0, e)),
+                                        _mm256_sllv_epi32(m, _mm256_sub_epi32(e, e0)));
+    const __m256i count = _mm256_srli_epi32(_mm256_add_epi32(q16, random), 16);
+    const __m256 value =
+        _mm256_mul_ps(_mm256_cvtepi32_ps(count), _mm256_set1_ps(5.9604644775390625e-8f));
+    out = _mm256_blendv_epi8(out, _mm256_castps_si256(value), small);
+  }
+  out = _mm256_or_si256(out, _mm256_andnot_si256(abs_mask, b));  // the sign
+  const __m256i big =
+      _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(static_cast<int>(lomo::kFp16MaxBits)));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(out, b, big));
 }
 
 // bf16 parameter and gradient, 32 elements per trip in two halves of 16. Each 32-bit word
@@ -207,6 +264,67 @@ inline uint32_t update_fp16_avx2(uint16_t* __restrict p, const uint16_t* __restr
   }
   return any_bad |
          update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, n - i, 0, 0, s, 0);
+}
+
+// Lanes whose fp32 magnitude lies outside fp16's normal range [2^-14, 65504] (subnormal
+// results, overflow, inf, nan), where fp16_sr_value8 is not just "add and truncate": with
+// the sign shifted out, 2|x| + (2^31 - 2 * kFp16MinNormalBits) maps that range onto the
+// lowest signed values, so one signed compare finds the rest.
+constexpr uint32_t kFp16NormalShift = 0x80000000u - 2u * lomo::kFp16MinNormalBits;
+constexpr uint32_t kFp16NormalTop =
+    0x80000000u + 2u * (lomo::kFp16MaxBits - lomo::kFp16MinNormalBits);
+
+LOMO_INLINE __m256i fp16_outside_normal8(__m256 u) {
+  const __m256i shifted = _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(u), 1),
+                                           _mm256_set1_epi32(static_cast<int>(kFp16NormalShift)));
+  return _mm256_cmpgt_epi32(shifted, _mm256_set1_epi32(static_cast<int>(kFp16NormalTop)));
+}
+
+// fp16 parameter and gradient with stochastic rounding, 8 elements per step (32 per trip of
+// prefetches): the update as in update_fp16_avx2, then the value put on the fp16 grid. In
+// fp16's normal range (the common case) that is random16 >> 3 added to the bits (no carry
+// into the sign) and a conversion that truncates, which drops exactly the low 13 mantissa
+// bits; a step with any other value takes fp16_sr_value8 (exact values, converted to
+// nearest), one with an inf/nan gradient the element loop, which keeps the old halves.
+// Each step is stored at once, so few vectors stay live (AVX2 has 16 registers).
+inline uint32_t update_fp16_sr_avx2(uint16_t* __restrict p, const uint16_t* __restrict g,
+                                    int64_t n, uint32_t lo, uint32_t hi,
+                                    const lomo::LomoScalars& s, uint32_t key) {
+  const Avx2Scalars v(s);
+  const __m256i key_v = _mm256_set1_epi32(static_cast<int>(key));
+  const __m256i hi_v = _mm256_set1_epi32(static_cast<int>(hi));
+  const __m256i eight = _mm256_set1_epi32(8);
+  // No wrap: update_span keeps a block inside one 2^32 range of indices.
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  uint32_t any_bad = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    prefetch_streams(p + i, g + i);
+    for (int64_t k = i; k < i + 32; k += 8, index = _mm256_add_epi32(index, eight)) {
+      const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+      const __m128i gh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + k));
+      __m256i bad;
+      const __m256 u = lomo_vector8(_mm256_cvtph_ps(gh), _mm256_cvtph_ps(old), v, bad);
+      const __m256i product = random_product8(index, key_v, hi_v);
+      __m128i out;
+      if (__builtin_expect(any_lane(_mm256_or_si256(bad, fp16_outside_normal8(u))) == 0, 1)) {
+        const __m256i sum =
+            _mm256_add_epi32(_mm256_castps_si256(u), _mm256_srli_epi32(product, 19));
+        out = _mm256_cvtps_ph(_mm256_castsi256_ps(sum), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      } else if (any_lane(bad) != 0) {
+        any_bad |= update_elements<lomo::Fp16, lomo::Fp16, true>(
+            p + k, g + k, 8, lo + static_cast<uint32_t>(k), hi, s, key);
+        continue;
+      } else {
+        out = _mm256_cvtps_ph(fp16_sr_value8(u, _mm256_srli_epi32(product, 16)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k), out);
+    }
+  }
+  return any_bad | update_elements<lomo::Fp16, lomo::Fp16, true>(
+                       p + i, g + i, n - i, lo + static_cast<uint32_t>(i), hi, s, key);
 }
 
 // ----------------------------------------------------------------------------------------

@@ -99,14 +99,8 @@ __device__ __forceinline__ typename P::T update_one(typename P::T old, typename 
                                                     uint32_t key, uint32_t& any_bad) {
   uint32_t bad;
   const float updated = lomo::lomo_element(G::load(grad), P::load(old), s, bad);
-  typename P::T out;
-  if constexpr (kStochastic) {
-    out = lomo::f32_to_bf16_sr(
-        updated, lomo::random_bits16(static_cast<uint32_t>(index),
-                                     static_cast<uint32_t>(index >> 32), key));
-  } else {
-    out = P::round(updated);
-  }
+  const typename P::T out = lomo::store_rounded<P, kStochastic>(
+      updated, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32), key);
   any_bad |= bad;
   return bad ? old : out;
 }
@@ -288,7 +282,7 @@ int lomo_cuda_update(void* param, int param_dtype, const void* grad,
     return with_dtype(grad_dtype, [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
-      if constexpr (P::code == lomo::kBFloat16) {
+      if constexpr (P::kRoundsStochastically) {  // bf16, fp16
         if (stochastic_rounding != 0) {
           return launch_update<P, G, true>(param, grad, numel, a, stream);
         }

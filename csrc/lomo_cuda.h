@@ -12,8 +12,9 @@ extern "C" {
 #endif
 
 // Scalar pointers are device pointers to one fp32 value; inv_scale, clip_coef, skip_if and
-// found_inf may be null (absent). clip_value: +inf when clipping by value is off. The rounding
-// key: the host's seed parts and a device pointer to one int64 per-step value (or null).
+// found_inf may be null (absent). clip_value: +inf when clipping by value is off.
+// stochastic_rounding (non-zero) applies to bf16 and fp16 parameters, with the rounding key
+// from the host's seed parts and a device pointer to one int64 per-step value (or null).
 int lomo_cuda_update(void* param, int param_dtype, const void* grad,
                      int grad_dtype, int64_t numel, const float* lr,
                      const float* inv_scale, float clip_value,

@@ -40,8 +40,10 @@ void lomo_update_(at::Tensor param, const at::Tensor& grad, const at::Tensor& lr
   if (skip.has_value() && found_inf.has_value() && skip->is_alias_of(*found_inf)) {
     skip = skip->clone();
   }
-  // Stochastic rounding applies to bf16 parameters only.
-  const bool stochastic = stochastic_rounding && param.scalar_type() == at::kBFloat16;
+  // Stochastic rounding applies to the low-precision parameters (bf16, fp16).
+  const bool stochastic =
+      stochastic_rounding &&
+      (param.scalar_type() == at::kBFloat16 || param.scalar_type() == at::kHalf);
 
   const int rc = lomo_cuda_update(
       param.data_ptr(), binding::dtype_code(param, "param"), grad.const_data_ptr(),

@@ -6,7 +6,8 @@
 //     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
 //     use -ffp-contract=off; device code uses the explicit _rn intrinsics.
 //   * fp32 -> bf16 rounds on the bit pattern (nearest even, or stochastic with a hash).
-//   * fp16 conversions are exact IEEE (round to nearest even, subnormals kept).
+//   * fp16 conversions are exact IEEE (round to nearest even, subnormals kept); stochastic
+//     rounding onto the fp16 grid is _rounding.fp16_stochastic.
 //
 // No torch headers here: nvcc compiles this alone.
 #pragma once
@@ -194,27 +195,97 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) {
 #endif
 }
 
-// Storage traits: T is the stored type, load() widens to fp32, round() narrows (nearest even).
+// fp32 bit patterns (magnitudes) of fp16's smallest normal (2^-14) and largest finite (65504).
+constexpr uint32_t kFp16MinNormalBits = 0x38800000u;
+constexpr uint32_t kFp16MaxBits = 0x477FE000u;
+
+// q16 = floor(|x| * 2^40) of a magnitude below 2^-14 (mag < kFp16MinNormalBits): the fp16
+// subnormal count |x| * 2^24 with 16 fraction bits, i.e. _rounding.fp16_stochastic's
+// whole * 2^16 + frac16 (both exact). |x| = m * 2^(e - 150) with the implicit bit, so
+// q16 = m * 2^(e - 110): a right shift by 110 - e (everything gone from 24 on, fp32
+// subnormals included), or a left one by 1 or 2 for e = 111, 112.
+LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q16(uint32_t mag) {
+  uint32_t e = mag >> 23;
+  e = e > 112u ? 112u : e;  // defined shifts for magnitudes the caller does not select
+  const uint32_t m = (mag & 0x007FFFFFu) | 0x00800000u;
+  const uint32_t right = 110u - e;  // wraps for e > 110: not used then
+  return e > 110u ? m << (e - 110u) : (right < 24u ? m >> right : 0u);
+}
+
+// Stochastic rounding onto the fp16 grid, _rounding.fp16_stochastic bit for bit, with
+// `random16` uniform 16-bit integers: the result as an fp32 value (exactly representable in
+// fp16, so any exact fp32 -> fp16 conversion stores it; beyond 65504, inf and nan it is v
+// itself, which the nearest conversion then rounds as the reference's cast does).
+//   normal (2^-14 <= |v| <= 65504): random16 >> 3 added below fp16's 10 mantissa bits, the
+//     low 13 bits cleared (a carry correctly bumps the exponent, up to 65504 at most);
+//   subnormal: (q16 + random16) >> 16 = whole + (frac16 + random16 >= 2^16) units of 2^-24.
+LOMO_HD LOMO_INLINE float fp16_sr_value(float v, uint32_t random16) {
+  const uint32_t b = bits_of(v);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  const uint32_t normal = (mag + (random16 >> 3)) & ~0x1FFFu;
+  const uint32_t count = (fp16_subnormal_q16(mag) + random16) >> 16;  // <= 1024: exact
+  const uint32_t small = bits_of(static_cast<float>(static_cast<int32_t>(count)) *
+                                 5.9604644775390625e-8f);  // * 2^-24, exact
+  const uint32_t rounded = (mag < kFp16MinNormalBits ? small : normal) | (b & 0x80000000u);
+  return mag > kFp16MaxBits ? v : float_of(rounded);
+}
+
+// The same as fp16 bits (f32_to_fp16 of fp16_sr_value), straight from the integers: the
+// subnormal count is the fp16 pattern itself (1024 is 2^-14, the smallest normal), a normal
+// result is rebiased 127 -> 15; beyond 65504, inf and nan the nearest conversion.
+LOMO_HD LOMO_INLINE uint16_t f32_to_fp16_sr(float v, uint32_t random16) {
+  const uint32_t b = bits_of(v);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  const uint32_t normal = (mag + (random16 >> 3) - (112u << 23)) >> 13;  // wraps if unused
+  const uint32_t subnormal = (fp16_subnormal_q16(mag) + random16) >> 16;
+  const uint32_t out = (mag < kFp16MinNormalBits ? subnormal : normal) | ((b >> 16) & 0x8000u);
+  return mag > kFp16MaxBits ? f32_to_fp16(v) : static_cast<uint16_t>(out);
+}
+
+// Storage traits: T is the stored type, load() widens to fp32, round() narrows (nearest
+// even), round_sr() narrows stochastically with 16 random bits (bf16 and fp16; fp32 stores
+// the value itself).
 struct Fp32 {
   using T = float;
   static constexpr int code = kFloat32;
+  static constexpr bool kRoundsStochastically = false;
   LOMO_HD LOMO_INLINE static float load(T v) { return v; }
   LOMO_HD LOMO_INLINE static T round(float v) { return v; }
+  LOMO_HD LOMO_INLINE static T round_sr(float v, uint32_t) { return v; }
 };
 
 struct Fp16 {
   using T = uint16_t;
   static constexpr int code = kFloat16;
+  static constexpr bool kRoundsStochastically = true;
   LOMO_HD LOMO_INLINE static float load(T v) { return fp16_to_f32(v); }
   LOMO_HD LOMO_INLINE static T round(float v) { return f32_to_fp16(v); }
+  LOMO_HD LOMO_INLINE static T round_sr(float v, uint32_t random16) {
+    return f32_to_fp16_sr(v, random16);
+  }
 };
 
 struct Bf16 {
   using T = uint16_t;
   static constexpr int code = kBFloat16;
+  static constexpr bool kRoundsStochastically = true;
   LOMO_HD LOMO_INLINE static float load(T v) { return bf16_to_f32(v); }
   LOMO_HD LOMO_INLINE static T round(float v) { return f32_to_bf16_rne(v); }
+  LOMO_HD LOMO_INLINE static T round_sr(float v, uint32_t random16) {
+    return f32_to_bf16_sr(v, random16);
+  }
 };
+
+// P::round_sr with the bits of flat element index (hi << 32 | lo), or P::round: the
+// write-back of every kernel.
+template <class P, bool kStochastic>
+LOMO_HD LOMO_INLINE typename P::T store_rounded(float v, uint32_t lo, uint32_t hi, uint32_t key) {
+  if constexpr (kStochastic) {
+    return P::round_sr(v, random_bits16(lo, hi, key));
+  } else {
+    return P::round(v);
+  }
+}
 
 // ---------------------------------------------------------------------------------------
 // The update of one element

@@ -35,7 +35,8 @@ void def_adalomo_ops(py::module_& m, Stats stats, Moments moments, Norm norm, Ap
         py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
         py::arg("workspace"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
         py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
+        py::arg("clip_coef"), py::arg("stochastic_rounding"), py::arg("seed"),
+        py::arg("seed_step"));
   m.def("vector_stats_", vector_stats, "AdaLomo pass A1 (1-D)", py::arg("grad"),
         py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
         py::arg("skip_if"), py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"),
@@ -44,7 +45,8 @@ void def_adalomo_ops(py::module_& m, Stats stats, Moments moments, Norm norm, Ap
         py::arg("grad"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("beta2"),
         py::arg("eps0"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
         py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
-        py::arg("clip_coef"));
+        py::arg("clip_coef"), py::arg("stochastic_rounding"), py::arg("seed"),
+        py::arg("seed_step"));
 }
 
 }  // namespace op_bindings

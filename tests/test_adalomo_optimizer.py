@@ -184,7 +184,8 @@ def test_per_tensor_update_is_the_public_function_bit_for_bit(backend, dtype):
     """AdaLomo's eager per-tensor update (backend resolved, arguments checked once per step,
     one workspace per shape reused) against `ops.adalomo_update_` called on each gradient
     with the step's values: the same bits. Two same-shape matrices and two biases share
-    workspaces; the weight decay and clip value reach every pass."""
+    workspaces; the weight decay and clip value reach every pass; low-precision weights
+    round stochastically (the default) from the parameter's index and the step's seed."""
     from lomo_kernels.ops import adalomo_update_
 
     torch.manual_seed(0)
@@ -201,10 +202,13 @@ def test_per_tensor_update_is_the_public_function_bit_for_bit(backend, dtype):
         opt.fused_backward(model(x).square().mean(), LR)
         (reference(x).square().mean() / inv_scale).backward()
         with torch.no_grad():
-            for p in reference.parameters():
+            for index, p in enumerate(reference.parameters()):
+                low = dtype != torch.float32
                 adalomo_update_(
                     p, p.grad, states[p], lr=LR, beta2=1.0 - t**-0.8, inv_scale=inv_scale,
                     weight_decay=0.1, clip_value=0.05, backend=backend,
+                    stochastic_rounding=low, seed=index if low else 0,
+                    seed_step=opt.rounding.seed_step(p.device) if low else None,
                 )  # fmt: skip
                 p.grad = None
     pairs = list(zip(model.parameters(), reference.parameters(), strict=True))

@@ -1,5 +1,9 @@
 """C++ CPU backend against the reference backend (bit for bit) and float64 math (1 ulp).
 
+Also the cases of stochastic rounding (bf16 and fp16 parameters: fp16's edge values, the
+AdaLomo write-back passes) that test_cpu_dispatch.py runs at every CPU level and
+test_cuda.py on a GPU.
+
 The first run JIT-builds the extension (about a minute); later runs load it from the cache.
 The backend functions take their arguments positionally (`lomo_reference.lomo_update_` order),
 the runtime scalars lr, inv_scale and clip_coef as 1-element fp32 tensors (None: 1).
@@ -16,7 +20,10 @@ import pytest
 import torch
 
 from lomo_kernels.kernels.cpp import lomo as cpp_backend
+from lomo_kernels.ops import adalomo_reference
 from lomo_kernels.ops import lomo_reference as reference
+from lomo_kernels.ops.adalomo import adalomo_workspace, init_adalomo_state
+from lomo_kernels.ops.adalomo_workspace import NUM_SLOTS, P_SUMSQ, R_SUM
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -209,7 +216,7 @@ def _subset_options(bits: int) -> dict:
 
 
 @pytest.mark.parametrize("bits", OPTION_SUBSETS, ids=lambda b: f"options{b:04b}")
-@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+@pytest.mark.parametrize("pdt", ["fp32", "bf16", "fp16"])
 def test_every_option_subset_matches_reference(pdt: str, bits: int) -> None:
     # Same-dtype pairs take the vector loops; sizes leave a tail after whole vectors, and
     # the specials (inf/nan grads, subnormal params and results) sit in the first vectors.
@@ -224,7 +231,7 @@ def test_every_option_subset_matches_reference(pdt: str, bits: int) -> None:
         (got, want), (f_got, f_want) = _both(param, clean, _subset_options(bits))
         assert_same_bits(got, want)
         assert f_got.item() == f_want.item() == 0.0
-        if dtype == torch.bfloat16:  # the stochastic-rounding vector loop, same subsets
+        if dtype != torch.float32:  # the stochastic-rounding vector loops, same subsets
             step = torch.tensor([bits * 977], dtype=torch.int64)
             for g in (grad, clean):
                 (got, want), _ = _both(param, g, _subset_options(bits), sr=True, seed=bits)
@@ -336,10 +343,14 @@ def test_within_one_ulp_of_float64(pdt: str, gdt: str, size: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+SR_DTYPES = ["bf16", "fp16"]  # the parameter dtypes stochastic rounding applies to
+
+
 @pytest.mark.parametrize("size", [1, 7, 15, 16, 4097, 278011, 2**20 + 3], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("gdt", list(DTYPES))
-def test_stochastic_rounding_matches_reference(gdt: str, size: int) -> None:
-    param = _make_param(size, torch.bfloat16, seed=size, specials=True)
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_stochastic_rounding_matches_reference(pdt: str, gdt: str, size: int) -> None:
+    param = _make_param(size, DTYPES[pdt], seed=size, specials=True)
     grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=True)
     for seed in (0, 12345, 2**63 + 2**40 + 17):
         (got, want), (f_got, f_want) = _both(param, grad, _options("full"), sr=True, seed=seed)
@@ -348,32 +359,50 @@ def test_stochastic_rounding_matches_reference(gdt: str, size: int) -> None:
 
 
 @pytest.mark.parametrize("size", [15, 4097, 2**20 + 3], ids=lambda n: f"n{n}")
-def test_stochastic_rounding_seed_step_matches_reference(size: int) -> None:
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_stochastic_rounding_seed_step_matches_reference(pdt: str, size: int) -> None:
     # The per-step value is XORed into the seed's high half: the same bits as that seed.
-    param = _make_param(size, torch.bfloat16, seed=size, specials=True)
-    grad = _make_grad(size, torch.float32, seed=size, scale=1024.0, specials=True)
-    for step in (0, 5, 2**31 + 7, -3, 2**40 + 9):
-        seed_step = torch.tensor([step], dtype=torch.int64)
-        (got, want), _ = _both(param, grad, _options("full"), sr=True, seed=99, seed_step=seed_step)
-        assert_same_bits(got, want)
-        folded, _ = _both(param, grad, _options("full"), sr=True, seed=99 ^ ((step % 2**32) << 32))
-        assert_same_bits(got, folded[0])
+    param = _make_param(size, DTYPES[pdt], seed=size, specials=True)
+    for gdt in (pdt, "fp32"):  # the same-dtype vector loops and the mixed ones
+        grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=True)
+        for step in (0, 5, 2**31 + 7, -3, 2**40 + 9):
+            seed_step = torch.tensor([step], dtype=torch.int64)
+            opts = _options("full")
+            (got, want), _ = _both(param, grad, opts, sr=True, seed=99, seed_step=seed_step)
+            assert_same_bits(got, want)
+            folded, _ = _both(param, grad, opts, sr=True, seed=99 ^ ((step % 2**32) << 32))
+            assert_same_bits(got, folded[0])
 
 
-def test_stochastic_rounding_ignored_for_other_dtypes() -> None:
-    for pdt in (torch.float32, torch.float16):
-        param = _make_param(4099, pdt, seed=1, specials=False)
-        grad = _make_grad(4099, pdt, seed=1, scale=1.0, specials=False)
-        a, b = param.clone(), param.clone()
-        _run(cpp_backend, a, grad, _options("plain"), sr=True, seed=5)
-        _run(cpp_backend, b, grad, _options("plain"), sr=False)
-        assert_same_bits(a, b)
+def test_stochastic_rounding_ignored_for_fp32() -> None:
+    param = _make_param(4099, torch.float32, seed=1, specials=False)
+    grad = _make_grad(4099, torch.float32, seed=1, scale=1.0, specials=False)
+    a, b = param.clone(), param.clone()
+    _run(cpp_backend, a, grad, _options("plain"), sr=True, seed=5)
+    _run(cpp_backend, b, grad, _options("plain"), sr=False)
+    assert_same_bits(a, b)
 
 
-def test_stochastic_rounding_is_unbiased_and_seeded() -> None:
-    # 1 - 1e-3 * 0.3 lies between two bf16 neighbours; SR must hit it on average.
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_stochastic_rounding_differs_from_nearest(pdt: str) -> None:
+    # About half the results lie on the other side of their nearest neighbour.
+    param = _make_param(4099, DTYPES[pdt], seed=1, specials=False)
+    grad = _make_grad(4099, DTYPES[pdt], seed=1, scale=1.0, specials=False)
+    a, b = param.clone(), param.clone()
+    _run(cpp_backend, a, grad, _options("plain"), sr=True, seed=5)
+    _run(cpp_backend, b, grad, _options("plain"), sr=False)
+    differ = (_bits(a) != _bits(b)).float().mean().item()
+    assert 0.2 < differ < 0.6, differ
+
+
+@pytest.mark.parametrize(
+    "pdt,below",
+    # 1 - 1e-3 * 0.3 lies between two neighbours of each dtype (2^-8 and 2^-11 apart below 1).
+    [("bf16", 1.0 - 2**-8), ("fp16", 1.0 - 2**-11)],
+)
+def test_stochastic_rounding_is_unbiased_and_seeded(pdt: str, below: float) -> None:
     n = 2**20
-    param = torch.ones(n, dtype=torch.bfloat16)
+    param = torch.ones(n, dtype=DTYPES[pdt])
     grad = torch.full((n,), 0.3, dtype=torch.float32)
     opts = _options("plain") | dict(lr=1e-3)
     exact = 1.0 - _f32(_f32(1e-3) * _f32(0.3))
@@ -381,13 +410,313 @@ def test_stochastic_rounding_is_unbiased_and_seeded() -> None:
     for seed in (1, 2):
         p = param.clone()
         _run(cpp_backend, p, grad, opts, sr=True, seed=seed)
-        assert set(p.unique().float().tolist()) == {1.0 - 2**-8, 1.0}
+        assert set(p.unique().float().tolist()) == {below, 1.0}
         runs.append(p)
-        assert abs(p.double().mean().item() - exact) < 1e-5  # ~10 standard errors
+        assert abs(p.double().mean().item() - exact) < 1e-5  # ~10 standard errors (bf16)
     assert not torch.equal(runs[0], runs[1])
     again = param.clone()
     _run(cpp_backend, again, grad, opts, sr=True, seed=1)
     assert torch.equal(again, runs[0])
+
+
+def test_fp16_stochastic_rounding_is_unbiased_below_the_normal_range() -> None:
+    # 0 - 1 * g = 2.3 units of fp16's subnormal spacing 2^-24: 2 or 3 units, 2.3 on average
+    # (the rule's bias is below 2^-16 of a unit), and the same at 2^-14 - 0.3 units, where
+    # rounding up reaches the smallest normal.
+    n = 2**20
+    for exact, outcomes in (
+        (2.3 * 2**-24, {2 * 2**-24, 3 * 2**-24}),
+        (2**-14 - 0.3 * 2**-24, {2**-14 - 2**-24, 2**-14}),
+    ):
+        value = _f32(exact)
+        grad = torch.full((n,), -value, dtype=torch.float32)
+        p = torch.zeros(n, dtype=torch.float16)
+        _run(cpp_backend, p, grad, _options("plain") | dict(lr=1.0), sr=True, seed=3)
+        assert set(p.unique().double().tolist()) == outcomes
+        assert abs(p.double().mean().item() - value) < 2e-3 * 2**-24  # ~4 standard errors
+
+
+# ---------------------------------------------------------------------------------------
+# fp16 stochastic rounding at the edges of fp16's range (subnormals, 2^-14, 65504, inf,
+# nan, -0.0), in the first vector trip, a middle one, one with a non-finite gradient and
+# the tail; test_cpu_dispatch.py runs these at every CPU level.
+# ---------------------------------------------------------------------------------------
+
+TINY16 = 2.0**-14  # fp16's smallest normal
+SUB16 = 2.0**-24  # fp16's subnormal spacing
+# Updated fp32 values around fp16's boundaries: each is stored from 0 - 1 * grad (an fp32
+# grad of minus the value), or, for inf and nan, from that parameter value and a zero grad.
+FP16_EDGE_VALUES = [
+    0.0,
+    -0.0,
+    1e-40,  # fp32 subnormal
+    -3e-9,  # below half of fp16's smallest subnormal
+    SUB16 * 0.3,
+    SUB16,
+    -SUB16 * 2.5,
+    SUB16 * 511.75,
+    -SUB16 * 1023.5,
+    TINY16 * (1 - 2**-24),  # the largest fp32 value below 2^-14
+    TINY16,
+    -TINY16 * (1 + 2**-23),
+    TINY16 * (1 + 2**-11 - 2**-20),
+    1.0 + 2**-12,
+    -3.14159,
+    65472.5,
+    65504.0,
+    -65504.5,
+    65519.99,
+    65520.0,  # the nearest cast's first value that overflows
+    -65535.0,
+    65536.0,
+    1e5,
+    -3e38,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+]
+# Parameter and gradient pairs of fp16 (or bf16) operands whose update p - 2^-11 * g (lr
+# 2^-11, the other options neutral) lands near the same boundaries, off the fp16 grid: the
+# same-dtype vector loops cannot take an fp32 gradient.
+EDGE_LR16 = 2.0**-11
+FP16_EDGE_PAIRS = [
+    (0.0, 0.0),
+    (-0.0, 0.0),
+    (-0.0, SUB16),  # -2^-35
+    (0.0, -SUB16 * 1000),
+    (SUB16 * 3, 0.3 * 2**-13),
+    (-SUB16 * 17, 0.7 * 2**-13),
+    (SUB16 * 1023, -0.9 * 2**-13),
+    (TINY16, SUB16 * 5),  # just below 2^-14
+    (TINY16, -SUB16 * 5),  # just above
+    (-TINY16, -SUB16 * 3),
+    (TINY16 * (1 + 2**-10), 0.75),
+    (1.0, 1.0),
+    (-2.5, 3.0),
+    (65504.0, -16384.0),  # 65512: back to 65504
+    (65504.0, -32768.0),  # 65520: overflows
+    (65504.0, -65504.0),
+    (-65504.0, 1000.0),
+    (65504.0, 1000.0),
+    (60000.0, 0.1),
+    (float("inf"), 0.0),
+    (float("-inf"), 1.0),
+    (float("nan"), 0.0),
+]
+EDGE_SIZE = 4096 + 255  # tails of 31 after the 32-element trips, 255 after 256-element tiles
+EDGE_SPOTS = {"first": 0, "middle": 32 * 40 + 5, "bad trip": 32 * 90 + 3}
+
+
+def _edge_spots(count: int) -> list[int]:
+    """Where the edge groups start: the first trip, a middle one, one holding a non-finite
+    gradient (its trip takes the element loop) and the last `count` elements (the tail)."""
+    return [*EDGE_SPOTS.values(), EDGE_SIZE - count]
+
+
+def fp16_edge_pairs_fp32() -> list[tuple[float, float]]:
+    """(param, fp32 grad) pairs whose update 0 - 1 * g (or p - 0) is each FP16_EDGE_VALUES
+    value: a finite value v from p = 0 and g = -v (-0.0 from p = -0.0, g = 0), inf and nan
+    from the parameter (a non-finite gradient is never written)."""
+    pairs = []
+    for v in FP16_EDGE_VALUES:
+        if not math.isfinite(v):
+            pairs.append((v, 0.0))
+        elif v == 0.0 and math.copysign(1.0, v) < 0:
+            pairs.append((-0.0, 0.0))
+        else:
+            pairs.append((0.0, -v))
+    return pairs
+
+
+def fp16_edge_case(pdt: str, gdt: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(param, grad, options) of an update whose results sit at the fp16 edges above, the
+    rest random, with an inf gradient in the "bad trip" group and a nan one after it."""
+    dtype = DTYPES[pdt]
+    param = _make_param(EDGE_SIZE, dtype, seed=31, specials=False)
+    if gdt == "fp32":
+        grad = _make_grad(EDGE_SIZE, torch.float32, seed=31, scale=1e-3, specials=False)
+        opts = _options("plain") | dict(lr=1.0)
+        pairs = fp16_edge_pairs_fp32()
+    else:
+        grad = _make_grad(EDGE_SIZE, DTYPES[gdt], seed=31, scale=1.0, specials=False)
+        opts = _options("plain") | dict(lr=EDGE_LR16)
+        pairs = FP16_EDGE_PAIRS
+    p_vals = torch.tensor([p for p, _ in pairs], dtype=torch.float32).to(dtype)
+    g_vals = torch.tensor([g for _, g in pairs], dtype=torch.float32).to(grad.dtype)
+    for start in _edge_spots(len(pairs)):
+        param[start : start + len(pairs)] = p_vals
+        grad[start : start + len(pairs)] = g_vals
+    bad = EDGE_SPOTS["bad trip"] + len(pairs) // 2
+    grad[bad], grad[bad + 1] = INF, NAN
+    return param, grad, opts
+
+
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_stochastic_rounding_edge_values_match_reference(pdt: str, gdt: str) -> None:
+    gdt = pdt if gdt == "same" else gdt
+    param, grad, opts = fp16_edge_case(pdt, gdt)
+    for seed, step in ((0, None), (2**62 + 5, torch.tensor([77], dtype=torch.int64))):
+        (got, want), (f_got, f_want) = _both(param, grad, opts, sr=True, seed=seed, seed_step=step)
+        assert_same_bits(got, want)
+        assert f_got.item() == f_want.item() == 1.0
+    # Nearest rounding of the same values (the cast the overflow path falls back to).
+    (got, want), _ = _both(param, grad, opts)
+    assert_same_bits(got, want)
+
+
+def fp16_any_value_case(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(fp16 zeros, fp32 grad of random finite bit patterns, options) whose update 0 - 1 * g
+    is -g exactly: every fp32 exponent, so the subnormal and overflow paths as often as the
+    normal one."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64)
+    grad = bits.to(torch.int32).view(torch.float32).clone()
+    grad[~torch.isfinite(grad)] = 0.0
+    return torch.zeros(n, dtype=torch.float16), grad, _options("plain") | dict(lr=1.0)
+
+
+def test_fp16_stochastic_rounding_of_any_fp32_value_matches_reference() -> None:
+    param, grad, opts = fp16_any_value_case(2**20 + 3, seed=4)
+    (got, want), _ = _both(param, grad, opts, sr=True, seed=17)
+    assert_same_bits(got, want)
+    assert got.isinf().any() and (got.abs() < TINY16).any() and (got.abs() > TINY16).any()
+
+
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_stochastic_rounding_skip_if_writes_nothing(pdt: str) -> None:
+    param, grad, opts = fp16_edge_case(pdt, pdt)
+    p, found = param.clone(), torch.zeros(1)
+    step = torch.tensor([3], dtype=torch.int64)
+    _run(
+        cpp_backend, p, grad, opts, found=found, skip=torch.ones(1), sr=True, seed=1, seed_step=step
+    )
+    assert torch.equal(_bits(p), _bits(param))
+    assert found.item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# AdaLomo's write-back passes (factored_apply_, vector_apply_) with stochastic rounding:
+# cases for test_cpu_dispatch.py (every CPU level) and test_cuda.py. Given the same workspace
+# and moments, a backend's pass and the reference store the same bits (their fp32 math
+# agrees: correctly rounded sqrt and division, no contraction), so each is compared bit for
+# bit; the passes before them are the reference's.
+# ---------------------------------------------------------------------------------------
+
+ADALOMO_SR_SHAPES = [(1,), (7,), (4097,), (278011,), (37, 1031), (1, 7), (2, 3, 7)]
+ROUNDING_SEEDS = [(0, None), (2**62 + 3, torch.tensor([5], dtype=torch.int64))]
+APPLY_OPTIONS = dict(eps1=1e-3, clip_threshold=0.8, weight_decay=0.1, clip_value=1.5)
+
+
+def adalomo_scalars() -> dict[str, torch.Tensor]:
+    return dict(
+        lr=torch.tensor([0.05]),
+        beta2=torch.tensor([0.5]),
+        inv_scale=torch.tensor([0.5]),
+        clip_coef=torch.tensor([0.37]),
+    )
+
+
+def prepared_write_back(shape, pdt: str, gdt: str):
+    """(param, grad, state, workspace) ready for the write-back: the reference's passes A
+    (A1), moments and B on a random parameter."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    param = torch.randn(shape, generator=gen).to(DTYPES[pdt])
+    grad = (torch.randn(shape, generator=gen) * 3).to(DTYPES[gdt])
+    state, workspace = init_adalomo_state(param), adalomo_workspace(param)
+    k, clip = adalomo_scalars(), APPLY_OPTIONS["clip_value"]
+    if param.dim() >= 2:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        adalomo_reference.factored_stats_(
+            grad, param, workspace, None, None, shape[-1], k["inv_scale"], clip
+        )
+        adalomo_reference.factored_moments_(row, col, workspace, k["beta2"], k["clip_coef"], 1e-30)
+        adalomo_reference.factored_norm_(
+            grad, row, col, workspace, k["inv_scale"], clip, k["clip_coef"]
+        )
+    else:
+        adalomo_reference.vector_stats_(
+            grad, param, state["exp_avg_sq"], workspace, None, None, k["beta2"], 1e-30,
+            k["inv_scale"], clip, k["clip_coef"],
+        )  # fmt: skip
+    return param, grad, state, workspace
+
+
+def adalomo_write_back(
+    module, param, grad, state, workspace, *, sr, seed=0, seed_step=None, **hyper
+):
+    """`module`'s write-back pass (C or C1) on copies; returns (param, state). `hyper`
+    overrides the scalars (lr, beta2, eps0, ...)."""
+    param, workspace = param.clone(), workspace.clone()
+    state = {key: value.clone() for key, value in state.items()}
+    a = adalomo_scalars() | dict(eps0=1e-30) | APPLY_OPTIONS | hyper
+    tail = (a["eps1"], a["clip_threshold"], a["weight_decay"], a["inv_scale"], a["clip_value"])
+    tail += (a["clip_coef"], sr, seed, seed_step)
+    if param.dim() >= 2:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        module.factored_apply_(param, grad, row, col, workspace, a["lr"], *tail)
+    else:
+        v = state["exp_avg_sq"]
+        module.vector_apply_(param, grad, v, workspace, a["beta2"], a["eps0"], a["lr"], *tail)
+    return param, state
+
+
+def assert_same_write_back(got, want, any_nan: bool = False) -> None:
+    """Parameter and state bit for bit; with `any_nan`, a nan only has to be a nan (one that
+    fp32 arithmetic makes, such as inf * 0, has no specified sign: torch and the kernels may
+    differ there, and bf16 keeps that sign)."""
+    if any_nan:
+        nan = got[0].isnan()
+        assert torch.equal(nan, want[0].isnan()), "nan positions differ"
+        got, want = (got[0].masked_fill(nan, 0.0), got[1]), (want[0].masked_fill(nan, 0.0), want[1])
+    assert_same_bits(got[0], want[0])
+    for key, value in want[1].items():
+        if any_nan:
+            assert torch.equal(got[1][key].isnan(), value.isnan()), key
+            assert torch.equal(got[1][key].nan_to_num(0.0), value.nan_to_num(0.0)), key
+        else:
+            assert torch.equal(got[1][key].view(torch.int32), value.view(torch.int32)), key
+
+
+def edge_write_back_case(pdt: str, gdt: str, shape):
+    """(param, grad, state, workspace, hyper) of a write-back whose results sit at fp16's
+    boundaries (FP16_EDGE_VALUES, FP16_EDGE_PAIRS), at the start, in a middle row segment,
+    across a row boundary (factored) or the 32768-element chunks of the threads (1-D), and
+    at the end; an inf and a nan gradient in the middle group.
+
+    Moments of 1 and a synthesized workspace make every factor exact: r = c = rsqrt(1) = 1
+    (factored), v_new = v * 1 + (g^2 + 0) * 0 = 1 (1-D, beta2 = 1; nan for the inf grad),
+    lr_t = lr * rms(p) from P_SUMSQ, scale = lr_t (U_SUMSQ 0), decay = 1: the new value is
+    p - lr_t * g, lr_t being 1 (fp32 grads) or 2^-11 (bf16/fp16 grads) as there."""
+    dtype, numel = DTYPES[pdt], math.prod(shape)
+    gen = torch.Generator().manual_seed(numel)
+    param = torch.randn(numel, generator=gen).to(dtype)
+    if gdt == "fp32":
+        grad = torch.randn(numel, generator=gen) * 1e-3
+        pairs, lr_t = fp16_edge_pairs_fp32(), 1.0
+    else:
+        grad = torch.randn(numel, generator=gen).to(DTYPES[gdt])
+        pairs, lr_t = FP16_EDGE_PAIRS, EDGE_LR16
+    p_vals = torch.tensor([p for p, _ in pairs]).to(dtype)
+    g_vals = torch.tensor([g for _, g in pairs]).to(grad.dtype)
+    count = len(pairs)
+    boundary = shape[-1] if len(shape) >= 2 else 32_768
+    middle = numel // 2 - 3
+    for start in (0, middle, boundary - count // 2, numel - count):
+        param[start : start + count] = p_vals
+        grad[start : start + count] = g_vals
+    grad[middle + 3], grad[middle + 4] = float("inf"), float("nan")
+    param, grad = param.view(shape), grad.view(shape)
+    state = {key: torch.ones_like(value) for key, value in init_adalomo_state(param).items()}
+    workspace = adalomo_workspace(param)
+    stats = workspace[workspace.numel() - NUM_SLOTS :]
+    stats[P_SUMSQ] = numel * lr_t * lr_t  # rms(p) = lr_t, exactly
+    stats[R_SUM] = state["exp_avg_sq_row"].numel() if len(shape) >= 2 else 0.0
+    hyper = dict(
+        lr=torch.tensor([1.0]), beta2=torch.tensor([1.0]), eps0=0.0, eps1=0.0,
+        clip_threshold=1.0, weight_decay=0.0, inv_scale=None, clip_value=None, clip_coef=None,
+    )  # fmt: skip
+    return param, grad, state, workspace, hyper
 
 
 # ---------------------------------------------------------------------------------------
@@ -614,6 +943,78 @@ def test_portable_fp16_conversions_exhaustive(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
+    if build.returncode != 0:
+        pytest.skip(f"compiler without _Float16 support: {build.stderr[-300:]}")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=600)
+    assert out.stdout.split() == ["0", "0"], out.stdout
+
+
+# The fp16 stochastic rounding of lomo_math.h against _rounding.fp16_stochastic transcribed
+# (fp32 operations and floor as torch does them, then the exact cast), for every fp32 bit
+# pattern: the integer form every kernel stores (f32_to_fp16_sr) and the fp32 value on the
+# grid the F16C loops convert (fp16_sr_value). 16 random bits per pattern from its hash; the
+# extremes 0 and 0xFFFF on every eighth pattern.
+_SWEEP_SR = r"""
+#include "lomo_math.h"
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+// _rounding.fp16_stochastic transcribed: fp32 operations and floor as torch does them, then
+// the exact cast (nearest even) of the result.
+static uint16_t spec(float v, uint32_t r) {
+  const uint32_t bits = lomo::bits_of(v), sign = bits & 0x80000000u, mag = bits & 0x7FFFFFFFu;
+  float out;
+  if (mag > 0x477FE000u) {
+    out = v;
+  } else if (mag < 0x38800000u) {
+    const float q = std::fabs(v) * 16777216.0f;
+    const float whole = std::floor(q);
+    const long frac16 = static_cast<long>(std::floor((q - whole) * 65536.0f));
+    const float up = (static_cast<long>(r) + frac16) >= 65536 ? 1.0f : 0.0f;
+    out = lomo::float_of(lomo::bits_of((whole + up) * 5.9604644775390625e-8f) | sign);
+  } else {
+    out = lomo::float_of(((mag + (r >> 3)) & ~0x1FFFu) | sign);
+  }
+  const _Float16 h = static_cast<_Float16>(out);
+  uint16_t hb;
+  memcpy(&hb, &h, 2);
+  return hb;
+}
+static bool same(uint16_t a, uint16_t b) {
+  const bool nan_a = (a & 0x7FFF) > 0x7C00, nan_b = (b & 0x7FFF) > 0x7C00;
+  return a == b || (nan_a && nan_b);
+}
+int main() {
+  unsigned long bad_bits = 0, bad_value = 0;
+  uint64_t u = 0;
+  do {  // every fp32 bit pattern, with 16 random bits from its hash; the extremes 0 and
+        // 0xFFFF on every eighth pattern
+    const uint32_t x = static_cast<uint32_t>(u);
+    const float f = lomo::float_of(x);
+    uint32_t r = lomo::mix32(x) >> 16;
+    if ((x & 7u) == 0) r = (x & 8u) ? 0xFFFFu : 0u;
+    const uint16_t want = spec(f, r);
+    if (!same(lomo::f32_to_fp16_sr(f, r), want)) ++bad_bits;
+    const _Float16 h = static_cast<_Float16>(lomo::fp16_sr_value(f, r));
+    uint16_t hb;
+    memcpy(&hb, &h, 2);
+    if (!same(hb, want)) ++bad_value;
+  } while (++u < (1ull << 32));
+  printf("%lu %lu\n", bad_bits, bad_value);
+  return 0;
+}
+"""
+
+
+def test_fp16_stochastic_rounding_exhaustive(tmp_path: Path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    src = tmp_path / "sweep_sr.cpp"
+    src.write_text(_SWEEP_SR)
+    exe = tmp_path / "sweep_sr"
+    flags = ["-std=c++17", "-O2", "-march=native", "-ffp-contract=off", f"-I{CSRC}"]
+    build = subprocess.run([cxx, *flags, str(src), "-o", str(exe)], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"compiler without _Float16 support: {build.stderr[-300:]}")
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=600)

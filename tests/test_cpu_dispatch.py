@@ -1,6 +1,7 @@
 """The C++ CPU kernels at every vector level this CPU runs (baseline, AVX2, AVX-512, ...),
-each forced in turn: LOMO against the reference backend bit for bit, AdaLomo against float64
-math and bit for bit across levels.
+each forced in turn: LOMO against the reference backend bit for bit (stochastic rounding of
+bf16 and fp16 parameters too), AdaLomo against float64 math and bit for bit across levels,
+and its write-back passes with stochastic rounding bit for bit against the reference.
 
 One build holds every level and picks the best the CPU has (csrc/cpu_isa.h); the levels
 above this CPU's cannot run here and are not parametrized. Sizes straddle the loops' trips
@@ -10,6 +11,7 @@ the first vectors, one in the middle and the last element.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -20,8 +22,11 @@ import test_adalomo_ops as adalomo_cases
 import test_cpp_backend as cases
 import torch
 from test_cpp_backend import (
+    ADALOMO_SR_SHAPES,
     COMBOS,
     DTYPES,
+    ROUNDING_SEEDS,
+    SR_DTYPES,
     _both,
     _grad_scale,
     _make_grad,
@@ -29,15 +34,22 @@ from test_cpp_backend import (
     _options,
     _run,
     _subset_options,
+    adalomo_write_back,
     assert_same_bits,
+    assert_same_write_back,
     cpp_backend,
+    edge_write_back_case,
+    prepared_write_back,
 )
 
 from lomo_kernels.kernels.cpp import adalomo as cpp_adalomo
+from lomo_kernels.ops import adalomo_reference
 from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
+from lomo_kernels.ops.adalomo_workspace import NUM_SLOTS, SKIP
 from lomo_kernels.tools import machine
 
 SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
+SR_COMBOS = [(p, g) for p, g in COMBOS if p in SR_DTYPES]
 # The CPU flags (/proc/cpuinfo names) each level needs on top of the one below.
 LEVEL_FLAGS = {
     "avx2": {"avx2", "f16c"},
@@ -100,8 +112,9 @@ def test_every_level_matches_reference(level: str, pdt: str, gdt: str, size: int
 
 @pytest.mark.parametrize("pdt", list(DTYPES))
 def test_every_level_option_subset_matches_reference(level: str, pdt: str) -> None:
-    # Each option on or neutral, with and without inf/nan gradients; bf16 also with stochastic
-    # rounding (with and without the per-step seed); clip bounds of 0 and below 0 too.
+    # Each option on or neutral, with and without inf/nan gradients; bf16 and fp16 also with
+    # stochastic rounding (with and without the per-step seed); clip bounds of 0 and below 0
+    # too.
     dtype, n = DTYPES[pdt], 4133
     for bits in range(16):
         opts = _subset_options(bits)
@@ -112,7 +125,7 @@ def test_every_level_option_subset_matches_reference(level: str, pdt: str) -> No
             (got, want), (f_got, f_want) = _both(param, grad, opts)
             assert_same_bits(got, want)
             assert f_got.item() == f_want.item() == flagged
-            if dtype == torch.bfloat16:
+            if dtype != torch.float32:  # stochastic rounding (bf16 and fp16)
                 step = torch.tensor([bits * 977], dtype=torch.int64)
                 for seed_step in (None, step):
                     (got, want), _ = _both(
@@ -138,6 +151,39 @@ def test_every_level_unaligned_views_and_skip(level: str, pdt: str) -> None:
     _run(cpp_backend, p, grad, _options("full"), found=found, skip=torch.ones(1))
     assert torch.equal(p.view(torch.uint8), param.view(torch.uint8))
     assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", SR_COMBOS, ids=[f"p{p}-g{g}" for p, g in SR_COMBOS])
+def test_every_level_stochastic_rounding_matches_reference(
+    level: str, pdt: str, gdt: str, size: int
+) -> None:
+    # bf16 and fp16 parameters with every gradient dtype, the full option set and the
+    # inf/nan specials, with and without the per-step seed.
+    param = _make_param(size, DTYPES[pdt], seed=size, specials=True)
+    grad = _make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=True)
+    for seed, step in ((7, None), (2**63 - 5, torch.tensor([2**33 + 11], dtype=torch.int64))):
+        (got, want), (f_got, f_want) = _both(
+            param, grad, _options("full"), sr=True, seed=seed, seed_step=step
+        )
+        assert_same_bits(got, want)
+        assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_every_level_stochastic_rounding_edge_values(level: str, pdt: str, gdt: str) -> None:
+    # fp16's boundaries (subnormals, 2^-14, 65504, inf, nan, -0.0) in the first trip, a middle
+    # one, one with a non-finite gradient and the tail (test_cpp_backend.py's cases).
+    cases.test_stochastic_rounding_edge_values_match_reference(pdt, gdt)
+    cases.test_stochastic_rounding_skip_if_writes_nothing(pdt)
+
+
+def test_every_level_fp16_stochastic_rounding_of_any_fp32_value(level: str) -> None:
+    param, grad, opts = cases.fp16_any_value_case(65_557, seed=5)
+    for step in (None, torch.tensor([9], dtype=torch.int64)):
+        (got, want), _ = _both(param, grad, opts, sr=True, seed=23, seed_step=step)
+        assert_same_bits(got, want)
 
 
 SUMSQ_GRAIN = 32_768  # csrc/lomo_cpu.cpp's kGrain: the fixed chunks of grad_sumsq_
@@ -262,6 +308,85 @@ def test_adalomo_bit_identical_at_every_level(shape, pdt: str) -> None:
         assert torch.equal(other.view(torch.uint8), param.view(torch.uint8)), name
         for key, value in state.items():
             assert torch.equal(other_state[key], value), (name, key)
+
+
+# ----------------------------------------------------------------------------- AdaLomo write-back
+# The write-back passes (factored_apply_, vector_apply_) with stochastic rounding: given the
+# same workspace and moments, the C++ pass and the reference store the same bits (their fp32
+# math agrees: correctly rounded sqrt and division, no contraction), so each is compared bit
+# for bit; the passes before them are the reference's.
+
+
+@pytest.mark.parametrize("shape", ADALOMO_SR_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_write_back_stochastic_rounding_matches_reference(
+    level: str, pdt: str, gdt: str, shape
+) -> None:
+    # Index of each element: its flat index in the whole parameter (row * cols + col), so
+    # every split into threads and row segments rounds as the reference's tiles do.
+    inputs = prepared_write_back(shape, pdt, pdt if gdt == "same" else gdt)
+    for seed, step in ROUNDING_SEEDS:
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=seed, seed_step=step)
+        want = adalomo_write_back(adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step)
+        assert_same_write_back(got, want)
+    nearest = adalomo_write_back(cpp_adalomo, *inputs, sr=False)
+    assert_same_write_back(nearest, adalomo_write_back(adalomo_reference, *inputs, sr=False))
+    if got[0].numel() >= 4097:  # about half the elements round the other way
+        differ = (got[0] != nearest[0]).float().mean().item()
+        assert 0.2 < differ < 0.6, differ
+
+
+def test_adalomo_write_back_stochastic_rounding_ignored_for_fp32(level: str) -> None:
+    for shape in ((4097,), (37, 1031)):
+        inputs = prepared_write_back(shape, "fp32", "fp32")
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=3)
+        assert_same_write_back(got, adalomo_write_back(cpp_adalomo, *inputs, sr=False))
+
+
+@pytest.mark.parametrize(
+    "shape", [(65_557,), (37, 1031), (3, 50)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_write_back_stochastic_rounding_edge_values(
+    level: str, pdt: str, gdt: str, shape
+) -> None:
+    *inputs, hyper = edge_write_back_case(pdt, pdt if gdt == "same" else gdt, shape)
+    if math.prod(shape) < 4 * len(cases.FP16_EDGE_PAIRS):
+        pytest.skip("too small for four edge groups")
+    for seed, step in ROUNDING_SEEDS:
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=seed, seed_step=step, **hyper)
+        want = adalomo_write_back(
+            adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step, **hyper
+        )
+        assert_same_write_back(got, want, any_nan=True)
+        assert got[0].isinf().any() and got[0].isnan().any()
+    got = adalomo_write_back(cpp_adalomo, *inputs, sr=False, **hyper)
+    want = adalomo_write_back(adalomo_reference, *inputs, sr=False, **hyper)
+    assert_same_write_back(got, want, any_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(4097,), (37, 1031)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_stochastic_rounding_skip_writes_nothing(level: str, pdt: str, shape) -> None:
+    # A set SKIP slot: the write-back leaves every bit; skip_if set: the whole step does.
+    param, grad, state, workspace = prepared_write_back(shape, pdt, pdt)
+    skipped = workspace.clone()
+    skipped[skipped.numel() - NUM_SLOTS + SKIP] = 1.0
+    step = torch.tensor([4], dtype=torch.int64)
+    got = adalomo_write_back(
+        cpp_adalomo, param, grad, state, skipped, sr=True, seed=9, seed_step=step
+    )
+    assert_same_write_back(got, (param, state))
+    p, s, found = param.clone(), {}, torch.zeros(1)
+    adalomo_update_(
+        p, grad, s, lr=0.05, beta2=0.5, found_inf=found, skip_if=torch.ones(1),
+        stochastic_rounding=True, seed=9, seed_step=step, backend="cpp",
+    )  # fmt: skip
+    assert torch.equal(p.view(torch.int16), param.view(torch.int16))
+    assert found.item() == 0.0
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in s.values())
 
 
 def test_unknown_level_refused_and_level_kept() -> None:

@@ -11,12 +11,22 @@ import torch
 from float64_reference import assert_within_ulp, lomo_update_f64
 from test_adalomo_ops import FACTORED_SHAPES, check_moments, check_pass_a
 from test_adalomo_ops import OPTIONS as ADALOMO_OPTIONS
+from test_cpp_backend import (
+    ROUNDING_SEEDS,
+    _run,
+    adalomo_write_back,
+    assert_same_bits,
+    assert_same_write_back,
+    edge_write_back_case,
+    fp16_any_value_case,
+    fp16_edge_case,
+)
 from test_lomo_safety import NoHostSync
 from test_update_op import LR, OPTIONS, bound_kwargs, make_inputs
 from tiny_models import batch, max_rel_diff, tiny_llama
 
 from lomo_kernels import AdaLomo, Lomo, ops
-from lomo_kernels.ops import backends
+from lomo_kernels.ops import adalomo_reference, backends, lomo_reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -27,6 +37,7 @@ pytestmark = [
 ]
 DEVICE = "cuda"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SR_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # stochastic rounding applies
 SIZES = [1, 15, 4097, 278011, 2**22 + 3]
 
 
@@ -78,13 +89,14 @@ def test_grad_sumsq_matches_float64_on_cuda(cuda_backend, dtype):
     assert float(sumsq) == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype", SR_DTYPES.values(), ids=SR_DTYPES.keys())
 @pytest.mark.parametrize("step", [None, 7, 2**40 + 3], ids=["no_step", "step", "big_step"])
-def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step):
+def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step, dtype):
     """The kernel reads seed_step from device memory (no host sync) and rounds as the CPU
     reference does, bit for bit (p - 1 * g is one fp32 rounding with or without an FMA)."""
     n = 278011
-    param = torch.ones(n, dtype=torch.bfloat16)
-    grad = torch.full((n,), -0.3 * 2.0**-7)
+    param = torch.ones(n, dtype=dtype)
+    grad = torch.full((n,), -0.3 * 2.0**-7)  # between neighbours of bf16 and of fp16
     options = dict(lr=1.0, stochastic_rounding=True, seed=99)
     expected = param.clone()
     cpu_step = None if step is None else torch.tensor([step])
@@ -94,6 +106,86 @@ def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step):
     with NoHostSync():
         ops.fused_sgd_update_(p, g, seed_step=seed_step, backend=cuda_backend, **options)
     assert torch.equal(p.cpu().view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(p.cpu(), torch.ones_like(expected))  # some rounded up
+
+
+def _to_device(value):
+    return value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+
+
+def _lomo_sr_on_cuda(cuda_backend, param, grad, opts, seed, step):
+    """The CPU reference's stochastically rounded update and the backend's on the GPU (found
+    flags too); seed_step read on the device."""
+    expected, found_ref = param.clone(), torch.zeros(1)
+    _run(lomo_reference, expected, grad, opts, found=found_ref, sr=True, seed=seed, seed_step=step)
+    p, g, found = param.to(DEVICE), grad.to(DEVICE), torch.zeros(1, device=DEVICE)
+    with NoHostSync():
+        ops.fused_sgd_update_(
+            p, g, lr=torch.tensor([opts["lr"]], device=DEVICE), inv_scale=opts["inv_scale"],
+            clip_value=opts["clip_value"], clip_coef=opts["clip_coef"],
+            weight_decay=opts["weight_decay"], found_inf=found, stochastic_rounding=True,
+            seed=seed, seed_step=_to_device(step), backend=cuda_backend,
+        )  # fmt: skip
+    return (p.cpu(), expected), (found.cpu(), found_ref)
+
+
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES.keys())
+def test_stochastic_rounding_edge_values_on_cuda(cuda_backend, pdt, gdt):
+    """fp16's boundaries (subnormals, 2^-14, 65504, inf, nan, -0.0) in the first vector, a
+    middle one, one with a non-finite gradient and the tail (test_cpp_backend.py's case):
+    the CPU reference's bits, seeded with and without a per-step value."""
+    param, grad, opts = fp16_edge_case(pdt, pdt if gdt == "same" else gdt)
+    for seed, step in ROUNDING_SEEDS:
+        (got, want), (found, found_ref) = _lomo_sr_on_cuda(
+            cuda_backend, param, grad, opts, seed, step
+        )
+        assert_same_bits(got, want)
+        assert found.item() == found_ref.item() == 1.0
+
+
+def test_fp16_stochastic_rounding_of_any_fp32_value_on_cuda(cuda_backend):
+    param, grad, opts = fp16_any_value_case(2**20 + 3, seed=6)
+    for seed, step in ROUNDING_SEEDS:
+        (got, want), _ = _lomo_sr_on_cuda(cuda_backend, param, grad, opts, seed, step)
+        assert_same_bits(got, want)
+
+
+@pytest.fixture(params=["triton", "cpp", "torch"])
+def adalomo_cuda_module(request):
+    """The AdaLomo backend module that serves CUDA tensors (its passes by spec name)."""
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 would time/verify the interpreter: run `make test-gpu`")
+    module, reason = backends.ADALOMO.load(request.param, "cuda")
+    if module is None:
+        pytest.fail(f"backend {request.param} must serve CUDA tensors on a GPU machine: {reason}")
+    return module
+
+
+@pytest.mark.parametrize("shape", [(65_557,), (37, 1031)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES.keys())
+def test_adalomo_write_back_stochastic_rounding_on_cuda(adalomo_cuda_module, pdt, gdt, shape):
+    """AdaLomo's write-back (factored and 1-D) rounding fp16's boundary values
+    stochastically, as the CPU reference does, bit for bit: moments of 1 and a synthesized
+    workspace make every factor exact (rsqrt(1) = 1), so the new values are p - lr_t * g
+    (test_cpp_backend.edge_write_back_case); seed_step read on the device."""
+    *inputs, hyper = edge_write_back_case(pdt, pdt if gdt == "same" else gdt, shape)
+    param, grad, state, workspace = inputs
+    cuda_state = {key: value.to(DEVICE) for key, value in state.items()}
+    cuda_hyper = {key: _to_device(value) for key, value in hyper.items()}
+    for seed, step in ROUNDING_SEEDS:
+        want = adalomo_write_back(
+            adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step, **hyper
+        )
+        with NoHostSync():
+            p, s = adalomo_write_back(
+                adalomo_cuda_module, param.to(DEVICE), grad.to(DEVICE), cuda_state,
+                workspace.to(DEVICE), sr=True, seed=seed, seed_step=_to_device(step),
+                **cuda_hyper,
+            )  # fmt: skip
+        got = (p.cpu(), {key: value.cpu() for key, value in s.items()})
+        assert_same_write_back(got, want, any_nan=True)
 
 
 @pytest.mark.parametrize("options", ADALOMO_OPTIONS.keys())

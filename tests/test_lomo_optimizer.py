@@ -158,9 +158,12 @@ def test_stochastic_rounding_of_slices_equals_the_whole_tensor(dtype, cuts):
     scalars = opt._scalars_for(param.device)
     shard_param = next(opt.model.parameters())
 
+    # fp16 weights scale the loss: the gradient arrives scaled and the update unscales it.
+    scale = 1.0 if opt.loss_scaler is None else float(opt.loss_scaler.scale)
+
     def step(local: torch.Tensor, offset: int) -> None:
         shard = Shard(shard_param, local, offset, param.shape, None)
-        flat_grad = grad.reshape(-1)[offset : offset + local.numel()]
+        flat_grad = grad.reshape(-1)[offset : offset + local.numel()] * scale
         opt._update_shards(SliceBatch([(shard, flat_grad)], scalars, scalars.no_skip))
 
     step(whole.view(-1), 0)

@@ -370,10 +370,12 @@ def measure(
 
 
 # -- driver ---------------------------------------------------------------------------------
-def child_env() -> dict[str, str]:
-    """The environment of a measuring process: the malloc setting, and this package first."""
+def child_env(metered: bool = True) -> dict[str, str]:
+    """The environment of a measuring process: the malloc setting (`metered`: its peak
+    memory is read; the setting slows every large allocation), and this package first."""
     env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
+    if metered:
+        env[MMAP_ENV] = MMAP_VALUE
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env

@@ -65,6 +65,8 @@ CLIP = 1.0
 # Learning rates: the papers' (LOMO: SGD at 1e-2; AdaLomo: 1e-3) and a few times lower.
 LRS = {"lomo": (1e-2, 3e-3), "adalomo": (1e-3, 3e-4)}
 ADAMW_LR = 1e-3
+# Steps of a metered run: a warm-up step (lazy state), then the peak over three steps.
+MEMORY_STEPS = 4
 # Storage variants: (weights dtype, rounding) -> label.
 STORAGES = {
     ("fp32", "exact"): "fp32 weights",
@@ -234,9 +236,13 @@ def build(spec: dict[str, Any]) -> Workload:
     )
 
 
-def run_row(row: Row, checkpoint: Path, steps: int, **settings: Any) -> dict[str, Any]:
-    """Fine-tunes with `row`'s set-up in a fresh process; its result. `settings`: size,
-    batch, seq, seed, threads, progress (defaults: the benchmark's)."""
+def run_row(
+    row: Row, checkpoint: Path, steps: int, metered: bool = True, **settings: Any
+) -> dict[str, Any]:
+    """Fine-tunes with `row`'s set-up in a fresh process; its result. `metered`: its peak
+    memory is measured (the process then allocates more slowly: `train_runner`).
+    `settings`: size, batch, seq, seed, device, threads, clip_grad_norm, progress (defaults:
+    the benchmark's)."""
     spec = {
         "size": settings.get("size", SIZE),
         "batch": settings.get("batch", BATCH),
@@ -255,6 +261,7 @@ def run_row(row: Row, checkpoint: Path, steps: int, **settings: Any) -> dict[str
         WORKLOAD, spec, row.optimizer, steps=steps, lr=row.lr,
         clip_grad_norm=settings.get("clip_grad_norm", CLIP), options=options,
         threads=settings.get("threads", 1), progress=settings.get("progress", False),
+        metered=metered,
     )  # fmt: skip
     return {**asdict(row), "label": row.label, **result}
 
@@ -276,21 +283,32 @@ def kept_shares(results: list[dict[str, Any]]) -> None:
         r["kept"] = None if base is None or base <= 0 else gain / base
 
 
-def memory_columns(results: list[dict[str, Any]]) -> None:
-    """The peak above the model: measured, except the emulated compensated rows (the
-    stochastic bf16 row's peak plus the bf16 error buffer)."""
-    measured = {
-        (r["optimizer"], r["lr"]): r["peak_above_model_mib"]
-        for r in results
-        if (r["dtype"], r["rounding"]) == ("bf16", "stochastic")
-    }
+def memory_key(row: Row) -> tuple[str, str]:
+    """Rows that hold the same memory: one optimizer on one storage dtype (the lr and the
+    rounding do not change what is allocated)."""
+    return row.optimizer, row.dtype
+
+
+def memory_rows(chosen: list[Row]) -> list[Row]:
+    """One row per `memory_key`, measured in a short metered run; the compensated rows are
+    emulated on fp32 parameters, so their memory is modelled instead (`memory_columns`)."""
+    picked: dict[tuple[str, str], Row] = {}
+    for row in chosen:
+        if row.rounding != "compensated":
+            picked.setdefault(memory_key(row), row)
+    return list(picked.values())
+
+
+def memory_columns(results: list[dict[str, Any]], peaks: dict[tuple[str, str], float]) -> None:
+    """The peak above the model from the metered runs (`peaks` by `memory_key`); the emulated
+    compensated rows: the bf16 rows' peak plus the bf16 error buffer."""
     for r in results:
-        r["memory_mib"] = r["peak_above_model_mib"]
+        r["memory_mib"] = peaks[r["optimizer"], r["dtype"]]
         r["memory_note"] = ""
         if r["rounding"] == "compensated":
             buffer = r["num_parameters"] * 2 / MIB
-            r["memory_mib"] = measured[r["optimizer"], r["lr"]] + buffer
-            r["memory_note"] = f"modelled: stochastic row + {buffer:.1f} MiB buffer"
+            r["memory_mib"] += buffer
+            r["memory_note"] = f"modelled: the bf16 rows' peak + {buffer:.1f} MiB buffer"
 
 
 def compute_note(dtype: str, device: str = "cpu") -> str:
@@ -347,10 +365,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[di
     )
     if not computes_natively("bf16", "cpu"):
         log("this CPU has no native bf16 matmul: bf16- and fp16-stored weights compute in fp32")
+    metered = memory_rows(chosen)
+    jobs = [(row, args.steps, False) for row in chosen]
+    jobs += [(row, MEMORY_STEPS, True) for row in metered]
     with ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(lambda row: run_row(row, checkpoint, args.steps), chosen))
+        done = list(pool.map(lambda job: run_row(job[0], checkpoint, job[1], job[2]), jobs))
+    results = done[: len(chosen)]
+    peaks = {
+        memory_key(row): r["peak_above_model_mib"]
+        for row, r in zip(metered, done[len(chosen) :], strict=True)
+    }
     kept_shares(results)
-    memory_columns(results)
+    memory_columns(results, peaks)
     info = machine.describe("cpu") | {"threads": 1, "torch": torch.__version__}
     meta = {
         "machine": info,

@@ -202,11 +202,13 @@ def run_isolated(
     progress: bool = False,
     timeout: float | None = None,
     options: dict[str, Any] | None = None,
+    metered: bool = True,
 ) -> dict[str, Any]:
     """`measure` in a fresh interpreter with the malloc setting; its result.
 
     With `progress`, the child's progress bar goes to this process's stderr; otherwise its
-    stderr is kept and shown if it fails.
+    stderr is kept and shown if it fails. `metered=False`: without the malloc setting, for a
+    run whose peak memory is not used (its figure is then not exact: MEASURING.md); faster.
     """
     from .bench_memory import child_env
 
@@ -225,7 +227,7 @@ def run_isolated(
     cmd = [sys.executable, "-m", "lomo_kernels.tools.train_runner", json.dumps(request)]
     proc = subprocess.run(
         cmd,
-        env=child_env(),
+        env=child_env(metered),
         stdout=subprocess.PIPE,
         stderr=None if progress else subprocess.PIPE,
         text=True,

@@ -25,6 +25,8 @@ unavailable_reason = _loader.unavailable_reason
 factored_stats_ = _loader.function("factored_stats_")  # pass A
 factored_moments_ = _loader.function("factored_moments_")  # row/column moments, sum(R)
 factored_norm_ = _loader.function("factored_norm_")  # pass B: sum of update^2
+# The write-backs round to nearest even, or stochastically (bf16 and fp16 parameters) from
+# `seed`, the value of `seed_step` and each element's flat index, as `fused_lomo_update_`.
 factored_apply_ = _loader.function("factored_apply_")  # pass C: the write-back
 vector_stats_ = _loader.function("vector_stats_")  # pass A1 of a 1-D tensor
 vector_apply_ = _loader.function("vector_apply_")  # pass C1: write-back and moment

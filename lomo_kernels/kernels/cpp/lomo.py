@@ -16,8 +16,9 @@ _loader = ExtensionLoader("C++ backend", cpu="lomo_kernels_cpu", cuda="lomo_kern
 is_available = _loader.is_available
 unavailable_reason = _loader.unavailable_reason
 
-# One fused LOMO step on one contiguous parameter, in place. The binding finishes the
-# stochastic-rounding key from `seed` and the value of `seed_step`.
+# One fused LOMO step on one contiguous parameter, in place. Stochastic rounding applies to
+# bf16 and fp16 parameters; the binding finishes its key from `seed` and the value of
+# `seed_step`.
 lomo_update_ = _loader.function("lomo_update_")
 # sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 on inf/nan (in place).
 grad_sumsq_ = _loader.function("grad_sumsq_")
