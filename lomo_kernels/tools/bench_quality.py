@@ -1,6 +1,6 @@
 """How much of a fine-tuning run's gain survives low-precision weights.
 
-    lomo-kernels bench quality [--steps N] [--rows paper|all] [--workers W]
+    lomo-kernels bench quality [--steps N] [--rows paper|all] [--optimizers ...] [--workers W]
                                [--json F] [--plot F.png]
 
 A small LLaMA (character level, on the corpus shipped with the package) is pretrained in
@@ -17,8 +17,10 @@ with stochastic rounding (this package's default), and bf16 weights with a compe
 write-back (the rounding error carried to the next step in a bf16 buffer, +2 bytes per
 parameter: emulated, see below); and AdamW with fp32 master weights, what users otherwise
 run. Columns: the held-out loss before and after, the share of the same optimizer's
-fp32-weights gain kept, and the peak memory above the model (the process's VmHWM, each row
-in a fresh process: `train_runner`).
+fp32-weights gain kept, and the peak memory above the model. Each row fine-tunes in a fresh
+process (`train_runner`); the memory comes from a short metered run per optimizer and weights
+dtype (4 steps, the process's VmHWM with the malloc setting of MEASURING.md, which slows
+allocation, so the fine-tuning runs go without it).
 
 Where the device does not multiply the storage dtype natively (CPUs without AVX-512 BF16 or
 AMX for bf16, every CPU for fp16), low-precision weights are computed in fp32: the forward
@@ -36,7 +38,7 @@ import argparse
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .argtypes import add_output_arguments, positive_int
+from .argtypes import add_output_arguments, comma_list, positive_int
 from .char_model import (
     CORPUS,
     DTYPES,
@@ -91,13 +93,19 @@ class Row:
         return STORAGES[self.dtype, self.rounding]
 
 
-def rows(kind: str) -> list[Row]:
-    """The benchmark's rows: 'all' (both learning rates) or 'paper' (the papers' only)."""
+OPTIMIZERS = (*LRS, "adamw_master")
+
+
+def rows(kind: str, optimizers: Sequence[str] = OPTIMIZERS) -> list[Row]:
+    """The benchmark's rows for `optimizers`: 'all' (both learning rates) or 'paper' (the
+    papers' only)."""
     out = []
     for optimizer, lrs in LRS.items():
-        for lr in lrs if kind == "all" else lrs[:1]:
-            out += [Row(optimizer, lr, dtype, rounding) for dtype, rounding in STORAGES]
-    out.append(Row("adamw_master", ADAMW_LR, "bf16", "master"))
+        if optimizer in optimizers:
+            for lr in lrs if kind == "all" else lrs[:1]:
+                out += [Row(optimizer, lr, dtype, rounding) for dtype, rounding in STORAGES]
+    if "adamw_master" in optimizers:
+        out.append(Row("adamw_master", ADAMW_LR, "bf16", "master"))
     return out
 
 
@@ -358,7 +366,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[di
 
     pretrain = {**PRETRAIN, "steps": args.pretrain_steps}
     checkpoint = pretrained(SIZE, pretrain, log)
-    chosen = rows(args.rows)
+    chosen = rows(args.rows, args.optimizers)
     log(
         f"fine-tuning the pretrained {SIZE} LLaMA for {args.steps} steps of {BATCH} x {SEQ} "
         f"characters, {len(chosen)} rows, {args.workers} at a time, one thread each"
@@ -405,6 +413,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rows", choices=("all", "paper"), default="all",
         help="all: the papers' and the lower learning rates; paper: the papers' only",
     )  # fmt: skip
+    parser.add_argument(
+        "--optimizers",
+        type=comma_list(OPTIMIZERS),
+        default=",".join(OPTIMIZERS),
+        help=f"comma list of {', '.join(OPTIMIZERS)}",
+    )
     parser.add_argument(
         "--workers", type=positive_int, default=2, help="rows run at once (one thread each)"
     )
