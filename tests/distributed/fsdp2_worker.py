@@ -98,21 +98,46 @@ def run_single(name: str, rank: int, checks: dict) -> None:
 
 
 MIXED = {
+    # (shard dtype, policy, stochastic rounding of the write-back)
     # fp32 shards, bf16 forward/backward, gradients reduced in fp32
-    "bf16_compute": (torch.float32, MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
-    "bf16_params": (torch.bfloat16, MixedPrecisionPolicy()),  # bf16 throughout
+    "bf16_compute": (torch.float32, MixedPrecisionPolicy(torch.bfloat16, torch.float32), False),
+    # bf16 throughout: rounded to nearest (lomo-optim's), and stochastically (the default)
+    "bf16_params": (torch.bfloat16, MixedPrecisionPolicy(), False),
+    "bf16_params_stochastic": (torch.bfloat16, MixedPrecisionPolicy(), True),
 }
 
 
+def _flat_offset(param: torch.Tensor, rank: int, world: int) -> int:
+    """Where this rank's Shard(0) rows start in the whole parameter, flat (torch.chunk)."""
+    rows = param.shape[0]
+    per_rank = -(-rows // world)
+    return min(rank * per_rank, rows) * (param.numel() // rows)
+
+
+def _stochastic(new: torch.Tensor, dtype: torch.dtype, index: int, step: int, first: int):
+    """`new` rounded as the optimizer documents it: the bits of element `first + j` under the
+    key of seed `index` (the parameter's) and the step's value (`optim.rounding`)."""
+    from lomo_kernels._rounding import mix32_int, random_bits16, round_to_dtype, rounding_key
+
+    step_value = torch.tensor([mix32_int(0 ^ mix32_int(step)) & 0x7FFFFFFF])
+    flat_index = torch.arange(first, first + new.numel(), dtype=torch.int64)
+    bits = random_bits16(flat_index, rounding_key(index, step_value))
+    return round_to_dtype(new.reshape(-1), dtype, bits).view(new.shape)
+
+
 def run_mixed_precision(label: str, rank: int, steps: int = 2) -> None:
-    """Lomo against the same FSDP2 set-up with a plain backward and the update in torch ops."""
-    dtype, policy = MIXED[label]
+    """Lomo against the same FSDP2 set-up with a plain backward and the update in torch ops,
+    rounded to nearest or stochastically as the optimizer documents it."""
+    dtype, policy, stochastic = MIXED[label]
     lr, wd, max_norm = LR["lomo"], OPTIONS["weight_decay"], OPTIONS["clip_grad_norm"]
+    world = dist.get_world_size()
     results = {}
     for who in ("lomo", "manual"):
         model = build(dtype, mp_policy=policy)
         initial = consolidated_state_dict(model)
-        opt = Lomo(model, lr=lr, **OPTIONS) if who == "lomo" else None
+        opt = None
+        if who == "lomo":
+            opt = Lomo(model, lr=lr, stochastic_rounding=stochastic, **OPTIONS)
         for step in range(steps):
             x = rank_batch(step, rank)
             if opt is not None:
@@ -125,10 +150,14 @@ def run_mixed_precision(label: str, rank: int, steps: int = 2) -> None:
             dist.all_reduce(sumsq)
             coef = clip_coef_from_sumsq(sumsq, max_norm)
             with torch.no_grad():
-                for p in params:
+                for index, p in enumerate(params):
                     local = p.to_local()
                     g = p.grad.to_local().float() * coef
-                    local.copy_(local.float() * (1 - lr * wd) - lr * g)
+                    new = local.float() * (1 - lr * wd) - lr * g
+                    if stochastic:
+                        first = _flat_offset(p, rank, world)
+                        new = _stochastic(new, local.dtype, index, step, first)
+                    local.copy_(new)
                     p.grad = None
         results[who] = consolidated_state_dict(model)
     if rank == 0:
