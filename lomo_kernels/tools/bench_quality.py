@@ -88,8 +88,10 @@ class Row:
 
     @property
     def label(self) -> str:
-        if self.optimizer == "adamw_master":
+        if self.optimizer == "adamw_master" and self.dtype != "fp32":
             return f"{self.dtype} weights, fp32 master"
+        if self.optimizer == "adamw_master":
+            return "fp32 weights"
         return STORAGES[self.dtype, self.rounding]
 
 

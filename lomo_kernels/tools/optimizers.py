@@ -174,6 +174,8 @@ def _torch_trainer(run: _Run) -> Trainer:
 def _master_weights_trainer(run: _Run) -> Trainer:
     name, model, lr, clip_grad_norm, loss_of = run
     params = [p for p in model.parameters() if p.requires_grad]
+    if all(p.dtype == torch.float32 for p in params):
+        return _torch_trainer(_Run("adamw", model, lr, clip_grad_norm, loss_of))
     master = [p.detach().float().clone().requires_grad_() for p in params]
     opt, implementation = adamw(master, lr)
 
