@@ -12,10 +12,26 @@ from .optim import AdaLomo, DynamicLossScaler, Lomo
 
 def enable_transformers() -> None:
     """Makes transformers' ``optim="lomo"/"adalomo"`` and accelerate's LOMO path use this
-    package (see lomo_kernels.integrations.huggingface); needs transformers and accelerate."""
+    package (see lomo_kernels.integrations.huggingface); needs transformers and accelerate,
+    not lomo-optim."""
     from .integrations.huggingface import enable_transformers as enable
 
     enable()
+
+
+def enable_trl() -> None:
+    """`enable_transformers()`, and TRL's SFTTrainer keeps the logits-free head of a model
+    patched by `patch_causal_lm` (see lomo_kernels.integrations.trl_sft); needs trl."""
+    from .integrations.trl_sft import enable_trl as enable
+
+    enable()
+
+
+def disable_trl() -> None:
+    """Undoes `enable_trl()` (and `enable_transformers()`)."""
+    from .integrations.trl_sft import disable_trl as disable
+
+    disable()
 
 
 def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,7 +61,9 @@ __all__ = [
     "Lomo",
     "DynamicLossScaler",
     "disable_transformers",
+    "disable_trl",
     "enable_transformers",
+    "enable_trl",
     "patch_causal_lm",
     "unpatch_causal_lm",
     "ops",

@@ -82,12 +82,16 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
 
 
 def test_trainer_refuses_gradient_accumulation(tmp_path):
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+    """The refusal says what to set instead (LomoTrainer needs no enable_transformers())."""
+    with pytest.raises(ValueError) as refused:
         LomoTrainer(
             model=tiny_llama(),
             args=args(tmp_path, gradient_accumulation_steps=4),
             train_dataset=dataset(),
         )
+    message = str(refused.value)
+    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
+    assert "enable_transformers" not in message
 
 
 def test_trainer_uses_a_given_optimizer(tmp_path):

@@ -218,9 +218,10 @@ def test_bad_lr_at_step_raises_before_any_change(lr):
     assert unchanged(model, before)
 
 
-def test_not_a_model_refused():
-    with pytest.raises(TypeError, match="pass the model"):
-        Lomo(list(torch.nn.Linear(2, 2).parameters()))
+@pytest.mark.parametrize("given", ["a string", 3, {"lr": 1.0}], ids=["str", "int", "dict"])
+def test_not_a_model_nor_parameters_refused(given):
+    with pytest.raises(TypeError, match="a model \\(nn.Module\\), an iterable of parameters"):
+        Lomo(given)
 
 
 def test_clip_grad_value_zero_means_off_as_in_lomo_optim():
@@ -236,3 +237,46 @@ def test_unknown_backend_name_refused_at_construction():
     with pytest.raises(ValueError, match="unknown lomo_kernels backend"):
         Lomo(model, backend="cuda")
     model(**batch(0)).loss.backward()  # no hook left behind
+
+
+@pytest.mark.parametrize(
+    "name,dtype,options",
+    [
+        ("lomo", torch.bfloat16, {"clip_grad_norm": 1.0}),
+        ("lomo", torch.float32, {"clip_grad_norm": 1.0}),
+        ("adalomo", torch.bfloat16, {"clip_grad_norm": 1.0}),
+        ("adalomo", torch.float16, {}),
+    ],
+    ids=["lomo-bf16-clip", "lomo-fp32-clip", "adalomo-bf16-clip", "adalomo-fp16"],
+)
+def test_a_step_skipped_whole_is_reported(name, dtype, options):
+    """A non-finite global norm found by the norm pass (clipping, or AdaLomo's fp16 check,
+    whose loss scale is static) skips the step whole: reported at the next call with a
+    RuntimeWarning, as a partial step is, and in last_step_skipped. Lomo's fp16 steps, whose
+    dynamic loss scale skips steps as its way of backing off, are not warned about."""
+    from lomo_kernels import AdaLomo
+
+    model = tiny_llama(dtype)
+    opt = {"lomo": Lomo, "adalomo": AdaLomo}[name](model, lr=0.05, **options)
+    counter = {"step": 0}
+    poison(model.model.layers[0].mlp.up_proj.weight, {0}, counter)
+    before = snapshot(model)
+    opt.fused_backward(model(**batch(0)).loss)
+    assert unchanged(model, before)
+    with pytest.warns(RuntimeWarning, match="step 0: .*skipped whole"):
+        opt.flush_report()
+    assert opt.last_step_skipped and not opt.last_step_partial
+
+
+def test_lomo_fp16_skipped_steps_are_the_scalers_business():
+    import warnings
+
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05)
+    counter = {"step": 0}
+    poison(model.model.embed_tokens.weight, {0}, counter)
+    opt.fused_backward(model(**batch(0)).loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.flush_report()
+    assert opt.last_step_skipped

@@ -278,3 +278,24 @@ def test_per_step_checks_hold_for_every_group():
     opt.clip_grad_norm = 2.0  # sets every group
     opt.fused_backward(model(**batch(0)).loss)
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_an_lr_given_to_fused_backward_wins_for_its_step():
+    """README ("Use"): `fused_backward(loss, lr)` steps with `lr` and writes it into every
+    group; a scheduler's next step() writes its own value: LambdaLR from its base lr,
+    ExponentialLR (chainable) from the group's current lr, i.e. the one given."""
+    a, b = tiny_llama(), tiny_llama()
+    given = Lomo(a, lr=0.05)
+    reference = Lomo(b, lr=0.2)
+    given.fused_backward(a(**batch(0)).loss, 0.2)
+    reference.fused_backward(b(**batch(0)).loss)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert [g["lr"] for g in given.param_groups] == [0.2]
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(given, lambda step: 1.0)
+    given.fused_backward(a(**batch(1)).loss, 0.3)
+    lambda_lr.step()
+    assert given.param_groups[0]["lr"] == 0.2  # LambdaLR: base lr (0.2 when it was built) x 1
+    exponential = torch.optim.lr_scheduler.ExponentialLR(given, gamma=0.5)
+    given.fused_backward(a(**batch(2)).loss, 0.4)
+    exponential.step()
+    assert given.param_groups[0]["lr"] == 0.2  # 0.4 (the given lr) x 0.5

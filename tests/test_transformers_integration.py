@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from dependencies import require
@@ -204,3 +206,55 @@ def test_disable_restores_transformers_and_accelerate(tmp_path):
     accelerator = Accelerator(cpu=True)
     model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
     assert not hasattr(opt, "fused_backward")
+
+
+def test_trainer_gradient_accumulation_refusal_fits_the_caller(tmp_path):
+    """After enable_transformers() the refusal says what to set, not to call it."""
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, gradient_accumulation_steps=4, per_device_train_batch_size=2),
+        train_dataset=dataset(),
+    )
+    with pytest.raises(ValueError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
+    assert "enable_transformers" not in message
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_plain_backward_is_refused_in_the_callers_terms():
+    """loss.backward() with a Lomo attached: with enable_transformers() active the message
+    says so (the backward came from elsewhere); without, it says to call it."""
+    model = tiny_llama()
+    opt = Lomo(model, lr=LR)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as refused:
+        model(**batch(0)).loss.backward()
+    assert "enable_transformers() is active" in str(refused.value)
+    assert "call lomo_kernels.enable_transformers() first" not in str(refused.value)
+    lomo_kernels.disable_transformers()
+    with pytest.raises(RuntimeError, match="call lomo_kernels.enable_transformers\\(\\) first"):
+        model(**batch(0)).loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    opt.detach()
+
+
+def test_enable_transformers_needs_no_lomo_optim(tmp_path, monkeypatch):
+    """lomo-optim absent (not importable, its metadata not found): optim="lomo" trains with
+    ours, and the fp16 autocast refusal names bf16, which trains."""
+    import accelerate.accelerator
+    import transformers.trainer_optimizer
+
+    monkeypatch.setitem(sys.modules, "lomo_optim", None)
+    monkeypatch.setattr(accelerate.accelerator, "is_lomo_available", lambda: False)
+    monkeypatch.setattr(transformers.trainer_optimizer, "is_lomo_available", lambda: False)
+    model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo")
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is Lomo and len(logged) == STEPS
+    with pytest.raises(ValueError, match="fp16 autocast.*or use bf16"):
+        trained_by_trainer(tmp_path, optim="lomo", fp16=True)
+    _, _, logged = trained_by_trainer(tmp_path, optim="adalomo", bf16=True)
+    assert len(logged) == STEPS

@@ -15,17 +15,31 @@ through `ops.embedding_backward.embedding_rows`, from the rows the batch used
 Only architectures whose loss is exactly "bias-free linear head, then transformers'
 causal-LM cross-entropy" are patched; others are refused by name rather than given a
 different loss.
+
+Called with ``fused_lm_head=True`` and labels (as TRL's trainers call a model given their own
+fused head), the patched forward returns per-token results instead of a mean loss
+(`TokenOutputs`): the log-probability of each label (through the fused loss, so
+differentiable, and the head stepped from its chunks as above), the label mask, and, for
+logging, each token's entropy and whether its label is the most likely token
+(`token_metrics.py`). TRL's SFTTrainer then keeps this head: patched after the trainer is
+built, the patched forward replaces TRL's; patched before, `lomo_kernels.enable_trl()` makes
+the trainer keep it (`trl_sft.py`). Anything else that wraps or replaces the patched forward
+so that the head's logits are formed the ordinary way is refused by Lomo/AdaLomo at the
+step, before any change (`optim/head_guard.py`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..ops.cross_entropy import causal_lm_loss
+from ..ops.cross_entropy import causal_lm_loss, linear_cross_entropy
 from ..ops.embedding_backward import embedding_rows
+from ..optim import head_guard
+from .token_metrics import token_metrics
 
 # Classes whose forward is "decoder -> lm_head -> ForCausalLMLoss" with nothing in between.
 SUPPORTED_CLASSES = (
@@ -36,9 +50,13 @@ SUPPORTED_CLASSES = (
 )
 # Config options that change the logits between the head and the loss.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
-_PATCHED = "_lomo_kernels_fused_head"
+_PATCHED = head_guard.PATCHED_ATTRIBUTE
 # The forward the model had before it was patched (run without labels).
 _UNPATCHED_FORWARD = "_lomo_kernels_unpatched_forward"
+# Whether that forward was set on the instance (a wrapper's, e.g. TRL's): unpatching restores
+# it then, else the class's forward.
+_INSTANCE_FORWARD = "_lomo_kernels_instance_forward"
+IGNORE_INDEX = -100
 
 
 def _refusal(model: torch.nn.Module) -> str:
@@ -74,8 +92,10 @@ def patch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"lomo_kernels.patch_causal_lm: {reason}")
     if not getattr(model, _PATCHED, False):
         setattr(model, _UNPATCHED_FORWARD, model.forward)
+        setattr(model, _INSTANCE_FORWARD, "forward" in vars(model))
         model.forward = functools.partial(_forward, model)
         setattr(model, _PATCHED, True)
+    head_guard.register(model)
     head = model.get_output_embeddings()
     if not _patched_with(head, _head_forward):
         head.forward = functools.partial(_head_forward, head)
@@ -105,15 +125,35 @@ def _forward(
     labels: torch.Tensor | None = None,
     use_cache: bool | None = None,
     logits_to_keep: int | torch.Tensor = 0,
+    fused_lm_head: bool = False,
     **kwargs: Any,
 ) -> Any:
     """The patched model's forward (applied to it)."""
+    # Only what the caller gave: transformers warns about some arguments even when None.
+    given = {
+        key: value
+        for key, value in (
+            ("input_ids", input_ids),
+            ("attention_mask", attention_mask),
+            ("position_ids", position_ids),
+            ("past_key_values", past_key_values),
+            ("inputs_embeds", inputs_embeds),
+            ("use_cache", use_cache),
+        )
+        if value is not None
+    }
     if labels is None and kwargs.get("shift_labels") is None:
-        return getattr(model, _UNPATCHED_FORWARD)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
-        )  # fmt: skip
+        if fused_lm_head:
+            raise ValueError(
+                "lomo_kernels.patch_causal_lm: fused_lm_head=True returns per-token "
+                "log-probabilities of labels: pass labels= (or shift_labels=)"
+            )
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            given["logits_to_keep"] = logits_to_keep
+        if torch.compiler.is_compiling():  # nothing to tag in a traced graph
+            return getattr(model, _UNPATCHED_FORWARD)(**given, **kwargs)
+        with head_guard.logits_requested():  # the logits are what the caller asked for
+            return getattr(model, _UNPATCHED_FORWARD)(**given, **kwargs)
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError(
             "lomo_kernels.patch_causal_lm: logits_to_keep with labels is not supported "
@@ -126,30 +166,104 @@ def _forward(
             "patched (resize_token_embeddings and set_output_embeddings do that), so the loss "
             "would not be the patched one; call lomo_kernels.patch_causal_lm(model) again"
         )
+    if not torch.compiler.is_compiling():
+        head_guard.register(model)  # a copy (deepcopy, pickle) of a patched model too
     return_dict = kwargs.pop("return_dict", None)
-    outputs = model.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-        use_cache=use_cache, **kwargs,
-    )  # fmt: skip
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = model.model(**given, **kwargs)
     # Through the head module's call, so that sharding engines' module hooks (ZeRO-3's
     # gather, FSDP's unshard) see the head used, in forward and in backward.
-    loss = head(
-        outputs.last_hidden_state,
-        loss_labels=labels,
-        num_items_in_batch=kwargs.get("num_items_in_batch"),
-        shift_labels=kwargs.get("shift_labels"),
-    )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    if fused_lm_head:
+        result = _token_outputs(head, outputs, labels, shift_labels, num_items_in_batch)
+    else:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    result = CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=outputs.past_key_values,
+        loss = head(
+            outputs.last_hidden_state,
+            loss_labels=labels,
+            num_items_in_batch=num_items_in_batch,
+            shift_labels=shift_labels,
+        )
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+    return result.to_tuple() if return_dict is False else result
+
+
+def _token_outputs(
+    head: torch.nn.Module,
+    outputs: Any,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> Any:
+    """`fused_lm_head=True`: per-token results, for positions ``[:, :-1]`` against
+    ``labels[:, 1:]`` (every position against ``shift_labels`` when given), as TRL's trainers
+    read them."""
+    token_loss, entropy, is_top1, mask = head(
+        outputs.last_hidden_state, loss_labels=labels, shift_labels=shift_labels, per_token=True
+    )
+    if shift_labels is None:  # the last position predicts nothing
+        token_loss, entropy, is_top1, mask = (
+            t[:, :-1] for t in (token_loss, entropy, is_top1, mask)
+        )
+    log_probs = -token_loss  # 0 where the label is ignored
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(count):
+        count = count.to(log_probs.device)
+    return token_outputs_class()(
+        loss=-log_probs.sum() / count,
+        log_probs=log_probs,
+        entropy=entropy,
+        is_top1=is_top1,
+        label_mask=mask,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
-    return result.to_tuple() if return_dict is False else result
+
+
+@functools.cache
+def token_outputs_class() -> type:
+    """`TokenOutputs`, a transformers ModelOutput (built on first use, so that importing this
+    module does not import transformers)."""
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class TokenOutputs(ModelOutput):
+        """The patched forward's result with ``fused_lm_head=True`` (field names as TRL's
+        trainers read them). Per position: ``log_probs`` (of the label; 0 where ignored;
+        differentiable, through the fused loss), ``entropy`` and ``is_top1`` (no gradient;
+        0 / False where ignored), ``label_mask``. ``loss``: ``-log_probs.sum()`` over
+        ``num_items_in_batch``, or over the counted tokens. The per-token fields TRL's other
+        trainers may ask for (``log_sum_sq_probs``, ``mean_logits``) are not computed."""
+
+        loss: torch.Tensor | None = None
+        log_probs: torch.Tensor | None = None
+        entropy: torch.Tensor | None = None
+        is_top1: torch.Tensor | None = None
+        label_mask: torch.Tensor | None = None
+        hidden_states: Any = None
+        attentions: Any = None
+
+        def __getattr__(self, name: str) -> Any:
+            if name in NOT_COMPUTED:
+                raise AttributeError(
+                    f"lomo_kernels.patch_causal_lm: the fused head does not compute {name} "
+                    f"(it gives {', '.join(COMPUTED)}); train this model with TRL's own head: "
+                    "lomo_kernels.unpatch_causal_lm(model) before building the trainer"
+                )
+            raise AttributeError(name)
+
+    return TokenOutputs
+
+
+COMPUTED = ("loss", "log_probs", "entropy", "is_top1", "label_mask")
+NOT_COMPUTED = ("log_sum_sq_probs", "mean_logits")
 
 
 def _head_forward(
@@ -158,11 +272,25 @@ def _head_forward(
     loss_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
-) -> torch.Tensor:
+    per_token: bool = False,
+) -> Any:
     """The head's forward (applied to it): logits as before, or, given ``loss_labels`` or
-    ``shift_labels``, the fused causal-LM loss of its input."""
+    ``shift_labels``, the fused causal-LM loss of its input; with ``per_token``, per position
+    (every one, the last included, against the shifted labels): the fp32 loss, entropy,
+    whether the label is the most likely token, and whether the label counts."""
     if loss_labels is None and shift_labels is None:
-        return torch.nn.functional.linear(hidden_states, head.weight)
+        logits = torch.nn.functional.linear(hidden_states, head.weight)
+        return head_guard.tag_requested_logits(logits)
+    if per_token:
+        if shift_labels is None:
+            padded = torch.nn.functional.pad(loss_labels, (0, 1), value=IGNORE_INDEX)
+            shift_labels = padded[..., 1:]
+        shift_labels = shift_labels.to(hidden_states.device)
+        token_loss = linear_cross_entropy(
+            hidden_states, head.weight, shift_labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        entropy, is_top1 = token_metrics(hidden_states, head.weight, shift_labels, IGNORE_INDEX)
+        return token_loss, entropy, is_top1, shift_labels != IGNORE_INDEX
     return causal_lm_loss(
         hidden_states,
         head.weight,
@@ -194,9 +322,15 @@ def _embedding_forward(embedding: torch.nn.Embedding, ids: torch.Tensor) -> torc
 def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Restores the classes' forwards on a model `patch_causal_lm` patched."""
     if getattr(model, _PATCHED, False):
-        del model.forward
+        if getattr(model, _INSTANCE_FORWARD, False):  # a wrapper's, as it was
+            model.forward = getattr(model, _UNPATCHED_FORWARD)
+        else:
+            del model.forward
         delattr(model, _UNPATCHED_FORWARD)
+        if hasattr(model, _INSTANCE_FORWARD):
+            delattr(model, _INSTANCE_FORWARD)
         delattr(model, _PATCHED)
+        head_guard.unregister(model)
         for module, function in (
             (model.get_output_embeddings(), _head_forward),
             (model.get_input_embeddings(), _embedding_forward),

@@ -68,10 +68,14 @@ def refuse_deepspeed(args: TrainingArguments) -> None:
 
 def check_training_arguments(args: TrainingArguments) -> None:
     """Refuses the Trainer settings an in-backward optimizer cannot honour."""
-    if args.gradient_accumulation_steps > 1:
+    steps = args.gradient_accumulation_steps
+    if steps > 1:
+        batch = args.per_device_train_batch_size
         raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: "
-            + GRAD_ACCUMULATION_ERROR
+            f"TrainingArguments(gradient_accumulation_steps={steps}) with optim="
+            f"{str(getattr(args.optim, 'value', args.optim))!r}: " + GRAD_ACCUMULATION_ERROR + " "
+            f"Set gradient_accumulation_steps=1 and per_device_train_batch_size={batch * steps} "
+            f"(now {batch}) for the same batch per step. Nothing was changed."
         )
     if args.fp16:
         raise ValueError(
@@ -137,10 +141,13 @@ def _prepared_in_backward(accelerator: Accelerator) -> InBackwardOptimizer | Non
 
 
 def _check_accelerator(accelerator: Accelerator, kwargs: dict[str, Any]) -> None:
-    if accelerator.gradient_accumulation_steps > 1:
+    steps = accelerator.gradient_accumulation_steps
+    if steps > 1:
         raise ValueError(
-            f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}: "
+            f"Accelerator(gradient_accumulation_steps={steps}) with a Lomo/AdaLomo prepared: "
             + GRAD_ACCUMULATION_ERROR
+            + f" Build the Accelerator with gradient_accumulation_steps=1 and batches {steps} "
+            "times larger. Nothing was changed."
         )
     if accelerator.scaler is not None:
         raise ValueError(
@@ -235,6 +242,11 @@ def enable_transformers() -> None:
     _patch(Trainer, "create_optimizer", _create_optimizer(Trainer.create_optimizer))
     _patch(AcceleratedOptimizer, "fused_backward", _fused_backward)
     _patch(AcceleratedOptimizer, "grad_norm", _grad_norm)
+
+
+def transformers_enabled() -> bool:
+    """Whether `enable_transformers()` is in effect."""
+    return bool(_ORIGINALS)
 
 
 def disable_transformers() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from ..ops.backends import requested_backend
 from ..ops.scalars import copied_to, optional_factor
 from ._hyper import CHECKS, check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
+from .head_guard import refuse_bypassed_head
 from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
 from .loss_scaler import DynamicLossScaler
 from .param_groups import (
@@ -57,12 +59,33 @@ from .validation import (
 
 GRAD_ACCUMULATION_ERROR = (
     "LOMO updates each parameter inside backward and frees its gradient at once, so "
-    "gradients cannot be accumulated over micro-batches. Call optimizer.fused_backward(loss) "
-    "(or grad_norm(loss) first) instead of loss.backward(), once per optimizer step, and use "
-    "a larger batch instead of gradient accumulation. With transformers.Trainer or accelerate "
-    "call lomo_kernels.enable_transformers() first, or use "
-    "lomo_kernels.integrations.hf_trainer.LomoTrainer."
+    "gradients cannot be accumulated over micro-batches: use a larger batch instead (with "
+    "activation checkpointing if memory is short)."
 )
+
+
+def plain_backward_error() -> str:
+    """The refusal of a backward that reached a hook outside `fused_backward`/`grad_norm`,
+    worded for where the caller is: whether `enable_transformers()` is active."""
+    head = (
+        "a backward reached the hook of a parameter that a Lomo/AdaLomo updates, outside "
+        "opt.fused_backward(loss) and opt.grad_norm(loss) (a plain loss.backward(), or "
+        "gradient accumulation); nothing was updated. " + GRAD_ACCUMULATION_ERROR
+    )
+    integration = sys.modules.get("lomo_kernels.integrations.huggingface")
+    if integration is not None and integration.transformers_enabled():
+        return (
+            f"{head} lomo_kernels.enable_transformers() is active, so transformers' Trainer "
+            "and accelerator.backward(loss) already run opt.fused_backward: this backward came "
+            "from elsewhere (your own loss.backward(), or a library calling it directly); "
+            "call opt.fused_backward(loss) there instead, once per step."
+        )
+    return (
+        f"{head} Call opt.fused_backward(loss) instead of loss.backward(), once per step. "
+        "With transformers' Trainer (TRL's trainers too) or accelerate, call "
+        "lomo_kernels.enable_transformers() first (TRL: lomo_kernels.enable_trl()), or use "
+        "lomo_kernels.integrations.hf_trainer.LomoTrainer."
+    )
 
 
 DONATED_BUFFERS_ERROR = (
@@ -304,7 +327,7 @@ class InBackwardOptimizer(
         grad = param.grad
         param.grad = None  # the gradient is dropped as soon as it has been used
         if self._mode.phase is Phase.IDLE:
-            raise RuntimeError(GRAD_ACCUMULATION_ERROR)
+            raise RuntimeError(plain_backward_error())
         if grad is None:
             return
         self._note_whole_gradient(param)
@@ -366,6 +389,7 @@ class InBackwardOptimizer(
         under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
+        self._refuse_bypassed_head(loss)
         self._begin_attempt()
         return self._norm_pass(loss)
 
@@ -444,6 +468,8 @@ class InBackwardOptimizer(
         if self._one_loss_per_pass:
             self._check_sharded_pattern(loss)
         self._keep_norm_only_for(loss)
+        if not self._mode.norm_ready:  # else grad_norm(loss) checked this loss
+            self._refuse_bypassed_head(loss)
         single = (
             self._single_backward_clip is not None
             and not self._mode.norm_ready
@@ -472,6 +498,13 @@ class InBackwardOptimizer(
             return id(param) in self._group_of and self._eligible_for_row_blocks(param)
 
         refuse_graph(loss, stepped_from_blocks, self.model)
+
+    @torch.compiler.disable  # see _check_call
+    def _refuse_bypassed_head(self, loss: torch.Tensor) -> None:
+        """Refuses a loss that reads a patched model's trained head weight other than through
+        the fused loss (`head_guard.py`), before anything changes."""
+        if isinstance(loss, torch.Tensor):
+            refuse_bypassed_head(loss, lambda p: id(p) in self._group_of, self.model)
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only

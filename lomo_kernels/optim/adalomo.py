@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
+from .given_parameters import model_and_groups
 from .param_groups import GroupHyperParameter
 from .rounding import WriteBackRounding
 from .sharded_steps import SliceBatch
@@ -61,6 +62,10 @@ class AdaLomo(InBackwardOptimizer):
     "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32 parameters are
     never rounded.
 
+    ``model``: the model, as lomo-optim takes it, or what a torch optimizer takes (its
+    parameters, ``named_parameters()`` or param-group dicts;
+    ``lomo_kernels.optim.given_parameters``).
+
     ``single_backward=True`` (keyword-only; default False, lomo-optim's two passes): one
     backward per step with ``clip_grad_norm`` and in fp16. Only the clip coefficient changes
     (the update normalisation and lr scaling are per tensor): each gradient gets
@@ -82,7 +87,7 @@ class AdaLomo(InBackwardOptimizer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Iterable[Any],
         lr: float = 1e-3,
         loss_scale: float = 2**10,
         eps: tuple[float, float] = (1e-30, 1e-3),
@@ -101,6 +106,7 @@ class AdaLomo(InBackwardOptimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
+        model, param_groups = model_and_groups(model, param_groups)
         rounding = WriteBackRounding(stochastic_rounding, seed)
         params = trainable_parameters(model)
         check_factorable(model, params)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.backends import LOMO
 from ..ops.lomo import LOMO_UPDATE, lomo_update_op
 from ._in_backward import InBackwardOptimizer, _DeviceScalars
+from .given_parameters import model_and_groups
 from .loss_scaler import DynamicLossScaler
 from .rounding import WriteBackRounding
 from .sharded_steps import SliceBatch
@@ -35,6 +36,10 @@ class Lomo(InBackwardOptimizer):
     Round-to-nearest, lomo-optim's, drops most updates at fine-tuning learning rates
     (BENCHMARKS.md, "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32
     parameters are never rounded.
+
+    ``model``: the model, as lomo-optim takes it, or what a torch optimizer takes (its
+    parameters, ``named_parameters()`` or param-group dicts;
+    ``lomo_kernels.optim.given_parameters``).
 
     Extra keyword-only options:
     ``backend`` ('triton', 'cpp', 'torch' or None for automatic), ``single_backward``,
@@ -62,7 +67,7 @@ class Lomo(InBackwardOptimizer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Iterable[Any],
         lr: float = 1e-3,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
@@ -78,6 +83,7 @@ class Lomo(InBackwardOptimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
+        model, param_groups = model_and_groups(model, param_groups)
         rounding = WriteBackRounding(stochastic_rounding, seed)
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
         fp16 = computes_in_fp16(model)

@@ -4,8 +4,9 @@ The values themselves are checked by the rules in `_hyper.py`.
 
 ``Lomo(model, ..., param_groups=[{"params": [...], "weight_decay": 0.0}, ...])`` gives some
 parameters their own hyper-parameters (transformers' Trainer keeps weight decay off norm
-weights and biases this way). The optimizer still takes the model: it hooks every trainable
-parameter, so the groups only say which values each one uses.
+weights and biases this way). The optimizer still takes the model (or the parameters,
+`given_parameters.py`): it hooks every trainable parameter, so the groups only say which
+values each one uses.
 
 Rules, checked before any hook is attached:
 

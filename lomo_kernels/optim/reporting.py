@@ -3,8 +3,10 @@ interrupted update passes.
 
 A step's overflow flags stay on the device during backward; they are copied to the host
 without blocking and reported at the next call (or `flush_report()`), when the copy has long
-finished. An exception raised during an update pass gets a note saying which parameters
-were already updated.
+finished: as a RuntimeWarning (Python's warnings) for a skipped step without a dynamic loss
+scaler and for a partial step, and in `last_step_skipped` / `last_step_partial`; only an
+overflow at the fp16 loss scaler's minimum scale raises (FloatingPointError). An exception
+raised during an update pass gets a note saying which parameters were already updated.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ UPDATE_OVERFLOW_WARNING = (
     "step {step}: inf/nan gradient elements were found during the update; those elements "
     "were left unchanged, the rest of the step was applied. Set clip_grad_norm (or use fp16 "
     "loss scaling) to check before updating, which makes an overflowing step change nothing."
+)
+
+SKIPPED_STEP_WARNING = (
+    "step {step}: inf/nan gradient elements made the global gradient norm non-finite; the "
+    "norm pass found them before any update, so the step was skipped whole: no parameter or "
+    "optimizer state changed (opt.last_step_skipped is True). Lower the learning rate or "
+    "check the data if this repeats."
 )
 
 MIN_SCALE_ERROR = (
@@ -147,6 +156,11 @@ class StepReporting:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         elif found and not atomic:
             message = UPDATE_OVERFLOW_WARNING.format(step=self.step_count - 1)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        elif found and scaler is None:
+            # A dynamic loss scaler's skipped step is its normal way of lowering the scale;
+            # without one (bf16, fp32, AdaLomo's static scale) a skipped step is news.
+            message = SKIPPED_STEP_WARNING.format(step=self.step_count - 1)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def flush_report(self) -> None:

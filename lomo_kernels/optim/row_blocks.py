@@ -40,6 +40,7 @@ import torch
 
 from .. import compile as _compiled_autograd
 from .. import ops
+from .head_guard import tied_head_weights
 from .rounding import MAX_SLICED_NUMEL
 from .step_mode import Phase
 
@@ -172,12 +173,16 @@ class RowBlockSteps:
         return not (rounded and param.numel() > MAX_SLICED_NUMEL)
 
     def _tied(self) -> set[int]:
-        """Parameters registered under more than one name in the model (tied weights)."""
+        """Parameters registered under more than one name in the model, or tied to a patched
+        model's input embedding (tied weights)."""
         if self._tied_ids is None:
             seen: set[int] = set()
             self._tied_ids = set()
             for _, p in self.model.named_parameters(remove_duplicate=False):
                 (self._tied_ids if id(p) in seen else seen).add(id(p))
+            # A patched model's head tied to its embedding, where the optimizer was given its
+            # parameters (model.parameters() lists a tied weight once).
+            self._tied_ids |= tied_head_weights()
         return self._tied_ids
 
     def _refuse_second_contribution(self, param: torch.Tensor) -> None:
