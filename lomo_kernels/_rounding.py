@@ -187,3 +187,27 @@ def round_to_dtype(
 def rounds_stochastically(dtype: torch.dtype) -> bool:
     """Whether stochastic rounding applies to parameters of `dtype` (the low-precision ones)."""
     return dtype in (torch.bfloat16, torch.float16)
+
+
+class Rounding:
+    """How a write-back rounds fp32 results into the parameter's dtype: to nearest even, or
+    stochastically (bf16 and fp16 parameters) with 16 bits per element drawn from the key
+    `rounding_key(seed, seed_step)` and the element's flat index in the whole parameter, so
+    a tile, a block or another rank's slice rounds as the whole tensor would."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        stochastic_rounding: bool,
+        seed: int,
+        seed_step: torch.Tensor | None,
+    ) -> None:
+        self.stochastic = stochastic_rounding and rounds_stochastically(dtype)
+        self.key = rounding_key(seed, seed_step) if self.stochastic else 0
+
+    def random16(self, index: torch.Tensor) -> torch.Tensor | None:
+        """The bits for elements at flat `index` (int64), or None to round to nearest."""
+        return random_bits16(index, self.key) if self.stochastic else None
+
+
+NEAREST = Rounding(torch.float32, False, 0, None)

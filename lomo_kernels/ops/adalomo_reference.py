@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._rounding import random_bits16, round_to_dtype, rounding_key, rounds_stochastically
+from .._rounding import NEAREST, Rounding, round_to_dtype
 from .adalomo_workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ
 from .scalars import value_of
 
@@ -138,30 +138,6 @@ def _write_back_scalars(
         stats[P_SUMSQ], stats[U_SUMSQ], numel, lr, eps1, clip_threshold, weight_decay
     )
     return stats[SKIP] != 0, scale, decay
-
-
-class Rounding:
-    """How a write-back pass rounds fp32 results into the parameter's dtype: to nearest even,
-    or stochastically (bf16 and fp16 parameters) with 16 bits per element drawn from the key
-    `rounding_key(seed, seed_step)` and the element's flat index in the whole parameter, so
-    a tile, a block or another rank's slice rounds as the whole tensor would."""
-
-    def __init__(
-        self,
-        dtype: torch.dtype,
-        stochastic_rounding: bool,
-        seed: int,
-        seed_step: torch.Tensor | None,
-    ) -> None:
-        self.stochastic = stochastic_rounding and rounds_stochastically(dtype)
-        self.key = rounding_key(seed, seed_step) if self.stochastic else 0
-
-    def random16(self, index: torch.Tensor) -> torch.Tensor | None:
-        """The bits for elements at flat `index` (int64), or None to round to nearest."""
-        return random_bits16(index, self.key) if self.stochastic else None
-
-
-NEAREST = Rounding(torch.float32, False, 0, None)
 
 
 def store_rounded(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._rounding import random_bits16, round_to_dtype, rounding_key, rounds_stochastically
+from .._rounding import Rounding, round_to_dtype
 from .scalars import value_of
 
 
@@ -24,10 +24,11 @@ def _write_back(
 ) -> None:
     """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
     flat = param.view(-1)
+    rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
     random16 = None
-    if stochastic_rounding and rounds_stochastically(param.dtype):
+    if rounding.stochastic:
         index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
-        random16 = random_bits16(index, rounding_key(seed, seed_step))
+        random16 = rounding.random16(index)
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
 

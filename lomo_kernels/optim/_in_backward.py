@@ -591,6 +591,7 @@ class InBackwardOptimizer(
             if scaler is not None and scalars.device != scaler.device:
                 # One copy per device and step, not one per parameter in the hooks.
                 scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
+        self.rounding.begin_step(self.step_count, self._scalars)
 
     def _run_backward(self, loss: torch.Tensor, phase: Phase, retain_graph: bool) -> None:
         scaler = self._loss_scaler()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._rounding import Rounding
 from ..distributed import DEFAULT_BUCKET_NUMEL, unwrap_engine
 from ..ops.adalomo import (
     adalomo_step_arguments,
@@ -18,7 +19,7 @@ from ..ops.adalomo import (
     init_adalomo_state,
     run_adalomo_passes_,
 )
-from ..ops.adalomo_reference import GradTransform, Rounding
+from ..ops.adalomo_reference import GradTransform
 from ..ops.adalomo_workspace import workspace_numel
 from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
@@ -172,7 +173,6 @@ class AdaLomo(InBackwardOptimizer):
                     self._beta2[key] = torch.zeros(1, device=device)
                 self._beta2[key].fill_(beta2)
         self._backends = {d: ADALOMO.resolve(d, self._backend_name) for d in self._scalars}
-        self.rounding.begin_step(self.step_count, self._scalars)
         self._check_update_arguments()
 
     def _check_update_arguments(self) -> None:

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .._rounding import NEAREST, Rounding
 from ..distributed.shard import Shard
 from ..ops.adalomo_reference import (
     CHUNK,
-    NEAREST,
     GradTransform,
-    Rounding,
     mean_u,
     moment_factors,
     step_scalars,

@@ -125,7 +125,6 @@ class Lomo(InBackwardOptimizer):
         self._step_constants = {
             d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
         }
-        self.rounding.begin_step(self.step_count, self._scalars)
         self._check_update_arguments()
 
     def _check_update_arguments(self) -> None:

@@ -26,6 +26,13 @@ from .._rounding import aligned_pieces, mix32_int, rounds_stochastically, seed_a
 MAX_SLICED_NUMEL = 1 << 32
 
 
+def step_value(seed: int, step_count: int) -> int:
+    """The per-step part of the rounding key for `seed` at `step_count` completed steps:
+    distinct per (seed, step); 31 bits, so each (seed, step, parameter) keeps the stream of
+    the 63-bit seed ``step_value << 32 | index``."""
+    return mix32_int(seed ^ mix32_int(step_count)) & 0x7FFFFFFF
+
+
 def check_seed(seed: object) -> int:
     """`seed` as an int in [0, 2**63), or a clear refusal."""
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -52,9 +59,7 @@ class WriteBackRounding:
         """Refreshes the per-step value on each device, in place (host-side, no sync)."""
         if not self.stochastic:
             return
-        # Distinct per (seed, step); 31 bits, so each (seed, step, parameter) keeps the
-        # stream of the 63-bit seed ``step_key << 32 | index``.
-        step_key = mix32_int(self.seed ^ mix32_int(step_count)) & 0x7FFFFFFF
+        step_key = step_value(self.seed, step_count)
         for device in devices:
             seed_step = self._seed_steps.get(device)
             if seed_step is None:

@@ -117,11 +117,12 @@ def _flat_offset(param: torch.Tensor, rank: int, world: int) -> int:
 def _stochastic(new: torch.Tensor, dtype: torch.dtype, index: int, step: int, first: int):
     """`new` rounded as the optimizer documents it: the bits of element `first + j` under the
     key of seed `index` (the parameter's) and the step's value (`optim.rounding`)."""
-    from lomo_kernels._rounding import mix32_int, random_bits16, round_to_dtype, rounding_key
+    from lomo_kernels._rounding import random_bits16, round_to_dtype, rounding_key
+    from lomo_kernels.optim.rounding import step_value
 
-    step_value = torch.tensor([mix32_int(0 ^ mix32_int(step)) & 0x7FFFFFFF])
+    seed_step = torch.tensor([step_value(0, step)])  # the optimizer's default seed 0
     flat_index = torch.arange(first, first + new.numel(), dtype=torch.int64)
-    bits = random_bits16(flat_index, rounding_key(index, step_value))
+    bits = random_bits16(flat_index, rounding_key(index, seed_step))
     return round_to_dtype(new.reshape(-1), dtype, bits).view(new.shape)
 
 
