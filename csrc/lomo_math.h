@@ -1,7 +1,7 @@
 // Per-element LOMO math shared by the CPU (lomo_cpu.cpp) and CUDA (lomo_cuda.cu) kernels.
 //
 // The executable specification is lomo_kernels/ops/lomo_reference.py together with
-// lomo_kernels/_rounding.py; every rule below reproduces those bit for bit:
+// lomo_kernels/core/rounding.py; every rule below reproduces those bit for bit:
 //   * fp32 arithmetic is rounded after every operation, in the reference's order (no fused
 //     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
 //     use -ffp-contract=off; device code uses the explicit _rn intrinsics.

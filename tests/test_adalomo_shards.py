@@ -57,7 +57,7 @@ def test_two_ranks_round_stochastically_as_the_whole_tensor(shape, dtype):
     elements are one spacing apart, and few."""
     import threading
 
-    from lomo_kernels._rounding import Rounding
+    from lomo_kernels.core.rounding import Rounding
     from lomo_kernels.ops import adalomo_update_
 
     param, grad = make_param(shape, dtype, seed=3), make_param(shape, dtype, seed=4) * 0.01

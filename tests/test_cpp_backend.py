@@ -117,7 +117,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     nan_got, nan_want = got.isnan(), want.isnan()
     assert torch.equal(nan_got, nan_want), "nan positions differ"
-    if got.dtype == torch.bfloat16:  # the bf16 nan rule is specified in _rounding.py
+    if got.dtype == torch.bfloat16:  # the bf16 nan rule is specified in core/rounding.py
         mismatch = _bits(got) != _bits(want)
     else:
         mismatch = (_bits(got) != _bits(want)) & ~nan_got
@@ -949,7 +949,7 @@ def test_portable_fp16_conversions_exhaustive(tmp_path: Path) -> None:
     assert out.stdout.split() == ["0", "0"], out.stdout
 
 
-# The fp16 stochastic rounding of lomo_math.h against _rounding.fp16_stochastic transcribed
+# The fp16 stochastic rounding of lomo_math.h against core.rounding.fp16_stochastic transcribed
 # (fp32 operations and floor as torch does them, then the exact cast), for every fp32 bit
 # pattern: the integer form every kernel stores (f32_to_fp16_sr) and the fp32 value on the
 # grid the F16C loops convert (fp16_sr_value). 16 random bits per pattern from its hash; the
@@ -959,7 +959,7 @@ _SWEEP_SR = r"""
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-// _rounding.fp16_stochastic transcribed: fp32 operations and floor as torch does them, then
+// core.rounding.fp16_stochastic transcribed: fp32 operations and floor as torch does them, then
 // the exact cast (nearest even) of the result.
 static uint16_t spec(float v, uint32_t r) {
   const uint32_t bits = lomo::bits_of(v), sign = bits & 0x80000000u, mag = bits & 0x7FFFFFFFu;

@@ -17,11 +17,11 @@ import contextlib
 import pytest
 import torch
 
+from lomo_kernels.core.scalars import copied_to
 from lomo_kernels.kernels.triton import linear_cross_entropy, runtime
 from lomo_kernels.ops import backends
 from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
 from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
-from lomo_kernels.ops.scalars import copied_to
 from lomo_kernels.tools.bench_memory import Meter
 
 

@@ -1,4 +1,4 @@
-"""Each fused op is declared once (`lomo_kernels.ops.spec`): its schema, and the argument
+"""Each fused op is declared once (`lomo_kernels.core.spec`): its schema, and the argument
 lists of every backend (the references, the Triton launchers, the C++ and CUDA bindings)
 must agree with that declaration, name for name and in order. The public layer's checks and
 the choice of backend for dispatcher calls come from it too."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lomo_kernels.core.spec import REQUIRED, OpSpec
 from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
 from lomo_kernels.ops import adalomo, backends, cross_entropy, embedding_backward, lomo
-from lomo_kernels.ops.spec import REQUIRED, OpSpec
 
 FAMILIES = {
     "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ)),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lomo_kernels import AdaLomo, Lomo, ops
-from lomo_kernels._rounding import fp16_stochastic, random_bits16, round_to_dtype
+from lomo_kernels.core.rounding import fp16_stochastic, random_bits16, round_to_dtype
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_RANDOM16 = torch.arange(1 << 16, dtype=torch.int64)

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 from dependencies import require  # noqa: E402
 from float64_reference import sumsq_rel_bound  # noqa: E402
 
-from lomo_kernels import _rounding, ops  # noqa: E402
+from lomo_kernels import ops
+from lomo_kernels.core import rounding as _rounding  # noqa: E402
 from lomo_kernels.kernels.triton import adalomo as triton_adalomo  # noqa: E402
 from lomo_kernels.kernels.triton import lomo as triton_backend  # noqa: E402
 from lomo_kernels.kernels.triton import runtime  # noqa: E402

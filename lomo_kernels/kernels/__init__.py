@@ -7,6 +7,6 @@
 
 Each backend module provides the functions of its family's reference
 (`lomo_kernels.ops.lomo_reference`, `lomo_kernels.ops.adalomo_reference`) with the arguments
-of the ops' specs (`lomo_kernels.ops.spec`), called by keyword, and `is_available` /
+of the ops' specs (`lomo_kernels.core.spec`), called by keyword, and `is_available` /
 `unavailable_reason`.
 """

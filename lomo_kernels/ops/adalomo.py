@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from .._rounding import rounds_stochastically
+from ..core.checks import check_pair
+from ..core.rounding import rounds_stochastically
+from ..core.scalars import Scalar
+from ..core.spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 from .adalomo_workspace import NUM_SLOTS, measured_view, workspace_numel
 from .backends import ADALOMO, define
-from .checks import check_pair
 from .eager import FusedOp, FusedSequence
-from .scalars import Scalar
-from .spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
 
 __all__ = [
     "adalomo_update_",

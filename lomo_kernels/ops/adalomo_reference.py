@@ -25,9 +25,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .._rounding import NEAREST, Rounding, round_to_dtype
+from ..core.rounding import NEAREST, Rounding, round_to_dtype
+from ..core.scalars import value_of
 from .adalomo_workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ
-from .scalars import value_of
 
 # Elements per tile: large enough to amortise per-op overhead, small enough to bound the
 # fp32 temporaries (a few of 256 KiB each).

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from ..core.spec import OpSpec
 from . import adalomo_reference, eager, lomo_reference
 from .eager import FusedOp, chosen_backend
 from .selection import BACKEND_NAMES, ENV_VAR, BackendRegistry, requested_backend
-from .spec import OpSpec
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda")
 

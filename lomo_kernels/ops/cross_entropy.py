@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.spec import Arg, OpSpec
 from ..kernels.blocked import linear_cross_entropy as blocked
 from .backends import define_returning
-from .spec import Arg, OpSpec
 
 # Rows of the vocabulary per backward chunk: the chunk's fp32 weight gradient is the largest
 # buffer of the backward, about CHUNK_ELEMENTS fp32 values (64 MiB).

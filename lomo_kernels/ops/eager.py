@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..core.spec import OpSpec
     from .selection import BackendRegistry
-    from .spec import OpSpec
 
 _C = torch._C
 # What an eager call reads each time, bound once: attribute lookups on torch's modules are

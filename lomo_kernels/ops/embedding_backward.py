@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from ..core.gradient_sink import GradientSink, gradient_sink_for
+from ..core.spec import Arg, OpSpec
 from .backends import define_returning
-from .spec import Arg, OpSpec
 
 
 def embedding_dense_backward(
@@ -65,9 +66,13 @@ def used_rows(
 
 
 def step_used_rows(
-    step: Any, grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int | None
+    step: GradientSink,
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    num_weights: int,
+    padding_idx: int | None,
 ) -> None:
-    """Feeds an owning optimizer's `RowBlockStep` (`optim/row_blocks.py`) the embedding's
+    """Feeds the weight's `GradientSink` (an owning optimizer's row-block step) the embedding's
     gradient without its dense ``num_weights x hidden`` form: measured from the used rows'
     sums; applied in chunks of rows (the used rows scattered into a zeroed chunk buffer;
     chunks no id falls in are skipped unless weight decay changes every row)."""
@@ -112,12 +117,10 @@ class _EmbeddingRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        from ..optim.row_blocks import row_block_step_for
-
         (ids,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        step = row_block_step_for(ctx.weight)
+        step = gradient_sink_for(ctx.weight)
         if step is None:
             padding = -1 if ctx.padding_idx is None else ctx.padding_idx
             dense = torch.ops.aten.embedding_dense_backward.default(

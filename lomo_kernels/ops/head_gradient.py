@@ -2,9 +2,10 @@
 
 - The weight needs no gradient: its products are skipped (only ``d_hidden`` is computed).
 - A live `Lomo` updates the weight in backward and can take it in row blocks
-  (`optim/row_blocks.py` says when): each vocabulary chunk's complete gradient is handed to
-  it as soon as it exists, so the ``vocab x hidden`` gradient never does; the op returns no
-  gradient for the weight (its hook sees nothing, ``weight.grad`` stays None).
+  (`optim/row_blocks.py` says when; the op sees only `core.gradient_sink`): each
+  vocabulary chunk's complete gradient is handed to it as soon as it exists, so the
+  ``vocab x hidden`` gradient never does; the op returns no gradient for the weight (its
+  hook sees nothing, ``weight.grad`` stays None).
   ``single_backward=True`` sweeps the chunks twice: measured first, then updated.
 - Otherwise (no in-backward optimizer, AdaLomo, tied or sharded weights, a compiled
   backward): into a ``weight.grad``-shaped buffer that autograd accumulates as usual (so any
@@ -14,6 +15,8 @@
 from __future__ import annotations
 
 import torch
+
+from ..core.gradient_sink import gradient_sink_for
 
 
 def head_backward(
@@ -26,11 +29,10 @@ def head_backward(
     weight_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d_hidden, d_weight or None)."""
-    from ..optim.row_blocks import row_block_step_for
     from . import cross_entropy as lce
 
     args = (grad_loss, hidden, weight, labels, lse, ignore_index)
-    step = row_block_step_for(weight) if weight_needs_grad else None
+    step = gradient_sink_for(weight) if weight_needs_grad else None
     if weight_needs_grad and step is None:
         return lce._backward_op(*args)
     if step is None:

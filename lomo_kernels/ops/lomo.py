@@ -17,11 +17,11 @@ from types import ModuleType
 
 import torch
 
-from .._rounding import rounds_stochastically
+from ..core.checks import check_finite, check_pair
+from ..core.rounding import rounds_stochastically
+from ..core.scalars import Scalar
+from ..core.spec import GRAD_TRANSFORM, Arg, OpSpec
 from .backends import LOMO, define
-from .checks import check_finite, check_pair
-from .scalars import Scalar
-from .spec import GRAD_TRANSFORM, Arg, OpSpec
 
 LOMO_UPDATE = OpSpec(
     "lomo_update_",

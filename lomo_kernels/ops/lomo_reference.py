@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._rounding import Rounding, round_to_dtype
-from .scalars import value_of
+from ..core.rounding import Rounding, round_to_dtype
+from ..core.scalars import value_of
 
 
 def _write_back(

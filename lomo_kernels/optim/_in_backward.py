@@ -27,9 +27,9 @@ from torch import nn
 
 from .. import compile as _compiled_autograd
 from .. import ops
+from ..core.scalars import copied_to, optional_factor
 from ..distributed import DEFAULT_BUCKET_NUMEL, sharding_for, unwrap_engine
 from ..ops.backends import requested_backend
-from ..ops.scalars import copied_to, optional_factor
 from ._hyper import CHECKS, check_lr, checked_group, checked_groups
 from .checkpoint import CheckpointState
 from .head_guard import refuse_bypassed_head

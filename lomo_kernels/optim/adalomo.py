@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._rounding import Rounding
+from ..core.rounding import Rounding
 from ..distributed import DEFAULT_BUCKET_NUMEL, unwrap_engine
 from ..ops.adalomo import (
     adalomo_step_arguments,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._rounding import NEAREST, Rounding
+from ..core.rounding import NEAREST, Rounding
 from ..distributed.shard import Shard
 from ..ops.adalomo_reference import (
     CHUNK,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .._rounding import aligned_pieces, mix32_int, rounds_stochastically, seed_at_offset
+from ..core.rounding import aligned_pieces, mix32_int, rounds_stochastically, seed_at_offset
 
 # seed_at_offset keys a piece by the low 32 bits of its flat offset.
 MAX_SLICED_NUMEL = 1 << 32

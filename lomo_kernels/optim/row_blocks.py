@@ -3,7 +3,8 @@ that the parameter's whole gradient never exists (the fused linear + cross-entro
 `ops/head_gradient.py` walks the vocabulary in chunks, each chunk's gradient complete when
 its rows are done).
 
-The op asks the parameter's owner (`hooks.owner_of`) for a `RowBlockStep`; None means "give
+The op asks `core.gradient_sink` for the weight's sink; the finder registered here asks
+the parameter's owner (`hooks.owner_of`) for a `RowBlockStep` (a `GradientSink`); None means "give
 the parameter its gradient as usual" (the hook then steps it whole). A step is offered only
 where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise; AdaLomo's
 statistics span the whole matrix), an eager backward of its own norm or update pass, an
@@ -40,9 +41,12 @@ import torch
 
 from .. import compile as _compiled_autograd
 from .. import ops
+from ..core.gradient_sink import register_sink_finder
 from .head_guard import tied_head_weights
+from .hooks import owner_of
 from .rounding import MAX_SLICED_NUMEL
 from .step_mode import Phase
+from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
 
 
 def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
@@ -50,33 +54,11 @@ def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
     (no owner, or it takes the whole gradient: see the module docstring)."""
     if torch.compiler.is_compiling():
         return None
-    from .hooks import owner_of
-
     owner = owner_of(param)
     return None if owner is None else owner.row_block_step(param)
 
 
-def second_contribution_error(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"lomo_kernels: parameter {name!r} is stepped in backward from gradient blocks (the "
-        "fused head's vocabulary chunks or the input embedding's used rows) and got a second "
-        "gradient in the same backward: it is used elsewhere in the graph too, or its op "
-        "ran twice for one loss. Use the head and the input embedding once per loss, or "
-        "train this model unpatched (lomo_kernels.unpatch_causal_lm)."
-    )
-
-
-def gradient_in_parts_error(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"lomo_kernels: parameter {name!r} got a second gradient in the same backward: its "
-        "gradient reached it in parts, as when it is used in two "
-        "torch.utils.checkpoint(use_reentrant=True) segments (or in one and outside it), "
-        "each of which runs a backward of its own. LOMO steps a parameter once, from its "
-        "whole gradient: use use_reentrant=False (transformers: "
-        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-        "{'use_reentrant': False})). A step with a norm pass (clip_grad_norm, fp16) refuses "
-        "this before any change."
-    )
+register_sink_finder(row_block_step_for)
 
 
 class RowBlockStep:
@@ -187,8 +169,6 @@ class RowBlockSteps:
 
     def _refuse_second_contribution(self, param: torch.Tensor) -> None:
         if id(param) in self._row_block_params or id(param) in self._whole_params:
-            from .validation import parameter_names
-
             raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
 
     def _note_whole_gradient(self, param: torch.Tensor) -> None:
@@ -199,8 +179,6 @@ class RowBlockSteps:
         if id(param) in self._row_block_params:
             self._refuse_second_contribution(param)
         if id(param) in self._whole_params and self._sharding is None:
-            from .validation import parameter_names
-
             raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
         self._whole_params.add(id(param))
 

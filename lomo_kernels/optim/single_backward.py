@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..ops.scalars import copied_to
+from ..core.scalars import copied_to
 
 CLIP_EPS = 1e-6  # as ops.clip_coef_from_sumsq, so the rule equals exact clipping's when P >= ||g||
 

@@ -9,12 +9,35 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.checks import SUPPORTED_DTYPES
 from ..distributed import compute_dtypes, unwrap_engine
-from ..ops.checks import SUPPORTED_DTYPES
 from .hooks import updated_in_backward
 from .loss_scaler import LOSS_SCALE_KEYS
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def second_contribution_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"lomo_kernels: parameter {name!r} is stepped in backward from gradient blocks (the "
+        "fused head's vocabulary chunks or the input embedding's used rows) and got a second "
+        "gradient in the same backward: it is used elsewhere in the graph too, or its op "
+        "ran twice for one loss. Use the head and the input embedding once per loss, or "
+        "train this model unpatched (lomo_kernels.unpatch_causal_lm)."
+    )
+
+
+def gradient_in_parts_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"lomo_kernels: parameter {name!r} got a second gradient in the same backward: its "
+        "gradient reached it in parts, as when it is used in two "
+        "torch.utils.checkpoint(use_reentrant=True) segments (or in one and outside it), "
+        "each of which runs a backward of its own. LOMO steps a parameter once, from its "
+        "whole gradient: use use_reentrant=False (transformers: "
+        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})). A step with a norm pass (clip_grad_norm, fp16) refuses "
+        "this before any change."
+    )
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -167,8 +190,6 @@ def refuse_graph(loss: torch.Tensor, takes_row_blocks: Any, model: nn.Module) ->
     """Refuses, before the backward, a loss whose gradients would reach a parameter in a way
     the in-backward step cannot take: a sparse embedding gradient, or a second gradient of
     a parameter its owner steps from row blocks (`takes_row_blocks(param)`)."""
-    from .row_blocks import second_contribution_error
-
     facts = GraphFacts(loss)
     if facts.sparse_embedding:
         raise ValueError(

@@ -117,7 +117,7 @@ def _flat_offset(param: torch.Tensor, rank: int, world: int) -> int:
 def _stochastic(new: torch.Tensor, dtype: torch.dtype, index: int, step: int, first: int):
     """`new` rounded as the optimizer documents it: the bits of element `first + j` under the
     key of seed `index` (the parameter's) and the step's value (`optim.rounding`)."""
-    from lomo_kernels._rounding import random_bits16, round_to_dtype, rounding_key
+    from lomo_kernels.core.rounding import random_bits16, round_to_dtype, rounding_key
     from lomo_kernels.optim.rounding import step_value
 
     seed_step = torch.tensor([step_value(0, step)])  # the optimizer's default seed 0

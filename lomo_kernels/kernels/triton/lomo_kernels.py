@@ -6,7 +6,7 @@ aligned bulk of `n - n % 16` elements, masked with a bound the JIT specialises a
 by 16 (so loads and stores are 128-bit wide), and a tail of fewer than 16 elements handled
 by the last program. Loads and roundings are `rounding_kernels.py`'s: bf16 values travel as
 int16 bit patterns and are rounded with integer operations, fp16 is rounded stochastically
-on the fp32 bits, so the interpreter and the GPU write identical bits (see `_rounding.py`).
+on the fp32 bits, so the interpreter and the GPU write identical bits (see `core/rounding.py`).
 """
 
 from __future__ import annotations

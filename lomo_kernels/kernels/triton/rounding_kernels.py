@@ -1,6 +1,6 @@
 """Loading parameters as fp32 and rounding fp32 results into their storage type: the Triton
 device helpers every kernel module shares (`lomo_kernels.py`, `adalomo_kernels.py`), so
-there is one definition of the hash and of each rounding. The bits are `_rounding.py`'s.
+there is one definition of the hash and of each rounding. The bits are `core/rounding.py`'s.
 
 bf16 travels as int16 bit patterns and is rounded with integer operations (the interpreter's
 fp32 -> bf16 cast truncates while GPUs round to nearest even). fp16 is rounded stochastically
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ... import _rounding
+from ...core import rounding as _rounding
 from .runtime import interpret_mode
 
 # Kind codes of the element types (runtime.KIND).
@@ -49,7 +49,7 @@ def mix32(x):
 @triton.jit
 def rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING: tl.constexpr):
     """The uint32 key of stochastic rounding: ``seed_lo ^ mix32(seed_hi ^ lo32(step))``
-    (`_rounding.seed_parts`, int32 bits of the two uint32 halves), the per-step value read
+    (`core.rounding.seed_parts`, int32 bits of the two uint32 halves), the per-step value read
     from device memory here (`seed_step_ptr` None: no per-step value, step 0). Without
     stochastic rounding the key is unused and costs nothing."""
     key = seed_lo.to(tl.uint32, bitcast=True)
@@ -97,7 +97,7 @@ def bf16_bits(value, noise, STOCHASTIC_ROUNDING: tl.constexpr):
 
 @triton.jit
 def fp16_stochastic(value, noise):
-    """fp32 `value` rounded stochastically onto the fp16 grid, as fp32 (`_rounding.
+    """fp32 `value` rounded stochastically onto the fp16 grid, as fp32 (`core.rounding.
     fp16_stochastic`): ``noise >> 3`` added to the magnitude bits and 13 bits cleared in the
     normal range; below 2^-14 up iff ``noise + floor(frac(|x| * 2^24) * 2^16) >= 2^16`` on
     the 2^-24 grid; beyond 65504, inf and nan `value` itself (the cast rounds it)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..._rounding import rounds_stochastically, seed_parts
+from ...core.rounding import rounds_stochastically, seed_parts
 
 # Kind codes of the element types the kernels load and store.
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
