@@ -15,16 +15,16 @@ import os
 import pytest
 import torch
 
-from lomo_kernels.tools.bench_kernels import (
+from lomo_kernels.tools.bench.kernels import (
     DEFAULT_SIZES,
-    DTYPES,
     LAYER_CASE,
     Case,
     available_backends,
-    llama_layer_numels,
+    case_numels,
     parse_size,
     size_label,
 )
+from lomo_kernels.tools.dtypes import DTYPES
 
 DEVICE = os.environ.get("LOMO_BENCH_DEVICE", "cpu")
 SIZES = [parse_size(s) for s in os.environ.get("LOMO_BENCH_SIZES", "").split(",") if s] or list(
@@ -55,8 +55,7 @@ _cache: dict[tuple[str, str], Case] = {}
 def _case(name: str, dtype: str) -> Case:
     if (name, dtype) not in _cache:
         _cache.clear()  # one case alive at a time: the large ones take GBs
-        numels = llama_layer_numels() if name == LAYER_CASE else [parse_size(name)]
-        _cache[(name, dtype)] = Case(name, numels, DTYPES[dtype], DEVICE)
+        _cache[(name, dtype)] = Case(name, case_numels(name), DTYPES[dtype], DEVICE)
     return _cache[(name, dtype)]
 
 

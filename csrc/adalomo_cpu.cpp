@@ -1,5 +1,5 @@
 // CPU kernels of the fused AdaLomo passes, with their torch binding.
-// Semantics: lomo_kernels/ops/adalomo_reference.py (fp32 math; reductions here are
+// Semantics: lomo_kernels/ops/adalomo/reference.py (fp32 math; reductions here are
 // accumulated in double in fixed blocks, so results do not depend on scheduling).
 //
 // Threads: at::parallel_for over blocks of rows and columns (factored tensors) or over
@@ -11,9 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
-#include <optional>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "adalomo_math.h"
@@ -48,25 +46,10 @@ using binding::OptTensor;
 
 // Large enough to amortise a thread wake-up, small enough to split mid-sized tensors.
 constexpr int64_t kGrain = 32768;
-using binding::dispatch_dtype;
 
 // Runtime scalars (lr, beta2, inv_scale, clip_coef, skip_if) are read on the CPU.
 float read_scalar(const at::Tensor& t, const char* name) {
   return binding::read_scalar(t, c10::kCPU, name);
-}
-
-float read_factor(const OptTensor& t, const char* name) {
-  return binding::read_factor(t, c10::kCPU, name);
-}
-
-adalomo::GradScalars grad_scalars(const OptTensor& inv_scale, std::optional<double> clip_value,
-                                  const OptTensor& clip_coef) {
-  adalomo::GradScalars s;
-  s.inv_scale = read_factor(inv_scale, "inv_scale");
-  s.clip = clip_value.has_value() ? static_cast<float>(*clip_value)
-                                  : std::numeric_limits<float>::infinity();
-  s.coef = read_factor(clip_coef, "clip_coef");
-  return s;
 }
 
 // (b, 1 - b) in fp32, as the reference forms them from a tensor beta2.
@@ -75,17 +58,8 @@ std::pair<float, float> beta_pair(const at::Tensor& beta2) {
   return {b, lomo::sub_rn(1.0f, b)};
 }
 
-// The write-back scalars (passes C and C1) of `n` elements from the workspace sums, lr read
-// from its tensor. Called before the skip test: lr is checked even when the step is skipped.
-adalomo::StepScalars write_back_step(const float* stats, int64_t n, const at::Tensor& lr,
-                                     double eps1, double clip_threshold, double weight_decay) {
-  return adalomo::step_scalars(stats, static_cast<float>(n), read_scalar(lr, "lr"),
-                               static_cast<float>(eps1), static_cast<float>(clip_threshold),
-                               static_cast<float>(weight_decay));
-}
-
 // The slots after the row and column sums of a checked workspace.
-float* workspace_stats(at::Tensor& workspace) {
+float* workspace_stats(const at::Tensor& workspace) {
   return workspace.data_ptr<float>() + workspace.numel() - adalomo::kNumSlots;
 }
 
@@ -93,29 +67,6 @@ float* workspace_stats(at::Tensor& workspace) {
 bool skipped_on_entry(const float* stats, const OptTensor& skip_if) {
   if (stats[adalomo::kSkip] != 0.0f) return true;
   return skip_if.has_value() && read_scalar(*skip_if, "skip_if") != 0.0f;  // nan skips too
-}
-
-// The stochastic-rounding key of a write-back pass (bf16 and fp16 parameters; csrc/lomo_cpu.cpp
-// forms it the same way), or nullopt to round to nearest: read (and seed_step checked) only
-// when stochastic rounding applies, before anything is written.
-std::optional<uint32_t> rounding_key(const at::Tensor& param, bool stochastic_rounding,
-                                     uint64_t seed, const OptTensor& seed_step) {
-  const at::ScalarType type = param.scalar_type();
-  if (!stochastic_rounding || (type != at::kBFloat16 && type != at::kHalf)) return std::nullopt;
-  const int64_t* step = binding::seed_step_ptr(seed_step, c10::kCPU);
-  return lomo::rounding_key(lomo::seed_lo_mixed(seed), lomo::seed_hi_salted(seed),
-                            step == nullptr ? 0u : static_cast<uint32_t>(*step));
-}
-
-// f(std::true_type{}) when `key` holds a stochastic-rounding key, f(std::false_type{}) to
-// round to nearest: the loops are instantiated for each.
-template <class F>
-void with_rounding(const std::optional<uint32_t>& key, F&& f) {
-  if (key.has_value()) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
 }
 
 void add_to(float* dst, double value) {
@@ -170,18 +121,53 @@ void commit_parts(const std::vector<Partial>& parts, float* stats, int slot,
   }
 }
 
+// How every pass but the moments' begins, in this order: its operands checked, then the
+// workspace's slots, the CPU level (which may refuse: before any write) and the gradient's
+// scalars (checked even when the step is skipped, as the CUDA binding does).
+struct PassStart {
+  float* stats;
+  cpu_isa::Level level;
+  adalomo::GradScalars grad;
+};
+
+template <class Args>
+PassStart start_pass(const Args& a) {
+  binding::check_operands(a, c10::kCPU);
+  PassStart out;
+  out.stats = workspace_stats(a.workspace);
+  out.level = cpu_isa::active();
+  out.grad = binding::read_grad_scalars(a.grad_args);
+  return out;
+}
+
+// What a write-back pass (C, C1) reads before its skip test, so that a skipped step checks
+// its arguments too (lr, seed_step): the step's scalars from the workspace sums, and the
+// rounding.
+struct WriteBack {
+  adalomo::StepScalars step;
+  bool stochastic;
+  uint32_t key;  // the stochastic-rounding key; 0 to round to nearest
+};
+
+WriteBack prepare_write_back(const float* stats, const at::Tensor& param,
+                             const op_bindings::StepArgs& step,
+                             const op_bindings::RoundingArgs& rounding) {
+  WriteBack out;
+  out.step = adalomo::step_scalars(stats, static_cast<float>(param.numel()),
+                                   read_scalar(step.lr, "lr"), static_cast<float>(step.eps1),
+                                   static_cast<float>(step.clip_threshold),
+                                   static_cast<float>(step.weight_decay));
+  out.stochastic = binding::rounds_stochastically(param, rounding);
+  out.key = out.stochastic ? binding::rounding_key(rounding) : 0u;
+  return out;
+}
+
 // ----------------------------------------------------------------------------- factored
 
-void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor workspace,
-                     const OptTensor& found_inf, const OptTensor& skip_if, int64_t cols,
-                     const OptTensor& inv_scale, std::optional<double> clip_value) {
-  const int64_t rows = binding::check_adalomo_stats(grad, param, workspace, cols, c10::kCPU);
-  float* stats = workspace_stats(workspace);
-  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  // Scalars are checked even when the step is skipped, as the CUDA binding does. No clip
-  // coefficient here: the moments pass applies it.
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, std::nullopt);
-  if (skipped_on_entry(stats, skip_if)) {
+void factored_stats_(const op_bindings::FactoredStats& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const int64_t cols = a.cols, rows = a.grad.numel() / cols;
+  if (skipped_on_entry(stats, a.skip_if)) {
     stats[adalomo::kSkip] = 1.0f;
     return;
   }
@@ -191,12 +177,8 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
   std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
   std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
   std::vector<Partial> parts(static_cast<size_t>(n_blocks));
-  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
-    using G = decltype(g_tag);
-    const auto* g = binding::elements<G>(grad);
-    const auto* p = binding::elements<P>(param);
-    const auto block_stats = LOMO_AT_LEVEL(level, stats_block<P, G>);
+  binding::dispatch_param_grad(a.param, a.grad, [&](auto p_tag, auto g_tag, auto p, auto g) {
+    const auto block_stats = LOMO_AT_LEVEL(level, stats_block<decltype(p_tag), decltype(g_tag)>);
     at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
         const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
@@ -207,7 +189,7 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
       }
     });
   });
-  float* ws = workspace.data_ptr<float>();
+  float* ws = a.workspace.data_ptr<float>();
   at::parallel_for(0, rows + cols, kGrain, [&](int64_t first, int64_t last) {
     for (int64_t k = first; k < last; ++k) {
       double total = 0.0;
@@ -221,22 +203,20 @@ void factored_stats_(const at::Tensor& grad, const at::Tensor& param, at::Tensor
       add_to(ws + k, total);
     }
   });
-  commit_parts(parts, stats, adalomo::kGSumsq, found_inf);
+  commit_parts(parts, stats, adalomo::kGSumsq, a.found_inf);
 }
 
-void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
-                       at::Tensor workspace, const at::Tensor& beta2,
-                       const OptTensor& clip_coef, double eps0) {
-  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
-  float* stats = workspace_stats(workspace);
-  const auto [b, omb] = beta_pair(beta2);
-  const float coef = read_factor(clip_coef, "clip_coef");
+void factored_moments_(const op_bindings::FactoredMoments& a) {
+  const int64_t rows = a.exp_avg_sq_row.numel(), cols = a.exp_avg_sq_col.numel();
+  binding::check_operands(a, c10::kCPU);
+  float* stats = workspace_stats(a.workspace);
+  const auto [b, omb] = beta_pair(a.beta2);
+  const float coef = binding::read_factor(a.clip_coef, c10::kCPU, "clip_coef");
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const float eps = static_cast<float>(eps0);
-  const float* ws = workspace.data_ptr<float>();
-  float* R = exp_avg_sq_row.data_ptr<float>();
-  float* C = exp_avg_sq_col.data_ptr<float>();
+  const float eps = static_cast<float>(a.eps0);
+  const float* ws = a.workspace.data_ptr<float>();
+  float* R = a.exp_avg_sq_row.data_ptr<float>();
+  float* C = a.exp_avg_sq_col.data_ptr<float>();
   const float fcols = static_cast<float>(cols), frows = static_cast<float>(rows);
   for (int64_t i = 0; i < rows; ++i) {
     R[i] = lomo::mul_rn(R[i], b) + lomo::mul_rn(adalomo::mean_u(ws[i], fcols, coef, eps), omb);
@@ -250,35 +230,35 @@ void factored_moments_(at::Tensor exp_avg_sq_row, at::Tensor exp_avg_sq_col,
   stats[adalomo::kRSum] = static_cast<float>(total);
 }
 
-// c_j = rsqrt(C_j): one vector per call (cols entries), reused by every row.
-std::vector<float> col_factors(const at::Tensor& exp_avg_sq_col) {
+// What passes B and C read of the moments: c_j = rsqrt(C_j) (one vector per call, reused by
+// every row), the rows' R and mean(R).
+struct Factors {
+  std::vector<float> c;
+  const float* R;
+  float mean;
+};
+
+Factors factors(const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
+                const float* stats) {
   const float* C = exp_avg_sq_col.const_data_ptr<float>();
-  std::vector<float> c(static_cast<size_t>(exp_avg_sq_col.numel()));
-  for (size_t j = 0; j < c.size(); ++j) c[j] = adalomo::rsqrt_f(C[j]);
-  return c;
+  Factors out;
+  out.c.resize(static_cast<size_t>(exp_avg_sq_col.numel()));
+  for (size_t j = 0; j < out.c.size(); ++j) out.c[j] = adalomo::rsqrt_f(C[j]);
+  out.R = exp_avg_sq_row.const_data_ptr<float>();
+  out.mean = stats[adalomo::kRSum] / static_cast<float>(exp_avg_sq_row.numel());
+  return out;
 }
 
-void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                    const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
-                    const OptTensor& inv_scale, std::optional<double> clip_value,
-                    const OptTensor& clip_coef) {
-  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
-  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "grad");
-  float* stats = workspace_stats(workspace);
-  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
+void factored_norm_(const op_bindings::FactoredNorm& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const int64_t cols = a.exp_avg_sq_col.numel();
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
-  const std::vector<float> c = col_factors(exp_avg_sq_col);
-  const float* R = exp_avg_sq_row.const_data_ptr<float>();
+  const Factors f = factors(a.exp_avg_sq_row, a.exp_avg_sq_col, stats);
   std::vector<double> partial;
-  dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) {
-    using G = decltype(g_tag);
-    const auto* g = binding::elements<G>(grad);
-    const auto span_norm = LOMO_AT_LEVEL(level, norm_span<G>);
-    partial = map_chunks<double>(grad.numel(), [&](int64_t begin, int64_t end) {
-      return span_norm(g, R, c.data(), mean, cols, begin, end, s);
+  binding::dispatch_dtype(a.grad, "grad", [&](auto g_tag, auto g) {
+    const auto span_norm = LOMO_AT_LEVEL(level, norm_span<decltype(g_tag)>);
+    partial = map_chunks<double>(a.grad.numel(), [&](int64_t begin, int64_t end) {
+      return span_norm(g, f.R, f.c.data(), f.mean, cols, begin, end, s);
     });
   });
   double total = 0.0;
@@ -286,106 +266,60 @@ void factored_norm_(const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
   add_to(stats + adalomo::kUSumsq, total);
 }
 
-void factored_apply_(at::Tensor param, const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
-                     const at::Tensor& exp_avg_sq_col, at::Tensor workspace,
-                     const at::Tensor& lr, double eps1, double clip_threshold,
-                     double weight_decay, const OptTensor& inv_scale,
-                     std::optional<double> clip_value, const OptTensor& clip_coef,
-                     bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
-  const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
-  binding::check_adalomo_moments(exp_avg_sq_row, exp_avg_sq_col, workspace, c10::kCPU);
-  binding::check_adalomo_tile(param, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "param");
-  binding::check_adalomo_tile(grad, exp_avg_sq_row, exp_avg_sq_col, c10::kCPU, "grad");
-  float* stats = workspace_stats(workspace);
-  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
-  const int64_t n = param.numel();
-  const adalomo::StepScalars step =
-      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
-  const std::optional<uint32_t> key =
-      rounding_key(param, stochastic_rounding, seed, seed_step);
+void factored_apply_(const op_bindings::FactoredApply& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const int64_t cols = a.exp_avg_sq_col.numel();
+  const WriteBack w = prepare_write_back(stats, a.param, a.step, a.rounding);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
-  const std::vector<float> c = col_factors(exp_avg_sq_col);
-  const float* R = exp_avg_sq_row.const_data_ptr<float>();
-  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
+  const Factors f = factors(a.exp_avg_sq_row, a.exp_avg_sq_col, stats);
+  binding::dispatch_write_back(a.param, a.grad, w.stochastic, [&](auto p_tag, auto g_tag,
+                                                                  auto rounding, auto p, auto g) {
     using P = decltype(p_tag);
     using G = decltype(g_tag);
-    auto* p = binding::mutable_elements<P>(param);
-    const auto* g = binding::elements<G>(grad);
-    with_rounding(key, [&](auto stochastic) {
-      constexpr bool kStochastic = decltype(stochastic)::value && P::kRoundsStochastically;
-      const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G, kStochastic>);
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        span_apply(p, g, R, c.data(), mean, cols, begin, end, s, step, key.value_or(0u));
-      });
+    const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G, decltype(rounding)::value>);
+    at::parallel_for(0, a.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      span_apply(p, g, f.R, f.c.data(), f.mean, cols, begin, end, s, w.step, w.key);
     });
   });
 }
 
 // ----------------------------------------------------------------------------- 1-D
 
-void vector_stats_(const at::Tensor& grad, const at::Tensor& param,
-                   const at::Tensor& exp_avg_sq, at::Tensor workspace,
-                   const OptTensor& found_inf, const OptTensor& skip_if,
-                   const at::Tensor& beta2, double eps0, const OptTensor& inv_scale,
-                   std::optional<double> clip_value, const OptTensor& clip_coef) {
-  const int64_t n = param.numel();
-  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCPU);
-  float* stats = workspace_stats(workspace);
-  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
-  const auto [b, omb] = beta_pair(beta2);
-  if (skipped_on_entry(stats, skip_if)) {
+void vector_stats_(const op_bindings::VectorStats& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const auto [b, omb] = beta_pair(a.beta2);
+  if (skipped_on_entry(stats, a.skip_if)) {
     stats[adalomo::kSkip] = 1.0f;
     return;
   }
-  const float eps = static_cast<float>(eps0);
-  const float* v = exp_avg_sq.const_data_ptr<float>();
+  const float eps = static_cast<float>(a.eps0);
+  const float* v = a.exp_avg_sq.const_data_ptr<float>();
   std::vector<Partial> partial;
-  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
-    using G = decltype(g_tag);
-    const auto* g = binding::elements<G>(grad);
-    const auto* p = binding::elements<P>(param);
-    const auto span_stats = LOMO_AT_LEVEL(level, vector_stats_span<P, G>);
-    partial = map_chunks<Partial>(n, [&](int64_t begin, int64_t end) {
+  binding::dispatch_param_grad(a.param, a.grad, [&](auto p_tag, auto g_tag, auto p, auto g) {
+    const auto span_stats =
+        LOMO_AT_LEVEL(level, vector_stats_span<decltype(p_tag), decltype(g_tag)>);
+    partial = map_chunks<Partial>(a.param.numel(), [&](int64_t begin, int64_t end) {
       return span_stats(g, p, v, begin, end, s, b, omb, eps);
     });
   });
-  commit_parts(partial, stats, adalomo::kUSumsq, found_inf);
+  commit_parts(partial, stats, adalomo::kUSumsq, a.found_inf);
 }
 
-void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_sq,
-                   at::Tensor workspace, const at::Tensor& beta2, double eps0,
-                   const at::Tensor& lr, double eps1, double clip_threshold,
-                   double weight_decay, const OptTensor& inv_scale,
-                   std::optional<double> clip_value, const OptTensor& clip_coef,
-                   bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
-  const int64_t n = param.numel();
-  binding::check_adalomo_vector(grad, param, exp_avg_sq, workspace, c10::kCPU);
-  float* stats = workspace_stats(workspace);
-  const cpu_isa::Level level = cpu_isa::active();  // may refuse: before any write
-  const adalomo::GradScalars s = grad_scalars(inv_scale, clip_value, clip_coef);
-  const auto [b, omb] = beta_pair(beta2);
-  const adalomo::StepScalars step =
-      write_back_step(stats, n, lr, eps1, clip_threshold, weight_decay);
-  const std::optional<uint32_t> key =
-      rounding_key(param, stochastic_rounding, seed, seed_step);
+void vector_apply_(const op_bindings::VectorApply& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const auto [b, omb] = beta_pair(a.beta2);
+  const WriteBack w = prepare_write_back(stats, a.param, a.step, a.rounding);
   if (stats[adalomo::kSkip] != 0.0f) return;
-  const float eps = static_cast<float>(eps0);
-  float* v = exp_avg_sq.data_ptr<float>();
-  binding::dispatch_param_grad(param, grad, [&](auto p_tag, auto g_tag) {
+  const float eps = static_cast<float>(a.eps0);
+  float* v = a.exp_avg_sq.data_ptr<float>();
+  binding::dispatch_write_back(a.param, a.grad, w.stochastic, [&](auto p_tag, auto g_tag,
+                                                                  auto rounding, auto p, auto g) {
     using P = decltype(p_tag);
     using G = decltype(g_tag);
-    auto* p = binding::mutable_elements<P>(param);
-    const auto* g = binding::elements<G>(grad);
-    with_rounding(key, [&](auto stochastic) {
-      constexpr bool kStochastic = decltype(stochastic)::value && P::kRoundsStochastically;
-      const auto span_apply = LOMO_AT_LEVEL(level, vector_apply_span<P, G, kStochastic>);
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        span_apply(p, g, v, begin, end, s, b, omb, eps, step, key.value_or(0u));
-      });
+    const auto span_apply =
+        LOMO_AT_LEVEL(level, vector_apply_span<P, G, decltype(rounding)::value>);
+    at::parallel_for(0, a.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      span_apply(p, g, v, begin, end, s, b, omb, eps, w.step, w.key);
     });
   });
 }
@@ -394,7 +328,7 @@ void vector_apply_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels AdaLomo CPU kernels";
-  op_bindings::def_adalomo_ops(m, &factored_stats_, &factored_moments_, &factored_norm_,
-                               &factored_apply_, &vector_stats_, &vector_apply_);
+  op_bindings::def_adalomo_ops(m, {&factored_stats_, &factored_moments_, &factored_norm_,
+                                  &factored_apply_, &vector_stats_, &vector_apply_});
   cpu_isa::def_bindings(m);
 }

@@ -1,5 +1,5 @@
 // CUDA kernels of the fused AdaLomo passes and their extern "C" launchers (adalomo_cuda.h).
-// Semantics: lomo_kernels/ops/adalomo_reference.py. Builds with nvcc alone (no torch).
+// Semantics: lomo_kernels/ops/adalomo/reference.py. Builds with nvcc alone (no torch).
 //
 // Factored tensors ([rows, cols]): a block of 8 warps owns 128 columns and a group of rows;
 // each warp walks rows, every lane handling 4 columns 32 apart, so each warp load covers 32
@@ -10,10 +10,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 #include "adalomo_cuda.h"
 #include "adalomo_math.h"
+#include "cuda_common.cuh"
+#include "dtype_dispatch.h"
 
 namespace {
 
@@ -25,16 +25,10 @@ constexpr int kTileCols = 32 * kColsPerLane;
 constexpr int kBlocksPerSm = 8;
 constexpr int kMaxGridY = 65535;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Sum over the block, valid in thread 0; every thread must call it.
 __device__ float block_sum(float v) {
   __shared__ float scratch[kWarps];
-  v = warp_sum(v);
+  v = cuda_common::warp_sum(v);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   float total = 0.0f;
@@ -51,9 +45,10 @@ __device__ __forceinline__ void raise_to_one(float* flag) {
   atomicMax(reinterpret_cast<int*>(flag), __float_as_int(1.0f));
 }
 
-// Whether this block runs, decided once by thread 0 so that the whole block agrees even
-// while other blocks are raising the SKIP slot.
-__device__ bool block_runs(const float* stats, const float* skip_if) {
+// Whether this block of a stats pass runs, decided once by thread 0 so that the whole block
+// agrees even while other blocks are raising the SKIP slot; a block that does not run raises it
+// too (the caller's skip_if skips the tensor).
+__device__ bool block_runs(float* stats, const float* skip_if) {
   __shared__ int run;
   if (threadIdx.x == 0) {
     bool r = *reinterpret_cast<const volatile float*>(stats + adalomo::kSkip) == 0.0f;
@@ -61,7 +56,25 @@ __device__ bool block_runs(const float* stats, const float* skip_if) {
     run = r ? 1 : 0;
   }
   __syncthreads();
+  if (run == 0 && threadIdx.x == 0) raise_to_one(stats + adalomo::kSkip);
   return run != 0;
+}
+
+// The end of a stats pass: thread 0 adds the block's sums `first` and `second` to their slots,
+// in that order, and, when any thread saw a non-finite gradient (`bad`), marks the tensor
+// skipped and raises found_inf. Every thread must call it.
+__device__ __forceinline__ void commit_block(float* stats, int first_slot, float first,
+                                             int second_slot, float second, uint32_t bad,
+                                             float* found_inf) {
+  const int any_bad = __syncthreads_or(bad != 0);
+  if (threadIdx.x == 0) {
+    atomicAdd(stats + first_slot, first);
+    atomicAdd(stats + second_slot, second);
+    if (any_bad) {
+      raise_to_one(stats + adalomo::kSkip);
+      if (found_inf != nullptr) raise_to_one(found_inf);
+    }
+  }
 }
 
 __device__ adalomo::GradScalars resolve(const AdalomoGradArgs& a) {
@@ -76,21 +89,6 @@ __device__ adalomo::GradScalars resolve(const AdalomoGradArgs& a) {
 __device__ void resolve_beta(const float* beta2, float& b, float& one_minus_b) {
   b = *beta2;
   one_minus_b = __fsub_rn(1.0f, b);
-}
-
-// The stochastic-rounding key, finished on the device with the per-step value (its low 32
-// bits), so the host never reads it (lomo_cuda.cu does the same).
-__device__ __forceinline__ uint32_t resolve_key(const AdalomoRoundingArgs& a) {
-  const uint32_t step = a.seed_step != nullptr ? static_cast<uint32_t>(*a.seed_step) : 0u;
-  return lomo::rounding_key(a.seed_lo_mixed, a.seed_hi_salted, step);
-}
-
-// The parameter's new value stored in its dtype: nearest even, or stochastically from the
-// element's flat index `k` in the whole parameter.
-template <class P, bool kStochastic>
-__device__ __forceinline__ typename P::T round_param(float value, int64_t k, uint32_t key) {
-  return lomo::store_rounded<P, kStochastic>(value, static_cast<uint32_t>(k),
-                                             static_cast<uint32_t>(k >> 32), key);
 }
 
 __device__ adalomo::StepScalars resolve_step(const AdalomoStepArgs& a, const float* stats,
@@ -159,10 +157,7 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
                       float* found_inf, const float* skip_if, int64_t rows, int64_t cols,
                       int64_t rows_per_block, AdalomoGradArgs grad_args) {
   float* stats = ws + rows + cols;
-  if (!block_runs(stats, skip_if)) {
-    if (threadIdx.x == 0) raise_to_one(stats + adalomo::kSkip);
-    return;
-  }
+  if (!block_runs(stats, skip_if)) return;
   const adalomo::GradScalars s = resolve(grad_args);
   const BlockTile t = block_tile(rows, rows_per_block);
   float col_acc[kColsPerLane] = {};
@@ -187,7 +182,7 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
         bad |= b;
       }
     }
-    row_acc = warp_sum(row_acc);
+    row_acc = cuda_common::warp_sum(row_acc);
     if (t.lane == 0) atomicAdd(ws + i, row_acc);
   }
   __shared__ float col_scratch[kWarps][kTileCols];
@@ -200,15 +195,7 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
     atomicAdd(ws + rows + t.col0 + threadIdx.x, total);
   }
   const float h_total = block_sum(h_acc);
-  const int any_bad = __syncthreads_or(bad != 0);
-  if (threadIdx.x == 0) {
-    atomicAdd(stats + adalomo::kPSumsq, p_total);
-    atomicAdd(stats + adalomo::kGSumsq, h_total);
-    if (any_bad) {
-      raise_to_one(stats + adalomo::kSkip);
-      if (found_inf != nullptr) raise_to_one(found_inf);
-    }
-  }
+  commit_block(stats, adalomo::kPSumsq, p_total, adalomo::kGSumsq, h_total, bad, found_inf);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -259,16 +246,16 @@ factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __
                       const float* __restrict__ row_state, const float* __restrict__ col_state,
                       const float* __restrict__ ws, int64_t rows, int64_t cols,
                       int64_t rows_per_block, AdalomoStepArgs step_args,
-                      AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding) {
+                      AdalomoGradArgs grad_args, LomoRoundingArgs rounding) {
   const float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   const adalomo::StepScalars step =
       resolve_step(step_args, stats, static_cast<float>(rows * cols));
-  const uint32_t key = kStochastic ? resolve_key(rounding) : 0u;
+  const uint32_t key = kStochastic ? cuda_common::rounding_key(rounding) : 0u;
   for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
                      [&](int64_t k, float update) {
-                       param[k] = round_param<P, kStochastic>(
+                       param[k] = lomo::store_rounded<P, kStochastic>(
                            adalomo::apply(P::load(param[k]), update, step), k, key);
                      });
 }
@@ -281,10 +268,7 @@ vector_stats_kernel(const typename G::T* __restrict__ grad,
                     const typename P::T* __restrict__ param, const float* __restrict__ v,
                     float* __restrict__ ws, float* found_inf, const float* skip_if, int64_t n,
                     const float* beta2, float eps0, AdalomoGradArgs grad_args) {
-  if (!block_runs(ws, skip_if)) {
-    if (threadIdx.x == 0) raise_to_one(ws + adalomo::kSkip);
-    return;
-  }
+  if (!block_runs(ws, skip_if)) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
   resolve_beta(beta2, b, one_minus_b);
@@ -304,15 +288,7 @@ vector_stats_kernel(const typename G::T* __restrict__ grad,
   }
   const float u_total = block_sum(u_acc);
   const float p_total = block_sum(p_acc);
-  const int any_bad = __syncthreads_or(bad != 0);
-  if (threadIdx.x == 0) {
-    atomicAdd(ws + adalomo::kUSumsq, u_total);
-    atomicAdd(ws + adalomo::kPSumsq, p_total);
-    if (any_bad) {
-      raise_to_one(ws + adalomo::kSkip);
-      if (found_inf != nullptr) raise_to_one(found_inf);
-    }
-  }
+  commit_block(ws, adalomo::kUSumsq, u_total, adalomo::kPSumsq, p_total, bad, found_inf);
 }
 
 template <class P, class G, bool kStochastic>
@@ -320,13 +296,13 @@ __global__ void __launch_bounds__(kThreads)
 vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                     float* __restrict__ v, const float* __restrict__ ws, int64_t n,
                     const float* beta2, float eps0, AdalomoStepArgs step_args,
-                    AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding) {
+                    AdalomoGradArgs grad_args, LomoRoundingArgs rounding) {
   if (ws[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
   resolve_beta(beta2, b, one_minus_b);
   const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(n));
-  const uint32_t key = kStochastic ? resolve_key(rounding) : 0u;
+  const uint32_t key = kStochastic ? cuda_common::rounding_key(rounding) : 0u;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
        k += stride) {
@@ -335,24 +311,12 @@ vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __re
     const float v_new = adalomo::moment(v[k], g, b, one_minus_b, eps0);
     v[k] = v_new;
     const float update = __fmul_rn(adalomo::rsqrt_f(v_new), g);
-    param[k] = round_param<P, kStochastic>(adalomo::apply(P::load(param[k]), update, step), k,
-                                           key);
+    param[k] = lomo::store_rounded<P, kStochastic>(
+        adalomo::apply(P::load(param[k]), update, step), k, key);
   }
 }
 
 // ------------------------------------------------------------------------- launch configuration
-
-int sm_count() {
-  static int cached[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  if (device < 64 && cached[device] > 0) return cached[device];
-  int count = 1;
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  if (count < 1) count = 1;
-  if (device < 64) cached[device] = count;
-  return count;
-}
 
 // Grid of the factored passes: 128-column blocks times row groups, about one wave.
 struct FactoredGrid {
@@ -362,7 +326,7 @@ struct FactoredGrid {
 
 FactoredGrid factored_grid(int64_t rows, int64_t cols) {
   const int64_t col_blocks = (cols + kTileCols - 1) / kTileCols;
-  const int64_t target = static_cast<int64_t>(sm_count()) * kBlocksPerSm;
+  const int64_t target = static_cast<int64_t>(cuda_common::sm_count()) * kBlocksPerSm;
   int64_t groups = target / col_blocks;
   groups = groups < 1 ? 1 : groups;
   const int64_t max_groups = (rows + kWarps - 1) / kWarps;
@@ -380,52 +344,7 @@ FactoredGrid factored_grid(int64_t rows, int64_t cols) {
   return out;
 }
 
-unsigned vector_blocks(int64_t n) {
-  const int64_t needed = (n + kThreads - 1) / kThreads;
-  const int64_t target = static_cast<int64_t>(sm_count()) * kBlocksPerSm;
-  return static_cast<unsigned>(needed < target ? (needed < 1 ? 1 : needed) : target);
-}
-
-template <class F>
-bool dispatch_one(int code, F&& f) {
-  switch (code) {
-    case lomo::kFloat32:
-      f(lomo::Fp32{});
-      return true;
-    case lomo::kFloat16:
-      f(lomo::Fp16{});
-      return true;
-    case lomo::kBFloat16:
-      f(lomo::Bf16{});
-      return true;
-    default:
-      return false;
-  }
-}
-
-template <class F>
-bool dispatch_two(int param_code, int grad_code, F&& f) {
-  bool ok = false;
-  dispatch_one(param_code, [&](auto p_tag) {
-    ok = dispatch_one(grad_code, [&](auto g_tag) { f(p_tag, g_tag); });
-  });
-  return ok;
-}
-
-// dispatch_two, and whether the write-back rounds stochastically (std::true_type or
-// std::false_type): only for the parameter dtypes that take it (bf16, fp16).
-template <class F>
-bool dispatch_apply(int param_code, int grad_code, const AdalomoRoundingArgs& rounding, F&& f) {
-  return dispatch_two(param_code, grad_code, [&](auto p_tag, auto g_tag) {
-    if constexpr (decltype(p_tag)::kRoundsStochastically) {
-      if (rounding.stochastic != 0) {
-        f(p_tag, g_tag, std::true_type{});
-        return;
-      }
-    }
-    f(p_tag, g_tag, std::false_type{});
-  });
-}
+unsigned vector_blocks(int64_t n) { return cuda_common::grid_for(n, kThreads, kBlocksPerSm); }
 
 // The required scalar pointers (lr, beta2) must be set: the kernels read them unconditionally.
 constexpr int kMissingScalar = static_cast<int>(cudaErrorInvalidValue);
@@ -445,8 +364,8 @@ int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* pa
                                 AdalomoGradArgs grad_args, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
-  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
+  const bool ok = lomo::dispatch_param_grad(param_dtype, grad_dtype, [&](auto p, auto g_tag) {
+    using P = decltype(p);
     using G = decltype(g_tag);
     factored_stats_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
@@ -472,7 +391,7 @@ int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* ex
                                int64_t cols, AdalomoGradArgs grad_args, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
-  const bool ok = dispatch_one(grad_dtype, [&](auto g_tag) {
+  const bool ok = lomo::dispatch_dtype(grad_dtype, [&](auto g_tag) {
     using G = decltype(g_tag);
     factored_norm_kernel<G><<<g.grid, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), exp_avg_sq_row, exp_avg_sq_col, workspace,
@@ -485,12 +404,12 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
                                 const float* exp_avg_sq_row, const float* exp_avg_sq_col,
                                 const float* workspace, int64_t rows, int64_t cols,
                                 AdalomoStepArgs step, AdalomoGradArgs grad_args,
-                                AdalomoRoundingArgs rounding, cudaStream_t stream) {
+                                LomoRoundingArgs rounding, cudaStream_t stream) {
   if (step.lr == nullptr) return kMissingScalar;
   if (rows <= 0 || cols <= 0) return 0;
   const FactoredGrid g = factored_grid(rows, cols);
-  const bool ok =
-      dispatch_apply(param_dtype, grad_dtype, rounding, [&](auto p_tag, auto g_tag, auto sr) {
+  const bool ok = lomo::dispatch_write_back(
+      param_dtype, grad_dtype, rounding.stochastic != 0, [&](auto p_tag, auto g_tag, auto sr) {
         using P = decltype(p_tag);
         using G = decltype(g_tag);
         factored_apply_kernel<P, G, decltype(sr)::value><<<g.grid, kThreads, 0, stream>>>(
@@ -509,8 +428,8 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
   if (beta2 == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
-  const bool ok = dispatch_two(param_dtype, grad_dtype, [&](auto p_tag, auto g_tag) {
-    using P = decltype(p_tag);
+  const bool ok = lomo::dispatch_param_grad(param_dtype, grad_dtype, [&](auto p, auto g_tag) {
+    using P = decltype(p);
     using G = decltype(g_tag);
     vector_stats_kernel<P, G><<<blocks, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
@@ -522,13 +441,13 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
                               const float* beta2, float eps0, AdalomoStepArgs step,
-                              AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding,
+                              AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
                               cudaStream_t stream) {
   if (beta2 == nullptr || step.lr == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
-  const bool ok =
-      dispatch_apply(param_dtype, grad_dtype, rounding, [&](auto p_tag, auto g_tag, auto sr) {
+  const bool ok = lomo::dispatch_write_back(
+      param_dtype, grad_dtype, rounding.stochastic != 0, [&](auto p_tag, auto g_tag, auto sr) {
         using P = decltype(p_tag);
         using G = decltype(g_tag);
         vector_apply_kernel<P, G, decltype(sr)::value><<<blocks, kThreads, 0, stream>>>(

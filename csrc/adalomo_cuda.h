@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "rounding_args.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -29,17 +31,6 @@ typedef struct {
   float clip_threshold;
   float weight_decay;
 } AdalomoStepArgs;
-
-// How passes C and C1 round the parameter: to nearest even, or, when `stochastic` is non-zero
-// and the parameter is bf16 or fp16, stochastically with the key of the host's seed parts
-// (lomo::seed_lo_mixed, seed_hi_salted) and the per-step value at `seed_step` (one int64 read
-// on the device; NULL: none), from each element's flat index (_rounding.random_bits16).
-typedef struct {
-  int stochastic;
-  uint32_t seed_lo_mixed;
-  uint32_t seed_hi_salted;
-  const int64_t* seed_step;
-} AdalomoRoundingArgs;
 
 // Pass A: uses inv_scale and the clip value of grad_args and ignores clip_coef (the moments
 // kernel applies it).
@@ -62,7 +53,7 @@ int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, 
                                 const float* exp_avg_sq_row, const float* exp_avg_sq_col,
                                 const float* workspace, int64_t rows, int64_t cols,
                                 AdalomoStepArgs step, AdalomoGradArgs grad_args,
-                                AdalomoRoundingArgs rounding, cudaStream_t stream);
+                                LomoRoundingArgs rounding, cudaStream_t stream);
 
 int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
                               int param_dtype, const float* exp_avg_sq, float* workspace,
@@ -73,7 +64,7 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
                               const float* beta2, float eps0, AdalomoStepArgs step,
-                              AdalomoGradArgs grad_args, AdalomoRoundingArgs rounding,
+                              AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
                               cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -1,5 +1,5 @@
 // Per-element AdaLomo math shared by the CPU (adalomo_cpu.cpp) and CUDA (adalomo_cuda.cu)
-// kernels. Semantics: lomo_kernels/ops/adalomo_reference.py. No torch headers: nvcc
+// kernels. Semantics: lomo_kernels/ops/adalomo/reference.py. No torch headers: nvcc
 // compiles this alone.
 #pragma once
 
@@ -10,7 +10,7 @@
 
 namespace adalomo {
 
-// Workspace slots after the row and column sums (lomo_kernels/ops/adalomo_workspace.py).
+// Workspace slots after the row and column sums (lomo_kernels/ops/adalomo/workspace.py).
 enum Slot : int {
   kPSumsq = 0,
   kUSumsq = 1,
@@ -20,12 +20,7 @@ enum Slot : int {
   kNumSlots = 5
 };
 
-// Gradient scalars, each already read as fp32 (1 for an absent factor).
-struct GradScalars {
-  float inv_scale;  // grad multiplier (1 / loss scale)
-  float clip;       // clamp bound; +inf when clipping by value is off
-  float coef;       // clip-by-norm coefficient; 1 when off
-};
+using lomo::GradScalars;
 
 // h = grad * inv_scale; bad = 1 when h is inf/nan.
 LOMO_HD LOMO_INLINE float scaled_grad(float grad, const GradScalars& s, uint32_t& bad) {

@@ -1,5 +1,5 @@
 // What every torch binding of the fused ops shares (lomo_cpu.cpp, adalomo_cpu.cpp and the
-// CUDA bindings): argument checks, runtime scalars, dtype dispatch, version counters.
+// CUDA bindings): argument checks, runtime scalars, rounding, dtype dispatch, version counters.
 //
 // The Python public layer checks every argument before anything is written; these checks
 // are the last line of defence of a binding called directly. Runtime scalars (lr, beta2,
@@ -10,39 +10,31 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 #include "adalomo_math.h"
+#include "dtype_dispatch.h"
 #include "lomo_math.h"
+#include "op_bindings.h"
+#include "rounding_args.h"
 
 namespace binding {
 
-using OptTensor = std::optional<at::Tensor>;
+using op_bindings::OptTensor;
 
-// Calls f with the lomo::Fp32 / Fp16 / Bf16 tag of `type` (the element types of the math).
-template <class F>
-void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
-  switch (type) {
+// The lomo::DtypeCode of a tensor's elements; refused for a dtype the kernels do not take.
+inline int dtype_code(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
     case at::kFloat:
-      f(lomo::Fp32{});
-      break;
+      return lomo::kFloat32;
     case at::kHalf:
-      f(lomo::Fp16{});
-      break;
+      return lomo::kFloat16;
     case at::kBFloat16:
-      f(lomo::Bf16{});
-      break;
+      return lomo::kBFloat16;
     default:
-      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", type);
+      TORCH_CHECK(false, "lomo_kernels: unsupported ", what, " dtype ", t.scalar_type());
   }
-}
-
-// Calls f with the tags of param's and grad's element types.
-template <class F>
-void dispatch_param_grad(const at::Tensor& param, const at::Tensor& grad, F&& f) {
-  dispatch_dtype(param.scalar_type(), "param", [&](auto p_tag) {
-    dispatch_dtype(grad.scalar_type(), "grad", [&](auto g_tag) { f(p_tag, g_tag); });
-  });
 }
 
 // The elements of a checked tensor as the storage type of `Tag` (lomo::Fp32::T, ...).
@@ -52,15 +44,37 @@ const typename Tag::T* elements(const at::Tensor& t) {
 }
 
 template <class Tag>
-typename Tag::T* mutable_elements(at::Tensor& t) {
+typename Tag::T* mutable_elements(const at::Tensor& t) {
   return static_cast<typename Tag::T*>(t.data_ptr());
 }
 
-// The lomo::DtypeCode of a tensor, for the plain-C CUDA launchers.
-inline int dtype_code(const at::Tensor& t, const char* what) {
-  int code = 0;
-  dispatch_dtype(t.scalar_type(), what, [&](auto tag) { code = decltype(tag)::code; });
-  return code;
+// Calls f(tag, elements) with the lomo::Fp32 / Fp16 / Bf16 tag of t's element type.
+template <class F>
+void dispatch_dtype(const at::Tensor& t, const char* what, F&& f) {
+  lomo::dispatch_dtype(dtype_code(t, what),
+                       [&](auto tag) { f(tag, elements<decltype(tag)>(t)); });
+}
+
+// Calls f(param tag, grad tag, param's elements, grad's elements) (param's dtype checked first).
+template <class F>
+void dispatch_param_grad(const at::Tensor& param, const at::Tensor& grad, F&& f) {
+  const int param_code = dtype_code(param, "param");
+  lomo::dispatch_param_grad(param_code, dtype_code(grad, "grad"), [&](auto p_tag, auto g_tag) {
+    f(p_tag, g_tag, elements<decltype(p_tag)>(param), elements<decltype(g_tag)>(grad));
+  });
+}
+
+// dispatch_param_grad of a write-back: f(param tag, grad tag, its rounding as
+// lomo::dispatch_rounding gives it, param's elements to write, grad's elements).
+template <class F>
+void dispatch_write_back(const at::Tensor& param, const at::Tensor& grad, bool stochastic,
+                         F&& f) {
+  const int param_code = dtype_code(param, "param");
+  lomo::dispatch_write_back(
+      param_code, dtype_code(grad, "grad"), stochastic, [&](auto p_tag, auto g_tag, auto sr) {
+        f(p_tag, g_tag, sr, mutable_elements<decltype(p_tag)>(param),
+          elements<decltype(g_tag)>(grad));
+      });
 }
 
 // A dense operand (param, grad, moments, workspace): contiguous, on `device`'s type.
@@ -104,6 +118,21 @@ inline float read_factor(const OptTensor& t, c10::Device device, const char* wha
   return t.has_value() ? read_scalar(*t, device, what) : 1.0f;
 }
 
+// A clamp bound as fp32: +inf when clipping by value is off.
+inline float clip_bound(std::optional<double> clip_value) {
+  return clip_value.has_value() ? static_cast<float>(*clip_value)
+                                : std::numeric_limits<float>::infinity();
+}
+
+// CPU: the gradient's scalars, read in their argument order.
+inline lomo::GradScalars read_grad_scalars(const op_bindings::GradArgs& a) {
+  lomo::GradScalars s;
+  s.inv_scale = read_factor(a.inv_scale, c10::kCPU, "inv_scale");
+  s.clip = clip_bound(a.clip_value);
+  s.coef = read_factor(a.clip_coef, c10::kCPU, "clip_coef");
+  return s;
+}
+
 // CUDA: the device pointer of a runtime scalar; nullptr for an absent optional one.
 inline float* scalar_ptr(const at::Tensor& t, c10::Device device, const char* what) {
   check_scalar(t, device, what);
@@ -121,6 +150,33 @@ inline const int64_t* seed_step_ptr(const OptTensor& t, c10::Device device) {
   return t->const_data_ptr<int64_t>();
 }
 
+// Whether the write-back to `param` rounds stochastically: when asked, for bf16 and fp16
+// parameters (fp32 stores the result exactly).
+inline bool rounds_stochastically(const at::Tensor& param, const op_bindings::RoundingArgs& a) {
+  const at::ScalarType type = param.scalar_type();
+  return a.stochastic_rounding && (type == at::kBFloat16 || type == at::kHalf);
+}
+
+// CPU: the stochastic-rounding key of the seed and the per-step value (its low 32 bits; 0
+// when absent).
+inline uint32_t rounding_key(const op_bindings::RoundingArgs& a) {
+  const int64_t* step = seed_step_ptr(a.seed_step, c10::kCPU);
+  return lomo::rounding_key(lomo::seed_lo_mixed(a.seed), lomo::seed_hi_salted(a.seed),
+                            step == nullptr ? 0u : static_cast<uint32_t>(*step));
+}
+
+// CUDA: the write-back's rounding, its key finished on the device from seed_step (checked only
+// when the rounding is stochastic).
+inline LomoRoundingArgs rounding_args(const at::Tensor& param,
+                                      const op_bindings::RoundingArgs& a) {
+  LomoRoundingArgs out;
+  out.stochastic = rounds_stochastically(param, a) ? 1 : 0;
+  out.seed_lo_mixed = lomo::seed_lo_mixed(a.seed);
+  out.seed_hi_salted = lomo::seed_hi_salted(a.seed);
+  out.seed_step = out.stochastic != 0 ? seed_step_ptr(a.seed_step, param.device()) : nullptr;
+  return out;
+}
+
 // Writes through raw pointers bypass autograd's in-place tracking: bump the version counter
 // as torch's own in-place ops do, so a stale saved tensor is detected, not silently used.
 inline void bump_version(const at::Tensor& t) {
@@ -134,49 +190,84 @@ inline void raise_found_inf(const OptTensor& found_inf, c10::Device device) {
   if (*f < 1.0f) *f = 1.0f;
 }
 
-// ----------------------------------------------------------------------------- AdaLomo
-// The operands of the AdaLomo passes (adalomo_cpu.cpp, adalomo_cuda_binding.cpp). The workspace
-// holds the row and column sums of a [rows, cols] view, then adalomo::kNumSlots slots.
+// ----------------------------------------------------------------------------- operands
+// The tensor operands of each op, dense on `device`'s type with the sizes the op needs.
 
-// Pass A: grad and param viewed as [rows, cols] with `cols` columns; returns rows.
-inline int64_t check_adalomo_stats(const at::Tensor& grad, const at::Tensor& param,
-                                   const at::Tensor& workspace, int64_t cols,
-                                   c10::DeviceType device) {
-  check_dense(grad, device, "grad");
-  check_dense(param, device, "param");
-  TORCH_CHECK(cols > 0 && grad.numel() == param.numel() && grad.numel() % cols == 0,
-              "lomo_kernels: bad factored shape");
-  const int64_t rows = grad.numel() / cols;
-  check_fp32(workspace, rows + cols + adalomo::kNumSlots, device, "workspace");
-  return rows;
+inline void check_operands(const op_bindings::LomoUpdate& a, c10::DeviceType device) {
+  check_dense(a.param, device, "param");
+  check_dense(a.grad, device, "grad");
+  if (device == c10::kCPU) {
+    TORCH_CHECK(a.param.numel() == a.grad.numel(),
+                "lomo_kernels: param and grad differ in numel");
+  } else {
+    TORCH_CHECK(a.grad.device() == a.param.device() && a.param.numel() == a.grad.numel(),
+                "lomo_kernels: param and grad must be on one device with the same numel");
+  }
 }
 
-// The moments pass, and the moments and workspace of passes B and C.
-inline void check_adalomo_moments(const at::Tensor& exp_avg_sq_row,
-                                  const at::Tensor& exp_avg_sq_col, const at::Tensor& workspace,
-                                  c10::DeviceType device) {
+// The AdaLomo passes. The workspace holds the row and column sums of a [rows, cols] view,
+// then adalomo::kNumSlots slots.
+
+inline void check_workspace(const at::Tensor& workspace, int64_t sums, c10::DeviceType device) {
+  check_fp32(workspace, sums + adalomo::kNumSlots, device, "workspace");
+}
+
+// Pass A: grad and param viewed as [rows, cols] with `cols` columns.
+inline void check_operands(const op_bindings::FactoredStats& a, c10::DeviceType device) {
+  check_dense(a.grad, device, "grad");
+  check_dense(a.param, device, "param");
+  TORCH_CHECK(a.cols > 0 && a.grad.numel() == a.param.numel() && a.grad.numel() % a.cols == 0,
+              "lomo_kernels: bad factored shape");
+  check_workspace(a.workspace, a.grad.numel() / a.cols + a.cols, device);
+}
+
+// The moments and the workspace of the moments pass and passes B and C.
+inline void check_moments(const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
+                          const at::Tensor& workspace, c10::DeviceType device) {
   const int64_t rows = exp_avg_sq_row.numel(), cols = exp_avg_sq_col.numel();
   check_fp32(exp_avg_sq_row, rows, device, "exp_avg_sq_row");
   check_fp32(exp_avg_sq_col, cols, device, "exp_avg_sq_col");
-  check_fp32(workspace, rows + cols + adalomo::kNumSlots, device, "workspace");
+  check_workspace(workspace, rows + cols, device);
 }
 
 // Passes B and C: grad or param of the moments' rows * cols elements.
-inline void check_adalomo_tile(const at::Tensor& t, const at::Tensor& exp_avg_sq_row,
-                               const at::Tensor& exp_avg_sq_col, c10::DeviceType device,
-                               const char* what) {
+inline void check_tile(const at::Tensor& t, const at::Tensor& exp_avg_sq_row,
+                       const at::Tensor& exp_avg_sq_col, c10::DeviceType device,
+                       const char* what) {
   check_sized(t, exp_avg_sq_row.numel() * exp_avg_sq_col.numel(), device, what,
               "the moments' rows * cols");
 }
 
+inline void check_operands(const op_bindings::FactoredMoments& a, c10::DeviceType device) {
+  check_moments(a.exp_avg_sq_row, a.exp_avg_sq_col, a.workspace, device);
+}
+
+inline void check_operands(const op_bindings::FactoredNorm& a, c10::DeviceType device) {
+  check_moments(a.exp_avg_sq_row, a.exp_avg_sq_col, a.workspace, device);
+  check_tile(a.grad, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "grad");
+}
+
+inline void check_operands(const op_bindings::FactoredApply& a, c10::DeviceType device) {
+  check_moments(a.exp_avg_sq_row, a.exp_avg_sq_col, a.workspace, device);
+  check_tile(a.param, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "param");
+  check_tile(a.grad, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "grad");
+}
+
 // Passes A1 and C1 of a 1-D parameter.
-inline void check_adalomo_vector(const at::Tensor& grad, const at::Tensor& param,
-                                 const at::Tensor& exp_avg_sq, const at::Tensor& workspace,
-                                 c10::DeviceType device) {
-  check_dense(param, device, "param");
-  check_sized(grad, param.numel(), device, "grad", "param");
-  check_fp32(exp_avg_sq, param.numel(), device, "exp_avg_sq");
-  check_fp32(workspace, adalomo::kNumSlots, device, "workspace");
+template <class Vector>
+void check_vector_operands(const Vector& a, c10::DeviceType device) {
+  check_dense(a.param, device, "param");
+  check_sized(a.grad, a.param.numel(), device, "grad", "param");
+  check_fp32(a.exp_avg_sq, a.param.numel(), device, "exp_avg_sq");
+  check_workspace(a.workspace, 0, device);
+}
+
+inline void check_operands(const op_bindings::VectorStats& a, c10::DeviceType device) {
+  check_vector_operands(a, device);
+}
+
+inline void check_operands(const op_bindings::VectorApply& a, c10::DeviceType device) {
+  check_vector_operands(a, device);
 }
 
 }  // namespace binding

@@ -3,19 +3,11 @@
 //
 // Each loop is lomo::lomo_element_exp on 8 lanes with the same rounded operations in the same
 // order (so results are bit-identical to the portable loops), at 64 bytes of each stream per
-// trip with one software prefetch per stream and line. Measured on an AVX2-only AMD EPYC with
-// one thread: the compiler's own vectorisation of the portable loops (no prefetch, one vector
-// per trip) stays at 1.2-1.5x the time of an in-place axpy moving the same bytes; without
-// the prefetches these loops do too (the hardware prefetchers alone keep too few lines in
-// flight for a loop body this long).
-
-// One non-temporal prefetch per stream and 64 bytes, kPrefetchBytes ahead: measured there
-// (per-thread CPU time, interleaved with the axpy, 4M and 16M fp32) about 1.02x the axpy's
-// time against about 1.10x with the AVX-512 loops' PREFETCHW/T0 hints, and 1.5x without any.
-LOMO_INLINE void prefetch_streams(const void* p, const void* g) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
-  _mm_prefetch(static_cast<const char*>(g) + kPrefetchBytes, _MM_HINT_NTA);
-}
+// trip with one software prefetch per stream and line (prefetch_streams, lomo_cpu_lanes.h).
+// Measured on an AVX2-only AMD EPYC with one thread: the compiler's own vectorisation of the
+// portable loops (no prefetch, one vector per trip) stays at 1.2-1.5x the time of an in-place
+// axpy moving the same bytes; without the prefetches these loops do too (the hardware
+// prefetchers alone keep too few lines in flight for a loop body this long).
 
 // The update's scalars broadcast to 8 lanes.
 struct Avx2Scalars {
@@ -54,9 +46,6 @@ LOMO_INLINE void store_words(uint16_t* p, __m256i v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
 }
 
-// 1 when any lane of the OR of bad masks is set.
-LOMO_INLINE uint32_t any_lane(__m256i bad) { return _mm256_testz_si256(bad, bad) ? 0u : 1u; }
-
 // fp32: 16 elements (64 bytes of each stream) per trip. A trip with an inf/nan gradient lane
 // (rare: the step is then skipped anyway) stores old values there; the others store the
 // updates unblended, which saves a blend per vector in the common case.
@@ -71,7 +60,7 @@ inline uint32_t update_fp32_avx2(float* __restrict p, const float* __restrict g,
     __m256i bad0, bad1;
     __m256 u0 = lomo_vector8(load8(g + i), old0, v, bad0);
     __m256 u1 = lomo_vector8(load8(g + i + 8), old1, v, bad1);
-    if (__builtin_expect(any_lane(_mm256_or_si256(bad0, bad1)) != 0, 0)) {
+    if (__builtin_expect(Lanes8::any(_mm256_or_si256(bad0, bad1)), 0)) {
       u0 = _mm256_blendv_ps(u0, old0, _mm256_castsi256_ps(bad0));
       u1 = _mm256_blendv_ps(u1, old1, _mm256_castsi256_ps(bad1));
       any_bad = 1;
@@ -96,30 +85,10 @@ LOMO_INLINE __m256i bf16_rne_high8(__m256 u) {
   return _mm256_blendv_epi8(rounded, quiet_nan, nan);
 }
 
-// lomo::mix32 on 8 lanes.
-LOMO_INLINE __m256i mix32_8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-// The last multiply of random_bits16's hash on 8 lanes: its bits 16..31 are the 16 random
-// bits (mix32's final x ^= x >> 16 leaves them as they are), so callers shift once, by 16,
-// or by 19 for the 13 bits below fp16's mantissa.
-LOMO_INLINE __m256i random_product8(__m256i index, __m256i key, __m256i hi) {
-  __m256i x = _mm256_xor_si256(mix32_8(_mm256_xor_si256(index, key)), hi);
-  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)),
-                         _mm256_set1_epi32(0x7FEB352D));
-  return _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
-                            _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
-}
-
 // lomo::f32_to_bf16_sr on 8 lanes, the result in the high half. index: the low 32 bits of
 // each lane's flat element index; key, hi: as random_bits16 takes them.
 LOMO_INLINE __m256i bf16_sr_high8(__m256 u, __m256i index, __m256i key, __m256i hi) {
-  const __m256i random = _mm256_srli_epi32(random_product8(index, key, hi), 16);
+  const __m256i random = _mm256_srli_epi32(random_product<Lanes8>(index, key, hi), 16);
   const __m256i b = _mm256_castps_si256(u);
   const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
   // mag >= 0x7F800000 (inf/nan: not perturbed); mag < 2^31, so a signed compare is exact.
@@ -136,46 +105,13 @@ struct Avx2Random {
   Avx2Random(uint32_t key_value, uint32_t hi_value)
       : key(_mm256_set1_epi32(static_cast<int>(key_value))),
         hi(_mm256_set1_epi32(static_cast<int>(hi_value))),
-        offset(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)) {}
+        offset(Lanes8::iota()) {}
   // Lanes first .. first + 7 (update_span keeps a block inside one 2^32 range: no wrap).
   LOMO_INLINE __m256i bits(uint32_t first) const {
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), offset);
-    return _mm256_srli_epi32(random_product8(index, key, hi), 16);
+    return _mm256_srli_epi32(random_product<Lanes8>(index, key, hi), 16);
   }
 };
-
-// lomo::fp16_sr_value on 8 lanes: the stochastically rounded value on the fp16 grid (fp32),
-// or u itself beyond 65504 (inf, nan), so a nearest conversion stores the reference's bits.
-// The subnormal count is only formed for a vector with a lane below 2^-14 (rare for
-// parameters).
-LOMO_INLINE __m256 fp16_sr_value8(__m256 u, __m256i random) {
-  const __m256i b = _mm256_castps_si256(u);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
-  const __m256i mag = _mm256_and_si256(b, abs_mask);
-  __m256i out = _mm256_and_si256(_mm256_add_epi32(mag, _mm256_srli_epi32(random, 3)),
-                                 _mm256_set1_epi32(~0x1FFF));
-  // mag < 2^31 everywhere, so signed compares are exact.
-  const __m256i small =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lomo::kFp16MinNormalBits)), mag);
-  if (__builtin_expect(!_mm256_testz_si256(small, small), 0)) {
-    // fp16_subnormal_q16: m >> (110 - e) or m << (e - 110); a count outside [0, 31] (the
-    // other shift's, wrapped) gives 0.
-    const __m256i e = _mm256_min_epu32(_mm256_srli_epi32(mag, 23), _mm256_set1_epi32(112));
-    const __m256i m = _mm256_or_si256(_mm256_and_si256(mag, _mm256_set1_epi32(0x007FFFFF)),
-                                      _mm256_set1_epi32(0x00800000));
-    const __m256i e0 = _mm256_set1_epi32(110);
-    const __m256i q16 = _mm256_or_si256(_mm256_srlv_epi32(m, _mm256_sub_epi32(e0, e)),
-                                        _mm256_sllv_epi32(m, _mm256_sub_epi32(e, e0)));
-    const __m256i count = _mm256_srli_epi32(_mm256_add_epi32(q16, random), 16);
-    const __m256 value =
-        _mm256_mul_ps(_mm256_cvtepi32_ps(count), _mm256_set1_ps(5.9604644775390625e-8f));
-    out = _mm256_blendv_epi8(out, _mm256_castps_si256(value), small);
-  }
-  out = _mm256_or_si256(out, _mm256_andnot_si256(abs_mask, b));  // the sign
-  const __m256i big =
-      _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(static_cast<int>(lomo::kFp16MaxBits)));
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(out, b, big));
-}
 
 // bf16 parameter and gradient, 32 elements per trip in two halves of 16. Each 32-bit word
 // holds elements 2k (low half) and 2k + 1 (high half), split and reassembled in place as in
@@ -207,7 +143,7 @@ uint32_t update_bf16_avx2(uint16_t* __restrict p, const uint16_t* __restrict g, 
                                  _mm256_castsi256_ps(_mm256_and_si256(pw, high)), v, bad_odd);
       trip_bad = _mm256_or_si256(trip_bad, _mm256_or_si256(bad_even, bad_odd));
     }
-    if (__builtin_expect(any_lane(trip_bad) != 0, 0)) {
+    if (__builtin_expect(Lanes8::any(trip_bad), 0)) {
       any_bad |= update_bf16_pairs<lomo::Bf16, kStochastic>(
           p + i, g + i, 32, lo + static_cast<uint32_t>(i), hi, s, key);
       continue;
@@ -247,84 +183,32 @@ inline uint32_t update_fp16_avx2(uint16_t* __restrict p, const uint16_t* __restr
     __m256 u[4];
     __m256i trip_bad = _mm256_setzero_si256();
     for (int part = 0; part < 4; ++part) {
-      const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 8 * part));
-      const __m128i gh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i + 8 * part));
+      const __m256 old = Lanes8::widen(Lanes8::load_halves(p + i + 8 * part));
       __m256i bad;
-      u[part] = lomo_vector8(_mm256_cvtph_ps(gh), _mm256_cvtph_ps(old), v, bad);
+      u[part] = lomo_vector8(Lanes8::widen(Lanes8::load_halves(g + i + 8 * part)), old, v, bad);
       trip_bad = _mm256_or_si256(trip_bad, bad);
     }
-    if (__builtin_expect(any_lane(trip_bad) != 0, 0)) {
+    if (__builtin_expect(Lanes8::any(trip_bad), 0)) {
       any_bad |= update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, 32, 0, 0, s, 0);
       continue;
     }
     for (int part = 0; part < 4; ++part) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i + 8 * part),
-                       _mm256_cvtps_ph(u[part], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      Lanes8::store_halves(p + i + 8 * part,
+                           Lanes8::narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u[part]));
     }
   }
   return any_bad |
          update_elements<lomo::Fp16, lomo::Fp16, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
 
-// Lanes whose fp32 magnitude lies outside fp16's normal range [2^-14, 65504] (subnormal
-// results, overflow, inf, nan), where fp16_sr_value8 is not just "add and truncate": with
-// the sign shifted out, 2|x| + (2^31 - 2 * kFp16MinNormalBits) maps that range onto the
-// lowest signed values, so one signed compare finds the rest.
-constexpr uint32_t kFp16NormalShift = 0x80000000u - 2u * lomo::kFp16MinNormalBits;
-constexpr uint32_t kFp16NormalTop =
-    0x80000000u + 2u * (lomo::kFp16MaxBits - lomo::kFp16MinNormalBits);
-
-LOMO_INLINE __m256i fp16_outside_normal8(__m256 u) {
-  const __m256i shifted = _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(u), 1),
-                                           _mm256_set1_epi32(static_cast<int>(kFp16NormalShift)));
-  return _mm256_cmpgt_epi32(shifted, _mm256_set1_epi32(static_cast<int>(kFp16NormalTop)));
-}
-
-// fp16 parameter and gradient with stochastic rounding, 8 elements per step (32 per trip of
-// prefetches): the update as in update_fp16_avx2, then the value put on the fp16 grid. In
-// fp16's normal range (the common case) that is random16 >> 3 added to the bits (no carry
-// into the sign) and a conversion that truncates, which drops exactly the low 13 mantissa
-// bits; a step with any other value takes fp16_sr_value8 (exact values, converted to
-// nearest), one with an inf/nan gradient the element loop, which keeps the old halves.
-// Each step is stored at once, so few vectors stay live (AVX2 has 16 registers).
+// update_fp16_sr on 8 lanes, the update as in update_fp16_avx2.
 inline uint32_t update_fp16_sr_avx2(uint16_t* __restrict p, const uint16_t* __restrict g,
                                     int64_t n, uint32_t lo, uint32_t hi,
                                     const lomo::LomoScalars& s, uint32_t key) {
   const Avx2Scalars v(s);
-  const __m256i key_v = _mm256_set1_epi32(static_cast<int>(key));
-  const __m256i hi_v = _mm256_set1_epi32(static_cast<int>(hi));
-  const __m256i eight = _mm256_set1_epi32(8);
-  // No wrap: update_span keeps a block inside one 2^32 range of indices.
-  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)),
-                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    prefetch_streams(p + i, g + i);
-    for (int64_t k = i; k < i + 32; k += 8, index = _mm256_add_epi32(index, eight)) {
-      const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
-      const __m128i gh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + k));
-      __m256i bad;
-      const __m256 u = lomo_vector8(_mm256_cvtph_ps(gh), _mm256_cvtph_ps(old), v, bad);
-      const __m256i product = random_product8(index, key_v, hi_v);
-      __m128i out;
-      if (__builtin_expect(any_lane(_mm256_or_si256(bad, fp16_outside_normal8(u))) == 0, 1)) {
-        const __m256i sum =
-            _mm256_add_epi32(_mm256_castps_si256(u), _mm256_srli_epi32(product, 19));
-        out = _mm256_cvtps_ph(_mm256_castsi256_ps(sum), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-      } else if (any_lane(bad) != 0) {
-        any_bad |= update_elements<lomo::Fp16, lomo::Fp16, true>(
-            p + k, g + k, 8, lo + static_cast<uint32_t>(k), hi, s, key);
-        continue;
-      } else {
-        out = _mm256_cvtps_ph(fp16_sr_value8(u, _mm256_srli_epi32(product, 16)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k), out);
-    }
-  }
-  return any_bad | update_elements<lomo::Fp16, lomo::Fp16, true>(
-                       p + i, g + i, n - i, lo + static_cast<uint32_t>(i), hi, s, key);
+  return update_fp16_sr<Lanes8>(
+      p, g, n, lo, hi, s, key,
+      [&](__m256 gv, __m256 pv, __m256i& bad) { return lomo_vector8(gv, pv, v, bad); });
 }
 
 // ----------------------------------------------------------------------------------------
@@ -336,9 +220,9 @@ LOMO_INLINE __m256 load_floats8(const typename G::T* g) {
   if constexpr (std::is_same_v<G, lomo::Fp32>) {
     return _mm256_loadu_ps(g);
   } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g));
+    const __m128i h = Lanes8::load_halves(g);
     if constexpr (std::is_same_v<G, lomo::Fp16>) {
-      return _mm256_cvtph_ps(h);
+      return Lanes8::widen(h);
     } else {
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }

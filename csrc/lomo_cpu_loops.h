@@ -123,6 +123,10 @@ uint32_t update_bf16_pairs(uint16_t* __restrict p, const typename G::T* __restri
   return any_bad;
 }
 
+#if LOMO_LOOPS_AVX2
+#include "lomo_cpu_lanes.h"
+#endif
+
 #if LOMO_LOOPS_AVX512
 // AVX-512 loops for the common same-dtype pairs (fp32, bf16 with nearest rounding): GCC
 // prefers 256-bit vectors and spends extra instructions on the generic loops, which are
@@ -292,33 +296,10 @@ uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g
 }
 #endif
 
-#if LOMO_LOOPS_AVX512
-// lomo::mix32 on 16 lanes.
-LOMO_INLINE __m512i mix32_vector(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-// random_bits16 on 16 lanes up to its last multiply: bits 16..31 of the result are the 16
-// random bits (mix32's final x ^= x >> 16 leaves them as they are), so callers shift once,
-// by 16, or by 19 for the 13 bits below fp16's mantissa. index: the low 32 bits of each
-// lane's flat element index; key, hi: as random_bits16 takes them.
-LOMO_INLINE __m512i random_product16(__m512i index, __m512i key, __m512i hi) {
-  __m512i x = mix32_vector(_mm512_xor_si512(index, key));
-  x = _mm512_xor_si512(x, hi);
-  x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)),
-                         _mm512_set1_epi32(0x7FEB352D));
-  return _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)),
-                            _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-}
-
 // lomo::f32_to_bf16_sr on 16 lanes, the result in the high half of each lane. index: the
 // low 32 bits of each lane's flat element index (random_bits16's hash of it).
 LOMO_INLINE __m512i bf16_sr_high_vector(__m512 u, __m512i index, __m512i key, __m512i hi) {
-  const __m512i random = _mm512_srli_epi32(random_product16(index, key, hi), 16);
+  const __m512i random = _mm512_srli_epi32(random_product<Lanes16>(index, key, hi), 16);
   const __m512i b = _mm512_castps_si512(u);
   const __mmask16 nonfinite = nonfinite_mask(u);  // inf/nan are not perturbed
   const __m512i out = _mm512_mask_add_epi32(b, static_cast<__mmask16>(~nonfinite), b, random);
@@ -366,20 +347,24 @@ uint32_t update_bf16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restric
                                                        lo + static_cast<uint32_t>(i), hi, s, key);
 }
 
+// update_fp16_sr on 16 lanes, with the neutral options compiled out as in the loops above.
 template <int kF>
-struct Bf16SrKernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, uint32_t lo, uint32_t hi,
-                      uint32_t key, const lomo::LomoScalars& s) {
-    return update_bf16_sr_avx512<kF>(p, g, n, lo, hi, key, s);
-  }
-};
-#endif
+uint32_t update_fp16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
+                               uint32_t lo, uint32_t hi, uint32_t key,
+                               const lomo::LomoScalars& s) {
+  const SgdVectors v(s);
+  return update_fp16_sr<Lanes16>(p, g, n, lo, hi, s, key,
+                                 [&](__m512 gv, __m512 pv, __mmask16& bad) {
+                                   return sgd_vector<kF>(gv, pv, v, bad);
+                                 });
+}
 
-// Runs K<flags of s>::run: a table of the 16 instantiations, indexed at run time.
+// Runs K<flags of s>::run (a loop's instantiation for those flags): a table of the 16,
+// indexed at run time.
 template <template <int> class K, int... kF, class... A>
 uint32_t run_flagged(std::integer_sequence<int, kF...>, const lomo::LomoScalars& s, A... args) {
   using Fn = uint32_t (*)(A..., const lomo::LomoScalars&);
-  static constexpr Fn kTable[] = {&K<kF>::run...};
+  static constexpr Fn kTable[] = {K<kF>::run...};
   return kTable[sgd_flags(s)](args..., s);
 }
 
@@ -388,19 +373,15 @@ uint32_t with_flags(const lomo::LomoScalars& s, A... args) {
   return run_flagged<K>(std::make_integer_sequence<int, kFlagCount>{}, s, args...);
 }
 
+// The loops above as with_flags takes them.
 template <int kF>
-struct Fp32Kernel {
-  static uint32_t run(float* p, const float* g, int64_t n, const lomo::LomoScalars& s) {
-    return update_fp32_avx512<kF>(p, g, n, s);
-  }
-};
-
+struct Fp32Kernel { static constexpr auto run = &update_fp32_avx512<kF>; };
 template <int kF>
-struct Bf16Kernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, const lomo::LomoScalars& s) {
-    return update_bf16_avx512<kF>(p, g, n, s);
-  }
-};
+struct Bf16Kernel { static constexpr auto run = &update_bf16_avx512<kF>; };
+template <int kF>
+struct Bf16SrKernel { static constexpr auto run = &update_bf16_sr_avx512<kF>; };
+template <int kF>
+struct Fp16SrKernel { static constexpr auto run = &update_fp16_sr_avx512<kF>; };
 #endif
 
 #if LOMO_LOOPS_AVX2
@@ -461,7 +442,7 @@ uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restri
         const Avx2Random random(key, hi);
         for (int64_t j = 0; j < kTile; j += 8) {
           const __m256i bits = random.bits(lo + static_cast<uint32_t>(i + j));
-          _mm256_store_ps(u_tile + j, fp16_sr_value8(_mm256_load_ps(u_tile + j), bits));
+          _mm256_store_ps(u_tile + j, fp16_sr_value<Lanes8>(_mm256_load_ps(u_tile + j), bits));
         }
       }
       floats_to_halves(u_tile, h_tile);
@@ -479,92 +460,6 @@ uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restri
                                                        key);
 }
 
-#if LOMO_LOOPS_AVX512
-// fp16_outside_normal8 on 16 lanes, as a mask.
-LOMO_INLINE __mmask16 fp16_outside_normal16(__m512 u) {
-  const __m512i shifted = _mm512_add_epi32(_mm512_slli_epi32(_mm512_castps_si512(u), 1),
-                                           _mm512_set1_epi32(static_cast<int>(kFp16NormalShift)));
-  return _mm512_cmpgt_epi32_mask(shifted, _mm512_set1_epi32(static_cast<int>(kFp16NormalTop)));
-}
-
-// lomo::fp16_sr_value on 16 lanes (fp16_sr_value8 with masks), for vectors holding a value
-// outside fp16's normal range.
-LOMO_INLINE __m512 fp16_sr_value16(__m512 u, __m512i random) {
-  const __m512i b = _mm512_castps_si512(u);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512i mag = _mm512_and_si512(b, abs_mask);
-  __m512i out = _mm512_and_si512(_mm512_add_epi32(mag, _mm512_srli_epi32(random, 3)),
-                                 _mm512_set1_epi32(~0x1FFF));
-  const __mmask16 small =
-      _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(static_cast<int>(lomo::kFp16MinNormalBits)));
-  const __m512i e = _mm512_min_epu32(_mm512_srli_epi32(mag, 23), _mm512_set1_epi32(112));
-  const __m512i m = _mm512_or_si512(_mm512_and_si512(mag, _mm512_set1_epi32(0x007FFFFF)),
-                                    _mm512_set1_epi32(0x00800000));
-  const __m512i e0 = _mm512_set1_epi32(110);
-  const __m512i q16 = _mm512_or_si512(_mm512_srlv_epi32(m, _mm512_sub_epi32(e0, e)),
-                                      _mm512_sllv_epi32(m, _mm512_sub_epi32(e, e0)));
-  const __m512i count = _mm512_srli_epi32(_mm512_add_epi32(q16, random), 16);
-  const __m512 value =
-      _mm512_mul_ps(_mm512_cvtepi32_ps(count), _mm512_set1_ps(5.9604644775390625e-8f));
-  out = _mm512_mask_mov_epi32(out, small, _mm512_castps_si512(value));
-  out = _mm512_ternarylogic_epi32(out, b, abs_mask, 0xF4);  // out | (b & ~abs_mask)
-  const __mmask16 big =
-      _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(static_cast<int>(lomo::kFp16MaxBits)));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, big, b));
-}
-
-// update_fp16_sr_avx2 on 16 lanes, with the neutral options compiled out (kF, as the other
-// AVX-512 loops): 16 elements per step, 32 per trip of prefetches.
-template <int kF>
-uint32_t update_fp16_sr_avx512(uint16_t* __restrict p, const uint16_t* __restrict g, int64_t n,
-                               uint32_t lo, uint32_t hi, uint32_t key,
-                               const lomo::LomoScalars& s) {
-  const SgdVectors v(s);
-  const __m512i key_v = _mm512_set1_epi32(static_cast<int>(key));
-  const __m512i hi_v = _mm512_set1_epi32(static_cast<int>(hi));
-  const __m512i sixteen = _mm512_set1_epi32(16);
-  // No wrap: update_span keeps a block inside one 2^32 range of indices.
-  __m512i index = _mm512_add_epi32(
-      _mm512_set1_epi32(static_cast<int>(lo)),
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-  uint32_t any_bad = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    prefetch_ahead(p + i, g + i);
-    for (int64_t k = i; k < i + 32; k += 16, index = _mm512_add_epi32(index, sixteen)) {
-      const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k));
-      const __m256i gh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + k));
-      __mmask16 bad;
-      const __m512 u = sgd_vector<kF>(_mm512_cvtph_ps(gh), _mm512_cvtph_ps(old), v, bad);
-      const __m512i product = random_product16(index, key_v, hi_v);
-      __m256i out;
-      if (__builtin_expect((bad | fp16_outside_normal16(u)) == 0, 1)) {
-        const __m512i sum =
-            _mm512_add_epi32(_mm512_castps_si512(u), _mm512_srli_epi32(product, 19));
-        out = _mm512_cvtps_ph(_mm512_castsi512_ps(sum), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-      } else if (bad != 0) {
-        any_bad |= update_elements<lomo::Fp16, lomo::Fp16, true>(
-            p + k, g + k, 16, lo + static_cast<uint32_t>(k), hi, s, key);
-        continue;
-      } else {
-        out = _mm512_cvtps_ph(fp16_sr_value16(u, _mm512_srli_epi32(product, 16)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k), out);
-    }
-  }
-  return any_bad | update_elements<lomo::Fp16, lomo::Fp16, true>(
-                       p + i, g + i, n - i, lo + static_cast<uint32_t>(i), hi, s, key);
-}
-
-template <int kF>
-struct Fp16SrKernel {
-  static uint32_t run(uint16_t* p, const uint16_t* g, int64_t n, uint32_t lo, uint32_t hi,
-                      uint32_t key, const lomo::LomoScalars& s) {
-    return update_fp16_sr_avx512<kF>(p, g, n, lo, hi, key, s);
-  }
-};
-#endif
 #else
 constexpr bool kHaveF16C = false;
 #endif
@@ -581,8 +476,8 @@ template <class P, class G, bool kStochastic>
 uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint32_t lo,
                       uint32_t hi, const lomo::LomoScalars& s, uint32_t key) {
   constexpr bool kAnyHalf = std::is_same_v<P, lomo::Fp16> || std::is_same_v<G, lomo::Fp16>;
-  constexpr bool kSame = std::is_same_v<P, G> && !kStochastic;
 #if LOMO_LOOPS_AVX512
+  constexpr bool kSame = std::is_same_v<P, G> && !kStochastic;
   if constexpr (kSame && std::is_same_v<P, lomo::Fp32>) {
     if (avx512_supports(s)) return with_flags<Fp32Kernel>(s, p, g, n);
   } else if constexpr (kSame && std::is_same_v<P, lomo::Bf16> && kLittleEndian) {

@@ -7,22 +7,27 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "rounding_args.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-// Scalar pointers are device pointers to one fp32 value; inv_scale, clip_coef, skip_if and
-// found_inf may be null (absent). clip_value: +inf when clipping by value is off.
-// stochastic_rounding (non-zero) applies to bf16 and fp16 parameters, with the rounding key
-// from the host's seed parts and a device pointer to one int64 per-step value (or null).
-int lomo_cuda_update(void* param, int param_dtype, const void* grad,
-                     int grad_dtype, int64_t numel, const float* lr,
-                     const float* inv_scale, float clip_value,
-                     const float* clip_coef, float weight_decay,
-                     const float* skip_if, float* found_inf,
-                     int stochastic_rounding, uint32_t seed_lo_mixed,
-                     uint32_t seed_hi_salted, const int64_t* seed_step,
-                     cudaStream_t stream);
+// The update's scalars: pointers are device pointers to one fp32 value; inv_scale, clip_coef,
+// skip_if and found_inf may be NULL (absent). The write-back rounds as `rounding` says.
+typedef struct {
+  const float* lr;
+  const float* inv_scale;  // NULL: 1
+  const float* clip_coef;  // NULL: 1
+  float clip_value;        // +inf when clipping by value is off
+  float weight_decay;
+  const float* skip_if;
+  float* found_inf;
+  LomoRoundingArgs rounding;
+} LomoUpdateArgs;
+
+int lomo_cuda_update(void* param, int param_dtype, const void* grad, int grad_dtype,
+                     int64_t numel, LomoUpdateArgs args, cudaStream_t stream);
 
 int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
                          const float* inv_scale, float* sumsq, float* found_inf,

@@ -1,6 +1,6 @@
 // Per-element LOMO math shared by the CPU (lomo_cpu.cpp) and CUDA (lomo_cuda.cu) kernels.
 //
-// The executable specification is lomo_kernels/ops/lomo_reference.py together with
+// The executable specification is lomo_kernels/ops/lomo/reference.py together with
 // lomo_kernels/core/rounding.py; every rule below reproduces those bit for bit:
 //   * fp32 arithmetic is rounded after every operation, in the reference's order (no fused
 //     multiply-add), so results match the per-op PyTorch reference exactly. Host builds must
@@ -41,42 +41,27 @@ enum DtypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // Bit casts and correctly rounded fp32 arithmetic
 // ---------------------------------------------------------------------------------------
 
-LOMO_HD LOMO_INLINE uint32_t bits_of(float v) {
+// Device code uses the intrinsics; host code the portable forms (a memcpy bit cast, and plain
+// operators, rounded once each because host builds use -ffp-contract=off: the reference has
+// no fused multiply-add).
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
+LOMO_HD LOMO_INLINE uint32_t bits_of(float v) { return __float_as_uint(v); }
+LOMO_HD LOMO_INLINE float float_of(uint32_t u) { return __uint_as_float(u); }
+LOMO_HD LOMO_INLINE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+LOMO_HD LOMO_INLINE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
 #else
-  uint32_t u;
-  memcpy(&u, &v, sizeof(u));
-  return u;
-#endif
+template <class To, class From>
+LOMO_HD LOMO_INLINE To bit_cast(From v) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To out;
+  memcpy(&out, &v, sizeof(out));
+  return out;
 }
-
-LOMO_HD LOMO_INLINE float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float v;
-  memcpy(&v, &u, sizeof(v));
-  return v;
+LOMO_HD LOMO_INLINE uint32_t bits_of(float v) { return bit_cast<uint32_t>(v); }
+LOMO_HD LOMO_INLINE float float_of(uint32_t u) { return bit_cast<float>(u); }
+LOMO_HD LOMO_INLINE float mul_rn(float a, float b) { return a * b; }
+LOMO_HD LOMO_INLINE float sub_rn(float a, float b) { return a - b; }
 #endif
-}
-
-// One rounding per operation, never contracted into an FMA (the reference has none).
-LOMO_HD LOMO_INLINE float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-LOMO_HD LOMO_INLINE float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
 
 // A float compare (one vector instruction); correct as long as -ffast-math is not used.
 LOMO_HD LOMO_INLINE bool is_nan(float v) { return v != v; }
@@ -179,21 +164,15 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_fp16_portable(float v) {
   return (uint16_t)(out | sign);
 }
 
-LOMO_HD LOMO_INLINE float fp16_to_f32(uint16_t h) {
+// The hardware conversions on the device (the same exact IEEE results), the portable ones on
+// the host.
 #if defined(__CUDA_ARCH__)
-  return __half2float(__ushort_as_half(h));
+LOMO_HD LOMO_INLINE float fp16_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) { return __half_as_ushort(__float2half_rn(v)); }
 #else
-  return fp16_to_f32_portable(h);
+LOMO_HD LOMO_INLINE float fp16_to_f32(uint16_t h) { return fp16_to_f32_portable(h); }
+LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) { return f32_to_fp16_portable(v); }
 #endif
-}
-
-LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) {
-#if defined(__CUDA_ARCH__)
-  return __half_as_ushort(__float2half_rn(v));
-#else
-  return f32_to_fp16_portable(v);
-#endif
-}
 
 // fp32 bit patterns (magnitudes) of fp16's smallest normal (2^-14) and largest finite (65504).
 constexpr uint32_t kFp16MinNormalBits = 0x38800000u;
@@ -287,9 +266,23 @@ LOMO_HD LOMO_INLINE typename P::T store_rounded(float v, uint32_t lo, uint32_t h
   }
 }
 
+// The same, of the element at 64-bit flat index `index`.
+template <class P, bool kStochastic>
+LOMO_HD LOMO_INLINE typename P::T store_rounded(float v, int64_t index, uint32_t key) {
+  return store_rounded<P, kStochastic>(v, static_cast<uint32_t>(index),
+                                       static_cast<uint32_t>(index >> 32), key);
+}
+
 // ---------------------------------------------------------------------------------------
 // The update of one element
 // ---------------------------------------------------------------------------------------
+
+// The gradient's scalars, each already read as fp32 (1 for an absent factor).
+struct GradScalars {
+  float inv_scale;  // grad multiplier (1 / loss scale)
+  float clip;       // clamp bound; +inf when clipping by value is off
+  float coef;       // clip-by-norm coefficient; 1 when off
+};
 
 // Scalars exactly as the reference computes them (each already rounded to fp32).
 struct LomoScalars {

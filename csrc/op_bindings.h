@@ -1,27 +1,217 @@
 // The Python-visible arguments of every fused op's binding, written once for the CPU and the
-// CUDA extension of each family: the names and order of the ops' specs
-// (lomo_kernels/ops/lomo.py, adalomo.py), which tests/test_op_specs.py compares with these.
+// CUDA extension of each family: the names and order of the ops' specs (the packages
+// lomo_kernels/ops/lomo and adalomo), which tests/ops/test_op_specs.py compares with these.
+// An op's arguments reach each extension's implementation as one struct named after the op
+// (references to the call's arguments), the groups several ops share as nested structs.
 // pybind11 checks at compile time that each function takes as many arguments as declared.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <optional>
+
 namespace op_bindings {
 
-template <class Update, class Sumsq>
-void def_lomo_ops(py::module_& m, Update update, Sumsq sumsq) {
-  m.def("lomo_update_", update, "Fused LOMO update of one parameter, in place",
+using OptTensor = std::optional<at::Tensor>;
+
+// How a stored gradient becomes the g of the math: grad * inv_scale, clamped to +-clip_value,
+// times clip_coef (an absent factor is 1, an absent clip_value no clamp).
+struct GradArgs {
+  const OptTensor& inv_scale;
+  std::optional<double> clip_value;
+  const OptTensor& clip_coef;
+};
+
+// How a write-back rounds the parameter (bf16 and fp16 stochastically when asked).
+struct RoundingArgs {
+  bool stochastic_rounding;
+  uint64_t seed;
+  const OptTensor& seed_step;
+};
+
+// ----------------------------------------------------------------------------- LOMO
+
+struct LomoUpdate {
+  const at::Tensor& param;
+  const at::Tensor& grad;
+  const at::Tensor& lr;
+  GradArgs grad_args;
+  double weight_decay;
+  const OptTensor& found_inf;
+  const OptTensor& skip_if;
+  RoundingArgs rounding;
+};
+
+struct GradSumsq {
+  const at::Tensor& grad;
+  const OptTensor& inv_scale;
+  const at::Tensor& sumsq;
+  const OptTensor& found_inf;
+};
+
+inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
+                         void (*sumsq)(const GradSumsq&)) {
+  const auto lomo_update = [update](const at::Tensor& param, const at::Tensor& grad,
+                                    const at::Tensor& lr, const OptTensor& inv_scale,
+                                    std::optional<double> clip_value, const OptTensor& clip_coef,
+                                    double weight_decay, const OptTensor& found_inf,
+                                    const OptTensor& skip_if, bool stochastic_rounding,
+                                    uint64_t seed, const OptTensor& seed_step) {
+    update({param, grad, lr, {inv_scale, clip_value, clip_coef}, weight_decay, found_inf,
+            skip_if, {stochastic_rounding, seed, seed_step}});
+  };
+  const auto grad_sumsq = [sumsq](const at::Tensor& grad, const OptTensor& inv_scale,
+                                  const at::Tensor& sumsq_out, const OptTensor& found_inf) {
+    sumsq({grad, inv_scale, sumsq_out, found_inf});
+  };
+  m.def("lomo_update_", lomo_update, "Fused LOMO update of one parameter, in place",
         py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
         py::arg("seed"), py::arg("seed_step"));
-  m.def("grad_sumsq_", sumsq, "sumsq += sum((grad * inv_scale)^2), in place",
+  m.def("grad_sumsq_", grad_sumsq, "sumsq += sum((grad * inv_scale)^2), in place",
         py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
 }
 
-template <class Stats, class Moments, class Norm, class Apply, class VStats, class VApply>
-void def_adalomo_ops(py::module_& m, Stats stats, Moments moments, Norm norm, Apply apply,
-                     VStats vector_stats, VApply vector_apply) {
+// ----------------------------------------------------------------------------- AdaLomo
+
+// The hyper-parameters of a write-back pass (C, C1).
+struct StepArgs {
+  const at::Tensor& lr;
+  double eps1;
+  double clip_threshold;
+  double weight_decay;
+};
+
+// Pass A applies no clip coefficient (the moments pass does): its grad_args.clip_coef is
+// absent.
+struct FactoredStats {
+  const at::Tensor& grad;
+  const at::Tensor& param;
+  const at::Tensor& workspace;
+  const OptTensor& found_inf;
+  const OptTensor& skip_if;
+  int64_t cols;
+  GradArgs grad_args;
+};
+
+struct FactoredMoments {
+  const at::Tensor& exp_avg_sq_row;
+  const at::Tensor& exp_avg_sq_col;
+  const at::Tensor& workspace;
+  const at::Tensor& beta2;
+  const OptTensor& clip_coef;
+  double eps0;
+};
+
+struct FactoredNorm {
+  const at::Tensor& grad;
+  const at::Tensor& exp_avg_sq_row;
+  const at::Tensor& exp_avg_sq_col;
+  const at::Tensor& workspace;
+  GradArgs grad_args;
+};
+
+struct FactoredApply {
+  const at::Tensor& param;
+  const at::Tensor& grad;
+  const at::Tensor& exp_avg_sq_row;
+  const at::Tensor& exp_avg_sq_col;
+  const at::Tensor& workspace;
+  StepArgs step;
+  GradArgs grad_args;
+  RoundingArgs rounding;
+};
+
+struct VectorStats {
+  const at::Tensor& grad;
+  const at::Tensor& param;
+  const at::Tensor& exp_avg_sq;
+  const at::Tensor& workspace;
+  const OptTensor& found_inf;
+  const OptTensor& skip_if;
+  const at::Tensor& beta2;
+  double eps0;
+  GradArgs grad_args;
+};
+
+struct VectorApply {
+  const at::Tensor& param;
+  const at::Tensor& grad;
+  const at::Tensor& exp_avg_sq;
+  const at::Tensor& workspace;
+  const at::Tensor& beta2;
+  double eps0;
+  StepArgs step;
+  GradArgs grad_args;
+  RoundingArgs rounding;
+};
+
+// One extension's implementation of every AdaLomo pass.
+struct AdalomoOps {
+  void (*factored_stats)(const FactoredStats&);
+  void (*factored_moments)(const FactoredMoments&);
+  void (*factored_norm)(const FactoredNorm&);
+  void (*factored_apply)(const FactoredApply&);
+  void (*vector_stats)(const VectorStats&);
+  void (*vector_apply)(const VectorApply&);
+};
+
+inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
+  static const OptTensor kAbsent;
+  const auto stats = [ops](const at::Tensor& grad, const at::Tensor& param,
+                           const at::Tensor& workspace, const OptTensor& found_inf,
+                           const OptTensor& skip_if, int64_t cols, const OptTensor& inv_scale,
+                           std::optional<double> clip_value) {
+    ops.factored_stats(
+        {grad, param, workspace, found_inf, skip_if, cols, {inv_scale, clip_value, kAbsent}});
+  };
+  const auto moments = [ops](const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
+                             const at::Tensor& workspace, const at::Tensor& beta2,
+                             const OptTensor& clip_coef, double eps0) {
+    ops.factored_moments({exp_avg_sq_row, exp_avg_sq_col, workspace, beta2, clip_coef, eps0});
+  };
+  const auto norm = [ops](const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
+                          const at::Tensor& exp_avg_sq_col, const at::Tensor& workspace,
+                          const OptTensor& inv_scale, std::optional<double> clip_value,
+                          const OptTensor& clip_coef) {
+    ops.factored_norm({grad, exp_avg_sq_row, exp_avg_sq_col, workspace,
+                       {inv_scale, clip_value, clip_coef}});
+  };
+  const auto apply = [ops](const at::Tensor& param, const at::Tensor& grad,
+                           const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
+                           const at::Tensor& workspace, const at::Tensor& lr, double eps1,
+                           double clip_threshold, double weight_decay,
+                           const OptTensor& inv_scale, std::optional<double> clip_value,
+                           const OptTensor& clip_coef, bool stochastic_rounding, uint64_t seed,
+                           const OptTensor& seed_step) {
+    ops.factored_apply({param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace,
+                        {lr, eps1, clip_threshold, weight_decay},
+                        {inv_scale, clip_value, clip_coef},
+                        {stochastic_rounding, seed, seed_step}});
+  };
+  const auto vector_stats = [ops](const at::Tensor& grad, const at::Tensor& param,
+                                  const at::Tensor& exp_avg_sq, const at::Tensor& workspace,
+                                  const OptTensor& found_inf, const OptTensor& skip_if,
+                                  const at::Tensor& beta2, double eps0,
+                                  const OptTensor& inv_scale, std::optional<double> clip_value,
+                                  const OptTensor& clip_coef) {
+    ops.vector_stats({grad, param, exp_avg_sq, workspace, found_inf, skip_if, beta2, eps0,
+                      {inv_scale, clip_value, clip_coef}});
+  };
+  const auto vector_apply = [ops](const at::Tensor& param, const at::Tensor& grad,
+                                  const at::Tensor& exp_avg_sq, const at::Tensor& workspace,
+                                  const at::Tensor& beta2, double eps0, const at::Tensor& lr,
+                                  double eps1, double clip_threshold, double weight_decay,
+                                  const OptTensor& inv_scale, std::optional<double> clip_value,
+                                  const OptTensor& clip_coef, bool stochastic_rounding,
+                                  uint64_t seed, const OptTensor& seed_step) {
+    ops.vector_apply({param, grad, exp_avg_sq, workspace, beta2, eps0,
+                      {lr, eps1, clip_threshold, weight_decay},
+                      {inv_scale, clip_value, clip_coef},
+                      {stochastic_rounding, seed, seed_step}});
+  };
   m.def("factored_stats_", stats, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
         py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
         py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"));

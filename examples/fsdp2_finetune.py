@@ -16,60 +16,27 @@ placement, no CPU offload, and opt.fused_backward(loss) instead of loss.backward
 
 from __future__ import annotations
 
-import argparse
-import time
-
+import finetune_common as common
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.distributed import consolidated_state_dict
+from transformers import LlamaForCausalLM
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--optimizer", choices=("lomo", "adalomo"), default="lomo")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping")
+def main() -> None:
+    parser = common.arguments(__doc__.split("\n")[0], save="fsdp2_consolidated.pt")
     parser.add_argument(
         "--precision",
         choices=("bf16-compute", "bf16", "fp32"),
         default="bf16-compute",
         help="bf16-compute: fp32 shards, bf16 forward/backward (MixedPrecisionPolicy)",
     )
-    parser.add_argument("--save", default="fsdp2_consolidated.pt")
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:
-        torch.set_num_threads(1)  # one core per rank
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = common.one_core_per_rank_or_gpu()
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=args.hidden,
-            intermediate_size=args.hidden * 11 // 4,
-            num_hidden_layers=args.layers,
-            num_attention_heads=max(1, args.hidden // 64),
-            max_position_embeddings=args.seq,
-        )
-    ).to(device)
+    model = LlamaForCausalLM(common.llama_config(args)).to(device)
     policy = MixedPrecisionPolicy()
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -78,33 +45,17 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # the root: embeddings, final norm, head
+    opt = common.optimizer(model, args)
 
-    lr = args.lr if args.lr is not None else (0.3 if args.optimizer == "lomo" else 0.03)
-    cls = Lomo if args.optimizer == "lomo" else AdaLomo
-    opt = cls(model, lr=lr, clip_grad_norm=args.clip_grad_norm or None, weight_decay=0.01)
-
-    # Toy data: each rank learns to continue a byte sequence with a fixed period.
-    gen = torch.Generator().manual_seed(rank)
-    start = time.perf_counter()
-    for step in range(args.steps):
-        offsets = torch.randint(0, 256, (args.batch, 1), generator=gen)
-        x = ((offsets + torch.arange(args.seq) * 7) % 256).to(device)
-        loss = model(input_ids=x, labels=x).loss
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=batch, labels=batch).loss
         if opt.clip_grad_norm is not None:
             opt.grad_norm(loss)  # norm pass over the same graph (lomo-optim's pattern)
         opt.fused_backward(loss)
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            norm = "-" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.3f}"
-            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm}")
-    opt.flush_report()
-    if rank == 0:
-        print(f"{args.steps} steps on {world} ranks in {time.perf_counter() - start:.1f} s")
-    state = consolidated_state_dict(model)  # a collective: every rank calls it
-    opt_state = opt.consolidated_state_dict()
-    if rank == 0:
-        torch.save({"model": state, "optimizer": opt_state}, args.save)
-        print(f"consolidated checkpoint: {args.save} (loads with model.load_state_dict)")
-    dist.barrier()
+        return loss
+
+    common.train(args, device, opt, step)
+    common.save_consolidated(model, opt, args.save)
     dist.destroy_process_group()
 
 

@@ -16,95 +16,40 @@ engine), and with clip_grad_norm (or fp16) one forward per backward pass, or
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import deepspeed
+import finetune_common as common
 import torch
-import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM  # import before zero.Init
-
-from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.distributed import consolidated_state_dict
+from transformers import LlamaForCausalLM  # import before zero.Init
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--optimizer", choices=("lomo", "adalomo"), default="lomo")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping")
+def main() -> None:
+    parser = common.arguments(__doc__.split("\n")[0], save="zero3_consolidated.pt")
     parser.add_argument(
         "--single-backward", action="store_true", help="no norm pass (single_backward=True)"
     )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--save", default="zero3_consolidated.pt")
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
-    cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:
-        torch.set_num_threads(1)  # one core per rank
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = common.one_core_per_rank_or_gpu()
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "zero_optimization": {"stage": 3},
         "bf16": {"enabled": args.dtype == "bf16"},
     }
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=256,
-                hidden_size=args.hidden,
-                intermediate_size=args.hidden * 11 // 4,
-                num_hidden_layers=args.layers,
-                num_attention_heads=max(1, args.hidden // 64),
-                max_position_embeddings=args.seq,
-            )
-        )
+        model = LlamaForCausalLM(common.llama_config(args))
     engine, *_ = deepspeed.initialize(model=model, config=config)  # no optimizer
-    lr = args.lr if args.lr is not None else (0.3 if args.optimizer == "lomo" else 0.03)
-    cls = Lomo if args.optimizer == "lomo" else AdaLomo
-    opt = cls(
-        engine,
-        lr=lr,
-        clip_grad_norm=args.clip_grad_norm or None,
-        weight_decay=0.01,
-        single_backward=args.single_backward,
-    )
+    opt = common.optimizer(engine, args, single_backward=args.single_backward)
 
-    # Toy data: each rank learns to continue a byte sequence with a fixed period.
-    gen = torch.Generator().manual_seed(rank)
-    device = engine.device
-    start = time.perf_counter()
-    for step in range(args.steps):
-        offsets = torch.randint(0, 256, (args.batch, 1), generator=gen)
-        x = ((offsets + torch.arange(args.seq) * 7) % 256).to(device)
+    def step(batch: torch.Tensor) -> torch.Tensor:
         if opt.clip_grad_norm is not None and not opt.single_backward:
-            opt.grad_norm(model(input_ids=x, labels=x).loss)  # norm pass: its own forward
-        loss = model(input_ids=x, labels=x).loss
+            opt.grad_norm(model(input_ids=batch, labels=batch).loss)  # norm pass: own forward
+        loss = model(input_ids=batch, labels=batch).loss
         opt.fused_backward(loss)
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            norm = "-" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.3f}"
-            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm}")
-    opt.flush_report()
-    if rank == 0:
-        print(f"{args.steps} steps on {world} ranks in {time.perf_counter() - start:.1f} s")
-    state = consolidated_state_dict(engine)  # a collective: every rank calls it
-    opt_state = opt.consolidated_state_dict()
-    if rank == 0:
-        torch.save({"model": state, "optimizer": opt_state}, args.save)
-        print(f"consolidated checkpoint: {args.save} (loads with model.load_state_dict)")
-    dist.barrier()
+        return loss
+
+    common.train(args, device, opt, step)
+    common.save_consolidated(engine, opt, args.save)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ decorated), so it is set here, before any test module imports the package.
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -49,8 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "test_device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cuda)
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable otherwise
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    tests = Path(__file__).parent
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
 
 
 @pytest.fixture(params=["torch", "cpp", "triton"])
@@ -88,12 +90,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_line(f"suite time {elapsed / 60:.1f} min on {machine_line()}{over}")
 
 
-# The files that take longest (minutes each, compilation and 2-rank runs): collected first, so
-# that `make test`'s two workers start on them (the Makefile keeps collection order).
+# The files that take longest (minutes each, compilation and 2-rank runs), by path under tests/:
+# collected first, so that `make test`'s two workers start on them (the Makefile keeps
+# collection order).
 SLOWEST_FIRST = (
-    "test_compile_llama.py",
-    "test_compile_shapes.py",
-    "test_memory.py",
-    "test_zero3.py",
-    "test_fsdp2.py",
+    "compile/test_compile_llama.py",
+    "compile/test_compile_shapes.py",
+    "tools/test_memory.py",
+    "distributed/test_zero3.py",
+    "distributed/test_fsdp2.py",
+    "tools/test_gpu_check.py",
 )

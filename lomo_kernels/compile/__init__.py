@@ -13,7 +13,9 @@ there feeds the updated ``W`` into the input gradients of every layer below: eac
 is off by 1-40% after one step, with no error (eager autograd would have raised, as a saved
 tensor was modified in place).
 
-`install` wraps four of compiled autograd's capture steps. Each acts only on a backward
+`install` wraps four of compiled autograd's capture steps, before the first backward of ours
+that compiled autograd runs (`check_supported` calls it; the optimizers register which
+tensors they update with `register_updated_in_backward`). Each acts only on a backward
 whose inputs include a parameter that one of this package's optimizers updates in its hooks
 ("ours"); any other backward, and any other hook in ours, gets torch's own code unchanged:
 - `begin_capture` notes which graph inputs are ours and which share storage (a weight and
@@ -51,11 +53,11 @@ Modules, one job each:
     version_gate.py        the tested torch versions; the refusal on others
     eager_forward.py       the refusal of an eager forward under compiled autograd
 
-The embedding op itself is `lomo_kernels.ops.embedding_backward`.
+The embedding op itself is `lomo_kernels.ops.embedding`.
 """
 
 from .eager_forward import EAGER_FORWARD_MESSAGE, is_aliased_input_failure
-from .scope import install
+from .scope import install, register_updated_in_backward
 from .version_gate import (
     TESTED_TORCH_VERSIONS,
     check_supported,
@@ -70,5 +72,6 @@ __all__ = [
     "compiled_autograd_active",
     "install",
     "is_aliased_input_failure",
+    "register_updated_in_backward",
     "torch_version_tested",
 ]

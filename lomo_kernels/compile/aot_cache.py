@@ -6,6 +6,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from torch.fx.graph_module import reduce_graph_module
+
+from ..core import torch_internals
+
 
 def patch_backward_loading(capturing_ours: Callable[[], bool]) -> None:
     """Makes compiled autograd rebuild a cached AOT backward graph from a copy of its state
@@ -20,10 +24,7 @@ def patch_backward_loading(capturing_ours: Callable[[], bool]) -> None:
     weight's device. Rebuilt from a copy, the tensor lives only during the capture (the
     graph no longer reads it once `use_eager_embedding_backward` has run).
     """
-    from torch._dynamo import compiled_autograd
-    from torch.fx.graph_module import reduce_graph_module
-
-    extract = getattr(compiled_autograd, "extract_bw_module", None)
+    extract = torch_internals.backward_graph_extractor()
     if not callable(extract) or getattr(extract, "_lomo_copies_state", False):
         return
 
@@ -31,17 +32,18 @@ def patch_backward_loading(capturing_ours: Callable[[], bool]) -> None:
     def extract_from_copy(compiled_function: Any) -> Any:
         if not capturing_ours():
             return extract(compiled_function)
-        loader = getattr(compiled_function._lazy_backward_info, "bw_module_fn", None)
+        loader = torch_internals.serialized_backward_loader(compiled_function)
         serialized = getattr(loader, "__self__", None)
         args = getattr(serialized, "args", None)
         if getattr(serialized, "fn", None) is not reduce_graph_module or not (
             isinstance(args, tuple) and args and isinstance(args[0], dict)
         ):
             return extract(compiled_function)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # as torch's own loader
+        real_tensors = torch_internals.outside_fake_tensor_mode()
+        if real_tensors is None:
+            return extract(compiled_function)
+        with real_tensors:  # as torch's own loader
             return reduce_graph_module(dict(args[0]), *args[1:])
 
     extract_from_copy._lomo_copies_state = True  # type: ignore[attr-defined]
-    compiled_autograd.extract_bw_module = extract_from_copy
+    torch_internals.set_backward_graph_extractor(extract_from_copy)

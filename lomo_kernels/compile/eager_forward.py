@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ..core import torch_internals
+from . import scope
+
 EAGER_FORWARD_MESSAGE = (
     "lomo_kernels: compiled autograd could not compile this backward (nothing was "
     "updated). With an eager (uncompiled) forward, autograd saves views of the weights (W.t() "
@@ -13,6 +16,7 @@ EAGER_FORWARD_MESSAGE = (
 
 
 def is_aliased_input_failure(error: BaseException) -> bool:
-    """AOTAutograd's refusal of an in-place update of an input whose views are inputs too."""
-    text = f"{error}\n{error.__cause__}"
-    return "any_leaf" in text and "all_leaf" in text
+    """AOTAutograd's refusal of an in-place update of an input whose views are inputs too:
+    a compiler backend failed on a capture whose inputs hold, next to one of our parameters,
+    a non-leaf view of it (what an eager forward saves)."""
+    return torch_internals.is_backend_compiler_failure(error) and scope.captured_views_of_ours()

@@ -6,13 +6,16 @@ from typing import Any
 
 import torch
 
-from ..ops import embedding_backward  # noqa: F401  (registers the op this pass inserts)
+from ..core import torch_internals
+from ..ops import embedding  # noqa: F401  (registers the op this pass inserts)
 
 
 def _call_args(node: Any, target: Any, count: int) -> tuple[Any, ...] | None:
-    """`node`'s first `count` positional arguments if it calls `target`, else None."""
+    """`node`'s first `count` positional arguments if it calls `target`, else None (always
+    for a None target: an op this torch lacks)."""
     if (
-        isinstance(node, torch.fx.Node)
+        target is not None
+        and isinstance(node, torch.fx.Node)
         and node.op == "call_function"
         and node.target is target
         and len(node.args) >= count
@@ -87,13 +90,12 @@ def _decomposed_embedding_backward(narrowed: Any, root: Any) -> tuple[Any, ...] 
     earlier:       ``_unsafe_index_put(zeros, [i], g.masked_fill((i == pad)[..., None], 0),
     accumulate=True)``, which Inductor's table turns into ``index_put`` of a ``where``.
     """
-    aten = torch.ops.aten
-    masked_put = _call_args(narrowed, aten._unsafe_masked_index_put_accumulate.default, 4)
+    masked_put = _call_args(narrowed, torch_internals.unsafe_masked_index_put_accumulate_op(), 4)
     if masked_put:
         zeros, mask, indices, widened = masked_put
     else:
-        put = _call_args(narrowed, aten.index_put.default, 4) or _call_args(
-            narrowed, aten._unsafe_index_put.default, 4
+        put = _call_args(narrowed, torch.ops.aten.index_put.default, 4) or _call_args(
+            narrowed, torch_internals.unsafe_index_put_op(), 4
         )
         fill = put and put[3] is True and _masked_with_zero(put[2], root)
         if not fill:
@@ -168,8 +170,7 @@ def use_eager_embedding_backward(
     scale_grad_by_freq) are replaced; anything else is left as it is. `root` holds the
     graph's constants.
     """
-    from torch._dynamo.external_utils import call_accumulate_grad
-
+    call_accumulate_grad = torch_internals.compiled_autograd_calls().accumulate_grad
     for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
         if acc.args[0] not in hooked:
             continue

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ..core import torch_internals
+
 _HOP = torch.ops.higher_order
 # Ops Inductor runs as a kernel of their own, writing a realized buffer: a read of a weight
 # by one of them happens where the op is scheduled, never later inside a fused consumer.
@@ -35,10 +37,10 @@ def _reads_in_place(node: torch.fx.Node) -> bool:
     target = node.target
     if target in (_HOP.auto_functionalized_v2, _HOP.auto_functionalized):
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if torch_internals.is_op_overload(target):
         if target.namespace not in ("aten", "prims"):
             return True  # custom ops: fallback kernels
-        return target._schema.name.split("::")[-1] in _EXTERN_ATEN
+        return torch_internals.op_schema(target).name.split("::")[-1] in _EXTERN_ATEN
     return False
 
 
@@ -68,7 +70,7 @@ def delay_updates_past_reads(graph: torch.fx.Graph) -> int:
     for update in list(graph.find_nodes(op="call_function", target=_HOP.auto_functionalized_v2)):
         bases = [
             b
-            for b in update.kwargs.get("_all_bases", ())
+            for b in torch_internals.auto_functionalized_bases(update)
             if isinstance(b, torch.fx.Node) and b.op == "placeholder"
         ]
         if not bases:
@@ -116,9 +118,9 @@ def nodes_between(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.No
 
 
 def _delay_updates_pass() -> Any:
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    graph_pass, get_hash_for_files = torch_internals.inductor_custom_graph_pass()
 
-    class DelayUpdatesPastReads(CustomGraphPass):
+    class DelayUpdatesPastReads(graph_pass):  # type: ignore[misc,valid-type]
         def __call__(self, graph: torch.fx.Graph) -> None:
             delay_updates_past_reads(graph)
 

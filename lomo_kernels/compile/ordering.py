@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..core import torch_internals
+
 # Ops that read a tensor's sizes, not its data: an update may run before them.
 _METADATA_READS = (
     torch.ops.aten.sym_size.int,
@@ -63,8 +65,7 @@ def _aliases(param: torch.fx.Node, storages: list[int | None]) -> set[torch.fx.N
         return None
     graph = param.graph
     found = {n for n in graph.nodes if (k := input_index(n)) is not None and storages[k] == key}
-    from torch._dynamo.external_utils import call_accumulate_grad, call_hook
-
+    call_accumulate_grad, call_hook = torch_internals.compiled_autograd_calls()
     for node in graph.nodes:
         if node in found or node.op != "call_function":
             continue
@@ -79,8 +80,8 @@ def _aliases(param: torch.fx.Node, storages: list[int | None]) -> set[torch.fx.N
             found.update(
                 u for u in node.users if u.target is operator.getitem and u.args[1] in positions
             )
-        elif isinstance(node.target, torch._ops.OpOverload):
-            returns = node.target._schema.returns
+        elif torch_internals.is_op_overload(node.target):
+            returns = torch_internals.op_schema(node.target).returns
             if any(r.alias_info is not None for r in returns):
                 found.add(node)  # a view (or an in-place op's result) of the weight
         elif node.target is not operator.getitem or node.args[0] in found:
@@ -100,8 +101,7 @@ def move_updates_after_last_read(
     Only ever earlier than the eager position the nodes start from, and only when every
     alias is known; otherwise the eager position stays.
     """
-    from torch._dynamo.external_utils import call_accumulate_grad
-
+    call_accumulate_grad = torch_internals.compiled_autograd_calls().accumulate_grad
     order = {node: i for i, node in enumerate(graph.nodes)}
     for acc in list(graph.find_nodes(op="call_function", target=call_accumulate_grad)):
         param = acc.args[0]

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
+from ..core import torch_internals
 
 _lowering_patched = False  # `realizing_reads_before_writes` is active (not re-entrant)
 
@@ -29,35 +29,35 @@ def realizing_reads_before_writes() -> Iterator[None]:
     It realizes what torch's lowering realizes there anyway, only earlier.
     """
     global _lowering_patched
-    from torch._inductor.graph import GraphLowering
-
     if _lowering_patched:
         yield
         return
-    call_function = GraphLowering.call_function
+    lowering = torch_internals.inductor_graph_lowering()
+    call_function = lowering.call_function
 
     @functools.wraps(call_function)
     def realize_then_call(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        if torch_internals.is_op_overload(target) and torch_internals.op_schema(target).is_mutable:
             users = getattr(self, "name_to_users", {})
             for name in _written_buffers(target, args, kwargs):
                 for user in list(users.get(name, ())):
                     user.realize()
         return call_function(self, target, args, kwargs)
 
-    GraphLowering.call_function = realize_then_call
+    lowering.call_function = realize_then_call
     _lowering_patched = True
     try:
         yield
     finally:
-        GraphLowering.call_function = call_function
+        lowering.call_function = call_function
         _lowering_patched = False
 
 
-def _written_buffers(target: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[str]:
-    """Names of the Inductor buffers that `target` writes in place, given its lowered args."""
+def _written_buffers(target: Any, args: Any, kwargs: Any) -> list[str]:
+    """Names of the Inductor buffers that operator overload `target` writes in place, given
+    its lowered args."""
     names = []
-    for i, argument in enumerate(target._schema.arguments):
+    for i, argument in enumerate(torch_internals.op_schema(target).arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         if argument.name in kwargs:

@@ -1,8 +1,11 @@
 """`install`: compiled autograd's capture steps adjusted for backwards holding our hooks.
 
-Each patched step checks whether the backward being captured has a parameter that one of
-this package's optimizers updates in its hooks ("ours"); any other backward, and any other
-hook in ours, runs torch's own code unchanged (the package docstring lists the steps).
+Nothing is patched until compiled autograd first runs a backward of ours: the optimizers
+register which tensors they update (`register_updated_in_backward`), and `check_supported`
+calls `install` before such a backward starts. Each patched step checks whether the backward
+being captured has a parameter that one of this package's optimizers updates in its hooks
+("ours"); any other backward, and any other hook in ours, runs torch's own code unchanged
+(the package docstring lists the steps).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..core import torch_internals
 from . import realize_reads
 from .aot_cache import patch_backward_loading
 from .embedding_backward import use_eager_embedding_backward
@@ -21,25 +25,41 @@ from .ordering import hooked_params, input_index, move_updates_after_last_read, 
 
 _HIDDEN = object()  # stand-in target that hides a node from the reordering pass
 
-
-def _pass_owner() -> Any:
-    from torch._dynamo import compiled_autograd
-
-    return getattr(compiled_autograd, "AutogradCompilerInstance", None)
-
-
+# Per tensor: whether this package's optimizers update it in their hooks (each optimizer
+# layer registers its own test).
+_updated_in_backward: list[Callable[[Any], bool]] = []
 _installed: bool | None = None  # None: not tried yet
+_missing: str = ""  # the name this torch lacks, when the capture could not be adjusted
 # Whether the capture under way is of a backward that holds our hooks (read by the loader
 # of cached backward graphs, which is not given the capturing instance).
 _capturing_ours = False
+# Whether that capture's inputs hold a view of one of our parameters that autograd saved
+# from an eager forward (a non-leaf on the parameter's storage): AOTAutograd cannot compile
+# an in-place update of a leaf whose non-leaf views are inputs too.
+_ours_viewed_by_non_leaves = False
 
 
-def install(owned: Callable[[Any], bool]) -> bool:
-    """Adjusts compiled autograd's capture of backwards holding parameters for which `owned`
-    is true (those our hooks update), once; False if it cannot."""
+def register_updated_in_backward(owned: Callable[[Any], bool]) -> None:
+    """Registers `owned` (tensor -> whether an optimizer's hooks update it in backward): the
+    capture of a backward holding such a tensor is adjusted once `install` has run, which
+    `check_supported` does before the first backward under compiled autograd."""
+    if owned not in _updated_in_backward:
+        _updated_in_backward.append(owned)
+
+
+def _owned(t: Any) -> bool:
+    return any(owned(t) for owned in _updated_in_backward)
+
+
+def install(owned: Callable[[Any], bool] | None = None) -> bool:
+    """Adjusts compiled autograd's capture of backwards holding parameters that a registered
+    test (and `owned`, if given) says our hooks update, once; False if this torch lacks
+    what that needs (`missing` says what)."""
     global _installed
+    if owned is not None:
+        register_updated_in_backward(owned)
     if _installed is None:
-        _installed = _patch_passes(owned)
+        _installed = _patch_passes()
     return _installed
 
 
@@ -48,14 +68,37 @@ def installed() -> bool:
     return bool(_installed)
 
 
+def missing() -> str:
+    """The name this torch lacks for `install`, after it failed ("" otherwise)."""
+    return _missing
+
+
 def capturing_ours() -> bool:
     """Whether the capture under way is of a backward holding our hooks."""
     return _capturing_ours
 
 
-def _our_inputs(inputs: list[Any], owned: Callable[[Any], bool]) -> set[int]:
+def captured_views_of_ours() -> bool:
+    """Whether the capture under way (or the last one) holds, next to one of our
+    parameters, a non-leaf view of it (what an eager forward saves, as W.t() for a linear)."""
+    return _ours_viewed_by_non_leaves
+
+
+def _our_inputs(inputs: list[Any]) -> set[int]:
     """Indices of the capture's inputs that are parameters our hooks update."""
-    return {i for i, t in enumerate(inputs) if owned(t)}
+    return {i for i, t in enumerate(inputs) if _owned(t)}
+
+
+def _non_leaf_views(inputs: list[Any], ours: set[int], storages: list[int | None]) -> bool:
+    """Whether an input other than ours is a non-leaf on the storage of one of ours."""
+    our_storages = {storages[i] for i in ours} - {None}
+    return any(
+        i not in ours
+        and isinstance(t, torch.Tensor)
+        and not t.is_leaf
+        and storages[i] in our_storages
+        for i, t in enumerate(inputs)
+    )
 
 
 def _our_hooked_params(instance: Any, call_hook: Any) -> set[torch.fx.Node]:
@@ -64,19 +107,23 @@ def _our_hooked_params(instance: Any, call_hook: Any) -> set[torch.fx.Node]:
     return {p for p in hooked_params(instance.fx_tracer.graph, call_hook) if input_index(p) in ours}
 
 
-def _patch_passes(owned: Callable[[Any], bool]) -> bool:
-    try:
-        from torch._dynamo.external_utils import call_accumulate_grad, call_hook
-    except ImportError:
+def _patch_passes() -> bool:
+    global _missing
+    lacking = torch_internals.capture_internals_missing()
+    if lacking is not None:
+        _missing = lacking.name
         return False
-    owner = _pass_owner()
+    owner = torch_internals.compiled_autograd_capture_class()
+    call_accumulate_grad, call_hook = torch_internals.compiled_autograd_calls()
     names = (
         "begin_capture",
         "reorder_accumulate_grad_nodes",
         "reorder_post_acc_grad_hook_nodes",
         "end_capture",
     )
-    if owner is None or not all(callable(getattr(owner, n, None)) for n in names):
+    absent = [n for n in names if not callable(getattr(owner, n, None))]
+    if absent:
+        _missing = f"{owner.__module__}.{owner.__qualname__}.{absent[0]}"
         return False
     begin_capture = owner.begin_capture
     reorder_accumulate = owner.reorder_accumulate_grad_nodes
@@ -85,11 +132,15 @@ def _patch_passes(owned: Callable[[Any], bool]) -> bool:
 
     @functools.wraps(begin_capture)
     def begin_capture_noting_storages(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        global _capturing_ours
-        self._lomo_ours = _our_inputs(inputs, owned)
+        global _capturing_ours, _ours_viewed_by_non_leaves
+        self._lomo_ours = _our_inputs(inputs)
         _capturing_ours = bool(self._lomo_ours)
+        _ours_viewed_by_non_leaves = False
         if _capturing_ours:
             self._lomo_input_storages = [storage_key(t) for t in inputs]
+            _ours_viewed_by_non_leaves = _non_leaf_views(
+                inputs, self._lomo_ours, self._lomo_input_storages
+            )
         return begin_capture(self, inputs, *args, **kwargs)
 
     @functools.wraps(reorder_accumulate)
@@ -134,8 +185,7 @@ def _patch_passes(owned: Callable[[Any], bool]) -> bool:
         # every call runs with the pass; the patch is only read while compiling.
         @functools.wraps(compiled)
         def compiled_with_pass(*args: Any, **kwargs: Any) -> Any:
-            from torch._inductor import config as inductor_config
-
+            inductor_config = torch_internals.inductor_config()
             user_passes = inductor_config.post_grad_custom_post_pass
             if user_passes is None:
                 passes: Any = DELAY_UPDATES.get()

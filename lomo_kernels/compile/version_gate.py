@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from ..core import torch_internals
 from . import scope
 
 # Versions on which compiled autograd with these patches is tested (`make
@@ -24,10 +25,10 @@ UNTESTED_MESSAGE = (
 )
 
 UNSUPPORTED_MESSAGE = (
-    "lomo_kernels: compiled autograd is enabled, but this torch ({version}) lacks the "
-    "compiled-autograd pass that lomo_kernels adjusts to keep in-backward updates after "
-    "every read of the parameter; such updates would be silently wrong. Run the backward "
-    "without compiled autograd (torch.compile of the forward alone is supported)."
+    "lomo_kernels: compiled autograd is enabled, but this torch ({version}) lacks {missing}, "
+    "which lomo_kernels adjusts to keep in-backward updates after every read of the "
+    "parameter; such updates would be silently wrong, so nothing was updated. Run the "
+    "backward without compiled autograd (torch.compile of the forward alone is supported)."
 )
 
 
@@ -45,24 +46,26 @@ def torch_version_tested(version: str) -> bool:
 
 def compiled_autograd_active() -> bool:
     """Whether a backward started now would be traced by compiled autograd."""
-    from torch._dynamo import compiled_autograd
-
-    return bool(
-        getattr(compiled_autograd, "compiled_autograd_enabled", False)
-        or torch._dynamo.config.compiled_autograd
-    )
+    return torch_internals.compiled_autograd_enabled()
 
 
 def check_supported() -> None:
-    """Raises before any update when compiled autograd is on and this torch is untested or
-    the fix is unavailable.
+    """Before a backward of ours: when compiled autograd is on, adjusts its capture for our
+    hooks (`scope.install`, the first time), or raises before any update where this torch
+    is untested or lacks what the adjustment needs.
 
-    Reads only module state, so a compiled training step can trace it without a break.
+    Called eagerly (outside any traced code): the first call patches torch's classes.
     """
     if not compiled_autograd_active():
+        if not torch_internals.compiled_autograd_state_readable():
+            # Whether compiled autograd runs the coming backward cannot be told: adjust its
+            # capture now (the adjustment leaves every other capture as torch makes it).
+            scope.install()
         return
     if not torch_version_tested(TORCH_VERSION):
         tested = ", ".join(TESTED_TORCH_VERSIONS)
         raise RuntimeError(UNTESTED_MESSAGE.format(version=TORCH_VERSION, tested=tested))
-    if not scope.installed():
-        raise RuntimeError(UNSUPPORTED_MESSAGE.format(version=TORCH_VERSION))
+    if not scope.install():
+        raise RuntimeError(
+            UNSUPPORTED_MESSAGE.format(version=TORCH_VERSION, missing=scope.missing())
+        )

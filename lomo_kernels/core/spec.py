@@ -8,7 +8,7 @@ Everything else about an op's arguments is derived from its `OpSpec`:
     hyper-parameter (`OpSpec.convert`), before anything is written,
   - the keyword arguments every backend function receives: the reference, the Triton
     launchers and the C++/CUDA bindings take exactly these names in this order
-    (tests/test_op_specs.py compares each backend's declared arguments with the spec).
+    (tests/ops/test_op_specs.py compares each backend's declared arguments with the spec).
 
 An argument's kind says what it is to the kernels and how a public call may give it:
 
@@ -60,7 +60,7 @@ REQUIRED = object()
 class Arg:
     """One argument of an op. `rule` restricts a scalar or hyper-parameter:
     'non_negative', 'positive' or 'unit_interval'. `required`: a flag that must be given.
-    `default`: the public functions' default (tests/test_op_specs.py checks each)."""
+    `default`: the public functions' default (tests/ops/test_op_specs.py checks each)."""
 
     name: str
     kind: str

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.torch_internals import non_persistent_buffer_names
 from .fsdp2 import Fsdp2Sharding, compute_dtype, fsdp_params_of, is_dtensor
 from .reduce_scatter import DEFAULT_BUCKET_NUMEL, DEFAULT_MAX_INFLIGHT
 from .shard import Shard, ShardGrads
@@ -104,7 +105,7 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state[name] = p.detach().clone()
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, b in module.named_buffers(recurse=False):
-            if b is not None and name not in module._non_persistent_buffers_set:
+            if b is not None and name not in non_persistent_buffer_names(module):
                 value = b.detach().full_tensor() if is_dtensor(b) else b.detach()
                 state[f"{prefix}.{name}" if prefix else name] = value.clone()
     return state

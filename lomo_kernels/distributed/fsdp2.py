@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.torch_internals import fsdp_param_group
 from .reduce_scatter import gather_padded
-from .shard import Shard, ShardGrads
+from .shard import Shard, ShardGrads, refuse_partial_world
 
 SUPPORTED_SETUP = (
     "Supported: FSDP2 (torch.distributed.fsdp.fully_shard) on a 1-D device mesh over all "
@@ -46,10 +47,7 @@ def fsdp_params_of(model: nn.Module) -> Iterator[tuple[int, Any]]:
     """
     unit = 0
     for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        group = getattr(get_state(), "_fsdp_param_group", None)
+        group = fsdp_param_group(module)
         if group is None:
             continue
         for fsdp_param in group.fsdp_params:
@@ -115,13 +113,7 @@ def check_fsdp2_params(
                 f"parameter {name!r}: this rank holds {tuple(p.to_local().shape)} of "
                 f"{tuple(p.shape)}, not the torch.chunk rows FSDP2 uses. " + SUPPORTED_SETUP
             )
-    world = dist.get_world_size(group)
-    if world != dist.get_world_size():
-        raise ValueError(
-            f"the parameters are sharded over {world} of {dist.get_world_size()} ranks (FSDP2 "
-            "combined with another kind of parallelism): not supported, the gradients would be "
-            "averaged over the shard group only. " + SUPPORTED_SETUP
-        )
+    refuse_partial_world(group, "FSDP2", SUPPORTED_SETUP)
     return group, {id(p): managed[id(p)] for p in params}
 
 
@@ -164,8 +156,7 @@ def unsynced_units(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        group = fsdp_param_group(module)
         count += group is not None and not getattr(group, "reduce_grads", True)
     return count
 
@@ -179,8 +170,7 @@ def refresh_unsharded(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        group = fsdp_param_group(module)
         if group is not None and not group.is_sharded:
             group.reshard()
             count += 1

@@ -38,3 +38,16 @@ class Shard:
 # One batch of reduced gradients a sharding hands over: this rank's shard of each parameter
 # with its slice of the averaged gradient, in the order every rank sees them.
 ShardGrads = list[tuple[Shard, torch.Tensor]]
+
+
+def refuse_partial_world(group: object, engine: str, setup: str) -> None:
+    """Refuses parameters sharded over fewer ranks than the job has: `engine` combined with
+    another kind of parallelism, whose gradients would be averaged over the shard group
+    only. `setup`: the engine's supported set-up, appended to the message."""
+    world = dist.get_world_size(group)
+    if world != dist.get_world_size():
+        raise ValueError(
+            f"the parameters are sharded over {world} of {dist.get_world_size()} ranks "
+            f"({engine} combined with another kind of parallelism): not supported, the "
+            "gradients would be averaged over the shard group only. " + setup
+        )

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.torch_internals import post_accumulate_grad_hooks
 from .reduce_scatter import ReduceScatterBuckets, all_gather, gather_padded
-from .shard import Shard, ShardGrads
+from .shard import Shard, ShardGrads, refuse_partial_world
 
 SUPPORTED_SETUP = (
     "Supported: DeepSpeed ZeRO stage 3 with no optimizer passed to deepspeed.initialize "
@@ -104,13 +105,7 @@ def check_zero3_params(params: Sequence[nn.Parameter], names: dict[int, str]) ->
                 "passed to deepspeed.initialize), whose hooks would also reduce its gradient. "
                 + SUPPORTED_SETUP
             )
-    world = dist.get_world_size(group)
-    if world != dist.get_world_size():
-        raise ValueError(
-            f"the parameters are partitioned over {world} of {dist.get_world_size()} ranks "
-            "(ZeRO-3 combined with another kind of parallelism): the gradients would be "
-            "averaged over the partition group only. Not supported. " + SUPPORTED_SETUP
-        )
+    refuse_partial_world(group, "ZeRO-3", SUPPORTED_SETUP)
     return group
 
 
@@ -118,7 +113,7 @@ def _has_deepspeed_reduce_hook(param: nn.Parameter) -> bool:
     """Whether DeepSpeed's ZeRO-3 optimizer hooked this parameter's gradient."""
     # Without an optimizer DeepSpeed registers no post-accumulate hook; its ZeRO-3 optimizer
     # registers one per parameter (wrapped by its NVTX instrumentation).
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    hooks = post_accumulate_grad_hooks(param)
     return any(getattr(h, "__module__", "").startswith("deepspeed") for h in hooks.values())
 
 

@@ -8,8 +8,8 @@ evaluation without a loss) the original forward runs unchanged.
 
 With a `Lomo` attached (untied, unsharded weights, eager backward) the two ``vocab x
 hidden`` gradients go too: the head is stepped from each vocabulary chunk's gradient as the
-loss's backward produces it (`ops/head_gradient.py`), and the input embedding, looked up
-through `ops.embedding_backward.embedding_rows`, from the rows the batch used
+loss's backward produces it (`ops/cross_entropy/head_gradient.py`), and the input
+embedding, looked up through `ops.embedding.embedding_rows`, from the rows the batch used
 (`optim/row_blocks.py`). Any other optimizer gets both gradients as usual.
 
 Only architectures whose loss is exactly "bias-free linear head, then transformers'
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..ops.cross_entropy import causal_lm_loss, linear_cross_entropy
-from ..ops.embedding_backward import embedding_rows
+from ..ops.embedding import embedding_rows
 from ..optim import head_guard
 from .token_metrics import token_metrics
 

@@ -37,7 +37,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext
 from transformers.training_args import OptimizerNames
 
-from ..optim._in_backward import GRAD_ACCUMULATION_ERROR, InBackwardOptimizer
+from ..optim._in_backward import InBackwardOptimizer
+from ..optim.validation import GRAD_ACCUMULATION_ERROR, register_backward_origin_note
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
 
 # (id(owner), attribute) -> (owner, the value enable_transformers() replaced); a dict owner
@@ -247,6 +248,22 @@ def enable_transformers() -> None:
 def transformers_enabled() -> bool:
     """Whether `enable_transformers()` is in effect."""
     return bool(_ORIGINALS)
+
+
+def _backward_origin_note() -> str | None:
+    """What a stray backward means while `enable_transformers()` is active (the optimizers'
+    refusal adds it)."""
+    if not transformers_enabled():
+        return None
+    return (
+        "lomo_kernels.enable_transformers() is active, so transformers' Trainer "
+        "and accelerator.backward(loss) already run opt.fused_backward: this backward came "
+        "from elsewhere (your own loss.backward(), or a library calling it directly); "
+        "call opt.fused_backward(loss) there instead, once per step."
+    )
+
+
+register_backward_origin_note(_backward_origin_note)
 
 
 def disable_transformers() -> None:

@@ -10,7 +10,7 @@ Used by both ways in (``LomoTrainer`` and ``enable_transformers()``'s ``optim="l
   backward per step. The default, False, runs the norm pass first, so a clipped step takes
   two backward passes and is exactly the clipped step of transformers' other optimizers
   (``min(1, max_grad_norm / ||g||) * g``); True costs about 0.6 of that step's time, with the
-  bounded approximation of ``Lomo``'s docstring (README, "One backward per step").
+  bounded approximation of ``Lomo``'s docstring (docs/usage.md, "One backward per step").
 """
 
 from __future__ import annotations

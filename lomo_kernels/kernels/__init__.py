@@ -1,12 +1,11 @@
-"""Compiled kernels of the fused ops, one module per (backend, op family).
+"""Compiled device code and what builds, loads and launches it; no op logic.
 
-    cpp/lomo.py, cpp/adalomo.py          C++ CPU and CUDA C++ kernels (csrc/), JIT-built
-    cpp/extension.py                     building and loading those extensions
-    triton/lomo.py, triton/adalomo.py    Triton launchers (CUDA; CPU under TRITON_INTERPRET=1)
-    triton/*_kernels.py                  the @triton.jit device code
+    triton/*_kernels.py     the @triton.jit device code of each op family, and the shared
+                            rounding and gradient-preparation functions (rounding_kernels.py)
+    triton/runtime.py       availability, interpreter mode, launch on the tensor's device, the
+                            one launcher and the argument builders every Triton backend shares
+    cpp/extension.py        building and loading the C++ / CUDA extensions (sources: csrc/)
 
-Each backend module provides the functions of its family's reference
-(`lomo_kernels.ops.lomo_reference`, `lomo_kernels.ops.adalomo_reference`) with the arguments
-of the ops' specs (`lomo_kernels.core.spec`), called by keyword, and `is_available` /
-`unavailable_reason`.
+Each op family's backend modules (`lomo_kernels/ops/<family>/triton_backend.py`,
+`cpp_backend.py`, `blocked_backend.py`) sit beside its reference in `lomo_kernels.ops`.
 """

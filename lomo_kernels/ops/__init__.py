@@ -1,26 +1,24 @@
 """The fused ops of LOMO and AdaLomo: one `torch.library` op per fused pass.
 
-    spec.py                each op described once (arguments, kinds, mutability): schema,
-                           fake, public checks and backend argument lists derive from it
-    lomo.py                LOMO: specs and public functions (fused_lomo_update_, grad_sumsq_)
-    lomo_reference.py      their executable specification in PyTorch
-    adalomo.py             AdaLomo: the six passes' specs, public functions, adalomo_update_
-    adalomo_reference.py   their executable specification
-    adalomo_workspace.py   the per-step fp32 workspace every AdaLomo backend shares
-    backends.py            the ops' definition and per-device kernels
+One package per op family, its specs and public functions in its __init__, beside them its
+executable specification (reference.py), its backends (triton_backend.py, cpp_backend.py;
+the head: triton_backend.py, blocked_backend.py) and what else belongs to it only:
+    lomo/                  LOMO: fused_lomo_update_, fused_sgd_update_, grad_sumsq_
+    adalomo/               AdaLomo: the six passes, adalomo_update_; workspace.py, the
+                           per-step fp32 workspace every AdaLomo backend shares
+    cross_entropy/         fused linear + cross-entropy (linear_cross_entropy, causal_lm_loss);
+                           head_gradient.py: where the head's weight gradient goes
+    embedding/             the used-rows embedding (embedding_rows), and ATen's embedding
+                           backward as an op Inductor keeps (compiled autograd)
+Shared by the families:
+    backends.py            which kernel runs, for every op and device, decided here
+    definition.py          each op defined once with torch.library (schema, fake, kernels)
     eager.py               eager calls straight to the kernel (no dispatcher layers to pay)
-    selection.py           backend choice (argument, $LOMO_KERNELS_BACKEND, availability)
-    scalars.py             runtime scalars: 1-element fp32 device tensors, converted once
-    checks.py              argument validation, before anything is written
-    cross_entropy.py       fused linear + cross-entropy (linear_cross_entropy, causal_lm_loss)
-    cross_entropy_reference.py   its float64 specification
-    head_gradient.py       where the head's weight gradient goes in that loss's backward
-    embedding_backward.py  ATen's embedding backward as an op Inductor keeps (compiled autograd)
 
-The kernels themselves live in `lomo_kernels.kernels` (cpp/, triton/) and `csrc/`.
+The device code the backends launch lives in `lomo_kernels.kernels` and `csrc/`.
 """
 
-from . import embedding_backward  # noqa: F401  (registers its op)
+from . import embedding  # noqa: F401  (registers its op)
 from .adalomo import (
     adalomo_factored_apply_,
     adalomo_factored_moments_,

@@ -1,27 +1,21 @@
-"""Which backend runs each fused op on each device, and the definition of the ops.
+"""Which kernel runs: the one place that decides, for every fused op on every device.
 
-Every fused op is one `torch.library.custom_op` defined from its `OpSpec` (`spec.py`;
-the specs themselves are in `lomo.py` and `adalomo.py`), with:
-  - the reference (``lomo_reference.py``, ``adalomo_reference.py``) as the implementation
-    for any device,
-  - a fake implementation (the ops only write into their arguments), so FakeTensor tracing,
-    `torch.compile` and `opcheck` see the op without running it,
-  - one kernel registered per dispatch key with compiled kernels, the device's backend:
+LOMO update ops and AdaLomo's passes (`LOMO`, `ADALOMO`: a `BackendRegistry` each):
+  - order: the caller's ``backend=`` argument, then $LOMO_KERNELS_BACKEND, then the best
+    available for the device (`auto_order`):
       cpu:  C++ (csrc/*_cpu.cpp), the reference as fallback; Triton only under
             TRITON_INTERPRET=1 (tests),
-      cuda: Triton, then the CUDA C++ kernels (csrc/*_cuda.cu), then the reference.
-The order is `selection.auto_order`; $LOMO_KERNELS_BACKEND moves one backend first, and one
-that cannot load is reported once and skipped (`selection.py`). No schema carries a backend
-name: a caller's ``backend=`` choice is resolved to a backend module by the public layer
-(cached per name and device) and runs that module's kernel: directly on the eager fast path,
-through the dispatcher otherwise (`eager.py`). Compiled graphs run the device's backend.
+      cuda: Triton, then the CUDA C++ kernels (csrc/*_cuda.cu), then the reference;
+  - a backend that cannot load never breaks an import or a call: it is reported once with a
+    warning and the next one in line is used; the pure-PyTorch reference is always there;
+  - the choice is cached per (name, device type, TRITON_INTERPRET).
+No schema carries a backend name: a public call resolves its ``backend=`` to a module here
+and runs that module's function for the op, directly on the eager fast path (`eager.py`),
+or through the dispatcher, whose device kernels (`definition.py`) ask `chosen_backend`
+for the call's choice and fall back to the device's. Compiled graphs run the device's.
 
-Why opaque custom ops and not `torch.library.triton_op` on CUDA: a triton_op decomposes into
-its Triton launches under functionalization whatever the device and backend, while these ops
-choose among three implementations per device (and the CUDA C++ fallback is not Triton).
-Inductor gains no fusion from seeing inside them: each reads a gradient Inductor has already
-materialised and writes a graph input in place, one memory-bound pass. What it does see is
-the schema's mutation annotations, which is what lets it keep the update in place.
+The fused linear + cross-entropy (`linear_cross_entropy_kernels`): Triton on CUDA where it
+loads, else blocked torch operations (CPU, and CUDA without Triton).
 
 Backend modules (kernels/cpp/*.py, kernels/triton/*.py, the references) provide one function
 per op, named by its spec's ``function``, taking the spec's arguments by keyword.
@@ -30,48 +24,173 @@ per op, named by its spec's ``function``, taking the spec's arguments by keyword
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Callable
+import contextvars
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ..core.spec import OpSpec
-from . import adalomo_reference, eager, lomo_reference
-from .eager import FusedOp, chosen_backend
-from .selection import BACKEND_NAMES, ENV_VAR, BackendRegistry, requested_backend
-
-KERNEL_DEVICE_TYPES = ("cpu", "cuda")
+BACKEND_NAMES = ("triton", "cpp", "torch")
+ENV_VAR = "LOMO_KERNELS_BACKEND"
 
 
-def _lomo_triton() -> ModuleType:
-    from ..kernels.triton import lomo
-
-    return lomo
-
-
-def _lomo_cpp() -> ModuleType:
-    from ..kernels.cpp import lomo
-
-    return lomo
-
-
-def _adalomo_triton() -> ModuleType:
-    from ..kernels.triton import adalomo
-
-    return adalomo
+def requested_backend(backend: str | None) -> str:
+    """The backend name asked for by argument or environment ('auto' when neither)."""
+    name = backend if backend not in (None, "auto") else os.environ.get(ENV_VAR, "auto")
+    name = name.strip().lower() or "auto"
+    if name != "auto" and name not in BACKEND_NAMES:
+        source = "backend argument" if backend not in (None, "auto") else f"${ENV_VAR}"
+        raise ValueError(
+            f"unknown lomo_kernels backend {name!r} from the {source}; "
+            f"choose one of {', '.join(BACKEND_NAMES)} or 'auto'"
+        )
+    return name
 
 
-def _adalomo_cpp() -> ModuleType:
-    from ..kernels.cpp import adalomo
+def auto_order(device_type: str) -> tuple[str, ...]:
+    if device_type == "cuda":
+        return ("triton", "cpp", "torch")
+    if device_type == "cpu":
+        return ("cpp", "torch")
+    return ("torch",)
 
-    return adalomo
+
+class BackendRegistry:
+    """The backend modules of one op family and the choice among them per device.
+
+    Triton modules provide ``is_available()`` / ``unavailable_reason()``; C++ modules the
+    same taking the device type. `importers` maps each backend name ('torch': the reference,
+    'triton', 'cpp') to a function importing its module when first asked for, so that this
+    file imports no op family (the families define their ops with it) and a broken optional
+    dependency is caught here.
+    """
+
+    def __init__(self, family: str, importers: dict[str, Callable[[], ModuleType]]) -> None:
+        self.family = family
+        self.importers = importers
+        self.warned: set[tuple[str, str]] = set()
+        self.cache: dict[tuple[str, str, str], ModuleType] = {}
+        self.names: dict[str, str] = {}
+
+    @property
+    def reference(self) -> ModuleType:
+        """The family's reference module: the pure-PyTorch backend, always there."""
+        module = self.importers["torch"]()
+        self.names[module.__name__] = "torch"
+        return module
+
+    def load(self, name: str, device_type: str) -> tuple[ModuleType | None, str]:
+        """The backend module if it serves `device_type`, else None and the reason."""
+        if name == "torch":
+            return self.reference, ""
+        try:
+            module = self.importers[name]()
+        except Exception as exc:  # a broken optional dependency must not break the package
+            return None, f"import failed: {exc!r}"
+        self.names[module.__name__] = name
+        if name == "triton":
+            if device_type not in ("cuda", "cpu"):
+                return None, f"no Triton kernels for {device_type} tensors"
+            if not module.is_available():
+                return None, module.unavailable_reason()
+            if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+                return None, "Triton runs on CPU tensors only under TRITON_INTERPRET=1"
+            return module, ""
+        if not module.is_available(device_type):
+            return None, module.unavailable_reason(device_type)
+        return module, ""
+
+    def resolve(self, device: torch.device, backend: str | None = None) -> ModuleType:
+        """The backend module that runs this family's ops on tensors of `device`."""
+        name = requested_backend(backend)
+        # TRITON_INTERPRET decides whether Triton serves CPU tensors: part of their key (CUDA
+        # tensors exist only where CUDA, hence compiled Triton, is usable; one read saved).
+        device_type = device.type
+        interpret = os.environ.get("TRITON_INTERPRET", "") if device_type == "cpu" else ""
+        key = (name, device_type, interpret)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        order = auto_order(device.type)
+        if name != "auto":
+            order = (name,) + tuple(n for n in order if n != name)
+        chosen = self.reference
+        for candidate in order:
+            module, reason = self.load(candidate, device.type)
+            if module is not None:
+                chosen = module
+                break
+            warn_key = (candidate, device.type)
+            if (name == candidate or candidate == order[0]) and warn_key not in self.warned:
+                self.warned.add(warn_key)
+                warnings.warn(
+                    f"lomo_kernels: {self.family}backend {candidate!r} unavailable for "
+                    f"{device.type} tensors ({reason}); falling back (set ${ENV_VAR} to "
+                    "choose)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        self.cache[key] = chosen
+        return chosen
+
+    def name_of(self, module: ModuleType) -> str:
+        """Short name ('torch', 'cpp', 'triton') of one of this family's backend modules."""
+        return self.names[module.__name__]
 
 
-LOMO = BackendRegistry("", lomo_reference, {"triton": _lomo_triton, "cpp": _lomo_cpp})
+# The backend modules (per op family) a call running now chose, for the device kernels the
+# dispatcher runs within it.
+_CHOSEN: contextvars.ContextVar[dict[Any, ModuleType] | None] = contextvars.ContextVar(
+    "lomo_kernels_backend", default=None
+)
+
+
+def chosen_backend(registry: BackendRegistry) -> ModuleType | None:
+    """The backend module of `registry`'s family a call running now chose, if any."""
+    chosen = _CHOSEN.get()
+    return None if chosen is None else chosen.get(registry)
+
+
+@contextlib.contextmanager
+def dispatching_to_modules(chosen: dict[Any, ModuleType]) -> Iterator[None]:
+    """Within the block, the ops of each family in `chosen` (registry -> backend module)
+    that reach their CPU/CUDA kernels through the dispatcher run that module's kernel."""
+    token = _CHOSEN.set(chosen)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
+def _imported_on_first_use(modules: dict[str, str]) -> dict[str, Callable[[], ModuleType]]:
+    """Backend name -> a function importing that backend's module when first asked for."""
+    return {name: functools.partial(importlib.import_module, m) for name, m in modules.items()}
+
+
+LOMO = BackendRegistry(
+    "",
+    _imported_on_first_use(
+        {
+            "torch": "lomo_kernels.ops.lomo.reference",
+            "triton": "lomo_kernels.ops.lomo.triton_backend",
+            "cpp": "lomo_kernels.ops.lomo.cpp_backend",
+        }
+    ),
+)
 ADALOMO = BackendRegistry(
-    "AdaLomo ", adalomo_reference, {"triton": _adalomo_triton, "cpp": _adalomo_cpp}
+    "AdaLomo ",
+    _imported_on_first_use(
+        {
+            "torch": "lomo_kernels.ops.adalomo.reference",
+            "triton": "lomo_kernels.ops.adalomo.triton_backend",
+            "cpp": "lomo_kernels.ops.adalomo.cpp_backend",
+        }
+    ),
 )
 
 
@@ -91,61 +210,22 @@ def backend_name(module: ModuleType) -> str:
 def dispatching_to(device: torch.device, backend: str | None) -> contextlib.AbstractContextManager:
     """Within the block, every fused op on `device` that goes through the dispatcher (a
     dispatch mode, opcheck) runs `backend` (a name, as ``backend=``) instead of the device's."""
-    return eager.dispatching_to({r: r.resolve(device, backend) for r in (LOMO, ADALOMO)})
+    return dispatching_to_modules({r: r.resolve(device, backend) for r in (LOMO, ADALOMO)})
 
 
-def _writes_only(*args: Any, **kwargs: Any) -> None:
-    """Fake implementation: the ops return nothing and keep every shape."""
-    return None
+def linear_cross_entropy_kernels(device: torch.device) -> ModuleType:
+    """The fused linear + cross-entropy's kernels for tensors of `device`: Triton on CUDA
+    where it loads, else blocked torch operations."""
+    if device.type == "cuda":
+        from ..kernels.triton import runtime
 
+        if runtime.is_available():
+            from .cross_entropy import triton_backend as linear_cross_entropy
 
-def define(spec: OpSpec, registry: BackendRegistry) -> FusedOp:
-    """Defines the op of `spec`: schema, the reference as its body, the fake, and one kernel
-    per dispatch key (the backend `registry` picks for that device). Returns the op as the
-    public layer calls it (`eager.FusedOp`)."""
-    function = spec.function
+            return linear_cross_entropy
+    from .cross_entropy import blocked_backend as linear_cross_entropy
 
-    def reference(*args: Any, **kwargs: Any) -> None:
-        getattr(registry.reference, function)(**spec.bind(args, kwargs))
-
-    op = torch.library.custom_op(
-        spec.qualname, reference, mutates_args=spec.mutated_names, schema=spec.schema()
-    )
-    op.register_fake(_writes_only)
-    for device_type in KERNEL_DEVICE_TYPES:
-        op.register_kernel(device_type, _device_kernel(spec, registry, device_type))
-    return FusedOp(spec, op._opoverload, registry)
-
-
-def define_returning(
-    spec: OpSpec, implementation: Callable[..., Any], fake: Callable[..., Any]
-) -> Any:
-    """Defines an op of `spec` that returns tensors (the fused loss's forward and backward):
-    the schema from the spec, `implementation` as its body on every device (it picks its
-    kernels by device itself), `fake` the tensors it returns. `implementation` takes the
-    spec's arguments, name for name; checked here. Returns the custom op."""
-    declared = tuple(inspect.signature(implementation).parameters)
-    if declared != spec.names:
-        raise TypeError(f"{implementation.__name__} takes {declared}, {spec.name} {spec.names}")
-
-    def body(*args: Any, **kwargs: Any) -> Any:
-        return implementation(**spec.bind(args, kwargs))
-
-    op = torch.library.custom_op(spec.qualname, body, mutates_args=(), schema=spec.schema())
-    op.register_fake(fake)
-    return op
-
-
-def _device_kernel(spec: OpSpec, registry: BackendRegistry, device_type: str) -> Any:
-    function = spec.function
-    device = torch.device(device_type)
-
-    def kernel(*args: Any, **kwargs: Any) -> None:
-        # A public call's backend= choice (eager, through the dispatcher), else the device's.
-        module = chosen_backend(registry) or registry.resolve(device)
-        getattr(module, function)(**spec.bind(args, kwargs))
-
-    return kernel
+    return linear_cross_entropy
 
 
 __all__ = [
@@ -153,9 +233,11 @@ __all__ = [
     "BACKEND_NAMES",
     "ENV_VAR",
     "LOMO",
+    "BackendRegistry",
     "backend_name",
-    "define",
+    "chosen_backend",
     "dispatching_to",
+    "linear_cross_entropy_kernels",
     "requested_backend",
     "resolve",
 ]

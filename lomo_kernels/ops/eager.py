@@ -24,82 +24,46 @@ Autograd stays correct: the ops have no autograd formula, and the fast path is o
 when autograd would record nothing (grad mode off, or no argument requires grad); the
 version bump it does is the one ADInplaceOrView does, before the kernel, for the same
 arguments (``mutates_args``), so a tensor saved for backward and then updated is still
-detected. Inference tensors have no version counter: `torch._C._increment_version` skips
-them, as the dispatcher does.
+detected. Inference tensors have no version counter: the version bump skips them, as the
+dispatcher does.
+
+The thread-state reads and the version bump are torch internals
+(`core.torch_internals.dispatcher_bypass`): on a torch that lacks any of them, every call
+goes through the dispatcher.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..core.torch_internals import dispatcher_bypass
+from .backends import BackendRegistry, dispatching_to_modules
+
 if TYPE_CHECKING:
     from ..core.spec import OpSpec
-    from .selection import BackendRegistry
 
-_C = torch._C
 # What an eager call reads each time, bound once: attribute lookups on torch's modules are
 # a measurable part of a call's host time.
 _is_compiling = torch.compiler.is_compiling
-_len_torch_dispatch_stack = _C._len_torch_dispatch_stack
-_is_torch_function_mode_enabled = _C._is_torch_function_mode_enabled
-_are_functorch_transforms_active = _C._are_functorch_transforms_active
-_profiler_enabled = _C._autograd._profiler_enabled
-_is_tracing = _C._is_tracing
-_dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
-_is_grad_enabled = _C.is_grad_enabled
-_any_requires_grad = _C._any_requires_grad
-_increment_version = _C._increment_version
+_is_grad_enabled = torch.is_grad_enabled
 _given = functools.partial(operator.is_not, None)  # an optional argument that is not None
-_FUNCTIONALIZE = _C.DispatchKey.Functionalize
 # The exact types of a Tensor? argument the fast path takes (a subclass, even one without
 # `__torch_function__` such as DTensor, may dispatch on its own).
 _PLAIN_OR_ABSENT = frozenset((torch.Tensor, nn.Parameter, type(None)))
-
-# The backend modules (per op family) a call running now chose, for the device kernels the
-# dispatcher runs within it.
-_CHOSEN: contextvars.ContextVar[dict[Any, ModuleType] | None] = contextvars.ContextVar(
-    "lomo_kernels_backend", default=None
-)
-
-
-def chosen_backend(registry: BackendRegistry) -> ModuleType | None:
-    """The backend module of `registry`'s family a call running now chose, if any."""
-    chosen = _CHOSEN.get()
-    return None if chosen is None else chosen.get(registry)
-
-
-@contextlib.contextmanager
-def dispatching_to(chosen: dict[Any, ModuleType]) -> Iterator[None]:
-    """Within the block, the ops of each family in `chosen` (registry -> backend module)
-    that reach their CPU/CUDA kernels through the dispatcher run that module's kernel."""
-    token = _CHOSEN.set(chosen)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
 
 
 def _nothing_listening() -> bool:
     """Whether this thread's state lets an op called now reach its device kernel with
     nothing in between: no TorchFunction or TorchDispatch mode, torch.func transform,
-    profiler, JIT tracer or functionalization."""
-    return not (
-        _len_torch_dispatch_stack()
-        or _is_torch_function_mode_enabled()
-        or _are_functorch_transforms_active()
-        or _profiler_enabled()
-        or _is_tracing()
-        or _dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
-    )
+    profiler, JIT tracer or functionalization (never, on a torch where that cannot be read)."""
+    return dispatcher_bypass().nothing_listening()
 
 
 def _plain_unrecorded(tensors: tuple[Any, ...]) -> bool:
@@ -110,7 +74,7 @@ def _plain_unrecorded(tensors: tuple[Any, ...]) -> bool:
     if not _PLAIN_OR_ABSENT.issuperset(map(type, tensors)):
         return False
     # With autograd recording, the op's autograd layer runs: leave it to the dispatcher.
-    return not (_is_grad_enabled() and _any_requires_grad(*tensors))
+    return not (_is_grad_enabled() and dispatcher_bypass().any_requires_grad(*tensors))
 
 
 def _kernel_device_type(tensor: torch.Tensor) -> str | None:
@@ -135,9 +99,9 @@ class FusedOp:
 
     Eager: bumps the versions of the mutated tensors and runs the chosen backend's function
     for the op directly, its arguments by position in the spec's order (every backend's
-    parameter list is that order: tests/test_op_specs.py), which skips keyword matching in
+    parameter list is that order: tests/ops/test_op_specs.py), which skips keyword matching in
     the C++ bindings. Otherwise: `overload` through the dispatcher, whose CPU and CUDA
-    kernels (`backends.define`) run the same backend function.
+    kernels (`definition.define`) run the same backend function.
     """
 
     def __init__(self, spec: OpSpec, overload: Any, registry: BackendRegistry) -> None:
@@ -204,7 +168,7 @@ class FusedOp:
         )
         # Modes, transforms, profiler, tracer, subclasses, autograd: the dispatcher.
         if not (_nothing_listening() and _plain_unrecorded(self._tensors(args))):
-            with dispatching_to({self.registry: module}):
+            with dispatching_to_modules({self.registry: module}):
                 self._dispatch(args)
             return
         self._run_kernel(module, device_type, args)
@@ -213,7 +177,7 @@ class FusedOp:
         """The fast path itself, once `_nothing_listening` and `_plain_unrecorded` allow it:
         the dispatcher's version bump, then the backend's kernel."""
         kernel = self._kernel(module, device_type)
-        _increment_version(filter(_given, self._mutated(args)))
+        dispatcher_bypass().increment_version(filter(_given, self._mutated(args)))
         kernel(*args)
 
     def _dispatch(self, args: tuple[Any, ...]) -> None:

@@ -5,88 +5,55 @@ Each trainable parameter gets one post-accumulate-grad hook (`hooks.py`). During
 during `grad_norm` it only accumulates the gradient's squared norm and inf/nan flag on the
 device. Which pass runs and how the update pass treats a gradient is the step mode
 (`step_mode.py`). Flags, norms, clip coefficients, the loss scale and the learning rate stay
-in device tensors, so backward never waits for the host.
+in device tensors (`device_scalars.py`), so backward never waits for the host.
 
-The other jobs live beside it: checks before any change (`validation.py`, `_hyper.py`), the
-param groups (`param_groups.py`), routing to a sharding (`sharded_steps.py`), step reports
-(`reporting.py`), checkpoints (`checkpoint.py`) and parameters a fused op hands over in
-blocks of rows instead of a gradient (`row_blocks.py`).
+The other jobs are parts of the optimizer, each with its own state: the checks before any
+change (`validation.py`, `_hyper.py`), what the hooks read of the param groups
+(`param_groups.py`), the loss scaling (`loss_scaling.py`), the write-back's rounding
+(`rounding.py`), the one-backward clip rule (`single_backward.py`), the sharding
+(`sharded_steps.py`), the step reports (`reporting.py`), the checkpoint (`checkpoint.py`,
+`parameter_state.py`) and the parameters a fused op hands over in blocks of rows
+(`row_blocks.py`). No part holds the optimizer: dropping it removes its hooks at once.
 """
 
 from __future__ import annotations
 
-import abc
 import functools
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from torch import nn
 
 from .. import compile as _compiled_autograd
 from .. import ops
-from ..core.scalars import copied_to, optional_factor
-from ..distributed import DEFAULT_BUCKET_NUMEL, sharding_for, unwrap_engine
+from ..core.torch_internals import compiled_backward_donates_buffers
+from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
 from ..ops.backends import requested_backend
-from ._hyper import CHECKS, check_lr, checked_group, checked_groups
-from .checkpoint import CheckpointState
+from ._hyper import check_lr, checked_group
+from .checkpoint import Checkpoint
+from .device_scalars import DeviceScalars, DeviceScalarTable
 from .head_guard import refuse_bypassed_head
-from .hooks import AttachedAfterInit, attach_hooks, check_unowned, updated_in_backward
-from .loss_scaler import DynamicLossScaler
-from .param_groups import (
-    GroupHyperParameter,
-    build_param_groups,
-    current_group_index,
-    group_index,
-    hook_groups,
-)
-from .reporting import StepReporting
+from .hooks import attach_hooks, check_unowned, updated_in_backward
+from .loss_scaling import LossScaling
+from .param_groups import GroupHyperParameter, HookGroups, build_param_groups
+from .parameter_state import ParameterState
+from .reporting import Reported, StepReports
 from .rounding import WriteBackRounding
-from .row_blocks import RowBlockSteps
-from .sharded_steps import ShardedSteps
+from .row_blocks import RowBlocks, RowBlockStep, UpdateRows
+from .sharded_steps import ShardedSteps, SliceBatch
 from .single_backward import SingleBackwardClip
 from .step_mode import Phase, StepMode
 from .validation import (
     ParameterLayout,
     check_loss,
     parameter_names,
+    plain_backward_error,
     refuse_graph,
     sparse_gradient_error,
     trainable_parameters,
 )
-
-GRAD_ACCUMULATION_ERROR = (
-    "LOMO updates each parameter inside backward and frees its gradient at once, so "
-    "gradients cannot be accumulated over micro-batches: use a larger batch instead (with "
-    "activation checkpointing if memory is short)."
-)
-
-
-def plain_backward_error() -> str:
-    """The refusal of a backward that reached a hook outside `fused_backward`/`grad_norm`,
-    worded for where the caller is: whether `enable_transformers()` is active."""
-    head = (
-        "a backward reached the hook of a parameter that a Lomo/AdaLomo updates, outside "
-        "opt.fused_backward(loss) and opt.grad_norm(loss) (a plain loss.backward(), or "
-        "gradient accumulation); nothing was updated. " + GRAD_ACCUMULATION_ERROR
-    )
-    integration = sys.modules.get("lomo_kernels.integrations.huggingface")
-    if integration is not None and integration.transformers_enabled():
-        return (
-            f"{head} lomo_kernels.enable_transformers() is active, so transformers' Trainer "
-            "and accelerator.backward(loss) already run opt.fused_backward: this backward came "
-            "from elsewhere (your own loss.backward(), or a library calling it directly); "
-            "call opt.fused_backward(loss) there instead, once per step."
-        )
-    return (
-        f"{head} Call opt.fused_backward(loss) instead of loss.backward(), once per step. "
-        "With transformers' Trainer (TRL's trainers too) or accelerate, call "
-        "lomo_kernels.enable_transformers() first (TRL: lomo_kernels.enable_trl()), or use "
-        "lomo_kernels.integrations.hf_trainer.LomoTrainer."
-    )
-
 
 DONATED_BUFFERS_ERROR = (
     "grad_norm(loss) keeps the loss's graph for the update pass, but this graph's compiled "
@@ -97,73 +64,84 @@ DONATED_BUFFERS_ERROR = (
 )
 
 
-def _donates_saved_buffers(error: RuntimeError) -> bool:
-    """Whether `error` is torch's refusal to keep the graph of a compiled backward that
-    reuses its saved buffers (raised before that backward runs)."""
-    return "donated buffer" in str(error)
+class InBackwardOptions(TypedDict, total=False):
+    """The keyword-only options Lomo and AdaLomo share (`InBackwardOptimizer`'s, with its
+    defaults)."""
+
+    stochastic_rounding: bool
+    seed: int
+    backend: str | None
+    bucket_numel: int
+    single_backward: bool
+    replicated: bool
+    param_groups: Sequence[Mapping[str, Any]] | None
 
 
 @dataclass
-class _DeviceScalars:
-    """Per-device 1-element fp32 tensors the kernels read (one set per device in use)."""
+class TensorStep:
+    """One parameter's update in the pass in progress, as the hook hands it to `_update`."""
 
-    device: torch.device
-    sumsq: torch.Tensor = field(init=False)
-    norm_found_inf: torch.Tensor = field(init=False)
-    update_found_inf: torch.Tensor = field(init=False)
-    no_skip: torch.Tensor = field(init=False)
-    clip_coef: torch.Tensor = field(init=False)
-    inv_scale: torch.Tensor = field(init=False)  # the loss scaler's, copied once per step
-    lr: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Per trainable parameter (by index), this device's part of the norm pass's sums of
-    # squares; None where the pass runs under compiled autograd (see `_norm_pass`).
-    param_sumsq: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        def zeros() -> torch.Tensor:
-            return torch.zeros(1, device=self.device)
-
-        self.sumsq, self.norm_found_inf, self.update_found_inf = zeros(), zeros(), zeros()
-        self.no_skip, self.clip_coef = zeros(), torch.ones(1, device=self.device)
-        self.inv_scale = torch.ones(1, device=self.device)
+    param: torch.Tensor
+    grad: torch.Tensor
+    group_index: int  # the lr is the device tensor scalars.lr[group_index]
+    group: dict[str, Any]  # the param group's hyper-parameters without "params" and "lr"
+    scalars: DeviceScalars  # those of the parameter's device
+    # Non-zero: nothing is written. None: the update measures the gradient itself and calls
+    # on_grad_sumsq with its [sum of squares, non-finite flag] before reading
+    # scalars.clip_coef, skipping a non-finite gradient itself (`_update_measures`).
+    skip_if: torch.Tensor | None
+    on_grad_sumsq: Callable[[torch.Tensor], None] | None = None
 
 
-class InBackwardOptimizer(
-    StepReporting, ShardedSteps, CheckpointState, RowBlockSteps, metaclass=AttachedAfterInit
-):
-    """Base of Lomo/AdaLomo. Subclasses implement `_update(param, grad, group, scalars)`
-    and `_update_shards` (sharded slices).
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """Base of Lomo/AdaLomo. Subclasses implement `_update` (one parameter),
+    `_update_shards` (sharded slices) and `_prepare_update_arguments` (once per step), and
+    say what they keep per parameter (`_PARAMETER_STATE`); an elementwise update also
+    implements `update_rows` (`row_blocks.py`).
 
     The hooks stay until `detach()`, the end of a ``with`` block, or the optimizer's
     collection; then the model trains with plain backward and any other optimizer.
     """
 
+    _PARAMETER_STATE: ClassVar[ParameterState]
+    # Steps rows [start, stop) of a parameter exactly as its whole step would; None where
+    # the update is not elementwise (no row blocks then).
+    update_rows: UpdateRows | None = None
+
     def __init__(
         self,
         model: nn.Module,
         defaults: dict[str, Any],
+        loss_scaling: Callable[[torch.device], LossScaling],
         *,
-        backend: str | None,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+        backend: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         single_backward: bool = False,
         replicated: bool = True,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
-        rounding: WriteBackRounding | None = None,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
-        clip_grad_norm, clip_grad_value) and the sharding set-up before any hook is attached.
+        clip_grad_norm, clip_grad_value) and the sharding set-up, then attaches the hooks,
+        last: a constructor that fails leaves the model as it was (subclasses build their
+        own parts before calling this one).
+        `loss_scaling(device)`: the loss scaling, on the first trained parameter's device.
+        `stochastic_rounding`, `seed`: the write-back's rounding of bf16 and fp16
+        parameters (rounding.py).
+        `backend`: 'triton', 'cpp', 'torch' or None for automatic.
         `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
         `single_backward`: clip and check overflow within the update pass
         (single_backward.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
         own (pipeline stages, a model per rank), so no rank waits for another's gradients.
-        `param_groups`: torch-style groups of the model's parameters (param_groups.py).
-        `rounding`: the write-back's rounding (rounding.py; None: to nearest)."""
+        `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
+        rounding = WriteBackRounding(stochastic_rounding, seed)
         defaults = checked_group(defaults)
         model = unwrap_engine(model)
         params = trainable_parameters(model)
         check_unowned(params, parameter_names(model), type(self).__name__)
-        self._sharding = sharding_for(
+        sharding = sharding_for(
             params,
             parameter_names(model),
             model=model,
@@ -172,33 +150,52 @@ class InBackwardOptimizer(
         )
         super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
-        self.rounding = WriteBackRounding(False, 0) if rounding is None else rounding
+        self.rounding = rounding
         self.backend = backend
         self._backend_name = requested_backend(backend)  # validated once, not per call
-        self.step_count = 0
+        hooked = [p for g in self.param_groups for p in g["params"]]
+        self._loss_scaling = loss_scaling(hooked[0].device)
         self._mode = StepMode()
-        self._scalars: dict[torch.device, _DeviceScalars] = {}
-        self._hook_groups = hook_groups(self._checked_groups())
-        # The step's clip threshold, read from the checked groups at each call: traced code
-        # reads this float, not param_groups (whose lr changes every step: a guard on the
-        # group would recompile a compiled step each time).
-        self._max_norm: float | None = defaults["clip_grad_norm"]
-        self._group_of = group_index(self.param_groups)
-        self._index_of = {id(p): i for i, p in enumerate(params)}
-        self.last_grad_norm: torch.Tensor | None = None
-        self._clip_coef: torch.Tensor | None = None  # of the last norm pass (lomo-optim's)
-        self._norm_of_last_pass: torch.Tensor | None = None
-        self._param_norms: torch.Tensor | None = None  # of the last eager norm pass
-        self._init_reporting()
-        self._init_row_blocks()
-        self._layout = ParameterLayout(model, params, sharded=self._sharding is not None)
+        self._scalars = DeviceScalarTable()
+        self._groups = HookGroups(self.param_groups, params, defaults)
+        self._reports = StepReports(
+            functools.partial(parameter_names, model), len(params), self._loss_scaling.scaler
+        )
+        self._layout = ParameterLayout(model, params, sharded=sharding is not None)
         self.single_backward = bool(single_backward)
         self._single_backward_clip = (
             SingleBackwardClip(None, params[0].device) if single_backward else None
         )
-        # Keeps in-backward updates correct under compiled autograd.
-        _compiled_autograd.install(updated_in_backward)
-        self._release_hooks: Any = None  # set by _attach
+        self._sharded = (
+            None
+            if sharding is None
+            else ShardedSteps(sharding, self._mode, self._single_backward_clip, backend)
+        )
+        self._row_blocks = RowBlocks(
+            model,
+            self._mode,
+            rounding,
+            steps_rows=self.update_rows is not None,
+            sharded=sharding is not None,
+            clip=self._single_backward_clip,
+            backend=backend,
+        )
+        self._checkpoint = Checkpoint(
+            self._PARAMETER_STATE,
+            model,
+            self._reports,
+            self._mode,
+            self._loss_scaling,
+            self._single_backward_clip,
+            sharding,
+        )
+        initial = self._PARAMETER_STATE.initial
+        if initial is not None:
+            for p in params:
+                self.state[p] = initial(p, None if sharding is None else sharding.shard(p))
+        # Keeps in-backward updates correct under compiled autograd (from its first backward).
+        _compiled_autograd.register_updated_in_backward(updated_in_backward)
+        self._release_hooks = attach_hooks(self, hooked)  # last (see above)
 
     # The hyper-parameters live in param_groups (as in torch.optim); these attributes are
     # lomo-optim's names for them (host values: reading them never syncs).
@@ -206,6 +203,16 @@ class InBackwardOptimizer(
     weight_decay = GroupHyperParameter("weight_decay")
     clip_grad_norm = GroupHyperParameter("clip_grad_norm")
     clip_grad_value = GroupHyperParameter("clip_grad_value")
+
+    # What the step reports tell (reporting.py).
+    step_count = Reported(settable=True)
+    last_grad_norm = Reported()
+    clip_coef = Reported()
+    grad_norms = Reported()
+    last_step_skipped = Reported()
+    last_step_partial = Reported()
+    last_step_interrupted = Reported()
+    last_step_partial_names = Reported()
 
     @property
     def stochastic_rounding(self) -> bool:
@@ -217,37 +224,11 @@ class InBackwardOptimizer(
         """The stochastic rounding's seed."""
         return self.rounding.seed
 
-    @property
-    def clip_coef(self) -> torch.Tensor | None:
-        """lomo-optim's clip coefficient ``min(1, clip_grad_norm / (norm + 1e-6))`` of the
-        last norm pass, a 0-d device tensor (``float()`` of it syncs); None before the first
-        norm pass with clip_grad_norm set."""
-        return self._clip_coef
-
-    @property
-    def grad_norms(self) -> torch.Tensor | list[Any]:
-        """lomo-optim's per-gradient norms of the last norm pass: a 1-D device tensor with one
-        entry per trainable parameter (in model order; 0 for one that got no gradient, which
-        lomo-optim leaves out), whose 2-norm is the global norm (``torch.norm(opt.grad_norms)``,
-        as with lomo-optim). Sharded: each whole parameter's norm, on every rank. After a norm
-        pass under compiled autograd it holds one entry, the global norm (that pass sums into
-        one device scalar). ``[]`` before the first norm pass, as in lomo-optim."""
-        if self._norm_of_last_pass is None:
-            return []
-        return (
-            self._norm_of_last_pass.reshape(1) if self._param_norms is None else self._param_norms
-        )
-
     # -- hooks' lifetime ----------------------------------------------------------------
-    def _attach(self) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
-        self._release_hooks = attach_hooks(self, params)
-
     def detach(self) -> None:
         """Removes every hook from the model: plain ``loss.backward()`` and any other
         optimizer work on it again. This optimizer can no longer step."""
-        if self._release_hooks is not None:
-            self._release_hooks()  # runs once; later calls do nothing
+        self._release_hooks()  # runs once; later calls do nothing
 
     def __enter__(self) -> InBackwardOptimizer:
         return self
@@ -258,70 +239,37 @@ class InBackwardOptimizer(
     @property
     def attached(self) -> bool:
         """Whether the hooks are on the model (False after `detach()`)."""
-        return self._release_hooks is not None and self._release_hooks.alive
+        return self._release_hooks.alive
 
-    # -- overridables -----------------------------------------------------------------
-    def _host_hyper_parameters(self) -> dict[str, Any]:
-        """Hyper-parameters kept outside param_groups, checked with them at every step."""
-        return {}
+    # -- what subclasses define ---------------------------------------------------------
+    def _update(self, step: TensorStep) -> None:
+        """Applies the step to one parameter (see `TensorStep`)."""
+        raise NotImplementedError
 
-    def _loss_scaler(self) -> DynamicLossScaler | None:
-        return None
+    def _update_shards(self, batch: SliceBatch) -> None:
+        """Applies the step to this rank's slices in `batch`, given their reduced gradients."""
+        raise NotImplementedError
 
-    def _static_inv_scale(self) -> float:
-        return 1.0
-
-    def _needs_detection_pass(self) -> bool:
-        """Whether an inf/nan check must precede the update (fp16: make overflow atomic)."""
-        return self._max_norm is not None
+    def _prepare_update_arguments(self) -> None:
+        """Once per step, after the device scalars are set: what every update call of the
+        step passes, checked as the op's public checks would (before any change)."""
+        raise NotImplementedError
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """single_backward: whether `_update` measures this gradient's sum of squares and
-        non-finite flag itself (it then takes ``on_grad_sumsq``, see `_update`)."""
+        non-finite flag itself (`TensorStep.on_grad_sumsq`)."""
         return False
 
-    @abc.abstractmethod
-    def _update(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-    ) -> None:
-        """Applies the step to one parameter; writes nothing when `skip_if` is non-zero.
-
-        `group` holds the param group's hyper-parameters without "params" and "lr" (the lr
-        is the device tensor `scalars.lr[group index]`). Where `_update_measures` is True
-        (single_backward), it is called with `skip_if` None and a keyword ``on_grad_sumsq``,
-        to be called with the gradient's [sum of squares, non-finite flag] before
-        `scalars.clip_coef` is read (`ops.adalomo_update_`); it skips a non-finite gradient
-        itself.
-        """
-
-    def _after_norm_pass(self, found_inf: torch.Tensor) -> None:
-        """Bookkeeping after a norm pass (an overflow lowers the loss scale at once)."""
-
-    def _after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
-        """Bookkeeping after a completed step (loss scaler update); `detection`: a norm pass
-        preceded it (and already applied an overflow it found)."""
+    def _needs_detection_pass(self) -> bool:
+        """Whether an inf/nan check must precede the update: clipping by the global norm,
+        or fp16 (overflows are common there: found before any parameter changes)."""
+        return self._loss_scaling.fp16 or self._groups.max_norm is not None
 
     # -- hooks ------------------------------------------------------------------------
-    def _scalars_for(self, device: torch.device) -> _DeviceScalars:
-        scalars = self._scalars.get(device)
-        if scalars is None:
-            scalars = self._scalars[device] = _DeviceScalars(device)
-        return scalars
-
     def _inv_scale_for(self, device: torch.device) -> torch.Tensor | None:
         """The gradients' inverse loss scale as the ops take it: a device tensor, or None
         for 1."""
-        scaler = self._loss_scaler()
-        if scaler is None:
-            return optional_factor("inv_scale", self._static_inv_scale(), device)
-        if scaler.device == device:
-            return scaler.inv_scale
-        return self._scalars[device].inv_scale
+        return self._loss_scaling.inv_scale_for(device, self._scalars)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -330,46 +278,64 @@ class InBackwardOptimizer(
             raise RuntimeError(plain_backward_error())
         if grad is None:
             return
-        self._note_whole_gradient(param)
+        self._row_blocks.note_whole_gradient(param)
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
-        if self._sharding is not None:
-            self._route_to_sharding(param, grad)  # reduced first, then stepped as slices
+        if self._sharded is not None:
+            # Reduced first, then stepped as slices.
+            for ready in self._sharded.sharding.grad_ready(param, grad):
+                self._step_slices(ready)
             return
-        scalars = self._scalars_for(param.device)
+        scalars = self._scalars.for_device(param.device)
         if self._mode.phase is Phase.NORM:
             self._accumulate_norm(param, grad, scalars)
             return
-        self._note_updated(param)
-        group = self._hook_groups[self._group_of[id(param)]]
+        self._reports.note_updated(param)
+        on_grad_sumsq = None
         if not self._mode.single_backward:
-            self._update(param, grad, group, scalars, self._skip_if(scalars))
+            skip_if = scalars.skip_flag(self._mode.norm_ready)
         elif self._update_measures(param, grad):
             # Measured by the update's own first pass, the coefficient written into
             # scalars.clip_coef before the update reads it; a non-finite gradient skips the
             # tensor from within the update.
-            measured = functools.partial(
+            skip_if = None
+            on_grad_sumsq = functools.partial(
                 self._single_backward_clip.prepare_measured, clip_coef=scalars.clip_coef
             )
-            self._update(param, grad, group, scalars, None, on_grad_sumsq=measured)
         else:
             skip_if = self._single_backward_clip.prepare(
                 grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
             )
-            self._update(param, grad, group, scalars, skip_if)
+        index, group = self._groups.of(param)
+        self._update(TensorStep(param, grad, index, group, scalars, skip_if, on_grad_sumsq))
 
-    def _skip_if(self, scalars: _DeviceScalars) -> torch.Tensor:
-        return scalars.norm_found_inf if self._mode.norm_ready else scalars.no_skip
+    def _step_slices(self, ready: ShardGrads) -> None:
+        """One batch of this rank's slices with their reduced gradients: measure or update."""
+        if not ready:
+            return
+        scalars = self._scalars.for_device(ready[0][1].device)
+        if self._mode.phase is Phase.NORM:
+            for shard, grad in ready:
+                self._accumulate_norm(shard.param, grad, scalars)
+            return
+        for shard, _ in ready:
+            self._reports.note_updated(shard.param)
+        if self._mode.single_backward:
+            inv_scale = self._inv_scale_for(scalars.device)
+            batch = self._sharded.single_backward_batch(ready, scalars, inv_scale)
+        else:
+            batch = SliceBatch(ready, scalars, scalars.skip_flag(self._mode.norm_ready))
+        self._update_shards(batch)
 
     def _accumulate_norm(
-        self, param: torch.Tensor, grad: torch.Tensor, scalars: _DeviceScalars
+        self, param: torch.Tensor, grad: torch.Tensor, scalars: DeviceScalars
     ) -> None:
         # Into the parameter's own slot, then added to the total: the total's rounding is
         # that of summing into it directly (the slot starts at 0).
         slots = scalars.param_sumsq
         target = scalars.sumsq
         if slots is not None:
-            index = self._index_of[id(param)]
+            index = self._groups.index_of[id(param)]
             target = slots[index : index + 1]
         ops.grad_sumsq_(
             grad,
@@ -381,6 +347,25 @@ class InBackwardOptimizer(
         if slots is not None:
             scalars.sumsq.add_(target)
 
+    def row_block_step(self, param: torch.Tensor) -> RowBlockStep | None:
+        """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
+        the whole gradient (row_blocks.py says when). Refuses a second contribution to a
+        parameter already stepped from blocks in this pass."""
+        if not self._row_blocks.take(param):
+            return None
+        if self._mode.phase is Phase.UPDATE:
+            self._reports.note_updated(param)
+        _, group = self._groups.of(param)
+        return RowBlockStep(
+            self._row_blocks,
+            param,
+            self._scalars.for_device(param.device),
+            slot=self._groups.index_of[id(param)],
+            inv_scale=self._inv_scale_for(param.device),
+            weight_decay=group["weight_decay"],
+            update_rows=self.update_rows,
+        )
+
     # -- public API -------------------------------------------------------------------
     def grad_norm(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward pass that only measures: global grad norm and inf/nan, nothing updated.
@@ -390,73 +375,66 @@ class InBackwardOptimizer(
         norm as a device tensor (no host sync).
         """
         self._refuse_bypassed_head(loss)
-        self._begin_attempt()
+        # A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
+        # pass after an overflow and tries again): its overflow counts anew.
+        self._loss_scaling.begin_attempt()
         return self._norm_pass(loss)
 
-    def _begin_attempt(self) -> None:
-        """A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
-        pass after an overflow and tries again): its overflow counts anew."""
+    @property
+    def _one_loss_per_pass(self) -> bool:
+        """Whether each pass needs a forward of its own (ZeRO-3)."""
+        return self._sharded is not None and self._sharded.one_loss_per_pass
 
     def _norm_pass(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_call(loss)
-        self._report_previous_step()
+        self._reports.report_previous_step()
         self._prepare_scalars()
         # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
         # one running sum (a slot per parameter would be one more graph input each).
         per_parameter = not (
             torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active()
         )
-        for scalars in self._scalars.values():
-            scalars.sumsq.zero_()
-            scalars.norm_found_inf.zero_()
-            scalars.param_sumsq = (
-                torch.zeros(len(self._index_of), device=scalars.device) if per_parameter else None
-            )
+        self._scalars.begin_norm_pass(len(self._groups.index_of) if per_parameter else None)
         # Under ZeRO-3 the update pass has its own forward (see ONE_LOSS_UNDER_SHARDING):
         # keeping this graph would only hold its activations through the next forward.
         retain = not self._one_loss_per_pass
         try:
             self._run_backward(loss, Phase.NORM, retain_graph=retain)
         except RuntimeError as error:
-            if retain and _donates_saved_buffers(error):
+            # torch's refusal to keep the graph of a compiled backward that reuses its saved
+            # buffers, raised before that backward runs.
+            if retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
-        total_sumsq = self._combine(lambda s: s.sumsq)
-        found = self._combine(lambda s: s.norm_found_inf)
-        param_sumsq = self._combine(lambda s: s.param_sumsq) if per_parameter else None
-        if self._sharding is not None:
+        total_sumsq = self._scalars.combine(lambda s: s.sumsq)
+        found = self._scalars.combine(lambda s: s.norm_found_inf)
+        param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None
+        if self._sharded is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
             # (and each parameter's) and the same overflow decision.
             parts = [total_sumsq.reshape(1), found.reshape(1)]
             both = torch.cat(parts if param_sumsq is None else [*parts, param_sumsq])
-            self._sharding.all_reduce_sum_(both)
+            self._sharded.sharding.all_reduce_sum_(both)
             total_sumsq, found = both[:1], both[1:2]
             param_sumsq = None if param_sumsq is None else both[2:]
-        self._param_norms = None if param_sumsq is None else param_sumsq.sqrt()
-        self.last_grad_norm = self._norm_of_last_pass = total_sumsq.sqrt()
-        if self._max_norm is not None:
-            self._clip_coef = ops.clip_coef_from_sumsq(total_sumsq, self._max_norm).reshape(())
-        for device, scalars in self._scalars.items():
-            scalars.norm_found_inf.copy_(copied_to(found, device))
-            if self._max_norm is not None:
-                scalars.clip_coef.copy_(copied_to(self._clip_coef, device))
-        self._after_norm_pass(found)
-        self._mode.norm_measured(loss, self._max_norm, keep_graph=self._sharding is not None)
-        return self.last_grad_norm
+        max_norm = self._groups.max_norm
+        clip_coef = None
+        if max_norm is not None:
+            clip_coef = ops.clip_coef_from_sumsq(total_sumsq, max_norm).reshape(())
+        param_norms = None if param_sumsq is None else param_sumsq.sqrt()
+        self._reports.norms_measured(total_sumsq.sqrt(), param_norms, clip_coef)
+        self._scalars.share_norm_outcome(found, clip_coef)
+        self._loss_scaling.after_norm_pass(found)
+        self._mode.norm_measured(loss, max_norm, keep_graph=self._sharded is not None)
+        return self._reports.last_grad_norm
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
-        self._mode.keep_norm_only_for(loss, self._max_norm, same_batch=self._one_loss_per_pass)
+        self._mode.keep_norm_only_for(
+            loss, self._groups.max_norm, same_batch=self._one_loss_per_pass
+        )
         if not self._mode.norm_ready:
-            self.last_grad_norm = None  # until this step measures its own (or none)
-
-    def _combine(self, pick: Any) -> torch.Tensor:
-        """Sum of one per-device tensor over devices, on the first device."""
-        values = [pick(s) for s in self._scalars.values()]
-        total = values[0].clone()
-        for v in values[1:]:
-            total += copied_to(v, total.device)
-        return total
+            self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
         """Backward with the update applied to each parameter as its gradient is ready.
@@ -466,7 +444,7 @@ class InBackwardOptimizer(
         """
         self._check_call(loss, lr)
         if self._one_loss_per_pass:
-            self._check_sharded_pattern(loss)
+            self._sharded.check_pattern(loss, self._needs_detection_pass())
         self._keep_norm_only_for(loss)
         if not self._mode.norm_ready:  # else grad_norm(loss) checked this loss
             self._refuse_bypassed_head(loss)
@@ -478,12 +456,12 @@ class InBackwardOptimizer(
         if not self._mode.norm_ready and self._needs_detection_pass() and not single:
             self._norm_pass(loss)  # same attempt as a grad_norm of another loss
         else:
-            self._report_previous_step()
+            self._reports.report_previous_step()
             self._prepare_scalars()
         if not self._mode.norm_ready:
             self._refuse_graph(loss)  # no norm pass would meet such a gradient first
         if single:
-            self._single_backward_clip.max_norm = self._max_norm
+            self._single_backward_clip.max_norm = self._groups.max_norm
             self._single_backward_clip.begin_step()
         self._mode.begin_update(single)
         try:
@@ -495,7 +473,7 @@ class InBackwardOptimizer(
     @torch.compiler.disable  # see _check_call
     def _refuse_graph(self, loss: torch.Tensor) -> None:
         def stepped_from_blocks(param: torch.Tensor) -> bool:
-            return id(param) in self._group_of and self._eligible_for_row_blocks(param)
+            return id(param) in self._groups.group_of and self._row_blocks.eligible(param)
 
         refuse_graph(loss, stepped_from_blocks, self.model)
 
@@ -504,7 +482,8 @@ class InBackwardOptimizer(
         """Refuses a loss that reads a patched model's trained head weight other than through
         the fused loss (`head_guard.py`), before anything changes."""
         if isinstance(loss, torch.Tensor):
-            refuse_bypassed_head(loss, lambda p: id(p) in self._group_of, self.model)
+            group_of = self._groups.group_of
+            refuse_bypassed_head(loss, lambda p: id(p) in group_of, self.model)
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only
@@ -514,44 +493,35 @@ class InBackwardOptimizer(
         """Checks everything the step reads on the host, before anything changes, then sets
         every group's lr to `lr` when given (as lomo-optim does)."""
         check_loss(loss)
+        owner = type(self).__name__
         if not self.attached:
             raise RuntimeError(
-                f"this {type(self).__name__} was detached (detach() or the end of its with "
-                "block): its hooks are gone; build a new optimizer to train with it"
+                f"this {owner} was detached (detach() or the end of its with block): its "
+                "hooks are gone; build a new optimizer to train with it"
             )
-        self._layout.check(type(self).__name__)
+        self._layout.check(owner)
         _compiled_autograd.check_supported()
-        groups = self._checked_groups(None if lr is None else check_lr(lr))
-        checked_group(self._host_hyper_parameters(), type(self).__name__)
-        # The groups as they are now (a parameter may have moved): the hooks read this index.
-        self._group_of = current_group_index(
-            self.param_groups, self._index_of, lambda: parameter_names(self.model)
-        )
-        if lr is not None:
-            for group in self.param_groups:
-                group["lr"] = float(lr)
-        self._hook_groups = hook_groups(groups)
-        self._max_norm = groups[0]["clip_grad_norm"]
-        self._begin_pass_report()
-
-    def _checked_groups(self, lr: float | None = None) -> list[dict[str, Any]]:
-        hyper = [key for key in self.defaults if key in CHECKS]  # not torch.optim's own keys
-        return checked_groups(self.param_groups, "param_groups", lr, required=hyper)
+        checked = self._groups.checked(self.param_groups, None if lr is None else check_lr(lr))
+        self._loss_scaling.check(owner)
+        names = functools.partial(parameter_names, self.model)
+        self._groups.refresh(self.param_groups, checked, lr, names)
+        self._reports.begin_call()
 
     @torch.compiler.disable
     def _finish_step(self, detection: bool, single: bool) -> None:
         if single:
             found = self._single_backward_clip.end_step()
-            self.last_grad_norm = self._single_backward_clip.last_norm()
+            self._reports.last_grad_norm = self._single_backward_clip.last_norm()
         else:
-            found = self._combine(lambda s: s.norm_found_inf if detection else s.update_found_inf)
-        if self._sharding is not None:
+            found = self._scalars.combine(
+                lambda s: s.norm_found_inf if detection else s.update_found_inf
+            )
+        if self._sharded is not None:
             if not detection and not single:  # every rank reports the same step outcome
-                self._sharding.all_reduce_sum_(found)
-            self._sharding.after_update()
-        self._after_step(found, detection)
-        self._queue_report(found, atomic=detection, single_backward=single)
-        self.step_count += 1
+                self._sharded.sharding.all_reduce_sum_(found)
+            self._sharded.sharding.after_update()
+        self._loss_scaling.after_step(found, detection)
+        self._reports.step_done(found, atomic=detection, single_backward=single)
         self._opt_called = True  # lets lr schedulers know the step happened
 
     @torch.no_grad()
@@ -571,46 +541,55 @@ class InBackwardOptimizer(
             for p in group["params"]:
                 p.grad = None
 
+    def flush_report(self) -> None:
+        """Reports the last step's overflow now (at the end of training, for example)."""
+        self._reports.report_previous_step()
+
+    # -- checkpoint (checkpoint.py) -----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self._checkpoint.state_dict(self)
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` with sharded state gathered whole, on every rank (a collective).
+
+        Loads into the same optimizer built on the unsharded model in one process. Without
+        sharding it is `state_dict()`.
+        """
+        return self._checkpoint.consolidated_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads `state_dict` after checking the whole of it: a checkpoint of another
+        optimizer class, model or sharding, or with non-finite values, is refused with
+        nothing applied (lomo-optim's state_dicts are taken too)."""
+        self._checkpoint.load_state_dict(self, state_dict)
+
+    # -- the step's passes --------------------------------------------------------------
     @torch.compiler.disable  # see _check_call
     def _prepare_scalars(self) -> None:
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             for p in group["params"]:
-                scalars = self._scalars_for(p.device)
-                lr_t = scalars.lr.get(index)
-                if lr_t is None:
-                    lr_t = scalars.lr[index] = torch.zeros(1, device=p.device)
                 if p.grad is not None:
                     p.grad = None  # stale gradients would be summed into this step's
-        for index, group in enumerate(self.param_groups):
-            for scalars in self._scalars.values():
-                if index in scalars.lr:
-                    scalars.lr[index].fill_(group["lr"])
-        scaler = self._loss_scaler()
-        for scalars in self._scalars.values():
-            scalars.update_found_inf.zero_()
-            if scaler is not None and scalars.device != scaler.device:
-                # One copy per device and step, not one per parameter in the hooks.
-                scalars.inv_scale.copy_(scaler.inv_scale, non_blocking=True)
+        self._scalars.begin_step(self.param_groups)
+        self._loss_scaling.begin_step(self._scalars)
         self.rounding.begin_step(self.step_count, self._scalars)
+        self._prepare_update_arguments()
 
     def _run_backward(self, loss: torch.Tensor, phase: Phase, retain_graph: bool) -> None:
-        scaler = self._loss_scaler()
         with torch.enable_grad():  # the scaled loss needs a graph under torch.no_grad() too
-            if scaler is not None:
-                loss = loss * copied_to(scaler.scale, loss.device).reshape(())
-            elif self._static_inv_scale() != 1.0:
-                loss = loss / self._static_inv_scale()
+            loss = self._loss_scaling.scaled(loss)
         self._mode.begin_pass(phase)
-        self._updated.clear()
-        self._begin_row_block_pass()
+        self._reports.forget_updated()
+        self._row_blocks.begin_pass()
         tracked = not _compiled_autograd.compiled_autograd_active()
-        sharding = self._sharding
+        sharding = None if self._sharded is None else self._sharded.sharding
         try:
             if sharding is not None:
                 sharding.begin()
             loss.backward(retain_graph=retain_graph)
             if sharding is not None:
-                self._drain_sharding()  # the last batches, stepped before returning
+                for ready in sharding.finish():  # the last batches, stepped before returning
+                    self._step_slices(ready)
         except BaseException as error:
             if sharding is not None:
                 sharding.abandon()
@@ -624,8 +603,8 @@ class InBackwardOptimizer(
                     _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
                 ) from error
             if phase is Phase.UPDATE:
-                self._record_interruption(error, tracked)
+                self._reports.record_interruption(error, tracked)
             raise
         finally:
             self._mode.end_pass()
-            self._updated.clear()
+            self._reports.forget_updated()

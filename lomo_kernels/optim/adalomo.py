@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..core.rounding import Rounding
-from ..distributed import DEFAULT_BUCKET_NUMEL, unwrap_engine
+from ..distributed import Shard, Sharding, unwrap_engine
 from ..ops.adalomo import (
     adalomo_step_arguments,
     adalomo_update_,
@@ -19,17 +18,23 @@ from ..ops.adalomo import (
     init_adalomo_state,
     run_adalomo_passes_,
 )
-from ..ops.adalomo_reference import GradTransform
-from ..ops.adalomo_workspace import workspace_numel
+from ..ops.adalomo.reference import GradTransform
+from ..ops.adalomo.workspace import workspace_numel
 from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
-from ._in_backward import InBackwardOptimizer, _DeviceScalars
+from ._in_backward import InBackwardOptimizer, TensorStep
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 from .given_parameters import model_and_groups
+from .loss_scaling import LossScaling, StaticLossScale
 from .param_groups import GroupHyperParameter
-from .rounding import WriteBackRounding
+from .parameter_state import ParameterState, State, non_finite
 from .sharded_steps import SliceBatch
 from .validation import computes_in_fp16, parameter_names, trainable_parameters
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._in_backward import InBackwardOptions
 
 
 def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -43,6 +48,39 @@ def check_factorable(model: nn.Module, params: list[nn.Parameter]) -> None:
                 "factored moments average over the last dimension, which is empty; freeze it "
                 "(requires_grad=False) or give it a non-empty shape"
             )
+
+
+def _initial_moments(param: nn.Parameter, shard: Shard | None) -> State:
+    """Zero moments: of the whole parameter, or R, C of the full matrix and the slice's v."""
+    return init_adalomo_state(param) if shard is None else init_slice_state(shard)
+
+
+def _whole_moments(sharding: Sharding, param: nn.Parameter, moments: State) -> State:
+    # R and C are replicated on every rank; a 1-D parameter's v is sliced like it.
+    whole = dict(moments)
+    if "exp_avg_sq" in whole:
+        whole["exp_avg_sq"] = sharding.gather_slices(param, whole["exp_avg_sq"])
+    return whole
+
+
+def _moments_problem(values: torch.Tensor) -> str | None:
+    problem = non_finite(values)
+    if problem is None and bool((values < 0).any()):
+        problem = "holds negative values (second moments are averages of squares)"
+    return problem
+
+
+MOMENTS = ParameterState(
+    "AdaLomo",
+    initial=_initial_moments,
+    unsharded=_whole_moments,
+    problem=_moments_problem,
+    lomo_optim_gap=(
+        "a lomo_optim.AdaLomo state_dict holds no second moments and no step count "
+        "(lomo-optim keeps them outside its state): only its hyper-parameters were "
+        "loaded; this optimizer's moments and step count are kept"
+    ),
+)
 
 
 class AdaLomo(InBackwardOptimizer):
@@ -59,8 +97,8 @@ class AdaLomo(InBackwardOptimizer):
     rounding by default (``stochastic_rounding=True``, keyword-only, seeded from ``seed``,
     the step and the element's index; a shard rounds as the whole tensor would). AdaLomo's
     update is relative (about ``lr * rms(p)`` per element), so at fine-tuning learning rates
-    round-to-nearest, lomo-optim's, returns most weights unchanged (BENCHMARKS.md,
-    "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32 parameters are
+    round-to-nearest, lomo-optim's, returns most weights unchanged (docs/benchmarks/quality.md);
+    ``stochastic_rounding=False`` restores it. fp32 parameters are
     never rounded.
 
     ``model``: the model, as lomo-optim takes it, or what a torch optimizer takes (its
@@ -84,7 +122,8 @@ class AdaLomo(InBackwardOptimizer):
     (``lomo_kernels.optim.param_groups``).
     """
 
-    _STATE_FORMAT = "AdaLomo"
+    _PARAMETER_STATE = MOMENTS
+    _loss_scaling: StaticLossScale
 
     def __init__(
         self,
@@ -97,21 +136,27 @@ class AdaLomo(InBackwardOptimizer):
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         weight_decay: float = 0.0,
-        *,
-        stochastic_rounding: bool = True,
-        seed: int = 0,
-        backend: str | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        single_backward: bool = False,
-        replicated: bool = True,
-        param_groups: Sequence[Mapping[str, Any]] | None = None,
+        **options: Unpack[InBackwardOptions],
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
-        model, param_groups = model_and_groups(model, param_groups)
-        rounding = WriteBackRounding(stochastic_rounding, seed)
-        params = trainable_parameters(model)
-        check_factorable(model, params)
-        loss_scale = check_loss_scale(loss_scale)
+        model, options["param_groups"] = model_and_groups(model, options.get("param_groups"))
+        check_factorable(model, trainable_parameters(model))
+        scaling = StaticLossScale(check_loss_scale(loss_scale), computes_in_fp16(model))
+
+        def loss_scaling(device: torch.device) -> LossScaling:
+            return scaling
+
+        self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
+        # Per device: the backend module every eager update call of a step runs (resolved
+        # once per step). Per (device, group index): the step-wide arguments of its passes,
+        # checked and converted once per step (_prepare_update_arguments).
+        self._backends: dict[torch.device, Any] = {}
+        self._step_arguments: dict[tuple[torch.device, int], dict[str, Any]] = {}
+        # Zeroed again for each eager update, not allocated per call: the passes of one
+        # parameter, and the parameters one after another, run in the order of the device's
+        # stream (CPU: in program order), so a workspace is free again when the next update
+        # zeroes it. Keyed by stream on CUDA, as the caching allocator keys its blocks.
+        self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
         defaults = {
             "lr": lr,
             "eps": eps,
@@ -121,34 +166,7 @@ class AdaLomo(InBackwardOptimizer):
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(
-            model,
-            defaults,
-            backend=backend,
-            bucket_numel=bucket_numel,
-            single_backward=single_backward,
-            replicated=replicated,
-            param_groups=param_groups,
-            rounding=rounding,
-        )
-        self.loss_scale = loss_scale
-        self._fp16 = computes_in_fp16(model)
-        for p in params:
-            if self._sharding is None:
-                self.state[p] = init_adalomo_state(p)
-            else:
-                self.state[p] = init_slice_state(self._sharding.shard(p))
-        self._beta2: dict[tuple[torch.device, int], torch.Tensor] = {}
-        # Per device: the backend module every eager update call of a step runs (resolved
-        # once per step). Per (device, group index): the step-wide arguments of its passes,
-        # checked and converted once per step (_check_update_arguments).
-        self._backends: dict[torch.device, Any] = {}
-        self._step_arguments: dict[tuple[torch.device, int], dict[str, Any]] = {}
-        # Zeroed again for each eager update, not allocated per call: the passes of one
-        # parameter, and the parameters one after another, run in the order of the device's
-        # stream (CPU: in program order), so a workspace is free again when the next update
-        # zeroes it. Keyed by stream on CUDA, as the caching allocator keys its blocks.
-        self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
+        super().__init__(model, defaults, loss_scaling, **options)
 
     # lomo-optim's attribute names for AdaLomo's hyper-parameters (see GroupHyperParameter).
     eps = GroupHyperParameter("eps")
@@ -156,16 +174,23 @@ class AdaLomo(InBackwardOptimizer):
     clip_threshold = GroupHyperParameter("clip_threshold")
 
     @property
+    def loss_scale(self) -> float:
+        """lomo-optim's static loss scale; a new value is checked at the next step."""
+        return self._loss_scaling.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._loss_scaling.loss_scale = value
+
+    @property
     def step_num(self) -> int:
         """lomo-optim's step counter: the number of update passes run (``step_count``)."""
         return self.step_count
 
-    @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
-    def _prepare_scalars(self) -> None:
-        super()._prepare_scalars()
+    def _prepare_update_arguments(self) -> None:
         t = self.step_count + 1  # lomo-optim counts the step before its backward
         # beta2 changes every step: a device tensor, so a compiled backward is not rebuilt.
-        for group_index, group in enumerate(self._hook_groups):
+        for group_index, group in enumerate(self._groups.hyper):
             beta2 = 1.0 - math.pow(t, group["decay_rate"])
             for device in self._scalars:
                 key = (device, group_index)
@@ -180,68 +205,47 @@ class AdaLomo(InBackwardOptimizer):
         every per-tensor call of the step passes (`_update` skips them per call), and the
         moments' form; a value not in the op's form is refused before any parameter changes."""
         self._step_arguments = {}
-        for device, scalars in self._scalars.items():
-            inv_scale = self._inv_scale_for(device)
-            for index, group in enumerate(self._hook_groups):
-                if index not in scalars.lr:
-                    continue  # no parameter of this group on this device
-                clip = group["clip_grad_norm"] is not None
-                self._step_arguments[device, index] = adalomo_step_arguments(
-                    device,
-                    True,  # the factored passes take every step-wide argument
-                    lr=scalars.lr[index],
-                    beta2=self._beta2[device, index],
-                    eps=group["eps"],
-                    clip_threshold=group["clip_threshold"],
-                    weight_decay=group["weight_decay"],
-                    inv_scale=inv_scale,
-                    clip_value=group["clip_grad_value"],
-                    clip_coef=scalars.clip_coef if clip else None,
-                    found_inf=scalars.update_found_inf,
-                    # Per call: one of the optimizer's own flags (or None), like this one.
-                    skip_if=scalars.norm_found_inf,
-                    # Per call: whether the parameter's dtype is rounded, and its index.
-                    stochastic_rounding=self.rounding.stochastic,
-                    seed=0,
-                    seed_step=self.rounding.seed_step(device),
-                )
-        if self._sharding is None:  # sharded steps keep slices of their own (adalomo_slices)
+        for device, scalars, index, group in self._scalars.groups_present(self._groups.hyper):
+            clip = group["clip_grad_norm"] is not None
+            self._step_arguments[device, index] = adalomo_step_arguments(
+                device,
+                True,  # the factored passes take every step-wide argument
+                lr=scalars.lr[index],
+                beta2=self._beta2[device, index],
+                eps=group["eps"],
+                clip_threshold=group["clip_threshold"],
+                weight_decay=group["weight_decay"],
+                inv_scale=self._inv_scale_for(device),
+                clip_value=group["clip_grad_value"],
+                clip_coef=scalars.clip_coef if clip else None,
+                found_inf=scalars.update_found_inf,
+                # Per call: one of the optimizer's own flags (or None), like this one.
+                skip_if=scalars.norm_found_inf,
+                # Per call: whether the parameter's dtype is rounded, and its index.
+                stochastic_rounding=self.rounding.stochastic,
+                seed=0,
+                seed_step=self.rounding.seed_step(device),
+            )
+        if self._sharded is None:  # sharded steps keep slices of their own (adalomo_slices)
             for group in self.param_groups:
                 for param in group["params"]:
                     check_adalomo_state(param, self.state[param])
-
-    def _host_hyper_parameters(self) -> dict[str, Any]:
-        return {"loss_scale": self.loss_scale}
-
-    def _static_inv_scale(self) -> float:
-        return 1.0 / self.loss_scale
-
-    def _needs_detection_pass(self) -> bool:
-        return self._fp16 or self._max_norm is not None
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         # Factored: pass A measures the gradient's sum of squares and non-finite flag (no
         # separate read), and a non-finite gradient skips the tensor through its SKIP slot.
         return param.dim() >= 2 and grad.numel() > 0
 
-    def _update(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor | None,
-        on_grad_sumsq: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        group_index = self._group_of[id(param)]
+    def _update(self, step: TensorStep) -> None:
+        param, group, scalars = step.param, step.group, step.scalars
         if torch.compiler.is_compiling():
             # Traced: the public function as it is, nothing read from host-side caches.
             adalomo_update_(
                 param,
-                grad,
+                step.grad,
                 self.state[param],
-                lr=scalars.lr[group_index],
-                beta2=self._beta2[param.device, group_index],
+                lr=scalars.lr[step.group_index],
+                beta2=self._beta2[param.device, step.group_index],
                 eps=group["eps"],
                 clip_threshold=group["clip_threshold"],
                 weight_decay=group["weight_decay"],
@@ -249,10 +253,10 @@ class AdaLomo(InBackwardOptimizer):
                 clip_value=group["clip_grad_value"],
                 clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
                 found_inf=scalars.update_found_inf,
-                skip_if=skip_if,
+                skip_if=step.skip_if,
                 **self._rounding_arguments(param),
                 backend=self.backend,
-                on_grad_sumsq=on_grad_sumsq,
+                on_grad_sumsq=step.on_grad_sumsq,
             )
             return
         if not param.numel():
@@ -262,22 +266,22 @@ class AdaLomo(InBackwardOptimizer):
         # parameter, its gradient and one of the optimizer's own flags.
         device = param.device
         arguments = {
-            **self._step_arguments[device, group_index],
+            **self._step_arguments[device, step.group_index],
             **self.state[param],
             "param": param,
-            "grad": grad.contiguous(),
-            "skip_if": skip_if,
+            "grad": step.grad.contiguous(),
+            "skip_if": step.skip_if,
             "workspace": self._workspace(param),
             **self._rounding_arguments(param),
         }
-        run_adalomo_passes_(self._backends[device], arguments, on_grad_sumsq)
+        run_adalomo_passes_(self._backends[device], arguments, step.on_grad_sumsq)
 
     def _rounding_arguments(self, param: torch.Tensor) -> dict[str, Any]:
         """The write-back's rounding arguments of `param` (rounding.py)."""
         stochastic = self.rounding.applies_to(param.dtype)
         return {
             "stochastic_rounding": stochastic,
-            "seed": self._index_of[id(param)] if stochastic else 0,
+            "seed": self._groups.index_of[id(param)] if stochastic else 0,
             "seed_step": self.rounding.seed_step(param.device) if stochastic else None,
         }
 
@@ -300,8 +304,7 @@ class AdaLomo(InBackwardOptimizer):
         t = self.step_count + 1
         steps = []
         for i, (shard, grad) in enumerate(batch.entries):
-            index = self._group_of[id(shard.param)]
-            group = self._hook_groups[index]
+            index, group = self._groups.of(shard.param)
             steps.append(
                 SliceStep(
                     shard=shard,
@@ -322,37 +325,5 @@ class AdaLomo(InBackwardOptimizer):
                 )
             )
         found_inf = batch.scalars.update_found_inf
-        adalomo_slices_(steps, batch.skip_if, found_inf, self._sharding.all_reduce_sum_)
-
-    def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
-        # R and C are replicated on every rank; a 1-D parameter's v is sliced like it.
-        full = dict(values)
-        if "exp_avg_sq" in full:
-            full["exp_avg_sq"] = self._sharding.gather_slices(param, full["exp_avg_sq"])
-        return full
-
-    def _check_state_values(self, values: torch.Tensor) -> str | None:
-        problem = super()._check_state_values(values)
-        if problem is None and bool((values < 0).any()):
-            problem = "holds negative values (second moments are averages of squares)"
-        return problem
-
-    def _after_lomo_optim_load(self) -> None:
-        warnings.warn(
-            "a lomo_optim.AdaLomo state_dict holds no second moments and no step count "
-            "(lomo-optim keeps them outside its state): only its hyper-parameters were "
-            "loaded; this optimizer's moments and step count are kept",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim casts floating state to the parameter's dtype; the moments stay fp32.
-        moments = state_dict["state"]
-        super()._load_torch_state({**state_dict, "state": {}})
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, values in moments.items():
-            param = params[index]
-            self.state[param] = {
-                k: v.to(device=param.device, dtype=torch.float32).clone() for k, v in values.items()
-            }
+        all_reduce_sum_ = self._sharded.sharding.all_reduce_sum_
+        adalomo_slices_(steps, batch.skip_if, found_inf, all_reduce_sum_)

@@ -9,7 +9,7 @@ rank adds up its slice's share; per batch of slices (a reduce-scatter bucket, an
 two small all-reduces, asked of the sharding (the row/column sums and flags, then the update
 sums, which need the new moments), give every rank the single-process totals, so the moments
 R [rows] and C [cols], replicated on every rank, stay identical everywhere, and 1-D moments v
-live with their slice. The math is the reference passes' own (`ops.adalomo_reference`:
+live with their slice. The math is the reference passes' own (`ops.adalomo.reference`:
 moments, factors, step scalars and rounding), here applied to slices in fp32 blocks of at
 most CHUNK elements; this module adds only the slicing and the partial sums.
 """
@@ -23,7 +23,7 @@ import torch
 
 from ..core.rounding import NEAREST, Rounding
 from ..distributed.shard import Shard
-from ..ops.adalomo_reference import (
+from ..ops.adalomo.reference import (
     CHUNK,
     GradTransform,
     mean_u,

@@ -4,13 +4,19 @@ checkpoint before applying any of it (lomo-optim's state_dicts included).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..distributed import Sharding
 from .loss_scaler import check_scaler_state
+from .loss_scaling import LossScaling
 from .param_groups import check_saved_groups
+from .parameter_state import ParameterState
+from .reporting import StepReports
 from .single_backward import SingleBackwardClip
 from .step_mode import StepMode
 from .validation import parameter_names
@@ -41,87 +47,93 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class CheckpointState(torch.optim.Optimizer):
-    """The optimizer's state_dict and its checks (a base of `InBackwardOptimizer`, which
-    provides `model`, `step_count`, `_mode`, `_sharding`, `_single_backward_clip` and
-    `_loss_scaler()`).
+def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
-    ``state_dict()["lomo"]`` holds what torch.optim's part does not: the class that wrote it
-    (`_STATE_FORMAT`), the step count, the loss scaler and the single-backward norm history.
-    Subclasses with state of their own override the hooks below (`_full_state`,
-    `_check_state_values`, `_load_torch_state`, `_load_scaler_state`,
-    `_after_lomo_optim_load`).
+
+def _load_torch_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Applies torch.optim's part (param_groups, per-parameter state), already checked.
+    torch.optim would cast floating state to the parameter's dtype: the state is kept in
+    fp32 on the parameter's device instead (AdaLomo's moments; Lomo keeps none)."""
+    saved_states = state_dict["state"]
+    torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
+    params = _params(optimizer)
+    for index, values in saved_states.items():
+        param = params[index]
+        optimizer.state[param] = {
+            k: v.to(device=param.device, dtype=torch.float32).clone() for k, v in values.items()
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """An in-backward optimizer's state_dict and its checks. Each method takes the optimizer
+    whose torch.optim part (param_groups, per-parameter state) it reads or writes.
+
+    ``state_dict()["lomo"]`` holds what torch.optim's part does not: the class whose state
+    it is (`ParameterState.name`), the step count, the loss scaler and the single-backward
+    norm history.
     """
 
-    # The optimizer whose state the class keeps: "Lomo" or "AdaLomo" (their subclasses too).
-    _STATE_FORMAT: ClassVar[str]
+    kept: ParameterState  # the optimizer's per-parameter state's rules
     model: nn.Module
-    step_count: int
-    _mode: StepMode
-    _sharding: Any
-    _single_backward_clip: SingleBackwardClip | None
+    reports: StepReports  # the step count's keeper
+    mode: StepMode  # whose measured norm a load makes stale
+    loss_scaling: LossScaling
+    clip: SingleBackwardClip | None
+    sharding: Sharding | None
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        scaler = self._loss_scaler()
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = torch.optim.Optimizer.state_dict(optimizer)
         state["lomo"] = {
-            "optimizer": self._STATE_FORMAT,
-            "step_count": self.step_count,
-            "loss_scaler": None if scaler is None else scaler.state_dict(),
+            "optimizer": self.kept.name,
+            "step_count": self.reports.step_count,
+            "loss_scaler": self.loss_scaling.state_dict(),
         }
-        if self._single_backward_clip is not None:
-            state["lomo"]["single_backward"] = self._single_backward_clip.state_dict()
+        if self.clip is not None:
+            state["lomo"]["single_backward"] = self.clip.state_dict()
         return state
 
-    def consolidated_state_dict(self) -> dict[str, Any]:
-        """`state_dict()` with sharded state gathered whole, on every rank (a collective).
-
-        Loads into the same optimizer built on the unsharded model in one process. Without
-        sharding it is `state_dict()`.
-        """
-        state = self.state_dict()
-        if self._sharding is None:
+    def consolidated_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`state_dict()` with sharded state gathered whole, on every rank (a collective)."""
+        state = self.state_dict(optimizer)
+        if self.sharding is None:
             return state
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = _params(optimizer)
         for index, values in state["state"].items():
-            state["state"][index] = self._full_state(params[index], values)
+            state["state"][index] = self.kept.unsharded(self.sharding, params[index], values)
         return state
 
-    def _full_state(self, param: nn.Parameter, values: dict[str, Any]) -> dict[str, Any]:
-        """One parameter's state, unsharded (subclasses with sliced state gather it)."""
-        return values
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Loads `state_dict` after checking the whole of it: a checkpoint of another
         optimizer class, model or sharding, or with non-finite values, is refused with
         nothing applied."""
         writer = lomo_optim_writer(state_dict)
         if writer is not None:
-            state_dict = self._from_lomo_optim(state_dict, writer)
-        self._check_state_dict(state_dict)
+            state_dict = self._from_lomo_optim(optimizer, state_dict, writer)
+        self._check_state_dict(optimizer, state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
-        self._load_torch_state(state_dict)
-        self._mode.forget_norm()  # a norm measured before the load belongs to the old state
+        _load_torch_state(optimizer, state_dict)
+        self.mode.forget_norm()  # a norm measured before the load belongs to the old state
         if extra is not None:
-            self.step_count = int(extra["step_count"])
-            self._load_scaler_state(extra["loss_scaler"])
-            if self._single_backward_clip is not None and "single_backward" in extra:
-                self._single_backward_clip.load_state_dict(extra["single_backward"])
-        if writer is not None:
-            self._after_lomo_optim_load()
+            self.reports.step_count = int(extra["step_count"])
+            self.loss_scaling.load_state_dict(extra["loss_scaler"])
+            if self.clip is not None and "single_backward" in extra:
+                self.clip.load_state_dict(extra["single_backward"])
+        if writer is not None and self.kept.lomo_optim_gap is not None:
+            warnings.warn(self.kept.lomo_optim_gap, UserWarning, stacklevel=3)
 
-    def _after_lomo_optim_load(self) -> None:
-        """Called once a lomo-optim state_dict was loaded (AdaLomo says what it lacked)."""
-
-    def _from_lomo_optim(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+    def _from_lomo_optim(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], writer: str
+    ) -> dict[str, Any]:
         """This optimizer's own state_dict with the hyper-parameters of a lomo-optim one.
 
         lomo-optim's state_dict holds only its constructor's hyper-parameters (lomo-optim
         itself never reads them back); what it lacks (AdaLomo's moments and step count,
         the loss scaler) stays as it is here. Its ``weight_decay <= 0`` means off, as here 0.
         """
-        own = self._STATE_FORMAT
+        own = self.kept.name
         if writer != own:
             raise ValueError(
                 f"this state_dict was written by lomo_optim.{writer}; {own} keeps other "
@@ -131,7 +143,7 @@ class CheckpointState(torch.optim.Optimizer):
         saved = state_dict["param_groups"][0]
         # lomo-optim lists every parameter of the model, frozen ones included.
         count = len(list(self.model.parameters()))
-        if len(self.param_groups) != 1 or len(saved["params"]) != count:
+        if len(optimizer.param_groups) != 1 or len(saved["params"]) != count:
             raise ValueError(
                 f"this lomo_optim.{writer} state_dict lists {len(saved['params'])} parameters, "
                 f"this model has {count}: the checkpoint belongs to another model"
@@ -139,15 +151,11 @@ class CheckpointState(torch.optim.Optimizer):
         hyper = {k: v for k, v in saved.items() if k != "params"}
         if "weight_decay" in hyper and _is_number(hyper["weight_decay"]):
             hyper["weight_decay"] = max(hyper["weight_decay"], 0.0)
-        current = self.state_dict()
+        current = self.state_dict(optimizer)
         group = current["param_groups"][0]
         return {**current, "param_groups": [{**group, **hyper, "params": group["params"]}]}
 
-    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
-        """Applies torch.optim's part (param_groups, per-parameter state), already checked."""
-        super().load_state_dict(state_dict)
-
-    def _check_state_dict(self, state_dict: Any) -> None:
+    def _check_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(
                 "load_state_dict takes an optimizer state_dict: a dict with 'state' and "
@@ -156,39 +164,40 @@ class CheckpointState(torch.optim.Optimizer):
         extra = state_dict.get("lomo")
         if extra is not None and not isinstance(extra, dict):
             raise ValueError("state_dict['lomo'] must be a dict (from optimizer.state_dict())")
-        own = self._STATE_FORMAT
+        own = self.kept.name
         writer = (extra or {}).get("optimizer", own)
         if writer != own:
             raise ValueError(
                 f"this state_dict was written by {writer}; {own} keeps other state and "
                 f"hyper-parameters: load it into a {writer}, or start {own} from its fresh state"
             )
-        check_saved_groups(state_dict["param_groups"], self.param_groups)
-        self._check_saved_states(state_dict["state"])
+        check_saved_groups(state_dict["param_groups"], optimizer.param_groups)
+        self._check_saved_states(optimizer, state_dict["state"])
         if extra is not None:
             self._check_saved_extra(extra)
 
-    def _check_saved_states(self, states: Any) -> None:
+    def _check_saved_states(self, optimizer: torch.optim.Optimizer, states: Any) -> None:
         """Per-parameter state: the same indices, keys and shapes as this optimizer's own
-        (Lomo keeps none), finite values (see `_check_state_values`)."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        (Lomo keeps none), values without a `ParameterState.problem`."""
+        params = _params(optimizer)
+        own_states = optimizer.state
         names = parameter_names(self.model)
         if not isinstance(states, dict):
             raise ValueError("state_dict['state'] must be a dict of parameter index -> state")
-        expected = {i for i, p in enumerate(params) if self.state.get(p)}
+        expected = {i for i, p in enumerate(params) if own_states.get(p)}
         unknown = set(states) - expected
         if unknown:
             raise ValueError(
                 f"state_dict['state'] holds state for parameter indices {sorted(unknown)[:8]}, "
-                f"for which {type(self).__name__} keeps none: the checkpoint belongs to another "
-                "optimizer class or model"
+                f"for which {type(optimizer).__name__} keeps none: the checkpoint belongs "
+                "to another optimizer class or model"
             )
         for index in sorted(expected):
             param = params[index]
             where = f"state_dict['state'][{index}] (parameter {names.get(id(param), '?')!r})"
             if index not in states:
                 raise ValueError(f"{where} is missing: the checkpoint belongs to another model")
-            self._check_saved_state(where, states[index], self.state[param])
+            self._check_saved_state(where, states[index], own_states[param])
 
     def _check_saved_state(self, where: str, saved: Any, own: dict[str, Any]) -> None:
         if not isinstance(saved, dict) or set(saved) != set(own):
@@ -205,15 +214,9 @@ class CheckpointState(torch.optim.Optimizer):
                     f"{tuple(value.shape)}: the checkpoint belongs to another model or "
                     "sharding (consolidated_state_dict() loads into the unsharded model)"
                 )
-            problem = self._check_state_values(incoming)
+            problem = self.kept.problem(incoming)
             if problem:
                 raise ValueError(f"{where}[{key!r}] {problem}: the checkpoint is corrupt")
-
-    def _check_state_values(self, values: torch.Tensor) -> str | None:
-        """What is wrong with a saved state tensor's values, or None."""
-        if not bool(torch.isfinite(values).all()):
-            return "holds inf/nan"
-        return None
 
     def _check_saved_extra(self, extra: dict[str, Any]) -> None:
         step = extra.get("step_count")
@@ -223,6 +226,3 @@ class CheckpointState(torch.optim.Optimizer):
             check_scaler_state(extra["loss_scaler"], "state_dict['lomo']['loss_scaler']")
         if extra.get("single_backward") is not None:
             SingleBackwardClip.check_state_dict(extra["single_backward"])
-
-    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        """Subclasses with a loss scaler restore it here."""

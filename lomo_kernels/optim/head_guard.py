@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.autograd_graph import graph_nodes, leaf_inputs
+
 # The attribute `patch_causal_lm` sets on a model it patched.
 PATCHED_ATTRIBUTE = "_lomo_kernels_fused_head"
 # The metadata key of the autograd node of logits the patched forward returned on request.
@@ -104,6 +106,13 @@ def tied_head_weights() -> set[int]:
     return tied
 
 
+def _walked_into(node: Any, *stops: str) -> bool:
+    """Whether the walk reads `node`'s inputs: not a compiled region, not requested logits,
+    nor one of `stops`."""
+    name = node.name()
+    return name not in OPAQUE_NODES + stops and not node.metadata.get(LOGITS_ON_REQUEST)
+
+
 def refuse_bypassed_head(
     loss: torch.Tensor, trains: Callable[[torch.Tensor], bool], root: nn.Module | None
 ) -> None:
@@ -115,24 +124,17 @@ def refuse_bypassed_head(
         return
     fused: set[int] = set()  # heads the fused loss reads
     read_by: dict[int, str] = {}  # heads read otherwise, and by which node
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    # Not below the fused loss (the decoder, which fed it), nor into what cannot be seen.
+    for node in graph_nodes(loss.grad_fn, lambda node: _walked_into(node, FUSED_LOSS_NODE)):
         name = node.name()
-        if name in OPAQUE_NODES or node.metadata.get(LOGITS_ON_REQUEST):
+        if not _walked_into(node):
             continue
-        for next_node, _ in node.next_functions:
-            variable = getattr(next_node, "variable", None)  # an AccumulateGrad's leaf
-            if variable is not None and id(variable) in heads:
+        for variable in leaf_inputs(node):
+            if id(variable) in heads:
                 if name == FUSED_LOSS_NODE:
                     fused.add(id(variable))
                 elif name not in EMBEDDING_NODES:
                     read_by.setdefault(id(variable), name)
-            if name != FUSED_LOSS_NODE:  # not below it: the decoder, which fed the loss
-                stack.append(next_node)
     for key, name in read_by.items():
         # Read besides the fused loss (a regularizer on the weight) is a use of the weight,
         # not a bypass; a Lomo stepping it from row blocks refuses that second gradient

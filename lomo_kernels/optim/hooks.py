@@ -1,15 +1,15 @@
 """The hooks' lifetime: which parameters carry a live optimizer's post-accumulate-grad hook.
 
-Each trainable parameter gets one hook, attached once the optimizer's whole constructor
-succeeded and removed by `detach()` or when the optimizer is collected (the hooks hold it
-weakly). A registry of claims refuses a second optimizer on parameters a live one updates,
-tells the compiled-autograd passes which parameters are updated in backward, and tells a
-fused op producing a gradient in blocks which optimizer to hand them to (`owner_of`).
+Each trainable parameter gets one hook, attached last in the optimizer's constructor (one
+that fails leaves none) and removed by `detach()` or when the optimizer is collected (the
+hooks hold it weakly). A registry of claims refuses a second optimizer on parameters a live
+one updates, tells the compiled-autograd passes which parameters are updated in backward,
+and tells a fused op producing a gradient in blocks which optimizer to hand them to
+(`owner_of`).
 """
 
 from __future__ import annotations
 
-import abc
 import weakref
 from typing import Any
 
@@ -89,13 +89,3 @@ def attach_hooks(optimizer: Any, params: list[nn.Parameter]) -> weakref.finalize
         _release(handles, claim, ids)
         raise
     return weakref.finalize(optimizer, _release, handles, claim, ids)
-
-
-class AttachedAfterInit(abc.ABCMeta):
-    """Calls `_attach()` once the whole constructor, the subclass's included, succeeded: a
-    constructor that fails leaves the model as it was."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        optimizer = super().__call__(*args, **kwargs)
-        optimizer._attach()
-        return optimizer

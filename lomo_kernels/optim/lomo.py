@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..distributed import DEFAULT_BUCKET_NUMEL
 from ..ops.backends import LOMO
 from ..ops.lomo import LOMO_UPDATE, lomo_update_op
-from ._in_backward import InBackwardOptimizer, _DeviceScalars
+from ._in_backward import InBackwardOptimizer, TensorStep
 from .given_parameters import model_and_groups
 from .loss_scaler import DynamicLossScaler
-from .rounding import WriteBackRounding
+from .loss_scaling import DynamicScaling, LossScaling
+from .parameter_state import ParameterState
 from .sharded_steps import SliceBatch
 from .validation import computes_in_fp16, split_loss_scale_args
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._in_backward import InBackwardOptions
 
 
 class Lomo(InBackwardOptimizer):
@@ -34,7 +39,7 @@ class Lomo(InBackwardOptimizer):
     rounding by default (``stochastic_rounding=True``; unbiased, seeded from ``seed``, the
     step and the element's index, so a slice or shard rounds as the whole tensor would).
     Round-to-nearest, lomo-optim's, drops most updates at fine-tuning learning rates
-    (BENCHMARKS.md, "Fine-tuning quality"); ``stochastic_rounding=False`` restores it. fp32
+    (docs/benchmarks/quality.md); ``stochastic_rounding=False`` restores it. fp32
     parameters are never rounded.
 
     ``model``: the model, as lomo-optim takes it, or what a torch optimizer takes (its
@@ -63,7 +68,7 @@ class Lomo(InBackwardOptimizer):
     (every rank applies the same coefficients and skips; no second forward under ZeRO-3).
     """
 
-    _STATE_FORMAT = "Lomo"
+    _PARAMETER_STATE = ParameterState("Lomo")
 
     def __init__(
         self,
@@ -73,98 +78,65 @@ class Lomo(InBackwardOptimizer):
         clip_grad_value: float | None = None,
         weight_decay: float = 0.0,
         loss_scale_args: dict[str, Any] | None = None,
-        *,
-        stochastic_rounding: bool = True,
-        seed: int = 0,
-        backend: str | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        single_backward: bool = False,
-        replicated: bool = True,
-        param_groups: Sequence[Mapping[str, Any]] | None = None,
+        **options: Unpack[InBackwardOptions],
     ) -> None:
         # Validate everything before hooks are attached to the model's parameters.
-        model, param_groups = model_and_groups(model, param_groups)
-        rounding = WriteBackRounding(stochastic_rounding, seed)
+        model, options["param_groups"] = model_and_groups(model, options.get("param_groups"))
         scale_args = split_loss_scale_args(dict(loss_scale_args or {}))
+        # transformers models return an fp32 loss from fp16 weights: decide by the weights.
         fp16 = computes_in_fp16(model)
         if fp16:
             DynamicLossScaler(torch.device("cpu"), **scale_args)  # validates the arguments
+
+        def loss_scaling(device: torch.device) -> LossScaling:
+            if not fp16:
+                return LossScaling()
+            return DynamicScaling(DynamicLossScaler(device, **scale_args))
+
+        # Per device, what every eager update call of a step passes: the backend module and
+        # the inverse loss scale (set once per step, not looked up per call).
+        self._step_constants: dict[torch.device, tuple[Any, torch.Tensor | None]] = {}
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
             "clip_grad_norm": clip_grad_norm,
             "clip_grad_value": clip_grad_value,
         }
-        super().__init__(
-            model,
-            defaults,
-            backend=backend,
-            bucket_numel=bucket_numel,
-            single_backward=single_backward,
-            replicated=replicated,
-            param_groups=param_groups,
-            rounding=rounding,
-        )
-        # Per device, what every eager update call of a step passes: the backend module and
-        # the inverse loss scale (set once per step, not looked up per call).
-        self._step_constants: dict[torch.device, tuple[Any, torch.Tensor | None]] = {}
-        params = [p for g in self.param_groups for p in g["params"]]
-        # transformers models return an fp32 loss from fp16 weights: decide by the weights.
-        self.loss_scaler: DynamicLossScaler | None = None
-        if fp16:
-            self.loss_scaler = DynamicLossScaler(params[0].device, **scale_args)
-            # Whether a norm pass of the current step attempt applied an overflow.
-            self._overflow_applied = torch.zeros(1, dtype=torch.bool, device=params[0].device)
+        super().__init__(model, defaults, loss_scaling, **options)
 
-    def _loss_scaler(self) -> DynamicLossScaler | None:
-        return self.loss_scaler
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The fp16 dynamic loss scaler (lomo-optim's), or None: the trainable parameters do
+        not compute in fp16."""
+        return self._loss_scaling.scaler
 
-    @torch.compiler.disable  # host-side, as InBackwardOptimizer._prepare_scalars
-    def _prepare_scalars(self) -> None:
-        super()._prepare_scalars()
+    def _prepare_update_arguments(self) -> None:
         self._step_constants = {
             d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
         }
-        self._check_update_arguments()
+        # The update op's public checks (its spec's), once per step, on the step-wide values
+        # every per-tensor call of the step passes (`_apply` skips them per call).
+        for device, scalars, index, group in self._scalars.groups_present(self._groups.hyper):
+            LOMO_UPDATE.convert(
+                device,
+                {
+                    "param": None,
+                    "grad": None,
+                    "lr": scalars.lr[index],
+                    "inv_scale": self._step_constants[device][1],
+                    "clip_value": group["clip_grad_value"],
+                    "clip_coef": scalars.clip_coef,
+                    "weight_decay": group["weight_decay"],
+                    "found_inf": scalars.update_found_inf,
+                    "skip_if": scalars.update_found_inf,
+                    "stochastic_rounding": self.rounding.stochastic,
+                    "seed": 0,  # per tensor: its index (or slice offset), always valid
+                    "seed_step": self.rounding.seed_step(device),
+                },
+            )
 
-    def _check_update_arguments(self) -> None:
-        """The update op's public checks (its spec's), once per step, on the step-wide values
-        every per-tensor call of the step passes (`_apply` skips them per call)."""
-        for device, scalars in self._scalars.items():
-            for index, group in enumerate(self._hook_groups):
-                if index not in scalars.lr:
-                    continue  # no parameter of this group on this device
-                LOMO_UPDATE.convert(
-                    device,
-                    {
-                        "param": None,
-                        "grad": None,
-                        "lr": scalars.lr[index],
-                        "inv_scale": self._step_constants[device][1],
-                        "clip_value": group["clip_grad_value"],
-                        "clip_coef": scalars.clip_coef,
-                        "weight_decay": group["weight_decay"],
-                        "found_inf": scalars.update_found_inf,
-                        "skip_if": scalars.update_found_inf,
-                        "stochastic_rounding": self.rounding.stochastic,
-                        "seed": 0,  # per tensor: its index (or slice offset), always valid
-                        "seed_step": self.rounding.seed_step(device),
-                    },
-                )
-
-    def _needs_detection_pass(self) -> bool:
-        # fp16 overflows are common: find them before any parameter changes.
-        return self.loss_scaler is not None or self._max_norm is not None
-
-    def _update(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
-    ) -> None:
-        self._apply(param, param, 0, grad, group, scalars, skip_if)
+    def _update(self, step: TensorStep) -> None:
+        self._apply(step, step.param, 0)
 
     def update_rows(
         self,
@@ -176,69 +148,57 @@ class Lomo(InBackwardOptimizer):
     ) -> None:
         """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad` exactly as
         the whole tensor's step would (`row_blocks.py`)."""
-        group = self._hook_groups[self._group_of[id(param)]]
-        scalars = self._scalars_for(param.device)
+        index, group = self._groups.of(param)
+        scalars = self._scalars.for_device(param.device)
         first = start * (param.numel() // param.shape[0])
-        self._apply(param, param[start:stop], first, grad, group, scalars, skip_if)
+        step = TensorStep(param, grad, index, group, scalars, skip_if)
+        self._apply(step, param[start:stop], first)
 
     def _update_shards(self, batch: SliceBatch) -> None:
         # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
         for i, (shard, grad) in enumerate(batch.entries):
             if shard.local.numel():
-                group = self._hook_groups[self._group_of[id(shard.param)]]
-                self._apply(
-                    shard.param,
-                    shard.local,
-                    shard.offset,
-                    grad,
-                    group,
-                    batch.scalars,
-                    batch.skip_of(i),
-                    batch.clip_coef_of(i),
-                )
+                index, group = self._groups.of(shard.param)
+                step = TensorStep(shard.param, grad, index, group, batch.scalars, batch.skip_of(i))
+                self._apply(step, shard.local, shard.offset, batch.clip_coef_of(i))
 
     def _apply(
         self,
-        param: torch.Tensor,
+        step: TensorStep,
         target: torch.Tensor,
         offset: int,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
         clip_coef: torch.Tensor | None = None,
     ) -> None:
         """Updates `target` (the parameter, or its contiguous slice starting at flat
-        `offset`); `clip_coef` replaces the step-wide coefficient (single_backward under
-        sharding). A stochastically rounded slice rounds as the whole tensor would."""
+        `offset`) from `step.grad`, its gradient; `clip_coef` replaces the step-wide
+        coefficient (single_backward under sharding). A stochastically rounded slice rounds
+        as the whole tensor would."""
         if not self.rounding.applies_to(target.dtype):
-            self._apply_piece(param, target, grad, group, scalars, skip_if, clip_coef)
+            self._apply_piece(step, target, step.grad, clip_coef)
             return
-        flat, flat_grad = target.reshape(-1), grad.reshape(-1)
+        flat, flat_grad = target.reshape(-1), step.grad.reshape(-1)
         seeds_step = self.rounding.seed_step(target.device)
 
         def piece(a: int, b: int, seed: int) -> None:
             whole = a == 0 and b == flat.numel()  # the tensors as given (a traced step's)
-            self._apply_piece(param, target if whole else flat[a:b],
-                              grad if whole else flat_grad[a:b], group, scalars, skip_if,
-                              clip_coef, (seed, seeds_step))  # fmt: skip
+            self._apply_piece(step, target if whole else flat[a:b],
+                              step.grad if whole else flat_grad[a:b], clip_coef,
+                              (seed, seeds_step))  # fmt: skip
 
-        self.rounding.in_pieces(self._index_of[id(param)], offset, flat.numel(), piece)
+        self.rounding.in_pieces(self._groups.index_of[id(step.param)], offset, flat.numel(), piece)
 
     def _apply_piece(
         self,
-        param: torch.Tensor,
+        step: TensorStep,
         target: torch.Tensor,
         grad: torch.Tensor,
-        group: dict[str, Any],
-        scalars: _DeviceScalars,
-        skip_if: torch.Tensor,
         clip_coef: torch.Tensor | None,
         seeds: tuple[int, torch.Tensor | None] | None = None,
     ) -> None:
-        """One fused update call on `target`; `seeds`: (seed, seed_step) of its stochastic
-        rounding, None to round to nearest."""
+        """One fused update call on `target` from its gradient `grad`; `seeds`: (seed,
+        seed_step) of its stochastic rounding, None to round to nearest."""
         seed, seed_step = (0, None) if seeds is None else seeds
+        scalars, group = step.scalars, step.group
         device = scalars.device  # target's
         if torch.compiler.is_compiling():
             # Traced: the device's backend, and nothing read from host-side caches.
@@ -251,48 +211,24 @@ class Lomo(InBackwardOptimizer):
             clip_coef = scalars.clip_coef
         # The op as the public function runs it, without the public function's per-call
         # conversions: every value here is the optimizer's own, in the op's form, and passed
-        # the op's public checks once this step (_check_update_arguments); the binding checks
-        # the tensors' shapes and dtypes. In the op's order (LOMO_UPDATE.names; each name's
-        # value: tests/test_lomo_optimizer.py), which saves building a keyword dict per call.
+        # the op's public checks once this step (_prepare_update_arguments); the binding
+        # checks the tensors' shapes and dtypes. In the op's order (LOMO_UPDATE.names; each
+        # name's value: tests/optim/test_lomo_optimizer.py), which saves building a keyword
+        # dict per call.
         lomo_update_op.call_in_order(
             backend,
             (
                 target,  # param
                 grad.contiguous(),  # grad
-                scalars.lr[self._group_of[id(param)]],  # lr
+                scalars.lr[step.group_index],  # lr
                 inv_scale,  # inv_scale
                 group["clip_grad_value"],  # clip_value
                 clip_coef,  # clip_coef
                 group["weight_decay"],  # weight_decay
                 scalars.update_found_inf,  # found_inf
-                skip_if,  # skip_if
+                step.skip_if,  # skip_if
                 seeds is not None,  # stochastic_rounding
                 seed,  # seed
                 seed_step,  # seed_step
             ),
         )
-
-    def _begin_attempt(self) -> None:
-        if self.loss_scaler is not None:
-            self._overflow_applied.zero_()
-
-    def _after_norm_pass(self, found_inf: torch.Tensor) -> None:
-        # As lomo-optim: an overflow found by the norm pass lowers the scale now, so a loop
-        # that skips the update pass on has_overflow_serial (its trainer's) still backs off;
-        # once per attempt (fused_backward re-measures another loss than grad_norm's).
-        if self.loss_scaler is not None:
-            found = found_inf.to(self.loss_scaler.device).reshape(1) != 0
-            self.loss_scaler.update(found, apply=found & ~self._overflow_applied)
-            self._overflow_applied |= found
-
-    def _after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
-        if self.loss_scaler is not None:
-            found = found_inf.to(self.loss_scaler.device).reshape(1) != 0
-            # An overflow a norm pass applied is this step's outcome (see _after_norm_pass).
-            apply = ~self._overflow_applied & (~found if detection else True)
-            self.loss_scaler.update(found, apply=apply)
-            self._overflow_applied.zero_()
-
-    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        if state is not None and self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state)

@@ -171,6 +171,57 @@ def hook_groups(checked: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "lr"} for group in checked]
 
 
+class HookGroups:
+    """What the hooks read of the param groups, refreshed from them before each step: each
+    trained parameter's index (`index_of`) and group (`group_of`), the groups'
+    hyper-parameters without lr (`hyper`) and the clip threshold (`max_norm`)."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        params: list[nn.Parameter],
+        defaults: Mapping[str, Any],
+    ) -> None:
+        """`params`: the trained parameters, in model order; `defaults`: the optimizer's
+        checked hyper-parameters (every group keeps each of them)."""
+        self._required = [key for key in defaults if key in CHECKS]  # not torch.optim's own
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        self.group_of = group_index(param_groups)
+        self.hyper = hook_groups(self.checked(param_groups))
+        # The step's clip threshold: traced code reads this float, not param_groups (whose
+        # lr changes every step: a guard on the group would recompile a compiled step).
+        self.max_norm: float | None = defaults["clip_grad_norm"]
+
+    def checked(
+        self, param_groups: list[dict[str, Any]], lr: float | None = None
+    ) -> list[dict[str, Any]]:
+        """The groups' hyper-parameters, checked (with `lr` in place of theirs when given)."""
+        return checked_groups(param_groups, "param_groups", lr, required=self._required)
+
+    def refresh(
+        self,
+        param_groups: list[dict[str, Any]],
+        checked: list[dict[str, Any]],
+        lr: float | None,
+        names: Callable[[], dict[int, str]],
+    ) -> None:
+        """Takes the groups as they are now (`checked`: their checked values), after
+        refusing a change of which parameters they list; sets every group's lr to `lr` when
+        given (as lomo-optim does). `names()`: the model's parameter names, for errors."""
+        # A parameter may have moved to another group: the hooks read this index.
+        self.group_of = current_group_index(param_groups, self.index_of, names)
+        if lr is not None:
+            for group in param_groups:
+                group["lr"] = float(lr)
+        self.hyper = hook_groups(checked)
+        self.max_norm = checked[0]["clip_grad_norm"]
+
+    def of(self, param: torch.Tensor) -> tuple[int, dict[str, Any]]:
+        """(`param`'s group index, that group's hyper-parameters without lr)."""
+        index = self.group_of[id(param)]
+        return index, self.hyper[index]
+
+
 class GroupHyperParameter:
     """An optimizer attribute that reads the first param group's value of `name` and, when
     assigned, checks the value and sets it in every group (lomo-optim keeps these as

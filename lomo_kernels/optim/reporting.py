@@ -1,22 +1,24 @@
-"""What the optimizer tells about a step after it: overflow (skipped or partial steps) and
-interrupted update passes.
+"""What the optimizer tells about its steps: how many ran, the last norm pass's norms,
+overflow (skipped or partial steps) and interrupted update passes.
 
 A step's overflow flags stay on the device during backward; they are copied to the host
-without blocking and reported at the next call (or `flush_report()`), when the copy has long
-finished: as a RuntimeWarning (Python's warnings) for a skipped step without a dynamic loss
-scaler and for a partial step, and in `last_step_skipped` / `last_step_partial`; only an
-overflow at the fp16 loss scaler's minimum scale raises (FloatingPointError). An exception
-raised during an update pass gets a note saying which parameters were already updated.
+without blocking and reported at the next call (or the optimizer's `flush_report()`), when
+the copy has long finished: as a RuntimeWarning (Python's warnings) for a skipped step
+without a dynamic loss scaler and for a partial step, and in `last_step_skipped` /
+`last_step_partial`; only an overflow at the fp16 loss scaler's minimum scale raises
+(FloatingPointError). An exception raised during an update pass gets a note saying which
+parameters were already updated.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .validation import parameter_names
+from .loss_scaler import DynamicLossScaler
 
 PARTIAL_STEP_WARNING = (
     "step {step}: {count} tensor(s) had inf/nan gradient elements and were left unchanged "
@@ -67,21 +69,34 @@ def interruption_note(updated: list[str], total: int, tracked: bool) -> str:
     )
 
 
-class StepReporting:
-    """The optimizer's step reports (mixed into `InBackwardOptimizer`, which provides
-    `model`, `param_groups`, `step_count` and `_loss_scaler()`).
+class StepReports:
+    """What the optimizer tells about its steps: the step count, the last norm pass's norms,
+    and each step's outcome, read from the device only at the next step.
 
-    Public results: `last_step_skipped` (an overflow made the step change nothing),
-    `last_step_partial` (inf/nan elements or tensors were left out, the rest applied),
-    `last_step_interrupted` and `last_step_partial_names` (an exception in the update pass,
-    and the parameters updated before it).
+    Public results (the optimizer's attributes of the same names): `step_count`,
+    `last_grad_norm`, `clip_coef`, `grad_norms`, `last_step_skipped` (an overflow made the
+    step change nothing), `last_step_partial` (inf/nan elements or tensors were left out,
+    the rest applied), `last_step_interrupted` and `last_step_partial_names` (an exception
+    in the update pass, and the parameters updated before it).
     """
 
-    model: Any
-    param_groups: list[dict[str, Any]]
-    step_count: int
-
-    def _init_reporting(self) -> None:
+    def __init__(
+        self,
+        names: Callable[[], dict[int, str]],
+        parameter_count: int,
+        scaler: DynamicLossScaler | None,
+    ) -> None:
+        """`names()`: the model's parameter names by id (read when an error is reported);
+        `parameter_count`: how many parameters a step updates; `scaler`: the dynamic loss
+        scaler whose minimum-scale overflow a report raises, if any."""
+        self._names = names
+        self._parameter_count = parameter_count
+        self._scaler = scaler
+        self.step_count = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self.clip_coef: torch.Tensor | None = None  # of the last norm pass (lomo-optim's)
+        self._norm_of_last_pass: torch.Tensor | None = None
+        self._param_norms: torch.Tensor | None = None  # of the last eager norm pass
         self._report: torch.Tensor | None = None
         self._report_event: Any = None
         self._report_single_backward = False  # the queued report is of a single_backward step
@@ -89,30 +104,56 @@ class StepReporting:
         self.last_step_partial = False
         self.last_step_interrupted = False
         self.last_step_partial_names: list[str] = []
-        self._updated: list[torch.Tensor] = []  # the update pass's parameters, in order
+        self.updated: list[torch.Tensor] = []  # the update pass's parameters, in order
 
-    def _begin_pass_report(self) -> None:
+    @property
+    def grad_norms(self) -> torch.Tensor | list[Any]:
+        """lomo-optim's per-gradient norms of the last norm pass (`REPORTED_DOCS`)."""
+        if self._norm_of_last_pass is None:
+            return []
+        return (
+            self._norm_of_last_pass.reshape(1) if self._param_norms is None else self._param_norms
+        )
+
+    def norms_measured(
+        self,
+        norm: torch.Tensor,
+        param_norms: torch.Tensor | None,
+        clip_coef: torch.Tensor | None,
+    ) -> None:
+        """A norm pass measured the global `norm`, each parameter's (None under compiled
+        autograd) and, with clipping on, the clip coefficient."""
+        self._param_norms = param_norms
+        self.last_grad_norm = self._norm_of_last_pass = norm
+        if clip_coef is not None:
+            self.clip_coef = clip_coef
+
+    def begin_call(self) -> None:
         self.last_step_interrupted = False
         self.last_step_partial_names = []
 
-    def _note_updated(self, param: torch.Tensor) -> None:
+    def forget_updated(self) -> None:
+        self.updated.clear()
+
+    def note_updated(self, param: torch.Tensor) -> None:
         # Noted before the update is launched: a failing update counts as applied. Traced
         # (compiled autograd), the append would replay only after the graph; not recorded.
         if not torch.compiler.is_compiling():
-            self._updated.append(param)
+            self.updated.append(param)
 
-    def _record_interruption(self, error: BaseException, tracked: bool) -> None:
+    def record_interruption(self, error: BaseException, tracked: bool) -> None:
         """Reports which parameters an interrupted update pass had already updated (a norm
         pass writes no parameter or state: its interruption changes nothing)."""
-        names = parameter_names(self.model)
+        names = self._names()
         self.last_step_interrupted = True
-        self.last_step_partial_names = [names.get(id(p), "?") for p in self._updated]
-        total = sum(len(g["params"]) for g in self.param_groups)
-        error.add_note(interruption_note(self.last_step_partial_names, total, tracked))
+        self.last_step_partial_names = [names.get(id(p), "?") for p in self.updated]
+        error.add_note(
+            interruption_note(self.last_step_partial_names, self._parameter_count, tracked)
+        )
 
-    def _queue_report(self, found: torch.Tensor, atomic: bool, single_backward: bool) -> None:
-        """Copies the step's overflow flags to the host without waiting for them."""
-        scaler = self._loss_scaler()
+    def step_done(self, found: torch.Tensor, atomic: bool, single_backward: bool) -> None:
+        """Counts the step and copies its overflow flags to the host without waiting."""
+        scaler = self._scaler
         at_min = scaler.overflow_at_min if scaler is not None else torch.zeros_like(found)
         flags = torch.cat(
             [
@@ -133,9 +174,10 @@ class StepReporting:
             self._report = flags
             self._report_event = None
         self._report_single_backward = single_backward
+        self.step_count += 1
 
     @torch.compiler.disable  # host-side: reads the flags copied at the last step
-    def _report_previous_step(self) -> None:
+    def report_previous_step(self) -> None:
         """Reads the last step's overflow flags (long finished) and reports them."""
         if self._report is None:
             return
@@ -145,7 +187,7 @@ class StepReporting:
         self._report = None
         self.last_step_skipped = bool(found) and bool(atomic)
         self.last_step_partial = bool(found) and not atomic
-        scaler = self._loss_scaler()
+        scaler = self._scaler
         if at_min and scaler is not None and scaler.raise_error_at_min_scale:
             raise FloatingPointError(MIN_SCALE_ERROR)
         if found and not atomic and self._report_single_backward:
@@ -163,6 +205,57 @@ class StepReporting:
             message = SKIPPED_STEP_WARNING.format(step=self.step_count - 1)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def flush_report(self) -> None:
-        """Reports the last step's overflow now (at the end of training, for example)."""
-        self._report_previous_step()
+
+# The optimizer attributes that read the step reports (`Reported`), with their docs.
+REPORTED_DOCS = {
+    "step_count": "The number of completed steps (update passes).",
+    "last_grad_norm": (
+        "The global gradient norm of the last norm pass (or single_backward step), a 0-d or "
+        "1-element device tensor; None before it, or once a step with no norm pass began."
+    ),
+    "clip_coef": (
+        "lomo-optim's clip coefficient ``min(1, clip_grad_norm / (norm + 1e-6))`` of the last norm "
+        "pass, a 0-d device tensor (``float()`` of it syncs); None before the first norm pass with "
+        "clip_grad_norm set."
+    ),
+    "grad_norms": (
+        "lomo-optim's per-gradient norms of the last norm pass: a 1-D device tensor with one entry "
+        "per trainable parameter (in model order; 0 for one that got no gradient, which lomo-optim "
+        "leaves out), whose 2-norm is the global norm (``torch.norm(opt.grad_norms)``, as with "
+        "lomo-optim). Sharded: each whole parameter's norm, on every rank. After a norm pass under "
+        "compiled autograd it holds one entry, the global norm (that pass sums into one device "
+        "scalar). ``[]`` before the first norm pass, as in lomo-optim."
+    ),
+    "last_step_skipped": (
+        "Whether an overflow made the last step change nothing (reported at the next call)."
+    ),
+    "last_step_partial": (
+        "Whether inf/nan elements or tensors were left out of the last step, the rest applied."
+    ),
+    "last_step_interrupted": "Whether an exception interrupted the last update pass.",
+    "last_step_partial_names": (
+        "The parameters the interrupted update pass had updated before the exception."
+    ),
+}
+
+
+class Reported:
+    """An optimizer attribute that reads its step reports' value of the same name (its
+    `_reports`, a `StepReports`); assigning it is refused unless `settable`."""
+
+    def __init__(self, settable: bool = False) -> None:
+        self._settable = settable
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        self.__doc__ = REPORTED_DOCS[name]
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        if optimizer is None:
+            return self
+        return getattr(optimizer._reports, self._name)
+
+    def __set__(self, optimizer: Any, value: Any) -> None:
+        if not self._settable:
+            raise AttributeError(f"{self._name} is what the optimizer reports: read-only")
+        setattr(optimizer._reports, self._name, value)

@@ -3,8 +3,8 @@
 At fine-tuning learning rates most per-element updates are below half a bf16 (or fp16) ulp,
 so round-to-nearest returns the old weight and the update is lost. Stochastic rounding
 rounds up with probability equal to the distance from the lower neighbour over the spacing:
-unbiased, so the expected weight follows the fp32 trajectory (BENCHMARKS.md, "Fine-tuning
-quality"). It is on by default for bf16 and fp16 parameters; fp32 parameters are stored
+unbiased, so the expected weight follows the fp32 trajectory (docs/benchmarks/quality.md). It is on
+by default for bf16 and fp16 parameters; fp32 parameters are stored
 exactly and never rounded.
 
 The bits are counter-based: a per-parameter seed (the parameter's index, fixed for a run),

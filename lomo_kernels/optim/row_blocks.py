@@ -1,7 +1,7 @@
 """Stepping a parameter from blocks of its rows' gradients, as a fused op produces them, so
 that the parameter's whole gradient never exists (the fused linear + cross-entropy's head:
-`ops/head_gradient.py` walks the vocabulary in chunks, each chunk's gradient complete when
-its rows are done).
+`ops/cross_entropy/head_gradient.py` walks the vocabulary in chunks, each chunk's gradient
+complete when its rows are done).
 
 The op asks `core.gradient_sink` for the weight's sink; the finder registered here asks
 the parameter's owner (`hooks.owner_of`) for a `RowBlockStep` (a `GradientSink`); None means "give
@@ -35,18 +35,26 @@ by a read of the loss's autograd graph before the backward (`validation.GraphFac
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .. import compile as _compiled_autograd
 from .. import ops
 from ..core.gradient_sink import register_sink_finder
+from .device_scalars import DeviceScalars
 from .head_guard import tied_head_weights
 from .hooks import owner_of
-from .rounding import MAX_SLICED_NUMEL
-from .step_mode import Phase
+from .rounding import MAX_SLICED_NUMEL, WriteBackRounding
+from .single_backward import SingleBackwardClip
+from .step_mode import Phase, StepMode
 from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
+
+# An optimizer's update of rows [start, stop) of a parameter from their gradient, skipped
+# where the flag is non-zero: ``update_rows(param, start, stop, grad, skip_if)``.
+UpdateRows = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 
 def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
@@ -67,24 +75,37 @@ class RowBlockStep:
     `apply`, then `finish()`. A block of rows whose gradient is all zero may be left out
     unless `changes_zero_rows`; while `measuring`, `apply` only measures its argument."""
 
-    def __init__(self, optimizer: Any, param: torch.Tensor) -> None:
-        self._optimizer = optimizer
+    def __init__(
+        self,
+        blocks: RowBlocks,
+        param: torch.Tensor,
+        scalars: DeviceScalars,
+        *,
+        slot: int,
+        inv_scale: torch.Tensor | None,
+        weight_decay: float,
+        update_rows: UpdateRows,
+    ) -> None:
+        """`blocks`: the pass's row blocks (its mode, clip rule and backend); `scalars`:
+        those of `param`'s device; `slot`: `param`'s index among the trained parameters (its
+        sum of squares in a norm pass); `inv_scale`: the gradients' inverse loss scale;
+        `update_rows`: the optimizer's update of a block of rows."""
+        self._blocks = blocks
         self._param = param
-        self._scalars = optimizer._scalars_for(param.device)
-        self._inv_scale = optimizer._inv_scale_for(param.device)
-        self._norm = optimizer._mode.phase is Phase.NORM
+        self._scalars = scalars
+        self._inv_scale = inv_scale
+        self._update_rows = update_rows
+        mode = blocks.mode
+        self._norm = mode.phase is Phase.NORM
         # A norm pass only measures: any blocks holding the gradient's values will do.
         self.measuring = self._norm
-        self.measure_first = not self._norm and optimizer._mode.single_backward
+        self.measure_first = not self._norm and mode.single_backward
         # Whether a block whose gradient is zero still changes (decoupled weight decay).
-        group = optimizer._hook_groups[optimizer._group_of[id(param)]]
-        self.changes_zero_rows = group["weight_decay"] != 0
-        self._skip_if = optimizer._skip_if(self._scalars)
-        self._sumsq = self._scalars.sumsq
-        slots = self._scalars.param_sumsq
-        if self._norm and slots is not None:
-            index = optimizer._index_of[id(param)]
-            self._sumsq = slots[index : index + 1]
+        self.changes_zero_rows = weight_decay != 0
+        self._skip_if = scalars.skip_flag(mode.norm_ready)
+        self._sumsq = scalars.sumsq
+        if self._norm and scalars.param_sumsq is not None:
+            self._sumsq = scalars.param_sumsq[slot : slot + 1]
         if self.measure_first:
             # [sum of squares, non-finite flag], as SingleBackwardClip.prepare_measured reads.
             self._measured = torch.zeros(2, device=param.device)
@@ -95,15 +116,13 @@ class RowBlockStep:
 
     def measured(self) -> None:
         """single_backward: the head's coefficient and skip flag from its whole norm."""
-        self._optimizer._single_backward_clip.prepare_measured(
-            self._measured, clip_coef=self._scalars.clip_coef
-        )
+        self._blocks.clip.prepare_measured(self._measured, clip_coef=self._scalars.clip_coef)
 
     def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
         if self._norm:
             self._accumulate(grad, self._sumsq, self._scalars.norm_found_inf)
         else:
-            self._optimizer.update_rows(self._param, start, stop, grad, self._skip_if)
+            self._update_rows(self._param, start, stop, grad, self._skip_if)
 
     def finish(self) -> None:
         if self._norm and self._sumsq is not self._scalars.sumsq:
@@ -111,41 +130,47 @@ class RowBlockStep:
 
     def _accumulate(self, grad: torch.Tensor, sumsq: torch.Tensor, found: torch.Tensor) -> None:
         ops.grad_sumsq_(
-            grad, sumsq, inv_scale=self._inv_scale, found_inf=found, backend=self._optimizer.backend
+            grad, sumsq, inv_scale=self._inv_scale, found_inf=found, backend=self._blocks.backend
         )
 
 
-class RowBlockSteps:
-    """The in-backward optimizer's side of `RowBlockStep` (mixed into InBackwardOptimizer).
-    Only an optimizer with ``update_rows(param, start, stop, grad, skip_if)`` is handed row
-    blocks: one whose update is elementwise, so rows stepped apart equal the whole tensor's
-    step (Lomo; AdaLomo's statistics span the whole matrix)."""
+@dataclass(eq=False)
+class RowBlocks:
+    """Which parameters the pass in progress steps from blocks of rows, and which got their
+    whole gradient, so that neither gets a second contribution. Only an optimizer whose
+    update is elementwise (`steps_rows`: it has an `update_rows`) is handed row blocks, so
+    rows stepped apart equal the whole tensor's step (Lomo; AdaLomo's statistics span the
+    whole matrix)."""
 
-    def _init_row_blocks(self) -> None:
-        # This pass's parameters stepped from blocks, and those given a whole gradient.
-        self._row_block_params: set[int] = set()
-        self._whole_params: set[int] = set()
-        self._tied_ids: set[int] | None = None
+    model: nn.Module
+    mode: StepMode
+    rounding: WriteBackRounding
+    steps_rows: bool
+    sharded: bool  # sharded parameters are never given in rows
+    clip: SingleBackwardClip | None
+    backend: str | None
+    # This pass's parameters stepped from blocks, and those given a whole gradient.
+    _row_block_params: set[int] = field(default_factory=set, init=False)
+    _whole_params: set[int] = field(default_factory=set, init=False)
+    _tied_ids: set[int] | None = field(default=None, init=False)
 
-    def row_block_step(self, param: torch.Tensor) -> RowBlockStep | None:
-        """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
-        the whole gradient (see the module docstring for when). Refuses a second
-        contribution to a parameter already stepped from blocks in this pass."""
-        if not self._takes_row_blocks(param):
-            return None
+    def begin_pass(self) -> None:
+        self._row_block_params.clear()
+        self._whole_params.clear()
+
+    def take(self, param: torch.Tensor) -> bool:
+        """Whether the pass in progress takes `param`'s gradient in row blocks (see the
+        module docstring for when), noting it if so. Refuses a second contribution to a
+        parameter already stepped from blocks, or given its whole gradient, in this pass."""
+        if self.mode.phase is Phase.IDLE or not self.eligible(param):
+            return False
         self._refuse_second_contribution(param)
         self._row_block_params.add(id(param))
-        if self._mode.phase is Phase.UPDATE:
-            self._note_updated(param)
-        return RowBlockStep(self, param)
+        return True
 
-    def _takes_row_blocks(self, param: torch.Tensor) -> bool:
-        return self._mode.phase is not Phase.IDLE and self._eligible_for_row_blocks(param)
-
-    def _eligible_for_row_blocks(self, param: torch.Tensor) -> bool:
-        """Whether a pass of this optimizer takes `param`'s gradient in row blocks where an
-        op offers them (the pass's phase aside)."""
-        if not hasattr(self, "update_rows") or self._sharding is not None:
+    def eligible(self, param: torch.Tensor) -> bool:
+        """Whether a pass takes `param`'s gradient in row blocks where an op offers them."""
+        if not self.steps_rows or self.sharded:
             return False
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             return False
@@ -171,17 +196,13 @@ class RowBlockSteps:
         if id(param) in self._row_block_params or id(param) in self._whole_params:
             raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
 
-    def _note_whole_gradient(self, param: torch.Tensor) -> None:
+    def note_whole_gradient(self, param: torch.Tensor) -> None:
         """The hook got `param`'s whole gradient: refused if blocks stepped it already, or
         if the hook got one already in this pass (the gradient came in parts)."""
         if torch.compiler.is_compiling():
             return  # traced backward: no row blocks there
         if id(param) in self._row_block_params:
             self._refuse_second_contribution(param)
-        if id(param) in self._whole_params and self._sharding is None:
+        if id(param) in self._whole_params and not self.sharded:
             raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
         self._whole_params.add(id(param))
-
-    def _begin_row_block_pass(self) -> None:
-        self._row_block_params.clear()
-        self._whole_params.clear()

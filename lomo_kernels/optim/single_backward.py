@@ -126,7 +126,7 @@ class SingleBackwardClip:
     def prepare_measured(self, measured: torch.Tensor, clip_coef: torch.Tensor) -> None:
         """`prepare` for a gradient its update has already measured: `measured` is the
         2-element fp32 [sum of (grad * inv_scale)^2, non-finite flag] on the gradient's
-        device (AdaLomo's pass-A workspace slots, `ops.adalomo_workspace.measured_view`).
+        device (AdaLomo's pass-A workspace slots, `ops.adalomo.workspace.measured_view`).
         Writes the coefficient into `clip_coef` (with clipping on); the sum of a non-finite
         gradient is zeroed in place, as it does not count in the step's norm.
         """

@@ -4,17 +4,60 @@ cannot serve, checked at construction and again before every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.autograd_graph import graph_nodes, leaf_inputs
 from ..core.checks import SUPPORTED_DTYPES
+from ..core.torch_internals import saved_sparse
 from ..distributed import compute_dtypes, unwrap_engine
 from .hooks import updated_in_backward
 from .loss_scaler import LOSS_SCALE_KEYS
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+GRAD_ACCUMULATION_ERROR = (
+    "LOMO updates each parameter inside backward and frees its gradient at once, so "
+    "gradients cannot be accumulated over micro-batches: use a larger batch instead (with "
+    "activation checkpointing if memory is short)."
+)
+
+
+# Where a stray backward may come from, as the layers above know it: each function returns a
+# sentence for the refusal when its integration is active, else None (the transformers
+# integration registers one), so that this layer never looks up the layers above.
+_BACKWARD_ORIGIN_NOTES: list[Callable[[], str | None]] = []
+
+
+def register_backward_origin_note(note: Callable[[], str | None]) -> None:
+    """Adds `note` to what `plain_backward_error` asks; the same function twice is a no-op."""
+    if note not in _BACKWARD_ORIGIN_NOTES:
+        _BACKWARD_ORIGIN_NOTES.append(note)
+
+
+def plain_backward_error() -> str:
+    """The refusal of a backward that reached a hook outside `fused_backward`/`grad_norm`,
+    worded for where the caller is: whether an integration (`enable_transformers()`) that
+    already routes backwards through `fused_backward` is active."""
+    head = (
+        "a backward reached the hook of a parameter that a Lomo/AdaLomo updates, outside "
+        "opt.fused_backward(loss) and opt.grad_norm(loss) (a plain loss.backward(), or "
+        "gradient accumulation); nothing was updated. " + GRAD_ACCUMULATION_ERROR
+    )
+    for note in _BACKWARD_ORIGIN_NOTES:
+        sentence = note()
+        if sentence is not None:
+            return f"{head} {sentence}"
+    return (
+        f"{head} Call opt.fused_backward(loss) instead of loss.backward(), once per step. "
+        "With transformers' Trainer (TRL's trainers too) or accelerate, call "
+        "lomo_kernels.enable_transformers() first (TRL: lomo_kernels.enable_trl()), or use "
+        "lomo_kernels.integrations.hf_trainer.LomoTrainer."
+    )
 
 
 def second_contribution_error(name: str) -> RuntimeError:
@@ -161,23 +204,14 @@ class GraphFacts:
         self.sparse_embedding = False
         uses: dict[int, int] = {}
         fed_by_blocks: dict[int, torch.Tensor] = {}
-        stack = [loss.grad_fn]
-        seen: set[int] = set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
+        for node in graph_nodes(loss.grad_fn):
             name = node.name()
-            if name in _SPARSE_GRADIENT_NODES and getattr(node, "_saved_sparse", False):
+            if name in _SPARSE_GRADIENT_NODES and saved_sparse(node):
                 self.sparse_embedding = True
-            for next_node, _ in node.next_functions:
-                variable = getattr(next_node, "variable", None)  # an AccumulateGrad's leaf
-                if variable is not None:
-                    uses[id(variable)] = uses.get(id(variable), 0) + 1
-                    if name in ROW_BLOCK_NODES:
-                        fed_by_blocks[id(variable)] = variable
-                stack.append(next_node)
+            for variable in leaf_inputs(node):
+                uses[id(variable)] = uses.get(id(variable), 0) + 1
+                if name in ROW_BLOCK_NODES:
+                    fed_by_blocks[id(variable)] = variable
         self.reused_row_block_params = [p for i, p in fed_by_blocks.items() if uses[i] > 1]
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -152,8 +153,73 @@ def plot_path(text: str) -> str:
     return path
 
 
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, plot_help: str) -> None:
     """The benchmarks' common outputs: --json (results), --plot (a PNG), --no-progress."""
-    parser.add_argument("--json", type=output_path, default=None, help="write the results here")
+    add_json_argument(parser)
     parser.add_argument("--plot", type=plot_path, default=None, help=plot_help)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
+
+
+def add_counts(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """Whole-number options >= 1 by name and default: `add_counts(parser, batch=2)` adds
+    --batch (default 2)."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=positive_int, default=default, help=f"default {default}")
+
+
+def add_list_argument(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    choices: Sequence[str],
+    default: str | None = None,
+    **options: Any,
+) -> None:
+    """A comma list of `choices` (default: `default`, else all of them); `options`: more of
+    add_argument's keywords (dest, aliases of comma_list)."""
+    aliases = options.pop("aliases", None)
+    parser.add_argument(
+        flag,
+        type=comma_list(tuple(choices), aliases),
+        default=default or ",".join(choices),
+        help=f"comma list of {', '.join(choices)} (default {default or 'all'})",
+        **options,
+    )
+
+
+def add_model_argument(
+    parser: argparse.ArgumentParser, default: str | None, note: str = ""
+) -> None:
+    """--model: a preset or a Hugging Face config.json (required when `default` is None)."""
+    from .models import PRESETS
+
+    parser.add_argument(
+        "--model",
+        type=model_name,
+        required=default is None,
+        default=default,
+        help=f"{', '.join(PRESETS)} or a HF config.json path{note}",
+    )
+
+
+def add_fused_head_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fused-head",
+        action="store_true",
+        help="the logits-free loss of lomo_kernels.patch_causal_lm (no [tokens x vocab] tensors)",
+    )
+
+
+def keyword_arguments(args: argparse.Namespace, function: Callable[..., Any]) -> dict[str, Any]:
+    """The parsed values that `function` takes, by name: its parameters and the arguments'
+    destinations are spelled alike, so a command passes them on without listing each."""
+    taken = inspect.signature(function).parameters
+    return {name: value for name, value in vars(args).items() if name in taken}

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
+from . import models
+from .models import ModelShape
+
 CORPUS = Path(__file__).parent.parent / "data" / "corpus.txt"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (hidden, intermediate, layers, heads): parameter counts with the 128-character vocabulary.
 SIZES = {
     "tiny": (128, 352, 4, 4),
@@ -26,29 +28,17 @@ MAX_SEQ = 512
 MIN_SEQ = 2
 
 
+def char_shape(size: str) -> ModelShape:
+    """The LLaMA shape of the named size, on the 128-character vocabulary."""
+    hidden, inter, layers, heads = SIZES[size]
+    return ModelShape(f"char-{size}", 128, hidden, inter, layers, heads, heads)
+
+
 def build_model(size: str, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
     """A LLaMA of the named size with random weights from `seed`, built in `dtype`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, inter, layers, heads = SIZES[size]
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=MAX_SEQ,
-        tie_word_embeddings=False,
+    return models.build_model(
+        char_shape(size), dtype, device, seed=seed, max_position_embeddings=MAX_SEQ
     )
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype: no fp32 copy left in the heap
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(config).train()
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def is_task(sentence: str) -> bool:

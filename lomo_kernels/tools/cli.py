@@ -6,7 +6,9 @@
     lomo-kernels bench head [--shape small|llama-3-8b] [--device cpu|cuda] [--variants ...]
     lomo-kernels bench train --model tiny [--device cpu|cuda] [--optimizers adamw,lomo,...]
     lomo-kernels bench quality [--steps N] [--rows all|paper] [--json F] [--plot F.png]
+    lomo-kernels bench NAME --help      (every benchmark: lomo_kernels/tools/bench/__init__.py)
     lomo-kernels demo [--steps N] [--optimizers lomo,adamw]
+    lomo-kernels gpu-check [--device cuda|cpu] [--results DIR] [--budget-s 540]
 
 Each subcommand's module adds its own arguments (`add_arguments`) and runs them (`command`);
 heavy imports (transformers, matplotlib) happen only in the subcommand that needs them.
@@ -21,34 +23,23 @@ import sys
 from collections.abc import Sequence
 
 from .argtypes import Parser
+from .bench import BENCHMARKS
 
 # subcommand path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("estimate",): ("lomo_kernels.tools.estimate", "analytic peak memory per GPU: does it fit?"),
     ("demo",): (
-        "lomo_kernels.demo",
+        "lomo_kernels.tools.demo",
         "fine-tune a small LLaMA with Lomo, AdaLomo and AdamW side by side",
     ),
-    ("bench", "kernels"): (
-        "lomo_kernels.tools.bench_kernels",
-        "time the fused update against its baselines, sizes 4K to 64M",
+    ("gpu-check",): (
+        "lomo_kernels.tools.gpu_check",
+        "the GPU paths in one command: smoke tests, then train, head, host-time and quality "
+        "benchmarks, each part under a time budget",
     ),
-    ("bench", "memory"): (
-        "lomo_kernels.tools.bench_memory",
-        "measure peak memory per optimizer (parameters, gradients, states, activations)",
-    ),
-    ("bench", "head"): (
-        "lomo_kernels.tools.bench_head",
-        "an LM head's loss, backward and update: fused, unfused, liger-kernel, cut-cross-entropy",
-    ),
-    ("bench", "quality"): (
-        "lomo_kernels.tools.bench_quality",
-        "fine-tuning quality of bf16/fp16 weights: the share of the fp32-weights gain kept",
-    ),
-    ("bench", "train"): (
-        "lomo_kernels.tools.bench_train",
-        "end-to-end fine-tuning per optimizer: tokens/s, step time, peak memory, OOM",
-    ),
+} | {
+    ("bench", name): (f"lomo_kernels.tools.bench.{module}", help_text)
+    for name, (module, help_text) in BENCHMARKS.items()
 }
 
 
@@ -63,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
             if path[0] not in groups:
-                help_text = "benchmarks: kernels, memory, head, quality, train"
-                group = top.add_parser(path[0], help=help_text)
+                group_help = "benchmarks: " + ", ".join(BENCHMARKS)
+                group = top.add_parser(path[0], help=group_help, description=group_help)
                 groups[path[0]] = group.add_subparsers(
                     dest="subcommand", required=True, metavar="WHAT"
                 )

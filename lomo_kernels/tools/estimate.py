@@ -94,14 +94,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .argtypes import (
+    add_fused_head_argument,
+    add_model_argument,
     is_finite_non_negative,
     is_finite_positive,
-    model_name,
+    keyword_arguments,
     non_negative_float,
     positive_float,
     positive_int,
 )
-from .models import PRESETS, ModelShape, resolve_model
+from .models import ModelShape, resolve_model
 
 GIB = 2**30
 OPTIMIZERS = ("adamw", "sgd", "lomo", "adalomo")
@@ -361,16 +363,15 @@ def format_estimate(est: Estimate) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=model_name,
-        required=True,
-        help=f"{', '.join(PRESETS)} or a HF config.json path",
-    )
+    add_model_argument(parser, None)
     parser.add_argument("--optimizer", required=True, choices=OPTIMIZERS)
     parser.add_argument("--gpus", type=positive_int, default=1)
     parser.add_argument(
-        "--gpu-mem", type=positive_float, default=80.0, help="GiB per GPU (default 80)"
+        "--gpu-mem",
+        dest="gpu_mem_gib",
+        type=positive_float,
+        default=80.0,
+        help="GiB per GPU (default 80)",
     )
     parser.add_argument(
         "--batch", type=positive_int, default=DEFAULT_BATCH, help="sequences per GPU"
@@ -395,27 +396,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="use this activation figure (e.g. a measured one) instead of the model's",
     )
-    parser.add_argument(
-        "--fused-head",
-        action="store_true",
-        help="the logits-free loss of lomo_kernels.patch_causal_lm (no [tokens x vocab] tensors)",
-    )
+    add_fused_head_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def command(args: argparse.Namespace) -> int:
-    est = estimate(
-        args.model,
-        args.optimizer,
-        gpus=args.gpus,
-        gpu_mem_gib=args.gpu_mem,
-        batch=args.batch,
-        seq=args.seq,
-        checkpointing=args.checkpointing,
-        zero3=args.zero3,
-        precision=args.precision,
-        activations_gib=args.activations_gib,
-        fused_head=args.fused_head,
-    )
+    est = estimate(**keyword_arguments(args, estimate))
     print(json.dumps(est.to_json()) if args.json else format_estimate(est))
     return 0

@@ -54,11 +54,11 @@ def native_bf16_matmul(device: str = "cpu") -> bool:
     AMD Zen 3) torch falls back to a generic GEMM: about 40x slower than fp32 and holding an
     fp32 copy of an operand, so bf16 runs there are neither fast nor representative of memory.
     """
-    import torch
+    from ..core.torch_internals import mkldnn_bf16_supported
 
     if not str(device).startswith("cpu"):
         return True
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return mkldnn_bf16_supported()
 
 
 def fast_dtype(device: str = "cpu") -> str:

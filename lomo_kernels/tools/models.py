@@ -1,7 +1,8 @@
 """Shapes of LLaMA-architecture models: named presets and Hugging Face configs.
 
 The estimator and the memory benchmark describe a model by its shape only (no weights), so
-a 65B model can be reasoned about on a laptop. Parameter counts follow the LLaMA layout of
+a 65B model can be reasoned about on a laptop; `build_model` makes a random-weight model of a
+shape for the benchmarks. Parameter counts follow the LLaMA layout of
 `transformers.LlamaForCausalLM`: embedding, per layer q/k/v/o projections, gate/up/down MLP
 projections and two RMSNorm weights, a final RMSNorm and an untied lm_head.
 """
@@ -13,6 +14,19 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+# ModelShape's fields as a Hugging Face LLaMA config names them.
+HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+# What a config must give; the rest defaults (one head, no grouped-query attention, untied).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers")
 
 
 @dataclass(frozen=True)
@@ -71,19 +85,13 @@ class ModelShape:
             out.append((v, h))
         return out
 
-    def to_hf_config(self) -> Any:
-        """A `transformers.LlamaConfig` of this shape (imports transformers)."""
+    def to_hf_config(self, **settings: Any) -> Any:
+        """A `transformers.LlamaConfig` of this shape (imports transformers); `settings`: its
+        other fields (e.g. max_position_embeddings)."""
         from transformers import LlamaConfig
 
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
+        shape = {key: getattr(self, field) for field, key in HF_KEYS.items()}
+        return LlamaConfig(**shape, **settings)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,27 +124,19 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def _from_mapping(name: str, cfg: Mapping[str, Any]) -> ModelShape:
-    missing = [
-        k
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-        if k not in cfg
-    ]
+    missing = [HF_KEYS[field] for field in REQUIRED_FIELDS if HF_KEYS[field] not in cfg]
     if missing:
         raise ValueError(
             f"{name}: not a LLaMA-style config (missing {', '.join(missing)}); give a "
             "config.json of a LLaMA-architecture model or one of: " + ", ".join(PRESETS)
         )
-    heads = int(cfg.get("num_attention_heads", 1))
-    return ModelShape(
-        name=name,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
+    given = {field: cfg.get(key) for field, key in HF_KEYS.items()}
+    given["num_heads"] = given["num_heads"] or 1
+    # Without grouped-query attention a config may leave the key-value heads out (or null).
+    given["num_kv_heads"] = given["num_kv_heads"] or given["num_heads"]
+    tied = bool(given.pop("tie_word_embeddings") or False)
+    sizes = {field: int(value) for field, value in given.items()}
+    return ModelShape(name, **sizes, tie_word_embeddings=tied)
 
 
 def resolve_model(model: str | Mapping[str, Any] | Any) -> ModelShape:
@@ -163,3 +163,44 @@ def resolve_model(model: str | Mapping[str, Any] | Any) -> ModelShape:
         f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}) or the path of a "
         "Hugging Face config.json (or of the folder holding it)"
     )
+
+
+def build_model(
+    model: str | ModelShape,
+    dtype: str | Any = "bf16",
+    device: str = "cpu",
+    *,
+    seed: int | None = None,
+    fused_head: bool = False,
+    **settings: Any,
+) -> Any:
+    """A `transformers.LlamaForCausalLM` of `model`'s shape (a preset name, a config path or a
+    ModelShape) with random weights, from `seed` where given, in training mode.
+
+    Created directly in `dtype` (a name of `dtypes.DTYPES` or a torch dtype) on `device`: an
+    fp32 model cast afterwards would leave its freed fp32 pages in the process's memory.
+    `fused_head`: its loss made logits-free (`lomo_kernels.patch_causal_lm`). `settings`:
+    further LlamaConfig fields.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .dtypes import DTYPES
+
+    torch_dtype = DTYPES.get(dtype, dtype)
+    config = resolve_model(model).to_hf_config(**settings)
+    if seed is not None:
+        torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            net = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(p.dtype == torch_dtype for p in net.parameters())
+    if fused_head:
+        from ..integrations.causal_lm import patch_causal_lm
+
+        patch_causal_lm(net)
+    return net.train()

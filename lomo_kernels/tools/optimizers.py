@@ -214,13 +214,13 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
 
         return Trainer(name, opt, step, notes)
 
-    from torch._dynamo import compiled_autograd
+    from ..core.torch_internals import enable_compiled_autograd
 
     forward = torch.compile(model)
 
     def compiled_step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = forward(input_ids=ids, labels=labels).loss
-        with compiled_autograd._enable(torch.compile(backend="inductor")):
+        with enable_compiled_autograd(torch.compile(backend="inductor")):
             opt.fused_backward(loss)
         return loss
 

@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 checks (run by tests/test_fsdp2.py under torchrun, gloo, CPU).
+"""One rank of the FSDP2 checks (run by test_fsdp2.py under torchrun, gloo, CPU).
 
 Writes, on rank 0, to the directory in argv[1]: for each scenario the consolidated initial
 and final parameters (and optimizer state) for the reference to compare with, and
@@ -7,8 +7,6 @@ and final parameters (and optimizer state) for the reference to compare with, an
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,8 +18,8 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharded_checks import count_phases, record_order  # noqa: E402
-from sharded_models import (  # noqa: E402
+from support.sharded_checks import count_phases, record_order, run_worker  # noqa: E402
+from support.sharded_models import (  # noqa: E402
     LR,
     NO_CLIP,
     OPTIONS,
@@ -380,10 +378,7 @@ def run_refusals(checks: dict) -> None:
     checks["no_sync_unchanged"] = unchanged(before, model)
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    checks: dict = {}
+def main(rank: int, checks: dict) -> None:
     for name in OPTIMIZERS:
         for pattern in PATTERNS:
             run_training(name, pattern, rank)
@@ -398,14 +393,7 @@ def main() -> None:
         run_single_fp16_partial(label, rank, checks)
     run_single_fp16(rank, checks)
     run_refusals(checks)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, checks)
-    if rank == 0:
-        (OUT / "checks.json").write_text(json.dumps(everyone))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_worker(lambda: dist.init_process_group("gloo"), main, OUT)

@@ -1,4 +1,4 @@
-"""One rank of the fused-head ZeRO-3 and FSDP2 checks (tests/test_fused_head_sharded.py runs
+"""One rank of the fused-head ZeRO-3 and FSDP2 checks (test_fused_head_sharded.py runs
 it under torchrun, gloo, CPU): a LLaMA whose head (3001 x 40: above ZeRO-3's persistence
 threshold, so partitioned; sharded with the root under FSDP2) feeds the logits-free loss,
 trained with Lomo and AdaLomo; rank 0 saves the consolidated initial and final parameters
@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharded_models import LR, OPTIONS, FusedHeadLlama, rank_batch, train  # noqa: E402
+from support.sharded_models import LR, OPTIONS, FusedHeadLlama, rank_batch, train  # noqa: E402
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402

@@ -1,4 +1,4 @@
-"""One rank of the multi-process Trainer checks (run by tests/test_trainer_sharded.py under
+"""One rank of the multi-process Trainer checks (run by test_trainer_sharded.py under
 torchrun, gloo, CPU).
 
 - LomoTrainer with TrainingArguments(deepspeed=<ZeRO-3 config>), each run of `RUNS`;
@@ -29,8 +29,8 @@ from transformers import Trainer, get_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharded_checks import count_phases, record_order, write_checks  # noqa: E402
-from trainer_runs import (  # noqa: E402
+from support.sharded_checks import count_phases, record_order, write_checks  # noqa: E402
+from support.trainer_runs import (  # noqa: E402
     EVAL,
     EVAL_ROWS,
     PER_RANK_BATCH,
@@ -101,7 +101,7 @@ def run(name: str, rank: int, checks: dict) -> list[torch.Tensor]:
         "phases": trainer.phases,
         "norms": logged_norms(trainer),
         "eval_losses": logged(trainer, "eval_loss"),
-        "sharded": type(opt._sharding).__name__,
+        "sharded": type(opt._sharded.sharding).__name__,
         "partitioned": sum(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()),
         "persistent": sum(bool(p.ds_persist) for p in trainer.model.parameters()),
     }

@@ -1,4 +1,4 @@
-"""One rank of the ZeRO-3 checks (run by tests/test_zero3.py under torchrun, gloo, CPU).
+"""One rank of the ZeRO-3 checks (run by test_zero3.py under torchrun, gloo, CPU).
 
 Writes, on rank 0, to the directory in argv[1]: for each scenario the consolidated initial
 and final parameters (and optimizer state) for the one-process reference to compare with,
@@ -8,8 +8,6 @@ and `checks.json` with what was observed on every rank.
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharded_checks import count_phases, record_order  # noqa: E402
-from sharded_models import (  # noqa: E402
+from support.sharded_checks import count_phases, record_order, run_worker  # noqa: E402
+from support.sharded_models import (  # noqa: E402
     LR,
     OPTIONS,
     SINGLE,
@@ -285,10 +283,7 @@ def run_unreplicated(rank: int) -> dict:
     }
 
 
-def main() -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    checks: dict = {}
+def main(rank: int, checks: dict) -> None:
     run_training("lomo", Lomo, rank, checks)
     run_training("adalomo", AdaLomo, rank, checks)
     run_single("lomo", Lomo, rank, checks)
@@ -298,14 +293,7 @@ def main() -> None:
     run_fp16_overflow(rank, checks)
     run_traffic(rank, checks)
     run_refusals(checks)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, checks)
-    if rank == 0:
-        (OUT / "checks.json").write_text(json.dumps(everyone))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_worker(lambda: deepspeed.init_distributed(dist_backend="gloo"), main, OUT)

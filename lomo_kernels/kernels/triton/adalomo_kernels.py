@@ -14,7 +14,7 @@ interpreter's fp32 -> bf16 cast truncates), to nearest even or, in the write-bac
 stochastically (bf16 and fp16) from the element's flat index in the whole parameter, so the
 interpreter and the GPU write the same values.
 
-The workspace layout is the one of `lomo_kernels.ops.adalomo_workspace`: row sums, column sums,
+The workspace layout is the one of `lomo_kernels.ops.adalomo.workspace`: row sums, column sums,
 then the P_SUMSQ, U_SUMSQ, G_SUMSQ, SKIP, R_SUM slots.
 """
 
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .runtime import interpret_mode, kernels
 
-# Slot offsets after the row/column sums (ops.adalomo_workspace.P_SUMSQ etc.).
+# Slot offsets after the row/column sums (ops.adalomo.workspace.P_SUMSQ etc.).
 P_SUMSQ = tl.constexpr(0)
 U_SUMSQ = tl.constexpr(1)
 G_SUMSQ = tl.constexpr(2)
@@ -35,37 +35,19 @@ R_SUM = tl.constexpr(4)
 
 # triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
 DECORATED_FOR_INTERPRETER = interpret_mode()
-# The shared loads, hash and roundings, decorated for the same mode as this module.
+# The shared loads, gradient, hash and roundings, decorated for the same mode as this module.
 _shared = kernels("rounding_kernels")
-_rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
+_rounding_key, _to_storage = _shared.rounding_key, _shared.to_storage
+_load_fp32, _factor = _shared.load_fp32, _shared.factor
+_grad_source, _scaled, _clamp, _grad = (
+    _shared.grad_source,
+    _shared.scaled_grad,
+    _shared.clamp,
+    _shared.gradient,
+)
 
 
 # ----------------------------------------------------------------------------- building blocks
-
-
-@triton.jit
-def _load_fp32(ptr, offs, mask, KIND: tl.constexpr):
-    """fp32 values of a 0 = fp32, 1 = fp16, 2 = bf16 (as int16 bits) tensor."""
-    return _to_fp32(tl.load(ptr + offs, mask=mask, other=0), KIND)
-
-
-@triton.jit
-def _store_param(
-    ptr, offs, mask, value, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr
-):
-    """Stores fp32 `value` at the flat indices `offs` in the parameter's dtype, rounded to
-    nearest even or stochastically under `key` (`rounding_kernels.to_storage`)."""
-    tl.store(ptr + offs, _to_storage(value, offs, key, KIND, STOCHASTIC_ROUNDING), mask=mask)
-
-
-@triton.jit
-def _factor(ptr):
-    """An optional runtime factor: its device value, or 1 without one (None is a
-    compile-time constant)."""
-    value = 1.0
-    if ptr is not None:
-        value = tl.load(ptr)
-    return value
 
 
 @triton.jit
@@ -73,46 +55,6 @@ def _beta(beta2_ptr):
     """(b, 1 - b) in fp32 from the device beta2."""
     b = tl.load(beta2_ptr)
     return b, 1.0 - b
-
-
-@triton.jit
-def _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr):
-    """The gradient with its scalars read once: (ptr, inv_scale, clip_value, clip_coef)."""
-    return grad_ptr, _factor(inv_scale_ptr), clip_value, _factor(clip_coef_ptr)
-
-
-@triton.jit
-def _scaled(source, offs, mask, GRAD_KIND: tl.constexpr):
-    """(h, finite): h = grad * inv_scale in fp32 and whether it is finite."""
-    grad_ptr, inv_scale, _, _ = source
-    h = _load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
-    return h, tl.abs(h) < float("inf")
-
-
-@triton.jit
-def _clamp(h, clip_value, HAS_CLIP_VALUE: tl.constexpr):
-    """h clamped to +-clip_value when clipping by value is on."""
-    if HAS_CLIP_VALUE:
-        h = tl.minimum(tl.maximum(h, -clip_value), clip_value)
-    return h
-
-
-@triton.jit
-def _grad(
-    source,
-    offs,
-    mask,
-    GRAD_KIND: tl.constexpr,
-    HAS_CLIP_VALUE: tl.constexpr,
-    HAS_CLIP_COEF: tl.constexpr,
-):
-    """(g, finite): the fp32 gradient of the math and whether grad * inv_scale is finite."""
-    _, _, clip_value, clip_coef = source
-    h, finite = _scaled(source, offs, mask, GRAD_KIND)
-    g = _clamp(h, clip_value, HAS_CLIP_VALUE)
-    if HAS_CLIP_COEF:
-        g = g * clip_coef
-    return g, finite
 
 
 @triton.jit
@@ -141,12 +83,37 @@ def _raise_flags(stats_ptr, found_inf_ptr, bad):
 
 
 @triton.jit
-def _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay):
-    """(scale, decay) = (lr_t / max(1, rms(update) / clip_threshold), 1 - lr_t * wd)."""
+def _write_back(param_ptr, stats_ptr, numel_f, step, rounding, STOCHASTIC_ROUNDING: tl.constexpr):
+    """What a write-back pass (C, C1) applies every update with: (param_ptr, scale, decay,
+    rounding key), scale = lr_t / max(1, rms(update) / clip_threshold) and
+    decay = 1 - lr_t * wd from the workspace sums, step = (lr_ptr, eps1, clip_threshold,
+    weight_decay), rounding = (seed_lo, seed_hi, seed_step_ptr) (`rounding_key`)."""
+    lr_ptr, eps1, clip_threshold, weight_decay = step
     lr_t = tl.load(lr_ptr) * tl.maximum(tl.sqrt_rn(tl.load(stats_ptr + P_SUMSQ) / numel_f), eps1)
     u_rms = tl.sqrt_rn(tl.load(stats_ptr + U_SUMSQ) / numel_f)
     scale = lr_t / tl.maximum(u_rms / clip_threshold, 1.0)
-    return scale, 1.0 - lr_t * weight_decay
+    decay = 1.0 - lr_t * weight_decay
+    seed_lo, seed_hi, seed_step_ptr = rounding
+    key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
+    return param_ptr, scale, decay, key
+
+
+@triton.jit
+def _apply(
+    write_back,
+    update,
+    offs,
+    mask,
+    PARAM_KIND: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+):
+    """p = p * decay - scale * update at the flat indices `offs` (`_write_back`), stored in
+    the parameter's dtype, rounded to nearest even or stochastically under the key
+    (`rounding_kernels.to_storage`)."""
+    param_ptr, scale, decay, key = write_back
+    new = _load_fp32(param_ptr, offs, mask, PARAM_KIND) * decay - scale * update
+    out = _to_storage(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+    tl.store(param_ptr + offs, out, mask=mask)
 
 
 @triton.jit
@@ -196,7 +163,7 @@ def factored_stats_kernel(
     h^2 = (grad * inv_scale)^2, sum of p^2, non-finite flag."""
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
-        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, None)
+        inv_scale = _factor(inv_scale_ptr)
         row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
         cols_idx, col_mask = _column_block(cols, BLOCK_N)
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -210,7 +177,7 @@ def factored_stats_kernel(
             row_mask = rows_idx < row_end
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows_idx[:, None] * cols + cols_idx[None, :]
-            h, finite = _scaled(source, offs, mask, GRAD_KIND)
+            h, finite = _scaled(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
             g = _clamp(h, clip_value, HAS_CLIP_VALUE)
             k = tl.where(mask, g * g, 0.0)
             tl.atomic_add(ws_ptr + rows_idx, tl.sum(k, axis=1), mask=row_mask, sem="relaxed")
@@ -379,8 +346,9 @@ def factored_apply_kernel(
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
-        scale, decay = _step_scalars(stats_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
-        key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
+        step = (lr_ptr, eps1, clip_threshold, weight_decay)
+        rounding = (seed_lo, seed_hi, seed_step_ptr)
+        write_back = _write_back(param_ptr, stats_ptr, numel_f, step, rounding, STOCHASTIC_ROUNDING)
         tiles, n_iter = _update_tiles(
             row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
         )
@@ -388,9 +356,7 @@ def factored_apply_kernel(
             update, offs, mask = _factored_update(
                 source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
-            p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
-            new = p * decay - scale * update
-            _store_param(param_ptr, offs, mask, new, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+            _apply(write_back, update, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
 
 
 # ----------------------------------------------------------------------------- 1-D
@@ -481,13 +447,12 @@ def vector_apply_kernel(
     rounded as in pass C."""
     if tl.load(ws_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
-        scale, decay = _step_scalars(ws_ptr, numel_f, lr_ptr, eps1, clip_threshold, weight_decay)
-        key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
+        step = (lr_ptr, eps1, clip_threshold, weight_decay)
+        rounding = (seed_lo, seed_hi, seed_step_ptr)
+        write_back = _write_back(param_ptr, ws_ptr, numel_f, step, rounding, STOCHASTIC_ROUNDING)
         offs, mask = _vector_block(n, BLOCK)
         update, v_new, _ = _vector_update(
             source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
         )
         tl.store(v_ptr + offs, v_new, mask=mask)
-        p = _load_fp32(param_ptr, offs, mask, PARAM_KIND)
-        new = p * decay - scale * update
-        _store_param(param_ptr, offs, mask, new, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+        _apply(write_back, update, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)

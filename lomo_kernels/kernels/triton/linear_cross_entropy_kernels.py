@@ -16,14 +16,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .runtime import interpret_mode
+from ...core.torch_internals import triton_reduce_combines
+from .runtime import interpret_mode, kernels
 
-_FP32, _FP16, _BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Builtin reductions, usable whichever mode triton was imported in (see sgd_kernels.py).
-_MAX = tl.standard._elementwise_max
-_SUM = tl.standard._sum_combine
+_MAX, _SUM = triton_reduce_combines()
 
 DECORATED_FOR_INTERPRETER = interpret_mode()
+# The shared widening to fp32, decorated for the same mode as this module.
+_shared = kernels("rounding_kernels")
+_FP32, _to_fp32 = _shared.FP32, _shared.to_fp32
 
 
 @triton.jit
@@ -31,10 +33,8 @@ def _operand(raw, KIND: tl.constexpr, NATIVE: tl.constexpr):
     """A loaded tile as a tl.dot operand: as stored on the GPU, fp32 under the interpreter."""
     if NATIVE:
         return raw
-    elif KIND == _BF16:
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return raw.to(tl.float32)
+        return _to_fp32(raw, KIND)
 
 
 @triton.jit

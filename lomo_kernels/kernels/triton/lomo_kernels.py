@@ -14,21 +14,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...core.torch_internals import triton_reduce_combines
 from .runtime import interpret_mode, kernels
 
 # tl.max / tl.sum are @triton.jit functions decorated for the mode active when triton was
 # first imported, so they break the interpreter if TRITON_INTERPRET was set later. The
 # builtin tl.reduce with their combine functions compiles to the same code and is
 # recognised by the interpreter in either case.
-_MAX = tl.standard._elementwise_max
-_SUM = tl.standard._sum_combine
+_MAX, _SUM = triton_reduce_combines()
 
 
 # triton.jit picks interpreter or compiler when a kernel is decorated (runtime.kernels).
 DECORATED_FOR_INTERPRETER = interpret_mode()
-# The shared loads, hash and roundings, decorated for the same mode as this module.
+# The shared loads, gradient, hash and roundings, decorated for the same mode as this module.
 _shared = kernels("rounding_kernels")
 _rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
+_factor, _grad_source, _scaled, _grad = (
+    _shared.factor,
+    _shared.grad_source,
+    _shared.scaled_grad,
+    _shared.gradient,
+)
 
 
 # ----------------------------------------------------------------------------- device code
@@ -36,29 +42,21 @@ _rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _s
 
 @triton.jit
 def _update_chunk(
-    param_ptr,
-    grad_ptr,
+    update,
+    source,
     offs,
     mask,
-    lr,
-    decay,
-    inv_scale,
-    clip_value,
-    clip_coef,
-    key,
     PARAM_KIND: tl.constexpr,
     GRAD_KIND: tl.constexpr,
     HAS_CLIP_VALUE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
-    """Updates the elements `offs[mask]`; returns 1 if any gradient was non-finite, else 0."""
-    g = _to_fp32(tl.load(grad_ptr + offs, mask=mask, other=0), GRAD_KIND) * inv_scale
-    finite = tl.abs(g) < float("inf")
-    if HAS_CLIP_VALUE:
-        g = tl.minimum(tl.maximum(g, -clip_value), clip_value)
-    if HAS_CLIP_COEF:
-        g = g * clip_coef
+    """Updates the elements `offs[mask]` of update = (param_ptr, lr, decay, rounding key)
+    with the gradient of `source` (`rounding_kernels.grad_source`); returns 1 if any
+    gradient was non-finite, else 0."""
+    param_ptr, lr, decay, key = update
+    g, finite = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     raw = tl.load(param_ptr + offs, mask=mask, other=0)
     new = _to_fp32(raw, PARAM_KIND) * decay - lr * g
     out = _to_storage(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
@@ -101,52 +99,22 @@ def lomo_update_kernel(
     if run:
         lr = tl.load(lr_ptr)
         decay = 1.0 - lr * weight_decay
-        inv_scale = 1.0
-        if inv_scale_ptr is not None:
-            inv_scale = tl.load(inv_scale_ptr)
-        clip_coef = 1.0
-        if clip_coef_ptr is not None:
-            clip_coef = tl.load(clip_coef_ptr)
-        ukey = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
-
+        source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
+        key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
+        update = (param_ptr, lr, decay, key)
+        has_clip_coef = clip_coef_ptr is not None
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         bad = _update_chunk(
-            param_ptr,
-            grad_ptr,
-            offs,
-            offs < n_bulk,
-            lr,
-            decay,
-            inv_scale,
-            clip_value,
-            clip_coef,
-            ukey,
-            PARAM_KIND,
-            GRAD_KIND,
-            HAS_CLIP_VALUE,
-            clip_coef_ptr is not None,
-            STOCHASTIC_ROUNDING,
-        )
+            update, source, offs, offs < n_bulk,
+            PARAM_KIND, GRAD_KIND, HAS_CLIP_VALUE, has_clip_coef, STOCHASTIC_ROUNDING,
+        )  # fmt: skip
         if pid == tl.num_programs(0) - 1:
             tail = n_bulk.to(tl.int64) + tl.arange(0, 16)
             tail_bad = _update_chunk(
-                param_ptr,
-                grad_ptr,
-                tail,
-                tail < n,
-                lr,
-                decay,
-                inv_scale,
-                clip_value,
-                clip_coef,
-                ukey,
-                PARAM_KIND,
-                GRAD_KIND,
-                HAS_CLIP_VALUE,
-                clip_coef_ptr is not None,
-                STOCHASTIC_ROUNDING,
-            )
+                update, source, tail, tail < n,
+                PARAM_KIND, GRAD_KIND, HAS_CLIP_VALUE, has_clip_coef, STOCHASTIC_ROUNDING,
+            )  # fmt: skip
             bad = tl.maximum(bad, tail_bad)
         # A compile-time branch around a run-time one; `and` would compile both sides.
         if found_inf_ptr is not None:  # noqa: SIM102
@@ -157,8 +125,8 @@ def lomo_update_kernel(
 @triton.jit
 def _sumsq_chunk(grad_ptr, offs, mask, inv_scale, GRAD_KIND: tl.constexpr):
     """(sum of squares, 1 if any non-finite else 0) of the scaled gradient over `offs[mask]`."""
-    g = _to_fp32(tl.load(grad_ptr + offs, mask=mask, other=0), GRAD_KIND) * inv_scale
-    bad = tl.reduce((~(tl.abs(g) < float("inf"))).to(tl.int32), 0, _MAX)
+    g, finite = _scaled(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
+    bad = tl.reduce((~finite).to(tl.int32), 0, _MAX)
     return tl.reduce(g * g, 0, _SUM), bad
 
 
@@ -174,9 +142,7 @@ def grad_sumsq_kernel(
     BLOCK: tl.constexpr,
 ):
     """sumsq += sum((g * inv_scale) ** 2) with one atomic add per program."""
-    inv_scale = 1.0
-    if inv_scale_ptr is not None:
-        inv_scale = tl.load(inv_scale_ptr)
+    inv_scale = _factor(inv_scale_ptr)
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     total, bad = _sumsq_chunk(grad_ptr, offs, offs < n_bulk, inv_scale, GRAD_KIND)

@@ -1,6 +1,7 @@
-"""Loading parameters as fp32 and rounding fp32 results into their storage type: the Triton
-device helpers every kernel module shares (`lomo_kernels.py`, `adalomo_kernels.py`), so
-there is one definition of the hash and of each rounding. The bits are `core/rounding.py`'s.
+"""Loading parameters and gradients as fp32 and rounding fp32 results into their storage type:
+the Triton device functions every kernel module shares (`lomo_kernels.py`, `adalomo_kernels.py`,
+`linear_cross_entropy_kernels.py`), so there is one definition of each load, of the gradient's
+scaling and clipping, of the hash and of each rounding. The bits are `core/rounding.py`'s.
 
 bf16 travels as int16 bit patterns and is rounded with integer operations (the interpreter's
 fp32 -> bf16 cast truncates while GPUs round to nearest even). fp16 is rounded stochastically
@@ -77,6 +78,62 @@ def to_fp32(raw, KIND: tl.constexpr):
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         return raw.to(tl.float32)
+
+
+@triton.jit
+def load_fp32(ptr, offs, mask, KIND: tl.constexpr):
+    """fp32 values of a 0 = fp32, 1 = fp16, 2 = bf16 (as int16 bits) tensor."""
+    return to_fp32(tl.load(ptr + offs, mask=mask, other=0), KIND)
+
+
+@triton.jit
+def factor(ptr):
+    """An optional runtime factor: its device value, or 1 without one (None is a
+    compile-time constant)."""
+    value = 1.0
+    if ptr is not None:
+        value = tl.load(ptr)
+    return value
+
+
+@triton.jit
+def grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr):
+    """The gradient with its scalars read once: (ptr, inv_scale, clip_value, clip_coef)."""
+    return grad_ptr, factor(inv_scale_ptr), clip_value, factor(clip_coef_ptr)
+
+
+@triton.jit
+def scaled_grad(grad_ptr, inv_scale, offs, mask, GRAD_KIND: tl.constexpr):
+    """(h, finite): h = grad * inv_scale in fp32 and whether it is finite."""
+    h = load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
+    return h, tl.abs(h) < float("inf")
+
+
+@triton.jit
+def clamp(h, clip_value, HAS_CLIP_VALUE: tl.constexpr):
+    """h clamped to +-clip_value when clipping by value is on."""
+    if HAS_CLIP_VALUE:
+        h = tl.minimum(tl.maximum(h, -clip_value), clip_value)
+    return h
+
+
+@triton.jit
+def gradient(
+    source,
+    offs,
+    mask,
+    GRAD_KIND: tl.constexpr,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
+    """(g, finite): the fp32 gradient of the math (`grad_source`'s, scaled, clamped, times
+    the clip coefficient) and whether grad * inv_scale is finite."""
+    grad_ptr, inv_scale, clip_value, clip_coef = source
+    h, finite = scaled_grad(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
+    g = clamp(h, clip_value, HAS_CLIP_VALUE)
+    if HAS_CLIP_COEF:
+        g = g * clip_coef
+    return g, finite
 
 
 @triton.jit

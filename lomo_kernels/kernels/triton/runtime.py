@@ -1,6 +1,7 @@
 """What every Triton launcher needs: availability, interpreter mode, the kernels' view of a
-tensor. Importing this module never imports triton (a missing triton must not break an
-import of the package); the functions do.
+tensor, the kernel arguments several ops share, and the launch itself. Importing this module
+never imports triton (a missing triton must not break an import of the package); the
+functions do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from ...core.rounding import rounds_stochastically, seed_parts
 
 # Kind codes of the element types the kernels load and store.
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# A launch: its grid, and the kernel's arguments by parameter name.
+Launch = tuple[tuple[int, ...], dict[str, Any]]
 
 
 def interpret_mode() -> bool:
@@ -68,7 +72,7 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def on_first_argument_device(launch: Callable[..., Any]) -> Callable[..., Any]:
     """`launch` (a launcher whose first argument is one of its tensors) run under
-    `on_device_of` that tensor; the same parameters (tests/test_op_specs.py reads them)."""
+    `on_device_of` that tensor; the same parameters (tests/ops/test_op_specs.py reads them)."""
 
     @functools.wraps(launch)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -79,9 +83,52 @@ def on_first_argument_device(launch: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def launcher(
+    build: Callable[..., Launch], kernel: Callable[[], Any], num_warps: int
+) -> Callable[..., None]:
+    """The launcher of an op: one launch of the kernel `kernel()` returns, with the grid and
+    the arguments `build` makes of the op's arguments (none for a grid without programs). It
+    takes the op's arguments as `build` declares them, by position or keyword (the ops' specs:
+    tests/ops/test_op_specs.py reads them), and runs `on_first_argument_device`. `kernel` is
+    called at each launch: the kernel module is the one decorated for the current mode."""
+
+    @on_first_argument_device
+    @functools.wraps(build)
+    def launch(*args: Any, **kwargs: Any) -> None:
+        grid, arguments = build(*args, **kwargs)
+        if all(grid):
+            kernel()[grid](**arguments, num_warps=num_warps)
+
+    return launch
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative integers."""
+    return -(-a // b)
+
+
 def storage(t: torch.Tensor) -> torch.Tensor:
     """The tensor the kernels address: bf16 as its int16 bit patterns."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def param_kwargs(param: torch.Tensor) -> dict[str, Any]:
+    """The parameter's arguments of a kernel that loads (and writes) it."""
+    return {"param_ptr": storage(param), "PARAM_KIND": KIND[param.dtype]}
+
+
+def grad_kwargs(
+    grad: torch.Tensor, inv_scale: torch.Tensor | None, clip_value: float | None
+) -> dict[str, Any]:
+    """The gradient's arguments: its storage, the unscaling factor (None: 1, compiled out) and
+    the clamp bound (clipping by value compiled in only when there is one)."""
+    return {
+        "grad_ptr": storage(grad),
+        "inv_scale_ptr": inv_scale,
+        "clip_value": 0.0 if clip_value is None else float(clip_value),
+        "GRAD_KIND": KIND[grad.dtype],
+        "HAS_CLIP_VALUE": clip_value is not None,
+    }
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -111,3 +158,17 @@ def rounding_args(
     stochastic = bool(stochastic_rounding) and rounds_stochastically(param.dtype)
     seed_lo, seed_hi = seed_parts(seed) if stochastic else (0, 0)
     return stochastic, _int32_bits(seed_lo), _int32_bits(seed_hi)
+
+
+def rounding_kwargs(
+    param: torch.Tensor, stochastic_rounding: bool, seed: int, seed_step: torch.Tensor | None
+) -> dict[str, Any]:
+    """The write-back's rounding arguments (`rounding_args`), the per-step value read on the
+    device and passed only when the rounding is stochastic."""
+    stochastic, seed_lo, seed_hi = rounding_args(param, stochastic_rounding, seed)
+    return {
+        "seed_lo": seed_lo,
+        "seed_hi": seed_hi,
+        "seed_step_ptr": seed_step if stochastic else None,
+        "STOCHASTIC_ROUNDING": stochastic,
+    }

@@ -1,1 +1,0 @@
-"""Kernels written as blocked torch operations: any device, no build step."""

@@ -1,0 +1,315 @@
+"""Triton launchers of the AdaLomo passes (kernels: `adalomo_kernels.py`).
+
+Same arguments and semantics as `lomo_kernels.ops.adalomo.reference`.
+
+Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
+Importing this module never fails; the kernels are imported on first use. Each function is
+one kernel launch and never reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ...kernels.triton import runtime
+from ...kernels.triton.runtime import is_available, unavailable_reason  # the backend interface
+
+__all__ = [
+    "factored_apply_",
+    "factored_moments_",
+    "factored_norm_",
+    "factored_stats_",
+    "is_available",
+    "unavailable_reason",
+    "vector_apply_",
+    "vector_stats_",
+]
+
+# Elements per program of the 1-D passes (16 per thread with 8 warps).
+VECTOR_BLOCK = 4096
+NUM_WARPS = 8
+# Elements per tile of the factored passes; BLOCK_N columns wide, at most 256 so a row
+# segment is 1 KiB of fp32 (coalesced) and a tile keeps 16 values per thread.
+TILE = 4096
+MAX_BLOCK_N = 256
+# Programs per SM the factored passes aim for on a GPU (enough to hide memory latency; more
+# would only add atomics on the column sums).
+PROGRAMS_PER_SM = 8
+# Under the interpreter every program, loop iteration and nested jit call costs fixed Python
+# overhead while numpy handles large tiles cheaply: fewer, bigger tiles, one row group.
+INTERPRETER_TILE = 1 << 17
+INTERPRETER_MAX_BLOCK_N = 4096
+INTERPRETER_PROGRAMS = 1
+# The moments pass: elements of R or C per program, and its warps.
+MOMENTS_BLOCK = 1024
+MOMENTS_NUM_WARPS = 4
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int], dict[str, int]]:
+    """(grid, launch sizes) of the factored passes for a [rows, cols] tensor."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tile, max_block_n, programs = TILE, MAX_BLOCK_N, PROGRAMS_PER_SM * _sm_count(index)
+    else:
+        tile, max_block_n, programs = (
+            INTERPRETER_TILE,
+            INTERPRETER_MAX_BLOCK_N,
+            INTERPRETER_PROGRAMS,
+        )
+    block_n = min(max(_next_pow2(cols), 16), max_block_n)
+    block_m = min(max(tile // block_n, 1), _next_pow2(rows))
+    col_blocks = runtime.cdiv(cols, block_n)
+    row_groups = max(1, min(runtime.cdiv(rows, block_m), programs // col_blocks))
+    rows_per_prog = runtime.cdiv(rows, row_groups)
+    rows_per_prog = runtime.cdiv(rows_per_prog, block_m) * block_m
+    grid = (col_blocks, runtime.cdiv(rows, rows_per_prog))
+    return grid, {
+        "rows": rows,
+        "cols": cols,
+        "rows_per_prog": rows_per_prog,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+    }
+
+
+def _update_launch(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    device: torch.device,
+) -> runtime.Launch:
+    """(grid, arguments) both factored update passes (B, C) take: the moments, the workspace
+    and the tiling of their [rows, cols]."""
+    grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), device)
+    return grid, {
+        "row_state_ptr": exp_avg_sq_row,
+        "col_state_ptr": exp_avg_sq_col,
+        "ws_ptr": workspace,
+        **sizes,
+    }
+
+
+def _vector_launch(
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: torch.Tensor,
+    eps0: float,
+) -> runtime.Launch:
+    """(grid, arguments) both 1-D passes take: the tensors, their size and beta2, eps0."""
+    n = param.numel()
+    return (runtime.cdiv(n, VECTOR_BLOCK),), {
+        **runtime.param_kwargs(param),
+        "v_ptr": exp_avg_sq,
+        "ws_ptr": workspace,
+        "n": n,
+        "beta2_ptr": beta2,
+        "eps0": float(eps0),
+        "BLOCK": VECTOR_BLOCK,
+    }
+
+
+def _clip_coef_kwargs(clip_coef: torch.Tensor | None) -> dict[str, Any]:
+    """The clip coefficient of the passes that apply it (all but pass A)."""
+    return {"clip_coef_ptr": clip_coef, "HAS_CLIP_COEF": clip_coef is not None}
+
+
+def _step_kwargs(
+    numel: int, lr: torch.Tensor, eps1: float, clip_threshold: float, weight_decay: float
+) -> dict[str, Any]:
+    """The write-back's hyper-parameters (passes C, C1)."""
+    return {
+        "numel_f": float(numel),
+        "lr_ptr": lr,
+        "eps1": float(eps1),
+        "clip_threshold": float(clip_threshold),
+        "weight_decay": float(weight_decay),
+    }
+
+
+def _kernels() -> ModuleType:
+    return runtime.kernels("adalomo_kernels")
+
+
+def factored_stats_args(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    cols: int,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+) -> runtime.Launch:
+    """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag.
+    No clip coefficient: the moments pass applies it."""
+    grid, sizes = _tiling(grad.numel() // cols, cols, grad.device)
+    return grid, {
+        **runtime.param_kwargs(param),
+        "ws_ptr": workspace,
+        "found_inf_ptr": found_inf,
+        "skip_if_ptr": skip_if,
+        **sizes,
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+    }
+
+
+def factored_moments_args(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: torch.Tensor,
+    clip_coef: torch.Tensor | None,
+    eps0: float,
+) -> runtime.Launch:
+    """The row/column moments and sum(R)."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    n_row_blocks = runtime.cdiv(rows, MOMENTS_BLOCK)
+    return (n_row_blocks + runtime.cdiv(cols, MOMENTS_BLOCK),), {
+        "row_state_ptr": exp_avg_sq_row,
+        "col_state_ptr": exp_avg_sq_col,
+        "ws_ptr": workspace,
+        "rows": rows,
+        "cols": cols,
+        "n_row_blocks": n_row_blocks,
+        "beta2_ptr": beta2,
+        "clip_coef_ptr": clip_coef,
+        "eps0": float(eps0),
+        "BLOCK": MOMENTS_BLOCK,
+    }
+
+
+def factored_norm_args(
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+) -> runtime.Launch:
+    """Pass B: sum of update^2."""
+    grid, tiles = _update_launch(exp_avg_sq_row, exp_avg_sq_col, workspace, grad.device)
+    return grid, {
+        **tiles,
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **_clip_coef_kwargs(clip_coef),
+    }
+
+
+def factored_apply_args(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    lr: torch.Tensor,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> runtime.Launch:
+    """Pass C: the write-back, rounded as the LOMO update's (`lomo.lomo_update_args`):
+    stochastic for bf16 and fp16 parameters when asked, the per-step value read on the
+    device."""
+    grid, tiles = _update_launch(exp_avg_sq_row, exp_avg_sq_col, workspace, param.device)
+    return grid, {
+        **tiles,
+        **runtime.param_kwargs(param),
+        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **_clip_coef_kwargs(clip_coef),
+        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
+    }
+
+
+def vector_stats_args(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    beta2: torch.Tensor,
+    eps0: float,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+) -> runtime.Launch:
+    """Pass A1: sum of update^2 and of p^2 of a 1-D tensor."""
+    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
+    return grid, {
+        **vector,
+        "found_inf_ptr": found_inf,
+        "skip_if_ptr": skip_if,
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **_clip_coef_kwargs(clip_coef),
+    }
+
+
+def vector_apply_args(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: torch.Tensor,
+    eps0: float,
+    lr: torch.Tensor,
+    eps1: float,
+    clip_threshold: float,
+    weight_decay: float,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> runtime.Launch:
+    """Pass C1: the write-back of a 1-D tensor and its second moment, rounded as pass C."""
+    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
+    return grid, {
+        **vector,
+        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **_clip_coef_kwargs(clip_coef),
+        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
+    }
+
+
+# The passes, one launch each. The kernel module is looked up at each launch (`_kernels`).
+factored_stats_ = runtime.launcher(
+    factored_stats_args, lambda: _kernels().factored_stats_kernel, NUM_WARPS
+)
+factored_moments_ = runtime.launcher(
+    factored_moments_args, lambda: _kernels().factored_moments_kernel, MOMENTS_NUM_WARPS
+)
+factored_norm_ = runtime.launcher(
+    factored_norm_args, lambda: _kernels().factored_norm_kernel, NUM_WARPS
+)
+factored_apply_ = runtime.launcher(
+    factored_apply_args, lambda: _kernels().factored_apply_kernel, NUM_WARPS
+)
+vector_stats_ = runtime.launcher(
+    vector_stats_args, lambda: _kernels().vector_stats_kernel, NUM_WARPS
+)
+vector_apply_ = runtime.launcher(
+    vector_apply_args, lambda: _kernels().vector_apply_kernel, NUM_WARPS
+)

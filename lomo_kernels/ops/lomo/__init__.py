@@ -1,0 +1,137 @@
+"""The fused LOMO ops: their specs (one per op, `spec.py`) and public functions.
+
+    fused_lomo_update_    one LOMO step on one parameter, one pass over memory
+                          (op ``lomo_kernels::lomo_update_``; also ``fused_sgd_update_``)
+    grad_sumsq_           sum of squares of a (scaled) gradient + inf/nan flag, one pass
+                          (op ``lomo_kernels::grad_sumsq_``)
+    clip_coef_from_sumsq  device-side clip-by-norm coefficient
+
+The public functions check their arguments and convert runtime scalars to device tensors
+once (by the spec: `OpSpec.convert`); the ops take them only as tensors. Kernels per device:
+`backends.py`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from ...core.checks import check_finite, check_pair
+from ...core.rounding import rounds_stochastically
+from ...core.scalars import Scalar
+from ...core.spec import GRAD_TRANSFORM, Arg, OpSpec
+from ..backends import LOMO
+from ..definition import define
+
+LOMO_UPDATE = OpSpec(
+    "lomo_update_",
+    "lomo_update_",
+    (
+        Arg("param", "tensor", mutable=True),
+        Arg("grad", "tensor"),
+        Arg("lr", "scalar", rule="non_negative"),
+        *GRAD_TRANSFORM,
+        Arg("weight_decay", "hyper", default=0.0),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("skip_if", "flag", default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
+    ),
+)
+GRAD_SUMSQ = OpSpec(
+    "grad_sumsq_",
+    "grad_sumsq_",
+    (
+        Arg("grad", "tensor"),
+        GRAD_TRANSFORM[0],
+        Arg("sumsq", "flag", mutable=True, required=True),
+        Arg("found_inf", "flag", mutable=True, default=None),
+    ),
+)
+
+# The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
+lomo_update_op = define(LOMO_UPDATE, LOMO)
+grad_sumsq_op = define(GRAD_SUMSQ, LOMO)
+
+
+def fused_lomo_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: Scalar,
+    inv_scale: Scalar | None = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    weight_decay: float = 0.0,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
+    backend: str | ModuleType | None = None,
+) -> None:
+    """Applies one LOMO step to `param` in place, reading `grad` and `param` once.
+
+    In fp32: ``g = grad * inv_scale``; an element whose ``g`` is inf/nan keeps its parameter
+    value and sets ``found_inf``; ``g = clamp(g, -clip_value, clip_value)``;
+    ``g *= clip_coef``; ``param = param * (1 - lr * weight_decay) - lr * g``, written back in
+    the parameter's dtype (bf16/fp16 round to nearest even, or stochastically with
+    ``stochastic_rounding=True``: unbiased, reproducible from ``seed`` and the element index;
+    `_rounding.round_to_dtype`).
+
+    ``seed_step`` (optional, a 1-element int64 tensor on the parameter's device) is the
+    per-step part of the rounding seed, read by the kernel: its low 32 bits are XORed into
+    the high 32 bits of ``seed``. A training loop keeps ``seed`` fixed per parameter and
+    refreshes ``seed_step`` in place each step, so a compiled graph never depends on the step.
+
+    ``found_inf`` (1-element fp32) is only ever raised to 1. When ``skip_if`` is given and
+    non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
+    ``skip_if`` is omitted, ``found_inf``'s own value on entry acts as the skip flag.
+
+    ``backend``: 'triton', 'cpp', 'torch' or None (automatic), or the module
+    `ops.backends.resolve` returned, for a caller making many calls (resolved once).
+    """
+    public = locals()  # the arguments, by name
+    check_pair(param, grad)
+    if stochastic_rounding and not rounds_stochastically(param.dtype):
+        raise ValueError(
+            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
+            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
+            "stochastic_rounding=False"
+        )
+    # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
+    skip = found_inf if skip_if is None else skip_if
+    arguments = LOMO_UPDATE.take(public, grad=grad.contiguous(), skip_if=skip)
+    arguments = LOMO_UPDATE.convert(param.device, arguments)
+    if param.numel():
+        lomo_update_op(backend, **arguments)
+
+
+fused_sgd_update_ = fused_lomo_update_
+
+
+def grad_sumsq_(
+    grad: torch.Tensor,
+    sumsq: torch.Tensor,
+    *,
+    inv_scale: Scalar | None = 1.0,
+    found_inf: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """``sumsq += sum((fp32(grad) * inv_scale) ** 2)``; raises ``found_inf`` to 1 on inf/nan.
+
+    One pass over ``grad``; ``sumsq`` and ``found_inf`` are 1-element fp32 device tensors.
+    """
+    check_pair(grad, grad)
+    arguments = {"grad": grad.contiguous(), "inv_scale": inv_scale, "sumsq": sumsq}
+    arguments = GRAD_SUMSQ.convert(grad.device, {**arguments, "found_inf": found_inf})
+    if grad.numel():
+        grad_sumsq_op(backend, **arguments)
+
+
+def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """``min(1, max_norm / (sqrt(sumsq) + eps))`` as a 1-element device tensor (no host sync)."""
+    check_finite("max_norm", max_norm, positive=True)
+    return torch.clamp(max_norm / (sumsq.sqrt() + eps), max=1.0)

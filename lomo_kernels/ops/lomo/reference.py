@@ -1,0 +1,97 @@
+"""The LOMO update ops in plain PyTorch: their executable specification, on any device.
+
+Always available. The Triton, C++ and CUDA kernels must produce the same results
+(bit-identical rounding rules; fp32 arithmetic may differ by fused multiply-adds). Written
+for clarity, not speed: it materialises fp32 temporaries. Runtime scalars are 1-element fp32
+device tensors (`scalars.py`); an absent inv_scale or clip_coef means 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.rounding import Rounding, round_to_dtype
+from ...core.scalars import value_of
+
+
+def _write_back(
+    param: torch.Tensor,
+    new: torch.Tensor,
+    keep: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> None:
+    """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
+    flat = param.view(-1)
+    rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
+    random16 = None
+    if rounding.stochastic:
+        index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
+        random16 = rounding.random16(index)
+    flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
+
+
+def lomo_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> None:
+    """One LOMO step on one contiguous parameter, in place.
+
+    g = fp32(grad) * inv_scale; elements with non-finite g leave their parameter unchanged
+    and set found_inf; g = clamp(g, -clip_value, clip_value); g *= clip_coef;
+    p = p * (1 - lr * weight_decay) - lr * g, rounded back to param.dtype.
+    When skip_if is non-zero nothing is written at all. Stochastic rounding draws its bits
+    from the key `_rounding.rounding_key(seed, seed_step)` and the element index.
+    """
+    lr_eff = value_of(lr)
+    g = grad.reshape(-1).to(torch.float32)
+    if inv_scale is not None:
+        g = g * value_of(inv_scale)
+    bad = ~torch.isfinite(g)
+    if clip_value is not None:
+        g = g.clamp(-clip_value, clip_value)
+    if clip_coef is not None:
+        g = g * value_of(clip_coef)
+    p = param.reshape(-1).to(torch.float32)
+    new = p * (1.0 - lr_eff * weight_decay) - lr_eff * g
+    keep = bad
+    if skip_if is not None:
+        keep = keep | (skip_if.reshape(-1)[0] != 0)
+    _write_back(param, new, keep, stochastic_rounding, seed, seed_step)
+    if found_inf is not None:
+        flag = bad.any().to(found_inf.dtype)
+        if skip_if is not None:
+            flag = torch.where(skip_if.reshape(-1)[0] != 0, torch.zeros_like(flag), flag)
+        found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))
+
+
+def grad_sumsq_(
+    grad: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    sumsq: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 if any element is inf/nan.
+
+    The squares are summed in float64 so the result does not depend on the order in which
+    the CPU's BLAS or the GPU's reduction adds them: only the final fp32 roundings remain.
+    """
+    g = grad.reshape(-1).to(torch.float32)
+    if inv_scale is not None:
+        g = g * value_of(inv_scale)
+    g64 = g.to(torch.float64)
+    sumsq.add_(torch.dot(g64, g64).to(sumsq.dtype).reshape(sumsq.shape))
+    if found_inf is not None:
+        flag = (~torch.isfinite(g)).any().to(found_inf.dtype)
+        found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))

@@ -1,0 +1,178 @@
+"""Triton launchers of the LOMO update ops (kernels: `lomo_kernels.py`).
+
+Same arguments and semantics as `lomo_kernels.ops.lomo.reference`. Runs on CUDA tensors, or
+on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1). One launch per op, no host
+sync: the runtime scalars are read by the kernel from device memory, and skip_if suppresses
+every write on the device. Importing this module never imports triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...kernels.triton import runtime
+from ...kernels.triton.runtime import is_available, unavailable_reason  # the backend interface
+
+# 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
+# small register footprint (no spills, see tests/runtime.kernels/test_triton_static.py).
+BLOCK = 4096
+NUM_WARPS = 8
+# The bulk bound is a multiple of this so the JIT marks it divisible by 16.
+ALIGN = 16
+
+__all__ = ["grad_sumsq_", "is_available", "lomo_update_", "unavailable_reason"]
+
+
+def _grid(n_bulk: int, n: int) -> tuple[int]:
+    # None for an empty tensor; else at least one program: it handles the tail when there is
+    # no bulk.
+    return (max(1, runtime.cdiv(n_bulk, BLOCK)) if n else 0,)
+
+
+def lomo_update_args(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> runtime.Launch:
+    """Grid and arguments, by kernel parameter name, of the update launch for these inputs."""
+    n = param.numel()
+    n_bulk = n - n % ALIGN
+    args = {
+        **runtime.param_kwargs(param),
+        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        "n_bulk": n_bulk,
+        "n": n,
+        "weight_decay": float(weight_decay),
+        "lr_ptr": lr,
+        "clip_coef_ptr": clip_coef,
+        "found_inf_ptr": found_inf,
+        "skip_if_ptr": runtime.snapshot_skip_flag(skip_if, found_inf),
+        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
+        "BLOCK": BLOCK,
+    }
+    return _grid(n_bulk, n), args
+
+
+def grad_sumsq_args(
+    grad: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    sumsq: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> runtime.Launch:
+    """Grid and arguments, by kernel parameter name, of the sum-of-squares launch."""
+    n = grad.numel()
+    n_bulk = n - n % ALIGN
+    args = {
+        "grad_ptr": runtime.storage(grad),
+        "n_bulk": n_bulk,
+        "n": n,
+        "inv_scale_ptr": inv_scale,
+        "sumsq_ptr": sumsq,
+        "found_inf_ptr": found_inf,
+        "GRAD_KIND": runtime.KIND[grad.dtype],
+        "BLOCK": BLOCK,
+    }
+    return _grid(n_bulk, n), args
+
+
+# One LOMO step on one contiguous parameter, in place, in one launch (arguments and semantics
+# of `ops.lomo.reference.lomo_update_`).
+lomo_update_ = runtime.launcher(
+    lomo_update_args, lambda: runtime.kernels("lomo_kernels").lomo_update_kernel, NUM_WARPS
+)
+# sumsq += sum((fp32(grad) * inv_scale) ** 2), found_inf raised on inf/nan, one launch.
+# Partial sums are added atomically, so the summation order (and the last bits of sumsq)
+# differ from the reference's float64 sum.
+grad_sumsq_ = runtime.launcher(
+    grad_sumsq_args, lambda: runtime.kernels("lomo_kernels").grad_sumsq_kernel, NUM_WARPS
+)
+
+
+# ----------------------------------------------------------------------------- ahead of time
+
+_TRITON_TYPE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.int16: "i16",
+    torch.int64: "i64",
+}
+
+
+def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for `triton.compiler.ASTSource`, specialised as the JIT
+    specialises a launch with `args`: tensors and ints divisible by 16 get tt.divisibility,
+    ints equal to 1 and None become constants, `do_not_specialize` parameters stay generic."""
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int], list] = {}
+    for index, param in enumerate(kernel.params):
+        value = args[param.name]
+        specialize = not param.do_not_specialize
+        if (
+            param.is_constexpr
+            or value is None
+            or (type(value) is int and value == 1 and specialize)
+        ):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPE[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+            divisible = False
+        else:
+            raise TypeError(f"no Triton type for {param.name}={value!r}")
+        if divisible and specialize:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def aot_update(
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, *, stochastic_rounding: bool = False
+) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the update with every optional input given,
+    for an aligned parameter whose numel is not a multiple of 16."""
+    n = 2 * BLOCK + 5
+    flag = torch.zeros(1)
+    _, args = lomo_update_args(
+        torch.empty(n, dtype=param_dtype),
+        torch.empty(n, dtype=grad_dtype),
+        torch.full((1,), 1e-3),
+        torch.ones(1),
+        1.0,
+        torch.ones(1),
+        0.1,
+        flag,
+        torch.zeros(1),
+        stochastic_rounding,
+        12345,
+        torch.zeros(1, dtype=torch.int64),
+    )
+    kernel = runtime.kernels("lomo_kernels").lomo_update_kernel
+    return (kernel, *aot_signature(kernel, args))
+
+
+def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the sum of squares, as `aot_update`."""
+    n = 2 * BLOCK + 5
+    _, args = grad_sumsq_args(
+        torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
+    )
+    kernel = runtime.kernels("lomo_kernels").grad_sumsq_kernel
+    return (kernel, *aot_signature(kernel, args))

@@ -1,0 +1,119 @@
+"""The step's scalars on each device in use: the 1-element fp32 tensors the kernels read
+(lr, flags, sums of squares, the clip coefficient), so backward never waits for the host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.scalars import copied_to
+
+
+@dataclass
+class DeviceScalars:
+    """One device's scalars (one set per device in use)."""
+
+    device: torch.device
+    sumsq: torch.Tensor = field(init=False)
+    norm_found_inf: torch.Tensor = field(init=False)
+    update_found_inf: torch.Tensor = field(init=False)
+    no_skip: torch.Tensor = field(init=False)
+    clip_coef: torch.Tensor = field(init=False)
+    inv_scale: torch.Tensor = field(init=False)  # the loss scaler's, copied once per step
+    lr: dict[int, torch.Tensor] = field(default_factory=dict)  # by param group index
+    # Per trainable parameter (by index), this device's part of the norm pass's sums of
+    # squares; None where the pass runs under compiled autograd (one running sum there).
+    param_sumsq: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(1, device=self.device)
+
+        self.sumsq, self.norm_found_inf, self.update_found_inf = zeros(), zeros(), zeros()
+        self.no_skip, self.clip_coef = zeros(), torch.ones(1, device=self.device)
+        self.inv_scale = torch.ones(1, device=self.device)
+
+    def skip_flag(self, norm_ready: bool) -> torch.Tensor:
+        """What an update skips on: the norm pass's overflow flag where one measured this
+        step (`norm_ready`), else a flag that never skips."""
+        return self.norm_found_inf if norm_ready else self.no_skip
+
+
+class DeviceScalarTable:
+    """The scalars of every device in use, by device (created on first use). Read as a
+    dict's views, which a compiled step traces as it traces a dict."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, DeviceScalars] = {}
+
+    def __getitem__(self, device: torch.device) -> DeviceScalars:
+        return self._by_device[device]
+
+    def __iter__(self) -> Iterator[torch.device]:
+        return iter(self._by_device)
+
+    def values(self) -> ValuesView[DeviceScalars]:
+        return self._by_device.values()
+
+    def items(self) -> ItemsView[torch.device, DeviceScalars]:
+        return self._by_device.items()
+
+    def for_device(self, device: torch.device) -> DeviceScalars:
+        scalars = self._by_device.get(device)
+        if scalars is None:
+            scalars = self._by_device[device] = DeviceScalars(device)
+        return scalars
+
+    def begin_step(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Sets each group's lr on the devices its parameters live on, clears the update's
+        overflow flags (host-side, no sync)."""
+        for index, group in enumerate(param_groups):
+            for p in group["params"]:
+                scalars = self.for_device(p.device)
+                if index not in scalars.lr:
+                    scalars.lr[index] = torch.zeros(1, device=p.device)
+        for index, group in enumerate(param_groups):
+            for scalars in self.values():
+                if index in scalars.lr:
+                    scalars.lr[index].fill_(group["lr"])
+        for scalars in self.values():
+            scalars.update_found_inf.zero_()
+
+    def groups_present(
+        self, groups: Sequence[dict[str, Any]]
+    ) -> Iterator[tuple[torch.device, DeviceScalars, int, dict[str, Any]]]:
+        """(device, its scalars, group index, group) of each of `groups` that has a
+        parameter on that device (the step set its lr there)."""
+        for device, scalars in self._by_device.items():
+            for index, group in enumerate(groups):
+                if index in scalars.lr:
+                    yield device, scalars, index, group
+
+    def begin_norm_pass(self, slots: int | None) -> None:
+        """Clears the norm pass's sums and flags; `slots`: the number of trainable parameters
+        to keep a sum each for, None for the one running sum."""
+        for scalars in self.values():
+            scalars.sumsq.zero_()
+            scalars.norm_found_inf.zero_()
+            scalars.param_sumsq = (
+                None if slots is None else torch.zeros(slots, device=scalars.device)
+            )
+
+    def combine(self, pick: Callable[[DeviceScalars], torch.Tensor]) -> torch.Tensor:
+        """Sum of one per-device tensor over devices, on the first device."""
+        values = [pick(s) for s in self.values()]
+        total = values[0].clone()
+        for v in values[1:]:
+            total += copied_to(v, total.device)
+        return total
+
+    def share_norm_outcome(self, found: torch.Tensor, clip_coef: torch.Tensor | None) -> None:
+        """Gives every device the norm pass's overflow flag and, with clipping on, its clip
+        coefficient."""
+        for device, scalars in self.items():
+            scalars.norm_found_inf.copy_(copied_to(found, device))
+            if clip_coef is not None:
+                scalars.clip_coef.copy_(copied_to(clip_coef, device))

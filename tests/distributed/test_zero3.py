@@ -1,0 +1,141 @@
+"""ZeRO-3 on 2 ranks (torchrun, gloo, CPU) against one process on the full batch.
+
+The ranks run tests/distributed/zero3_worker.py once for the whole module; it saves the
+consolidated initial and final parameters of each run, which are compared here with the
+same training in this (single) process started from the same values (zero.Init initialises
+differently from a plain construction).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.dependencies import require
+from support.sharded_checks import (
+    OPTIMIZERS,
+    assert_checkpoint_resumes,
+    assert_grad_norms_match,
+    assert_setups_refused,
+    assert_single_backward_run,
+    assert_within_update_tolerance,
+    one_process,
+    rank_run_fixtures,
+)
+
+deepspeed = require("deepspeed")
+
+WORKER = Path(__file__).parent / "zero3_worker.py"
+
+
+zero3_run, checks = rank_run_fixtures(WORKER, "ZeRO-3", "zero3_run")
+
+# The worker's refused setups and a phrase of each one's message (replicated=True: besides
+# the unreduced gradients every wrapper names, the way out).
+REFUSALS = {
+    "engine_with_optimizer": "without optimizer=",
+    "module_with_optimizer": "ZeRO-3 optimizer",
+    "replicated": "pass replicated=False",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_training_equals_one_process(zero3_run, name):
+    saved = torch.load(zero3_run / f"{name}.pt")
+    model, opt = one_process(name, saved["initial"], steps=3)
+    assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+    # Each whole parameter's gradient norm of the last norm pass (partitions' sums, reduced).
+    assert_grad_norms_match(saved["grad_norms"], opt.grad_norms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_checkpoint_resumes_in_one_process(zero3_run, name):
+    """The consolidated model and optimizer state continue in one process as if unsharded."""
+    assert_checkpoint_resumes(torch.load(zero3_run / f"{name}.pt"), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_single_backward_equals_one_process(zero3_run, checks, name):
+    """single_backward=True (clip, weight decay): one forward and backward per step, the
+    same norms on every rank, the parameters and norms of one process taking the gradients
+    in the same order."""
+    assert_single_backward_run(zero3_run, checks, name)
+
+
+@pytest.mark.slow
+def test_zero3_single_backward_fp16_inf_on_one_rank_is_partial(checks):
+    """Rank 1 alone puts an inf into a gradient element rank 0 owns: on every rank that
+    tensor (and only it) is left unchanged, the scale halves, the step is reported partial."""
+    first = checks[0]["single_fp16_partial"]
+    for rank in checks:
+        result = rank["single_fp16_partial"]
+        assert result["phases"] == ["update"]
+        assert result["unchanged"] == [result["target"]] and result["owned"] > 5
+        assert result["scale_after"] == result["scale_before"] / 2
+        assert result["partial"] and not result["skipped"] and result["warned"]
+        assert result["norm"] == first["norm"] and result["norm"] > 0
+        assert result["norm_history"] == first["norm_history"] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_zero3_persistent_parameters_refreshed(checks):
+    for rank in checks:
+        for name in OPTIMIZERS:
+            assert rank[name]["persistent"] > 0  # the check below is not vacuous
+            assert rank[name]["stale_persistent"] == []
+
+
+@pytest.mark.slow
+def test_zero3_one_loss_pattern_refused_before_any_change(checks):
+    for rank in checks:
+        errors = rank["one_loss"]["errors"]
+        assert len(errors) == 2 and all("grad_norm(model(x))" in e for e in errors)
+        assert rank["one_loss"]["unchanged"]
+
+
+@pytest.mark.slow
+def test_zero3_fp16_overflow_on_one_rank_changes_nothing(checks):
+    for rank in checks:
+        result = rank["fp16_overflow"]
+        assert result["unchanged"] and result["skipped"]
+        assert result["scale_after"] == result["scale_before"] / 2
+        assert result["next_step_updates"]
+
+
+@pytest.mark.slow
+def test_zero3_gradient_traffic_and_bucket_count(checks):
+    for rank in checks:
+        t = rank["traffic"]
+        world, size = t["world"], t["element_size"]
+        factor = (world - 1) / world  # ring cost per byte handed to a reduce-scatter
+        scatters = [b for kind, b in t["calls"] if kind == "reduce_scatter"]
+        ours = factor * sum(scatters)
+        all_reduce_scheme = 2 * factor * size * sum(t["numels"])  # one all-reduce per param
+        assert ours <= 0.55 * all_reduce_scheme, (ours, all_reduce_scheme)
+        # Greedy packing: any two consecutive buckets together exceed one bucket, so the
+        # number of buckets is at most 2 * total / bucket + 1 (+1 per oversized gradient).
+        total = sum(t["padded"])
+        oversized = sum(p >= t["bucket_numel"] for p in t["padded"])
+        assert len(scatters) <= 2 * total / t["bucket_numel"] + 1 + oversized
+        assert len(scatters) < len(t["numels"])  # bucketing did merge small gradients
+        assert not any(kind == "all_reduce" and b > 64 for kind, b in t["calls"])
+
+
+@pytest.mark.slow
+def test_zero3_unsupported_setups_refused(checks):
+    assert_setups_refused(checks, REFUSALS)
+
+
+@pytest.mark.slow
+def test_zero3_unreplicated_opt_in_trains_each_rank_alone(checks):
+    """Lomo(..., replicated=False) on 2 ranks: each rank's step equals torch.optim.SGD on its
+    own batch in its own process (within 1e-6 relative, the bound of the one-process SGD
+    parity tests), and the ranks' models differ: no gradient was reduced across ranks."""
+    runs = [rank["unreplicated"] for rank in checks]
+    for run in runs:
+        assert run["rel_diff_to_sgd"] <= 1e-6, run
+    assert runs[0]["checksum"] != runs[1]["checksum"]

@@ -1,0 +1,220 @@
+"""LomoTrainer: transformers.Trainer training with lomo_kernels' optimizers."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from support.dependencies import require
+from support.float64 import FP32_NORM_RTOL
+from support.hf_trainer import args, dataset, logged, norm_weight_names, trainer_batch
+from support.models import max_rel_diff, tiny_llama
+
+transformers = require("transformers")
+from transformers import Trainer  # noqa: E402
+
+from lomo_kernels import Lomo  # noqa: E402
+from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
+
+
+class RecordingTrainer(LomoTrainer):
+    """Records the learning rate the optimizer holds at each step and each logged loss."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen_lrs = getattr(self, "seen_lrs", [])
+        self.seen_lrs.append(self._lomo().param_groups[0]["lr"])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
+    model = tiny_llama()
+    lr = 0.3 if optim == "lomo" else 0.05
+    trainer = RecordingTrainer(
+        model=model, args=args(tmp_path, optim=optim, learning_rate=lr), train_dataset=dataset()
+    )
+    trainer.train()
+    opt = trainer._lomo()
+    assert type(opt).__name__ == {"lomo": "Lomo", "adalomo": "AdaLomo"}[optim]
+    assert opt.clip_grad_norm == 1.0
+    assert opt.param_groups[0]["weight_decay"] == 0.01
+    # Linear decay from lr to 0 over 12 steps: the optimizer used the scheduler's value.
+    expected = [lr * (1 - k / 12) for k in range(12)]
+    assert trainer.seen_lrs == pytest.approx(expected)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_trainer_refuses_gradient_accumulation(tmp_path):
+    """The refusal says what to set instead (LomoTrainer needs no enable_transformers())."""
+    with pytest.raises(ValueError) as refused:
+        LomoTrainer(
+            model=tiny_llama(),
+            args=args(tmp_path, gradient_accumulation_steps=4),
+            train_dataset=dataset(),
+        )
+    message = str(refused.value)
+    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
+    assert "enable_transformers" not in message
+
+
+def test_trainer_uses_a_given_optimizer(tmp_path):
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.2, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=3),
+        train_dataset=dataset(),
+        optimizers=(opt, sched),
+    )
+    trainer.train()
+    assert trainer._lomo() is opt and opt.step_count == 3
+
+
+def test_plain_trainer_with_lomo_explains_what_to_use(tmp_path):
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=2, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(opt, sched),
+    )
+    with pytest.raises(RuntimeError, match="LomoTrainer"):
+        trainer.train()
+
+
+def fields_of(targs) -> dict:
+    return {f.name: copy.deepcopy(getattr(targs, f.name)) for f in dataclasses.fields(targs)}
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["args=", "positional"])
+def test_trainer_leaves_the_callers_arguments_unchanged(tmp_path, positional):
+    targs = args(tmp_path, max_steps=2)
+    before = fields_of(targs)
+    trainers = []
+    for _ in range(2):  # the second trainer is built from the arguments the first one saw
+        call = (
+            ((tiny_llama(), targs), {})
+            if positional
+            else ((), {"model": tiny_llama(), "args": targs})
+        )
+        trainer = LomoTrainer(*call[0], **call[1], train_dataset=dataset())
+        trainer.train()
+        trainers.append(trainer)
+    assert fields_of(targs) == before
+    assert targs.max_grad_norm == 1.0
+    for trainer in trainers:
+        assert trainer.args is not targs and trainer.args.max_grad_norm == 0.0
+        assert trainer._lomo().clip_grad_norm == 1.0
+    first, second = ([h["loss"] for h in t.state.log_history if "loss" in h] for t in trainers)
+    assert first == second  # same model, data and clipping: the same steps
+
+
+def sgd_with_transformers_split(model, steps, lr, weight_decay, max_norm):
+    """torch.optim.SGD with Trainer's groups (no decay on the RMSNorm weights: a LLaMA has
+    no bias), the linear schedule and clip_grad_norm_; returns the pre-clip norms."""
+    no_decay = norm_weight_names(model)
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(
+        [
+            {"params": [p for n, p in named if n not in no_decay]},
+            {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        weight_decay=weight_decay,
+    )
+    norms = []
+    for step in range(steps):
+        for group in sgd.param_groups:
+            group["lr"] = lr * (1 - step / steps)
+        sgd.zero_grad()
+        model(**trainer_batch()).loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        sgd.step()
+    return norms
+
+
+def test_trainer_decays_as_transformers_and_logs_the_pre_clip_norm(tmp_path):
+    model, ref = tiny_llama(), tiny_llama()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=3, learning_rate=0.2, weight_decay=0.3, max_grad_norm=0.5),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    decay, no_decay = trainer._lomo().param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == norm_weight_names(model)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.3, 0.0)
+    norms = sgd_with_transformers_split(ref, 3, lr=0.2, weight_decay=0.3, max_norm=0.5)
+    # As the one-group comparison with SGD (test_lomo_optimizer.py): fp32 sums in another
+    # order. Decaying the norm weights too would be off by about lr * 0.3 = 6e-2.
+    assert max_rel_diff(model, ref) <= 1e-6
+    assert min(norms) > 0.5  # every step clipped
+    assert logged(trainer) == pytest.approx(norms, rel=FP32_NORM_RTOL)
+
+
+def count_backwards(monkeypatch):
+    calls = []
+    original = torch.Tensor.backward
+
+    def backward(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    return calls
+
+
+@pytest.mark.parametrize("optim_args, per_step", [(None, 2), ("single_backward=True", 1)])
+def test_trainer_clipping_mode_from_optim_args(tmp_path, monkeypatch, optim_args, per_step):
+    """Exact clipping by default (a norm pass: two backward passes), one backward with
+    single_backward=True; both log the step's norm before clipping."""
+    model = tiny_llama()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(
+            tmp_path, max_steps=3, learning_rate=0.2, max_grad_norm=0.5, optim_args=optim_args
+        ),
+        train_dataset=dataset(),
+    )
+    calls = count_backwards(monkeypatch)
+    trainer.train()
+    assert trainer._lomo().single_backward == (optim_args is not None)
+    assert len(calls) == 3 * per_step
+    # The first step starts from the same weights in both modes: the same norm.
+    first = sgd_with_transformers_split(tiny_llama(), 1, lr=0.2, weight_decay=0.01, max_norm=0.5)
+    norms = logged(trainer)
+    assert len(norms) == 3 and norms[0] == pytest.approx(first[0], rel=FP32_NORM_RTOL)
+
+
+def test_trainer_logs_no_grad_norm_when_the_step_measures_none(tmp_path):
+    trainer = LomoTrainer(
+        model=tiny_llama(),
+        args=args(tmp_path, max_steps=2, max_grad_norm=0.0),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    assert logged(trainer) == [] and len(logged(trainer, "loss")) == 2  # not 0.0
+
+
+@pytest.mark.parametrize(
+    "optim_args, match",
+    [("momentum=0.9", "accepted: single_backward"), ("single_backward=maybe", "True or False")],
+)
+def test_trainer_refuses_optim_args_it_cannot_honour(tmp_path, optim_args, match):
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=2, optim_args=optim_args),
+        train_dataset=dataset(),
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))

@@ -1,0 +1,260 @@
+"""enable_transformers(): transformers' optim="lomo"/"adalomo" and accelerate's LOMO path."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from support.dependencies import require
+from support.hf_trainer import args, dataset, logged, norm_weight_names, trainer_batch
+from support.models import batch, max_rel_diff, tiny_llama
+
+require("transformers")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+import lomo_kernels  # noqa: E402
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
+
+LR, STEPS = 0.2, 3
+OPTIONS = {"clip_grad_norm": 1.0, "weight_decay": 0.01}
+CLASSES = {"lomo": Lomo, "adalomo": AdaLomo}
+
+
+@pytest.fixture(autouse=True)
+def enabled():
+    lomo_kernels.enable_transformers()
+    yield
+    lomo_kernels.disable_transformers()
+
+
+def schedule(step):
+    return LR * (1 - step / STEPS)  # transformers' linear schedule without warm-up
+
+
+def manual(model, cls=Lomo, batches=None, **options):
+    """The reference loop: the optimizer's own fused_backward, no framework."""
+    opt = cls(model, lr=LR, **options)
+    norms = []
+    for step in range(STEPS):
+        inputs = batch(step) if batches is None else batches
+        opt.fused_backward(model(**inputs).loss, schedule(step))
+        norms.append(None if opt.last_grad_norm is None else opt.last_grad_norm.item())
+    return opt, norms
+
+
+def assert_same_parameters(a, b):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("call", ["accelerator.backward", "prepared.fused_backward"])
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_accelerate_steps_as_the_plain_loop(call, name):
+    reference, model = tiny_llama(), tiny_llama()
+    _, norms = manual(reference, CLASSES[name], **OPTIONS)
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, CLASSES[name](model, lr=LR, **OPTIONS))
+    assert isinstance(opt, AcceleratedOptimizer)
+    for step in range(STEPS):
+        loss = model(**batch(step)).loss
+        if call == "accelerator.backward":
+            accelerator.backward(loss, learning_rate=schedule(step))
+        else:
+            opt.fused_backward(loss, schedule(step))
+        norm = accelerator.clip_grad_norm_(model.parameters(), OPTIONS["clip_grad_norm"])
+        assert norm.item() == norms[step]  # the step's own norm, not 0.0 from freed grads
+        opt.step()
+        opt.zero_grad()
+    assert_same_parameters(model, reference)
+
+
+def test_accelerate_refuses_what_the_step_cannot_honour():
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        accelerator.backward(model(**batch(0)).loss, learning_rate=LR)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def trained_by_trainer(tmp_path, trainer_class=Trainer, **overrides):
+    model = tiny_llama()
+    trainer = trainer_class(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, learning_rate=LR, **overrides),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    return model, trainer, logged(trainer)
+
+
+def no_decay_on_norms(model):
+    """The Trainer's split (a LLaMA has no bias): the RMSNorm weights without decay."""
+    return [{"params": sorted(norm_weight_names(model)), "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_trainer_optim_builds_ours_with_clip_and_decay(tmp_path, name, checkpointing):
+    """With activation checkpointing, layers recompute their forward inside backward, between
+    the hooks that update the layers above: the recomputation must read this step's weights."""
+    model, trainer, logged = trained_by_trainer(
+        tmp_path, optim=name, activation_checkpointing=checkpointing
+    )
+    assert model.is_activation_checkpointing == checkpointing
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is CLASSES[name]
+    assert opt.clip_grad_norm == 1.0
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    reference = tiny_llama()
+    _, norms = manual(
+        reference,
+        CLASSES[name],
+        trainer_batch(),
+        param_groups=no_decay_on_norms(reference),
+        **OPTIONS,
+    )
+    assert_same_parameters(model, reference)
+    assert logged == norms  # the same parameters, bit for bit: the same norms
+
+
+def test_trainer_max_grad_norm_zero_switches_clipping_off(tmp_path):
+    model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo", max_grad_norm=0.0)
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.clip_grad_norm is None and logged == []  # no norm pass: no norm to log
+    reference = tiny_llama()
+    manual(
+        reference,
+        Lomo,
+        trainer_batch(),
+        weight_decay=0.01,
+        param_groups=no_decay_on_norms(reference),
+    )
+    assert_same_parameters(model, reference)
+
+
+def test_trainer_optim_lomo_matches_lomo_optim(tmp_path):
+    # lomo-optim decays every parameter: compared without decay.
+    lomo_optim = require("lomo_optim")
+    model, _, _ = trained_by_trainer(tmp_path, optim="lomo", weight_decay=0.0)
+    reference = tiny_llama()
+    opt = lomo_optim.Lomo(reference, lr=LR, clip_grad_norm=1.0)
+    for step in range(STEPS):
+        loss = reference(**trainer_batch()).loss
+        opt.grad_norm(loss)
+        opt.fused_backward(loss, schedule(step))
+    assert max_rel_diff(model, reference) <= 1e-5
+
+
+def test_trainer_optim_args_single_backward_and_a_subclass_split(tmp_path):
+    class DecayEverything(Trainer):
+        def get_decay_parameter_names(self, model):
+            return [n for n, _ in model.named_parameters()]
+
+    _, trainer, logged = trained_by_trainer(
+        tmp_path, DecayEverything, optim="adalomo", optim_args="single_backward=True"
+    )
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.single_backward and len(logged) == STEPS
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01]  # the subclass's split
+
+
+def test_trainer_with_a_given_optimizer(tmp_path):
+    # No learning_rate reaches backward here (optim is not "lomo"): the groups' lr is used.
+    model = tiny_llama()
+    opt = Lomo(model, lr=LR, **OPTIONS)
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, learning_rate=LR, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(opt, None),
+    )
+    trainer.train()
+    reference = tiny_llama()
+    manual(reference, Lomo, trainer_batch(), **OPTIONS)
+    assert_same_parameters(model, reference)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"weight_decay": 0.01}, "max_grad_norm=1.0"),
+        (OPTIONS | {"weight_decay": 0.0}, "weight_decay 0.0"),
+    ],
+)
+def test_trainer_refuses_a_given_optimizer_that_would_drop_clip_or_decay(tmp_path, options, match):
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=STEPS, optim="adamw_torch"),
+        train_dataset=dataset(),
+        optimizers=(Lomo(model, lr=LR, **options), None),
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_disable_restores_transformers_and_accelerate(tmp_path):
+    lomo_kernels.disable_transformers()
+    model = tiny_llama()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
+    assert not hasattr(opt, "fused_backward")
+
+
+def test_trainer_gradient_accumulation_refusal_fits_the_caller(tmp_path):
+    """After enable_transformers() the refusal says what to set, not to call it."""
+    model = tiny_llama()
+    before = [p.clone() for p in model.parameters()]
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, gradient_accumulation_steps=4, per_device_train_batch_size=2),
+        train_dataset=dataset(),
+    )
+    with pytest.raises(ValueError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
+    assert "enable_transformers" not in message
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_plain_backward_is_refused_in_the_callers_terms():
+    """loss.backward() with a Lomo attached: with enable_transformers() active the message
+    says so (the backward came from elsewhere); without, it says to call it."""
+    model = tiny_llama()
+    opt = Lomo(model, lr=LR)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as refused:
+        model(**batch(0)).loss.backward()
+    assert "enable_transformers() is active" in str(refused.value)
+    assert "call lomo_kernels.enable_transformers() first" not in str(refused.value)
+    lomo_kernels.disable_transformers()
+    with pytest.raises(RuntimeError, match="call lomo_kernels.enable_transformers\\(\\) first"):
+        model(**batch(0)).loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    opt.detach()
+
+
+def test_enable_transformers_needs_no_lomo_optim(tmp_path, monkeypatch):
+    """lomo-optim absent (not importable, its metadata not found): optim="lomo" trains with
+    ours, and the fp16 autocast refusal names bf16, which trains."""
+    import accelerate.accelerator
+    import transformers.trainer_optimizer
+
+    monkeypatch.setitem(sys.modules, "lomo_optim", None)
+    monkeypatch.setattr(accelerate.accelerator, "is_lomo_available", lambda: False)
+    monkeypatch.setattr(transformers.trainer_optimizer, "is_lomo_available", lambda: False)
+    model, trainer, logged = trained_by_trainer(tmp_path, optim="lomo")
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is Lomo and len(logged) == STEPS
+    with pytest.raises(ValueError, match="fp16 autocast.*or use bf16"):
+        trained_by_trainer(tmp_path, optim="lomo", fp16=True)
+    _, _, logged = trained_by_trainer(tmp_path, optim="adalomo", bf16=True)
+    assert len(logged) == STEPS

@@ -1,0 +1,276 @@
+"""TRL's SFTTrainer with Lomo/AdaLomo and the logits-free head (`enable_trl`,
+`patch_causal_lm` before or after the trainer is built), against the same runs unpatched
+(TRL's own chunked head); and the refusal when TRL's head wraps a patched model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.allocations import LargestMatrix
+from support.dependencies import require
+from support.float64 import FP32_NORM_RTOL
+from support.models import assert_steps_match, causal_lm
+from support.state import same_bits, tensors
+
+import lomo_kernels
+
+try:  # a test dependency (`make setup`): a test here fails without it (the `trl` fixture),
+    # but the module still collects on a GPU box running only `-m cuda` tests
+    import datasets
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from lomo_kernels.integrations.huggingface import in_backward_optimizer
+
+    datasets.disable_progress_bars()
+except ImportError:
+    SFTTrainer = None
+
+
+@pytest.fixture(autouse=True)
+def trl():
+    return require("trl")
+
+
+VOCAB = 96
+STEPS = 3
+# The fused loss's bound against transformers' unfused loss (test_causal_lm_patch): 64 u.
+LOSS_RTOL = 64 * 2.0**-24
+
+
+def tokenizer(vocab: int = VOCAB):
+    words = ["<pad>", "<eos>"] + [f"t{i}" for i in range(2, vocab)]
+    model = models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t2")
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def dataset(vocab: int = VOCAB, n: int = 8):
+    """Tokenized prompt + completion rows of uneven length: a 3-token prompt TRL leaves out of
+    the loss (its completion-only mask), padded or packed by the trainer."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(2, vocab, (6 + i % 5,), generator=gen).tolist() + [1]
+        rows.append({"input_ids": ids, "completion_mask": [0] * 3 + [1] * (len(ids) - 3)})
+    return datasets.Dataset.from_list(rows)
+
+
+def config(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=0.05,
+        lr_scheduler_type="linear",
+        optim="lomo",
+        max_grad_norm=1.0,
+        weight_decay=0.01,
+        completion_only_loss=True,
+        max_length=32,
+        bf16=False,  # TRL's default is bf16 autocast; the comparisons run in fp32
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        seed=0,
+    )
+    base.update(overrides)
+    return SFTConfig(**base)
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+def llama(vocab: int = VOCAB) -> torch.nn.Module:
+    """support.models.tiny_llama's shape with `vocab` words."""
+    return causal_lm(vocab_size=vocab)
+
+
+def trained(tmp_path, patch=None, vocab=VOCAB, trainer_class=None, **overrides):
+    """(model, trainer) after STEPS steps; `patch`: None, "before" (with enable_trl) or
+    "after" (patch_causal_lm on the built trainer's model, enable_transformers only)."""
+    model = llama(vocab)
+    if patch == "before":
+        lomo_kernels.patch_causal_lm(model)
+        lomo_kernels.enable_trl()
+    else:
+        lomo_kernels.enable_transformers()
+    try:
+        trainer = (trainer_class or SFTTrainer)(
+            model=model,
+            args=config(tmp_path, **overrides),
+            train_dataset=dataset(vocab),
+            processing_class=tokenizer(vocab),
+        )
+        if patch == "after":
+            lomo_kernels.patch_causal_lm(trainer.model)
+        trainer.train()
+    finally:
+        lomo_kernels.disable_trl()
+    return model, trainer
+
+
+_UNPATCHED: dict[tuple[str, bool], tuple[torch.nn.Module, object]] = {}
+
+
+def unpatched(tmp_path_factory, optim, packing):
+    """The same run with TRL's own head (once per module)."""
+    key = (optim, packing)
+    if key not in _UNPATCHED:
+        _UNPATCHED[key] = trained(tmp_path_factory.mktemp("plain"), optim=optim, packing=packing)
+    return _UNPATCHED[key]
+
+
+@pytest.mark.parametrize(
+    "optim,packing,patch",
+    [
+        ("lomo", False, "after"),
+        ("lomo", True, "before"),
+        ("adalomo", False, "before"),
+        ("adalomo", True, "after"),
+    ],
+    ids=[
+        "lomo-padded-after",
+        "lomo-packed-before",
+        "adalomo-padded-before",
+        "adalomo-packed-after",
+    ],
+)
+def test_sft_trainer_with_the_fused_head_matches_trls_own(tmp_path_factory, optim, packing, patch):
+    """3 steps (completion-only loss, clipping, weight decay, linear schedule): each step's
+    loss within the fused loss's bound of the unpatched run's (64 u), its grad norm within
+    64 u, the parameters within 4 ulps or 1e-4 of the largest update; TRL's entropy and token
+    accuracy from the fused head within 1e-5 and equal."""
+    plain_model, plain = unpatched(tmp_path_factory, optim, packing)
+    model, trainer = trained(
+        tmp_path_factory.mktemp("fused"), patch=patch, optim=optim, packing=packing
+    )
+    assert (
+        type(in_backward_optimizer(trainer.optimizer)).__name__
+        == {
+            "lomo": "Lomo",
+            "adalomo": "AdaLomo",
+        }[optim]
+    )
+    losses, plain_losses = logged(trainer, "loss"), logged(plain, "loss")
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(plain_losses, rel=LOSS_RTOL, abs=0)
+    assert logged(trainer, "grad_norm") == pytest.approx(
+        logged(plain, "grad_norm"), rel=FP32_NORM_RTOL, abs=0
+    )
+    assert logged(trainer, "entropy") == pytest.approx(logged(plain, "entropy"), abs=1e-5)
+    assert logged(trainer, "mean_token_accuracy") == logged(plain, "mean_token_accuracy")
+    assert_steps_match(model, plain_model, llama())
+    # Every step's loss went through the fused loss (the head's forward was never TRL's).
+    assert model.lm_head.weight.grad is None
+
+
+@pytest.mark.parametrize("patch", [None, "before"])
+def test_with_lomo_neither_logits_nor_the_head_gradient_exist(tmp_path, monkeypatch, patch):
+    """Vocab 512 x hidden 32: the head's gradient (and the embedding's) is 16,384 elements,
+    TRL's logit tiles 4 x 10 x 512 = 20,480; nothing else in a step is that large (MLP
+    activations 2,880). Unpatched, TRL's step allocates one of them; patched, with Lomo
+    stepping the head from its vocabulary chunks (64 rows at a time here) and the embedding
+    from its used rows, no tensor that large exists."""
+    from lomo_kernels.integrations import token_metrics
+    from lomo_kernels.ops import cross_entropy as lce
+    from lomo_kernels.ops.cross_entropy import blocked_backend as blocked
+
+    class WatchedTrainer(SFTTrainer):
+        def training_step(self, *args, **kwargs):
+            with LargestMatrix() as seen:
+                loss = super().training_step(*args, **kwargs)
+            self.largest = max(getattr(self, "largest", (0,)), seen.largest)
+            return loss
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)
+    for module in (blocked, token_metrics):  # blocks of 64 words: 44 x 64 logits at most
+        monkeypatch.setattr(module, "BLOCK_VOCAB", 64)
+    _, trainer = trained(tmp_path, patch=patch, vocab=512, trainer_class=WatchedTrainer)
+    assert (trainer.largest[0] < 512 * 32) == (patch is not None), trainer.largest
+
+
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "no_clip"])
+def test_trls_head_over_a_patched_model_is_refused_before_any_change(tmp_path, optim, clip):
+    """Patched before the trainer is built, without enable_trl(): TRL's chunked head wraps
+    the patched forward. The first step is refused, naming the head weight and enable_trl(),
+    and every parameter and optimizer state tensor keeps its bits."""
+    model = lomo_kernels.patch_causal_lm(llama())
+    lomo_kernels.enable_transformers()
+    try:
+        trainer = SFTTrainer(
+            model=model,
+            args=config(tmp_path, optim=optim, max_grad_norm=clip),
+            train_dataset=dataset(),
+            processing_class=tokenizer(),
+        )
+        trainer.create_optimizer_and_scheduler(STEPS)
+        opt = in_backward_optimizer(trainer.optimizer)
+        before = tensors(model, opt)
+        with pytest.raises(RuntimeError, match="'lm_head.weight'.*enable_trl"):
+            trainer.train()
+        assert same_bits(before, tensors(model, opt))
+    finally:
+        lomo_kernels.disable_trl()
+
+
+def test_bf16_autocast_trains_with_the_fused_head(tmp_path):
+    """TRL's default bf16 autocast: the fused head forms fp32 logits from the fp32 weights
+    where TRL's head forms them in bf16, so the losses differ by bf16 rounding of the logits
+    (measured: 1e-4 relative), not more."""
+    _, plain = trained(tmp_path / "plain", bf16=True)
+    _, fused = trained(tmp_path / "fused", patch="after", bf16=True)
+    assert logged(fused, "loss") == pytest.approx(logged(plain, "loss"), rel=1e-3)
+    assert logged(fused, "mean_token_accuracy") == logged(plain, "mean_token_accuracy")
+
+
+def test_unpatching_restores_trls_head_and_other_fields_are_named(tmp_path):
+    model = llama()
+    lomo_kernels.enable_transformers()
+    try:
+        trainer = SFTTrainer(
+            model=model,
+            args=config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=tokenizer(),
+        )
+    finally:
+        lomo_kernels.disable_transformers()
+    trls_forward = model.forward
+    lomo_kernels.patch_causal_lm(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert out.log_probs.shape == (1, 3) and out.label_mask.all()
+    with pytest.raises(AttributeError, match="does not compute mean_logits"):
+        _ = out.mean_logits
+    lomo_kernels.unpatch_causal_lm(model)
+    assert model.forward == trls_forward  # TRL's wrapper again, as before patching
+    assert trainer.model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
+
+
+def test_enable_trl_keeps_only_a_patched_head_and_disable_restores_trl():
+    from trl.trainer import sft_trainer
+
+    original = sft_trainer.add_fused_lm_head
+    lomo_kernels.enable_trl()
+    try:
+        model = lomo_kernels.patch_causal_lm(llama())
+        patched = model.forward
+        sft_trainer.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        assert model.forward is patched
+        with pytest.raises(ValueError, match="temperature 0.7"):
+            sft_trainer.add_fused_lm_head(model, temperature=0.7)
+        plain = llama()
+        sft_trainer.add_fused_lm_head(plain)
+        assert "forward" in vars(plain)  # TRL's head on an unpatched model, as without us
+    finally:
+        lomo_kernels.disable_trl()
+    assert sft_trainer.add_fused_lm_head is original

@@ -1,0 +1,446 @@
+"""The C++ CPU kernels at every vector level this CPU runs (baseline, AVX2, AVX-512, ...),
+each forced in turn: LOMO against the reference backend bit for bit (stochastic rounding of
+bf16 and fp16 parameters too), AdaLomo against float64 math and bit for bit across levels,
+and its write-back passes with stochastic rounding bit for bit against the reference.
+
+One build holds every level and picks the best the CPU has (csrc/cpu_isa.h); the levels
+above this CPU's cannot run here and are not parametrized. Sizes straddle the loops' trips
+(16 and 32 elements, 64-byte prefetch lines) and leave tails; the inf/nan specials sit in
+the first vectors, one in the middle and the last element.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from support import adalomo
+from support.adalomo_write_back import (
+    ADALOMO_SR_SHAPES,
+    ROUNDING_SEEDS,
+    adalomo_write_back,
+    assert_same_write_back,
+    edge_write_back_case,
+    prepared_write_back,
+)
+from support.fp16_edges import (
+    FP16_EDGE_PAIRS,
+    check_edge_values_match_reference,
+    check_skip_if_writes_nothing,
+    fp16_any_value_case,
+)
+from support.lomo_bitwise import (
+    COMBOS,
+    DTYPES,
+    SR_DTYPES,
+    assert_same_bits,
+    check_unaligned_views,
+    cpp_and_reference,
+    grad_scale,
+    make_grad,
+    make_param,
+    option_set,
+    option_subset,
+    run_update,
+)
+
+from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
+from lomo_kernels.ops.adalomo import cpp_backend as cpp_adalomo
+from lomo_kernels.ops.adalomo import reference as adalomo_reference
+from lomo_kernels.ops.adalomo.workspace import NUM_SLOTS, SKIP
+from lomo_kernels.ops.lomo import cpp_backend as cpp_backend
+from lomo_kernels.tools import machine
+
+SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
+SR_COMBOS = [(p, g) for p, g in COMBOS if p in SR_DTYPES]
+# The CPU flags (/proc/cpuinfo names) each level needs on top of the one below.
+LEVEL_FLAGS = {
+    "avx2": {"avx2", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
+    "avx512bf16": {"avx512_bf16"},
+}
+ENV_VAR = "LOMO_KERNELS_CPU_ISA"
+
+
+def _extension():
+    return cpp_backend._loader.module("cpu")
+
+
+def _extensions():
+    """Both CPU extensions (each holds its own level)."""
+    return [_extension(), cpp_adalomo._loader.module("cpu")]
+
+
+def _levels() -> list[str]:
+    return _extension()._cpu_isas() if cpp_backend.is_available("cpu") else ["baseline"]
+
+
+@pytest.fixture(params=_levels())
+def level(request) -> str:
+    """Runs the test with the CPU kernels forced to one level, then restores the previous."""
+    previous = [ext._set_cpu_isa(request.param) for ext in _extensions()]
+    yield request.param
+    for ext, name in zip(_extensions(), previous, strict=True):
+        ext._set_cpu_isa(name)
+
+
+def test_levels_follow_the_cpu_flags() -> None:
+    # Independent of the extension's own detection: the kernel's flags in /proc/cpuinfo.
+    flags = machine.cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    expected, needed = ["baseline"], set()
+    if os.uname().machine in ("x86_64", "i686"):
+        for name, extra in LEVEL_FLAGS.items():
+            needed |= extra
+            if not needed <= flags:
+                break
+            expected.append(name)
+    assert _extension()._cpu_isas() == expected
+    # Without the environment variable the kernels run the best level.
+    if not os.environ.get(ENV_VAR):
+        assert _extension()._cpu_isa() == expected[-1]
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", COMBOS, ids=[f"p{p}-g{g}" for p, g in COMBOS])
+def test_every_level_matches_reference(level: str, pdt: str, gdt: str, size: int) -> None:
+    for k, kind in enumerate(("plain", "full", "tensors")):
+        param = make_param(size, DTYPES[pdt], seed=size + k, specials=True)
+        grad = make_grad(size, DTYPES[gdt], seed=size + k, scale=grad_scale(kind), specials=True)
+        (got, want), (f_got, f_want) = cpp_and_reference(
+            param, grad, option_set(kind), with_skip=True
+        )
+        assert_same_bits(got, want)
+        assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_every_level_option_subset_matches_reference(level: str, pdt: str) -> None:
+    # Each option on or neutral, with and without inf/nan gradients; bf16 and fp16 also with
+    # stochastic rounding (with and without the per-step seed); clip bounds of 0 and below 0
+    # too.
+    dtype, n = DTYPES[pdt], 4133
+    for bits in range(16):
+        opts = option_subset(bits)
+        param = make_param(n, dtype, seed=bits, specials=True)
+        bad = make_grad(n, dtype, seed=bits, scale=1024.0 if bits & 1 else 1.0, specials=True)
+        clean = make_grad(n, dtype, seed=bits + 99, scale=1.0, specials=False)
+        for grad, flagged in ((bad, 1.0), (clean, 0.0)):
+            (got, want), (f_got, f_want) = cpp_and_reference(param, grad, opts)
+            assert_same_bits(got, want)
+            assert f_got.item() == f_want.item() == flagged
+            if dtype != torch.float32:  # stochastic rounding (bf16 and fp16)
+                step = torch.tensor([bits * 977], dtype=torch.int64)
+                for seed_step in (None, step):
+                    (got, want), _ = cpp_and_reference(
+                        param, grad, opts, sr=True, seed=bits, seed_step=seed_step
+                    )
+                    assert_same_bits(got, want)
+    for clip in (0.0, -0.5):
+        param = make_param(n, dtype, seed=5, specials=True)
+        grad = make_grad(n, dtype, seed=5, scale=1.0, specials=True)
+        (got, want), _ = cpp_and_reference(param, grad, option_set("plain") | dict(clip_value=clip))
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_every_level_unaligned_views_and_skip(level: str, pdt: str) -> None:
+    # Views at odd storage offsets (unaligned vector loads and stores; the elements around
+    # them untouched), as test_cpp_backend.py checks them at the best level.
+    check_unaligned_views(pdt, pdt)
+    # A non-zero skip_if: nothing is written, nothing is flagged.
+    param = make_param(4133, DTYPES[pdt], seed=8, specials=True)
+    grad = make_grad(4133, DTYPES[pdt], seed=8, scale=1.0, specials=True)
+    p, found = param.clone(), torch.zeros(1)
+    run_update(cpp_backend, p, grad, option_set("full"), found=found, skip=torch.ones(1))
+    assert torch.equal(p.view(torch.uint8), param.view(torch.uint8))
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt,gdt", SR_COMBOS, ids=[f"p{p}-g{g}" for p, g in SR_COMBOS])
+def test_every_level_stochastic_rounding_matches_reference(
+    level: str, pdt: str, gdt: str, size: int
+) -> None:
+    # bf16 and fp16 parameters with every gradient dtype, the full option set and the
+    # inf/nan specials, with and without the per-step seed.
+    param = make_param(size, DTYPES[pdt], seed=size, specials=True)
+    grad = make_grad(size, DTYPES[gdt], seed=size, scale=1024.0, specials=True)
+    for seed, step in ((7, None), (2**63 - 5, torch.tensor([2**33 + 11], dtype=torch.int64))):
+        (got, want), (f_got, f_want) = cpp_and_reference(
+            param, grad, option_set("full"), sr=True, seed=seed, seed_step=step
+        )
+        assert_same_bits(got, want)
+        assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_every_level_stochastic_rounding_edge_values(level: str, pdt: str, gdt: str) -> None:
+    # fp16's boundaries (subnormals, 2^-14, 65504, inf, nan, -0.0) in the first trip, a middle
+    # one, one with a non-finite gradient and the tail (support/fp16_edges.py).
+    check_edge_values_match_reference(pdt, gdt)
+    check_skip_if_writes_nothing(pdt)
+
+
+def test_every_level_fp16_stochastic_rounding_of_any_fp32_value(level: str) -> None:
+    param, grad, opts = fp16_any_value_case(65_557, seed=5)
+    for step in (None, torch.tensor([9], dtype=torch.int64)):
+        (got, want), _ = cpp_and_reference(param, grad, opts, sr=True, seed=23, seed_step=step)
+        assert_same_bits(got, want)
+
+
+SUMSQ_GRAIN = 32_768  # csrc/lomo_cpu.cpp's kGrain: the fixed chunks of grad_sumsq_
+SUMSQ_LANES = 8  # csrc/lomo_cpu_loops.h's kSumLanes
+
+
+def _lane_order_sumsq(grad: torch.Tensor, inv_scale: float, start: float) -> float:
+    """grad_sumsq_'s documented order in float64: per chunk, element i into lane i % 8 in
+    sequence, the lanes added in order, the chunks added in order to `start`, one fp32
+    rounding at the end. Independent of the kernels: the loops must match it bit for bit."""
+    scaled = (grad.float() * torch.tensor(inv_scale, dtype=torch.float32)).double().tolist()
+    total = 0.0
+    for begin in range(0, len(scaled), SUMSQ_GRAIN):
+        lanes = [0.0] * SUMSQ_LANES
+        for i, v in enumerate(scaled[begin : begin + SUMSQ_GRAIN]):
+            lanes[i % SUMSQ_LANES] += v * v  # exact: a fp32 value squared fits a double
+        partial = 0.0
+        for lane in lanes:
+            partial += lane
+        total += partial
+    return torch.tensor(start + total, dtype=torch.float64).float().item()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 17, 100_003], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_every_level_matches_lane_order(level: str, gdt: str, n: int) -> None:
+    # Every level (the AVX2 loops hold the lanes in vectors of doubles) gives the bits of the
+    # stated order; sizes leave tails inside and across the 32768-element chunks.
+    # Started at minus the sum's fp32 value, the fp32 result is the double sum's low bits:
+    # a different summation order shows there, where one fp32 rounding would hide it.
+    grad = make_grad(n, DTYPES[gdt], seed=n, scale=3.0, specials=False)
+    for start in (1.25, -_lane_order_sumsq(grad, 0.5, 0.0)):
+        out, found = torch.tensor([start]), torch.zeros(1)
+        cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, found)
+        assert out.item() == _lane_order_sumsq(grad, 0.5, start)
+        assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("n", [43, 40_000], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_every_level_keeps_each_lane(level: str, gdt: str, n: int) -> None:
+    # One large square (2^24, ulp 2^-28) in lane `big` and tiny ones (2^-30, under half that
+    # ulp) everywhere else: the tiny squares sharing its lane vanish one by one, the other
+    # lanes' sums (five or more of them) survive the final adds.
+    # Started at -2^24, the fp32 result is what survived, so a loop that puts any element in
+    # another lane, or adds the lanes in another order, gives other bits.
+    for big in range(SUMSQ_LANES):
+        grad = torch.full((n,), 2.0**-14).to(DTYPES[gdt])  # scaled by 0.5: 2^-15
+        grad[big] = 2.0**13  # scaled: 2^12
+        out = torch.tensor([-(2.0**24)])
+        cpp_backend.grad_sumsq_(grad, torch.tensor([0.5]), out, None)
+        assert out.item() == _lane_order_sumsq(grad, 0.5, -(2.0**24))
+        assert out.item() != 0.0
+
+
+@pytest.mark.parametrize("where", ["first", "vector body", "tail"])
+@pytest.mark.parametrize("special", ["inf", "-inf", "nan", "overflow"])
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_sumsq_every_level_flags_non_finite(
+    level: str, gdt: str, special: str, where: str
+) -> None:
+    # The loops flag a non-finite scaled element through the non-finite total; "overflow" is
+    # a finite gradient that the inverse scale (2.0 here) takes past the dtype's fp32 range
+    # (fp16's largest is not: it stays finite and must not be flagged).
+    n = 4_101  # 512 vectors of 8 and a tail of 5
+    grad = make_grad(n, DTYPES[gdt], seed=9, scale=1.0, specials=False)
+    value = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}.get(
+        special, torch.finfo(DTYPES[gdt]).max
+    )
+    index = {"first": 0, "vector body": 2_053, "tail": n - 2}[where]
+    grad[index] = value
+    out, found = torch.zeros(1), torch.zeros(1)
+    cpp_backend.grad_sumsq_(grad, torch.tensor([2.0]), out, found)
+    scaled = grad[index].float() * 2.0
+    expect_flag = not torch.isfinite(scaled).item()
+    assert found.item() == float(expect_flag)
+    if not expect_flag:
+        assert out.item() == _lane_order_sumsq(grad, 2.0, 0.0)
+
+
+ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]
+ADALOMO_OPTIONS = dict(
+    inv_scale=2.0**-10, clip_value=1.0, clip_coef=torch.tensor([0.37]), weight_decay=0.01
+)
+
+
+def _adalomo_start(shape, dtype) -> tuple[torch.Tensor, torch.Generator]:
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    return torch.randn(shape, generator=gen).to(dtype), gen
+
+
+def _adalomo_steps(shape, dtype) -> tuple[torch.Tensor, dict]:
+    """Three AdaLomo steps of the C++ backend from a fixed start; the parameter and state."""
+    param, gen = _adalomo_start(shape, dtype)
+    state = init_adalomo_state(param)
+    for t in range(1, 4):
+        grad = (torch.randn(shape, generator=gen) * 2.0**10 / t).to(dtype)
+        beta2 = 1.0 - t**-0.8
+        adalomo_update_(param, grad, state, lr=0.05, beta2=beta2, backend="cpp", **ADALOMO_OPTIONS)
+    return param, state
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+@pytest.mark.parametrize("shape", ADALOMO_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adalomo_bit_identical_at_every_level(shape, pdt: str) -> None:
+    # Elementwise fp32 math and fixed-lane double sums: the same bits at every level, and at
+    # each level two steps with every option within support/adalomo.py's float64 bounds.
+    results = {}
+    previous = [ext._set_cpu_isa("baseline") for ext in _extensions()]
+    try:
+        for name in _levels():
+            for ext in _extensions():
+                ext._set_cpu_isa(name)
+            results[name] = _adalomo_steps(shape, DTYPES[pdt])
+            adalomo.run_steps("cpp", shape, DTYPES[pdt], adalomo.OPTIONS["all"], 2)
+    finally:
+        for ext, name in zip(_extensions(), previous, strict=True):
+            ext._set_cpu_isa(name)
+    param, state = results["baseline"]
+    assert not torch.equal(param, _adalomo_start(shape, DTYPES[pdt])[0])  # it ran
+    for name, (other, other_state) in results.items():
+        assert torch.equal(other.view(torch.uint8), param.view(torch.uint8)), name
+        for key, value in state.items():
+            assert torch.equal(other_state[key], value), (name, key)
+
+
+# ----------------------------------------------------------------------------- AdaLomo write-back
+# The write-back passes (factored_apply_, vector_apply_) with stochastic rounding: given the
+# same workspace and moments, the C++ pass and the reference store the same bits (their fp32
+# math agrees: correctly rounded sqrt and division, no contraction), so each is compared bit
+# for bit; the passes before them are the reference's.
+
+
+@pytest.mark.parametrize("shape", ADALOMO_SR_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_write_back_stochastic_rounding_matches_reference(
+    level: str, pdt: str, gdt: str, shape
+) -> None:
+    # Index of each element: its flat index in the whole parameter (row * cols + col), so
+    # every split into threads and row segments rounds as the reference's tiles do.
+    inputs = prepared_write_back(shape, pdt, pdt if gdt == "same" else gdt)
+    for seed, step in ROUNDING_SEEDS:
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=seed, seed_step=step)
+        want = adalomo_write_back(adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step)
+        assert_same_write_back(got, want)
+    nearest = adalomo_write_back(cpp_adalomo, *inputs, sr=False)
+    assert_same_write_back(nearest, adalomo_write_back(adalomo_reference, *inputs, sr=False))
+    if got[0].numel() >= 4097:  # about half the elements round the other way
+        differ = (got[0] != nearest[0]).float().mean().item()
+        assert 0.2 < differ < 0.6, differ
+
+
+def test_adalomo_write_back_stochastic_rounding_ignored_for_fp32(level: str) -> None:
+    for shape in ((4097,), (37, 1031)):
+        inputs = prepared_write_back(shape, "fp32", "fp32")
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=3)
+        assert_same_write_back(got, adalomo_write_back(cpp_adalomo, *inputs, sr=False))
+
+
+@pytest.mark.parametrize(
+    "shape", [(65_557,), (37, 1031), (3, 50)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_write_back_stochastic_rounding_edge_values(
+    level: str, pdt: str, gdt: str, shape
+) -> None:
+    *inputs, hyper = edge_write_back_case(pdt, pdt if gdt == "same" else gdt, shape)
+    if math.prod(shape) < 4 * len(FP16_EDGE_PAIRS):
+        pytest.skip("too small for four edge groups")
+    for seed, step in ROUNDING_SEEDS:
+        got = adalomo_write_back(cpp_adalomo, *inputs, sr=True, seed=seed, seed_step=step, **hyper)
+        want = adalomo_write_back(
+            adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step, **hyper
+        )
+        assert_same_write_back(got, want, any_nan=True)
+        assert got[0].isinf().any() and got[0].isnan().any()
+    got = adalomo_write_back(cpp_adalomo, *inputs, sr=False, **hyper)
+    want = adalomo_write_back(adalomo_reference, *inputs, sr=False, **hyper)
+    assert_same_write_back(got, want, any_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(4097,), (37, 1031)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("pdt", SR_DTYPES)
+def test_adalomo_stochastic_rounding_skip_writes_nothing(level: str, pdt: str, shape) -> None:
+    # A set SKIP slot: the write-back leaves every bit; skip_if set: the whole step does.
+    param, grad, state, workspace = prepared_write_back(shape, pdt, pdt)
+    skipped = workspace.clone()
+    skipped[skipped.numel() - NUM_SLOTS + SKIP] = 1.0
+    step = torch.tensor([4], dtype=torch.int64)
+    got = adalomo_write_back(
+        cpp_adalomo, param, grad, state, skipped, sr=True, seed=9, seed_step=step
+    )
+    assert_same_write_back(got, (param, state))
+    p, s, found = param.clone(), {}, torch.zeros(1)
+    adalomo_update_(
+        p, grad, s, lr=0.05, beta2=0.5, found_inf=found, skip_if=torch.ones(1),
+        stochastic_rounding=True, seed=9, seed_step=step, backend="cpp",
+    )  # fmt: skip
+    assert torch.equal(p.view(torch.int16), param.view(torch.int16))
+    assert found.item() == 0.0
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in s.values())
+
+
+def test_unknown_level_refused_and_level_kept() -> None:
+    for ext in _extensions():
+        before = ext._cpu_isa()
+        with pytest.raises(RuntimeError, match="not a CPU loop level; use one of baseline"):
+            ext._set_cpu_isa("sse9")
+        assert ext._cpu_isa() == before
+        above = [name for name in ("avx2", "avx512", "avx512bf16") if name not in _levels()]
+        if above:
+            with pytest.raises(RuntimeError, match="supports at most"):
+                ext._set_cpu_isa(above[0])
+            assert ext._cpu_isa() == before
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os
+    import torch
+    from lomo_kernels.ops.lomo import cpp_backend as cpp
+    ext = cpp._loader.module("cpu")
+    lr = torch.tensor([0.5])
+    for value in ("bogus", "baseline", "avx2"):
+        os.environ["LOMO_KERNELS_CPU_ISA"] = value
+        p, g = torch.ones(40), torch.ones(40)
+        try:
+            cpp.lomo_update_(p, g, lr, None, None, None, 0.0, None, None, False, 0, None)
+        except RuntimeError as exc:
+            print("refused", bool(torch.all(p == 1)), str(exc).splitlines()[0])
+        else:
+            print("ran", ext._cpu_isa(), p[0].item())
+    """
+)
+
+
+def test_environment_variable_picks_the_level() -> None:
+    # Read at the first call that succeeds: an unknown level is refused before any write, a
+    # valid one runs, and later changes to the variable are ignored.
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    refused, ran, ignored = out.stdout.splitlines()
+    assert refused.startswith("refused True"), refused
+    assert ENV_VAR in refused and "bogus" in refused
+    assert ran.split() == ["ran", "baseline", "0.5"]
+    assert ignored.split() == ["ran", "baseline", "0.5"]

@@ -1,0 +1,249 @@
+"""On a CUDA device: every backend against the float64 model, the optimizers end to end, and
+the no-host-sync check with CUDA tensors. `make test-gpu` runs these (TRITON_INTERPRET=0, so
+Triton compiles real GPU kernels); without a GPU they are skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from support.adalomo import FACTORED_SHAPES, check_moments, check_pass_a
+from support.adalomo import OPTIONS as ADALOMO_OPTIONS
+from support.adalomo_write_back import (
+    ROUNDING_SEEDS,
+    adalomo_write_back,
+    assert_same_write_back,
+    edge_write_back_case,
+)
+from support.float64 import assert_within_ulp, lomo_update_f64
+from support.fp16_edges import fp16_any_value_case, fp16_edge_case
+from support.host_sync import NoHostSync
+from support.lomo_bitwise import assert_same_bits, run_update
+from support.lomo_update import LR, OPTIONS, bound_kwargs, make_inputs
+from support.models import batch, max_rel_diff, tiny_llama
+
+from lomo_kernels import AdaLomo, Lomo, ops
+from lomo_kernels.ops import backends
+from lomo_kernels.ops.adalomo import reference as adalomo_reference
+from lomo_kernels.ops.lomo import reference as lomo_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA device here: these run on a GPU machine with `make test-gpu`",
+    ),
+]
+DEVICE = "cuda"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SR_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # stochastic rounding applies
+SIZES = [1, 15, 4097, 278011, 2**22 + 3]
+
+
+@pytest.fixture(params=["triton", "cpp", "torch"])
+def cuda_backend(request) -> str:
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 would time/verify the interpreter: run `make test-gpu`")
+    module, reason = backends.LOMO.load(request.param, "cuda")
+    if module is None:
+        pytest.fail(f"backend {request.param} must serve CUDA tensors on a GPU machine: {reason}")
+    return request.param
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("grad_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("param_dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_update_matches_float64_on_cuda(cuda_backend, param_dtype, grad_dtype, n):
+    options = OPTIONS["all"]
+    param, grad = make_inputs(n, param_dtype, grad_dtype, inv_scale=options["inv_scale"])
+    ref, bad, lr_g = lomo_update_f64(param, grad, lr=LR, **options)
+    original = param.clone()
+    p, g = param.to(DEVICE), grad.to(DEVICE)
+    found_inf = torch.zeros(1, device=DEVICE)
+    lr = torch.tensor([LR], device=DEVICE)
+    ops.fused_sgd_update_(p, g, lr=lr, found_inf=found_inf, backend=cuda_backend, **options)
+    assert found_inf.item() == 0.0
+    assert_within_ulp(p.cpu(), ref, param_dtype, **bound_kwargs(param_dtype, original, lr_g))
+
+
+@pytest.mark.parametrize("where", [0, 2048, -1])
+def test_non_finite_gradient_flags_and_keeps_param_on_cuda(cuda_backend, where):
+    param, grad = make_inputs(4097, torch.bfloat16, torch.bfloat16)
+    grad[where] = float("nan")
+    p, g = param.to(DEVICE), grad.to(DEVICE)
+    found_inf = torch.zeros(1, device=DEVICE)
+    ops.fused_sgd_update_(p, g, lr=LR, found_inf=found_inf, backend=cuda_backend)
+    assert found_inf.item() == 1.0
+    assert p[where].cpu().view(torch.int16) == param[where].view(torch.int16)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_grad_sumsq_matches_float64_on_cuda(cuda_backend, dtype):
+    grad = torch.randn(278011, generator=torch.Generator().manual_seed(1)).to(dtype)
+    sumsq = torch.zeros(1, device=DEVICE)
+    ops.grad_sumsq_(grad.to(DEVICE), sumsq, inv_scale=0.5, backend=cuda_backend)
+    ref = float((grad.double() * 0.5).pow(2).sum())
+    # fp32 accumulation of n positive terms: relative error <= n * 2**-24 in the worst case;
+    # tree reductions stay far below, 1e-5 bounds both orders used by the backends.
+    assert float(sumsq) == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("dtype", SR_DTYPES.values(), ids=SR_DTYPES.keys())
+@pytest.mark.parametrize("step", [None, 7, 2**40 + 3], ids=["no_step", "step", "big_step"])
+def test_stochastic_rounding_seed_step_read_on_cuda(cuda_backend, step, dtype):
+    """The kernel reads seed_step from device memory (no host sync) and rounds as the CPU
+    reference does, bit for bit (p - 1 * g is one fp32 rounding with or without an FMA)."""
+    n = 278011
+    param = torch.ones(n, dtype=dtype)
+    grad = torch.full((n,), -0.3 * 2.0**-7)  # between neighbours of bf16 and of fp16
+    options = dict(lr=1.0, stochastic_rounding=True, seed=99)
+    expected = param.clone()
+    cpu_step = None if step is None else torch.tensor([step])
+    ops.fused_sgd_update_(expected, grad, seed_step=cpu_step, backend="torch", **options)
+    p, g = param.to(DEVICE), grad.to(DEVICE)
+    seed_step = None if cpu_step is None else cpu_step.to(DEVICE)
+    with NoHostSync():
+        ops.fused_sgd_update_(p, g, seed_step=seed_step, backend=cuda_backend, **options)
+    assert torch.equal(p.cpu().view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(p.cpu(), torch.ones_like(expected))  # some rounded up
+
+
+def _to_device(value):
+    return value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+
+
+def _lomo_sr_on_cuda(cuda_backend, param, grad, opts, seed, step):
+    """The CPU reference's stochastically rounded update and the backend's on the GPU (found
+    flags too); seed_step read on the device."""
+    expected, found_ref = param.clone(), torch.zeros(1)
+    run_update(
+        lomo_reference, expected, grad, opts, found=found_ref, sr=True, seed=seed, seed_step=step
+    )
+    p, g, found = param.to(DEVICE), grad.to(DEVICE), torch.zeros(1, device=DEVICE)
+    with NoHostSync():
+        ops.fused_sgd_update_(
+            p, g, lr=torch.tensor([opts["lr"]], device=DEVICE), inv_scale=opts["inv_scale"],
+            clip_value=opts["clip_value"], clip_coef=opts["clip_coef"],
+            weight_decay=opts["weight_decay"], found_inf=found, stochastic_rounding=True,
+            seed=seed, seed_step=_to_device(step), backend=cuda_backend,
+        )  # fmt: skip
+    return (p.cpu(), expected), (found.cpu(), found_ref)
+
+
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES.keys())
+def test_stochastic_rounding_edge_values_on_cuda(cuda_backend, pdt, gdt):
+    """fp16's boundaries (subnormals, 2^-14, 65504, inf, nan, -0.0) in the first vector, a
+    middle one, one with a non-finite gradient and the tail (support/fp16_edges.py):
+    the CPU reference's bits, seeded with and without a per-step value."""
+    param, grad, opts = fp16_edge_case(pdt, pdt if gdt == "same" else gdt)
+    for seed, step in ROUNDING_SEEDS:
+        (got, want), (found, found_ref) = _lomo_sr_on_cuda(
+            cuda_backend, param, grad, opts, seed, step
+        )
+        assert_same_bits(got, want)
+        assert found.item() == found_ref.item() == 1.0
+
+
+def test_fp16_stochastic_rounding_of_any_fp32_value_on_cuda(cuda_backend):
+    param, grad, opts = fp16_any_value_case(2**20 + 3, seed=6)
+    for seed, step in ROUNDING_SEEDS:
+        (got, want), _ = _lomo_sr_on_cuda(cuda_backend, param, grad, opts, seed, step)
+        assert_same_bits(got, want)
+
+
+@pytest.fixture(params=["triton", "cpp", "torch"])
+def adalomo_cuda_module(request):
+    """The AdaLomo backend module that serves CUDA tensors (its passes by spec name)."""
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 would time/verify the interpreter: run `make test-gpu`")
+    module, reason = backends.ADALOMO.load(request.param, "cuda")
+    if module is None:
+        pytest.fail(f"backend {request.param} must serve CUDA tensors on a GPU machine: {reason}")
+    return module
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("shape", [(65_557,), (37, 1031)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gdt", ["same", "fp32"])
+@pytest.mark.parametrize("pdt", SR_DTYPES.keys())
+def test_adalomo_write_back_stochastic_rounding_on_cuda(adalomo_cuda_module, pdt, gdt, shape):
+    """AdaLomo's write-back (factored and 1-D) rounding fp16's boundary values
+    stochastically, as the CPU reference does, bit for bit: moments of 1 and a synthesized
+    workspace make every factor exact (rsqrt(1) = 1), so the new values are p - lr_t * g
+    (support.adalomo_write_back.edge_write_back_case); seed_step read on the device."""
+    *inputs, hyper = edge_write_back_case(pdt, pdt if gdt == "same" else gdt, shape)
+    param, grad, state, workspace = inputs
+    cuda_state = {key: value.to(DEVICE) for key, value in state.items()}
+    cuda_hyper = {key: _to_device(value) for key, value in hyper.items()}
+    for seed, step in ROUNDING_SEEDS:
+        want = adalomo_write_back(
+            adalomo_reference, *inputs, sr=True, seed=seed, seed_step=step, **hyper
+        )
+        with NoHostSync():
+            p, s = adalomo_write_back(
+                adalomo_cuda_module, param.to(DEVICE), grad.to(DEVICE), cuda_state,
+                workspace.to(DEVICE), sr=True, seed=seed, seed_step=_to_device(step),
+                **cuda_hyper,
+            )  # fmt: skip
+        got = (p.cpu(), {key: value.cpu() for key, value in s.items()})
+        assert_same_write_back(got, want, any_nan=True)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("options", ADALOMO_OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", FACTORED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_adalomo_pass_a_matches_float64_on_cuda(cuda_backend, shape, dtype, options):
+    check_pass_a(cuda_backend, shape, dtype, ADALOMO_OPTIONS[options], device=DEVICE)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("coef", [None, 0.37, 0.0], ids=["no_coef", "coef", "zero_coef"])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 5), (1000, 1030), (2051, 7)])
+def test_adalomo_moments_match_float64_on_cuda(cuda_backend, rows, cols, coef):
+    check_moments(cuda_backend, rows, cols, coef, device=DEVICE)
+
+
+def _cuda_batch(step: int) -> dict[str, torch.Tensor]:
+    return {k: v.to(DEVICE) for k, v in batch(step).items()}
+
+
+@pytest.mark.gpu_smoke
+def test_lomo_fp32_equals_torch_sgd_on_cuda(cuda_backend):
+    ours, ref = tiny_llama().to(DEVICE), tiny_llama().to(DEVICE)
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=0.5, backend=cuda_backend)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(4):
+        opt.fused_backward(ours(**_cuda_batch(step)).loss)
+        loss = ref(**_cuda_batch(step)).loss
+        sgd.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        sgd.step()
+    # Same math in fp32; only summation order differs (cuBLAS, the norm's reduction).
+    assert max_rel_diff(ours, ref) < 1e-4
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("single", [False, True], ids=["exact", "single_backward"])
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo], ids=["lomo", "adalomo"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_optimizers_train_on_cuda_without_host_sync(cls, dtype, single):
+    model = tiny_llama(dtype).to(DEVICE)
+    lr = 0.05 if cls is Lomo else 1e-2
+    opt = cls(model, lr=lr, clip_grad_norm=1.0, single_backward=single)
+    first = None
+    for step in range(30):
+        loss = model(**_cuda_batch(step % 2)).loss
+        first = float(loss) if first is None else first
+        with NoHostSync():
+            opt.fused_backward(loss)
+    opt.flush_report()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert float(model(**_cuda_batch(0)).loss) < first
+    assert all(v.is_cuda for s in opt.state.values() for v in s.values() if torch.is_tensor(v))

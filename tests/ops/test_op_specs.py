@@ -1,0 +1,239 @@
+"""Each fused op is declared once (`lomo_kernels.core.spec`): its schema, and the argument
+lists of every backend (the references, the Triton launchers, the C++ and CUDA bindings)
+must agree with that declaration, name for name and in order. The public layer's checks and
+the choice of backend for dispatcher calls come from it too."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lomo_kernels.core.spec import REQUIRED, OpSpec
+from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
+from lomo_kernels.ops import adalomo, backends, cross_entropy, definition, lomo
+from lomo_kernels.ops import embedding as embedding_backward
+
+FAMILIES = {
+    "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ)),
+    "adalomo": (backends.ADALOMO, adalomo.SPECS),
+}
+# The C++ binding sources of each family, CPU and CUDA (their arguments: op_bindings.h).
+BINDINGS = {
+    "lomo": ("lomo_cpu.cpp", "lomo_cuda_binding.cpp"),
+    "adalomo": ("adalomo_cpu.cpp", "adalomo_cuda_binding.cpp"),
+}
+SPECS = [spec for _, specs in FAMILIES.values() for spec in specs]
+# A valid public value of each kind of argument (tensors and flags: None passes unchecked).
+VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "bool": False}
+
+
+def test_every_op_is_declared_once():
+    """The registered schemas are the specs' (one spec per op of the namespace)."""
+    registered = torch.ops.lomo_kernels
+    for spec in SPECS:
+        schema = getattr(registered, spec.name).default._schema
+        assert [a.name for a in schema.arguments] == list(spec.names), spec.name
+        written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+        assert written == list(spec.mutated_names), spec.name
+        assert "backend" not in spec.names
+    assert len({spec.name for spec in SPECS}) == len(SPECS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_python_backends_take_the_spec_arguments(family, backend):
+    registry, specs = FAMILIES[family]
+    module = registry.reference if backend == "torch" else registry.importers[backend]()
+    for spec in specs:
+        parameters = inspect.signature(getattr(module, spec.function)).parameters
+        assert tuple(parameters) == spec.names, (module.__name__, spec.function)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_bindings_share_the_cpu_declarations(family):
+    """The CUDA bindings cannot be built here: every binding source, CPU and CUDA, is part of
+    an extension and defines its functions through op_bindings.h's definer alone, so the
+    arguments the built CPU extension shows (below) are the CUDA bindings' too."""
+    definer = f"def_{family}_ops"
+    for source in BINDINGS[family]:
+        assert any(source in sources for sources in EXTENSIONS.values())
+        text = (CSRC / source).read_text()
+        assert f"op_bindings::{definer}(m, " in text and "py::arg" not in text, source
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_cpu_extension_takes_the_spec_arguments(family):
+    """The extension as built (pybind11's signature line), not only its source."""
+    registry, specs = FAMILIES[family]
+    extension = registry.importers["cpp"]()._loader.module("cpu")
+    for spec in specs:
+        doc = getattr(extension, spec.function).__doc__
+        names = re.findall(r"(\w+): ", doc.splitlines()[0])
+        assert tuple(names) == spec.names, spec.function
+
+
+# Each op's public function (the one that runs that op alone).
+PUBLIC = {
+    lomo.LOMO_UPDATE: lomo.fused_lomo_update_,
+    lomo.GRAD_SUMSQ: lomo.grad_sumsq_,
+    adalomo.FACTORED_STATS: adalomo.adalomo_factored_stats_,
+    adalomo.FACTORED_MOMENTS: adalomo.adalomo_factored_moments_,
+    adalomo.FACTORED_NORM: adalomo.adalomo_factored_norm_,
+    adalomo.FACTORED_APPLY: adalomo.adalomo_factored_apply_,
+    adalomo.VECTOR_STATS: adalomo.adalomo_vector_stats_,
+    adalomo.VECTOR_APPLY: adalomo.adalomo_vector_apply_,
+}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_public_functions_take_the_spec_arguments_and_defaults(spec: OpSpec):
+    """Every argument of the op is a parameter of its public function (but a shape the
+    function reads off a tensor), with the spec's default; and `backend=` besides."""
+    parameters = inspect.signature(PUBLIC[spec]).parameters
+    assert set(parameters) - set(spec.names) == {"backend"}
+    for arg in spec.args:
+        if arg.kind == "int":
+            assert arg.name not in parameters
+            continue
+        default = parameters[arg.name].default
+        expected = inspect.Parameter.empty if arg.default is REQUIRED else arg.default
+        assert default == expected, (spec.name, arg.name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_cpu_extension_defines_the_spec_functions_only(family):
+    """The built extension binds one function per op of the family (pybind11 functions
+    carry a signature line), none missing, none besides."""
+    registry, specs = FAMILIES[family]
+    extension = registry.importers["cpp"]()._loader.module("cpu")
+    bound = {
+        name
+        for name in dir(extension)
+        if not name.startswith("_") and inspect.isbuiltin(getattr(extension, name))
+    }
+    assert bound == {spec.function for spec in specs}
+
+
+# The argument kinds a call may leave out (None), unless the spec requires them.
+OPTIONAL_KINDS = ("factor", "flag", "step", "clip")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_schema_is_derived_from_the_spec(spec: OpSpec):
+    """The schema as torch parses it: the spec's arguments in order, tensors where the
+    kernels take tensors, Optional exactly where a call may pass None, written exactly where
+    the op mutates, nothing returned."""
+    parsed = torch._C.parse_schema(f"lomo_kernels::{spec.name}{spec.schema()}")
+    for got, arg in zip(parsed.arguments, spec.args, strict=True):
+        assert got.name == arg.name
+        optional = isinstance(got.type, torch.OptionalType)
+        assert optional == (arg.kind in OPTIONAL_KINDS and not arg.required), arg.name
+        element = got.type.getElementType() if optional else got.type
+        assert isinstance(element, torch.TensorType) == arg.is_tensor, arg.name
+        assert bool(got.alias_info and got.alias_info.is_write) == arg.mutable, arg.name
+    assert parsed.returns == []
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
+    """Every runtime scalar and hyper-parameter of every op is checked by its spec before the
+    op runs: a non-finite value is refused with an error naming the argument."""
+    device = torch.device("cpu")
+    checked = [a for a in spec.args if a.kind in ("scalar", "factor", "hyper", "clip")]
+    assert checked
+    for arg in checked:
+        values = {a.name: VALID.get(a.kind) for a in spec.args}
+        values[arg.name] = float("nan")
+        with pytest.raises(ValueError, match=rf"{arg.name} must be finite"):
+            spec.convert(device, values)
+
+
+def test_dispatcher_calls_run_the_chosen_backend(monkeypatch):
+    """A call through the dispatcher runs the backend chosen for it, else the device's."""
+    calls = []
+    reference = backends.LOMO.reference
+    original = reference.grad_sumsq_
+    monkeypatch.setattr(
+        reference, "grad_sumsq_", lambda **kwargs: (calls.append(kwargs), original(**kwargs))
+    )
+    grad, sumsq = torch.ones(10), torch.zeros(1)
+    op = torch.ops.lomo_kernels.grad_sumsq_.default
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    op(grad, None, sumsq, None)  # the CPU default: C++
+    assert calls == [] and sumsq.item() == 10.0
+    with backends.dispatching_to(torch.device("cpu"), "torch"):
+        op(grad, None, sumsq, None)
+    assert [list(c) for c in calls] == [list(lomo.GRAD_SUMSQ.names)]
+    assert sumsq.item() == 20.0
+
+
+def test_sources_named_in_the_loader_exist():
+    for sources in EXTENSIONS.values():
+        for source in sources:
+            assert Path(CSRC, source).is_file(), source
+
+
+# The ops that return tensors (the fused loss, the opaque embedding backward); their bodies
+# and every backend's forward take the spec's arguments (the loss's backward kernels work per
+# vocabulary chunk, under the body).
+RETURNING_SPECS = (cross_entropy.FORWARD, cross_entropy.BACKWARD, embedding_backward.DENSE_BACKWARD)
+
+
+def test_ops_returning_tensors_are_declared_once():
+    registered = torch.ops.lomo_kernels
+    for spec in RETURNING_SPECS:
+        schema = getattr(registered, spec.name).default._schema
+        assert [a.name for a in schema.arguments] == list(spec.names), spec.name
+        assert [r.name for r in schema.returns] == list(spec.returns), spec.name
+        assert not any(a.alias_info for a in schema.arguments), spec.name
+    assert cross_entropy.FORWARD.schema() == (
+        "(Tensor hidden, Tensor weight, Tensor labels, int ignore_index) "
+        "-> (Tensor loss, Tensor lse)"
+    )
+
+
+@pytest.mark.parametrize("module", ["reference", "blocked", "triton"])
+def test_fused_loss_backends_take_the_forward_spec_arguments(module):
+    from lomo_kernels.ops.cross_entropy import blocked_backend as blocked
+    from lomo_kernels.ops.cross_entropy import reference as reference
+    from lomo_kernels.ops.cross_entropy import triton_backend as triton
+
+    chosen = {"reference": reference, "blocked": blocked, "triton": triton}[module]
+    parameters = inspect.signature(chosen.forward).parameters
+    assert tuple(parameters) == cross_entropy.FORWARD.names
+
+
+def test_a_body_that_disagrees_with_its_spec_is_refused():
+    def body(hidden, labels, weight, ignore_index):  # two arguments swapped
+        raise AssertionError("never run")
+
+    with pytest.raises(TypeError, match="linear_cross_entropy_forward"):
+        definition.define_returning(cross_entropy.FORWARD, body, body)
+
+
+def test_every_op_of_the_namespace_has_its_spec():
+    ops = torch.ops.lomo_kernels
+    registered = {name for name in dir(ops) if not name.startswith("_") and name != "name"}
+    assert registered == {spec.name for spec in SPECS + list(RETURNING_SPECS)}
+
+
+@pytest.mark.parametrize("clip_grad_norm", [None, 1.0])
+def test_lomo_runs_the_update_public_checks_once_per_step(clip_grad_norm):
+    """Lomo's per-tensor calls skip the public function's conversions; the spec's checks run
+    on the step's values once per step instead: a value not in the op's form (here its clip
+    coefficient holding two elements) is refused by name before any parameter changes."""
+    from lomo_kernels import Lomo
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = Lomo(model, lr=0.1, clip_grad_norm=clip_grad_norm)
+    x = torch.randn(4, 6)
+    opt.fused_backward(model(x).square().mean())  # a good step
+    before = [p.detach().clone() for p in model.parameters()]
+    opt._scalars[torch.device("cpu")].clip_coef = torch.ones(2)
+    with pytest.raises(ValueError, match="clip_coef must be a 1-element"):
+        opt.fused_backward(model(x).square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -1,0 +1,349 @@
+"""A step is either correct or refused before any parameter or state tensor changes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from support.models import loss_of, mlp, tiny_llama
+from support.optimizers import OPTIMIZERS
+from support.state import assert_refused, same_bits, tensors
+
+from lomo_kernels import AdaLomo, Lomo
+
+MODELS = {"llama": tiny_llama, "mlp": mlp}
+
+
+# ------------------------------------------------------------------ norm of another loss
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no_clip", "clip_norm"])
+def test_norm_of_another_loss_is_not_reused(name, model_name, clip):
+    """grad_norm(loss_a) then fused_backward(loss_b) applies exactly fused_backward(loss_b)."""
+
+    def run(measure_other_loss: bool) -> list[torch.Tensor]:
+        model = MODELS[model_name]()
+        opt = OPTIMIZERS[name](model, lr=0.05, clip_grad_norm=clip)
+        loss_a, loss_b = loss_of(model, 0), loss_of(model, 1)
+        if measure_other_loss:
+            opt.grad_norm(loss_a)
+        opt.fused_backward(loss_b)
+        return tensors(model, opt)
+
+    assert same_bits(run(True), run(False))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_norm_pass_for_the_same_loss_is_used_once(name, monkeypatch):
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.05, clip_grad_norm=0.05)
+    calls = []
+    measure = opt.grad_norm
+    monkeypatch.setattr(opt, "grad_norm", lambda loss: calls.append(loss) or measure(loss))
+    loss = loss_of(model, 0)
+    opt.grad_norm(loss)
+    opt.fused_backward(loss)
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ hyper-parameters
+
+NAN = float("nan")
+
+# (group key, edited value, error, message) refused at the next step, on both optimizers
+BAD_GROUP_EDITS = {
+    "lr nan": ("lr", NAN, ValueError, "lr must be finite"),
+    "lr negative": ("lr", -0.1, ValueError, "lr must be"),
+    "lr tensor": ("lr", torch.tensor(0.1), TypeError, "lr must be a Python number"),
+    "weight_decay nan": ("weight_decay", NAN, ValueError, "weight_decay must be finite"),
+    "weight_decay negative": ("weight_decay", -0.1, ValueError, "weight_decay must be >= 0"),
+    "weight_decay None": ("weight_decay", None, TypeError, "weight_decay must be a number"),
+    "clip_grad_value nan": ("clip_grad_value", NAN, ValueError, "clip_grad_value must be"),
+    "clip_grad_norm 0": ("clip_grad_norm", 0.0, ValueError, "clip_grad_norm should be positive"),
+    "clip_grad_norm nan": ("clip_grad_norm", NAN, ValueError, "clip_grad_norm must be finite"),
+}
+
+ADALOMO_BAD_GROUP_EDITS = {
+    "eps nan": ("eps", (NAN, 1e-3), ValueError, "eps must be finite"),
+    "eps one value": ("eps", 1e-3, ValueError, "eps must be two"),
+    "clip_threshold 0": ("clip_threshold", 0.0, ValueError, "clip_threshold must be > 0"),
+    "decay_rate positive": ("decay_rate", 0.5, ValueError, "decay_rate must be < 0"),
+}
+
+
+def bad_edits():
+    for case, edit in BAD_GROUP_EDITS.items():
+        for name in OPTIMIZERS:
+            yield pytest.param(name, *edit, id=f"{name}-{case}")
+    for case, edit in ADALOMO_BAD_GROUP_EDITS.items():
+        yield pytest.param("adalomo", *edit, id=f"adalomo-{case}")
+
+
+@pytest.mark.parametrize("name,key,value,error,match", list(bad_edits()))
+@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+def test_bad_param_group_edit_refused_before_any_change(name, key, value, error, match, call):
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.05, clip_grad_norm=1.0)
+    opt.fused_backward(loss_of(model, 0))  # moments and loss scale not at their start
+    opt.param_groups[0][key] = value
+    loss = loss_of(model, 1)
+    assert_refused(model, opt, lambda: getattr(opt, call)(loss), error, f"param_groups.0.: {match}")
+
+
+def add_foreign_group(opt, model):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+
+
+def list_twice(opt, model):
+    opt.param_groups[0]["params"].append(model[2].weight)
+
+
+def remove_group(opt, model):
+    opt.param_groups.pop()
+
+
+def list_names(opt, model):
+    opt.param_groups[0]["params"] = [name for name, _ in model.named_parameters()]
+
+
+def delete_key(opt, model):
+    del opt.param_groups[0]["weight_decay"]
+
+
+GROUP_EDITS = {
+    "group added": (add_foreign_group, r"param_groups\[1\] lists a tensor of shape \(3,\), which"),
+    "listed twice": (list_twice, r"param_groups\[0\] lists '2.weight', already in"),
+    "group removed": (remove_group, "'0.weight' is in no param group"),
+    "names listed": (list_names, r"param_groups\[0\] lists str '0.weight', which"),
+    "key deleted": (delete_key, r"param_groups\[0\] has no \['weight_decay'\]"),
+}
+
+
+@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+@pytest.mark.parametrize("edit", GROUP_EDITS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_param_group_structure_edit_refused_before_any_change(name, edit, call):
+    """The hooks step the parameters the optimizer was built with, each with its group's
+    values: a parameter added to the groups (no hook), listed twice or left out of every
+    group, or a group without one of the values, is refused before any change (moving a
+    parameter between groups is served: test_param_groups.py)."""
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.1)
+    opt.fused_backward(loss_of(model, 0))
+    change, match = GROUP_EDITS[edit]
+    change(opt, model)
+    loss = loss_of(model, 1)
+    assert_refused(model, opt, lambda: getattr(opt, call)(loss), ValueError, match)
+
+
+@pytest.mark.parametrize("name,dtype", [("lomo", torch.float16), ("adalomo", torch.float32)])
+def test_fused_backward_under_no_grad_is_the_same_step(name, dtype):
+    """A loss scaled inside fused_backward (fp16 Lomo's dynamic scale, AdaLomo's static one)
+    with the call under torch.no_grad(): the same steps, bit for bit, as outside it."""
+
+    def run(no_grad: bool) -> list[torch.Tensor]:
+        model = mlp().to(dtype)
+        opt = OPTIMIZERS[name](model, lr=0.05)
+        for step in range(2):
+            loss = loss_of(model, step)
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                opt.fused_backward(loss)
+        return tensors(model, opt)
+
+    assert same_bits(run(True), run(False))
+
+
+def test_adalomo_loss_scale_edit_refused_before_any_change():
+    model = mlp()
+    opt = AdaLomo(model, lr=0.05)
+    opt.loss_scale = 0.0
+    loss = loss_of(model, 0)
+    assert_refused(model, opt, lambda: opt.fused_backward(loss), ValueError, "loss_scale must")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("value", [0.0, -1.0], ids=["zero", "negative"])
+def test_clip_grad_value_zero_or_less_means_off_in_constructor_and_groups(name, value):
+    """lomo-optim's meaning (<= 0: no clipping by value), the same set either way."""
+
+    def run(constructed, edited):
+        model = mlp()
+        opt = OPTIMIZERS[name](model, lr=0.5, clip_grad_value=constructed)
+        if edited is not None:
+            opt.param_groups[0]["clip_grad_value"] = edited
+        opt.fused_backward(loss_of(model, 0))
+        return tensors(model, opt)
+
+    off = run(None, None)
+    assert same_bits(run(value, None), off)
+    assert same_bits(run(1e-4, value), off)
+    assert not same_bits(run(1e-4, None), off)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_clip_grad_norm_set_after_construction_acts_as_constructed(name):
+    def run(constructed, edited):
+        model = mlp()
+        opt = OPTIMIZERS[name](model, lr=0.5, clip_grad_norm=constructed)
+        if edited is not None:
+            opt.clip_grad_norm = edited
+        loss = loss_of(model, 0)
+        if edited is not None:
+            opt.grad_norm(loss)  # measured before the edit below: measured again
+            opt.param_groups[0]["clip_grad_norm"] = 0.01
+        opt.fused_backward(loss)
+        return tensors(model, opt)
+
+    assert same_bits(run(None, 5.0), run(0.01, None))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_negative_weight_decay_refused_at_construction(name):
+    model = mlp()
+    with pytest.raises(ValueError, match="weight_decay must be >= 0.*ignores a negative"):
+        OPTIMIZERS[name](model, weight_decay=-0.01)
+
+
+# ------------------------------------------------------------------ load_state_dict
+
+
+def trained(name, model_name="mlp", dtype=torch.float32, **kwargs):
+    model = MODELS[model_name]().to(dtype)
+    opt = OPTIMIZERS[name](model, lr=0.05, **kwargs)
+    for step in range(2):
+        opt.fused_backward(loss_of(model, step))
+    return model, opt
+
+
+def edit_moment(value):
+    def edit(state):
+        moments = state["state"][0]
+        key = sorted(moments)[0]
+        moments[key] = moments[key].clone()
+        moments[key].view(-1)[0] = value
+
+    return edit
+
+
+def edit_lomo(key, value):
+    def edit(state):
+        state["lomo"][key] = value
+
+    return edit
+
+
+def edit_group(key, value):
+    def edit(state):
+        state["param_groups"][0][key] = value
+
+    return edit
+
+
+def drop_state(state):
+    del state["state"][1]
+
+
+def add_state(state):
+    state["state"][99] = {"exp_avg_sq": torch.zeros(3)}
+
+
+def reshape_moment(state):
+    moments = state["state"][0]
+    key = sorted(moments)[0]
+    moments[key] = torch.zeros(moments[key].numel() + 1)
+
+
+# (optimizer, edit of its own state_dict, message)
+BAD_STATES = {
+    "adalomo nan moment": ("adalomo", edit_moment(float("nan")), "holds inf/nan"),
+    "adalomo negative moment": ("adalomo", edit_moment(-1.0), "negative values"),
+    "adalomo missing index": ("adalomo", drop_state, r"\[1\].*is missing"),
+    "adalomo extra index": ("adalomo", add_state, r"indices \[99\]"),
+    "adalomo moment shape": ("adalomo", reshape_moment, "has shape"),
+    "lomo extra index": ("lomo", add_state, "Lomo keeps none"),
+    "step_count negative": ("lomo", edit_lomo("step_count", -1), "step_count"),
+    "group lr nan": ("lomo", edit_group("lr", float("nan")), "lr must be finite"),
+    "group weight_decay negative": ("adalomo", edit_group("weight_decay", -1.0), ">= 0"),
+    "group key missing": ("adalomo", lambda s: s["param_groups"][0].pop("eps"), "another"),
+    "norm history nan": (
+        "lomo",
+        edit_lomo("single_backward", {"norm_history": [1.0, float("nan"), 1.0]}),
+        "norm_history",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_STATES)
+def test_bad_state_dict_refused_with_nothing_applied(case):
+    name, edit, match = BAD_STATES[case]
+    model, opt = trained(name, single_backward=True, clip_grad_norm=1.0)
+    state = opt.state_dict()
+    edit(state)
+    fresh_model = mlp()
+    fresh = OPTIMIZERS[name](fresh_model, lr=0.3, single_backward=True, clip_grad_norm=1.0)
+    groups_before = [dict(g) for g in fresh.param_groups]
+    assert_refused(fresh_model, fresh, lambda: fresh.load_state_dict(state), ValueError, match)
+    assert fresh.step_count == 0 and fresh.param_groups == groups_before
+
+
+@pytest.mark.parametrize("scale", [float("nan"), 0.0, float("inf"), -2.0])
+def test_bad_loss_scale_in_state_dict_refused(scale):
+    _, opt = trained("lomo", dtype=torch.float16)
+    state = opt.state_dict()
+    state["lomo"]["loss_scaler"]["scale"] = scale
+    fresh_model = mlp().half()
+    fresh = Lomo(fresh_model)
+    assert_refused(fresh_model, fresh, lambda: fresh.load_state_dict(state), ValueError, "scale")
+
+
+@pytest.mark.parametrize("writer,reader", [("lomo", "adalomo"), ("adalomo", "lomo")])
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "older_checkpoint"])
+def test_state_dict_of_the_other_optimizer_refused(writer, reader, marked):
+    _, opt = trained(writer)
+    state = opt.state_dict()
+    if not marked:
+        del state["lomo"]["optimizer"]
+    fresh_model = mlp()
+    fresh = OPTIMIZERS[reader](fresh_model)
+    match = "written by" if marked else "another optimizer class"
+    assert_refused(fresh_model, fresh, lambda: fresh.load_state_dict(state), ValueError, match)
+
+
+def test_state_dict_of_another_model_refused():
+    _, opt = trained("adalomo", model_name="llama")
+    fresh_model = mlp()
+    fresh = AdaLomo(fresh_model)
+    assert_refused(
+        fresh_model,
+        fresh,
+        lambda: fresh.load_state_dict(opt.state_dict()),
+        ValueError,
+        "parameters, this optimizer's",
+    )
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_valid_state_dict_round_trip_still_loads(name):
+    model, opt = trained(name, single_backward=True, clip_grad_norm=1.0)
+    fresh = OPTIMIZERS[name](mlp(), single_backward=True, clip_grad_norm=1.0)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.step_count == 2
+    for p, q in zip(
+        [p for g in opt.param_groups for p in g["params"]],
+        [p for g in fresh.param_groups for p in g["params"]],
+        strict=True,
+    ):
+        assert opt.state[p].keys() == fresh.state[q].keys()
+        assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_adalomo_empty_last_dimension_is_a_clear_error_and_leaves_no_hook():
+    model = torch.nn.Linear(0, 4)
+    with pytest.raises(ValueError, match=r"shape \(4, 0\).*empty"):
+        AdaLomo(model)
+    model(torch.zeros(2, 0)).sum().backward()
+    assert model.bias.grad is not None

@@ -1,0 +1,102 @@
+"""The model, data and training loop shared by the sharded runs and their one-process reference.
+
+A transformers LLaMA with awkward sizes (no size divisible by the world size where it can be
+avoided), a large vocabulary so the embedding and head exceed ZeRO-3's default persistence
+threshold (1e5 elements) while the small tensors stay persistent, and one 1-element
+parameter (fewer elements than ranks: one rank owns only padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM  # not inside zero.Init: it patches torch
+
+from support.models import causal_lm_config
+
+WORLD = 2
+GLOBAL_BATCH = 4
+SEQ = 9
+STEPS = 3
+LR = {"lomo": 0.05, "adalomo": 0.01}
+OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
+# Without clipping: a gradient summed over ranks instead of averaged doubles the update
+# (with clipping on, the clip coefficient would hide it).
+NO_CLIP = {"weight_decay": 0.05}
+SINGLE = {**OPTIONS, "single_backward": True}
+
+
+class ScaledLlama(nn.Module):
+    """LlamaForCausalLM whose logits are multiplied by a learned 1-element temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = LlamaForCausalLM(self.config())
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    @staticmethod
+    def config() -> LlamaConfig:
+        return causal_lm_config(
+            vocab_size=3001, hidden_size=40, intermediate_size=73, tie_word_embeddings=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.llama(input_ids=input_ids).logits * self.temperature
+        shift = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        return nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+class FusedHeadLlama(nn.Module):
+    """ScaledLlama's LLaMA without the temperature, its loss logits-free (patch_causal_lm)."""
+
+    def __init__(self) -> None:
+        from lomo_kernels import patch_causal_lm
+
+        super().__init__()
+        self.llama = patch_causal_lm(LlamaForCausalLM(ScaledLlama.config()))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=input_ids, labels=input_ids).loss
+
+
+def global_batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 3001, (GLOBAL_BATCH, SEQ), generator=gen)
+
+
+def rank_batch(step: int, rank: int) -> torch.Tensor:
+    per = GLOBAL_BATCH // WORLD
+    return global_batch(step)[rank * per : (rank + 1) * per]
+
+
+def train(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """A forward per pass: grad_norm(model(x)) then fused_backward(model(x))."""
+    for step in range(steps):
+        x = batch_of(step)
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(model(x))
+        opt.fused_backward(model(x))
+    opt.flush_report()
+
+
+def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """lomo-optim's pattern, one forward per step: grad_norm(loss) then fused_backward(loss)."""
+    for step in range(steps):
+        loss = model(batch_of(step))
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss)
+    opt.flush_report()
+
+
+def train_single(model: nn.Module, opt, batch_of, steps: int = STEPS) -> list[float]:
+    """single_backward=True: one forward and one backward per step; returns the step norms."""
+    norms = []
+    for step in range(steps):
+        opt.fused_backward(model(batch_of(step)))
+        norms.append(float(opt.last_grad_norm))
+    opt.flush_report()
+    return norms
+
+
+PATTERNS = {"per_pass": train, "one_loss": train_one_loss}
