@@ -27,6 +27,7 @@ An argument's kind says what it is to the kernels and how a public call may give
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,9 @@ class OpSpec:
     names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     tensor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     mutated_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # The op's arguments as one value, by position or name: what a backend that builds its
+    # launch in Python takes, instead of restating the argument list.
+    Arguments: type = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Built once: a public call only reads them (and traced code reads no cache).
@@ -177,9 +181,15 @@ class OpSpec:
             "names": tuple(a.name for a in self.args),
             "tensor_names": tuple(a.name for a in self.args if a.is_tensor),
             "mutated_names": tuple(a.name for a in self.args if a.mutable),
+            "Arguments": namedtuple(
+                f"{self.name.strip('_')}_arguments", [a.name for a in self.args]
+            ),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+
+    def names_of_args(self) -> list[str]:
+        return [a.name for a in self.args]
 
     @property
     def qualname(self) -> str:

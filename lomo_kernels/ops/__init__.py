@@ -1,8 +1,9 @@
 """The fused ops of LOMO and AdaLomo: one `torch.library` op per fused pass.
 
-One package per op family, its specs and public functions in its __init__, beside them its
-executable specification (reference.py), its backends (triton_backend.py, cpp_backend.py;
-the head: triton_backend.py, blocked_backend.py) and what else belongs to it only:
+One package per op family: its specs (spec.py, for LOMO and AdaLomo) and public functions
+(__init__.py), beside them its executable specification (reference.py), its backends
+(triton_backend.py, cpp_backend.py; the head: triton_backend.py, blocked_backend.py) and
+what else belongs to it only:
     lomo/                  LOMO: fused_lomo_update_, fused_sgd_update_, grad_sumsq_
     adalomo/               AdaLomo: the six passes, adalomo_update_; workspace.py, the
                            per-step fp32 workspace every AdaLomo backend shares

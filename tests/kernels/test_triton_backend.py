@@ -40,6 +40,7 @@ from lomo_kernels.ops.adalomo.workspace import (  # noqa: E402
 )
 from lomo_kernels.ops.lomo import reference as reference  # noqa: E402
 from lomo_kernels.ops.lomo import triton_backend as triton_backend  # noqa: E402
+from lomo_kernels.ops.lomo.spec import LOMO_UPDATE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ["TRITON_INTERPRET"] != "1",
@@ -500,10 +501,10 @@ def test_stochastic_rounding_launch_arguments() -> None:
         (torch.float16, True),
         (torch.float32, False),
     ]:
-        _, args = triton_backend.lomo_update_args(
+        _, args = triton_backend.lomo_update_args(LOMO_UPDATE.Arguments(
             torch.zeros(33, dtype=dtype), torch.zeros(33), torch.ones(1), None, None, None,
             0.0, None, None, True, 2**63 + 17, step,
-        )  # fmt: skip
+        ))  # fmt: skip
         assert args["STOCHASTIC_ROUNDING"] is stochastic
         assert (args["seed_step_ptr"] is step) is stochastic
         assert all(-(2**31) <= args[k] < 2**31 for k in ("seed_lo", "seed_hi"))

@@ -21,6 +21,7 @@ import json, os, re, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from lomo_kernels.ops.lomo import triton_backend as m
+from lomo_kernels.ops.lomo.spec import GRAD_SUMSQ, LOMO_UPDATE
 from lomo_kernels.kernels.triton import lomo_kernels as k
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -80,17 +81,17 @@ if native_specialize_impl is not None:
     for kernel, (_, args) in [
         # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf,
         #  skip_if, stochastic_rounding, seed, seed_step)
-        (k.lomo_update_kernel, m.lomo_update_args(
+        (k.lomo_update_kernel, m.lomo_update_args(LOMO_UPDATE.Arguments(
             torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
             torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7,
-            torch.zeros(1, dtype=torch.int64))),
-        (k.lomo_update_kernel, m.lomo_update_args(
+            torch.zeros(1, dtype=torch.int64)))),
+        (k.lomo_update_kernel, m.lomo_update_args(LOMO_UPDATE.Arguments(
             torch.empty(2 * m.BLOCK + 5, dtype=fp16), torch.empty(2 * m.BLOCK + 5, dtype=fp16),
-            torch.full((1,), 0.1), None, None, None, 0.0, None, None, True, 2**63 + 17, None)),
+            torch.full((1,), 0.1), None, None, None, 0.0, None, None, True, 2**63 + 17, None))),
         # (grad, inv_scale, sumsq, found_inf)
-        (k.grad_sumsq_kernel, m.grad_sumsq_args(
+        (k.grad_sumsq_kernel, m.grad_sumsq_args(GRAD_SUMSQ.Arguments(
             torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),
-            None)),
+            None))),
     ]:
         signature, constexprs, attrs = m.aot_signature(kernel, args)
         for i, p in enumerate(kernel.params):

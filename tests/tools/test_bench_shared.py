@@ -10,7 +10,12 @@ import pytest
 
 from lomo_kernels.tools.bench import timing
 from lomo_kernels.tools.bench.meter import MMAP_ENV, MMAP_VALUE
-from lomo_kernels.tools.bench.process import ProcessFailed, run_isolated
+from lomo_kernels.tools.bench.process import (
+    RESULT_MARK,
+    ProcessFailed,
+    marked_results,
+    run_isolated,
+)
 
 
 class ScriptedClock:
@@ -72,3 +77,16 @@ def test_a_failing_process_raises_with_its_error() -> None:
         run_isolated(json.loads, {"s": "not json"}, what="decoding")
     assert str(failure.value).startswith("decoding failed (exit status 1)")
     assert not failure.value.killed
+
+
+def test_results_are_found_by_their_mark_when_ranks_share_a_line():
+    """Two torchrun ranks share one pipe: one rank's result can land on the line of
+    another's (as seen with rank 0's JSON followed at once by another rank's mark)."""
+    stdout = (
+        f"a warning\n{RESULT_MARK}"
+        '[{"rank": 0, "step_s": [1.5]}]'
+        f"{RESULT_MARK}null\nprogress 3/3\n{RESULT_MARK}"
+        '{"b": [2, "x"]}\n'
+    )
+    assert marked_results(stdout) == [[{"rank": 0, "step_s": [1.5]}], None, {"b": [2, "x"]}]
+    assert marked_results("no result here\n") == []

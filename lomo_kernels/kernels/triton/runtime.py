@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ...core.rounding import rounds_stochastically, seed_parts
+from ...core.spec import OpSpec
 
 # Kind codes of the element types the kernels load and store.
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -84,22 +86,26 @@ def on_first_argument_device(launch: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def launcher(
-    build: Callable[..., Launch], kernel: Callable[[], Any], num_warps: int
+    spec: OpSpec, build: Callable[[Any], Launch], kernel: Callable[[], Any], num_warps: int
 ) -> Callable[..., None]:
-    """The launcher of an op: one launch of the kernel `kernel()` returns, with the grid and
-    the arguments `build` makes of the op's arguments (none for a grid without programs). It
-    takes the op's arguments as `build` declares them, by position or keyword (the ops' specs:
-    tests/ops/test_op_specs.py reads them), and runs `on_first_argument_device`. `kernel` is
+    """The launcher of the op of `spec`: one launch of the kernel `kernel()` returns, with the
+    grid and the arguments `build` makes of the op's arguments (none for a grid without
+    programs). It takes the spec's arguments by position or keyword and hands them to
+    `build` as one ``spec.Arguments``, and runs `on_first_argument_device`. `kernel` is
     called at each launch: the kernel module is the one decorated for the current mode."""
+    arguments_of = spec.Arguments
 
-    @on_first_argument_device
-    @functools.wraps(build)
     def launch(*args: Any, **kwargs: Any) -> None:
-        grid, arguments = build(*args, **kwargs)
+        grid, arguments = build(arguments_of(*args, **kwargs))
         if all(grid):
             kernel()[grid](**arguments, num_warps=num_warps)
 
-    return launch
+    launch.__name__ = launch.__qualname__ = spec.function
+    launch.__doc__ = build.__doc__
+    launch.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in spec.names]
+    )
+    return on_first_argument_device(launch)
 
 
 def cdiv(a: int, b: int) -> int:

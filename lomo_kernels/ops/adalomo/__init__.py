@@ -37,13 +37,14 @@ import torch
 from ...core.checks import check_pair
 from ...core.rounding import rounds_stochastically
 from ...core.scalars import Scalar
-from ...core.spec import GRAD_TRANSFORM, Arg, Conversion, OpSpec
+from ...core.spec import Conversion
 from ..backends import ADALOMO
 from ..definition import define
 from ..eager import FusedOp, FusedSequence
 from .workspace import NUM_SLOTS, measured_view, workspace_numel
 
 __all__ = [
+    "SPECS",
     "adalomo_update_",
     "adalomo_step_arguments",
     "check_adalomo_state",
@@ -58,106 +59,18 @@ __all__ = [
     "adalomo_vector_apply_",
 ]
 
-# ----------------------------------------------------------------------------- specs
-# One `OpSpec` per pass (`spec.py`): the schema, the fake, the public conversions and every
-# backend's argument list (csrc/ bindings, Triton launchers, the reference) come from these.
-
-_GRAD = Arg("grad", "tensor")
-_PARAM_WRITTEN = Arg("param", "tensor", mutable=True)
-_ROW, _COL = Arg("exp_avg_sq_row", "tensor"), Arg("exp_avg_sq_col", "tensor")
-_WORKSPACE = Arg("workspace", "tensor", mutable=True)
-_FLAGS = (
-    Arg("found_inf", "flag", mutable=True, default=None),
-    Arg("skip_if", "flag", default=None),
-)
-_BETA2 = Arg("beta2", "scalar", rule="unit_interval")
-_EPS0 = Arg("eps0", "hyper", rule="non_negative", default=1e-30)
-_STEP = (
-    Arg("lr", "scalar", rule="non_negative"),
-    Arg("eps1", "hyper", rule="non_negative", default=1e-3),
-    Arg("clip_threshold", "hyper", rule="positive", default=1.0),
-    Arg("weight_decay", "hyper", default=0.0),
+from .spec import (
+    _FACTORED,
+    _VECTOR,
+    FACTORED_APPLY,
+    FACTORED_MOMENTS,
+    FACTORED_NORM,
+    FACTORED_STATS,
+    SPECS,
+    VECTOR_APPLY,
+    VECTOR_STATS,
 )
 
-FACTORED_STATS = OpSpec(
-    "adalomo_factored_stats_",
-    "factored_stats_",
-    (
-        _GRAD,
-        Arg("param", "tensor"),
-        _WORKSPACE,
-        *_FLAGS,
-        Arg("cols", "int"),
-        *GRAD_TRANSFORM[:2],
-    ),
-)
-FACTORED_MOMENTS = OpSpec(
-    "adalomo_factored_moments_",
-    "factored_moments_",
-    (
-        Arg("exp_avg_sq_row", "tensor", mutable=True),
-        Arg("exp_avg_sq_col", "tensor", mutable=True),
-        _WORKSPACE,
-        _BETA2,
-        GRAD_TRANSFORM[2],
-        _EPS0,
-    ),
-)
-FACTORED_NORM = OpSpec(
-    "adalomo_factored_norm_", "factored_norm_", (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM)
-)
-# The write-back's rounding, as the LOMO update's (`lomo.LOMO_UPDATE`).
-_ROUNDING = (
-    Arg("stochastic_rounding", "bool", default=False),
-    Arg("seed", "seed", default=0),
-    Arg("seed_step", "step", default=None),
-)
-FACTORED_APPLY = OpSpec(
-    "adalomo_factored_apply_",
-    "factored_apply_",
-    (
-        _PARAM_WRITTEN,
-        _GRAD,
-        _ROW,
-        _COL,
-        Arg("workspace", "tensor"),
-        *_STEP,
-        *GRAD_TRANSFORM,
-        *_ROUNDING,
-    ),
-)
-VECTOR_STATS = OpSpec(
-    "adalomo_vector_stats_",
-    "vector_stats_",
-    (
-        _GRAD,
-        Arg("param", "tensor"),
-        Arg("exp_avg_sq", "tensor"),
-        _WORKSPACE,
-        *_FLAGS,
-        _BETA2,
-        _EPS0,
-        *GRAD_TRANSFORM,
-    ),
-)
-VECTOR_APPLY = OpSpec(
-    "adalomo_vector_apply_",
-    "vector_apply_",
-    (
-        _PARAM_WRITTEN,
-        _GRAD,
-        Arg("exp_avg_sq", "tensor", mutable=True),
-        Arg("workspace", "tensor"),
-        _BETA2,
-        _EPS0,
-        *_STEP,
-        *GRAD_TRANSFORM,
-        *_ROUNDING,
-    ),
-)
-_FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)
-_VECTOR = (VECTOR_STATS, VECTOR_APPLY)
-SPECS = _FACTORED + _VECTOR
 # What one step of a factored / 1-D parameter checks before its first pass.
 _FACTORED_STEP, _VECTOR_STEP = Conversion(*_FACTORED), Conversion(*_VECTOR)
 

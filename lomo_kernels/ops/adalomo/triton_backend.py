@@ -17,6 +17,14 @@ import torch
 
 from ...kernels.triton import runtime
 from ...kernels.triton.runtime import is_available, unavailable_reason  # the backend interface
+from .spec import (
+    FACTORED_APPLY,
+    FACTORED_MOMENTS,
+    FACTORED_NORM,
+    FACTORED_STATS,
+    VECTOR_APPLY,
+    VECTOR_STATS,
+)
 
 __all__ = [
     "factored_apply_",
@@ -85,58 +93,53 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
     }
 
 
-def _update_launch(
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    device: torch.device,
-) -> runtime.Launch:
+def _update_launch(a: Any, device: torch.device) -> runtime.Launch:
     """(grid, arguments) both factored update passes (B, C) take: the moments, the workspace
     and the tiling of their [rows, cols]."""
-    grid, sizes = _tiling(exp_avg_sq_row.numel(), exp_avg_sq_col.numel(), device)
+    grid, sizes = _tiling(a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel(), device)
     return grid, {
-        "row_state_ptr": exp_avg_sq_row,
-        "col_state_ptr": exp_avg_sq_col,
-        "ws_ptr": workspace,
+        "row_state_ptr": a.exp_avg_sq_row,
+        "col_state_ptr": a.exp_avg_sq_col,
+        "ws_ptr": a.workspace,
         **sizes,
     }
 
 
-def _vector_launch(
-    param: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: torch.Tensor,
-    eps0: float,
-) -> runtime.Launch:
+def _vector_launch(a: Any) -> runtime.Launch:
     """(grid, arguments) both 1-D passes take: the tensors, their size and beta2, eps0."""
-    n = param.numel()
+    n = a.param.numel()
     return (runtime.cdiv(n, VECTOR_BLOCK),), {
-        **runtime.param_kwargs(param),
-        "v_ptr": exp_avg_sq,
-        "ws_ptr": workspace,
+        **runtime.param_kwargs(a.param),
+        "v_ptr": a.exp_avg_sq,
+        "ws_ptr": a.workspace,
         "n": n,
-        "beta2_ptr": beta2,
-        "eps0": float(eps0),
+        "beta2_ptr": a.beta2,
+        "eps0": float(a.eps0),
         "BLOCK": VECTOR_BLOCK,
     }
 
 
-def _clip_coef_kwargs(clip_coef: torch.Tensor | None) -> dict[str, Any]:
+def _grad_kwargs(a: Any) -> dict[str, Any]:
+    """The gradient's arguments of every pass (`runtime.grad_kwargs`)."""
+    return runtime.grad_kwargs(a.grad, a.inv_scale, a.clip_value)
+
+
+def _clip_coef_kwargs(a: Any) -> dict[str, Any]:
     """The clip coefficient of the passes that apply it (all but pass A)."""
-    return {"clip_coef_ptr": clip_coef, "HAS_CLIP_COEF": clip_coef is not None}
+    return {"clip_coef_ptr": a.clip_coef, "HAS_CLIP_COEF": a.clip_coef is not None}
 
 
-def _step_kwargs(
-    numel: int, lr: torch.Tensor, eps1: float, clip_threshold: float, weight_decay: float
-) -> dict[str, Any]:
-    """The write-back's hyper-parameters (passes C, C1)."""
+def _write_back_kwargs(a: Any) -> dict[str, Any]:
+    """The write-back's hyper-parameters and rounding (passes C, C1), rounded as the LOMO
+    update's: stochastic for bf16 and fp16 parameters when asked, the per-step value read on
+    the device."""
     return {
-        "numel_f": float(numel),
-        "lr_ptr": lr,
-        "eps1": float(eps1),
-        "clip_threshold": float(clip_threshold),
-        "weight_decay": float(weight_decay),
+        "numel_f": float(a.param.numel()),
+        "lr_ptr": a.lr,
+        "eps1": float(a.eps1),
+        "clip_threshold": float(a.clip_threshold),
+        "weight_decay": float(a.weight_decay),
+        **runtime.rounding_kwargs(a.param, a.stochastic_rounding, a.seed, a.seed_step),
     }
 
 
@@ -144,172 +147,95 @@ def _kernels() -> ModuleType:
     return runtime.kernels("adalomo_kernels")
 
 
-def factored_stats_args(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    workspace: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    cols: int,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-) -> runtime.Launch:
+# Each pass's grid and kernel arguments, from the op's arguments `a` (its spec's
+# ``Arguments``: `spec.py`).
+def factored_stats_args(a: Any) -> runtime.Launch:
     """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag.
     No clip coefficient: the moments pass applies it."""
-    grid, sizes = _tiling(grad.numel() // cols, cols, grad.device)
+    grid, sizes = _tiling(a.grad.numel() // a.cols, a.cols, a.grad.device)
     return grid, {
-        **runtime.param_kwargs(param),
-        "ws_ptr": workspace,
-        "found_inf_ptr": found_inf,
-        "skip_if_ptr": skip_if,
+        **runtime.param_kwargs(a.param),
+        "ws_ptr": a.workspace,
+        "found_inf_ptr": a.found_inf,
+        "skip_if_ptr": a.skip_if,
         **sizes,
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **_grad_kwargs(a),
     }
 
 
-def factored_moments_args(
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: torch.Tensor,
-    clip_coef: torch.Tensor | None,
-    eps0: float,
-) -> runtime.Launch:
+def factored_moments_args(a: Any) -> runtime.Launch:
     """The row/column moments and sum(R)."""
-    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    rows, cols = a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel()
     n_row_blocks = runtime.cdiv(rows, MOMENTS_BLOCK)
     return (n_row_blocks + runtime.cdiv(cols, MOMENTS_BLOCK),), {
-        "row_state_ptr": exp_avg_sq_row,
-        "col_state_ptr": exp_avg_sq_col,
-        "ws_ptr": workspace,
+        "row_state_ptr": a.exp_avg_sq_row,
+        "col_state_ptr": a.exp_avg_sq_col,
+        "ws_ptr": a.workspace,
         "rows": rows,
         "cols": cols,
         "n_row_blocks": n_row_blocks,
-        "beta2_ptr": beta2,
-        "clip_coef_ptr": clip_coef,
-        "eps0": float(eps0),
+        "beta2_ptr": a.beta2,
+        "clip_coef_ptr": a.clip_coef,
+        "eps0": float(a.eps0),
         "BLOCK": MOMENTS_BLOCK,
     }
 
 
-def factored_norm_args(
-    grad: torch.Tensor,
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-) -> runtime.Launch:
+def factored_norm_args(a: Any) -> runtime.Launch:
     """Pass B: sum of update^2."""
-    grid, tiles = _update_launch(exp_avg_sq_row, exp_avg_sq_col, workspace, grad.device)
+    grid, tiles = _update_launch(a, a.grad.device)
+    return grid, {**tiles, **_grad_kwargs(a), **_clip_coef_kwargs(a)}
+
+
+def factored_apply_args(a: Any) -> runtime.Launch:
+    """Pass C: the write-back."""
+    grid, tiles = _update_launch(a, a.param.device)
     return grid, {
         **tiles,
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
-        **_clip_coef_kwargs(clip_coef),
+        **runtime.param_kwargs(a.param),
+        **_write_back_kwargs(a),
+        **_grad_kwargs(a),
+        **_clip_coef_kwargs(a),
     }
 
 
-def factored_apply_args(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    lr: torch.Tensor,
-    eps1: float,
-    clip_threshold: float,
-    weight_decay: float,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-    seed_step: torch.Tensor | None,
-) -> runtime.Launch:
-    """Pass C: the write-back, rounded as the LOMO update's (`lomo.lomo_update_args`):
-    stochastic for bf16 and fp16 parameters when asked, the per-step value read on the
-    device."""
-    grid, tiles = _update_launch(exp_avg_sq_row, exp_avg_sq_col, workspace, param.device)
-    return grid, {
-        **tiles,
-        **runtime.param_kwargs(param),
-        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
-        **_clip_coef_kwargs(clip_coef),
-        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
-    }
-
-
-def vector_stats_args(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    workspace: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    beta2: torch.Tensor,
-    eps0: float,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-) -> runtime.Launch:
+def vector_stats_args(a: Any) -> runtime.Launch:
     """Pass A1: sum of update^2 and of p^2 of a 1-D tensor."""
-    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
+    grid, vector = _vector_launch(a)
     return grid, {
         **vector,
-        "found_inf_ptr": found_inf,
-        "skip_if_ptr": skip_if,
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
-        **_clip_coef_kwargs(clip_coef),
+        "found_inf_ptr": a.found_inf,
+        "skip_if_ptr": a.skip_if,
+        **_grad_kwargs(a),
+        **_clip_coef_kwargs(a),
     }
 
 
-def vector_apply_args(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: torch.Tensor,
-    eps0: float,
-    lr: torch.Tensor,
-    eps1: float,
-    clip_threshold: float,
-    weight_decay: float,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-    seed_step: torch.Tensor | None,
-) -> runtime.Launch:
+def vector_apply_args(a: Any) -> runtime.Launch:
     """Pass C1: the write-back of a 1-D tensor and its second moment, rounded as pass C."""
-    grid, vector = _vector_launch(param, exp_avg_sq, workspace, beta2, eps0)
-    return grid, {
-        **vector,
-        **_step_kwargs(param.numel(), lr, eps1, clip_threshold, weight_decay),
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
-        **_clip_coef_kwargs(clip_coef),
-        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
-    }
+    grid, vector = _vector_launch(a)
+    return grid, {**vector, **_write_back_kwargs(a), **_grad_kwargs(a), **_clip_coef_kwargs(a)}
 
 
 # The passes, one launch each. The kernel module is looked up at each launch (`_kernels`).
 factored_stats_ = runtime.launcher(
-    factored_stats_args, lambda: _kernels().factored_stats_kernel, NUM_WARPS
+    FACTORED_STATS, factored_stats_args, lambda: _kernels().factored_stats_kernel, NUM_WARPS
 )
 factored_moments_ = runtime.launcher(
-    factored_moments_args, lambda: _kernels().factored_moments_kernel, MOMENTS_NUM_WARPS
+    FACTORED_MOMENTS,
+    factored_moments_args,
+    lambda: _kernels().factored_moments_kernel,
+    MOMENTS_NUM_WARPS,
 )
 factored_norm_ = runtime.launcher(
-    factored_norm_args, lambda: _kernels().factored_norm_kernel, NUM_WARPS
+    FACTORED_NORM, factored_norm_args, lambda: _kernels().factored_norm_kernel, NUM_WARPS
 )
 factored_apply_ = runtime.launcher(
-    factored_apply_args, lambda: _kernels().factored_apply_kernel, NUM_WARPS
+    FACTORED_APPLY, factored_apply_args, lambda: _kernels().factored_apply_kernel, NUM_WARPS
 )
 vector_stats_ = runtime.launcher(
-    vector_stats_args, lambda: _kernels().vector_stats_kernel, NUM_WARPS
+    VECTOR_STATS, vector_stats_args, lambda: _kernels().vector_stats_kernel, NUM_WARPS
 )
 vector_apply_ = runtime.launcher(
-    vector_apply_args, lambda: _kernels().vector_apply_kernel, NUM_WARPS
+    VECTOR_APPLY, vector_apply_args, lambda: _kernels().vector_apply_kernel, NUM_WARPS
 )

@@ -20,36 +20,9 @@ import torch
 from ...core.checks import check_finite, check_pair
 from ...core.rounding import rounds_stochastically
 from ...core.scalars import Scalar
-from ...core.spec import GRAD_TRANSFORM, Arg, OpSpec
 from ..backends import LOMO
 from ..definition import define
-
-LOMO_UPDATE = OpSpec(
-    "lomo_update_",
-    "lomo_update_",
-    (
-        Arg("param", "tensor", mutable=True),
-        Arg("grad", "tensor"),
-        Arg("lr", "scalar", rule="non_negative"),
-        *GRAD_TRANSFORM,
-        Arg("weight_decay", "hyper", default=0.0),
-        Arg("found_inf", "flag", mutable=True, default=None),
-        Arg("skip_if", "flag", default=None),
-        Arg("stochastic_rounding", "bool", default=False),
-        Arg("seed", "seed", default=0),
-        Arg("seed_step", "step", default=None),
-    ),
-)
-GRAD_SUMSQ = OpSpec(
-    "grad_sumsq_",
-    "grad_sumsq_",
-    (
-        Arg("grad", "tensor"),
-        GRAD_TRANSFORM[0],
-        Arg("sumsq", "flag", mutable=True, required=True),
-        Arg("found_inf", "flag", mutable=True, default=None),
-    ),
-)
+from .spec import GRAD_SUMSQ, LOMO_UPDATE
 
 # The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
 lomo_update_op = define(LOMO_UPDATE, LOMO)

@@ -14,6 +14,7 @@ import torch
 
 from ...kernels.triton import runtime
 from ...kernels.triton.runtime import is_available, unavailable_reason  # the backend interface
+from .spec import GRAD_SUMSQ, LOMO_UPDATE
 
 # 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
 # small register footprint (no spills, see tests/runtime.kernels/test_triton_static.py).
@@ -31,56 +32,40 @@ def _grid(n_bulk: int, n: int) -> tuple[int]:
     return (max(1, runtime.cdiv(n_bulk, BLOCK)) if n else 0,)
 
 
-def lomo_update_args(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-    clip_coef: torch.Tensor | None,
-    weight_decay: float,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-    seed_step: torch.Tensor | None,
-) -> runtime.Launch:
-    """Grid and arguments, by kernel parameter name, of the update launch for these inputs."""
-    n = param.numel()
+def lomo_update_args(a: Any) -> runtime.Launch:
+    """Grid and arguments, by kernel parameter name, of the update launch for the op's
+    arguments `a` (``LOMO_UPDATE.Arguments``)."""
+    n = a.param.numel()
     n_bulk = n - n % ALIGN
     args = {
-        **runtime.param_kwargs(param),
-        **runtime.grad_kwargs(grad, inv_scale, clip_value),
+        **runtime.param_kwargs(a.param),
+        **runtime.grad_kwargs(a.grad, a.inv_scale, a.clip_value),
         "n_bulk": n_bulk,
         "n": n,
-        "weight_decay": float(weight_decay),
-        "lr_ptr": lr,
-        "clip_coef_ptr": clip_coef,
-        "found_inf_ptr": found_inf,
-        "skip_if_ptr": runtime.snapshot_skip_flag(skip_if, found_inf),
-        **runtime.rounding_kwargs(param, stochastic_rounding, seed, seed_step),
+        "weight_decay": float(a.weight_decay),
+        "lr_ptr": a.lr,
+        "clip_coef_ptr": a.clip_coef,
+        "found_inf_ptr": a.found_inf,
+        "skip_if_ptr": runtime.snapshot_skip_flag(a.skip_if, a.found_inf),
+        **runtime.rounding_kwargs(a.param, a.stochastic_rounding, a.seed, a.seed_step),
         "BLOCK": BLOCK,
     }
     return _grid(n_bulk, n), args
 
 
-def grad_sumsq_args(
-    grad: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    sumsq: torch.Tensor,
-    found_inf: torch.Tensor | None,
-) -> runtime.Launch:
-    """Grid and arguments, by kernel parameter name, of the sum-of-squares launch."""
-    n = grad.numel()
+def grad_sumsq_args(a: Any) -> runtime.Launch:
+    """Grid and arguments, by kernel parameter name, of the sum-of-squares launch for the op's
+    arguments `a` (``GRAD_SUMSQ.Arguments``)."""
+    n = a.grad.numel()
     n_bulk = n - n % ALIGN
     args = {
-        "grad_ptr": runtime.storage(grad),
+        "grad_ptr": runtime.storage(a.grad),
         "n_bulk": n_bulk,
         "n": n,
-        "inv_scale_ptr": inv_scale,
-        "sumsq_ptr": sumsq,
-        "found_inf_ptr": found_inf,
-        "GRAD_KIND": runtime.KIND[grad.dtype],
+        "inv_scale_ptr": a.inv_scale,
+        "sumsq_ptr": a.sumsq,
+        "found_inf_ptr": a.found_inf,
+        "GRAD_KIND": runtime.KIND[a.grad.dtype],
         "BLOCK": BLOCK,
     }
     return _grid(n_bulk, n), args
@@ -89,13 +74,19 @@ def grad_sumsq_args(
 # One LOMO step on one contiguous parameter, in place, in one launch (arguments and semantics
 # of `ops.lomo.reference.lomo_update_`).
 lomo_update_ = runtime.launcher(
-    lomo_update_args, lambda: runtime.kernels("lomo_kernels").lomo_update_kernel, NUM_WARPS
+    LOMO_UPDATE,
+    lomo_update_args,
+    lambda: runtime.kernels("lomo_kernels").lomo_update_kernel,
+    NUM_WARPS,
 )
 # sumsq += sum((fp32(grad) * inv_scale) ** 2), found_inf raised on inf/nan, one launch.
 # Partial sums are added atomically, so the summation order (and the last bits of sumsq)
 # differ from the reference's float64 sum.
 grad_sumsq_ = runtime.launcher(
-    grad_sumsq_args, lambda: runtime.kernels("lomo_kernels").grad_sumsq_kernel, NUM_WARPS
+    GRAD_SUMSQ,
+    grad_sumsq_args,
+    lambda: runtime.kernels("lomo_kernels").grad_sumsq_kernel,
+    NUM_WARPS,
 )
 
 
@@ -151,18 +142,20 @@ def aot_update(
     n = 2 * BLOCK + 5
     flag = torch.zeros(1)
     _, args = lomo_update_args(
-        torch.empty(n, dtype=param_dtype),
-        torch.empty(n, dtype=grad_dtype),
-        torch.full((1,), 1e-3),
-        torch.ones(1),
-        1.0,
-        torch.ones(1),
-        0.1,
-        flag,
-        torch.zeros(1),
-        stochastic_rounding,
-        12345,
-        torch.zeros(1, dtype=torch.int64),
+        LOMO_UPDATE.Arguments(
+            torch.empty(n, dtype=param_dtype),
+            torch.empty(n, dtype=grad_dtype),
+            torch.full((1,), 1e-3),
+            torch.ones(1),
+            1.0,
+            torch.ones(1),
+            0.1,
+            flag,
+            torch.zeros(1),
+            stochastic_rounding,
+            12345,
+            torch.zeros(1, dtype=torch.int64),
+        )
     )
     kernel = runtime.kernels("lomo_kernels").lomo_update_kernel
     return (kernel, *aot_signature(kernel, args))
@@ -172,7 +165,9 @@ def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the sum of squares, as `aot_update`."""
     n = 2 * BLOCK + 5
     _, args = grad_sumsq_args(
-        torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
+        GRAD_SUMSQ.Arguments(
+            torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
+        )
     )
     kernel = runtime.kernels("lomo_kernels").grad_sumsq_kernel
     return (kernel, *aot_signature(kernel, args))

@@ -96,8 +96,7 @@ def run_isolated(
         timeout=timeout,
         check=False,
     )
-    marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    results = [json.loads(line[len(RESULT_MARK) :]) for line in marked]
+    results = marked_results(proc.stdout)
     if ranks > 1:  # the one rank that answers
         results = [result for result in results if result is not None]
     if proc.returncode != 0 or len(results) != 1:
@@ -106,13 +105,30 @@ def run_isolated(
     return results[0]
 
 
+def marked_results(stdout: str) -> list[Any]:
+    """Every JSON value written after RESULT_MARK in `stdout`. Found by the mark, not by line:
+    the ranks of a torchrun share one pipe, and another rank's output may land on the same
+    line."""
+    decoder, results, start = json.JSONDecoder(), [], stdout.find(RESULT_MARK)
+    while start != -1:
+        value, end = decoder.raw_decode(stdout, start + len(RESULT_MARK))
+        results.append(value)
+        start = stdout.find(RESULT_MARK, end)
+    return results
+
+
 def _child_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one measurement (started by run_isolated)")
     parser.add_argument("request", help="JSON written by run_isolated")
     request = json.loads(parser.parse_args(argv).request)
     module, _, name = request["function"].partition(":")
     result = getattr(importlib.import_module(module), name)(**request["kwargs"])
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    # One write per result (a line at once, not text then newline), and none from the ranks
+    # that have nothing to report, so that ranks sharing the pipe interleave as little as
+    # they can.
+    if result is not None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        sys.stdout.write(f"{RESULT_MARK}{json.dumps(result)}\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""AdaLomo's op specs, one per pass (`core/spec.py`): the schema, the fake, the public
+conversions and every backend's argument list (csrc/ bindings, Triton launchers, the
+reference) come from these."""
+
+from __future__ import annotations
+
+from ...core.spec import GRAD_TRANSFORM, Arg, OpSpec
+
+_GRAD = Arg("grad", "tensor")
+_PARAM_WRITTEN = Arg("param", "tensor", mutable=True)
+_ROW, _COL = Arg("exp_avg_sq_row", "tensor"), Arg("exp_avg_sq_col", "tensor")
+_WORKSPACE = Arg("workspace", "tensor", mutable=True)
+_FLAGS = (
+    Arg("found_inf", "flag", mutable=True, default=None),
+    Arg("skip_if", "flag", default=None),
+)
+_BETA2 = Arg("beta2", "scalar", rule="unit_interval")
+_EPS0 = Arg("eps0", "hyper", rule="non_negative", default=1e-30)
+_STEP = (
+    Arg("lr", "scalar", rule="non_negative"),
+    Arg("eps1", "hyper", rule="non_negative", default=1e-3),
+    Arg("clip_threshold", "hyper", rule="positive", default=1.0),
+    Arg("weight_decay", "hyper", default=0.0),
+)
+
+FACTORED_STATS = OpSpec(
+    "adalomo_factored_stats_",
+    "factored_stats_",
+    (
+        _GRAD,
+        Arg("param", "tensor"),
+        _WORKSPACE,
+        *_FLAGS,
+        Arg("cols", "int"),
+        *GRAD_TRANSFORM[:2],
+    ),
+)
+FACTORED_MOMENTS = OpSpec(
+    "adalomo_factored_moments_",
+    "factored_moments_",
+    (
+        Arg("exp_avg_sq_row", "tensor", mutable=True),
+        Arg("exp_avg_sq_col", "tensor", mutable=True),
+        _WORKSPACE,
+        _BETA2,
+        GRAD_TRANSFORM[2],
+        _EPS0,
+    ),
+)
+FACTORED_NORM = OpSpec(
+    "adalomo_factored_norm_", "factored_norm_", (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM)
+)
+# The write-back's rounding, as the LOMO update's (`lomo.LOMO_UPDATE`).
+_ROUNDING = (
+    Arg("stochastic_rounding", "bool", default=False),
+    Arg("seed", "seed", default=0),
+    Arg("seed_step", "step", default=None),
+)
+FACTORED_APPLY = OpSpec(
+    "adalomo_factored_apply_",
+    "factored_apply_",
+    (
+        _PARAM_WRITTEN,
+        _GRAD,
+        _ROW,
+        _COL,
+        Arg("workspace", "tensor"),
+        *_STEP,
+        *GRAD_TRANSFORM,
+        *_ROUNDING,
+    ),
+)
+VECTOR_STATS = OpSpec(
+    "adalomo_vector_stats_",
+    "vector_stats_",
+    (
+        _GRAD,
+        Arg("param", "tensor"),
+        Arg("exp_avg_sq", "tensor"),
+        _WORKSPACE,
+        *_FLAGS,
+        _BETA2,
+        _EPS0,
+        *GRAD_TRANSFORM,
+    ),
+)
+VECTOR_APPLY = OpSpec(
+    "adalomo_vector_apply_",
+    "vector_apply_",
+    (
+        _PARAM_WRITTEN,
+        _GRAD,
+        Arg("exp_avg_sq", "tensor", mutable=True),
+        Arg("workspace", "tensor"),
+        _BETA2,
+        _EPS0,
+        *_STEP,
+        *GRAD_TRANSFORM,
+        *_ROUNDING,
+    ),
+)
+_FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)
+_VECTOR = (VECTOR_STATS, VECTOR_APPLY)
+SPECS = _FACTORED + _VECTOR

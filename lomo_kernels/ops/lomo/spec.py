@@ -1,0 +1,33 @@
+"""The LOMO ops' specs, one per op (`core/spec.py`): the schema, the fake, the public
+conversions and every backend's argument list come from these."""
+
+from __future__ import annotations
+
+from ...core.spec import GRAD_TRANSFORM, Arg, OpSpec
+
+LOMO_UPDATE = OpSpec(
+    "lomo_update_",
+    "lomo_update_",
+    (
+        Arg("param", "tensor", mutable=True),
+        Arg("grad", "tensor"),
+        Arg("lr", "scalar", rule="non_negative"),
+        *GRAD_TRANSFORM,
+        Arg("weight_decay", "hyper", default=0.0),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("skip_if", "flag", default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
+    ),
+)
+GRAD_SUMSQ = OpSpec(
+    "grad_sumsq_",
+    "grad_sumsq_",
+    (
+        Arg("grad", "tensor"),
+        GRAD_TRANSFORM[0],
+        Arg("sumsq", "flag", mutable=True, required=True),
+        Arg("found_inf", "flag", mutable=True, default=None),
+    ),
+)
