@@ -7,6 +7,7 @@ from lomo_kernels import ops                 # the fused per-parameter kernels
 import torch
 
 from . import ops
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optim import AdaLomo, DynamicLossScaler, Lomo
 
 
@@ -58,13 +59,16 @@ def disable_transformers() -> None:
 
 __all__ = [
     "AdaLomo",
+    "CheckpointError",
     "Lomo",
     "DynamicLossScaler",
     "disable_transformers",
     "disable_trl",
     "enable_transformers",
     "enable_trl",
+    "load_checkpoint",
     "patch_causal_lm",
+    "save_checkpoint",
     "unpatch_causal_lm",
     "ops",
 ]

@@ -261,6 +261,18 @@ class Fsdp2Sharding:
         chunk = row_range(rows, world, 0)[1] * row_numel
         return gather_padded(values, chunk, param.numel(), self.group)
 
+    def slice_as_dtensor(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            values.view(param.to_local().shape),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+            run_check=False,
+        )
+
     def _take_pending(self) -> ShardGrads:
         ready, self._pending, self._pending_unit = self._pending, [], None
         return ready

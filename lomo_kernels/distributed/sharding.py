@@ -59,3 +59,9 @@ class Sharding(Protocol):
         """The full flat tensor whose slice `values` (shaped like this rank's slice of
         `param`) is on this rank (a collective)."""
         ...
+
+    def slice_as_dtensor(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        """`values` (shaped like this rank's slice of `param`, sharing its storage) as the
+        DTensor whose local part they are, laid out over the ranks as `param` is: the form
+        torch.distributed.checkpoint saves per shard and reshards on load."""
+        ...

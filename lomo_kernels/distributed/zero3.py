@@ -37,9 +37,14 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return getattr(param, "ds_tensor", None) is not None and hasattr(param, "ds_process_group")
 
 
+def is_deepspeed_engine(model: object) -> bool:
+    """True for a DeepSpeed engine (without importing DeepSpeed)."""
+    return hasattr(model, "zero_optimization_stage") and hasattr(model, "module")
+
+
 def unwrap_engine(model: nn.Module) -> nn.Module:
     """The module of a DeepSpeed engine, after refusing engines that cannot be served."""
-    if not hasattr(model, "zero_optimization_stage") or not hasattr(model, "module"):
+    if not is_deepspeed_engine(model):
         return model
     stage = model.zero_optimization_stage()
     if stage != 3:
@@ -139,6 +144,40 @@ def zero3_shard(param: nn.Parameter) -> Shard:
     )
 
 
+def flat_dtensor(shard: Shard, values: torch.Tensor) -> torch.Tensor:
+    """`values` (shaped like ``shard.local``, sharing its storage) as a flat DTensor of the
+    full parameter's ``numel`` elements, ``Shard(0)`` over the partition group.
+
+    DeepSpeed's partitions are DTensor's ``torch.chunk`` layout of the flat parameter (rank r
+    owns ``[r*c, min((r+1)*c, numel))``, ``c = ceil(numel / W)``), so
+    torch.distributed.checkpoint saves each rank's part and reshards it on load.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as ShardPlacement
+
+    numel = shard.full_numel
+    world, rank = dist.get_world_size(shard.group), dist.get_rank(shard.group)
+    chunk = -(-numel // world)
+    if shard.offset != min(rank * chunk, numel) or values.numel() != shard.local.numel():
+        raise ValueError(
+            f"ZeRO-3 parameter ds_id={shard.param.ds_id}: this rank's partition starts at "
+            f"{shard.offset} with {shard.local.numel()} elements, not DTensor's torch.chunk "
+            f"layout of {numel} elements over {world} ranks. " + SUPPORTED_SETUP
+        )
+    key = (shard.group, values.device.type)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = _MESHES[key] = DeviceMesh.from_group(shard.group, values.device.type)
+    return DTensor.from_local(
+        values.view(-1), mesh, [ShardPlacement(0)], shape=(numel,), stride=(1,), run_check=False
+    )
+
+
+# One device mesh per partition group and device type, built on first use.
+_MESHES: dict[tuple[dist.ProcessGroup, str], object] = {}
+
+
 def is_gathered(param: nn.Parameter) -> bool:
     """Whether DeepSpeed holds a full copy in ``param.data`` now (persistent or cached)."""
     return param.ds_status.name != "NOT_AVAILABLE"
@@ -233,3 +272,6 @@ class Zero3Sharding:
 
     def gather_slices(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
         return gather_padded(values, partition_size(param), int(param.ds_numel), self.group)
+
+    def slice_as_dtensor(self, param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        return flat_dtensor(zero3_shard(param), values)

@@ -22,9 +22,14 @@ builds the engine without an optimizer (ZeRO-3 partitions the parameters), the o
 built on the engine right after, and each step forwards through the module itself (the
 engine's forward would install DeepSpeed's own backward hooks). A step with a norm pass runs
 its own forward for it: DeepSpeed releases the gathered parameters after the first backward.
-Checkpoints hold the consolidated (unsharded) model and optimizer state, written by rank 0:
-`save_model` and the Trainer's periodic checkpoints load in one process as any other, and
-`LomoTrainer(...).train(resume_from_checkpoint=...)` without DeepSpeed continues from them.
+Checkpoints hold both kinds of state. The consolidated (unsharded) model and optimizer state,
+written by rank 0: `save_model` and the Trainer's periodic checkpoints load in one process as
+any other, and `LomoTrainer(...).train(resume_from_checkpoint=...)` without DeepSpeed
+continues from them. And the engine's sharded checkpoint (``global_step<N>/`` and
+``latest``: each rank's partitions and its part of the optimizer state, see
+lomo_kernels.checkpoint), through which transformers resumes under DeepSpeed:
+`train(resume_from_checkpoint=...)` in the same sharded set-up, at any world size, with the
+schedule, data order and RNG states continuing as transformers restores them.
 What is refused is listed in trainer_parallel.py.
 """
 
@@ -42,12 +47,7 @@ from ..distributed import consolidated_state_dict
 from ..optim._in_backward import InBackwardOptimizer
 from .huggingface import check_training_arguments, in_backward_optimizer
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
-from .trainer_parallel import (
-    check_deepspeed_config,
-    check_parallel_setup,
-    check_resume,
-    deepspeed_config,
-)
+from .trainer_parallel import check_deepspeed_config, check_parallel_setup, deepspeed_config
 
 
 def _with_own_training_arguments(
@@ -95,10 +95,6 @@ class LomoTrainer(Trainer):
         # Trainer's own clipping would only see freed gradients.
         self.lomo_max_grad_norm = targs.max_grad_norm
         targs.max_grad_norm = 0.0
-
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        check_resume(self, resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _engine(self) -> torch.nn.Module | None:
         """The DeepSpeed engine accelerate built, or None (before that, or without one)."""
@@ -180,6 +176,11 @@ class LomoTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.is_deepspeed_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
+        # The sharded checkpoint transformers resumes from under DeepSpeed (the engine's
+        # save_checkpoint, served by the optimizer: each rank its own shards, `latest`
+        # written once all are whole), and the consolidated optimizer state a one-process
+        # resume reads (AdaLomo's 1-D moments gathered; the rest is whole on every rank).
+        self.model_wrapped.save_checkpoint(output_dir)
         state = self._lomo().consolidated_state_dict()  # a collective, as above
         if self.args.should_save:
             torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))

@@ -19,10 +19,7 @@ Refused, each with what to do instead:
 - under DeepSpeed, ``optimizers=(...)`` (transformers drops them there; the optimizer can only
   be built on the engine);
 - a DeepSpeed run whose ranks accelerate does not count (CPU processes, unless accelerate's
-  state was set up with a backend first): every rank would train on the same batches;
-- under DeepSpeed, resuming from a checkpoint (transformers resumes through DeepSpeed's engine
-  checkpoint, which needs a ZeRO optimizer; LomoTrainer's checkpoints hold the consolidated
-  model and optimizer state, which resume in one process).
+  state was set up with a backend first): every rank would train on the same batches.
 """
 
 from __future__ import annotations
@@ -159,16 +156,4 @@ def _check_process_count(counted: int) -> None:
             "state first: os.environ['ACCELERATE_USE_DEEPSPEED'] = 'true'; "
             "accelerate.PartialState(backend='gloo'), and pass TrainingArguments(..., "
             "accelerator_config={'use_configured_state': True})"
-        )
-
-
-def check_resume(trainer: Any, resume_from_checkpoint: Any) -> None:
-    """Refuses resuming a DeepSpeed run from a checkpoint, before anything is loaded."""
-    if trainer.is_deepspeed_enabled and resume_from_checkpoint not in (None, False):
-        raise ValueError(
-            "resume_from_checkpoint under DeepSpeed: transformers resumes through DeepSpeed's "
-            "engine checkpoint, which needs a ZeRO optimizer's state. LomoTrainer's checkpoints "
-            "hold the consolidated model and optimizer state instead: resume from them in one "
-            "process (LomoTrainer without deepspeed=), or start a new ZeRO-3 run from the saved "
-            "weights (from_pretrained(checkpoint); AdaLomo's moments start again from zero)"
         )

@@ -28,8 +28,10 @@ from torch import nn
 
 from .. import compile as _compiled_autograd
 from .. import ops
+from ..checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
 from ..core.torch_internals import compiled_backward_donates_buffers
 from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
+from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import requested_backend
 from ._hyper import check_lr, checked_group
 from .checkpoint import Checkpoint
@@ -138,6 +140,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
         rounding = WriteBackRounding(stochastic_rounding, seed)
         defaults = checked_group(defaults)
+        engine = model if is_deepspeed_engine(model) else None
         model = unwrap_engine(model)
         params = trainable_parameters(model)
         check_unowned(params, parameter_names(model), type(self).__name__)
@@ -189,6 +192,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._single_backward_clip,
             sharding,
         )
+        self.state = self._PARAMETER_STATE.fresh_container()
         initial = self._PARAMETER_STATE.initial
         if initial is not None:
             for p in params:
@@ -196,6 +200,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         # Keeps in-backward updates correct under compiled autograd (from its first backward).
         _compiled_autograd.register_updated_in_backward(updated_in_backward)
         self._release_hooks = attach_hooks(self, hooked)  # last (see above)
+        self._engine = engine
+        if engine is not None:  # DeepSpeed's own need a ZeRO optimizer (checkpoint/)
+            serve_engine_checkpoints(engine, self)
 
     # The hyper-parameters live in param_groups (as in torch.optim); these attributes are
     # lomo-optim's names for them (host values: reading them never syncs).
@@ -227,8 +234,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # -- hooks' lifetime ----------------------------------------------------------------
     def detach(self) -> None:
         """Removes every hook from the model: plain ``loss.backward()`` and any other
-        optimizer work on it again. This optimizer can no longer step."""
+        optimizer work on it again. This optimizer can no longer step. A DeepSpeed engine it
+        was built on gets its own checkpoint methods back."""
         self._release_hooks()  # runs once; later calls do nothing
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            restore_engine_checkpoints(engine, self)
 
     def __enter__(self) -> InBackwardOptimizer:
         return self

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core.rounding import Rounding
-from ..distributed import Shard, Sharding, unwrap_engine
+from ..distributed import Shard, unwrap_engine
 from ..ops.adalomo import (
     adalomo_step_arguments,
     adalomo_update_,
@@ -55,14 +55,6 @@ def _initial_moments(param: nn.Parameter, shard: Shard | None) -> State:
     return init_adalomo_state(param) if shard is None else init_slice_state(shard)
 
 
-def _whole_moments(sharding: Sharding, param: nn.Parameter, moments: State) -> State:
-    # R and C are replicated on every rank; a 1-D parameter's v is sliced like it.
-    whole = dict(moments)
-    if "exp_avg_sq" in whole:
-        whole["exp_avg_sq"] = sharding.gather_slices(param, whole["exp_avg_sq"])
-    return whole
-
-
 def _moments_problem(values: torch.Tensor) -> str | None:
     problem = non_finite(values)
     if problem is None and bool((values < 0).any()):
@@ -73,7 +65,9 @@ def _moments_problem(values: torch.Tensor) -> str | None:
 MOMENTS = ParameterState(
     "AdaLomo",
     initial=_initial_moments,
-    unsharded=_whole_moments,
+    # R and C are whole on every rank (built from all-reduced sums); a 1-D parameter's v is
+    # sliced like the parameter.
+    sliced=frozenset({"exp_avg_sq"}),
     problem=_moments_problem,
     lomo_optim_gap=(
         "a lomo_optim.AdaLomo state_dict holds no second moments and no step count "

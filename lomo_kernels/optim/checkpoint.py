@@ -4,6 +4,7 @@ checkpoint before applying any of it (lomo-optim's state_dicts included).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,27 @@ def lomo_optim_writer(state_dict: Any) -> str | None:
     return next((name for name, own in LOMO_OPTIM_GROUP_KEYS.items() if keys == own), None)
 
 
+def _lifted(state_dict: Any) -> Any:
+    """`state_dict` with the param groups' copies of the "lomo" entry removed. The top-level
+    entry is the one read; where only the groups hold it (after torch.distributed.checkpoint's
+    ``set_state_dict``), their copies must agree and are lifted to the top level."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    groups = state_dict["param_groups"]
+    copies = [g["lomo"] for g in groups if isinstance(g, dict) and "lomo" in g]
+    if not copies:
+        return state_dict
+    if "lomo" not in state_dict and any(c != copies[0] for c in copies):
+        raise ValueError(
+            "state_dict['param_groups'] hold different 'lomo' entries (step count, loss "
+            "scaler): the param groups come from different checkpoints"
+        )
+    stripped = [
+        {k: v for k, v in g.items() if k != "lomo"} if isinstance(g, dict) else g for g in groups
+    ]
+    return {**state_dict, "param_groups": stripped, "lomo": state_dict.get("lomo", copies[0])}
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -51,12 +73,18 @@ def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor"
+
+
 def _load_torch_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """Applies torch.optim's part (param_groups, per-parameter state), already checked.
     torch.optim would cast floating state to the parameter's dtype: the state is kept in
     fp32 on the parameter's device instead (AdaLomo's moments; Lomo keeps none)."""
     saved_states = state_dict["state"]
+    container = optimizer.state  # torch.optim replaces it; the class's own kind is kept
     torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
+    optimizer.state = container
     params = _params(optimizer)
     for index, values in saved_states.items():
         param = params[index]
@@ -72,7 +100,15 @@ class Checkpoint:
 
     ``state_dict()["lomo"]`` holds what torch.optim's part does not: the class whose state
     it is (`ParameterState.name`), the step count, the loss scaler and the single-backward
-    norm history.
+    norm history. Every param group carries a copy under the same key, because
+    torch.distributed.checkpoint's ``get_state_dict`` keeps only "state" and
+    "param_groups" (and passes group keys through).
+
+    The state tensors are copies, so a checkpoint loaded into a state_dict in place
+    (``torch.distributed.checkpoint.load``) changes nothing until `load_state_dict` has
+    checked it. Sharded, a tensor that holds this rank's slice (`ParameterState.sliced`) is
+    a DTensor of the whole, which torch.distributed.checkpoint saves per rank and reshards
+    to another world size; the others are whole and equal on every rank.
     """
 
     kept: ParameterState  # the optimizer's per-parameter state's rules
@@ -84,24 +120,39 @@ class Checkpoint:
     sharding: Sharding | None
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        state = torch.optim.Optimizer.state_dict(optimizer)
-        state["lomo"] = {
-            "optimizer": self.kept.name,
-            "step_count": self.reports.step_count,
-            "loss_scaler": self.loss_scaling.state_dict(),
-        }
-        if self.clip is not None:
-            state["lomo"]["single_backward"] = self.clip.state_dict()
+        state = self._local_state_dict(optimizer)
+        if self.sharding is not None:
+            params = _params(optimizer)
+            for index, values in state["state"].items():
+                state["state"][index] = self.kept.as_dtensors(self.sharding, params[index], values)
         return state
 
     def consolidated_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`state_dict()` with sharded state gathered whole, on every rank (a collective)."""
-        state = self.state_dict(optimizer)
+        state = self._local_state_dict(optimizer)
         if self.sharding is None:
             return state
         params = _params(optimizer)
         for index, values in state["state"].items():
             state["state"][index] = self.kept.unsharded(self.sharding, params[index], values)
+        return state
+
+    def _local_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = torch.optim.Optimizer.state_dict(optimizer)
+        state["state"] = {
+            index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+            for index, values in state["state"].items()
+        }
+        extra = {
+            "optimizer": self.kept.name,
+            "step_count": self.reports.step_count,
+            "loss_scaler": self.loss_scaling.state_dict(),
+        }
+        if self.clip is not None:
+            extra["single_backward"] = self.clip.state_dict()
+        state["lomo"] = extra
+        for group in state["param_groups"]:
+            group["lomo"] = copy.deepcopy(extra)
         return state
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -111,6 +162,8 @@ class Checkpoint:
         writer = lomo_optim_writer(state_dict)
         if writer is not None:
             state_dict = self._from_lomo_optim(optimizer, state_dict, writer)
+        else:
+            state_dict = self._by_index(optimizer, _lifted(state_dict))
         self._check_state_dict(optimizer, state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
@@ -154,6 +207,61 @@ class Checkpoint:
         current = self.state_dict(optimizer)
         group = current["param_groups"][0]
         return {**current, "param_groups": [{**group, **hyper, "params": group["params"]}]}
+
+    def _by_index(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> Any:
+        """`state_dict` with its per-parameter state keyed by parameter index, as
+        `state_dict()` writes it, and this rank's slices as plain tensors.
+
+        torch.distributed.checkpoint's ``set_state_dict`` hands the state over keyed by
+        parameter name, each group's "params" listing the names in this optimizer's order;
+        a group or parameter count that does not match is left for the checks to refuse.
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+            return state_dict
+        states = dict(state_dict["state"])
+        groups = state_dict.get("param_groups")
+        if isinstance(groups, list) and len(groups) == len(optimizer.param_groups):
+            index = 0
+            for saved, own in zip(groups, optimizer.param_groups, strict=True):
+                keys = saved.get("params", []) if isinstance(saved, dict) else []
+                if len(keys) == len(own["params"]):
+                    for offset, key in enumerate(keys):
+                        if not isinstance(key, int) and key in states:
+                            states[index + offset] = states.pop(key)
+                index += len(own["params"])
+        params = _params(optimizer)
+        names = parameter_names(self.model)
+        for index, values in states.items():
+            if isinstance(values, dict) and any(_is_dtensor(v) for v in values.values()):
+                param = params[index] if isinstance(index, int) and index < len(params) else None
+                where = f"state_dict['state'][{index}] (parameter {names.get(id(param), '?')!r})"
+                states[index] = self._local_slices(where, param, values)
+        return {**state_dict, "state": states}
+
+    def _local_slices(
+        self, where: str, param: nn.Parameter | None, values: dict[str, Any]
+    ) -> dict[str, Any]:
+        """This rank's part of each DTensor in `values`, after checking it is sliced as this
+        optimizer slices the parameter's state."""
+        local = dict(values)
+        for key, value in values.items():
+            if not _is_dtensor(value):
+                continue
+            if self.sharding is None or param is None or key not in self.kept.sliced:
+                raise ValueError(
+                    f"{where}[{key!r}] is a DTensor where this optimizer keeps a whole tensor: "
+                    "load a sharded checkpoint with torch.distributed.checkpoint into this "
+                    "optimizer's own state_dict (lomo_kernels.load_checkpoint does), or "
+                    "consolidated_state_dict() of the sharded run"
+                )
+            shard = self.sharding.shard(param)
+            if value.numel() != shard.full_numel:
+                raise ValueError(
+                    f"{where}[{key!r}] covers {value.numel()} elements, the parameter "
+                    f"{shard.full_numel}: the checkpoint belongs to another model"
+                )
+            local[key] = value.to_local()
+        return local
 
     def _check_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):

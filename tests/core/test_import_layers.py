@@ -26,6 +26,7 @@ LAYERS = {
     "kernels": 1,
     "distributed": 1,
     "ops": 2,
+    "checkpoint": 2,
     "compile": 3,
     "optim": 4,
     "integrations": 5,

@@ -27,6 +27,7 @@ def test_protocol_lists_the_members_the_optimizer_uses():
         "all_reduce_sum_",
         "after_update",
         "gather_slices",
+        "slice_as_dtensor",
     }
     assert "second_backward_ok" in Sharding.__annotations__
 

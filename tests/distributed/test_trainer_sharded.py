@@ -17,6 +17,7 @@ import torch
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
 from support.sharded_checks import assert_within_update_tolerance, in_order, rank_run_fixtures
+from support.state import assert_same_state
 from support.trainer_runs import (
     EVAL,
     EVAL_ROWS,
@@ -216,12 +217,32 @@ def test_fsdp2_plugin_setup_by_hand_equals_one_process_trainer(ranks_dir, checks
         assert run["norms"] == pytest.approx(logged_norms(trainer), rel=NORM_RTOL)
 
 
+@pytest.mark.slow
+def test_trainer_zero3_resumes_sharded(ranks_dir, checks):
+    """train(resume_from_checkpoint=...) under ZeRO-3: a new trainer in the same 2 ranks
+    loads the sharded step-2 checkpoint and ends with the uninterrupted run's parameters and
+    AdaLomo state bit for bit, having applied the same learning rates to the same batches."""
+    saved = torch.load(ranks_dir / "resume.pt")
+    assert_same_state(saved["resumed"]["final"], saved["uninterrupted"]["final"])
+    assert_same_state(saved["resumed"]["opt"], saved["uninterrupted"]["opt"])
+    checkpoint = ranks_dir / "resume" / "checkpoint-2"
+    assert (checkpoint / "latest").read_text() == "global_step2"
+    assert (checkpoint / "global_step2" / "manifest.json").is_file()
+    for rank in checks:
+        run, resumed = rank["resume"]["uninterrupted"], rank["resume"]["resumed"]
+        assert run["step_count"] == resumed["step_count"] == 4
+        assert len(run["batches"]) == 4 and resumed["batches"] == run["batches"][2:]
+        assert resumed["lrs"] == run["lrs"][2:] and len(set(run["lrs"])) == 4  # a schedule
+        # The log history comes back with the trainer state and goes on as it was.
+        assert resumed["logged_lrs"] == run["logged_lrs"]
+    assert checks[0]["resume"]["resumed"]["batches"] != checks[1]["resume"]["resumed"]["batches"]
+
+
 REFUSALS = {
     "stage2": "zero_optimization.stage=2: LomoTrainer needs stage 3",
     "optimizer_block": "sets 'optimizer'",
     "scheduler_block": "sets 'scheduler'",
     "offload_param": "zero_optimization.offload_param",
-    "resume": "resume from them in one process",
     "given_optimizer": "optimizers=(...) under DeepSpeed",
     "process_count": "accelerate counts 1 process(es) but torch.distributed runs 2 ranks",
     "ddp": "2 processes without DeepSpeed ZeRO-3",

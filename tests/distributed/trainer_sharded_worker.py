@@ -6,6 +6,7 @@ torchrun, gloo, CPU).
   GPU ranks only): fully_shard on each decoder layer and the root, Lomo/AdaLomo with the param
   groups LomoTrainer builds from the same TrainingArguments, transformers' linear schedule,
   `fused_backward` per step, on the batches the ZeRO-3 Trainer gave this rank;
+- a ZeRO-3 LomoTrainer run resumed from its sharded step-2 checkpoint by a new trainer;
 - the set-ups LomoTrainer refuses.
 
 Writes, on rank 0, to the directory in argv[1]: for each run the initial and consolidated
@@ -63,6 +64,8 @@ class ObservedTrainer(LomoTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.batches = getattr(self, "batches", [])
         self.batches.append(inputs["input_ids"].clone())
+        self.lrs = getattr(self, "lrs", [])
+        self.lrs.append(self._lomo().param_groups[0]["lr"])  # the one this step applies
         return super().training_step(model, inputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
@@ -137,6 +140,43 @@ def run_fsdp2(name: str, batches: list[torch.Tensor], rank: int, checks: dict) -
         torch.save({"initial": initial, "final": final}, OUT / f"fsdp2_{name}.pt")
 
 
+RESUME_STEPS, RESUME_SAVE = 4, 2
+
+
+def run_resumed(rank: int, checks: dict) -> None:
+    """AdaLomo (exact clipping) for 4 steps with a checkpoint every 2; then a new trainer in
+    the same ranks resumes from the step-2 checkpoint and trains to step 4."""
+    directory = OUT / "resume"
+    runs = {}
+    for label, resume in (("uninterrupted", None), ("resumed", f"checkpoint-{RESUME_SAVE}")):
+        args = training_args(
+            str(directory),
+            "adalomo",
+            deepspeed=ZERO3,
+            max_steps=RESUME_STEPS,
+            save_strategy="steps",
+            save_steps=RESUME_SAVE,
+            **configured_state(),
+        )
+        trainer = ObservedTrainer(model=llama(seed=1), args=args, train_dataset=dataset())
+        trainer.train(resume_from_checkpoint=None if resume is None else str(directory / resume))
+        opt = trainer._lomo()
+        runs[label] = {
+            "final": consolidated_state_dict(trainer.model),
+            "opt": opt.consolidated_state_dict(),
+            "step_count": opt.step_count,
+            "lrs": trainer.lrs,
+            "logged_lrs": logged(trainer, "learning_rate"),
+            "batches": [b.tolist() for b in trainer.batches],
+        }
+    checks["resume"] = {
+        label: {k: v for k, v in run.items() if k not in ("final", "opt")}
+        for label, run in runs.items()
+    }
+    if rank == 0:
+        torch.save(runs, OUT / "resume.pt")
+
+
 def refusal(build) -> str | None:
     try:
         build()
@@ -174,7 +214,6 @@ def run_refusals(checks: dict) -> None:
         "offload_param": refusal(
             lambda: trainer({**ZERO3, "zero_optimization": {**zero, "offload_param": offload}})
         ),
-        "resume": refusal(lambda: trainer().train(resume_from_checkpoint=str(OUT / "lomo"))),
         "given_optimizer": refusal(given_optimizer),
         # TrainingArguments' own set-up of accelerate's state: one process counted.
         "process_count": refusal(lambda: trainer(accelerator_config={})),
@@ -218,6 +257,7 @@ def main() -> None:
     batches = {name: run(name, rank, checks) for name in RUNS}
     for name in ("lomo", "adalomo"):
         run_fsdp2(name, batches[name], rank, checks)
+    run_resumed(rank, checks)
     run_refusals(checks)
     write_checks(OUT, checks)
 

@@ -57,7 +57,7 @@ def run_ranks(
     """Runs `worker out` (or `worker *args`) on `nproc` ranks (torchrun); fails the test with
     its log on error."""
     for attempt in (1, 2):
-        returncode, log = _launch(worker, [str(out)] if args is None else args, what, nproc)
+        returncode, log = launch_ranks(worker, [str(out)] if args is None else args, what, nproc)
         if returncode == 0:
             return out
         # A worker's Python error shows as "[rankN]: Traceback ...": never repeated.
@@ -91,7 +91,8 @@ def rank_run_fixtures(worker: Path, what: str, run_name: str) -> tuple:
     return run, checks
 
 
-def _launch(worker: Path, args: list[str], what: str, nproc: int) -> tuple[int, bytes]:
+def launch_ranks(worker: Path, args: list[str], what: str, nproc: int = 2) -> tuple[int, bytes]:
+    """Runs `worker *args` on `nproc` ranks (torchrun): (its exit status, its log)."""
     # The ranks import the package this process imported (not another installed copy).
     root = str(Path(lomo_kernels.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

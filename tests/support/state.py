@@ -46,3 +46,22 @@ def assert_refused(model, opt, call, error: type[BaseException], match: str) -> 
     with pytest.raises(error, match=match):
         call()
     assert same_bits(before, tensors(model, opt))
+
+
+def assert_same_state(a, b, path: str = "state") -> None:
+    """Nested states (tensors, dicts, lists, plain values) equal bit for bit, naming the
+    first entry that differs."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b).__name__}, not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)}"
+        assert torch.equal(bits(a), bits(b)), f"{path}: differs by {(a - b).abs().max():.3g}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys differ"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{path}.{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

@@ -1,0 +1,145 @@
+"""DeepSpeed's ``engine.save_checkpoint`` / ``load_checkpoint`` for an engine trained by
+Lomo/AdaLomo, with DeepSpeed's signatures and layout: ``<save_dir>/<tag>/`` and
+``<save_dir>/latest``.
+
+DeepSpeed's own methods carry the partitions only through a ZeRO optimizer, which a LOMO run
+does not build (the engine is made without one). These save the partitioned parameters and
+the optimizer's state with `save_checkpoint` (each rank its own shards, published whole),
+write ``latest`` after every rank has finished, and resume at any world size. The default
+tag is ``global_step<N>`` with N the optimizer's step count (the engine's own counter does
+not move: ``engine.step()`` has nothing to do), the name transformers' Trainer looks for.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ranks
+from .sharded import load_checkpoint, save_checkpoint
+
+LATEST = "latest"
+_SERVED = "_lomo_checkpoint_optimizer"
+
+
+def _tag_of(optimizer: torch.optim.Optimizer, tag: Any) -> str:
+    if tag is None:
+        return f"global_step{int(getattr(optimizer, 'step_count', 0))}"
+    tag = str(tag)
+    if not tag or os.sep in tag or tag in (".", ".."):
+        raise ValueError(f"checkpoint tag {tag!r}: give a plain directory name")
+    return tag
+
+
+def _engine_state(engine: nn.Module, client_state: Any) -> dict[str, Any]:
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {
+        "client_state": client_state,
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "global_steps": getattr(engine, "global_steps", 0),
+        "global_samples": getattr(engine, "global_samples", 0),
+        "skipped_steps": getattr(engine, "skipped_steps", 0),
+    }
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    partial = save_dir / f"{LATEST}.partial"
+    partial.write_text(tag)
+    os.replace(partial, save_dir / LATEST)
+
+
+def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Replaces `engine`'s ``save_checkpoint``/``load_checkpoint`` with sharded ones that
+    carry `optimizer` (`restore_engine_checkpoints` undoes it). The engine holds the
+    optimizer weakly: dropping the optimizer still releases it and its hooks."""
+    held = weakref.ref(optimizer)
+
+    def served() -> torch.optim.Optimizer:
+        live = held()
+        if live is None:
+            raise RuntimeError(
+                "the Lomo/AdaLomo optimizer this engine's checkpoints carry was dropped: build "
+                "the optimizer on the engine again before saving or loading"
+            )
+        return live
+
+    def save(
+        save_dir: str | os.PathLike,
+        tag: Any = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_checkpoint``, sharded: every rank calls it."""
+        save_dir = Path(save_dir)
+        optimizer = served()
+        name = _tag_of(optimizer, tag)
+        save_checkpoint(
+            save_dir / name,
+            engine,
+            optimizer,
+            client_state=_engine_state(engine, client_state or {}),
+            frozen=not exclude_frozen_parameters,
+        )
+        if save_latest and ranks.rank() == 0:
+            _write_latest(save_dir, name)
+        ranks.barrier()
+        return True
+
+    def load(
+        load_dir: str | os.PathLike,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's ``load_checkpoint``: (the checkpoint's path, its client_state), or
+        (None, None) when ``latest`` is missing and no tag was given."""
+        if custom_load_fn is not None:
+            raise ValueError(
+                "load_checkpoint(custom_load_fn=...) is not served for an engine trained by "
+                "Lomo/AdaLomo: its checkpoints are torch.distributed.checkpoint directories "
+                "(lomo_kernels.load_checkpoint reads them)"
+            )
+        load_dir = Path(load_dir)
+        optimizer = served()
+        if tag is None:
+            latest = load_dir / LATEST
+            if not latest.is_file():
+                return None, None
+            tag = latest.read_text().strip()
+        path = load_dir / _tag_of(optimizer, tag)
+        with_optimizer = load_optimizer_states and not load_module_only
+        saved = load_checkpoint(
+            path, engine, optimizer if with_optimizer else None, strict=load_module_strict
+        )
+        saved = saved or {}
+        scheduler = getattr(engine, "lr_scheduler", None)
+        restore_schedule = load_lr_scheduler_states and not load_module_only
+        if scheduler is not None and saved.get("lr_scheduler") is not None and restore_schedule:
+            scheduler.load_state_dict(saved["lr_scheduler"])
+        if not load_module_only:
+            for counter in ("global_steps", "global_samples", "skipped_steps"):
+                if counter in saved and hasattr(engine, counter):
+                    setattr(engine, counter, saved[counter])
+        return str(path), saved.get("client_state")
+
+    engine.save_checkpoint = save
+    engine.load_checkpoint = load
+    engine.__dict__[_SERVED] = held
+
+
+def restore_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Gives `engine` its own ``save_checkpoint``/``load_checkpoint`` back, unless another
+    optimizer has been served on it since `optimizer`."""
+    held = engine.__dict__.get(_SERVED)
+    if held is not None and held() is optimizer:
+        for name in ("save_checkpoint", "load_checkpoint", _SERVED):
+            engine.__dict__.pop(name, None)

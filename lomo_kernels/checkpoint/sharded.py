@@ -1,0 +1,189 @@
+"""Saving and loading a sharded run's model and optimizer, each rank its own part, through
+torch.distributed.checkpoint; whole or not at all.
+
+A save writes into ``<path>.partial``, then a manifest (every file's size and CRC-32), and
+publishes the directory by renaming it: a save a rank died in never appears at ``<path>``.
+A load checks the manifest and every tensor's name and shape, then loads the optimizer's
+state into copies and lets the optimizer check it, and only then loads the parameters: a
+checkpoint of another model, optimizer or set-up is refused, on every rank alike, before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ranks
+from .manifest import MANIFEST, check_files, file_record, read_manifest, write_manifest
+from .state import (
+    MODEL,
+    OPTIMIZER,
+    after_model_load,
+    apply_optimizer_state,
+    check_against_metadata,
+    model_state,
+    optimizer_state,
+)
+
+PARTIAL = ".partial"
+_REPLACED = ".replaced"
+
+
+def _dcp() -> Any:
+    # torch.distributed.checkpoint is imported when a checkpoint is written or read, not
+    # with the package (it pulls in FSDP's modules: ~0.2 s).
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    # torch warns on every save and load without a process group; here that is intended.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def client_state_file(rank: int) -> str:
+    return f"client_state_{rank}.pt"
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    client_state: Any = None,
+    frozen: bool = True,
+) -> Path:
+    """Saves `model` and `optimizer` (Lomo, AdaLomo or any torch optimizer) to the
+    directory `path`, each rank writing its own shards; every rank calls it (a collective).
+
+    `client_state`: anything picklable this rank wants back from `load_checkpoint` (a step
+    counter, RNG states). `frozen=False` leaves out parameters that do not require a
+    gradient. An existing checkpoint at `path` is replaced only once the new one is whole.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL)
+    rank, world = ranks.rank(), ranks.world_size()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a save that died before
+        partial.mkdir(parents=True)
+    ranks.barrier()
+    state: dict[str, Any] = {MODEL: model_state(model, frozen=frozen)}
+    if optimizer is not None:
+        state[OPTIMIZER] = optimizer_state(model, optimizer)
+    with _one_process_is_intended():
+        _dcp().save(state, checkpoint_id=partial, no_dist=not ranks.distributed())
+    torch.save(client_state, partial / client_state_file(rank))
+    ranks.barrier()
+    # Every rank checksums its share of the files; rank 0 writes the manifest last.
+    names = ranks.from_rank0(sorted(f.name for f in partial.iterdir()) if rank == 0 else None)
+    share = {name: file_record(partial / name) for name in names[rank::world]}
+    records = {k: v for part in ranks.gathered(share) for k, v in part.items()}
+    if rank == 0:
+        write_manifest(partial, records, world)
+        _publish(partial, path)
+    ranks.barrier()
+    return path
+
+
+def _publish(partial: Path, path: Path) -> None:
+    replaced = path.with_name(path.name + _REPLACED)
+    if path.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(path, replaced)
+    os.replace(partial, path)
+    shutil.rmtree(replaced, ignore_errors=True)
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the whole checkpoint at `path`, after every rank checked its share of
+    the files against it; refuses (on every rank alike) a missing, incomplete or corrupt one,
+    naming the file."""
+    path = Path(path)
+    manifest: dict[str, Any] | None = None
+    error: Exception | None = None
+    try:
+        manifest = read_manifest(path)
+        names = sorted(manifest["files"])
+        check_files(path, manifest["files"], names[ranks.rank() :: ranks.world_size()])
+    except ValueError as refusal:
+        error = refusal
+    ranks.agree(error)
+    assert manifest is not None
+    return manifest
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool = True,
+) -> Any:
+    """Loads a `save_checkpoint` directory into `model` and `optimizer` at this run's world
+    size (every rank calls it) and returns this rank's `client_state` (rank 0's where the
+    checkpoint was written at another world size, as DeepSpeed keeps rank 0's alone).
+
+    Refused before anything changes, on every rank alike: an incomplete or corrupt
+    checkpoint (naming the file), one of another model, optimizer class, hyper-parameter
+    set-up or sharding engine. `strict=False` loads a model whose parameters are a superset
+    of the checkpoint's (frozen parameters left out of it).
+    """
+    path = Path(path)
+    one_process = not ranks.distributed()
+    manifest = verify_checkpoint(path)
+    state: dict[str, Any] = {MODEL: model_state(model)}
+    if optimizer is not None:
+        state[OPTIMIZER] = optimizer_state(model, optimizer)
+    error: Exception | None = None
+    try:
+        saved = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+        if not strict:
+            state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
+        check_against_metadata(state, saved, strict_model=strict)
+    except ValueError as refusal:
+        error = refusal
+    ranks.agree(error)
+    if optimizer is not None:
+        with _one_process_is_intended():
+            _dcp().load({OPTIMIZER: state[OPTIMIZER]}, checkpoint_id=path, no_dist=one_process)
+        error = None
+        try:
+            apply_optimizer_state(model, optimizer, state[OPTIMIZER])
+        except ValueError as refusal:
+            error = refusal
+        ranks.agree(error)
+    with _one_process_is_intended():
+        _dcp().load({MODEL: state[MODEL]}, checkpoint_id=path, no_dist=one_process)
+    after_model_load(model)
+    return _client_state(path, manifest)
+
+
+def _client_state(path: Path, manifest: dict[str, Any]) -> Any:
+    same_world = manifest.get("world_size") == ranks.world_size()
+    name = client_state_file(ranks.rank() if same_world else 0)
+    return torch.load(path / name, weights_only=False) if name in manifest["files"] else None
+
+
+__all__ = ["MANIFEST", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]

@@ -1,0 +1,153 @@
+"""What a sharded checkpoint holds, in the form torch.distributed.checkpoint saves per rank
+and reshards on load: the model's parameters and persistent buffers, and the optimizer's
+state_dict keyed by parameter name.
+
+FSDP2 and one process go through torch's own ``get_model_state_dict`` /
+``get_optimizer_state_dict``: a checkpoint of one loads into the other at any world size.
+Under DeepSpeed ZeRO-3 a parameter is saved as the flat DTensor of its partitions (ZeRO-3
+partitions the flattened tensor), so it resumes under ZeRO-3 at any world size;
+``consolidated_state_dict`` is the way to one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.torch_internals import non_persistent_buffer_names
+from ..distributed.fsdp2 import refresh_unsharded
+from ..distributed.zero3 import (
+    flat_dtensor,
+    is_zero3_param,
+    refresh_gathered,
+    unwrap_engine,
+    zero3_shard,
+)
+from .manifest import CheckpointError
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+
+
+def is_zero3(model: nn.Module) -> bool:
+    return any(is_zero3_param(p) for p in unwrap_engine(model).parameters())
+
+
+def model_state(model: nn.Module, *, frozen: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's part of the model's parameters and persistent buffers, sharing their
+    storage: a checkpoint loaded into it is loaded into the model. `frozen=False` leaves out
+    parameters that do not require a gradient."""
+    module = unwrap_engine(model)
+    if not is_zero3(module):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        named = module.named_parameters()
+        left_out = set() if frozen else {n for n, p in named if not p.requires_grad}
+        return {k: v for k, v in get_model_state_dict(module).items() if k not in left_out}
+    state: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if not (frozen or p.requires_grad):
+            continue
+        if is_zero3_param(p):
+            shard = zero3_shard(p)
+            state[name] = flat_dtensor(shard, shard.local)
+        else:
+            state[name] = p.detach()
+    for prefix, sub in module.named_modules():
+        skipped = non_persistent_buffer_names(sub)
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in skipped:
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    return state
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict keyed by parameter name (its tensors are copies: loading
+    into them changes nothing until `apply_optimizer_state`)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    module = unwrap_engine(model)
+    owned = {id(p) for p in module.parameters()}
+    if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            f"the {type(optimizer).__name__} trains parameters that are not the model's: pass "
+            "the model the optimizer was built on"
+        )
+    return get_optimizer_state_dict(module, optimizer)
+
+
+def apply_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Loads a name-keyed optimizer state_dict; the optimizer checks all of it first."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(unwrap_engine(model), optimizer, state)
+
+
+def after_model_load(model: nn.Module) -> None:
+    """Brings the engine's gathered copies up to date with the loaded shards."""
+    module = unwrap_engine(model)
+    if is_zero3(module):
+        refresh_gathered([p for p in module.parameters() if is_zero3_param(p)])
+    else:
+        refresh_unsharded(module)
+
+
+def _terminal(value: Any) -> bool:
+    # A value torch.distributed.checkpoint stores whole: not a dict, and not a list holding
+    # a tensor, a dict or such a list.
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (dict, list)) and not _terminal(v))
+        for v in value
+    )
+
+
+def flat_entries(state: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(key, value) for every value torch.distributed.checkpoint stores of a nested state,
+    keyed as it flattens them (the path joined by dots)."""
+    if _terminal(state):
+        yield ".".join(prefix), state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from flat_entries(value, (*prefix, str(key)))
+    else:
+        for index, value in enumerate(state):
+            yield from flat_entries(value, (*prefix, str(index)))
+
+
+def check_against_metadata(
+    state: dict[str, Any], saved: dict[str, Any], *, strict_model: bool = True
+) -> None:
+    """Refuses a checkpoint whose entries are not the ones `state` loads: one missing, a
+    tensor of another shape, or one this run lacks (for the model only when
+    `strict_model`). `saved`: the checkpoint's ``Metadata.state_dict_metadata``."""
+    wanted = dict(flat_entries(state))
+    for key, value in wanted.items():
+        if key not in saved:
+            raise CheckpointError(
+                f"the checkpoint holds no {key!r}: it was written for another model, optimizer "
+                "class or param-group set-up (or with frozen parameters left out)"
+            )
+        size = getattr(saved[key], "size", None)
+        if isinstance(value, torch.Tensor) and tuple(size or ()) != tuple(value.shape):
+            raise CheckpointError(
+                f"the checkpoint's {key!r} has shape {tuple(size or ())}, this run's "
+                f"{tuple(value.shape)}: it was written for another model or sharding engine"
+            )
+    kinds = {MODEL: strict_model, OPTIMIZER: True}
+    for key in saved:
+        part = key.split(".", 1)[0]
+        if kinds.get(part) and key not in wanted:
+            what = "parameter or buffer" if part == MODEL else "optimizer entry"
+            raise CheckpointError(
+                f"the checkpoint holds the {what} {key!r}, which this run does not have: it "
+                "was written for another model, optimizer class or param-group set-up"
+            )

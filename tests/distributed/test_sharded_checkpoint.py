@@ -1,0 +1,213 @@
+"""Sharded checkpoints on 2 ranks (torchrun, gloo, CPU): FSDP2 through
+lomo_kernels.save_checkpoint (torch.distributed.checkpoint), ZeRO-3 through DeepSpeed's own
+``engine.save_checkpoint`` / ``load_checkpoint``.
+
+A resumed run must equal the uninterrupted one bit for bit: the checkpoint holds every value
+the next steps read (parameters, AdaLomo's moments, the step count, the single-backward norm
+history), the batches are chosen by step, and gloo's reductions on a fixed world size are
+deterministic. Moving a checkpoint between world sizes only moves values, so what is loaded
+must equal what was saved bit for bit; the training after it differs from the sharded
+run's only in the rounding of the gradient average, held to the sharded tests' bound.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from support.sharded_checks import (
+    assert_within_update_tolerance,
+    launch_ranks,
+    read_checks,
+    run_ranks,
+)
+from support.sharded_models import LR, SINGLE, ScaledLlama, global_batch, train_single
+from support.state import assert_same_state
+
+from lomo_kernels import AdaLomo, CheckpointError, load_checkpoint, save_checkpoint
+from lomo_kernels.checkpoint import verify_checkpoint
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+STEPS, SAVE_AT = 4, 2  # as in the worker
+ENGINES = ("fsdp2", "zero3")
+SETUPS = ("lomo", "adalomo_single")
+
+
+def one_process_adalomo() -> tuple[ScaledLlama, AdaLomo]:
+    torch.manual_seed(0)
+    model = ScaledLlama()
+    return model, AdaLomo(model, lr=LR["adalomo"], **SINGLE)
+
+
+def state_of(model, opt) -> dict:
+    return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def one_process_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
+    """A one-process AdaLomo checkpoint after 2 steps, and the state it holds."""
+    model, opt = one_process_adalomo()
+    train_single(model, opt, global_batch, SAVE_AT)
+    path = save_checkpoint(
+        tmp_path_factory.mktemp("one") / "ckpt", model, opt, client_state=SAVE_AT
+    )
+    return path, state_of(model, opt)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, one_process_checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    args = [str(out), "reference", str(one_process_checkpoint[0])]
+    return run_ranks(WORKER, out, "checkpoint reference", args=args)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """Checkpoints of a run whose rank 1 was killed (SIGKILL) in the backward after them."""
+    out = tmp_path_factory.mktemp("killed")
+    returncode, log = launch_ranks(WORKER, [str(out), "killed"], "checkpoint killed")
+    assert returncode != 0, log.decode()[-4000:]
+    assert b"exitcode  : -9" in log, log.decode()[-4000:]  # rank 1 died by SIGKILL
+    assert b"was to be killed" not in log, log.decode()[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, killed) -> Path:
+    out = tmp_path_factory.mktemp("resumed")
+    return run_ranks(WORKER, out, "checkpoint resumed", args=[str(out), "resumed", str(killed)])
+
+
+def saved(run: Path, name: str) -> dict:
+    return torch.load(run / f"{name}.pt")
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resumed_from_checkpoint_equals_uninterrupted(reference, engine, setup):
+    """Fresh model and optimizer objects load the step-2 checkpoint and train to step 4."""
+    tag = f"{engine}_{setup}"
+    assert_same_state(saved(reference, f"{tag}_resumed_final"), saved(reference, f"{tag}_final"))
+    at_save = saved(reference, f"{tag}_at_save")
+    assert at_save["opt"]["lomo"]["step_count"] == SAVE_AT
+    assert not torch.equal(
+        at_save["model"]["temperature"], saved(reference, f"{tag}_final")["model"]["temperature"]
+    )
+
+
+def test_fsdp2_through_torch_api_equals_uninterrupted(reference):
+    """get_state_dict / dcp.save / dcp.load / set_state_dict, fresh objects, steps 3-4."""
+    assert [rank["torch_api_step"] for rank in read_checks(reference)] == [SAVE_AT] * 2
+    assert_same_state(
+        saved(reference, "fsdp2_torch_api_final"), saved(reference, "fsdp2_adalomo_single_final")
+    )
+
+
+def test_zero3_two_ranks_to_one_rank(reference, tmp_path):
+    """The 2-rank ZeRO-3 checkpoint through engine.load_checkpoint on one rank: the values
+    saved, bit for bit."""
+    args = [str(tmp_path), "zero3-one-rank", str(reference)]
+    run_ranks(WORKER, tmp_path, "checkpoint ZeRO-3 on one rank", nproc=1, args=args)
+    assert read_checks(tmp_path)[0]["step"] == SAVE_AT
+    assert_same_state(
+        saved(tmp_path, "zero3_on_one_rank"), saved(reference, "zero3_adalomo_single_at_save")
+    )
+
+
+def test_zero3_checkpoint_has_deepspeed_layout(reference):
+    for setup in SETUPS:
+        directory = reference / f"zero3_{setup}"
+        assert (directory / "latest").read_text() == f"global_step{SAVE_AT}"
+        verify_checkpoint(directory / f"global_step{SAVE_AT}")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_run_resumes_to_the_uninterrupted_result(killed, resumed, reference, engine):
+    """The processes that wrote the checkpoint were killed mid-step; new ones resume."""
+    assert [rank[f"{engine}_start"] for rank in read_checks(resumed)] == [SAVE_AT, SAVE_AT]
+    assert_same_state(
+        saved(resumed, f"{engine}_after_kill_final"),
+        saved(reference, f"{engine}_adalomo_single_final"),
+    )
+
+
+def test_two_ranks_to_one_process(reference):
+    """The FSDP2 checkpoint in one process: the consolidated state at the save, bit for bit,
+    and training on from it stays within the sharded runs' bound of the 2-rank result."""
+    model, opt = one_process_adalomo()
+    # Another world size: rank 0's client_state, as DeepSpeed keeps rank 0's alone.
+    assert load_checkpoint(reference / "fsdp2_adalomo_single", model, opt) == {"step": SAVE_AT}
+    at_save = saved(reference, "fsdp2_adalomo_single_at_save")
+    assert_same_state(state_of(model, opt)["model"], at_save["model"])
+    assert_same_state(opt.state_dict(), at_save["opt"])
+
+    for step in range(SAVE_AT, STEPS):
+        opt.fused_backward(model(global_batch(step)))
+    final = saved(reference, "fsdp2_adalomo_single_final")["model"]
+    assert_within_update_tolerance(model.state_dict(), final, at_save["model"])
+
+
+def test_one_process_to_two_ranks(reference, one_process_checkpoint):
+    _, state = one_process_checkpoint
+    assert [rank["one_process_step"] for rank in read_checks(reference)] == [SAVE_AT] * 2
+    loaded = saved(reference, "from_one_process")
+    assert_same_state(loaded["model"], state["model"])
+    assert_same_state(loaded["opt"], state["opt"])
+
+
+def test_zero3_checkpoint_refused_in_one_process(reference):
+    """ZeRO-3 saves its flat partitions: resuming it needs ZeRO-3 (any world size); one
+    process is refused before anything changes (consolidated_state_dict is the way there)."""
+    model, opt = one_process_adalomo()
+    before = state_of(model, opt)
+    with pytest.raises(CheckpointError, match="has shape .* another model or sharding engine"):
+        load_checkpoint(reference / "zero3_adalomo_single" / f"global_step{SAVE_AT}", model, opt)
+    assert_same_state(state_of(model, opt), before)
+
+
+def test_other_optimizer_class_refused_on_every_rank(reference):
+    checks = read_checks(reference)
+    assert checks[0]["other_class"] == checks[1]["other_class"]
+    assert "holds the optimizer entry" in checks[0]["other_class"]
+    assert all(rank["other_class_unchanged"] for rank in checks)
+
+
+def test_rank_killed_while_saving_leaves_a_refused_checkpoint(tmp_path):
+    """Rank 1 is killed after torch.distributed.checkpoint wrote its shards and metadata,
+    before the checkpoint was published: it is refused, naming what is missing."""
+    returncode, log = launch_ranks(WORKER, [str(tmp_path), "dies-saving"], "checkpoint save")
+    assert returncode != 0 and b"exitcode  : -9" in log, log.decode()[-4000:]
+    partial = tmp_path / "died.partial"
+    assert (partial / ".metadata").is_file()  # torch's own loader would take it as whole
+    assert not (tmp_path / "died").exists()
+    model, opt = one_process_adalomo()
+    before = state_of(model, opt)
+    with pytest.raises(CheckpointError, match=r"died\.partial holds a save that did not finish"):
+        load_checkpoint(tmp_path / "died", model, opt)
+    with pytest.raises(CheckpointError, match=r"died\.partial/manifest\.json is missing"):
+        load_checkpoint(partial, model, opt)
+    assert_same_state(state_of(model, opt), before)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "removed"])
+def test_damaged_shard_file_refused_naming_it(reference, tmp_path, damage):
+    copy = shutil.copytree(reference / "fsdp2_adalomo_single", tmp_path / "ckpt")
+    shard = copy / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+        expected = "does not match its manifest's CRC-32"
+    elif damage == "truncated":
+        shard.write_bytes(bytes(data[:-7]))
+        expected = f"holds {len(data) - 7} bytes, its manifest {len(data)}"
+    else:
+        shard.unlink()
+        expected = "is missing: the checkpoint is incomplete"
+    model, opt = one_process_adalomo()
+    before = state_of(model, opt)
+    with pytest.raises(CheckpointError, match=f"__1_0.distcp {expected}"):
+        load_checkpoint(copy, model, opt)
+    assert_same_state(state_of(model, opt), before)
