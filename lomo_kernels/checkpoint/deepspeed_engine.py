@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from . import ranks
-from .sharded import load_checkpoint, save_checkpoint
+from .manifest import CheckpointError
+from .sharded import PARTIAL, load_checkpoint, save_checkpoint
 
 LATEST = "latest"
 _SERVED = "_lomo_checkpoint_optimizer"
@@ -101,7 +102,8 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
         custom_load_fn: Any = None,
     ) -> tuple[str | None, Any]:
         """DeepSpeed's ``load_checkpoint``: (the checkpoint's path, its client_state), or
-        (None, None) when ``latest`` is missing and no tag was given."""
+        (None, None) when ``latest`` is missing and no tag was given (refused when a save
+        that did not finish is there instead)."""
         if custom_load_fn is not None:
             raise ValueError(
                 "load_checkpoint(custom_load_fn=...) is not served for an engine trained by "
@@ -113,6 +115,13 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
         if tag is None:
             latest = load_dir / LATEST
             if not latest.is_file():
+                unfinished = sorted(load_dir.glob(f"*{PARTIAL}"))
+                if unfinished:
+                    raise CheckpointError(
+                        f"{latest} is missing and {unfinished[0]} holds a save that did not "
+                        "finish (a rank died or the job stopped while it was written): resume "
+                        "from an earlier checkpoint"
+                    )
                 return None, None
             tag = latest.read_text().strip()
         path = load_dir / _tag_of(optimizer, tag)

@@ -142,7 +142,7 @@ def check_against_metadata(
                 f"the checkpoint's {key!r} has shape {tuple(size or ())}, this run's "
                 f"{tuple(value.shape)}: it was written for another model or sharding engine"
             )
-    kinds = {MODEL: strict_model, OPTIMIZER: True}
+    kinds = {MODEL: strict_model, OPTIMIZER: OPTIMIZER in state}  # a model-only load
     for key in saved:
         part = key.split(".", 1)[0]
         if kinds.get(part) and key not in wanted:

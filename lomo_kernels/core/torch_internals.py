@@ -421,3 +421,13 @@ def triton_reduce_combines() -> tuple[Any, Any]:
                 "use backend='cpp' or backend='torch', or a triton release that has it",
             )
     return combines
+
+
+def triton_current_stream() -> Callable[[int], int] | None:
+    """Triton's reader of a CUDA device's current stream (the stream its JIT launches on),
+    or None where this triton has none (launches then go through the JIT)."""
+    driver = _read("triton.runtime.driver", "driver")
+    try:
+        return getattr(driver.active, "get_current_stream", None)
+    except Exception:  # no GPU driver in this triton, or none usable here
+        return None

@@ -28,8 +28,8 @@ any other, and `LomoTrainer(...).train(resume_from_checkpoint=...)` without Deep
 continues from them. And the engine's sharded checkpoint (``global_step<N>/`` and
 ``latest``: each rank's partitions and its part of the optimizer state, see
 lomo_kernels.checkpoint), through which transformers resumes under DeepSpeed:
-`train(resume_from_checkpoint=...)` in the same sharded set-up, at any world size, with the
-schedule, data order and RNG states continuing as transformers restores them.
+`train(resume_from_checkpoint=...)` in the same sharded set-up, with the schedule, data
+order and RNG states continuing as transformers restores them.
 What is refused is listed in trainer_parallel.py.
 """
 

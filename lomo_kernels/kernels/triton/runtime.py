@@ -19,6 +19,7 @@ import torch
 
 from ...core.rounding import rounds_stochastically, seed_parts
 from ...core.spec import OpSpec
+from .bound_launch import BoundKernels
 
 # Kind codes of the element types the kernels load and store.
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -92,13 +93,24 @@ def launcher(
     grid and the arguments `build` makes of the op's arguments (none for a grid without
     programs). It takes the spec's arguments by position or keyword and hands them to
     `build` as one ``spec.Arguments``, and runs `on_first_argument_device`. `kernel` is
-    called at each launch: the kernel module is the one decorated for the current mode."""
+    called at each launch: the kernel module is the one decorated for the current mode.
+    On CUDA tensors a specialisation launched before is launched again directly
+    (`bound_launch.BoundKernels`)."""
     arguments_of = spec.Arguments
+    bound: list[Any] = [None, None]  # the JIT function and its BoundKernels
 
     def launch(*args: Any, **kwargs: Any) -> None:
         grid, arguments = build(arguments_of(*args, **kwargs))
-        if all(grid):
-            kernel()[grid](**arguments, num_warps=num_warps)
+        if not all(grid):
+            return
+        jit = kernel()
+        first = args[0] if args else next(iter(kwargs.values()))
+        if not first.is_cuda or not hasattr(jit, "params"):  # the interpreter's CPU tensors
+            jit[grid](**arguments, num_warps=num_warps)
+            return
+        if bound[0] is not jit:
+            bound[:] = [jit, BoundKernels(jit.params, num_warps)]
+        bound[1].launch(jit, grid, arguments, first.get_device())
 
     launch.__name__ = launch.__qualname__ = spec.function
     launch.__doc__ = build.__doc__

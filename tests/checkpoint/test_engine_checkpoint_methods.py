@@ -1,0 +1,82 @@
+"""DeepSpeed's engine.save_checkpoint / load_checkpoint as served for an engine trained by
+Lomo/AdaLomo, in one process on a stand-in engine (the same methods on a plain model: the
+2-rank ZeRO-3 runs are in tests/distributed/test_sharded_checkpoint.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from support.models import batch, tiny_llama
+from support.state import assert_same_state
+
+from lomo_kernels import AdaLomo, CheckpointError
+from lomo_kernels.checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
+
+
+def trained(steps: int, seed: int = 0):
+    model = tiny_llama(seed=seed)
+    opt = AdaLomo(model, lr=0.01)
+    serve_engine_checkpoints(model, opt)
+    for index in range(steps):
+        opt.fused_backward(model(**batch(index)).loss)
+    return model, opt
+
+
+def test_signatures_are_deepspeeds():
+    deepspeed = pytest.importorskip("deepspeed")
+    model, opt = trained(0)
+    engine = deepspeed.DeepSpeedEngine
+    for name in ("save_checkpoint", "load_checkpoint"):
+        ours = list(inspect.signature(getattr(model, name)).parameters)
+        theirs = list(inspect.signature(getattr(engine, name)).parameters)[1:]  # self
+        assert ours == theirs, name
+
+
+def test_tag_from_step_count_latest_and_client_state(tmp_path):
+    model, opt = trained(2)
+    assert model.save_checkpoint(tmp_path, client_state={"epoch": 1}) is True
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    fresh, fresh_opt = trained(0, seed=1)
+    path, client_state = fresh.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "global_step2") and client_state == {"epoch": 1}
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_module_only_and_explicit_tag(tmp_path):
+    model, opt = trained(1)
+    model.save_checkpoint(tmp_path, tag="mine", save_latest=False)
+    assert not (tmp_path / "latest").exists()
+    assert model.load_checkpoint(tmp_path) == (None, None)  # DeepSpeed's answer
+    fresh, fresh_opt = trained(0, seed=1)
+    moments = fresh_opt.state_dict()["state"]
+    fresh.load_checkpoint(tmp_path, tag="mine", load_module_only=True)
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh_opt.state_dict()["state"], moments)  # the optimizer left alone
+    with pytest.raises(ValueError, match="plain directory name"):
+        model.save_checkpoint(tmp_path, tag="a/b")
+
+
+def test_unfinished_save_refused_naming_it(tmp_path):
+    model, opt = trained(1)
+    (tmp_path / "global_step1.partial").mkdir(parents=True)
+    fresh, fresh_opt = trained(0, seed=1)
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match=r"global_step1\.partial holds a save that did"):
+        fresh.load_checkpoint(tmp_path)
+    assert_same_state(fresh.state_dict(), before)
+    with pytest.raises(ValueError, match="custom_load_fn"):
+        fresh.load_checkpoint(tmp_path, tag="global_step1", custom_load_fn=print)
+
+
+def test_served_methods_hold_the_optimizer_weakly(tmp_path):
+    model, opt = trained(1)
+    del opt
+    with pytest.raises(RuntimeError, match="was dropped"):
+        model.save_checkpoint(tmp_path)
+    model, opt = trained(1)
+    restore_engine_checkpoints(model, opt)
+    assert "save_checkpoint" not in model.__dict__ and "load_checkpoint" not in model.__dict__
+    assert isinstance(model, torch.nn.Module)
