@@ -196,6 +196,28 @@ def test_a_launcher_leaving_a_parameter_to_its_default_always_uses_the_jit():
     assert len(jit.launches) == 2 and jit.runs == []
 
 
+def test_a_launcher_refusing_the_arguments_turns_to_the_jit_for_good():
+    """A triton whose compiled-kernel launcher takes other arguments refuses them before
+    launching (a TypeError): that launch and every later one go through the JIT."""
+    bound, jit = bound_kernels()
+    arguments = {"x_ptr": torch.zeros(64), "n": 64, "BLOCK": 128}
+    bound.launch(jit, (1,), arguments, 0)
+    key = next(iter(bound.compiled))
+
+    class Refusing:
+        function, packed_metadata = "function", "metadata"
+
+        @staticmethod
+        def run(*args):
+            raise TypeError("function takes exactly 14 arguments (12 given)")
+
+    bound.compiled[key] = Refusing()
+    with pytest.warns(RuntimeWarning, match="refused the direct launch"):
+        bound.launch(jit, (1,), arguments, 0)
+    bound.launch(jit, (1,), arguments, 0)
+    assert len(jit.launches) == 3 and jit.runs == []
+
+
 def test_runtime_key_refuses_what_it_cannot_classify():
     with pytest.raises(TypeError):
         runtime_key(object())

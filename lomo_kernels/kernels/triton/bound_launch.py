@@ -20,6 +20,7 @@ else, launch hooks (a profiler) or a new specialisation goes through the JIT.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,7 @@ class BoundKernels:
         self.compiled: dict[Key, Any] = {}
         self._stream: Callable[[int], int] | None = None
         self._hooks: Any = None
+        self.refused: TypeError | None = None  # the launcher's refusal of our arguments
 
     def key(self, values: Sequence[Any], device: int) -> Key:
         return (device, self._constexpr(values), *map(runtime_key, self._runtime(values)))
@@ -89,7 +91,7 @@ class BoundKernels:
             jit[grid](**arguments, num_warps=self.num_warps)
             return
         compiled = self.compiled.get(key)
-        if compiled is None or self._hooked():
+        if compiled is None or self.refused is not None or self._hooked():
             launched = jit[grid](**arguments, num_warps=self.num_warps)
             if compiled is None and launched is not None:
                 self.compiled[key] = launched
@@ -99,18 +101,31 @@ class BoundKernels:
             if self._stream is None:
                 jit[grid](**arguments, num_warps=self.num_warps)
                 return
-        compiled.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            self._stream(device),
-            compiled.function,
-            compiled.packed_metadata,
-            None,  # launch metadata: only for launch hooks, which take the JIT path
-            None,
-            None,
-            *values,
-        )
+        try:
+            compiled.run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                self._stream(device),
+                compiled.function,
+                compiled.packed_metadata,
+                None,  # launch metadata: only for launch hooks, which take the JIT path
+                None,
+                None,
+                *values,
+            )
+        except TypeError as error:
+            # A triton whose launcher takes its arguments otherwise refuses them before
+            # launching: from then on every launch goes through the JIT.
+            self.refused = error
+            warnings.warn(
+                f"triton {_triton_version()}'s compiled-kernel launcher refused the direct "
+                f"launch ({error}); launching through the JIT from now on (more host time "
+                "per call)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            jit[grid](**arguments, num_warps=self.num_warps)
 
     def _hooked(self) -> bool:
         """Whether a launch hook is set (a profiler such as proton reads every launch): a
@@ -121,6 +136,12 @@ class BoundKernels:
 
             self._hooks = triton.knobs.runtime
         return _active(self._hooks.launch_enter_hook) or _active(self._hooks.launch_exit_hook)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(getattr(triton, "__version__", "?"))
 
 
 def _active(hook: Any) -> bool:

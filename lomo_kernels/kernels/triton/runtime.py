@@ -57,10 +57,15 @@ def is_available() -> bool:
 def kernels(name: str) -> ModuleType:
     """The kernel module `name` of this package, re-imported if TRITON_INTERPRET changed
     since it was imported: triton.jit picks interpreter or compiler at decoration time."""
-    module = importlib.import_module(f"{__package__}.{name}")
+    module = _LOADED.get(name)  # a launch asks each time: no import machinery per call
+    if module is None:
+        module = _LOADED[name] = importlib.import_module(f"{__package__}.{name}")
     if interpret_mode() != module.DECORATED_FOR_INTERPRETER:
-        module = importlib.reload(module)
+        module = _LOADED[name] = importlib.reload(module)
     return module
+
+
+_LOADED: dict[str, ModuleType] = {}
 
 
 def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
