@@ -4,7 +4,8 @@ torch.distributed.checkpoint; whole or not at all.
 A save writes into ``<path>.partial``, then a manifest (every file's size and CRC-32), and
 publishes the directory by renaming it: a save a rank died in never appears at ``<path>``.
 A load checks the manifest and every tensor's name and shape, then loads the optimizer's
-state into copies and lets the optimizer check it, and only then loads the parameters: a
+state into copies and lets the optimizer check it on every rank, and only then applies it
+and loads the parameters: a
 checkpoint of another model, optimizer or set-up is refused, on every rank alike, before
 anything changes.
 """
@@ -168,12 +169,17 @@ def load_checkpoint(
     if optimizer is not None:
         with _one_process_is_intended():
             _dcp().load({OPTIMIZER: state[OPTIMIZER]}, checkpoint_id=path, no_dist=one_process)
+        # Checked on every rank before any rank applies it (Lomo and AdaLomo can say; a
+        # torch optimizer is applied as torch loads it).
+        check = getattr(optimizer, "check_state_dict", None)
         error = None
         try:
-            apply_optimizer_state(model, optimizer, state[OPTIMIZER])
+            if check is not None:
+                check(state[OPTIMIZER])
         except ValueError as refusal:
             error = refusal
         ranks.agree(error)
+        apply_optimizer_state(model, optimizer, state[OPTIMIZER])
     with _one_process_is_intended():
         _dcp().load({MODEL: state[MODEL]}, checkpoint_id=path, no_dist=one_process)
     after_model_load(model)

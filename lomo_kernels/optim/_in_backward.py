@@ -574,6 +574,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         nothing applied (lomo-optim's state_dicts are taken too)."""
         self._checkpoint.load_state_dict(self, state_dict)
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raises the error `load_state_dict(state_dict)` would refuse it with; changes
+        nothing (a sharded load checks on every rank before any rank applies)."""
+        self._checkpoint.check_state_dict(self, state_dict)
+
     # -- the step's passes --------------------------------------------------------------
     @torch.compiler.disable  # see _check_call
     def _prepare_scalars(self) -> None:

@@ -159,12 +159,7 @@ class Checkpoint:
         """Loads `state_dict` after checking the whole of it: a checkpoint of another
         optimizer class, model or sharding, or with non-finite values, is refused with
         nothing applied."""
-        writer = lomo_optim_writer(state_dict)
-        if writer is not None:
-            state_dict = self._from_lomo_optim(optimizer, state_dict, writer)
-        else:
-            state_dict = self._by_index(optimizer, _lifted(state_dict))
-        self._check_state_dict(optimizer, state_dict)
+        writer, state_dict = self._checked(optimizer, state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
         _load_torch_state(optimizer, state_dict)
@@ -176,6 +171,21 @@ class Checkpoint:
                 self.clip.load_state_dict(extra["single_backward"])
         if writer is not None and self.kept.lomo_optim_gap is not None:
             warnings.warn(self.kept.lomo_optim_gap, UserWarning, stacklevel=3)
+
+    def check_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        """Raises what `load_state_dict` would refuse; changes nothing."""
+        self._checked(optimizer, state_dict)
+
+    def _checked(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> tuple[Any, Any]:
+        """(the lomo-optim class that wrote `state_dict` or None, `state_dict` in this
+        optimizer's own form), after checking the whole of it."""
+        writer = lomo_optim_writer(state_dict)
+        if writer is not None:
+            state_dict = self._from_lomo_optim(optimizer, state_dict, writer)
+        else:
+            state_dict = self._by_index(optimizer, _lifted(state_dict))
+        self._check_state_dict(optimizer, state_dict)
+        return writer, state_dict
 
     def _from_lomo_optim(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], writer: str

@@ -143,6 +143,7 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
     checks["one_process_step"] = lomo_kernels.load_checkpoint(one_process_ckpt, model, opt)
     dump("from_one_process", consolidated(model, opt))
     opt.detach()
+    refused_on_one_rank(checks)
     # Another optimizer class's checkpoint: refused on every rank, nothing changed.
     model, opt = build("fsdp2", "lomo")
     before = [p.to_local().clone() for p in model.parameters()]
@@ -153,6 +154,34 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
         checks["other_class"] = str(error)
     after = [p.to_local() for p in model.parameters()]
     checks["other_class_unchanged"] = all(map(torch.equal, before, after))
+
+
+def refused_on_one_rank(checks: dict) -> None:
+    """A checkpoint whose only bad value (a NaN moment) is in rank 1's slice: every rank
+    refuses it, and rank 0, whose own part passes every check, changes nothing either."""
+    model, opt = build("fsdp2", "adalomo_single")
+    train_step(model, opt, "fsdp2", 0)
+    norm = model.llama.model.norm.weight  # 40 elements: 20 on each rank
+    if dist.get_rank() == 1:
+        opt.state[norm]["exp_avg_sq"][0] = float("nan")
+    lomo_kernels.save_checkpoint(OUT / "nan_on_rank1", model, opt)
+    opt.detach()
+    fresh, fresh_opt = build("fsdp2", "adalomo_single")
+    before = consolidated(fresh, fresh_opt)
+    try:
+        lomo_kernels.load_checkpoint(OUT / "nan_on_rank1", fresh, fresh_opt)
+        checks["nan_on_rank1"] = None
+    except ValueError as error:
+        checks["nan_on_rank1"] = str(error)
+    after = consolidated(fresh, fresh_opt)
+    checks["nan_on_rank1_unchanged"] = all(
+        torch.equal(before["model"][k], after["model"][k]) for k in before["model"]
+    ) and all(
+        torch.equal(v, after["opt"]["state"][i][key])
+        for i, values in before["opt"]["state"].items()
+        for key, v in values.items()
+    )
+    fresh_opt.detach()
 
 
 def torch_api(checks: dict) -> None:

@@ -176,6 +176,15 @@ def test_other_optimizer_class_refused_on_every_rank(reference):
     assert all(rank["other_class_unchanged"] for rank in checks)
 
 
+def test_bad_value_in_one_ranks_slice_refused_by_every_rank(reference):
+    """Checked on every rank before any rank applies: rank 0's own part passes every check,
+    yet it refuses with rank 1 and changes nothing."""
+    checks = read_checks(reference)
+    assert checks[0]["nan_on_rank1"] == checks[1]["nan_on_rank1"]
+    assert "holds inf/nan" in checks[0]["nan_on_rank1"]
+    assert all(rank["nan_on_rank1_unchanged"] for rank in checks)
+
+
 def test_rank_killed_while_saving_leaves_a_refused_checkpoint(tmp_path):
     """Rank 1 is killed after torch.distributed.checkpoint wrote its shards and metadata,
     before the checkpoint was published: it is refused, naming what is missing."""
