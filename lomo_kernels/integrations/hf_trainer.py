@@ -29,7 +29,8 @@ continues from them. And the engine's sharded checkpoint (``global_step<N>/`` an
 ``latest``: each rank's partitions and its part of the optimizer state, see
 lomo_kernels.checkpoint), through which transformers resumes under DeepSpeed:
 `train(resume_from_checkpoint=...)` in the same sharded set-up, with the schedule, data
-order and RNG states continuing as transformers restores them.
+order and RNG states continuing as transformers restores them. `resume_from_checkpoint=True`
+takes the newest whole checkpoint (trainer_checkpoints.py), not merely the newest.
 What is refused is listed in trainer_parallel.py.
 """
 
@@ -46,6 +47,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from ..distributed import consolidated_state_dict
 from ..optim._in_backward import InBackwardOptimizer
 from .huggingface import check_training_arguments, in_backward_optimizer
+from .trainer_checkpoints import last_whole_checkpoint
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
 from .trainer_parallel import check_deepspeed_config, check_parallel_setup, deepspeed_config
 
@@ -95,6 +97,16 @@ class LomoTrainer(Trainer):
         # Trainer's own clipping would only see freed gradients.
         self.lomo_max_grad_norm = targs.max_grad_norm
         targs.max_grad_norm = 0.0
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:  # the newest whole checkpoint, not the newest
+            found = last_whole_checkpoint(self.args.output_dir, self.is_deepspeed_enabled)
+            if found is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no whole checkpoint in {self.args.output_dir}"
+                )
+            resume_from_checkpoint = found
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _engine(self) -> torch.nn.Module | None:
         """The DeepSpeed engine accelerate built, or None (before that, or without one)."""

@@ -1,0 +1,58 @@
+"""Which Trainer checkpoint ``train(resume_from_checkpoint=True)`` resumes from: the newest
+one that is whole.
+
+transformers writes a checkpoint folder file by file and takes the newest ``checkpoint-N``
+folder, whole or not: a run whose rank died while saving would be resumed from (and
+refused by) the folder it left. LomoTrainer takes the newest folder holding everything a
+resume reads, and names each newer one it passed over and what it lacks.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+
+from ..checkpoint import MANIFEST
+from ..checkpoint.deepspeed_engine import LATEST
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def missing_part(folder: Path, sharded: bool) -> str | None:
+    """What a resume reads that `folder` lacks (its path), or None when it is whole.
+    `sharded`: the run resumes through DeepSpeed's engine checkpoint."""
+    needed = [TRAINER_STATE_NAME, SCHEDULER_NAME]
+    if sharded:
+        latest = folder / LATEST
+        if not latest.is_file():
+            return str(latest)
+        needed.append(f"{latest.read_text().strip()}/{MANIFEST}")
+    else:
+        needed.append(OPTIMIZER_NAME)
+    return next((str(folder / name) for name in needed if not (folder / name).is_file()), None)
+
+
+def last_whole_checkpoint(output_dir: str, sharded: bool) -> str | None:
+    """The newest whole ``checkpoint-N`` folder in `output_dir` (None without one), after
+    warning about each newer one that is not."""
+    root = Path(output_dir)
+    folders = (
+        [p for p in root.iterdir() if p.is_dir() and _CHECKPOINT.match(p.name)]
+        if (root.is_dir())
+        else []
+    )
+    folders.sort(key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True)
+    for folder in folders:
+        missing = missing_part(folder, sharded)
+        if missing is None:
+            return str(folder)
+        warnings.warn(
+            f"resume_from_checkpoint=True passes over {folder}: {missing} is missing (its save "
+            "did not finish)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return None

@@ -1,0 +1,60 @@
+"""`LomoTrainer.train(resume_from_checkpoint=True)` resumes from the newest whole checkpoint:
+a folder whose save did not finish (a rank died while writing it) is passed over, named."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from support.hf_trainer import args, dataset
+from support.models import tiny_llama
+from support.state import assert_same_state
+
+from lomo_kernels.integrations.hf_trainer import LomoTrainer
+from lomo_kernels.integrations.trainer_checkpoints import last_whole_checkpoint, missing_part
+
+
+def run(tmp_path, max_steps: int, resume=None) -> LomoTrainer:
+    trainer = LomoTrainer(
+        model=tiny_llama(),
+        args=args(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2),
+        train_dataset=dataset(16),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.mark.parametrize("lost", ["trainer_state.json", "optimizer.pt", "scheduler.pt"])
+def test_resume_true_passes_over_an_unfinished_checkpoint(tmp_path, lost):
+    uninterrupted = run(tmp_path / "whole", 6)
+    interrupted = tmp_path / "interrupted"
+    run(interrupted, 6)
+    shutil.rmtree(interrupted / "checkpoint-6")  # only the last two survive a death at 6:
+    (interrupted / "checkpoint-4" / lost).unlink()  # step 4's save did not finish
+    with pytest.warns(UserWarning, match=f"passes over .*checkpoint-4: .*{lost} is missing"):
+        resumed = run(interrupted, 6, resume=True)
+    assert resumed.state.global_step == 6
+    # Resumed from step 2: the same parameters as the uninterrupted run.
+    assert_same_state(resumed.model.state_dict(), uninterrupted.model.state_dict())
+
+
+def test_no_whole_checkpoint_refused(tmp_path):
+    run(tmp_path, 2)
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no whole checkpoint"):
+        run(tmp_path, 4, resume=True)
+
+
+def test_sharded_checkpoint_needs_latest_and_its_manifest(tmp_path):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    for name in ("trainer_state.json", "scheduler.pt"):
+        (folder / name).write_text("{}")
+    assert missing_part(folder, sharded=True) == str(folder / "latest")
+    (folder / "latest").write_text("global_step3")
+    assert missing_part(folder, sharded=True) == str(folder / "global_step3" / "manifest.json")
+    (folder / "global_step3").mkdir()
+    (folder / "global_step3" / "manifest.json").write_text("{}")
+    assert missing_part(folder, sharded=True) is None
+    assert last_whole_checkpoint(str(tmp_path), sharded=True) == str(folder)
+    assert missing_part(folder, sharded=False) == str(folder / "optimizer.pt")
