@@ -68,6 +68,31 @@ def test_update_matches_float64_on_cuda(cuda_backend, param_dtype, grad_dtype, n
     assert_within_ulp(p.cpu(), ref, param_dtype, **bound_kwargs(param_dtype, original, lr_g))
 
 
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_bound_launch_equals_the_jit_launch_on_cuda(dtype):
+    """The second launch of a specialisation goes straight to the compiled kernel
+    (kernels/triton/bound_launch.py): bit for bit what the JIT's launch wrote, and taken."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 would test the interpreter: run `make test-gpu`")
+    from lomo_kernels.ops.lomo import triton_backend
+
+    param, grad = make_inputs(4097, dtype, dtype)
+    g, lr = grad.to(DEVICE), torch.tensor([LR], device=DEVICE)
+    found_inf = torch.zeros(1, device=DEVICE)
+    args = (g, lr, None, None, None, 0.01, found_inf, None, False, 0, None)
+    triton_backend.lomo_update_(param.to(DEVICE), *args)  # the launcher set up
+    _, bound = triton_backend.lomo_update_.bound
+    bound.compiled.clear()
+    by_jit, bound_launch = param.to(DEVICE), param.to(DEVICE)
+    triton_backend.lomo_update_(by_jit, *args)  # through the JIT, then remembered
+    triton_backend.lomo_update_(bound_launch, *args)  # straight to the compiled kernel
+    torch.cuda.synchronize()
+    assert len(bound.compiled) == 1 and bound.refused is None
+    assert torch.equal(bound_launch.view(torch.uint8), by_jit.view(torch.uint8))
+    assert not torch.equal(bound_launch.cpu(), param)
+
+
 @pytest.mark.parametrize("where", [0, 2048, -1])
 def test_non_finite_gradient_flags_and_keeps_param_on_cuda(cuda_backend, where):
     param, grad = make_inputs(4097, torch.bfloat16, torch.bfloat16)

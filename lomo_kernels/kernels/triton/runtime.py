@@ -122,6 +122,7 @@ def launcher(
     launch.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in spec.names]
     )
+    launch.bound = bound  # type: ignore[attr-defined]  # [JIT function, BoundKernels]: tests
     return on_first_argument_device(launch)
 
 
