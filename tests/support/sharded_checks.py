@@ -73,6 +73,32 @@ def run_ranks(
     pytest.fail(f"the {nproc}-rank {what} run failed:\n{log.decode()[-8000:]}")
 
 
+# torchrun's report of a rank that died by SIGKILL.
+KILLED = b"exitcode  : -9"
+
+
+def run_ranks_killed(worker: Path, args: list[str], what: str, nproc: int = 2) -> bytes:
+    """Runs `worker *args`, one of whose ranks kills itself (SIGKILL) on purpose; returns the
+    log once torchrun reports that death. A run that lost a rank to a gloo abort first is
+    repeated once, with a warning; anything else fails the test with its log."""
+    for attempt in (1, 2):
+        returncode, log = launch_ranks(worker, args, what, nproc)
+        if returncode != 0 and KILLED in log:
+            return log
+        if attempt == 1 and GLOO_ABORT in log:
+            warnings.warn(
+                f"the {nproc}-rank {what} run lost a rank to a gloo abort before its planned "
+                "death; running it again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        break
+    pytest.fail(
+        f"the {nproc}-rank {what} run did not end by its planned SIGKILL:\n{log.decode()[-8000:]}"
+    )
+
+
 def rank_run_fixtures(worker: Path, what: str, run_name: str) -> tuple:
     """A multi-rank test module's two module-scoped fixtures: `run_name`, the folder of one
     `run_ranks(worker, ...)` for the whole module, and `checks`, its ranks' checks. Assign
