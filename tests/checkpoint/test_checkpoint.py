@@ -248,3 +248,17 @@ def test_param_groups_lomo_entries_must_agree():
         opt.load_state_dict(state)
     state["param_groups"][1]["lomo"]["step_count"] = 0
     opt.load_state_dict(state)
+
+
+def test_check_state_dict_refuses_as_load_would_and_changes_nothing():
+    model, opt = build("adalomo_single")
+    step(model, opt, 0)
+    good = opt.state_dict()
+    bad = opt.state_dict()
+    next(iter(bad["state"].values()))["exp_avg_sq_row"][0] = -1.0
+    before = state_of(model, opt)
+    opt.check_state_dict(good)
+    for check in (opt.check_state_dict, opt.load_state_dict):
+        with pytest.raises(ValueError, match="holds negative values"):
+            check(bad)
+    assert_same_state(state_of(model, opt), before)
