@@ -31,6 +31,7 @@ from .state import (
     after_model_load,
     apply_optimizer_state,
     check_against_metadata,
+    flat_where_saved_flat,
     model_state,
     optimizer_state,
 )
@@ -160,6 +161,7 @@ def load_checkpoint(
     error: Exception | None = None
     try:
         saved = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+        state[MODEL] = flat_where_saved_flat(state[MODEL], saved)
         if not strict:
             state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
         check_against_metadata(state, saved, strict_model=strict)

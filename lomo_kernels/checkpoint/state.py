@@ -5,8 +5,8 @@ state_dict keyed by parameter name.
 FSDP2 and one process go through torch's own ``get_model_state_dict`` /
 ``get_optimizer_state_dict``: a checkpoint of one loads into the other at any world size.
 Under DeepSpeed ZeRO-3 a parameter is saved as the flat DTensor of its partitions (ZeRO-3
-partitions the flattened tensor), so it resumes under ZeRO-3 at any world size;
-``consolidated_state_dict`` is the way to one process.
+partitions the flattened tensor), so it resumes under ZeRO-3 at any world size, and in one
+process (into flat views of the parameters); not under FSDP2, whose shards are rows.
 """
 
 from __future__ import annotations
@@ -62,6 +62,24 @@ def model_state(model: nn.Module, *, frozen: bool = True) -> dict[str, torch.Ten
             if buffer is not None and name not in skipped:
                 state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
     return state
+
+
+def flat_where_saved_flat(state: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a model's, by name) with each whole, contiguous tensor that the checkpoint
+    holds flat (ZeRO-3 saves its parameters so) replaced by a flat view of it: a ZeRO-3
+    checkpoint loads into the model in one process."""
+    adapted = dict(state)
+    for name, tensor in state.items():
+        size = getattr(saved.get(f"{MODEL}.{name}"), "size", None)
+        if (
+            size is not None
+            and tuple(size) == (tensor.numel(),)
+            and tensor.dim() != 1
+            and type(tensor) is torch.Tensor
+            and tensor.is_contiguous()
+        ):
+            adapted[name] = tensor.view(-1)
+    return adapted
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
