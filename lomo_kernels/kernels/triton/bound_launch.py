@@ -52,8 +52,9 @@ def runtime_key(value: Any) -> Key:
     raise TypeError(f"no bound-launch key for a {kind.__name__} argument")
 
 
-def _items(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """The items at `positions` as a tuple (an itemgetter of one key returns the item)."""
+def _items(positions: Sequence[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """The items at `positions` (indices of a sequence, or keys of a dict) as a tuple (an
+    itemgetter of one position returns the item itself)."""
     if len(positions) == 1:
         return lambda values: (values[positions[0]],)
     return operator.itemgetter(*positions) if positions else lambda values: ()
