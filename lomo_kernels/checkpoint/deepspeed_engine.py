@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from . import ranks
-from .manifest import CheckpointError
-from .sharded import PARTIAL, load_checkpoint, save_checkpoint
+from .manifest import PARTIAL, CheckpointError
+from .sharded import load_checkpoint, save_checkpoint
 
 LATEST = "latest"
 _SERVED = "_lomo_checkpoint_optimizer"
@@ -49,7 +49,7 @@ def _engine_state(engine: nn.Module, client_state: Any) -> dict[str, Any]:
 
 
 def _write_latest(save_dir: Path, tag: str) -> None:
-    partial = save_dir / f"{LATEST}.partial"
+    partial = save_dir / f"{LATEST}{PARTIAL}"
     partial.write_text(tag)
     os.replace(partial, save_dir / LATEST)
 

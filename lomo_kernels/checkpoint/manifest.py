@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+# A directory (or file) being written: published under its own name once whole.
+PARTIAL = ".partial"
 FORMAT = 1
 _CHUNK = 16 << 20
 
@@ -41,7 +43,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of the checkpoint in `directory`; refuses a missing or unreadable one,
     naming it (and the unfinished save beside it, if there is one)."""
     path = directory / MANIFEST
-    partial = directory.with_name(directory.name + ".partial")
+    partial = directory.with_name(directory.name + PARTIAL)
     if not directory.is_dir():
         if partial.is_dir():
             raise CheckpointError(

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from . import ranks
-from .manifest import MANIFEST, check_files, file_record, read_manifest, write_manifest
+from .manifest import (
+    MANIFEST,
+    PARTIAL,
+    check_files,
+    file_record,
+    read_manifest,
+    write_manifest,
+)
 from .state import (
     MODEL,
     OPTIMIZER,
@@ -36,7 +43,6 @@ from .state import (
     optimizer_state,
 )
 
-PARTIAL = ".partial"
 _REPLACED = ".replaced"
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.torch_internals import non_persistent_buffer_names
+from ..distributed import persistent_buffers
 from ..distributed.fsdp2 import refresh_unsharded
 from ..distributed.zero3 import (
     flat_dtensor,
@@ -56,11 +56,8 @@ def model_state(model: nn.Module, *, frozen: bool = True) -> dict[str, torch.Ten
             state[name] = flat_dtensor(shard, shard.local)
         else:
             state[name] = p.detach()
-    for prefix, sub in module.named_modules():
-        skipped = non_persistent_buffer_names(sub)
-        for name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and name not in skipped:
-                state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    for name, buffer in persistent_buffers(module):
+        state[name] = buffer.detach()
     return state
 
 

@@ -11,7 +11,7 @@ would apply its own unreduced gradient) are refused there, before any hook exist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ __all__ = [
     "Zero3Sharding",
     "compute_dtypes",
     "consolidated_state_dict",
+    "persistent_buffers",
     "sharding_for",
     "unwrap_engine",
 ]
@@ -103,9 +104,17 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state[name] = p.detach().full_tensor().clone()
         else:
             state[name] = p.detach().clone()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and name not in non_persistent_buffer_names(module):
-                value = b.detach().full_tensor() if is_dtensor(b) else b.detach()
-                state[f"{prefix}.{name}" if prefix else name] = value.clone()
+    for name, b in persistent_buffers(model):
+        value = b.detach().full_tensor() if is_dtensor(b) else b.detach()
+        state[name] = value.clone()
     return state
+
+
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) for each buffer in `model`'s ``state_dict()``, under each of its names
+    (the persistent ones)."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        skipped = non_persistent_buffer_names(module)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in skipped:
+                yield f"{prefix}.{name}" if prefix else name, b

@@ -14,11 +14,12 @@ import warnings
 from pathlib import Path
 
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint import MANIFEST
 from ..checkpoint.deepspeed_engine import LATEST
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # get_last_checkpoint's
 
 
 def missing_part(folder: Path, sharded: bool) -> str | None:
@@ -39,11 +40,8 @@ def last_whole_checkpoint(output_dir: str, sharded: bool) -> str | None:
     """The newest whole ``checkpoint-N`` folder in `output_dir` (None without one), after
     warning about each newer one that is not."""
     root = Path(output_dir)
-    folders = (
-        [p for p in root.iterdir() if p.is_dir() and _CHECKPOINT.match(p.name)]
-        if (root.is_dir())
-        else []
-    )
+    found = root.iterdir() if root.is_dir() else ()
+    folders = [p for p in found if p.is_dir() and _CHECKPOINT.match(p.name)]
     folders.sort(key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True)
     for folder in folders:
         missing = missing_part(folder, sharded)

@@ -89,18 +89,18 @@ class BoundKernels:
             values = self._values(arguments)
             key = self.key(values, device)
         except (KeyError, TypeError):
-            jit[grid](**arguments, num_warps=self.num_warps)
+            self._through_jit(jit, grid, arguments)
             return
         compiled = self.compiled.get(key)
         if compiled is None or self.refused is not None or self._hooked():
-            launched = jit[grid](**arguments, num_warps=self.num_warps)
+            launched = self._through_jit(jit, grid, arguments)
             if compiled is None and launched is not None:
                 self.compiled[key] = launched
             return
         if self._stream is None:
             self._stream = triton_current_stream()
             if self._stream is None:
-                jit[grid](**arguments, num_warps=self.num_warps)
+                self._through_jit(jit, grid, arguments)
                 return
         try:
             compiled.run(
@@ -126,7 +126,11 @@ class BoundKernels:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            jit[grid](**arguments, num_warps=self.num_warps)
+            self._through_jit(jit, grid, arguments)
+
+    def _through_jit(self, jit: Any, grid: tuple[int, ...], arguments: dict[str, Any]) -> Any:
+        """Triton's own launch (compiling the specialisation if new); its compiled kernel."""
+        return jit[grid](**arguments, num_warps=self.num_warps)
 
     def _hooked(self) -> bool:
         """Whether a launch hook is set (a profiler such as proton reads every launch): a
