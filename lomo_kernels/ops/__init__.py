@@ -4,7 +4,8 @@ One package per op family: its specs (spec.py, for LOMO and AdaLomo) and public 
 (__init__.py), beside them its executable specification (reference.py), its backends
 (triton_backend.py, cpp_backend.py; the head: triton_backend.py, blocked_backend.py) and
 what else belongs to it only:
-    lomo/                  LOMO: fused_lomo_update_, fused_sgd_update_, grad_sumsq_
+    lomo/                  LOMO: fused_lomo_update_, fused_sgd_update_, grad_sumsq_,
+                           grad_accumulate_
     adalomo/               AdaLomo: the six passes, adalomo_update_; workspace.py, the
                            per-step fp32 workspace every AdaLomo backend shares
     cross_entropy/         fused linear + cross-entropy (linear_cross_entropy, causal_lm_loss);
@@ -32,7 +33,13 @@ from .adalomo import (
     init_adalomo_state,
 )
 from .cross_entropy import causal_lm_loss, linear_cross_entropy
-from .lomo import clip_coef_from_sumsq, fused_lomo_update_, fused_sgd_update_, grad_sumsq_
+from .lomo import (
+    clip_coef_from_sumsq,
+    fused_lomo_update_,
+    fused_sgd_update_,
+    grad_accumulate_,
+    grad_sumsq_,
+)
 
 __all__ = [
     "adalomo_factored_apply_",
@@ -47,6 +54,7 @@ __all__ = [
     "clip_coef_from_sumsq",
     "fused_lomo_update_",
     "fused_sgd_update_",
+    "grad_accumulate_",
     "grad_sumsq_",
     "init_adalomo_state",
     "linear_cross_entropy",

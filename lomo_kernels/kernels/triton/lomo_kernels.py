@@ -1,5 +1,5 @@
-"""Fused LOMO update and gradient sum of squares: the Triton device code (launchers:
-`lomo.py`).
+"""Fused LOMO update, gradient sum of squares and gradient accumulation: the Triton device
+code (launchers: `ops/lomo/triton_backend.py`).
 
 Each kernel makes one pass over one contiguous parameter. The numel n is split into an
 aligned bulk of `n - n % 16` elements, masked with a bound the JIT specialises as divisible
@@ -29,6 +29,7 @@ DECORATED_FOR_INTERPRETER = interpret_mode()
 # The shared loads, gradient, hash and roundings, decorated for the same mode as this module.
 _shared = kernels("rounding_kernels")
 _rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
+_load_fp32 = _shared.load_fp32
 _factor, _grad_source, _scaled, _grad = (
     _shared.factor,
     _shared.grad_source,
@@ -152,6 +153,77 @@ def grad_sumsq_kernel(
         total += tail_total
         bad = tl.maximum(bad, tail_bad)
     tl.atomic_add(sumsq_ptr, total, sem="relaxed")
+    if found_inf_ptr is not None:  # noqa: SIM102 (compile-time branch, see above)
+        if bad > 0:
+            tl.atomic_max(found_inf_ptr, 1.0)
+
+
+@triton.jit
+def _accumulate_chunk(
+    buffer_ptr,
+    grad_ptr,
+    offs,
+    mask,
+    key,
+    inv_scale,
+    FIRST: tl.constexpr,
+    BUFFER_KIND: tl.constexpr,
+    GRAD_KIND: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+):
+    """Adds the gradient into the buffer over `offs[mask]`; returns (sum of squares of the
+    stored values times inv_scale, 1 if any of those is non-finite else 0)."""
+    new = _load_fp32(grad_ptr, offs, mask, GRAD_KIND)
+    if not FIRST:
+        new += _load_fp32(buffer_ptr, offs, mask, BUFFER_KIND)
+    out = _to_storage(new, offs, key, BUFFER_KIND, STOCHASTIC_ROUNDING)
+    tl.store(buffer_ptr + offs, out, mask=mask)
+    # The norm is of what the update will read: the stored value, not the fp32 sum.
+    stored = _to_fp32(out, BUFFER_KIND) * inv_scale
+    stored = tl.where(mask, stored, 0.0)
+    bad = tl.reduce((~(tl.abs(stored) < float("inf"))).to(tl.int32), 0, _MAX)
+    return tl.reduce(stored * stored, 0, _SUM), bad
+
+
+@triton.jit(do_not_specialize=["n", "seed_lo", "seed_hi"])
+def grad_accumulate_kernel(
+    buffer_ptr,
+    grad_ptr,
+    n_bulk,
+    n,
+    seed_lo,
+    seed_hi,
+    inv_scale_ptr,
+    sumsq_ptr,
+    found_inf_ptr,
+    seed_step_ptr,
+    FIRST: tl.constexpr,
+    BUFFER_KIND: tl.constexpr,
+    GRAD_KIND: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """buffer = round(buffer + g) (FIRST: round(g)) on one flat buffer; with `sumsq_ptr`,
+    sumsq += sum((stored * inv_scale) ** 2) with one atomic add per program; `found_inf_ptr`
+    raised when a stored value is non-finite."""
+    key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
+    inv_scale = _factor(inv_scale_ptr)
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    total, bad = _accumulate_chunk(
+        buffer_ptr, grad_ptr, offs, offs < n_bulk, key, inv_scale,
+        FIRST, BUFFER_KIND, GRAD_KIND, STOCHASTIC_ROUNDING,
+    )  # fmt: skip
+    if pid == tl.num_programs(0) - 1:
+        tail = n_bulk.to(tl.int64) + tl.arange(0, 16)
+        tail_total, tail_bad = _accumulate_chunk(
+            buffer_ptr, grad_ptr, tail, tail < n, key, inv_scale,
+            FIRST, BUFFER_KIND, GRAD_KIND, STOCHASTIC_ROUNDING,
+        )  # fmt: skip
+        total += tail_total
+        bad = tl.maximum(bad, tail_bad)
+    if sumsq_ptr is not None:
+        tl.atomic_add(sumsq_ptr, total, sem="relaxed")
     if found_inf_ptr is not None:  # noqa: SIM102 (compile-time branch, see above)
         if bad > 0:
             tl.atomic_max(found_inf_ptr, 1.0)

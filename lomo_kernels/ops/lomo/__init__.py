@@ -4,6 +4,9 @@
                           (op ``lomo_kernels::lomo_update_``; also ``fused_sgd_update_``)
     grad_sumsq_           sum of squares of a (scaled) gradient + inf/nan flag, one pass
                           (op ``lomo_kernels::grad_sumsq_``)
+    grad_accumulate_      a micro-batch's gradient added into its accumulation buffer, with
+                          the result's sum of squares + inf/nan flag, one pass
+                          (op ``lomo_kernels::grad_accumulate_``)
     clip_coef_from_sumsq  device-side clip-by-norm coefficient
 
 The public functions check their arguments and convert runtime scalars to device tensors
@@ -22,11 +25,12 @@ from ...core.rounding import rounds_stochastically
 from ...core.scalars import Scalar
 from ..backends import LOMO
 from ..definition import define
-from .spec import GRAD_SUMSQ, LOMO_UPDATE
+from .spec import GRAD_ACCUMULATE, GRAD_SUMSQ, LOMO_UPDATE
 
 # The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
 lomo_update_op = define(LOMO_UPDATE, LOMO)
 grad_sumsq_op = define(GRAD_SUMSQ, LOMO)
+grad_accumulate_op = define(GRAD_ACCUMULATE, LOMO)
 
 
 def fused_lomo_update_(
@@ -102,6 +106,43 @@ def grad_sumsq_(
     arguments = GRAD_SUMSQ.convert(grad.device, {**arguments, "found_inf": found_inf})
     if grad.numel():
         grad_sumsq_op(backend, **arguments)
+
+
+def grad_accumulate_(
+    buffer: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    first: bool = False,
+    inv_scale: Scalar | None = 1.0,
+    sumsq: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
+    backend: str | ModuleType | None = None,
+) -> None:
+    """Adds one micro-batch's gradient into its accumulation buffer in place, in one pass.
+
+    In fp32: ``new = buffer + grad`` (``first=True``: ``new = grad``, the buffer's old contents
+    are not read, so it may be uninitialised), stored in the buffer's dtype: fp32 exactly,
+    bf16/fp16 to nearest even or stochastically (``stochastic_rounding``, keyed by ``seed``,
+    ``seed_step`` and the element index as `fused_lomo_update_`'s write-back). With ``sumsq``
+    (1-element fp32), ``sumsq += sum((stored * inv_scale) ** 2)``: the norm of what an update
+    reading the buffer with that ``inv_scale`` sees. ``found_inf`` is raised to 1 when a
+    stored value times ``inv_scale`` is inf/nan. The buffer holds the loss-scaled sum (as
+    ``.grad`` does under torch's GradScaler): ``inv_scale`` unscales only the measurement.
+    """
+    public = locals()  # the arguments, by name
+    check_pair(buffer, grad)
+    if stochastic_rounding and not rounds_stochastically(buffer.dtype):
+        raise ValueError(
+            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 buffers (a "
+            f"{buffer.dtype} buffer stores the fp32 sum exactly): pass stochastic_rounding=False"
+        )
+    arguments = GRAD_ACCUMULATE.take(public, grad=grad.contiguous())
+    arguments = GRAD_ACCUMULATE.convert(buffer.device, arguments)
+    if buffer.numel():
+        grad_accumulate_op(backend, **arguments)
 
 
 def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:

@@ -22,3 +22,6 @@ unavailable_reason = _loader.unavailable_reason
 lomo_update_ = _loader.function("lomo_update_")
 # sumsq += sum((fp32(grad) * inv_scale) ** 2); found_inf = 1 on inf/nan (in place).
 grad_sumsq_ = _loader.function("grad_sumsq_")
+# buffer = round(buffer + grad) (first: round(grad)), the stored values' scaled sum of squares
+# and inf/nan flag (in place).
+grad_accumulate_ = _loader.function("grad_accumulate_")

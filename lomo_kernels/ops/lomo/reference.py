@@ -95,3 +95,32 @@ def grad_sumsq_(
     if found_inf is not None:
         flag = (~torch.isfinite(g)).any().to(found_inf.dtype)
         found_inf.copy_(torch.maximum(found_inf.reshape(-1)[0], flag).reshape(found_inf.shape))
+
+
+def grad_accumulate_(
+    buffer: torch.Tensor,
+    grad: torch.Tensor,
+    first: bool,
+    inv_scale: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> None:
+    """One micro-batch's gradient added into its accumulation buffer, in place.
+
+    new = fp32(grad) (first: the buffer's old contents are not read) or fp32(buffer) +
+    fp32(grad), stored in the buffer's dtype (rounded as the update's write-back:
+    `_write_back`); found_inf = 1 if any stored value is inf/nan; sumsq += the sum of
+    (stored value * inv_scale) ** 2 in float64, as `grad_sumsq_` (the buffer holds the loss-
+    scaled sum, as ``.grad`` does under torch's GradScaler; inv_scale unscales the norm only).
+    """
+    new = grad.reshape(-1).to(torch.float32)
+    if not first:
+        new = buffer.reshape(-1).to(torch.float32) + new
+    _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
+                seed, seed_step)  # fmt: skip
+    if sumsq is not None or found_inf is not None:
+        grad_sumsq_(buffer, inv_scale, torch.zeros_like(sumsq) if sumsq is None else sumsq,
+                    found_inf)  # fmt: skip

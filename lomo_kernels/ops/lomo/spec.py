@@ -31,3 +31,18 @@ GRAD_SUMSQ = OpSpec(
         Arg("found_inf", "flag", mutable=True, default=None),
     ),
 )
+GRAD_ACCUMULATE = OpSpec(
+    "grad_accumulate_",
+    "grad_accumulate_",
+    (
+        Arg("buffer", "tensor", mutable=True),
+        Arg("grad", "tensor"),
+        Arg("first", "bool", default=False),
+        Arg("inv_scale", "factor", default=1.0),
+        Arg("sumsq", "flag", mutable=True, default=None),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
+    ),
+)

@@ -14,7 +14,7 @@ import torch
 
 from ...kernels.triton import runtime
 from ...kernels.triton.runtime import is_available, unavailable_reason  # the backend interface
-from .spec import GRAD_SUMSQ, LOMO_UPDATE
+from .spec import GRAD_ACCUMULATE, GRAD_SUMSQ, LOMO_UPDATE
 
 # 16 elements per thread with 8 warps: four 128-bit loads in flight per fp32 tensor and a
 # small register footprint (no spills, see tests/runtime.kernels/test_triton_static.py).
@@ -23,7 +23,13 @@ NUM_WARPS = 8
 # The bulk bound is a multiple of this so the JIT marks it divisible by 16.
 ALIGN = 16
 
-__all__ = ["grad_sumsq_", "is_available", "lomo_update_", "unavailable_reason"]
+__all__ = [
+    "grad_accumulate_",
+    "grad_sumsq_",
+    "is_available",
+    "lomo_update_",
+    "unavailable_reason",
+]
 
 
 def _grid(n_bulk: int, n: int) -> tuple[int]:
@@ -71,6 +77,32 @@ def grad_sumsq_args(a: Any) -> runtime.Launch:
     return _grid(n_bulk, n), args
 
 
+def grad_accumulate_args(a: Any) -> runtime.Launch:
+    """Grid and arguments, by kernel parameter name, of the accumulation launch for the op's
+    arguments `a` (``GRAD_ACCUMULATE.Arguments``)."""
+    n = a.buffer.numel()
+    n_bulk = n - n % ALIGN
+    rounding = runtime.rounding_kwargs(a.buffer, a.stochastic_rounding, a.seed, a.seed_step)
+    args = {
+        "buffer_ptr": runtime.storage(a.buffer),
+        "grad_ptr": runtime.storage(a.grad),
+        "n_bulk": n_bulk,
+        "n": n,
+        "seed_lo": rounding["seed_lo"],
+        "seed_hi": rounding["seed_hi"],
+        "inv_scale_ptr": a.inv_scale,
+        "sumsq_ptr": a.sumsq,
+        "found_inf_ptr": a.found_inf,
+        "seed_step_ptr": rounding["seed_step_ptr"],
+        "FIRST": bool(a.first),
+        "BUFFER_KIND": runtime.KIND[a.buffer.dtype],
+        "GRAD_KIND": runtime.KIND[a.grad.dtype],
+        "STOCHASTIC_ROUNDING": rounding["STOCHASTIC_ROUNDING"],
+        "BLOCK": BLOCK,
+    }
+    return _grid(n_bulk, n), args
+
+
 # One LOMO step on one contiguous parameter, in place, in one launch (arguments and semantics
 # of `ops.lomo.reference.lomo_update_`).
 lomo_update_ = runtime.launcher(
@@ -86,6 +118,14 @@ grad_sumsq_ = runtime.launcher(
     GRAD_SUMSQ,
     grad_sumsq_args,
     lambda: runtime.kernels("lomo_kernels").grad_sumsq_kernel,
+    NUM_WARPS,
+)
+# buffer = round(buffer + grad) (first: round(grad)), the stored values' scaled sum of squares
+# added atomically and found_inf raised on inf/nan, one launch.
+grad_accumulate_ = runtime.launcher(
+    GRAD_ACCUMULATE,
+    grad_accumulate_args,
+    lambda: runtime.kernels("lomo_kernels").grad_accumulate_kernel,
     NUM_WARPS,
 )
 
