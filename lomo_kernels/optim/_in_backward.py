@@ -29,11 +29,13 @@ from torch import nn
 from .. import compile as _compiled_autograd
 from .. import ops
 from ..checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
+from ..core.scalars import copied_to
 from ..core.torch_internals import compiled_backward_donates_buffers
 from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
 from ..distributed.zero3 import is_deepspeed_engine
-from ..ops.backends import requested_backend
+from ..ops.backends import LOMO, requested_backend
 from ._hyper import check_lr, checked_group
+from .accumulation import Accumulation, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
 from .head_guard import refuse_bypassed_head
@@ -66,6 +68,42 @@ DONATED_BUFFERS_ERROR = (
 )
 
 
+GRAD_NORM_WITH_ACCUMULATION_ERROR = (
+    "grad_norm(loss) measures one backward's gradients, but with accumulation_steps > 1 the "
+    "step clips by the norm of the gradients accumulated over its micro-batches, which the "
+    "last micro-batch's backward measures: call fused_backward(loss) for each micro-batch "
+    "(opt.last_grad_norm is the step's norm). Nothing was changed."
+)
+ACCUMULATION_COMPILED_ERROR = (
+    "accumulation_steps > 1 under compiled autograd is not supported: the micro-batches' "
+    "buffers are allocated and looked up on the host in the hooks. Run the backward eagerly "
+    "(a torch.compile'd forward is fine; leave torch._dynamo.config.compiled_autograd off) or "
+    "use accumulation_steps=1 with a larger batch. Nothing was changed."
+)
+
+
+def _refuse_accumulation_setup(
+    steps: int, dtype: torch.dtype | None, single_backward: bool, sharded: bool
+) -> None:
+    """Refuses, at construction, what accumulation does not combine with."""
+    if steps == 1 and dtype is not None:
+        raise ValueError(
+            "accumulation_dtype applies to the buffers of accumulation_steps > 1; with one "
+            "micro-batch per step there is no buffer: leave it out"
+        )
+    if steps > 1 and single_backward:
+        raise ValueError(
+            "single_backward=True with accumulation_steps > 1: the accumulated gradients' norm "
+            "is known once the last micro-batch's backward is done, so clipping is exact "
+            "with one backward per micro-batch already: leave single_backward out"
+        )
+    if steps > 1 and sharded:
+        raise ValueError(
+            "accumulation_steps > 1 is not supported yet on sharded parameters (ZeRO-3, "
+            "FSDP2): use accumulation_steps=1 with a larger per-rank batch"
+        )
+
+
 class InBackwardOptions(TypedDict, total=False):
     """The keyword-only options Lomo and AdaLomo share (`InBackwardOptimizer`'s, with its
     defaults)."""
@@ -77,6 +115,8 @@ class InBackwardOptions(TypedDict, total=False):
     single_backward: bool
     replicated: bool
     param_groups: Sequence[Mapping[str, Any]] | None
+    accumulation_steps: int
+    accumulation_dtype: torch.dtype | None
 
 
 @dataclass
@@ -123,6 +163,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         single_backward: bool = False,
         replicated: bool = True,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
+        accumulation_steps: int = 1,
+        accumulation_dtype: torch.dtype | None = None,
     ) -> None:
         """Validates the shared hyper-parameters in `defaults` (lr, weight_decay,
         clip_grad_norm, clip_grad_value) and the sharding set-up, then attaches the hooks,
@@ -137,8 +179,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         (single_backward.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
         own (pipeline stages, a model per rank), so no rank waits for another's gradients.
-        `param_groups`: torch-style groups of the model's parameters (param_groups.py)."""
+        `param_groups`: torch-style groups of the model's parameters (param_groups.py).
+        `accumulation_steps`: micro-batches per step, each one `fused_backward` call; its
+        gradients are summed into a buffer per parameter of `accumulation_dtype` (None: the
+        parameter's dtype) and the step applied from them (accumulation.py)."""
         rounding = WriteBackRounding(stochastic_rounding, seed)
+        accumulation_steps, accumulation_dtype = check_accumulation(
+            accumulation_steps, accumulation_dtype
+        )
         defaults = checked_group(defaults)
         engine = model if is_deepspeed_engine(model) else None
         model = unwrap_engine(model)
@@ -150,6 +198,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             model=model,
             bucket_numel=bucket_numel,
             replicated=bool(replicated),
+        )
+        _refuse_accumulation_setup(
+            accumulation_steps, accumulation_dtype, bool(single_backward), sharding is not None
         )
         super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
@@ -192,6 +243,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._single_backward_clip,
             sharding,
         )
+        self._accumulation = (
+            Accumulation(accumulation_steps, accumulation_dtype, rounding)
+            if accumulation_steps > 1
+            else None
+        )
         self.state = self._PARAMETER_STATE.fresh_container()
         initial = self._PARAMETER_STATE.initial
         if initial is not None:
@@ -231,12 +287,24 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """The stochastic rounding's seed."""
         return self.rounding.seed
 
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches (`fused_backward` calls) per step; 1: every call is a step."""
+        return 1 if self._accumulation is None else self._accumulation.steps
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches accumulated since the last step (0 when none waits for `step()`)."""
+        return 0 if self._accumulation is None else self._accumulation.pending
+
     # -- hooks' lifetime ----------------------------------------------------------------
     def detach(self) -> None:
         """Removes every hook from the model: plain ``loss.backward()`` and any other
         optimizer work on it again. This optimizer can no longer step. A DeepSpeed engine it
         was built on gets its own checkpoint methods back."""
         self._release_hooks()  # runs once; later calls do nothing
+        if self._accumulation is not None:
+            self._accumulation.release()  # as zero_grad(): nothing can apply them now
         engine = getattr(self, "_engine", None)
         if engine is not None:
             restore_engine_checkpoints(engine, self)
@@ -292,6 +360,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._row_blocks.note_whole_gradient(param)
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
+        if self._mode.phase is Phase.ACCUMULATE:
+            device = param.device
+            self._accumulation.add(
+                param,
+                grad,
+                self._groups.index_of[id(param)],
+                self._inv_scale_for(device),
+                self._accumulate_backends[device],
+            )
+            return
         if self._sharded is not None:
             # Reduced first, then stepped as slices.
             for ready in self._sharded.sharding.grad_ready(param, grad):
@@ -362,6 +440,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
         the whole gradient (row_blocks.py says when). Refuses a second contribution to a
         parameter already stepped from blocks in this pass."""
+        if self._mode.phase is Phase.ACCUMULATE:
+            return None  # the whole gradient goes into the parameter's buffer
         if not self._row_blocks.take(param):
             return None
         if self._mode.phase is Phase.UPDATE:
@@ -385,6 +465,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         under ZeRO-3, where the update pass needs a forward of its own. Returns the total
         norm as a device tensor (no host sync).
         """
+        if self._accumulation is not None:
+            raise RuntimeError(GRAD_NORM_WITH_ACCUMULATION_ERROR)
         self._refuse_bypassed_head(loss)
         # A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
         # pass after an overflow and tries again): its overflow counts anew.
@@ -452,7 +534,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
         `lr` sets the learning rate of every param group (as lomo-optim does); omitted, the
         groups' own lr is used, so torch.optim.lr_scheduler schedulers work.
+
+        With ``accumulation_steps=k`` each call is one micro-batch: its gradients are added
+        into the buffers and the k-th call applies the step (with the lr then in force);
+        scale each micro-batch's loss as for torch's accumulation (``loss / k``).
         """
+        if self._accumulation is not None:
+            self._accumulate_micro_batch(loss, lr)
+            return
         self._check_call(loss, lr)
         if self._one_loss_per_pass:
             self._sharded.check_pattern(loss, self._needs_detection_pass())
@@ -504,6 +593,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Checks everything the step reads on the host, before anything changes, then sets
         every group's lr to `lr` when given (as lomo-optim does)."""
         check_loss(loss)
+        self._check_state(lr)
+
+    def _check_state(self, lr: float | None) -> None:
+        """`_check_call` without a loss (a step applied by `step()`)."""
         owner = type(self).__name__
         if not self.attached:
             raise RuntimeError(
@@ -542,15 +635,23 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Kept so frameworks that call `optimizer.step()` keep working. A closure is called
         (under grad) and its loss returned, but it updates nothing by itself.
         """
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pending_micro_batches:
+            self._check_state(None)
+            self._apply_accumulated()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops every gradient: ``.grad`` and, with accumulation, the micro-batches
+        accumulated since the last step (as torch's zero_grad drops accumulated gradients)."""
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if self._accumulation is not None:
+            self._accumulation.release()
 
     def flush_report(self) -> None:
         """Reports the last step's overflow now (at the end of training, for example)."""
@@ -558,6 +659,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     # -- checkpoint (checkpoint.py) -----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self._refuse_pending("state_dict()")
         return self._checkpoint.state_dict(self)
 
     def consolidated_state_dict(self) -> dict[str, Any]:
@@ -566,18 +668,113 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Loads into the same optimizer built on the unsharded model in one process. Without
         sharding it is `state_dict()`.
         """
+        self._refuse_pending("consolidated_state_dict()")
         return self._checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads `state_dict` after checking the whole of it: a checkpoint of another
         optimizer class, model or sharding, or with non-finite values, is refused with
         nothing applied (lomo-optim's state_dicts are taken too)."""
+        self._refuse_pending("load_state_dict()")
         self._checkpoint.load_state_dict(self, state_dict)
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises the error `load_state_dict(state_dict)` would refuse it with; changes
         nothing (a sharded load checks on every rank before any rank applies)."""
         self._checkpoint.check_state_dict(self, state_dict)
+
+    # -- accumulation (accumulation.py) -----------------------------------------------
+    def _refuse_pending(self, call: str) -> None:
+        """Refuses `call` while micro-batches wait in the buffers: a checkpoint would leave
+        them out (or a loaded one mix with them)."""
+        pending = self.pending_micro_batches
+        if pending:
+            raise RuntimeError(
+                f"{call} with {pending} of {self.accumulation_steps} micro-batches accumulated "
+                "and not applied: the buffers are not part of a checkpoint. Call it after the "
+                "step's last micro-batch, or after opt.step() (which applies what was "
+                "accumulated), or drop them with opt.zero_grad(). Nothing was changed."
+            )
+
+    def _accumulate_micro_batch(self, loss: torch.Tensor, lr: float | None) -> None:
+        """One micro-batch: its gradients added into the buffers; the last applies the step."""
+        accumulation = self._accumulation
+        self._check_call(loss, lr)
+        if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
+            raise RuntimeError(ACCUMULATION_COMPILED_ERROR)
+        self._refuse_bypassed_head(loss)
+        # The whole gradients go to the buffers: only a sparse gradient is refused here.
+        refuse_graph(loss, lambda param: False, self.model)
+        devices = self._prepare_micro_batch()
+        last = accumulation.pending + 1 == accumulation.steps
+        accumulation.begin_micro_batch(self.step_count, devices, measuring=last)
+        try:
+            self._run_backward(loss, Phase.ACCUMULATE, retain_graph=False)
+        except BaseException as error:
+            # Part of this micro-batch is in the buffers: none of the step's can be applied.
+            accumulation.release()
+            error.add_note(
+                "lomo_kernels: raised during a micro-batch's backward; the micro-batches "
+                "accumulated for this step were dropped and no parameter was changed"
+            )
+            raise
+        accumulation.pending += 1
+        if last:
+            self._apply_accumulated()
+
+    @torch.compiler.disable  # see _check_call
+    def _prepare_micro_batch(self) -> list[torch.device]:
+        """What a micro-batch's hooks read: the loss scale's inverse and the accumulation's
+        kernels, per device of the trained parameters (host-side, no sync)."""
+        devices = list(dict.fromkeys(p.device for g in self.param_groups for p in g["params"]))
+        for device in devices:
+            self._scalars.for_device(device)
+        self._loss_scaling.begin_step(self._scalars)
+        self._accumulate_backends = {d: LOMO.resolve(d, self._backend_name) for d in devices}
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None  # a stale gradient would be summed into this micro-batch's
+        return devices
+
+    @torch.compiler.disable  # see _check_call
+    def _apply_accumulated(self) -> None:
+        """The step from the buffers: the accumulated gradients' global norm and inf/nan flag
+        (measured by the last micro-batch's pass), then every parameter updated from its
+        buffer with the step's clip coefficient, or none after an overflow; the buffers are
+        released either way."""
+        accumulation = self._accumulation
+        self._reports.report_previous_step()
+        self._prepare_scalars()
+        try:
+            accumulation.measure_rest(self._inv_scale_for, self.backend)
+            measured = [accumulation.measured(d) for d in accumulation.devices()]
+            both = measured[0].clone()
+            for other in measured[1:]:
+                both += copied_to(other, both.device)
+            total_sumsq, found = both[0:1], both[1:2]
+            max_norm = self._groups.max_norm
+            clip_coef = None
+            if max_norm is not None:
+                clip_coef = ops.clip_coef_from_sumsq(total_sumsq, max_norm).reshape(())
+            self._reports.norms_measured(total_sumsq.sqrt(), None, clip_coef)
+            self._scalars.share_norm_outcome(found, clip_coef)
+            self._reports.forget_updated()
+            for param, buffer in accumulation.buffered():
+                scalars = self._scalars.for_device(param.device)
+                index, group = self._groups.of(param)
+                self._reports.note_updated(param)
+                skip_if = scalars.norm_found_inf
+                self._update(TensorStep(param, buffer, index, group, scalars, skip_if))
+        except BaseException as error:
+            self._reports.record_interruption(error, True)
+            raise
+        finally:
+            accumulation.release()
+            self._reports.forget_updated()
+        # One scale served every micro-batch: it changes once, by the step's outcome.
+        self._loss_scaling.after_step(found, detection=False)
+        self._reports.step_done(found, atomic=True, single_backward=False)
+        self._opt_called = True  # lets lr schedulers know the step happened
 
     # -- the step's passes --------------------------------------------------------------
     @torch.compiler.disable  # see _check_call

@@ -21,6 +21,7 @@ class Phase(enum.Enum):
     IDLE = "idle"  # no backward of the optimizer runs: an arriving gradient is an error
     NORM = "norm"  # gradients are measured (norm, inf/nan), nothing is written
     UPDATE = "update"  # each gradient updates its parameter
+    ACCUMULATE = "accumulate"  # each gradient is added into its buffer (accumulation.py)
 
 
 @dataclass(eq=False)

@@ -122,5 +122,5 @@ def grad_accumulate_(
     _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
                 seed, seed_step)  # fmt: skip
     if sumsq is not None or found_inf is not None:
-        grad_sumsq_(buffer, inv_scale, torch.zeros_like(sumsq) if sumsq is None else sumsq,
-                    found_inf)  # fmt: skip
+        target = torch.zeros(1, device=buffer.device) if sumsq is None else sumsq
+        grad_sumsq_(buffer, inv_scale, target, found_inf)

@@ -1,0 +1,173 @@
+"""Gradient accumulation over micro-batches: one buffer per trainable parameter, and the step
+applied from the buffers once the last micro-batch's gradients are in.
+
+Each ``fused_backward(loss)`` of an optimizer built with ``accumulation_steps=k`` is one
+micro-batch. Its backward adds every gradient into the parameter's buffer with one fused pass
+(`ops.grad_accumulate_`) and frees it at once, so no ``.grad`` is ever kept; the buffer is
+allocated at the parameter's first gradient of the step, in the parameter's dtype (bf16 and
+fp16 rounded stochastically by default, as the write-back is) or in ``accumulation_dtype``.
+The k-th micro-batch's pass also measures the accumulated gradients' squared norm and
+inf/nan flag, so the step then knows the exact global norm without a norm pass: every
+parameter is updated from its buffer with the clip coefficient of the whole big batch, or,
+after an overflow in any micro-batch, none is and the loss scale is lowered once (torch's
+GradScaler semantics). The buffers are then released.
+
+The buffers hold the loss-scaled sum, as ``.grad`` does under torch's GradScaler (one scale
+serves the k micro-batches: the scale changes only when a step is applied); the update
+divides by the scale as it divides a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..core.checks import SUPPORTED_DTYPES
+from ..core.rounding import mix32_int
+from ..ops.lomo import grad_accumulate_op
+from .rounding import WriteBackRounding, step_value
+
+# Salt of the accumulation's rounding stream: its bits are independent of the write-back's.
+_ACCUMULATION_SALT = 0x5A3C_96E1
+
+
+def micro_batch_value(seed: int, step_count: int, micro_batch: int) -> int:
+    """The per-micro-batch part of the accumulation's rounding key: distinct per (seed, step,
+    micro-batch), 31 bits as `rounding.step_value`."""
+    mixed = step_value(seed, step_count) ^ mix32_int(micro_batch ^ _ACCUMULATION_SALT)
+    return mix32_int(mixed) & 0x7FFFFFFF
+
+
+def check_accumulation(steps: object, dtype: object) -> tuple[int, torch.dtype | None]:
+    """The constructor's `accumulation_steps` and `accumulation_dtype`, checked."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"accumulation_steps must be an int >= 1 (micro-batches per step), got {steps!r}"
+        )
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            "accumulation_dtype must be None (the parameter's dtype), torch.float32, "
+            f"torch.bfloat16 or torch.float16, got {dtype!r}"
+        )
+    return steps, dtype
+
+
+class Accumulation:
+    """The micro-batches of the step in progress: the buffers, how many micro-batches they
+    hold, and per device the step's [sum of squares, inf/nan flag] of the accumulated
+    gradients (measured by the last micro-batch's pass)."""
+
+    def __init__(self, steps: int, dtype: torch.dtype | None, rounding: WriteBackRounding):
+        self.steps = steps
+        self.dtype = dtype
+        self.rounding = rounding
+        self.pending = 0  # micro-batches accumulated into the buffers
+        self.measuring = False  # this micro-batch's pass measures the accumulated gradients
+        # id(param) -> (param, buffer), in the order the gradients first arrived.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._measured: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
+        self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
+        self._seed_steps: dict[torch.device, torch.Tensor] = {}
+
+    def buffer_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return param.dtype if self.dtype is None else self.dtype
+
+    def begin_micro_batch(
+        self, step_count: int, devices: Iterable[torch.device], measuring: bool
+    ) -> None:
+        """Before a micro-batch's backward (host-side, no sync): a new step's first clears the
+        flags; every one refreshes the rounding's per-micro-batch value."""
+        self.measuring = measuring
+        value = micro_batch_value(self.rounding.seed, step_count, self.pending)
+        for device in devices:
+            measured = self._measured.get(device)
+            if measured is None:
+                measured = self._measured[device] = torch.zeros(2, device=device)
+                self._seed_steps[device] = torch.zeros(1, dtype=torch.int64, device=device)
+            if self.pending == 0:
+                measured.zero_()
+            self._seed_steps[device].fill_(value)
+
+    def add(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> None:
+        """Adds `param`'s gradient of this micro-batch into its buffer (allocated at its first
+        gradient of the step); `seed`: the parameter's rounding seed (its index)."""
+        entry = self._buffers.get(id(param))
+        first = entry is None
+        if first:
+            buffer = torch.empty_like(param, dtype=self.buffer_dtype(param))
+            self._buffers[id(param)] = (param, buffer)
+        else:
+            buffer = entry[1]
+        if self.measuring:
+            self._measured_ids.add(id(param))
+        if not buffer.numel():
+            return
+        device = buffer.device
+        measured = self._measured[device]
+        stochastic = self.rounding.applies_to(buffer.dtype)
+        # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own and in
+        # the op's form, so the public function's per-call conversions are skipped.
+        grad_accumulate_op.call_in_order(
+            backend,
+            (
+                buffer,  # buffer
+                grad.contiguous(),  # grad
+                first,  # first
+                inv_scale,  # inv_scale
+                measured[0:1] if self.measuring else None,  # sumsq
+                measured[1:2],  # found_inf: every micro-batch (a buffer may get no more)
+                stochastic,  # stochastic_rounding
+                seed if stochastic else 0,  # seed
+                self._seed_steps[device] if stochastic else None,  # seed_step
+            ),
+        )
+
+    def measure_rest(self, inv_scale_for: Any, backend: str | None) -> None:
+        """Measures the buffers the last micro-batch's pass did not reach (a parameter without
+        a gradient there, or every buffer of a step applied early by `step()`), so the step's
+        norm and flag cover every accumulated gradient. `inv_scale_for(device)`: the loss
+        scale's inverse there."""
+        for param, buffer in self._buffers.values():
+            if id(param) in self._measured_ids or not buffer.numel():
+                continue
+            measured = self._measured[buffer.device]
+            ops.grad_sumsq_(
+                buffer,
+                measured[0:1],
+                inv_scale=inv_scale_for(buffer.device),
+                found_inf=measured[1:2],
+                backend=backend,
+            )
+            self._measured_ids.add(id(param))
+
+    def buffered(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, buffer) of every parameter that got a gradient this step."""
+        return iter(list(self._buffers.values()))
+
+    def measured(self, device: torch.device) -> torch.Tensor:
+        """[sum of squares, inf/nan flag] of the accumulated gradients on `device`."""
+        return self._measured[device]
+
+    def devices(self) -> list[torch.device]:
+        return list(self._measured)
+
+    def release(self) -> None:
+        """Drops the buffers and the micro-batch count (after a step, or `zero_grad`)."""
+        self._buffers.clear()
+        self._measured_ids.clear()
+        self.pending = 0
+        self.measuring = False
+
+    def buffer_bytes(self) -> int:
+        """The bytes the buffers of this step hold now."""
+        return sum(b.numel() * b.element_size() for _, b in self._buffers.values())
