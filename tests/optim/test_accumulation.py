@@ -1,0 +1,290 @@
+"""Gradient accumulation (`accumulation_steps=k`): k micro-batches equal one step on their
+concatenation, against torch's own accumulation + clip_grad_norm_ + SGD (Lomo) and against
+the big batch (AdaLomo); nothing changes before the k-th micro-batch; what cannot be served
+is refused before any change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.models import batch, max_rel_diff, tiny_llama
+from support.state import assert_refused, same_bits, snapshot, tensors, unchanged
+
+from lomo_kernels import AdaLomo, Lomo
+
+K = 4
+STEPS = 3
+# Lomo's fp32 steps against torch.optim.SGD: the suite's bound for that comparison
+# (test_lomo_optimizer.py): the buffer sums the micro-batches' gradients in the order torch's
+# .grad does, so only the clip coefficient's rounding (a float64 sum here, per-tensor fp32
+# norms in clip_grad_norm_) differs, a few fp32 ulps over the run.
+FP32_BOUND = 1e-6
+
+
+def micro_batches(step: int, k: int = K) -> list[dict[str, torch.Tensor]]:
+    """Step `step`'s big batch (2k sequences of equal length) cut into k micro-batches."""
+    big = batch(step, batch_size=2 * k)
+    return [{name: t[2 * i : 2 * i + 2] for name, t in big.items()} for i in range(k)]
+
+
+def train_accumulating(model, opt, steps=STEPS, k=K):
+    for step in range(steps):
+        for micro in micro_batches(step, k):
+            opt.fused_backward(model(**micro).loss / k)
+
+
+def train_torch_accumulation(model, lr, steps=STEPS, k=K, clip=None, weight_decay=0.0):
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+    for step in range(steps):
+        for micro in micro_batches(step, k):
+            (model(**micro).loss / k).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_lomo_equals_torch_accumulation(backend, clip):
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=clip, accumulation_steps=K, backend=backend)
+    train_accumulating(ours, opt)
+    train_torch_accumulation(ref, 0.05, clip=clip)
+    assert opt.step_count == STEPS
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_lomo_weight_decay_and_clip_value_on_the_accumulated_gradient(backend):
+    # torch: clip_grad_value_ and SGD's coupled decay act on the summed .grad once.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, weight_decay=0.1, clip_grad_value=0.002, accumulation_steps=K,
+               backend=backend)  # fmt: skip
+    train_accumulating(ours, opt)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        for micro in micro_batches(step):
+            (ref(**micro).loss / K).backward()
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.002)
+        with torch.no_grad():  # Lomo's decay: p * (1 - lr * wd) - lr * g
+            for p in ref.parameters():
+                p.mul_(1 - 0.05 * 0.1)
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_adalomo_equals_its_big_batch_step(backend, clip):
+    # AdaLomo's factored second moment of the accumulated gradient is that of the big batch's
+    # gradient: the same sum of the same per-sequence terms, in another order (fp32 rounding).
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = AdaLomo(ours, lr=1e-3, clip_grad_norm=clip, accumulation_steps=K, backend=backend)
+    big = AdaLomo(ref, lr=1e-3, clip_grad_norm=clip, backend=backend)
+    train_accumulating(ours, opt)
+    for step in range(STEPS):
+        big.fused_backward(ref(**batch(step, batch_size=2 * K)).loss)
+    # AdaLomo's update is normalised by its RMS, so a rounding-level change of the gradient
+    # moves the update by a rounding-level relative amount too: the same fp32 bound.
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_nothing_changes_before_the_last_micro_batch_and_no_grad_is_kept(backend):
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K, backend=backend)
+    start = snapshot(model)
+    for i, micro in enumerate(micro_batches(0)):
+        opt.fused_backward(model(**micro).loss / K)
+        assert all(p.grad is None for p in model.parameters())
+        if i < K - 1:
+            assert unchanged(model, start) and opt.step_count == 0
+            assert opt.pending_micro_batches == i + 1
+    assert not unchanged(model, start) and opt.step_count == 1
+    assert opt.pending_micro_batches == 0
+    assert torch.isfinite(opt.last_grad_norm).all()
+
+
+def test_one_micro_batch_per_step_is_the_default_step():
+    a, b = tiny_llama(), tiny_llama()
+    plain = Lomo(a, lr=0.05, clip_grad_norm=1.0)
+    explicit = Lomo(b, lr=0.05, clip_grad_norm=1.0, accumulation_steps=1)
+    for step in range(2):
+        plain.fused_backward(a(**batch(step)).loss)
+        explicit.fused_backward(b(**batch(step)).loss)
+    assert explicit.accumulation_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_a_parameter_without_a_gradient_in_some_micro_batches():
+    # The second layer's output is used in the even micro-batches only: its buffer keeps what
+    # it has, and the step equals torch's (whose .grad simply gets fewer terms).
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList([torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)])
+
+    def loss_of(model, i):
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(i))
+        out = model[0](x)
+        if i % 2 == 0:
+            out = out + model[1](x)
+        return out.pow(2).mean() / K
+
+    ours, ref = make(), make()
+    opt = Lomo(ours, lr=0.1, clip_grad_norm=0.3, accumulation_steps=K)
+    for i in range(K):
+        opt.fused_backward(loss_of(ours, i))
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(K):
+        loss_of(ref, i).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    sgd.step()
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_step_applies_a_short_step():
+    # The last step of an epoch with fewer than k micro-batches left (transformers' Trainer):
+    # opt.step() applies what was accumulated, as torch's step() applies the summed .grad.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    micros = micro_batches(0)[:2]
+    for micro in micros:
+        opt.fused_backward(ours(**micro).loss / 2)
+    assert opt.step_count == 0 and opt.pending_micro_batches == 2
+    opt.step()
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+    after = snapshot(ours)
+    opt.step()  # nothing pending: a no-op, as after a full step
+    assert opt.step_count == 1 and unchanged(ours, after)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for micro in micros:
+        (ref(**micro).loss / 2).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    sgd.step()
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_zero_grad_drops_the_accumulated_micro_batches():
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    start = snapshot(model)
+    opt.fused_backward(model(**micro_batches(0)[0]).loss)
+    opt.zero_grad()
+    assert opt.pending_micro_batches == 0
+    opt.step()
+    assert unchanged(model, start) and opt.step_count == 0
+
+
+def test_fp16_overflow_in_one_micro_batch_skips_the_whole_step():
+    # torch's GradScaler: one scale for the k micro-batches; an inf in any skips the step and
+    # lowers the scale once.
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K)
+    scale = opt.loss_scaler.loss_scale
+    before = tensors(model, opt)
+    micros = micro_batches(0)
+    for i, micro in enumerate(micros):
+        loss = model(**micro).loss / K
+        opt.fused_backward(loss * float("inf") if i == 1 else loss)
+    assert same_bits(before[: len(list(model.parameters()))], snapshot(model))
+    assert opt.loss_scaler.loss_scale == scale / 2
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+    opt.flush_report()
+    assert opt.last_step_skipped
+    # The next step trains from clean buffers.
+    start = snapshot(model)
+    for micro in micros:
+        opt.fused_backward(model(**micro).loss / K)
+    assert not unchanged(model, start)
+
+
+def test_fp16_accumulation_equals_its_fp32_step_within_fp16_rounding():
+    # fp16 weights, fp16 loss-scaled buffers: the step follows the fp32 one to fp16's
+    # precision (the weights themselves are fp16: half an ulp, 2**-11 relative, per write).
+    ours, ref = tiny_llama(torch.float16), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K, stochastic_rounding=False)
+    train_accumulating(ours, opt, steps=1)
+    train_torch_accumulation(ref, 0.05, steps=1, clip=1.0)
+    start = tiny_llama()
+    for a, b, s in zip(ours.parameters(), ref.parameters(), start.parameters(), strict=True):
+        update = (b.double() - s.double()).abs().max().item()
+        # Rounding of the fp16 forward/backward's gradient (fp16 math, ~1e-3 relative) and
+        # of the write-back (2**-11 of the weight): both within 2% of the update plus 1 ulp.
+        assert (
+            a.double() - b.double()
+        ).abs().max().item() <= 0.02 * update + 2**-10 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_bf16_buffer_keeps_additions_below_half_an_ulp(dtype):
+    # A bf16 buffer gets 1.0, then 15 additions of 1e-3: each is an eighth of bf16's ulp at 1
+    # (2**-7), so round-to-nearest would keep 1.0 and lose 0.015; stochastic rounding keeps
+    # the sum in expectation. Per element the error's variance is at most ulp**2 / 4 per
+    # rounding (15 additions and the write-back), so the mean over 2**16 elements has a
+    # standard deviation of at most sqrt(16 / 4) * 2**-7 / 2**8 = 6.1e-5: allowed 6 sigma.
+    # An fp32 buffer holds the sum exactly to fp32 rounding: only the write-back rounds.
+    n, k = 1 << 16, 16
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+    opt = Lomo(module, lr=1.0, accumulation_steps=k, accumulation_dtype=dtype)
+    small = torch.tensor(1e-3, dtype=torch.bfloat16).item()  # the gradient as bf16 holds it
+    for i in range(k):
+        opt.fused_backward(module.weight.float().sum() * (1.0 if i == 0 else small))
+    expected = -(1.0 + (k - 1) * small)  # lr 1 from 0: the weight is minus the sum
+    sigma = (2.0 if dtype is None else 0.5) * 2**-7 / 2**8
+    assert abs(module.weight.double().mean().item() - expected) <= 6 * sigma
+
+
+def test_accumulation_buffer_dtype_and_memory():
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    opt.fused_backward(model(**micro_batches(0)[0]).loss)
+    params = sum(p.numel() for p in model.parameters())
+    assert opt._accumulation.buffer_bytes() == 2 * params  # one bf16 buffer per parameter
+    opt32 = Lomo(tiny_llama(torch.bfloat16), lr=0.05, accumulation_steps=K,
+                 accumulation_dtype=torch.float32)  # fmt: skip
+    opt32.fused_backward(opt32.model(**micro_batches(0)[0]).loss)
+    assert opt32._accumulation.buffer_bytes() == 4 * params
+
+
+def test_refusals_before_any_change():
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K)
+    opt.fused_backward(model(**micro_batches(0)[0]).loss / K)
+    loss = model(**micro_batches(0)[1]).loss / K
+    assert_refused(model, opt, lambda: opt.grad_norm(loss), RuntimeError, "accumulation_steps")
+    assert_refused(model, opt, opt.state_dict, RuntimeError, "1 of 4 micro-batches")
+    assert_refused(model, opt, lambda: opt.load_state_dict({}), RuntimeError, "micro-batches")
+    assert opt.pending_micro_batches == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulation_steps": 0}, "accumulation_steps must be an int >= 1"),
+        ({"accumulation_steps": 2.0}, "accumulation_steps must be an int >= 1"),
+        ({"accumulation_steps": 2, "accumulation_dtype": torch.int8}, "accumulation_dtype"),
+        ({"accumulation_dtype": torch.float32}, "leave it out"),
+        ({"accumulation_steps": 2, "single_backward": True}, "single_backward"),
+    ],
+)
+def test_bad_accumulation_arguments_are_refused(kwargs, match):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        Lomo(model, lr=0.05, **kwargs)
+    Lomo(model, lr=0.05).detach()  # no hook was left behind
+
+
+def test_a_failed_micro_batch_drops_the_step_and_changes_nothing():
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, accumulation_steps=2)
+    start = snapshot(model)
+    opt.fused_backward(model(**micro_batches(0)[0]).loss / 2)
+
+    def fail(grad):
+        raise RuntimeError("planted")
+
+    handle = model.model.embed_tokens.weight.register_hook(fail)
+    with pytest.raises(RuntimeError, match="planted") as info:
+        opt.fused_backward(model(**micro_batches(0)[1]).loss / 2)
+    handle.remove()
+    assert "dropped" in "".join(getattr(info.value, "__notes__", []))
+    assert unchanged(model, start) and opt.pending_micro_batches == 0 and opt.step_count == 0
