@@ -151,8 +151,8 @@ def compute_dtype(fsdp_param: Any) -> torch.dtype:
 def unsynced_units(model: nn.Module) -> int:
     """How many units have gradient synchronisation off (``set_requires_gradient_sync``).
 
-    FSDP2 then accumulates their unsharded gradients and calls no hook: gradient
-    accumulation, which LOMO cannot do.
+    FSDP2 then accumulates their unsharded gradients and calls no hook (the optimizer's own
+    ``accumulation_steps`` is the way to accumulate).
     """
     count = 0
     for module in model.modules():
@@ -214,7 +214,7 @@ class Fsdp2Sharding:
             raise RuntimeError(
                 "FSDP2 gradient synchronisation is off (set_requires_gradient_sync(False)): "
                 "FSDP2 would accumulate the gradients and never hand them to the optimizer. "
-                "LOMO updates inside backward and cannot accumulate gradients; keep "
+                "The optimizer's hooks cannot accumulate gradients that FSDP2 keeps: keep "
                 "synchronisation on and use a larger batch. " + SUPPORTED_SETUP
             )
 

@@ -9,9 +9,10 @@
 decay (on the parameters transformers decays: not on norm weights and biases) and
 `max_grad_norm` reach the optimizer, the scheduler's learning rate is used every step, the
 logged `grad_norm` is the step's gradient norm before clipping, fp16 weights work, and
-gradient accumulation (impossible with LOMO) is refused up front. A `Lomo`/`AdaLomo` passed
-through `optimizers=(opt, scheduler)` is used as given (in one process; under DeepSpeed the
-optimizer is built on the engine).
+`gradient_accumulation_steps=k` accumulates k micro-batches into the optimizer's buffers
+(``accumulation_steps=k``; an epoch's last, shorter step applied at its last micro-batch).
+A `Lomo`/`AdaLomo` passed through `optimizers=(opt, scheduler)` is used as given (in one
+process; under DeepSpeed the optimizer is built on the engine).
 
 Clipping: exact by default (`max_grad_norm > 0` runs a norm pass, so two backward passes per
 step, as lomo-optim); `optim_args="single_backward=True"` clips within one backward
@@ -46,7 +47,12 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..distributed import consolidated_state_dict
 from ..optim._in_backward import InBackwardOptimizer
-from .huggingface import check_training_arguments, in_backward_optimizer
+from .huggingface import (
+    apply_short_step,
+    check_step_lines_up,
+    check_training_arguments,
+    in_backward_optimizer,
+)
 from .trainer_checkpoints import last_whole_checkpoint
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
 from .trainer_parallel import check_deepspeed_config, check_parallel_setup, deepspeed_config
@@ -92,6 +98,13 @@ class LomoTrainer(Trainer):
         if given is not None and not isinstance(given, InBackwardOptimizer):
             raise TypeError(
                 f"LomoTrainer trains with lomo_kernels.Lomo or AdaLomo, got {type(given).__name__}"
+            )
+        steps = targs.gradient_accumulation_steps
+        if given is not None and given.accumulation_steps != steps:
+            raise ValueError(
+                f"TrainingArguments(gradient_accumulation_steps={steps}) but the given optimizer "
+                f"was built with accumulation_steps={given.accumulation_steps}: build it with "
+                "the same number of micro-batches per step"
             )
         # Clipping happens inside the optimizer (it needs the norm before any update); the
         # Trainer's own clipping would only see freed gradients.
@@ -159,9 +172,22 @@ class LomoTrainer(Trainer):
                 # needs a forward of its own.
                 opt.grad_norm(self._loss(model, inputs, num_items_in_batch))
         loss = self._loss(model, inputs, num_items_in_batch)
+        if not self._loss_scaled_for_accumulation(num_items_in_batch):
+            loss = loss / self.current_gradient_accumulation_steps  # as Trainer.training_step
+        check_step_lines_up(opt, self.accelerator.sync_gradients)
         # The learning rate comes from the param groups, which the scheduler sets.
         opt.fused_backward(loss)
+        apply_short_step(opt, self.accelerator.sync_gradients)
         return loss.detach()
+
+    def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
+        """Whether the loss is already a share of the whole step's (divided by the step's
+        item count, by the model or by compute_loss_func), as Trainer.training_step decides."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return scaled
+        accepts = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        return accepts or self.compute_loss_func is not None
 
     def _loss(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any

@@ -18,7 +18,13 @@ After `enable_transformers()` (process-wide, undone by `disable_transformers()`)
   clipping, measured by the optimizer (clipping already happened inside the step, with its
   own `clip_grad_norm`), or None when the step measured none: the Trainer logs the real
   `grad_norm`.
-- What the step cannot honour is refused before the first step: gradient accumulation, fp16
+- `gradient_accumulation_steps=k` builds the optimizer with ``accumulation_steps=k``: each
+  micro-batch's `accelerator.backward` adds its gradients into the optimizer's buffers, the
+  k-th applies the step; a sync step with fewer micro-batches (an epoch's last) applies what
+  was accumulated through `optimizer.step()` right after its backward, so the logged
+  `grad_norm` is that step's. A micro-batch whose step would not line up with the Trainer's
+  (or accelerate's) sync steps is refused before it changes anything.
+- What the step cannot honour is refused before the first step: fp16
   autocast (`fp16=True`), DeepSpeed (LomoTrainer serves ZeRO-3), and a Trainer whose
   `max_grad_norm` or `weight_decay` differs from the values a given optimizer was built with.
 """
@@ -38,7 +44,7 @@ from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext
 from transformers.training_args import OptimizerNames
 
 from ..optim._in_backward import InBackwardOptimizer
-from ..optim.validation import GRAD_ACCUMULATION_ERROR, register_backward_origin_note
+from ..optim.validation import register_backward_origin_note
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
 
 # (id(owner), attribute) -> (owner, the value enable_transformers() replaced); a dict owner
@@ -69,15 +75,6 @@ def refuse_deepspeed(args: TrainingArguments) -> None:
 
 def check_training_arguments(args: TrainingArguments) -> None:
     """Refuses the Trainer settings an in-backward optimizer cannot honour."""
-    steps = args.gradient_accumulation_steps
-    if steps > 1:
-        batch = args.per_device_train_batch_size
-        raise ValueError(
-            f"TrainingArguments(gradient_accumulation_steps={steps}) with optim="
-            f"{str(getattr(args.optim, 'value', args.optim))!r}: " + GRAD_ACCUMULATION_ERROR + " "
-            f"Set gradient_accumulation_steps=1 and per_device_train_batch_size={batch * steps} "
-            f"(now {batch}) for the same batch per step. Nothing was changed."
-        )
     if args.fp16:
         raise ValueError(
             "fp16 autocast (TrainingArguments.fp16=True) needs a GradScaler on the backward "
@@ -95,6 +92,13 @@ def check_matches_arguments(optimizer: InBackwardOptimizer, args: TrainingArgume
             f"TrainingArguments(max_grad_norm={args.max_grad_norm}) but the optimizer was built "
             f"with clip_grad_norm={optimizer.clip_grad_norm}: LOMO clips inside backward, so "
             "build it with the same value (or set max_grad_norm=0 for no clipping)"
+        )
+    if optimizer.accumulation_steps != args.gradient_accumulation_steps:
+        raise ValueError(
+            f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps})"
+            f" but the optimizer was built with accumulation_steps="
+            f"{optimizer.accumulation_steps}: the optimizer applies a step after its own count "
+            "of micro-batches, so build it with the same value"
         )
     decays = sorted({group["weight_decay"] for group in optimizer.param_groups})
     if args.weight_decay and args.weight_decay not in decays:
@@ -141,15 +145,17 @@ def _prepared_in_backward(accelerator: Accelerator) -> InBackwardOptimizer | Non
     return found[0] if found else None
 
 
-def _check_accelerator(accelerator: Accelerator, kwargs: dict[str, Any]) -> None:
+def _check_accelerator(
+    accelerator: Accelerator, kwargs: dict[str, Any], optimizer: InBackwardOptimizer
+) -> None:
     steps = accelerator.gradient_accumulation_steps
-    if steps > 1:
+    if not _steps_by_trainer(accelerator) and optimizer.accumulation_steps != steps:
         raise ValueError(
-            f"Accelerator(gradient_accumulation_steps={steps}) with a Lomo/AdaLomo prepared: "
-            + GRAD_ACCUMULATION_ERROR
-            + f" Build the Accelerator with gradient_accumulation_steps=1 and batches {steps} "
-            "times larger. Nothing was changed."
+            f"Accelerator(gradient_accumulation_steps={steps}) with a Lomo/AdaLomo built with "
+            f"accumulation_steps={optimizer.accumulation_steps}: build both with the same "
+            "number of micro-batches per step. Nothing was changed."
         )
+    check_step_lines_up(optimizer, accelerator.sync_gradients)
     if accelerator.scaler is not None:
         raise ValueError(
             "accelerate's fp16 GradScaler cannot scale the backward Lomo runs itself: load the "
@@ -165,14 +171,45 @@ def _check_accelerator(accelerator: Accelerator, kwargs: dict[str, Any]) -> None
         raise TypeError(f"backward with a Lomo/AdaLomo takes learning_rate only, got {unknown}")
 
 
+# Set on a Trainer's accelerator: the Trainer divides the losses and syncs gradients itself
+# (its accelerator keeps gradient_accumulation_steps at 1).
+_STEPS_BY_TRAINER = "_lomo_kernels_steps_by_trainer"
+
+
+def _steps_by_trainer(accelerator: Accelerator) -> bool:
+    return getattr(accelerator, _STEPS_BY_TRAINER, False)
+
+
+def check_step_lines_up(optimizer: InBackwardOptimizer, sync_gradients: bool) -> None:
+    """Refuses, before its backward, a micro-batch after which the optimizer would apply
+    its step while the loop does not step there (`sync_gradients` False)."""
+    k = optimizer.accumulation_steps
+    if optimizer.pending_micro_batches + 1 == k and not sync_gradients:
+        raise ValueError(
+            f"this backward is micro-batch {k} of {k}, so the optimizer would apply its step, "
+            "but the loop does not sync gradients here: the optimizer's accumulation_steps "
+            "and the loop's gradient accumulation differ. Nothing was changed."
+        )
+
+
+def apply_short_step(optimizer: InBackwardOptimizer, sync_gradients: bool) -> None:
+    """On a sync step with fewer micro-batches than a whole step (the end of an epoch),
+    applies what was accumulated at once, so the step's norm is there for the log."""
+    if sync_gradients and optimizer.pending_micro_batches:
+        optimizer.step()
+
+
 def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> Any:
         optimizer = _prepared_in_backward(self)
         if optimizer is None:
             return original(self, loss, **kwargs)
-        _check_accelerator(self, kwargs)
+        _check_accelerator(self, kwargs, optimizer)
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps  # as accelerate's own backward
         # Without learning_rate the param groups' lr (an lr scheduler's) is used.
-        return optimizer.fused_backward(loss, kwargs.get("learning_rate"))
+        optimizer.fused_backward(loss, kwargs.get("learning_rate"))
+        apply_short_step(optimizer, self.sync_gradients)
 
     return backward
 
@@ -205,6 +242,7 @@ def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
             _BUILDING_FOR.reset(token)
         lomo = in_backward_optimizer(optimizer)
         if lomo is not None:  # checked before the first step changes anything
+            setattr(self.accelerator, _STEPS_BY_TRAINER, True)
             refuse_deepspeed(self.args)
             check_training_arguments(self.args)
             check_matches_arguments(lomo, self.args)

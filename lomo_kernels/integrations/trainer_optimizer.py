@@ -6,6 +6,7 @@ Used by both ways in (``LomoTrainer`` and ``enable_transformers()``'s ``optim="l
 - ``weight_decay`` on the parameters ``Trainer.get_decay_parameter_names`` names, none on the
   others (norm weights and biases), as transformers' Trainer does for every optimizer: two
   param groups;
+- ``gradient_accumulation_steps`` as ``accumulation_steps`` (micro-batches per step);
 - ``optim_args="single_backward=True"``: clipping (and fp16 overflow checks) inside one
   backward per step. The default, False, runs the norm pass first, so a clipped step takes
   two backward passes and is exactly the clipped step of transformers' other optimizers
@@ -90,7 +91,9 @@ def optimizer_kwargs(
             "optim_args='single_backward=True' clips within one",
             max_grad_norm,
         )
+    steps = args.gradient_accumulation_steps
     return {
+        **({"accumulation_steps": steps} if steps > 1 else {}),
         "lr": args.learning_rate,
         "clip_grad_norm": max_grad_norm if max_grad_norm else None,
         "weight_decay": args.weight_decay,

@@ -20,10 +20,9 @@ from .loss_scaler import LOSS_SCALE_KEYS
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
 
 
-GRAD_ACCUMULATION_ERROR = (
-    "LOMO updates each parameter inside backward and frees its gradient at once, so "
-    "gradients cannot be accumulated over micro-batches: use a larger batch instead (with "
-    "activation checkpointing if memory is short)."
+GRAD_ACCUMULATION_NOTE = (
+    "To accumulate gradients over micro-batches, build the optimizer with "
+    "accumulation_steps=k and call opt.fused_backward(loss / k) for each micro-batch."
 )
 
 
@@ -45,8 +44,8 @@ def plain_backward_error() -> str:
     already routes backwards through `fused_backward` is active."""
     head = (
         "a backward reached the hook of a parameter that a Lomo/AdaLomo updates, outside "
-        "opt.fused_backward(loss) and opt.grad_norm(loss) (a plain loss.backward(), or "
-        "gradient accumulation); nothing was updated. " + GRAD_ACCUMULATION_ERROR
+        "opt.fused_backward(loss) and opt.grad_norm(loss) (a plain loss.backward()); nothing "
+        "was updated. " + GRAD_ACCUMULATION_NOTE
     )
     for note in _BACKWARD_ORIGIN_NOTES:
         sentence = note()

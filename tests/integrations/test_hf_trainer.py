@@ -9,7 +9,14 @@ import pytest
 import torch
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
-from support.hf_trainer import args, dataset, logged, norm_weight_names, trainer_batch
+from support.hf_trainer import (
+    args,
+    dataset,
+    distinct_rows,
+    logged,
+    norm_weight_names,
+    trainer_batch,
+)
 from support.models import max_rel_diff, tiny_llama
 
 transformers = require("transformers")
@@ -47,17 +54,40 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_trainer_refuses_gradient_accumulation(tmp_path):
-    """The refusal says what to set instead (LomoTrainer needs no enable_transformers())."""
-    with pytest.raises(ValueError) as refused:
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+def test_trainer_accumulates_micro_batches(tmp_path, optim):
+    """LomoTrainer with gradient_accumulation_steps=4 against the optimizer's own loop on the
+    same micro-batches, and (Lomo) against transformers' Trainer with torch's SGD; 12 rows
+    end the epoch with a short step of 2 micro-batches."""
+    ours, ref = tiny_llama(), tiny_llama()
+    common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+                  learning_rate=0.2 if optim == "lomo" else 0.01, lr_scheduler_type="constant",
+                  weight_decay=0.0, seed=0)  # fmt: skip
+    trainer = LomoTrainer(model=ours, args=args(tmp_path / "ours", optim=optim, **common),
+                          train_dataset=distinct_rows(12))  # fmt: skip
+    trainer.train()
+    opt = trainer._lomo()
+    assert opt.accumulation_steps == 4 and opt.step_count == 2 and not opt.pending_micro_batches
+    if optim == "lomo":
+        reference = Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
+                            train_dataset=distinct_rows(12))  # fmt: skip
+        reference.train()
+        assert logged(trainer) == pytest.approx(logged(reference), rel=1e-6)
+        # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+        assert max_rel_diff(ours, ref) <= 1e-6
+    else:
+        assert len(logged(trainer)) == 2 and all(n > 0 for n in logged(trainer))
+
+
+def test_trainer_refuses_a_given_optimizer_counting_other_micro_batches(tmp_path):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4.*accumulation_steps=1"):
         LomoTrainer(
-            model=tiny_llama(),
+            model=model,
             args=args(tmp_path, gradient_accumulation_steps=4),
             train_dataset=dataset(),
+            optimizers=(Lomo(model, lr=0.1), None),
         )
-    message = str(refused.value)
-    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
-    assert "enable_transformers" not in message
 
 
 def test_trainer_uses_a_given_optimizer(tmp_path):

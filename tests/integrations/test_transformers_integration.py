@@ -7,7 +7,14 @@ import sys
 import pytest
 import torch
 from support.dependencies import require
-from support.hf_trainer import args, dataset, logged, norm_weight_names, trainer_batch
+from support.hf_trainer import (
+    args,
+    dataset,
+    distinct_rows,
+    logged,
+    norm_weight_names,
+    trainer_batch,
+)
 from support.models import batch, max_rel_diff, tiny_llama
 
 require("transformers")
@@ -76,8 +83,47 @@ def test_accelerate_refuses_what_the_step_cannot_honour():
     before = [p.clone() for p in model.parameters()]
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model, opt = accelerator.prepare(model, Lomo(model, lr=LR))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*accumulation_steps=1"):
         accelerator.backward(model(**batch(0)).loss, learning_rate=LR)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def accelerate_run(model, optimizer, k=2, micro_batches=6):
+    """accelerate's accumulation loop: accumulate(), backward, step and zero_grad per
+    micro-batch (the wrapped optimizer steps on sync steps only)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
+    model, opt = accelerator.prepare(model, optimizer)
+    lr = {"learning_rate": LR} if isinstance(optimizer, Lomo) else {}  # torch's takes none
+    for i in range(micro_batches):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch(i)).loss, **lr)
+            accelerator.clip_grad_norm_(model.parameters(), OPTIONS["clip_grad_norm"])
+            opt.step()
+            opt.zero_grad()
+    return accelerator
+
+
+def test_accelerate_accumulation_equals_torchs():
+    ours, ref = tiny_llama(), tiny_llama()
+    accelerate_run(ours, Lomo(ours, lr=LR, clip_grad_norm=1.0, accumulation_steps=2))
+    accelerate_run(ref, torch.optim.SGD(ref.parameters(), lr=LR))
+    # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def test_accelerate_refuses_a_step_it_would_not_sync():
+    # The optimizer counts 2 micro-batches, the accelerator 3: its second backward would
+    # apply a step where the accelerator does not sync; refused before it runs.
+    model = tiny_llama()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    model, opt = accelerator.prepare(model, Lomo(model, lr=LR, accumulation_steps=3))
+    accelerator.gradient_accumulation_steps = 3
+    with accelerator.accumulate(model):
+        accelerator.backward(model(**batch(0)).loss)
+    opt.optimizer._accumulation.pending = 2  # a loop whose count drifted from the optimizer's
+    before = [p.clone() for p in model.parameters()]
+    with accelerator.accumulate(model), pytest.raises(ValueError, match="does not sync"):
+        accelerator.backward(model(**batch(1)).loss)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
@@ -208,21 +254,26 @@ def test_disable_restores_transformers_and_accelerate(tmp_path):
     assert not hasattr(opt, "fused_backward")
 
 
-def test_trainer_gradient_accumulation_refusal_fits_the_caller(tmp_path):
-    """After enable_transformers() the refusal says what to set, not to call it."""
-    model = tiny_llama()
-    before = [p.clone() for p in model.parameters()]
-    trainer = Trainer(
-        model=model,
-        args=args(tmp_path, gradient_accumulation_steps=4, per_device_train_batch_size=2),
-        train_dataset=dataset(),
-    )
-    with pytest.raises(ValueError) as refused:
-        trainer.train()
-    message = str(refused.value)
-    assert "gradient_accumulation_steps=1 and per_device_train_batch_size=8" in message
-    assert "enable_transformers" not in message
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+@pytest.mark.parametrize("rows", [16, 12], ids=["whole-steps", "short-last-step"])
+def test_trainer_accumulation_equals_torchs(tmp_path, rows):
+    """Trainer(optim="lomo", gradient_accumulation_steps=4) against the same Trainer with
+    torch's SGD; 12 rows in micro-batches of 2 end the epoch with a step of 2 micro-batches,
+    which the optimizer applies at the Trainer's sync step."""
+    ours, ref = tiny_llama(), tiny_llama()
+    common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+                  learning_rate=LR)  # fmt: skip
+    trainer = Trainer(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
+                      train_dataset=distinct_rows(rows))  # fmt: skip
+    trainer.train()
+    reference = Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
+                        train_dataset=distinct_rows(rows))  # fmt: skip
+    reference.train()
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.accumulation_steps == 4 and opt.step_count == rows // 8 + (rows % 8 > 0)
+    assert opt.pending_micro_batches == 0
+    # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+    assert max_rel_diff(ours, ref) <= 1e-6
+    assert logged(trainer) == pytest.approx(logged(reference), rel=1e-6)
 
 
 def test_a_plain_backward_is_refused_in_the_callers_terms():

@@ -17,6 +17,12 @@ def dataset(n: int = 8) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": fixed["input_ids"][0], "labels": fixed["labels"][0]}] * n
 
 
+def distinct_rows(n: int) -> list[dict[str, torch.Tensor]]:
+    """`n` different training rows (so that micro-batches differ)."""
+    rows = batch(1, batch_size=n)
+    return [{"input_ids": rows["input_ids"][i], "labels": rows["labels"][i]} for i in range(n)]
+
+
 def trainer_batch() -> dict[str, torch.Tensor]:
     """The batch the Trainer forms from `dataset`: two copies of one sequence."""
     rows = dataset(2)
