@@ -99,5 +99,6 @@ SLOWEST_FIRST = (
     "tools/test_memory.py",
     "distributed/test_zero3.py",
     "distributed/test_fsdp2.py",
+    "distributed/test_sharded_accumulation.py",
     "tools/test_gpu_check.py",
 )

@@ -83,7 +83,7 @@ ACCUMULATION_COMPILED_ERROR = (
 
 
 def _refuse_accumulation_setup(
-    steps: int, dtype: torch.dtype | None, single_backward: bool, sharded: bool
+    steps: int, dtype: torch.dtype | None, single_backward: bool
 ) -> None:
     """Refuses, at construction, what accumulation does not combine with."""
     if steps == 1 and dtype is not None:
@@ -96,11 +96,6 @@ def _refuse_accumulation_setup(
             "single_backward=True with accumulation_steps > 1: the accumulated gradients' norm "
             "is known once the last micro-batch's backward is done, so clipping is exact "
             "with one backward per micro-batch already: leave single_backward out"
-        )
-    if steps > 1 and sharded:
-        raise ValueError(
-            "accumulation_steps > 1 is not supported yet on sharded parameters (ZeRO-3, "
-            "FSDP2): use accumulation_steps=1 with a larger per-rank batch"
         )
 
 
@@ -199,9 +194,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             bucket_numel=bucket_numel,
             replicated=bool(replicated),
         )
-        _refuse_accumulation_setup(
-            accumulation_steps, accumulation_dtype, bool(single_backward), sharding is not None
-        )
+        _refuse_accumulation_setup(accumulation_steps, accumulation_dtype, bool(single_backward))
         super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
         self.rounding = rounding
@@ -360,20 +353,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._row_blocks.note_whole_gradient(param)
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
-        if self._mode.phase is Phase.ACCUMULATE:
-            device = param.device
-            self._accumulation.add(
-                param,
-                grad,
-                self._groups.index_of[id(param)],
-                self._inv_scale_for(device),
-                self._accumulate_backends[device],
-            )
-            return
         if self._sharded is not None:
             # Reduced first, then stepped as slices.
             for ready in self._sharded.sharding.grad_ready(param, grad):
                 self._step_slices(ready)
+            return
+        if self._mode.phase is Phase.ACCUMULATE:
+            self._accumulate(param, grad)
             return
         scalars = self._scalars.for_device(param.device)
         if self._mode.phase is Phase.NORM:
@@ -402,6 +388,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """One batch of this rank's slices with their reduced gradients: measure or update."""
         if not ready:
             return
+        if self._mode.phase is Phase.ACCUMULATE:
+            for shard, grad in ready:
+                self._accumulate(shard.param, grad, shard)
+            return
         scalars = self._scalars.for_device(ready[0][1].device)
         if self._mode.phase is Phase.NORM:
             for shard, grad in ready:
@@ -415,6 +405,18 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         else:
             batch = SliceBatch(ready, scalars, scalars.skip_flag(self._mode.norm_ready))
         self._update_shards(batch)
+
+    def _accumulate(self, param: torch.Tensor, grad: torch.Tensor, shard: Any = None) -> None:
+        """Adds a micro-batch's gradient (sharded: this rank's reduced slice) into the buffer."""
+        device = grad.device
+        self._accumulation.add(
+            param,
+            grad,
+            self._groups.index_of[id(param)],
+            self._inv_scale_for(device),
+            self._accumulate_backends[device],
+            shard,
+        )
 
     def _accumulate_norm(
         self, param: torch.Tensor, grad: torch.Tensor, scalars: DeviceScalars
@@ -722,6 +724,25 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if last:
             self._apply_accumulated()
 
+    def _update_from_buffers(self, buffered: list[tuple[Any, torch.Tensor, Any]]) -> None:
+        """Every buffered parameter (or this rank's slice of it) updated from its buffer,
+        skipped whole on the step's overflow flag (`norm_found_inf`, shared above)."""
+        if self._sharded is None:
+            for param, buffer, _ in buffered:
+                scalars = self._scalars.for_device(param.device)
+                index, group = self._groups.of(param)
+                self._reports.note_updated(param)
+                step = TensorStep(param, buffer, index, group, scalars, scalars.norm_found_inf)
+                self._update(step)
+            return
+        if buffered:  # one batch: the same parameters in the same order on every rank
+            scalars = self._scalars.for_device(buffered[0][1].device)
+            for param, _, _ in buffered:
+                self._reports.note_updated(param)
+            entries = [(shard, buffer) for _, buffer, shard in buffered]
+            self._update_shards(SliceBatch(entries, scalars, scalars.norm_found_inf))
+        self._sharded.sharding.after_update()
+
     @torch.compiler.disable  # see _check_call
     def _prepare_micro_batch(self) -> list[torch.device]:
         """What a micro-batch's hooks read: the loss scale's inverse and the accumulation's
@@ -751,6 +772,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             both = measured[0].clone()
             for other in measured[1:]:
                 both += copied_to(other, both.device)
+            if self._sharded is not None:  # this rank's slices' partial sums: every rank's
+                self._sharded.sharding.all_reduce_sum_(both)
             total_sumsq, found = both[0:1], both[1:2]
             max_norm = self._groups.max_norm
             clip_coef = None
@@ -759,12 +782,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._reports.norms_measured(total_sumsq.sqrt(), None, clip_coef)
             self._scalars.share_norm_outcome(found, clip_coef)
             self._reports.forget_updated()
-            for param, buffer in accumulation.buffered():
-                scalars = self._scalars.for_device(param.device)
-                index, group = self._groups.of(param)
-                self._reports.note_updated(param)
-                skip_if = scalars.norm_found_inf
-                self._update(TensorStep(param, buffer, index, group, scalars, skip_if))
+            self._update_from_buffers(accumulation.buffered())
         except BaseException as error:
             self._reports.record_interruption(error, True)
             raise

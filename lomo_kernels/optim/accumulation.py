@@ -19,7 +19,7 @@ divides by the scale as it divides a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from .. import ops
 from ..core.checks import SUPPORTED_DTYPES
 from ..core.rounding import mix32_int
+from ..distributed import Shard
 from ..ops.lomo import grad_accumulate_op
 from .rounding import WriteBackRounding, step_value
 
@@ -66,8 +67,8 @@ class Accumulation:
         self.rounding = rounding
         self.pending = 0  # micro-batches accumulated into the buffers
         self.measuring = False  # this micro-batch's pass measures the accumulated gradients
-        # id(param) -> (param, buffer), in the order the gradients first arrived.
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(param) -> (param, buffer, shard), in the order the gradients first arrived.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, Shard | None]] = {}
         self._measured: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
         self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
@@ -98,14 +99,17 @@ class Accumulation:
         seed: int,
         inv_scale: torch.Tensor | None,
         backend: Any,
+        shard: Shard | None = None,
     ) -> None:
         """Adds `param`'s gradient of this micro-batch into its buffer (allocated at its first
-        gradient of the step); `seed`: the parameter's rounding seed (its index)."""
+        gradient of the step); `seed`: the parameter's rounding seed (its index). Sharded,
+        `grad` is this rank's reduced slice `shard` of it, and the buffer that slice's: it
+        rounds as the whole parameter's buffer would (`WriteBackRounding.in_pieces`)."""
         entry = self._buffers.get(id(param))
         first = entry is None
         if first:
-            buffer = torch.empty_like(param, dtype=self.buffer_dtype(param))
-            self._buffers[id(param)] = (param, buffer)
+            buffer = torch.empty_like(grad, dtype=self.buffer_dtype(param))
+            self._buffers[id(param)] = (param, buffer, shard)
         else:
             buffer = entry[1]
         if self.measuring:
@@ -115,29 +119,40 @@ class Accumulation:
         device = buffer.device
         measured = self._measured[device]
         stochastic = self.rounding.applies_to(buffer.dtype)
-        # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own and in
-        # the op's form, so the public function's per-call conversions are skipped.
-        grad_accumulate_op.call_in_order(
-            backend,
-            (
-                buffer,  # buffer
-                grad.contiguous(),  # grad
-                first,  # first
-                inv_scale,  # inv_scale
-                measured[0:1] if self.measuring else None,  # sumsq
-                measured[1:2],  # found_inf: every micro-batch (a buffer may get no more)
-                stochastic,  # stochastic_rounding
-                seed if stochastic else 0,  # seed
-                self._seed_steps[device] if stochastic else None,  # seed_step
-            ),
-        )
+        seed_step = self._seed_steps[device] if stochastic else None
+        flat, flat_grad = buffer.reshape(-1), grad.reshape(-1)
+
+        def piece(a: int, b: int, piece_seed: int) -> None:
+            whole = a == 0 and b == flat.numel()
+            # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own
+            # and in the op's form, so the public function's per-call conversions are skipped.
+            grad_accumulate_op.call_in_order(
+                backend,
+                (
+                    buffer if whole else flat[a:b],  # buffer
+                    (grad if whole else flat_grad[a:b]).contiguous(),  # grad
+                    first,  # first
+                    inv_scale,  # inv_scale
+                    measured[0:1] if self.measuring else None,  # sumsq
+                    measured[1:2],  # found_inf: every micro-batch (a buffer may get no more)
+                    stochastic,  # stochastic_rounding
+                    piece_seed if stochastic else 0,  # seed
+                    seed_step,  # seed_step
+                ),
+            )
+
+        offset = 0 if shard is None else shard.offset
+        if stochastic:
+            self.rounding.in_pieces(seed, offset, flat.numel(), piece)
+        else:
+            piece(0, flat.numel(), 0)
 
     def measure_rest(self, inv_scale_for: Any, backend: str | None) -> None:
         """Measures the buffers the last micro-batch's pass did not reach (a parameter without
         a gradient there, or every buffer of a step applied early by `step()`), so the step's
         norm and flag cover every accumulated gradient. `inv_scale_for(device)`: the loss
         scale's inverse there."""
-        for param, buffer in self._buffers.values():
+        for param, buffer, _ in self._buffers.values():
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
             measured = self._measured[buffer.device]
@@ -150,9 +165,11 @@ class Accumulation:
             )
             self._measured_ids.add(id(param))
 
-    def buffered(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(parameter, buffer) of every parameter that got a gradient this step."""
-        return iter(list(self._buffers.values()))
+    def buffered(self) -> list[tuple[torch.Tensor, torch.Tensor, Shard | None]]:
+        """(parameter, buffer, this rank's shard or None) of every parameter that got a
+        gradient this step, in the order the gradients first arrived (the same on every
+        rank: the sharding hands the slices over in the same order)."""
+        return list(self._buffers.values())
 
     def measured(self, device: torch.device) -> torch.Tensor:
         """[sum of squares, inf/nan flag] of the accumulated gradients on `device`."""
@@ -170,4 +187,4 @@ class Accumulation:
 
     def buffer_bytes(self) -> int:
         """The bytes the buffers of this step hold now."""
-        return sum(b.numel() * b.element_size() for _, b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for _, b, _ in self._buffers.values())

@@ -24,6 +24,9 @@ OPTIONS = {"clip_grad_norm": 0.3, "weight_decay": 0.05}
 # (with clipping on, the clip coefficient would hide it).
 NO_CLIP = {"weight_decay": 0.05}
 SINGLE = {**OPTIONS, "single_backward": True}
+# Gradient accumulation: each step of ACCUMULATION_STEPS micro-batches of a global batch.
+ACCUMULATION_STEPS = 4
+ACCUMULATING = {**OPTIONS, "accumulation_steps": ACCUMULATION_STEPS}
 
 
 class ScaledLlama(nn.Module):
@@ -86,6 +89,15 @@ def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
         if opt.clip_grad_norm is not None:
             opt.grad_norm(loss)
         opt.fused_backward(loss)
+    opt.flush_report()
+
+
+def train_accumulating(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+    """accumulation_steps=k: k micro-batches per step, batch `k * step + i`, each loss / k."""
+    k = opt.accumulation_steps
+    for step in range(steps):
+        for i in range(k):
+            opt.fused_backward(model(batch_of(k * step + i)) / k)
     opt.flush_report()
 
 

@@ -1,0 +1,80 @@
+"""One rank of the gradient accumulation checks on sharded parameters (run by
+test_sharded_accumulation.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and AdaLomo
+with accumulation_steps=4, each rank accumulating its reduced slices.
+
+Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
+parameters for the one-process reference, and `checks.json` with what every rank saw.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fsdp2_worker  # noqa: E402
+import zero3_worker  # noqa: E402
+from support.sharded_checks import run_worker  # noqa: E402
+from support.sharded_models import (  # noqa: E402
+    ACCUMULATING,
+    LR,
+    STEPS,
+    rank_batch,
+    train_accumulating,
+)
+
+from lomo_kernels import AdaLomo, Lomo  # noqa: E402
+from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
+
+torch.set_num_threads(1)
+OUT = Path(sys.argv[1])
+OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
+
+
+def build(engine: str):
+    """The sharded model (what the optimizer is built on, the module that runs forward)."""
+    if engine == "zero3":
+        built = zero3_worker.build()
+        return built, built.module
+    model = fsdp2_worker.build()
+    return model, model
+
+
+def run(engine: str, name: str, rank: int, checks: dict) -> None:
+    target, model = build(engine)
+    initial = consolidated_state_dict(model)
+    opt = OPTIMIZERS[name](target, lr=LR[name], **ACCUMULATING)
+    batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
+    train_accumulating(model, opt, batch_of, STEPS)
+    # A step's first micro-batch, then a checkpoint: refused on every rank, nothing changed.
+    opt.fused_backward(model(batch_of(1000)) / opt.accumulation_steps)
+    try:
+        opt.state_dict()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    opt.zero_grad()
+    checks[f"{engine}_{name}"] = {
+        "step_count": opt.step_count,
+        "norm": float(opt.last_grad_norm),
+        "refused_mid_step": refused,
+        "pending_after_zero_grad": opt.pending_micro_batches,
+    }
+    final = consolidated_state_dict(model)
+    if rank == 0:
+        torch.save({"initial": initial, "final": final}, OUT / f"{engine}_{name}.pt")
+
+
+def main(rank: int, checks: dict) -> None:
+    for engine in ("zero3", "fsdp2"):
+        for name in OPTIMIZERS:
+            run(engine, name, rank, checks)
+
+
+if __name__ == "__main__":
+    run_worker(lambda: deepspeed.init_distributed(dist_backend="gloo"), main, OUT)
