@@ -35,7 +35,7 @@ from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap
 from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import LOMO, requested_backend
 from ._hyper import check_lr, checked_group
-from .accumulation import Accumulation, check_accumulation
+from .accumulation import AccumulatedRows, Accumulation, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
 from .head_guard import refuse_bypassed_head
@@ -443,7 +443,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         the whole gradient (row_blocks.py says when). Refuses a second contribution to a
         parameter already stepped from blocks in this pass."""
         if self._mode.phase is Phase.ACCUMULATE:
-            return None  # the whole gradient goes into the parameter's buffer
+            if not self._row_blocks.accumulates(param):
+                return None  # the whole gradient goes into the parameter's buffer
+            return AccumulatedRows(
+                self._accumulation,
+                param,
+                self._groups.index_of[id(param)],
+                self._inv_scale_for(param.device),
+                self._accumulate_backends[param.device],
+            )
         if not self._row_blocks.take(param):
             return None
         if self._mode.phase is Phase.UPDATE:

@@ -105,15 +105,56 @@ class Accumulation:
         gradient of the step); `seed`: the parameter's rounding seed (its index). Sharded,
         `grad` is this rank's reduced slice `shard` of it, and the buffer that slice's: it
         rounds as the whole parameter's buffer would (`WriteBackRounding.in_pieces`)."""
-        entry = self._buffers.get(id(param))
-        first = entry is None
-        if first:
-            buffer = torch.empty_like(grad, dtype=self.buffer_dtype(param))
-            self._buffers[id(param)] = (param, buffer, shard)
-        else:
-            buffer = entry[1]
+        buffer, first = self._buffer(param, grad, shard, zeroed=False)
         if self.measuring:
             self._measured_ids.add(id(param))
+        offset = 0 if shard is None else shard.offset
+        self._add(buffer, grad, first, offset, seed, inv_scale, backend)
+
+    def add_rows(
+        self,
+        param: torch.Tensor,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> None:
+        """`add` for rows [start, stop) of `param`, from their gradient `grad` (a fused op's
+        block, `AccumulatedRows`): the buffer starts at zero, as the blocks may skip rows."""
+        buffer, _ = self._buffer(param, param, None, zeroed=True)
+        if self.measuring:
+            self._measured_ids.add(id(param))
+        width = param.numel() // param.shape[0] if param.shape[0] else 0
+        self._add(buffer[start:stop], grad, False, start * width, seed, inv_scale, backend)
+
+    def _buffer(
+        self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """`param`'s buffer, shaped like `like`, and whether it was just allocated without
+        being zeroed (its first gradient then overwrites it)."""
+        entry = self._buffers.get(id(param))
+        if entry is not None:
+            return entry[1], False
+        make = torch.zeros_like if zeroed else torch.empty_like
+        buffer = make(like, dtype=self.buffer_dtype(param))
+        self._buffers[id(param)] = (param, buffer, shard)
+        return buffer, not zeroed
+
+    def _add(
+        self,
+        buffer: torch.Tensor,
+        grad: torch.Tensor,
+        first: bool,
+        offset: int,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> None:
+        """One fused accumulate pass of `grad` into `buffer`, which starts at flat `offset` of
+        its parameter: stochastically rounded buffers in aligned pieces, each with the seed
+        under which it rounds as the whole parameter's buffer would."""
         if not buffer.numel():
             return
         device = buffer.device
@@ -141,7 +182,6 @@ class Accumulation:
                 ),
             )
 
-        offset = 0 if shard is None else shard.offset
         if stochastic:
             self.rounding.in_pieces(seed, offset, flat.numel(), piece)
         else:
@@ -188,3 +228,43 @@ class Accumulation:
     def buffer_bytes(self) -> int:
         """The bytes the buffers of this step hold now."""
         return sum(b.numel() * b.element_size() for _, b, _ in self._buffers.values())
+
+
+class AccumulatedRows:
+    """A `core.gradient_sink.GradientSink` adding a fused op's row blocks of a weight's
+    gradient (the logits-free head's vocabulary chunks) into the weight's buffer, so that
+    the whole ``vocab x hidden`` gradient never exists in a micro-batch either. The
+    measuring micro-batch takes every block (zero ones too), so the sum of squares covers
+    every row of the buffer."""
+
+    measure_first = False
+    measuring = False
+
+    def __init__(
+        self,
+        accumulation: Accumulation,
+        param: torch.Tensor,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> None:
+        self._accumulation = accumulation
+        self._param = param
+        self._seed = seed
+        self._inv_scale = inv_scale
+        self._backend = backend
+        self.changes_zero_rows = accumulation.measuring
+
+    def measure(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        raise AssertionError("AccumulatedRows never asks for a measuring sweep")
+
+    def measured(self) -> None:
+        raise AssertionError("AccumulatedRows never asks for a measuring sweep")
+
+    def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        self._accumulation.add_rows(
+            self._param, start, stop, grad, self._seed, self._inv_scale, self._backend
+        )
+
+    def finish(self) -> None:
+        return None

@@ -179,6 +179,17 @@ class RowBlocks:
         rounded = self.rounding.applies_to(param.dtype)
         return not (rounded and param.numel() > MAX_SLICED_NUMEL)
 
+    def accumulates(self, param: torch.Tensor) -> bool:
+        """Whether a micro-batch of gradient accumulation takes `param`'s gradient in row
+        blocks (`accumulation.AccumulatedRows`): adding is elementwise for any optimizer, and
+        a second contribution (a tied weight) is simply added too."""
+        if self.sharded or torch.compiler.is_compiling():
+            return False
+        if _compiled_autograd.compiled_autograd_active():
+            return False
+        rounded = self.rounding.applies_to(param.dtype)
+        return not (rounded and param.numel() > MAX_SLICED_NUMEL)
+
     def _tied(self) -> set[int]:
         """Parameters registered under more than one name in the model, or tied to a patched
         model's input embedding (tied weights)."""
