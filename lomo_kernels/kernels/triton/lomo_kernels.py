@@ -1,5 +1,5 @@
 """Fused LOMO update and gradient sum of squares: the Triton device code (launchers:
-`lomo.py`).
+`ops/lomo/triton_backend.py`).
 
 Each kernel makes one pass over one contiguous parameter. The numel n is split into an
 aligned bulk of `n - n % 16` elements, masked with a bound the JIT specialises as divisible
