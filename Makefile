@@ -14,8 +14,8 @@ BENCH_7B_BATCH ?= 1
 BENCH_GPU := bench-gpu-kernels bench-gpu-memory bench-gpu-single-backward bench-gpu-head \
 	bench-gpu-24gib bench-gpu-train-1b bench-gpu-train-7b
 
-.PHONY: setup test test-gpu test-compile-versions demo bench bench-gpu $(BENCH_GPU) gpu-wheels \
-	gpu-setup gpu-check lint docs clean
+.PHONY: setup test test-gpu test-compile-versions demo bench bench-suite bench-gpu $(BENCH_GPU) \
+	gpu-wheels gpu-setup gpu-check lint docs clean
 
 setup: $(STAMP)
 
@@ -75,15 +75,15 @@ gpu-setup:
 	$(GPU_PY) -m pip install -q --no-index --no-deps --find-links $(GPU_WHEELS) $(GPU_PACKAGES)
 
 # The GPU paths in one command, sized for one lent machine's 10-minute command: the gpu_smoke
-# tests, then `bench train` (a 1B shape; Llama-3-8B capped at 24 GiB with the fused head and
-# without), `bench head`, `bench host-time` and `bench quality` on the device, each part in
+# tests, then `bench.train` (a 1B shape; Llama-3-8B capped at 24 GiB with the fused head and
+# without), `bench.head`, `bench.host_time` and `bench.quality` on the device, each part in
 # processes of its own under its own time budget: 9 minutes in all, the C++/CUDA extensions'
 # first build included. summary.md, results.json and the log go to RESULTS (here by default
 # bench/results/gpu-check) as each part ends. DEVICE=cpu runs the same at tiny sizes.
 DEVICE            ?= cuda
 GPU_CHECK_RESULTS := $(if $(filter file,$(origin RESULTS)),bench/results/gpu-check,$(RESULTS))
 gpu-check: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels gpu-check --device $(DEVICE) --results $(GPU_CHECK_RESULTS)
+	$(GPU_ENV) $(PY) -m bench.gpu_check --device $(DEVICE) --results $(GPU_CHECK_RESULTS)
 
 # The compile tests on each torch version that compiled autograd is tested on (the package's
 # TESTED_TORCH_VERSIONS; TORCH_VERSIONS="2.13.0" picks some), each in a venv of its own
@@ -107,19 +107,26 @@ test-compile-versions: $(STAMP)
 	done
 
 demo: $(STAMP)
-	$(PY) -m lomo_kernels.tools.demo --plot demo.png
+	$(PY) -m bench.demo --plot demo.png
 
+# Every benchmark lives in bench/ (outside the package) and runs from the clone's root as
+# `python -m bench.<study>`; `python -m bench` lists the studies.
 # CPU figures of BENCHMARKS.md (CPU timings, never GPU ones): kernels, memory, end to end.
 bench: $(STAMP)
-	$(PY) -m lomo_kernels bench kernels --csv bench/results/kernels_cpu.csv \
+	$(PY) -m bench.kernels --csv bench/results/kernels_cpu.csv \
 		--plot bench/results/kernels_cpu.png
-	$(PY) -m lomo_kernels bench memory --model llama-168m \
+	$(PY) -m bench.memory --model llama-168m \
 		--plot bench/results/memory_cpu.png
-	$(PY) -m lomo_kernels bench train --model tiny --steps 5 --rounds 3 \
+	$(PY) -m bench.train --model tiny --steps 5 --rounds 3 \
 		--optimizers adamw,sgd,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
 		--json bench/results/train_cpu.json --plot bench/results/train_cpu.png \
 		| tee bench/results/train_cpu.txt
-	$(PY) -m lomo_kernels bench update
+	$(PY) -m bench.update
+
+# The kernel cases of `bench.kernels` as a pytest-benchmark suite (bench/test_bench_kernels.py;
+# LOMO_BENCH_DEVICE=cuda on a GPU, LOMO_BENCH_SIZES=4K,1M to choose the sizes).
+bench-suite: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider bench/test_bench_kernels.py --benchmark-only
 
 # The GPU figures of BENCHMARKS.md: tables on stdout, JSON/CSV and plots in $(RESULTS). One
 # target per table, each a few minutes on one H100 (a lent machine runs at most 10 minutes
@@ -127,23 +134,23 @@ bench: $(STAMP)
 bench-gpu: $(BENCH_GPU)
 
 bench-gpu-kernels: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench kernels --device cuda \
+	$(GPU_ENV) $(PY) -m bench.kernels --device cuda \
 		--csv $(RESULTS)/kernels_cuda.csv --json $(RESULTS)/kernels_cuda.json \
 		--plot $(RESULTS)/kernels_cuda.png | tee $(RESULTS)/kernels_cuda.txt
 
 bench-gpu-memory: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 \
+	$(GPU_ENV) $(PY) -m bench.memory --device cuda --model llama-168m --batch 4 \
 		--seq 512 \
 		--optimizers adamw,sgd,lomo_optim,lomo,lomo_clip,adalomo,lomo_compiled_forward,lomo_compiled_autograd \
 		--json $(RESULTS)/memory_cuda.json --plot $(RESULTS)/memory_cuda.png \
 		| tee $(RESULTS)/memory_cuda.txt
 	@# The same with the logits-free loss (the fused head and embedding).
-	$(GPU_ENV) $(PY) -m lomo_kernels bench memory --device cuda --model llama-168m --batch 4 \
+	$(GPU_ENV) $(PY) -m bench.memory --device cuda --model llama-168m --batch 4 \
 		--seq 512 --optimizers sgd,lomo,adalomo --fused-head \
 		--json $(RESULTS)/memory_cuda_fused_head.json | tee $(RESULTS)/memory_cuda_fused_head.txt
 
 bench-gpu-single-backward: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench single-backward --device cuda --steps 20 --batch 8 \
+	$(GPU_ENV) $(PY) -m bench.single_backward --device cuda --steps 20 --batch 8 \
 		--seq 256 --threads 4 | tee $(RESULTS)/single_backward_cuda.txt
 
 # The LM head alone (Llama-3-8B's 128,256 x 4096 at 8 x 2048 tokens), beside liger-kernel and
@@ -152,19 +159,19 @@ bench-gpu-single-backward: $(GPU_STAMP)
 bench-gpu-head: $(GPU_STAMP)
 	$(PY) -c "import liger_kernel, cut_cross_entropy" 2>/dev/null || \
 		$(PY) -m pip install -q --no-deps liger-kernel cut-cross-entropy
-	$(GPU_ENV) $(PY) -m lomo_kernels bench head --device cuda --shape llama-3-8b \
+	$(GPU_ENV) $(PY) -m bench.head --device cuda --shape llama-3-8b \
 		--dtype bf16 --steps 10 --warmup 2 --json $(RESULTS)/head_cuda.json \
 		| tee $(RESULTS)/head_cuda.txt
 
 # The headline: a Llama-3-8B shape, 8 x 2048 tokens, bf16, activation checkpointing, capped
 # at 24 GiB (a 24 GiB GPU): with the fused head and embedding, then without them.
 bench-gpu-24gib: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+	$(GPU_ENV) $(PY) -m bench.train --device cuda --model llama-3-8b \
 		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
 		--warmup 1 --optimizers lomo,lomo_single,adalomo --fused-head --no-progress \
 		--json $(RESULTS)/train_cuda_8b_24gib_fused.json \
 		| tee $(RESULTS)/train_cuda_8b_24gib_fused.txt
-	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-3-8b \
+	$(GPU_ENV) $(PY) -m bench.train --device cuda --model llama-3-8b \
 		--dtype bf16 --seq 2048 --batch 8 --checkpointing --memory-cap-gib 24 --steps 3 \
 		--warmup 1 --optimizers lomo,lomo_single,adalomo --no-progress \
 		--json $(RESULTS)/train_cuda_8b_24gib.json | tee $(RESULTS)/train_cuda_8b_24gib.txt
@@ -172,14 +179,14 @@ bench-gpu-24gib: $(GPU_STAMP)
 # End to end: a 1B shape at seq 2048 (--batch: the largest AdamW fits), then a 7B shape with
 # activation checkpointing; an optimizer that does not fit reports OOM.
 bench-gpu-train-1b: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-1b \
+	$(GPU_ENV) $(PY) -m bench.train --device cuda --model llama-1b \
 		--dtype bf16 --seq 2048 --batch $(BENCH_1B_BATCH) --steps 10 --warmup 3 --no-progress \
 		--optimizers adamw,lomo_optim,lomo,lomo_single,adalomo,adalomo_single,lomo_compiled_autograd \
 		--json $(RESULTS)/train_cuda_1b.json --plot $(RESULTS)/train_cuda_1b.png \
 		| tee $(RESULTS)/train_cuda_1b.txt
 
 bench-gpu-train-7b: $(GPU_STAMP)
-	$(GPU_ENV) $(PY) -m lomo_kernels bench train --device cuda --model llama-7b \
+	$(GPU_ENV) $(PY) -m bench.train --device cuda --model llama-7b \
 		--dtype bf16 --seq 2048 --batch $(BENCH_7B_BATCH) --checkpointing --steps 5 --warmup 2 \
 		--optimizers adamw,lomo,lomo_single,adalomo,adalomo_single --no-progress \
 		--json $(RESULTS)/train_cuda_7b.json --plot $(RESULTS)/train_cuda_7b.png \

@@ -1,10 +1,10 @@
-"""The cases of `lomo-kernels bench kernels` as a pytest-benchmark suite.
+"""The cases of `python -m bench.kernels` as a pytest-benchmark suite.
 
     pytest bench/ --benchmark-only [--benchmark-group-by=group]
     LOMO_BENCH_DEVICE=cuda pytest bench/ --benchmark-only
 
 pytest-benchmark times one variant after the other, not interleaved: on a shared, noisy
-machine prefer `lomo-kernels bench kernels` (ratios from interleaved repetitions).
+machine prefer `python -m bench.kernels` (ratios from interleaved repetitions).
 LOMO_BENCH_SIZES (e.g. "4K,1M,64M") chooses the sizes; the LLaMA-7B layer mix is always in.
 """
 
@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from lomo_kernels.tools.bench.kernels import (
+from bench.common.dtypes import DTYPES
+from bench.kernels import (
     DEFAULT_SIZES,
     LAYER_CASE,
     Case,
@@ -24,7 +25,6 @@ from lomo_kernels.tools.bench.kernels import (
     parse_size,
     size_label,
 )
-from lomo_kernels.tools.dtypes import DTYPES
 
 DEVICE = os.environ.get("LOMO_BENCH_DEVICE", "cpu")
 SIZES = [parse_size(s) for s in os.environ.get("LOMO_BENCH_SIZES", "").split(",") if s] or list(

@@ -1,4 +1,4 @@
-"""`python -m lomo_kernels ...`: the command-line tools (see lomo_kernels/tools/cli.py)."""
+"""`python -m lomo_kernels ...`: the command line (see lomo_kernels/tools/cli.py)."""
 
 import sys
 

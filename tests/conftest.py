@@ -71,7 +71,7 @@ _suite_start = time.monotonic()
 
 
 def machine_line() -> str:
-    from lomo_kernels.tools import machine
+    from lomo_kernels.tools import env as machine
 
     bf16 = "native" if machine.native_bf16_matmul() else "emulated: bf16-heavy tests use fp32"
     return (
@@ -96,9 +96,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 SLOWEST_FIRST = (
     "compile/test_compile_llama.py",
     "compile/test_compile_shapes.py",
-    "tools/test_memory.py",
+    "benchmarks/test_memory.py",
     "distributed/test_zero3.py",
     "distributed/test_fsdp2.py",
     "distributed/test_sharded_accumulation.py",
-    "tools/test_gpu_check.py",
+    "benchmarks/test_gpu_check.py",
 )

@@ -373,27 +373,7 @@ def custom_op_overload(op: Any, qualname: str) -> Any:
     return getattr(getattr(torch.ops, namespace), name).default
 
 
-# ---------------------------------------------------------------------- tools
-
-
-def torch_fused_sgd() -> Callable[..., None]:
-    """torch's fused SGD kernel (``torch.optim.SGD(fused=True)`` runs it)."""
-    fused = getattr(torch, "_fused_sgd_", None)
-    if fused is None:
-        raise MissingInternalError(
-            "torch._fused_sgd_", "leave the torch fused-SGD variant out of the benchmark"
-        )
-    return fused
-
-
-def cuda_spin(cycles: int) -> None:
-    """Keeps the current CUDA stream busy for about `cycles` GPU clock cycles."""
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is None:
-        raise MissingInternalError(
-            "torch.cuda._sleep", "GPU timings need it: use a torch release that has it"
-        )
-    sleep(cycles)
+# ---------------------------------------------------------------------- oneDNN
 
 
 def mkldnn_bf16_supported() -> bool:

@@ -2,7 +2,7 @@
 
 The patched model's ``forward`` runs the decoder as before, then, when labels are given,
 takes the loss straight from the last hidden states and the head's weight through the fused
-linear + cross-entropy (`ops/cross_entropy.py`): the ``tokens x vocab`` logits and their
+linear + cross-entropy (`ops/cross_entropy/`): the ``tokens x vocab`` logits and their
 gradient never exist, and ``outputs.logits`` is None. Without labels (generation,
 evaluation without a loss) the original forward runs unchanged.
 

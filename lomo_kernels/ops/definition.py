@@ -1,7 +1,7 @@
 """Each fused op defined once with `torch.library`, from its `OpSpec` (`core/spec.py`).
 
 An in-place op (the LOMO update, AdaLomo's passes) is a `custom_op` with:
-  - the reference (`lomo_reference.py`, `adalomo_reference.py`) as the body for any device,
+  - the reference (`lomo/reference.py`, `adalomo/reference.py`) as the body for any device,
   - a fake implementation (the ops only write into their arguments), so FakeTensor tracing,
     `torch.compile` and `opcheck` see the op without running it,
   - one kernel registered per dispatch key with compiled kernels, running the backend

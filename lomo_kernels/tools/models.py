@@ -1,8 +1,8 @@
 """Shapes of LLaMA-architecture models: named presets and Hugging Face configs.
 
-The estimator and the memory benchmark describe a model by its shape only (no weights), so
-a 65B model can be reasoned about on a laptop; `build_model` makes a random-weight model of a
-shape for the benchmarks. Parameter counts follow the LLaMA layout of
+The estimator describes a model by its shape only (no weights), so a 65B model can be
+reasoned about on a laptop; the benchmarks build random-weight models of a shape
+(bench/common/models.py). Parameter counts follow the LLaMA layout of
 `transformers.LlamaForCausalLM`: embedding, per layer q/k/v/o projections, gate/up/down MLP
 projections and two RMSNorm weights, a final RMSNorm and an untied lm_head.
 """
@@ -117,7 +117,7 @@ PRESETS: dict[str, ModelShape] = {
     "llama-168m": _llama("llama-168m", 1024, 2816, 8, 16),
     # Small enough for a CPU test or a demo in seconds.
     "llama-20m": _llama("llama-20m", 256, 688, 4, 4),
-    # For tests and `bench train` on a CPU in seconds: 8.6M parameters, 95% of them in the
+    # For tests and `bench.train` on a CPU in seconds: 8.6M parameters, 95% of them in the
     # embedding and the head (a 32000 vocabulary), so the optimizers' state dominates.
     "tiny": _llama("tiny", 128, 344, 2, 4),
 }
@@ -163,44 +163,3 @@ def resolve_model(model: str | Mapping[str, Any] | Any) -> ModelShape:
         f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}) or the path of a "
         "Hugging Face config.json (or of the folder holding it)"
     )
-
-
-def build_model(
-    model: str | ModelShape,
-    dtype: str | Any = "bf16",
-    device: str = "cpu",
-    *,
-    seed: int | None = None,
-    fused_head: bool = False,
-    **settings: Any,
-) -> Any:
-    """A `transformers.LlamaForCausalLM` of `model`'s shape (a preset name, a config path or a
-    ModelShape) with random weights, from `seed` where given, in training mode.
-
-    Created directly in `dtype` (a name of `dtypes.DTYPES` or a torch dtype) on `device`: an
-    fp32 model cast afterwards would leave its freed fp32 pages in the process's memory.
-    `fused_head`: its loss made logits-free (`lomo_kernels.patch_causal_lm`). `settings`:
-    further LlamaConfig fields.
-    """
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from .dtypes import DTYPES
-
-    torch_dtype = DTYPES.get(dtype, dtype)
-    config = resolve_model(model).to_hf_config(**settings)
-    if seed is not None:
-        torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            net = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    assert all(p.dtype == torch_dtype for p in net.parameters())
-    if fused_head:
-        from ..integrations.causal_lm import patch_causal_lm
-
-        patch_causal_lm(net)
-    return net.train()

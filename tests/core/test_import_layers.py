@@ -22,7 +22,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lomo_kernels"
 # Layer of each top-level part of the package; a part may import parts of lower layers only.
 LAYERS = {
     "core": 0,
-    "data": 0,
     "kernels": 1,
     "distributed": 1,
     "ops": 2,
@@ -31,7 +30,7 @@ LAYERS = {
     "optim": 4,
     "integrations": 5,
     "": 6,  # the package root, lomo_kernels/__init__.py: the public names
-    "tools": 7,
+    "tools": 7,  # the command line: estimate, env
     "__main__": 8,
 }
 

@@ -6,7 +6,7 @@ could run), and it must call ``CompiledKernel.run`` as Triton's own launch does.
 checked against Triton's ``native_specialize_impl`` on every kind of argument the kernels
 take; the second against ``CompiledKernel.__getitem__``'s runner on a kernel compiled ahead
 of time for sm_90, its driver calls replaced by recorders. The time a launch saves is a GPU
-figure (``lomo-kernels bench host-time --device cuda``).
+figure (``python -m bench.host_time --device cuda``).
 """
 
 from __future__ import annotations

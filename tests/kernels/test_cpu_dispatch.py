@@ -54,7 +54,7 @@ from lomo_kernels.ops.adalomo import cpp_backend as cpp_adalomo
 from lomo_kernels.ops.adalomo import reference as adalomo_reference
 from lomo_kernels.ops.adalomo.workspace import NUM_SLOTS, SKIP
 from lomo_kernels.ops.lomo import cpp_backend as cpp_backend
-from lomo_kernels.tools import machine
+from lomo_kernels.tools import env as machine
 
 SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
 SR_COMBOS = [(p, g) for p, g in COMBOS if p in SR_DTYPES]

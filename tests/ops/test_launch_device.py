@@ -17,13 +17,13 @@ import contextlib
 import pytest
 import torch
 
+from bench.common.meter import Meter
 from lomo_kernels.core.scalars import copied_to
 from lomo_kernels.kernels.triton import runtime
 from lomo_kernels.ops import backends
 from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
 from lomo_kernels.ops.cross_entropy import triton_backend as linear_cross_entropy
 from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
-from lomo_kernels.tools.bench.meter import Meter
 
 
 class _OnCuda:

@@ -1,49 +1,21 @@
-"""The command lines: a bad value is refused before any work, in one stderr line, status 2."""
+"""The package's command line (`lomo-kernels`): estimate and env; a bad value is refused
+before any work, in one stderr line, status 2."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
+import json
 
 import pytest
-import torch
+from support.refusals import refusal
 
-from lomo_kernels.tools import demo
-from lomo_kernels.tools.bench import kernels as bench_kernels
-from lomo_kernels.tools.bench import memory as bench_memory
-from lomo_kernels.tools.bench import train as bench_train
-from lomo_kernels.tools.cli import main
+from lomo_kernels.tools import env
+from lomo_kernels.tools.cli import COMMANDS, main
 
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Any benchmark or training that starts fails the test: refusals come first."""
-
-    def started(*args, **kwargs):
-        raise AssertionError("work started before the arguments were refused")
-
-    monkeypatch.setattr(bench_kernels, "run", started)
-    monkeypatch.setattr(bench_memory, "run", started)
-    monkeypatch.setattr(bench_train, "run", started)
-    monkeypatch.setattr(demo, "run", started)
-
-
-def refusal(capsys, argv: list[str], entry=main) -> str:
-    """The one stderr line of a refused command line (status 2, no traceback, no stdout)."""
-    with pytest.raises(SystemExit) as exc:
-        entry(argv)
-    out, err = capsys.readouterr()
-    assert exc.value.code == 2
-    assert "Traceback" not in err
-    assert out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-MISSING = "no-such-folder/out"
+WHOLE, POSITIVE, NON_NEGATIVE = (
+    "give a whole number >= 1",
+    "give a finite number > 0",
+    "give a finite number >= 0",
+)
 
 
 def got(flag: str, *values: str, hint: str = "") -> list[tuple[list[str], str]]:
@@ -55,228 +27,46 @@ def got(flag: str, *values: str, hint: str = "") -> list[tuple[list[str], str]]:
     ]
 
 
-def says(flag: str, messages: dict[str, str]) -> list[tuple[list[str], str]]:
-    """`flag` given each value of `messages`, refused with (a line holding) its message."""
-    return [([flag, value], message) for value, message in messages.items()]
-
-
-WHOLE, POSITIVE, NON_NEGATIVE = (
-    "give a whole number >= 1",
-    "give a finite number > 0",
-    "give a finite number >= 0",
-)
-UNKNOWN_DEVICE = (["--device", "tpu"], "unknown device 'tpu'")
-# Cases every training benchmark shares.
-BATCH_AND_SEQ = [*got("--batch", "0"), *got("--seq", "0")]
-OPTIMIZERS_AND_MODEL = [
-    (["--optimizers", "adam"], "--optimizers: unknown 'adam'"),
-    (["--model", "llama-3b"], "unknown model 'llama-3b'"),
-]
-
-
-def outputs(stem: str) -> list[tuple[list[str], str]]:
-    """--json and --plot files in a folder that does not exist."""
-    return [
-        (["--json", f"{MISSING}/{stem}.json"], "--json: folder"),
-        (["--plot", f"{MISSING}/{stem}.png"], "--plot: folder"),
-    ]
-
-
-BAD_VALUES = {
-    "estimate": [
-        *got("--gpu-mem", "0", "-5", "nan", "inf", "lots", hint=POSITIVE),
-        (["--gpu-mem", "nan", "--json"], "--gpu-mem: got 'nan'"),
-        *got("--activations-gib", "-3", "nan", hint=NON_NEGATIVE),
-        *got("--gpus", "0", hint=WHOLE),
-        *got("--batch", "0"),
-        *got("--seq", "-1", "1.5"),
-        (["--model", "llama-3b"], "--model: unknown model 'llama-3b': use a preset (llama-7b"),
-    ],
-    "bench kernels": [
-        *says(
-            "--device",
-            {
-                "tpu": "unknown device 'tpu': give cpu, cuda or cuda:N",
-                "cuda:x": "unknown device 'cuda:x'",
-            },
-        ),
-        *got("--threads", "0", "two", hint=WHOLE),
-        *got("--budget", "-1", "0", "nan", hint=POSITIVE),
-        (["--csv", f"{MISSING}/rows.csv"], "folder 'no-such-folder/out' of"),
-        (["--json", f"{MISSING}/rows.json"], "does not exist: create it or pick another path"),
-        (["--plot", f"{MISSING}/plot.png"], "--plot: folder 'no-such-folder/out'"),
-        *says(
-            "--dtype",
-            {
-                "bf8": "--dtype: unknown 'bf8': give a comma list of bf16, fp16, fp32",
-                ",": "--dtype: empty list",
-            },
-        ),
-        *says(
-            "--sizes", {"0": "size must be positive", "4Q": "bad size '4Q'", ",": "no size in ','"}
-        ),
-    ],
-    "bench memory": [
-        *BATCH_AND_SEQ,
-        *got("--steps", "1", hint="give a whole number >= 2"),
-        UNKNOWN_DEVICE,
-        *outputs("memory"),
-        *OPTIMIZERS_AND_MODEL,
-    ],
-    "bench train": [
-        *BATCH_AND_SEQ,
-        *got("--steps", "0", hint=WHOLE),
-        *got("--warmup", "0", hint=WHOLE),
-        *got("--threads", "0"),
-        *got("--clip-grad-norm", "-1", "nan", hint=NON_NEGATIVE),
-        (["--dtype", "fp8"], "--dtype: invalid choice: 'fp8'"),
-        UNKNOWN_DEVICE,
-        *outputs("train"),
-        *OPTIMIZERS_AND_MODEL,
-    ],
-    "demo": [
-        *got("--batch", "0", hint=WHOLE),
-        *got("--seq", "0", "1", "513", hint="give a whole number 2 to 512"),
-        *got("--steps", "0"),
-        *got("--threads", "0"),
-        *got("--lr", "0", "nan"),
-        *got("--clip-grad-norm", "-1"),
-        UNKNOWN_DEVICE,
-        (["--plot", f"{MISSING}/demo.png"], "--plot: folder"),
-        *says(
-            "--optimizers",
-            {
-                "lomo,adam": "--optimizers: unknown 'adam'",
-                "lomo_optim": "--optimizers: unknown 'lomo_optim'",
-            },
-        ),
-    ],
-}
 ESTIMATE_REQUIRED = ["--model", "llama-7b", "--optimizer", "lomo"]
-CASES = [
-    pytest.param(command, argv, message, id=f"{command} {' '.join(argv)}")
-    for command, cases in BAD_VALUES.items()
-    for argv, message in cases
+BAD_ESTIMATES = [
+    *got("--gpu-mem", "0", "-5", "nan", "inf", "lots", hint=POSITIVE),
+    (["--gpu-mem", "nan", "--json"], "--gpu-mem: got 'nan'"),
+    *got("--activations-gib", "-3", "nan", hint=NON_NEGATIVE),
+    *got("--gpus", "0", hint=WHOLE),
+    *got("--batch", "0"),
+    *got("--seq", "-1", "1.5"),
+    (["--model", "llama-3b"], "--model: unknown model 'llama-3b': use a preset (llama-7b"),
 ]
-
-
-def command_line(command: str, argv: list[str]) -> list[str]:
-    return command.split() + (ESTIMATE_REQUIRED if command == "estimate" else []) + argv
-
-
-@pytest.mark.parametrize(("command", "argv", "message"), CASES)
-def test_bad_value_is_refused_in_one_line(
-    capsys, monkeypatch, tmp_path, no_work, command, argv, message
-):
-    monkeypatch.chdir(tmp_path)  # relative output paths land here, if anything is written
-    line = refusal(capsys, command_line(command, argv))
-    assert message in line
-    assert line.startswith("lomo-kernels")
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("command", ["bench kernels", "bench memory", "bench train", "demo"])
-def test_cuda_without_a_device(capsys, monkeypatch, no_work, command):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    line = refusal(capsys, command_line(command, ["--device", "cuda"]))
-    assert "'cuda': no CUDA device here; run with --device cpu" in line
-
-
-def test_cuda_index_past_the_devices(capsys, monkeypatch, no_work):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    line = refusal(capsys, ["bench", "kernels", "--device", "cuda:2"])
-    assert "has 2 CUDA device(s); give cuda:0 to cuda:1" in line
-
-
-def test_output_path_that_is_a_folder(capsys, tmp_path, no_work):
-    line = refusal(capsys, ["bench", "kernels", "--csv", str(tmp_path)])
-    assert "is a folder: give a file name inside it" in line
-
-
-def test_output_folder_not_writable(capsys, monkeypatch, tmp_path, no_work):
-    # Permission bits do not stop root: the access check itself is what is under test.
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: p != tmp_path and access(p, mode))
-    line = refusal(capsys, ["bench", "kernels", "--json", str(tmp_path / "rows.json")])
-    assert "is not writable: pick another path" in line
-
-
-def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path, no_work):
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a),
-    )
-    line = refusal(capsys, ["demo", "--plot", str(tmp_path / "demo.png")])
-    assert "plots need matplotlib: pip install matplotlib" in line
-
-
-def test_valid_values_reach_the_command(monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr(bench_kernels, "run", lambda *a, **k: seen.update(run=a) or ([], {}))
-    monkeypatch.setattr(bench_kernels, "format_table", lambda rows, meta: "")
-    monkeypatch.setattr(bench_kernels, "write_csv", lambda rows, path: seen.update(csv=path))
-    argv = ["bench", "kernels", "--dtype", "FP32", "--sizes", "4K,1M", "--threads", "1"]
-    assert main(argv + ["--csv", str(tmp_path / "rows.csv")]) == 0
-    assert seen == {"run": ("cpu", ["fp32"], [4096, 2**20]), "csv": str(tmp_path / "rows.csv")}
-
-
-def test_demo_own_parser_refuses_in_one_line(capsys, no_work):
-    line = refusal(capsys, ["--batch", "0"], entry=demo.main)
-    assert (
-        line == "python -m lomo_kernels.tools.demo: error: argument --batch: got '0': "
-        "give a whole number >= 1"
-    )
-
-
-def test_demo_module_refuses_without_traceback():
-    proc = subprocess.run(
-        [sys.executable, "-m", "lomo_kernels.tools.demo", "--steps", "0"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [
-        "python -m lomo_kernels.tools.demo: error: argument --steps: got '0': "
-        "give a whole number >= 1"
-    ]
-
-
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_demo_through_the_cli_exits_0(capsys, restore_threads, monkeypatch, tmp_path):
-    monkeypatch.setenv("LOMO_KERNELS_CACHE", str(tmp_path))  # a fresh pretrained checkpoint
-    argv = ["demo", "--steps", "2", "--size", "tiny", "--batch", "2", "--seq", "16"]
-    assert main(argv + ["--pretrain-steps", "2", "--optimizers", "lomo", "--workers", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "bf16 weights, computed" in out
-    assert "| lomo | 2 | 0.01 | bf16, stochastic (default) |" in out
-    assert "| lomo | 2 | 0.01 | fp32 weights |" in out
-    assert "lomo: keeps" in out
-    assert list((tmp_path / "quality").glob("pretrained-tiny-*.pt"))
 
 
 @pytest.mark.parametrize(
-    ("native", "note"), [(False, "computed fp32 (upcast)"), (True, "computed native")]
+    ("argv", "message"), BAD_ESTIMATES, ids=[" ".join(a) for a, _ in BAD_ESTIMATES]
 )
-def test_demo_says_how_bf16_weights_compute(monkeypatch, native, note):
-    from lomo_kernels.tools import machine
-
-    monkeypatch.setattr(machine, "native_bf16_matmul", lambda device="cpu": native)
-    parser = demo.Parser()
-    demo.add_arguments(parser)
-    assert note in demo.banner(parser.parse_args([]))
+def test_bad_estimate_value_is_refused_in_one_line(capsys, argv, message):
+    line = refusal(capsys, ["estimate", *ESTIMATE_REQUIRED, *argv], entry=main)
+    assert line.startswith("lomo-kernels estimate: error: ")
+    assert message in line
 
 
 def test_model_config_missing_a_field(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
-    line = refusal(capsys, ["estimate", "--model", str(tmp_path), "--optimizer", "lomo"])
+    line = refusal(capsys, ["estimate", "--model", str(tmp_path), "--optimizer", "lomo"], main)
     assert "missing vocab_size" in line
+
+
+def test_the_package_runs_estimate_and_env_only():
+    """The benchmarks, the GPU check and the demo run from a clone (bench/), not from here."""
+    assert sorted(COMMANDS) == ["env", "estimate"]
+
+
+def test_env_reports_versions_cpu_bf16_and_backends(capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] and info["cpu_isa"] == env.vector_isa()
+    assert isinstance(info["bf16_matmul_native_on_cpu"], bool)
+    cpu = info["backends"]["cpu"]
+    assert set(cpu) == {"lomo", "adalomo"}
+    assert all(cpu[family]["torch"] == "loads" for family in cpu)  # the reference always loads
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "bf16 matmul" in text and "cpu lomo backends, in order: cpp" in text

@@ -16,9 +16,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bench.common.machine import fast_dtype
 from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.tools import estimate as est
-from lomo_kernels.tools.machine import fast_dtype
 from lomo_kernels.tools.models import PRESETS, resolve_model
 
 # LOMO paper (arXiv 2306.09782), Table 1: LLaMA-7B, mixed precision, GiB.
@@ -185,7 +185,7 @@ def test_prediction_bounds_measured_cpu_peak(optimizer: str) -> None:
              (torch's AdamW step; the fp32 upcast of a gradient) and 16 MiB of runtime.
     """
     require("transformers")
-    from lomo_kernels.tools.bench.memory import measure_isolated
+    from bench.memory import measure_isolated
 
     shape = PRESETS[SMALL]
     precision = fast_dtype()

@@ -1,4 +1,5 @@
-"""Fused linear + cross-entropy: the Triton device code (launchers: `linear_cross_entropy.py`).
+"""Fused linear + cross-entropy: the Triton device code (launchers:
+`ops/cross_entropy/triton_backend.py`).
 
 Logit tiles ``[BLOCK_T tokens x BLOCK_V vocabulary rows]`` are built with ``tl.dot`` over the
 hidden width in ``BLOCK_K`` steps, in fp32 accumulators, and never leave the program. The
@@ -19,7 +20,7 @@ import triton.language as tl
 from ...core.torch_internals import triton_reduce_combines
 from .runtime import interpret_mode, kernels
 
-# Builtin reductions, usable whichever mode triton was imported in (see sgd_kernels.py).
+# Builtin reductions, usable whichever mode triton was imported in (see lomo_kernels.py).
 _MAX, _SUM = triton_reduce_combines()
 
 DECORATED_FOR_INTERPRETER = interpret_mode()

@@ -17,7 +17,7 @@ of one parameter runs as a few fused passes; each pass is one op, one kernel lau
       adalomo_vector_apply_      pass C1: reads grad, param, v; writes param and v
 
 Every pass accumulates into, or reads from, one zeroed fp32 workspace per parameter and step
-(`adalomo_workspace.py`). Because pass A measures the gradient's sum of squares before
+(`workspace.py`). Because pass A measures the gradient's sum of squares before
 anything uses the clip coefficient, a caller may compute that coefficient from it between
 pass A and the moments (`adalomo_update_`'s ``on_grad_sumsq``). The public functions accept
 the runtime scalars (lr, beta2, inv_scale, clip_coef) as Python floats or 1-element fp32

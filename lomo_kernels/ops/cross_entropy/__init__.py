@@ -10,7 +10,7 @@ the vocabulary in chunks: each chunk's weight gradient is complete when the chun
 and goes either into ``weight.grad``'s buffer or, when an in-backward optimizer owns the
 weight, straight into its update (`head_gradient.py`), so the ``vocab x hidden`` gradient
 never exists either. Kernels: chosen by `backends.linear_cross_entropy_kernels`; the
-float64 specification is `cross_entropy_reference.py`.
+float64 specification is `reference.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,182 @@
+"""`python -m bench.cpu_levels`: the C++ CPU update and sum of squares at every vector
+level this CPU runs, against floors.
+
+    python -m bench.cpu_levels [--sizes 64K,1M,4M,16M] [--dtype bf16,fp16,fp32] [--reps 41]
+                                  [--json F]
+
+One build holds every level (csrc/cpu_isa.h: baseline, avx2, avx512, avx512bf16); this times
+the binding `lomo_update_` with the full LOMO option set (the `bench.kernels` values: unscale
+by a device-tensor loss scale, clip by value, a clip_coef tensor, weight decay, inf/nan flag)
+at each level the CPU has, `torch._fused_sgd_` (plain SGD) and the floor `p.add_(g,
+alpha=-lr)` (the same bytes moved), one thread, interleaved, an untimed pass over the data
+before each call, medians. Cells: median / median(axpy) of the same size and dtype. For
+bf16 and fp16 the update with stochastic rounding (`sr[<level>]`, a seed and a per-step seed
+tensor) is timed too; "sr/nearest" lines give its median over that of the round-to-nearest
+update at the same level.
+
+The gradient's sum of squares (`grad_sumsq_`, the norm pass of clipping by global norm:
+squares in double, inf/nan flag) is timed the same way at each level against torch's
+`torch.linalg.vector_norm(g, dtype=float32)`, what `clip_grad_norm_` runs (one read of the
+gradient, fp32 accumulation): "sumsq" lines, cells median / median(vector_norm).
+
+Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
+shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.
+Memory stalls are CPU time, so memory-bound kernels are measured fully. CPU figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lomo_kernels.ops.lomo import cpp_backend as cpp
+
+from .common import machine
+from .common.argtypes import (
+    add_counts,
+    add_json_argument,
+    add_list_argument,
+)
+from .common.dtypes import DTYPES
+from .common.timing import ThreadClock, read_once, time_interleaved
+from .kernels import (
+    CLIP_COEF,
+    CLIP_VALUE,
+    INV_SCALE,
+    LR,
+    WEIGHT_DECAY,
+    add_sizes_argument,
+    fused_sgd,
+    size_label,
+)
+
+SIZES = (2**16, 2**20, 2**22, 2**24)  # 64K, 1M, 4M, 16M
+SR_DTYPES = (torch.bfloat16, torch.float16)  # the parameters stochastic rounding applies to
+
+
+def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
+    """ours[<level>] per level (the caller sets the level), for bf16 and fp16 also sr[<level>]
+    (stochastic rounding, with a per-step seed tensor), torch._fused_sgd_, axpy."""
+    ext = cpp._loader.module("cpu")
+    lr, inv_scale = torch.tensor([LR]), torch.tensor([INV_SCALE])
+    coef, found = torch.tensor([CLIP_COEF]), torch.zeros(1)
+    seed_step = torch.tensor([3], dtype=torch.int64)
+
+    def ours() -> None:
+        ext.lomo_update_(
+            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None
+        )
+
+    def sr() -> None:
+        ext.lomo_update_(
+            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, True, 7, seed_step
+        )
+
+    # An extension without levels (an older build): its one loop set, as "ours".
+    out = {f"ours[{level}]": ours for level in levels} if levels else {"ours": ours}
+    if p.dtype in SR_DTYPES:
+        out.update({f"sr[{level}]": sr for level in levels} if levels else {"sr": sr})
+    out["torch._fused_sgd_"] = lambda: fused_sgd([p], [g], LR)
+    out["axpy"] = lambda: p.add_(g, alpha=-LR)
+    return out
+
+
+def sumsq_variants(g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
+    """sumsq[<level>] per level (the caller sets the level) and vector_norm."""
+    ext = cpp._loader.module("cpu")
+    inv_scale, sumsq, found = torch.tensor([INV_SCALE]), torch.zeros(1), torch.zeros(1)
+
+    def ours() -> None:
+        ext.grad_sumsq_(g, inv_scale, sumsq, found)
+
+    out = {f"sumsq[{level}]": ours for level in levels} if levels else {"sumsq": ours}
+    out["vector_norm"] = lambda: torch.linalg.vector_norm(g, dtype=torch.float32)
+    return out
+
+
+def at_levels(
+    fns: dict[str, Callable], tensors: tuple[torch.Tensor, ...], reps: int, ext: Any
+) -> dict[str, float]:
+    """Median thread CPU time of each function, interleaved, the same cache state before
+    every call; a key "<name>[<level>]" runs at that level, set outside the timing."""
+
+    def settle(key: str) -> None:
+        if key.endswith("]"):  # <name>[<level>]
+            ext._set_cpu_isa(key[key.index("[") + 1 : -1])
+        read_once(tensors)
+
+    return time_interleaved(fns, reps, ThreadClock(), settle, warmup=0)
+
+
+def run(dtypes: list[str], sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """Per dtype and size: the update's and the sum of squares' medians (seconds) by key."""
+    ext = cpp._loader.module("cpu")
+    levels = ext._cpu_isas() if hasattr(ext, "_cpu_isas") else []
+    previous = ext._cpu_isa() if levels else None
+    results = []
+    try:
+        for name in dtypes:
+            for numel in sizes:
+                gen = torch.Generator().manual_seed(numel)
+                p = torch.randn(numel, generator=gen).to(DTYPES[name])
+                g = (torch.randn(numel, generator=gen) * 1e-2).to(DTYPES[name])
+                update = at_levels(variants(p, g, levels), (p, g), reps, ext)
+                sumsq = at_levels(sumsq_variants(g, levels), (g,), reps, ext)
+                item = {"dtype": name, "numel": numel, "element_size": p.element_size()}
+                results.append(item | {"update_s": update, "sumsq_s": sumsq})
+    finally:
+        if previous is not None:
+            ext._set_cpu_isa(previous)
+    return results
+
+
+def format_lines(results: list[dict[str, Any]]) -> str:
+    """Per dtype and size: the update line (/ axpy), the sr/nearest line, the sumsq line."""
+    lines = [
+        "cells: median thread CPU time / that of axpy (p.add_); sumsq lines: / that of "
+        "vector_norm; same size and dtype"
+    ]
+    for r in results:
+        where = f"{r['dtype']} {size_label(r['numel']):>4}"
+        med = r["update_s"]
+        cells = "  ".join(f"{k} {v / med['axpy']:.3f}" for k, v in med.items() if k != "axpy")
+        gbps = 3 * r["numel"] * r["element_size"] / med["axpy"] / 1e9
+        lines.append(f"{where}: {cells}  (axpy {gbps:.1f} GB/s)")
+        ratios = [
+            f"{key[2:]} {v / med['ours' + key[2:]]:.3f}"
+            for key, v in med.items()
+            if key.startswith("sr")
+        ]
+        if ratios:
+            lines.append(f"{where} sr/nearest: {'  '.join(ratios)}")
+        med = r["sumsq_s"]
+        floor = med["vector_norm"]
+        cells = "  ".join(f"{k} {v / floor:.3f}" for k, v in med.items() if k != "vector_norm")
+        gbps = r["numel"] * r["element_size"] / floor / 1e9
+        lines.append(f"{where} sumsq: {cells}  (vector_norm {gbps:.1f} GB/s)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_sizes_argument(parser, SIZES)
+    add_list_argument(parser, "--dtype", DTYPES)
+    add_counts(parser, reps=41)
+    add_json_argument(parser)
+
+
+def command(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    results = run(args.dtype, args.sizes, args.reps)
+    meta = machine.describe("cpu")
+    machine.print_results(meta, format_lines(results), args.json, results=results)
+    return 0
+
+
+if __name__ == "__main__":
+    from bench.common.cli import main
+
+    sys.exit(main(__spec__.name))
