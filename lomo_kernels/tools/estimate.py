@@ -168,6 +168,25 @@ def gradient_bytes(
     return model.num_parameters * p
 
 
+ACCUMULATION_DTYPES = ("param", "fp32")
+
+
+def accumulation_buffer_bytes(
+    model: ModelShape,
+    optimizer: str,
+    precision: str = "mixed",
+    accumulation_steps: int = 1,
+    accumulation_dtype: str = "param",
+) -> int:
+    """The gradient accumulation buffer of a LOMO optimizer (one per trainable parameter,
+    unsharded), 0 for one micro-batch per step and for optimizers that keep gradients."""
+    opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    if accumulation_steps <= 1 or opt not in ("lomo", "adalomo"):
+        return 0
+    p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
+    return model.num_parameters * (FP32 if accumulation_dtype == "fp32" else p)
+
+
 def adalomo_state_numel(model: ModelShape) -> int:
     """fp32 elements of AdaLomo's factored second moments (rows + cols, or numel for 1-D)."""
     return sum(r + c for r, c in model.matrix_shapes())
@@ -283,6 +302,8 @@ def estimate(
     precision: str = "mixed",
     activations_gib: float | None = None,
     fused_head: bool = False,
+    accumulation_steps: int = 1,
+    accumulation_dtype: str = "param",
 ) -> Estimate:
     """Peak memory per GPU of fine-tuning `model` with `optimizer` (see the module docstring).
 
@@ -290,6 +311,9 @@ def estimate(
     batch: sequences per GPU. activations_gib: use this figure instead of the model's.
     fused_head: the loss is patch_causal_lm's logits-free one (and with Lomo the untied head
     and input embedding get no whole gradient).
+    accumulation_steps: micro-batches per step; above 1 a LOMO optimizer holds one buffer per
+    parameter (of its shard under ZeRO-3), in the parameter's dtype ("param") or "fp32",
+    counted with the gradients (AdamW and SGD accumulate into the gradients they hold anyway).
     """
     shape = resolve_model(model)
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -298,6 +322,17 @@ def estimate(
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     if not is_finite_positive(gpu_mem_gib):
         raise ValueError(f"gpu_mem_gib must be a finite number > 0, got {gpu_mem_gib}")
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int)
+        or (accumulation_steps < 1)
+    ):
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if accumulation_dtype not in ACCUMULATION_DTYPES:
+        raise ValueError(
+            f"accumulation_dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, "
+            f"got {accumulation_dtype!r}"
+        )
     if activations_gib is not None and not is_finite_non_negative(activations_gib):
         raise ValueError(f"activations_gib must be a finite number >= 0, got {activations_gib}")
     p = PRECISIONS[precision]
@@ -310,6 +345,9 @@ def estimate(
         if opt in ("adamw", "sgd"):
             grads = grads / gpus
         states = states / gpus
+    buffer = accumulation_buffer_bytes(shape, opt, precision, accumulation_steps,
+                                       accumulation_dtype) / (gpus if zero3 else 1)  # fmt: skip
+    grads += buffer
     if activations_gib is None:
         acts = activation_bytes(shape, batch, seq, checkpointing, precision, fused_head) / GIB
     else:
@@ -328,6 +366,8 @@ def estimate(
         "seq": seq,
         "checkpointing": checkpointing,
         "fused_head": fused_head,
+        "accumulation_steps": accumulation_steps,
+        "accumulation_buffer_gib": round(buffer / GIB, 2),
         "activations": "given" if activations_gib is not None else "modelled",
     }
     return Estimate(
@@ -349,14 +389,17 @@ def format_estimate(est: Estimate) -> str:
         + ("on" if d["checkpointing"] else "off")
         + (", logits-free loss (fused head)" if d["fused_head"] else "")
     )
+    gradients = "gradients"
+    if d["accumulation_buffer_gib"]:
+        gradients += f" (+ buffer {d['accumulation_buffer_gib']:g}, k={d['accumulation_steps']})"
     rows = [
         ("parameters", est.parameters_gib),
-        ("gradients", est.gradients_gib),
+        (gradients, est.gradients_gib),
         ("optimizer states", est.optimizer_states_gib),
         (f"activations ({d['activations']})", est.activations_gib),
         ("total per GPU", est.total_gib),
     ]
-    lines = [setup] + [f"  {name:<24} {value:9.2f} GiB" for name, value in rows]
+    lines = [setup] + [f"  {name:<32} {value:9.2f} GiB" for name, value in rows]
     verdict = "fits" if est.fits else "does NOT fit"
     lines.append(f"  {verdict} in {est.gpu_mem_gib:g} GiB per GPU")
     return "\n".join(lines)
@@ -397,6 +440,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use this activation figure (e.g. a measured one) instead of the model's",
     )
     add_fused_head_argument(parser)
+    parser.add_argument(
+        "--accumulation-steps",
+        type=positive_int,
+        default=1,
+        help="micro-batches per step (LOMO optimizers hold one buffer per parameter)",
+    )
+    parser.add_argument(
+        "--accumulation-dtype",
+        choices=ACCUMULATION_DTYPES,
+        default="param",
+        help="the accumulation buffer's dtype: the parameter's (default) or fp32",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

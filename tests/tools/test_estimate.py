@@ -395,3 +395,36 @@ def test_fused_head_lomo_counts_no_vocab_by_hidden_gradient() -> None:
     assert zero3.gradients_gib == vocab_rows
     tied = est.estimate("llama-3-1b", "lomo", **run)
     assert tied.gradients_gib == round(128256 * 2048 * 2 / 2**30, 2)
+
+
+@pytest.mark.parametrize(("dtype", "width"), [("param", 2), ("fp32", 4)])
+@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
+def test_accumulation_buffer_one_per_parameter(optimizer: str, dtype: str, width: int) -> None:
+    # The buffer is one element per trainable parameter (LLaMA-7B: 6,738,415,616), of the
+    # parameter's bf16 or fp32, counted with the gradients; sharded over the ranks by ZeRO-3.
+    n = resolve_model("llama-7b").num_parameters
+    one = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0)
+    four = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0,
+                        accumulation_steps=4, accumulation_dtype=dtype)  # fmt: skip
+    buffer_gib = round(n * width / 2**30, 2)
+    assert four.detail["accumulation_buffer_gib"] == buffer_gib
+    assert four.gradients_gib == pytest.approx(one.gradients_gib + buffer_gib, abs=0.011)
+    sharded = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0, gpus=8,
+                           zero3=True, accumulation_steps=4, accumulation_dtype=dtype)  # fmt: skip
+    assert sharded.detail["accumulation_buffer_gib"] == round(n * width / 8 / 2**30, 2)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_accumulation_costs_optimizers_that_keep_gradients_nothing(optimizer: str) -> None:
+    one = est.estimate("llama-7b", optimizer, activations_gib=0.0)
+    four = est.estimate("llama-7b", optimizer, activations_gib=0.0, accumulation_steps=4)
+    assert four.total_gib == one.total_gib and four.detail["accumulation_buffer_gib"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"accumulation_steps": 0}, "accumulation_steps"), ({"accumulation_dtype": "int8"}, "dtype")],
+)
+def test_bad_accumulation_arguments_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        est.estimate("llama-7b", "lomo", **kwargs)
