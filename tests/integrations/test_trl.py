@@ -9,7 +9,7 @@ import torch
 from support.allocations import LargestMatrix
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
-from support.models import assert_steps_match, causal_lm
+from support.models import assert_steps_match, causal_lm, max_rel_diff
 from support.state import same_bits, tensors
 
 import lomo_kernels
@@ -274,3 +274,21 @@ def test_enable_trl_keeps_only_a_patched_head_and_disable_restores_trl():
     finally:
         lomo_kernels.disable_trl()
     assert sft_trainer.add_fused_lm_head is original
+
+
+@pytest.mark.parametrize("patch", [None, "before"])
+def test_sft_trainer_accumulates_as_with_torchs_sgd(tmp_path, patch):
+    """gradient_accumulation_steps=2 over micro-batches of 2 rows: TRL's SFTTrainer with Lomo
+    (its head logits-free with `patch`) against the same trainer with torch's SGD."""
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    model, trainer = trained(tmp_path / "lomo", patch=patch, **common)
+    reference, sgd = trained(tmp_path / "sgd", optim="sgd", **common)
+    opt = in_backward_optimizer(trainer.optimizer)
+    assert opt.accumulation_steps == 2 and opt.step_count == STEPS
+    assert logged(trainer, "loss") == pytest.approx(logged(sgd, "loss"), rel=LOSS_RTOL, abs=0)
+    # Unpatched: the suite's fp32 bound for Lomo against torch.optim.SGD (1e-6 of each
+    # tensor); patched: the fused loss's rounding, as the test above bounds it.
+    if patch is None:
+        assert max_rel_diff(model, reference) <= 1e-6
+    else:
+        assert_steps_match(model, reference, llama())
