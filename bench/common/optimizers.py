@@ -18,6 +18,9 @@ set-up), each the way its optimizer does it:
   lomo_single      lomo_kernels.Lomo(single_backward=True): one backward per step
   adalomo          lomo_kernels.AdaLomo, exact clipping (two backward passes)
   adalomo_single   lomo_kernels.AdaLomo(single_backward=True)
+  lomo_accumulate  lomo with accumulation_steps=4: each step's batch cut into 4 micro-batches
+                   along the batch dimension, one fused_backward(loss / 4) each
+  adalomo_accumulate  adalomo, the same
   lomo_compiled_autograd  lomo, with `torch.compile(model)` and the backward (hooks and
                    updates included) compiled by compiled autograd
 
@@ -43,6 +46,8 @@ OPTIMIZERS: dict[str, str] = {
     "lomo_single": "Lomo, single_backward",
     "adalomo": "AdaLomo, exact clip (2 backward)",
     "adalomo_single": "AdaLomo, single_backward",
+    "lomo_accumulate": "Lomo, 4 micro-batches per step",
+    "adalomo_accumulate": "AdaLomo, 4 micro-batches per step",
     "lomo_compiled_autograd": "Lomo, compiled fwd + autograd",
 }
 # Learning rates that train the demo's character model well; `bench.train` uses them too
@@ -56,9 +61,13 @@ DEFAULT_LR = {
     "lomo_single": 0.3,
     "adalomo": 0.02,
     "adalomo_single": 0.02,
+    "lomo_accumulate": 0.3,
+    "adalomo_accumulate": 0.02,
     "lomo_compiled_autograd": 0.3,
 }
 FORWARD_BACKWARD = "forward_backward"
+# Micro-batches per step of the *_accumulate optimizers.
+ACCUMULATION_STEPS = 4
 # Optimizers that hold every gradient at once (and, AdamW, two fp32 states per parameter).
 HOLDS_ALL_GRADIENTS = ("adamw", "adamw_master", "sgd")
 
@@ -203,8 +212,25 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
 
     cls = AdaLomo if name.startswith("adalomo") else Lomo
     single = name.endswith("_single")
+    if name.endswith("_accumulate"):
+        options = {"accumulation_steps": ACCUMULATION_STEPS, **options}
     opt = cls(model, lr=lr, clip_grad_norm=clip_grad_norm, single_backward=single, **options)
     notes = {"backend": _backend_name(opt, model)}
+    k = opt.accumulation_steps
+    if k > 1:
+        notes["accumulation_steps"] = k
+
+        def accumulating_step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if ids.shape[0] % k:
+                raise ValueError(f"a batch of {ids.shape[0]} does not cut into {k} micro-batches")
+            total = torch.zeros((), device=ids.device)
+            for part, part_labels in zip(ids.chunk(k), labels.chunk(k), strict=True):
+                loss = loss_of(part, part_labels) / k
+                opt.fused_backward(loss)
+                total += loss.detach().float()
+            return total
+
+        return Trainer(name, opt, accumulating_step, notes)
     if name != "lomo_compiled_autograd":
 
         def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
