@@ -193,16 +193,25 @@ inline void raise_found_inf(const OptTensor& found_inf, c10::Device device) {
 // ----------------------------------------------------------------------------- operands
 // The tensor operands of each op, dense on `device`'s type with the sizes the op needs.
 
-inline void check_operands(const op_bindings::LomoUpdate& a, c10::DeviceType device) {
-  check_dense(a.param, device, "param");
-  check_dense(a.grad, device, "grad");
+// A written tensor (`what`: param, buffer) and its gradient.
+inline void check_with_grad(const at::Tensor& t, const at::Tensor& grad, c10::DeviceType device,
+                            const char* what) {
+  check_dense(t, device, what);
+  check_dense(grad, device, "grad");
   if (device == c10::kCPU) {
-    TORCH_CHECK(a.param.numel() == a.grad.numel(),
-                "lomo_kernels: param and grad differ in numel");
+    TORCH_CHECK(t.numel() == grad.numel(), "lomo_kernels: ", what, " and grad differ in numel");
   } else {
-    TORCH_CHECK(a.grad.device() == a.param.device() && a.param.numel() == a.grad.numel(),
-                "lomo_kernels: param and grad must be on one device with the same numel");
+    TORCH_CHECK(grad.device() == t.device() && t.numel() == grad.numel(), "lomo_kernels: ",
+                what, " and grad must be on one device with the same numel");
   }
+}
+
+inline void check_operands(const op_bindings::LomoUpdate& a, c10::DeviceType device) {
+  check_with_grad(a.param, a.grad, device, "param");
+}
+
+inline void check_operands(const op_bindings::GradAccumulate& a, c10::DeviceType device) {
+  check_with_grad(a.buffer, a.grad, device, "buffer");
 }
 
 // The AdaLomo passes. The workspace holds the row and column sums of a [rows, cols] view,

@@ -38,6 +38,16 @@ bool dispatch_param_grad(int param_code, int grad_code, F&& f) {
   return known;
 }
 
+// f(std::true_type{}) or f(std::false_type{}) for `flag`: a run-time flag as a compile-time one.
+template <class F>
+void dispatch_bool(bool flag, F&& f) {
+  if (flag) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 // f(std::true_type{}) when a write-back to P rounds stochastically (asked for, and P is bf16 or
 // fp16: fp32 stores the result exactly), else f(std::false_type{}); the stochastic code is
 // instantiated only for the types that take it.

@@ -1,5 +1,5 @@
-// CPU kernels of the fused LOMO update and the gradient sum of squares, with their
-// torch binding. Semantics: lomo_kernels/ops/lomo/reference.py (bit for bit).
+// CPU kernels of the fused LOMO update, the gradient sum of squares and the gradient
+// accumulation, with their torch binding. Semantics: lomo_kernels/ops/lomo/reference.py (bit for bit).
 //
 // The loops (lomo_cpu_loops.h) are built once per vector level (cpu_levels.h), and each call
 // runs the level cpu_isa::active() names: one build runs on any x86-64 and uses AVX2 or
@@ -82,39 +82,88 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
   report_nonfinite(bad, a.found_inf);
 }
 
+// Runs span(begin, count, bad) -> double over [0, n) in fixed chunks of kGrain elements and
+// returns their results summed in chunk order, so the total does not depend on the thread
+// count; `bad` is set when any chunk set its flag. The chunks divide 2^32: none crosses a
+// 2^32 range of flat indices.
+template <class Span>
+double sum_chunks(int64_t n, bool& bad, Span&& span) {
+  static_assert((int64_t{1} << 32) % kGrain == 0, "a chunk stays inside one 2^32 range");
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  c10::SmallVector<double, 64> partial(static_cast<size_t>(chunks), 0.0);
+  std::atomic<uint32_t> any_bad{0};
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    uint32_t local_bad = 0;
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t begin = c * kGrain;
+      partial[c] = span(begin, std::min(kGrain, n - begin), local_bad);
+    }
+    if (local_bad != 0) any_bad.store(1, std::memory_order_relaxed);
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  bad = any_bad.load(std::memory_order_relaxed) != 0;
+  return total;
+}
+
+// sumsq += total, rounded once to fp32.
+void add_to_sumsq(const at::Tensor& sumsq, double total) {
+  float* out = sumsq.data_ptr<float>();
+  *out = static_cast<float>(static_cast<double>(*out) + total);
+  binding::bump_version(sumsq);
+}
+
 void grad_sumsq_(const op_bindings::GradSumsq& a) {
   binding::check_dense(a.grad, c10::kCPU, "grad");
   binding::check_scalar(a.sumsq, c10::kCPU, "sumsq");
   const cpu_isa::Level level = cpu_isa::active();
   const float inv = binding::read_factor(a.inv_scale, c10::kCPU, "inv_scale");
-  const int64_t n = a.grad.numel();
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
-  // Fixed chunks summed in order: the result does not depend on the thread count.
-  c10::SmallVector<double, 64> partial(static_cast<size_t>(chunks), 0.0);
-  std::atomic<uint32_t> bad{0};
+  bool bad = false;
+  double total = 0.0;
   binding::dispatch_dtype(a.grad, "grad", [&](auto g_tag, auto g) {
     const auto span_sumsq = LOMO_AT_LEVEL(level, sumsq_span<decltype(g_tag)>);
-    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      uint32_t local_bad = 0;
-      for (int64_t c = first; c < last; ++c) {
-        const int64_t begin = c * kGrain;
-        partial[c] = span_sumsq(g + begin, std::min(kGrain, n - begin), inv, local_bad);
-      }
-      if (local_bad != 0) bad.store(1, std::memory_order_relaxed);
+    total = sum_chunks(a.grad.numel(), bad, [&](int64_t begin, int64_t count, uint32_t& b) {
+      return span_sumsq(g + begin, count, inv, b);
     });
   });
+  add_to_sumsq(a.sumsq, total);
+  report_nonfinite(bad, a.found_inf);
+}
+
+void grad_accumulate_(const op_bindings::GradAccumulate& a) {
+  binding::check_operands(a, c10::kCPU);
+  if (a.sumsq.has_value()) binding::check_scalar(*a.sumsq, c10::kCPU, "sumsq");
+  const cpu_isa::Level level = cpu_isa::active();
+  const float inv = binding::read_factor(a.inv_scale, c10::kCPU, "inv_scale");
+  const bool stochastic = binding::rounds_stochastically(a.buffer, a.rounding);
+  const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
+  // Without sumsq and found_inf the stored values are not measured.
+  const bool measure = a.sumsq.has_value() || a.found_inf.has_value();
+  bool bad = false;
   double total = 0.0;
-  for (double v : partial) total += v;
-  float* out = a.sumsq.data_ptr<float>();
-  *out = static_cast<float>(static_cast<double>(*out) + total);
-  binding::bump_version(a.sumsq);
-  report_nonfinite(bad.load(std::memory_order_relaxed) != 0, a.found_inf);
+  binding::dispatch_write_back(
+      a.buffer, a.grad, stochastic, [&](auto p_tag, auto g_tag, auto rounding, auto b, auto g) {
+        lomo::dispatch_bool(a.first, [&](auto first) {
+          lomo::dispatch_bool(measure, [&](auto measured) {
+            const auto span = LOMO_AT_LEVEL(
+                level, accumulate_span<decltype(p_tag), decltype(g_tag), decltype(first)::value,
+                                       decltype(rounding)::value, decltype(measured)::value>);
+            total = sum_chunks(a.buffer.numel(), bad,
+                               [&](int64_t begin, int64_t count, uint32_t& flag) {
+                                 return span(b, g, begin, count, inv, key, flag);
+                               });
+          });
+        });
+      });
+  binding::bump_version(a.buffer);
+  if (a.sumsq.has_value()) add_to_sumsq(*a.sumsq, total);
+  report_nonfinite(bad, a.found_inf);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
-  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_);
+  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_, &grad_accumulate_);
   cpu_isa::def_bindings(m);
 }

@@ -234,18 +234,87 @@ LOMO_INLINE __m256 load_floats8(const typename G::T* g) {
 // (24-bit significands), so every lane's sum is the portable loop's bit for bit. Adds into
 // `lanes`; returns the number of elements consumed. Two dependent adds per 8 elements keep
 // this at about memory speed; more accumulators would change the summation order.
+// The squares of 8 consecutive values times inv in double, added into sumsq_span's lanes
+// 0-3 (low) and 4-7 (high): the fp32 product, then an exact square and one double add each.
+LOMO_INLINE void add_squares8(__m256 values, __m256 inv, __m256d& low, __m256d& high) {
+  const __m256 v = _mm256_mul_ps(values, inv);
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+  const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  low = _mm256_add_pd(low, _mm256_mul_pd(a, a));
+  high = _mm256_add_pd(high, _mm256_mul_pd(b, b));
+}
+
 template <class G>
 int64_t sumsq_lanes_avx2(const typename G::T* __restrict g, int64_t n, float inv_scale,
                          double* lanes) {
   const __m256 inv = _mm256_set1_ps(inv_scale);
   __m256d low = _mm256_loadu_pd(lanes), high = _mm256_loadu_pd(lanes + 4);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_mul_ps(load_floats8<G>(g + i), inv);
-    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    low = _mm256_add_pd(low, _mm256_mul_pd(a, a));
-    high = _mm256_add_pd(high, _mm256_mul_pd(b, b));
+  for (; i + 8 <= n; i += 8) add_squares8(load_floats8<G>(g + i), inv, low, high);
+  _mm256_storeu_pd(lanes, low);
+  _mm256_storeu_pd(lanes + 4, high);
+  return i;
+}
+
+// ----------------------------------------------------------------------------------------
+// Gradient accumulation
+
+// Stores 8 fp32 values at dst in P's dtype, rounded as lomo::store_rounded<P, kStochastic>
+// of the flat indices first .. first + 7 (no wrap: one 2^32 range), and returns what was
+// stored, widened back to fp32 exactly. bf16: bf16_rne_high8 / bf16_sr_high8 (the high halves
+// are the stored values), packed in order; fp16: F16C's nearest conversion, after
+// fp16_sr_value for stochastic rounding (as update_tiled).
+template <class P, bool kStochastic>
+LOMO_INLINE __m256 store_rounded8(typename P::T* dst, __m256 u, uint32_t first,
+                                  const Avx2Random& random) {
+  if constexpr (std::is_same_v<P, lomo::Fp32>) {
+    _mm256_storeu_ps(dst, u);
+    return u;
+  } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
+    if constexpr (kStochastic) u = fp16_sr_value<Lanes8>(u, random.bits(first));
+    const __m128i h = Lanes8::narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u);
+    Lanes8::store_halves(dst, h);
+    return Lanes8::widen(h);
+  } else {
+    __m256i high;
+    if constexpr (kStochastic) {
+      const __m256i index = _mm256_add_epi32(Lanes8::set1(first), random.offset);
+      high = bf16_sr_high8(u, index, random.key, random.hi);
+    } else {
+      high = bf16_rne_high8(u);
+    }
+    // Words 0-3 and 4-7 land in the low quadword of each 128-bit lane: gather those two.
+    const __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(high, 16), _mm256_setzero_si256());
+    Lanes8::store_halves(dst, _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0x08)));
+    return _mm256_castsi256_ps(high);
+  }
+}
+
+// accumulate_span's vector loop over the first elements of [0, n): 64 bytes of the wider
+// stream per trip, 8 lanes at a time (any dtype pair: load_floats8 widens each exactly), the
+// sum of squares of the stored values in sumsq_span's lanes (element 8k + l into lane l), so
+// the total is grad_sumsq_'s of the written buffer bit for bit. Returns the elements done (a
+// multiple of 8).
+template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
+int64_t accumulate_avx2(typename P::T* __restrict b, const typename G::T* __restrict g,
+                        int64_t n, uint32_t lo, uint32_t hi, uint32_t key, float inv_scale,
+                        double* lanes) {
+  constexpr int64_t kWidest = sizeof(typename P::T) > sizeof(typename G::T)
+                                  ? sizeof(typename P::T) : sizeof(typename G::T);
+  constexpr int64_t kStep = kLineBytes / kWidest;
+  const Avx2Random random(key, hi);
+  const __m256 inv = _mm256_set1_ps(inv_scale);
+  __m256d low = _mm256_loadu_pd(lanes), high = _mm256_loadu_pd(lanes + 4);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    prefetch_streams(b + i, g + i);
+    for (int64_t k = i; k < i + kStep; k += 8) {
+      __m256 u = load_floats8<G>(g + k);
+      if constexpr (!kFirst) u = _mm256_add_ps(load_floats8<P>(b + k), u);
+      const __m256 stored =
+          store_rounded8<P, kStochastic>(b + k, u, lo + static_cast<uint32_t>(k), random);
+      if constexpr (kMeasure) add_squares8(stored, inv, low, high);
+    }
   }
   _mm256_storeu_pd(lanes, low);
   _mm256_storeu_pd(lanes + 4, high);

@@ -1,8 +1,9 @@
-// The CPU loops of the fused LOMO update and the gradient sum of squares, at one vector
-// level. lomo_cpu.cpp includes this file once per level through cpu_levels.h (each copy in
-// its own namespace and GCC target, with LOMO_LOOPS_AVX2, LOMO_LOOPS_AVX512 and
-// LOMO_LOOPS_AVX512_BF16 set to 0 or 1), so no include guard; everything it needs is included
-// before (torch, <immintrin.h>, lomo_math.h). Every level gives bit-identical results.
+// The CPU loops of the fused LOMO update, the gradient sum of squares and the gradient
+// accumulation, at one vector level. lomo_cpu.cpp includes this file once per level through
+// cpu_levels.h (each copy in its own namespace and GCC target, with LOMO_LOOPS_AVX2,
+// LOMO_LOOPS_AVX512 and LOMO_LOOPS_AVX512_BF16 set to 0 or 1), so no include guard; everything
+// it needs is included before (torch, <immintrin.h>, lomo_math.h). Every level gives
+// bit-identical results.
 //
 // The hot loops are plain loops over raw pointers with selects instead of branches, so the
 // compiler vectorises them for the level (built with -O3 -fno-trapping-math
@@ -540,6 +541,14 @@ uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t be
 // nan, and that one test replaces a check per element.
 constexpr int kSumLanes = 8;
 
+// The lanes added in order; bad set when the total is inf/nan.
+LOMO_INLINE double lanes_total(const double* lanes, uint32_t& bad) {
+  double total = 0.0;
+  for (int l = 0; l < kSumLanes; ++l) total += lanes[l];
+  bad |= std::isfinite(total) ? 0u : 1u;
+  return total;
+}
+
 template <class G>
 double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_scale,
                   uint32_t& bad) {
@@ -559,8 +568,45 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
     const double v = lomo::mul_rn(G::load(grad[i]), inv_scale);
     lanes[l] += v * v;
   }
-  double total = 0.0;
-  for (int l = 0; l < kSumLanes; ++l) total += lanes[l];
-  bad |= std::isfinite(total) ? 0u : 1u;
-  return total;
+  return lanes_total(lanes, bad);
+}
+
+// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (the chunk
+// lies inside one 2^32 range of flat indices: lomo_cpu.cpp's chunks divide 2^32). Stores
+// round(buffer + grad) (kFirst: round(grad), the buffer not read) as the update's write-back
+// rounds, and with kMeasure returns sumsq_span of the stored values (the same lanes, order
+// and flag: grad_sumsq_ of the written chunk, bit for bit); 0 without.
+template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
+double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t begin,
+                       int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
+  typename P::T* __restrict b = buffer + begin;
+  const typename G::T* __restrict g = grad + begin;
+  const uint32_t lo = static_cast<uint32_t>(begin), hi = static_cast<uint32_t>(begin >> 32);
+  double lanes[kSumLanes] = {};
+  int64_t i = 0;
+#if LOMO_LOOPS_AVX2
+  i = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
+                                                           lanes);
+#endif
+  // The portable loop: element i (a multiple of 8 on entry) into lane i % 8.
+  const auto one = [&](int64_t k) {
+    const float gv = G::load(g[k]);
+    const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
+    const typename P::T out =
+        lomo::store_rounded<P, kStochastic>(v, lo + static_cast<uint32_t>(k), hi, key);
+    b[k] = out;
+    const double stored = lomo::mul_rn(P::load(out), inv_scale);
+    return stored * stored;
+  };
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const double square = one(i + l);
+      if constexpr (kMeasure) lanes[l] += square;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const double square = one(i);
+    if constexpr (kMeasure) lanes[l] += square;
+  }
+  return kMeasure ? lanes_total(lanes, bad) : 0.0;
 }

@@ -1,5 +1,5 @@
-// CUDA kernels of the fused LOMO update and the gradient sum of squares, with extern "C"
-// launchers on raw pointers. No torch headers: `nvcc -std=c++17 -arch=sm_90 -c` builds it
+// CUDA kernels of the fused LOMO update, the gradient sum of squares and the gradient
+// accumulation, with extern "C" launchers on raw pointers. No torch headers: `nvcc -std=c++17 -arch=sm_90 -c` builds it
 // alone; lomo_cuda_binding.cpp is the torch side. Semantics: lomo_kernels/ops/lomo/reference.py.
 //
 // Layout of one launch: a scalar head (elements before both pointers are 16-byte aligned),
@@ -132,6 +132,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A block's sum of squares `acc` added to sumsq (when present) with one atomic per block, and
+// found_inf set by each warp with a thread that saw a non-finite value. Every thread of the
+// block calls it (a barrier inside).
+__device__ __forceinline__ void report_sumsq(float acc, uint32_t any_bad, float* sumsq,
+                                             float* found_inf) {
+  __shared__ float warp_sums[kThreads / 32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (sumsq != nullptr) {
+    acc = cuda_common::warp_sum(acc);
+    if (lane == 0) warp_sums[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+      acc = lane < kThreads / 32 ? warp_sums[lane] : 0.0f;
+      acc = cuda_common::warp_sum(acc);
+      if (lane == 0) atomicAdd(sumsq, acc);
+    }
+  }
+  if (found_inf != nullptr && __any_sync(0xFFFFFFFFu, any_bad) && lane == 0) *found_inf = 1.0f;
+}
+
 template <class G>
 __global__ void __launch_bounds__(kThreads)
     grad_sumsq_kernel(const typename G::T* __restrict__ grad, int64_t head, int64_t nvec,
@@ -155,19 +176,49 @@ __global__ void __launch_bounds__(kThreads)
       },
       [&](int64_t i) { add(grad[i]); });
 
-  // Block reduction, then a single atomic per block.
-  __shared__ float warp_sums[kThreads / 32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  acc = cuda_common::warp_sum(acc);
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < kThreads / 32 ? warp_sums[lane] : 0.0f;
-    acc = cuda_common::warp_sum(acc);
-    if (lane == 0) atomicAdd(sumsq, acc);
+  report_sumsq(acc, any_bad, sumsq, found_inf);
+}
+
+// buffer = round(buffer + grad) (kFirst: round(grad), the buffer not read), rounded as the
+// update's write-back, in one pass; the stored values times inv_scale are measured as
+// grad_sumsq_kernel measures the gradient (into sumsq and found_inf, either may be absent;
+// the flag `measure` is the same for every thread, so the reduction's barrier is too).
+template <class P, class G, bool kFirst, bool kStochastic>
+__global__ void __launch_bounds__(kThreads)
+    grad_accumulate_kernel(typename P::T* __restrict__ buffer,
+                           const typename G::T* __restrict__ grad, int64_t head, int64_t nvec,
+                           int64_t numel, GradAccumulateArgs a) {
+  const float inv = a.inv_scale != nullptr ? __ldg(a.inv_scale) : 1.0f;
+  uint32_t key = 0;
+  if constexpr (kStochastic) key = cuda_common::rounding_key(a.rounding);
+  constexpr int V = VecWidth<P, G>::value;
+  float acc = 0.0f;
+  uint32_t any_bad = 0;
+  const auto add = [&](typename P::T old, typename G::T g, int64_t index) {
+    const float v = kFirst ? G::load(g) : lomo::add_rn(P::load(old), G::load(g));
+    const typename P::T out = lomo::store_rounded<P, kStochastic>(v, index, key);
+    const float x = __fmul_rn(P::load(out), inv);
+    acc = fmaf(x, x, acc);
+    any_bad |= lomo::is_nonfinite(x);
+    return out;
+  };
+  for_each_aligned<V>(
+      head, nvec, numel,
+      [&](int64_t base) {
+        Vec<typename P::T, V> bv;
+        Vec<typename G::T, V> gv;
+        if constexpr (!kFirst) load_vec(bv, buffer + base);
+        load_vec_ro(gv, grad + base);
+#pragma unroll
+        for (int j = 0; j < V; ++j) bv.e[j] = add(bv.e[j], gv.e[j], base + j);
+        store_vec(bv, buffer + base);
+      },
+      [&](int64_t i) {
+        buffer[i] = add(kFirst ? typename P::T() : buffer[i], grad[i], i);
+      });
+  if (a.sumsq != nullptr || a.found_inf != nullptr) {
+    report_sumsq(acc, any_bad, a.sumsq, a.found_inf);
   }
-  if (found_inf != nullptr && __any_sync(0xFFFFFFFFu, any_bad) && lane == 0) *found_inf = 1.0f;
 }
 
 // [0, numel) as a scalar head, nvec aligned vectors of V elements and a tail, and the grid of
@@ -237,5 +288,27 @@ int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
         found_inf);
     status = cudaGetLastError();
   });
+  return status;
+}
+
+int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, int grad_dtype,
+                              int64_t numel, GradAccumulateArgs args, cudaStream_t stream) {
+  if (numel <= 0) return cudaSuccess;
+  cudaError_t status = cudaErrorInvalidValue;
+  lomo::dispatch_write_back(
+      buffer_dtype, grad_dtype, args.rounding.stochastic != 0,
+      [&](auto p_tag, auto g_tag, auto stochastic) {
+        lomo::dispatch_bool(args.first != 0, [&](auto first) {
+          using P = decltype(p_tag);
+          using G = decltype(g_tag);
+          const AlignedSplit split = split_aligned<VecWidth<P, G>::value>(
+              buffer, sizeof(typename P::T), grad, sizeof(typename G::T), numel);
+          grad_accumulate_kernel<P, G, decltype(first)::value, decltype(stochastic)::value>
+              <<<split.grid, kThreads, 0, stream>>>(static_cast<typename P::T*>(buffer),
+                                                     static_cast<const typename G::T*>(grad),
+                                                     split.head, split.nvec, numel, args);
+          status = cudaGetLastError();
+        });
+      });
   return status;
 }

@@ -29,9 +29,24 @@ typedef struct {
 int lomo_cuda_update(void* param, int param_dtype, const void* grad, int grad_dtype,
                      int64_t numel, LomoUpdateArgs args, cudaStream_t stream);
 
+// The accumulation's arguments: first non-zero: the buffer's old contents are not read;
+// inv_scale, sumsq and found_inf are device pointers to one fp32 value, each may be NULL
+// (inv_scale absent: 1; sumsq and found_inf both absent: nothing is measured). The stored
+// values round as `rounding` says.
+typedef struct {
+  int first;
+  const float* inv_scale;
+  float* sumsq;
+  float* found_inf;
+  LomoRoundingArgs rounding;
+} GradAccumulateArgs;
+
 int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
                          const float* inv_scale, float* sumsq, float* found_inf,
                          cudaStream_t stream);
+
+int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, int grad_dtype,
+                              int64_t numel, GradAccumulateArgs args, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -59,9 +59,29 @@ void grad_sumsq_(const op_bindings::GradSumsq& a) {
   if (a.found_inf.has_value()) binding::bump_version(*a.found_inf);
 }
 
+void grad_accumulate_(const op_bindings::GradAccumulate& a) {
+  binding::check_operands(a, c10::kCUDA);
+  const c10::Device device = a.buffer.device();
+  const c10::cuda::CUDAGuard guard(device);
+  GradAccumulateArgs args;
+  args.first = a.first ? 1 : 0;
+  args.inv_scale = scalar_ptr(a.inv_scale, device, "inv_scale");
+  args.sumsq = scalar_ptr(a.sumsq, device, "sumsq");
+  args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
+  args.rounding = binding::rounding_args(a.buffer, a.rounding);
+  const int rc = lomo_cuda_grad_accumulate(
+      a.buffer.data_ptr(), binding::dtype_code(a.buffer, "buffer"), a.grad.const_data_ptr(),
+      binding::dtype_code(a.grad, "grad"), a.buffer.numel(), args,
+      c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
+  binding::bump_version(a.buffer);
+  if (a.sumsq.has_value()) binding::bump_version(*a.sumsq);
+  if (a.found_inf.has_value()) binding::bump_version(*a.found_inf);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CUDA kernels";
-  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_);
+  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_, &grad_accumulate_);
 }

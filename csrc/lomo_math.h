@@ -49,6 +49,7 @@ LOMO_HD LOMO_INLINE uint32_t bits_of(float v) { return __float_as_uint(v); }
 LOMO_HD LOMO_INLINE float float_of(uint32_t u) { return __uint_as_float(u); }
 LOMO_HD LOMO_INLINE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 LOMO_HD LOMO_INLINE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+LOMO_HD LOMO_INLINE float add_rn(float a, float b) { return __fadd_rn(a, b); }
 #else
 template <class To, class From>
 LOMO_HD LOMO_INLINE To bit_cast(From v) {
@@ -61,6 +62,7 @@ LOMO_HD LOMO_INLINE uint32_t bits_of(float v) { return bit_cast<uint32_t>(v); }
 LOMO_HD LOMO_INLINE float float_of(uint32_t u) { return bit_cast<float>(u); }
 LOMO_HD LOMO_INLINE float mul_rn(float a, float b) { return a * b; }
 LOMO_HD LOMO_INLINE float sub_rn(float a, float b) { return a - b; }
+LOMO_HD LOMO_INLINE float add_rn(float a, float b) { return a + b; }
 #endif
 
 // A float compare (one vector instruction); correct as long as -ffast-math is not used.

@@ -50,8 +50,19 @@ struct GradSumsq {
   const OptTensor& found_inf;
 };
 
+struct GradAccumulate {
+  const at::Tensor& buffer;
+  const at::Tensor& grad;
+  bool first;
+  const OptTensor& inv_scale;
+  const OptTensor& sumsq;
+  const OptTensor& found_inf;
+  RoundingArgs rounding;
+};
+
 inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
-                         void (*sumsq)(const GradSumsq&)) {
+                         void (*sumsq)(const GradSumsq&),
+                         void (*accumulate)(const GradAccumulate&)) {
   const auto lomo_update = [update](const at::Tensor& param, const at::Tensor& grad,
                                     const at::Tensor& lr, const OptTensor& inv_scale,
                                     std::optional<double> clip_value, const OptTensor& clip_coef,
@@ -65,6 +76,14 @@ inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
                                   const at::Tensor& sumsq_out, const OptTensor& found_inf) {
     sumsq({grad, inv_scale, sumsq_out, found_inf});
   };
+  const auto grad_accumulate = [accumulate](const at::Tensor& buffer, const at::Tensor& grad,
+                                            bool first, const OptTensor& inv_scale,
+                                            const OptTensor& sumsq_out, const OptTensor& found_inf,
+                                            bool stochastic_rounding, uint64_t seed,
+                                            const OptTensor& seed_step) {
+    accumulate({buffer, grad, first, inv_scale, sumsq_out, found_inf,
+                {stochastic_rounding, seed, seed_step}});
+  };
   m.def("lomo_update_", lomo_update, "Fused LOMO update of one parameter, in place",
         py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
@@ -72,6 +91,12 @@ inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
         py::arg("seed"), py::arg("seed_step"));
   m.def("grad_sumsq_", grad_sumsq, "sumsq += sum((grad * inv_scale)^2), in place",
         py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
+  m.def("grad_accumulate_", grad_accumulate,
+        "buffer = round(buffer + grad) (first: round(grad)), the stored values' scaled sum of "
+        "squares and inf/nan flag, in place",
+        py::arg("buffer"), py::arg("grad"), py::arg("first"), py::arg("inv_scale"),
+        py::arg("sumsq"), py::arg("found_inf"), py::arg("stochastic_rounding"),
+        py::arg("seed"), py::arg("seed_step"));
 }
 
 // ----------------------------------------------------------------------------- AdaLomo
