@@ -20,18 +20,20 @@ a checkpoint never holds what it cannot load. Imported when a checkpoint is writ
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import io
 import pathlib
 import pickle
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from .manifest import CheckpointError
@@ -119,29 +121,30 @@ def load_client_state(file: Path, trusted: bool) -> Any:
         ) from None
 
 
+def _data_classes(module: ModuleType) -> list[type]:
+    """The dataclasses and enums `module` defines: building one only sets its fields."""
+    return [
+        v
+        for v in vars(module).values()
+        if isinstance(v, type)
+        and v.__module__ == module.__name__
+        and (dataclasses.is_dataclass(v) or issubclass(v, enum.Enum))
+    ]
+
+
 def _metadata_globals() -> dict[tuple[str, str], Any]:
     """What a checkpoint's metadata pickle may name, by (module, name)."""
-    classes = [
-        getattr(dcp_metadata, name, None)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ]
-    classes += [getattr(dcp_filesystem, "_StorageInfo", None), torch.Size]
-    allowed = {(c.__module__, c.__qualname__): c for c in classes if c is not None}
+    classes = [*_data_classes(dcp_metadata), *_data_classes(dcp_filesystem), torch.Size]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes}
     for path in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
         # A checkpoint id; pathlib's classes moved module in Python 3.13.
         allowed[("pathlib", path.__name__)] = allowed[(path.__module__, path.__name__)] = path
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     kinds = (torch.dtype, torch.layout, torch.memory_format)
     allowed |= {("torch", k): v for k, v in vars(torch).items() if isinstance(v, kinds)}
+    # torch pickles a layout as a call of this function with the layout's name: a lookup
+    # that builds nothing else stands in for it.
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    allowed[("torch.serialization", "_get_layout")] = layouts.__getitem__
     return allowed
 
 
@@ -195,11 +198,16 @@ class SafePlanner(DefaultLoadPlanner):
                 f"code refuses ({_loader_reason(error)}); {_TRUST_ADVICE}"
             )
             return
-        # Where torch's own planner puts it (after loading with weights_only=False).
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[key], loaded)
-        else:
+        # Where torch's own planner puts it (after loading with weights_only=False): its
+        # place in the nested state loaded into, which holds every container on the way.
+        if not self.flatten_state_dict:
             self.state_dict[key] = loaded
+            return
+        *parents, last = self.mappings[key]
+        container = self.original_state_dict
+        for part in parents:
+            container = container[part]
+        container[last] = loaded
 
 
 def reader_and_planner(path: Path, trusted: bool) -> tuple[FileSystemReader, Any]:

@@ -176,6 +176,18 @@ def test_other_optimizer_class_refused_on_every_rank(reference):
     assert all(rank["other_class_unchanged"] for rank in checks)
 
 
+def test_client_state_that_runs_code_refused_by_every_rank(reference):
+    """Rank 1's client_state runs code as it is unpickled: rank 1 refuses to load it, rank 0
+    (whose own file is harmless) refuses with it, and neither changes anything."""
+    checks = read_checks(reference)
+    assert checks[0]["runs_code"] == checks[1]["runs_code"]
+    assert f"{reference / 'crafted' / 'client_state_1.pt'} holds a Python object" in (
+        checks[0]["runs_code"]
+    )
+    assert all(rank["runs_code_unchanged"] is True for rank in checks)
+    assert not (reference / "code-ran").exists(), "loading the checkpoint ran its code"
+
+
 def test_bad_value_in_one_ranks_slice_refused_by_every_rank(reference):
     """Checked on every rank before any rank applies: rank 0's own part passes every check,
     yet it refuses with rank 1 and changes nothing."""
