@@ -168,7 +168,7 @@ class SafeReader(FileSystemReader):
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
+        except Exception as error:  # a crafted or damaged pickle fails in many ways
             raise CheckpointError(
                 f"{path} is not torch.distributed.checkpoint metadata ({error}): unpickling "
                 f"it could run code the file names, so it is refused; {_TRUST_ADVICE}"

@@ -7,7 +7,8 @@ torchrun, gloo, CPU).
         the same processes, fresh objects resume from the checkpoint and finish. Loads the
         one-process checkpoint ONE_PROCESS_CKPT into FSDP2 (1 -> 2), and tries loading a
         checkpoint of another optimizer class, and one whose rank-1 client_state runs code
-        as it is unpickled, on every rank.
+        as it is unpickled, on every rank; saves a client_state only rank 1's part of which
+        a load would refuse.
         Also saves and resumes FSDP2 through torch's own get_state_dict / dcp.save /
         dcp.load / set_state_dict.
     checkpoint_worker.py OUT zero3-one-rank REFERENCE_OUT   (1 rank)
@@ -149,6 +150,7 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
     opt.detach()
     refused_on_one_rank(checks)
     code_refused_on_every_rank(checks)
+    unloadable_save_refused_on_every_rank(checks)
     # Another optimizer class's checkpoint: refused on every rank, nothing changed.
     model, opt = build("fsdp2", "lomo")
     before = [p.to_local().clone() for p in model.parameters()]
@@ -211,6 +213,19 @@ def code_refused_on_every_rank(checks: dict) -> None:
         checks["runs_code_unchanged"] = True
     except AssertionError as difference:
         checks["runs_code_unchanged"] = str(difference)
+    opt.detach()
+
+
+def unloadable_save_refused_on_every_rank(checks: dict) -> None:
+    """Rank 1's client_state holds a lambda: every rank refuses the save before anything is
+    written."""
+    model, opt = build("fsdp2", "lomo")
+    own = {"step": 1, "schedule": lambda step: 0.5} if dist.get_rank() == 1 else {"step": 1}
+    try:
+        lomo_kernels.save_checkpoint(OUT / "unloadable", model, opt, client_state=own)
+        checks["unloadable_save"] = None
+    except ValueError as error:
+        checks["unloadable_save"] = str(error)
     opt.detach()
 
 
