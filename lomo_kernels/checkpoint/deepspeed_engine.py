@@ -76,7 +76,8 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """DeepSpeed's ``save_checkpoint``, sharded: every rank calls it."""
+        """DeepSpeed's ``save_checkpoint``, sharded: every rank calls it. `client_state`
+        holds what `lomo_kernels.save_checkpoint` accepts (else refused, nothing written)."""
         save_dir = Path(save_dir)
         optimizer = served()
         name = _tag_of(optimizer, tag)
@@ -100,10 +101,13 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn: Any = None,
+        *,
+        trust_checkpoint: bool = False,
     ) -> tuple[str | None, Any]:
         """DeepSpeed's ``load_checkpoint``: (the checkpoint's path, its client_state), or
         (None, None) when ``latest`` is missing and no tag was given (refused when a save
-        that did not finish is there instead)."""
+        that did not finish is there instead). Reads no pickle that runs code unless
+        `trust_checkpoint=True` (`lomo_kernels.load_checkpoint`)."""
         if custom_load_fn is not None:
             raise ValueError(
                 "load_checkpoint(custom_load_fn=...) is not served for an engine trained by "
@@ -127,7 +131,11 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
         path = load_dir / _tag_of(optimizer, tag)
         with_optimizer = load_optimizer_states and not load_module_only
         saved = load_checkpoint(
-            path, engine, optimizer if with_optimizer else None, strict=load_module_strict
+            path,
+            engine,
+            optimizer if with_optimizer else None,
+            strict=load_module_strict,
+            trust_checkpoint=trust_checkpoint,
         )
         saved = saved or {}
         scheduler = getattr(engine, "lr_scheduler", None)

@@ -3,11 +3,11 @@ torch.distributed.checkpoint; whole or not at all.
 
 A save writes into ``<path>.partial``, then a manifest (every file's size and CRC-32), and
 publishes the directory by renaming it: a save a rank died in never appears at ``<path>``.
-A load checks the manifest and every tensor's name and shape, then loads the optimizer's
-state into copies and lets the optimizer check it on every rank, and only then applies it
-and loads the parameters: a
-checkpoint of another model, optimizer or set-up is refused, on every rank alike, before
-anything changes.
+A load checks the manifest, every tensor's name and shape and the client_state, then loads
+the optimizer's state into copies and lets the optimizer check it on every rank, and only
+then applies it and loads the parameters: a checkpoint of another model, optimizer or set-up,
+or one holding a pickle that would run code (safe_loading.py), is refused, on every rank
+alike, before anything changes.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .state import (
     after_model_load,
     apply_optimizer_state,
     check_against_metadata,
+    flat_entries,
     flat_where_saved_flat,
     model_state,
     optimizer_state,
@@ -52,6 +53,13 @@ def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
 
     return dcp
+
+
+def _safe_loading() -> Any:
+    # Imported with torch.distributed.checkpoint, when a checkpoint is written or read.
+    from . import safe_loading
+
+    return safe_loading
 
 
 @contextlib.contextmanager
@@ -77,20 +85,24 @@ def save_checkpoint(
     """Saves `model` and `optimizer` (Lomo, AdaLomo or any torch optimizer) to the
     directory `path`, each rank writing its own shards; every rank calls it (a collective).
 
-    `client_state`: anything picklable this rank wants back from `load_checkpoint` (a step
-    counter, RNG states). `frozen=False` leaves out parameters that do not require a
-    gradient. An existing checkpoint at `path` is replaced only once the new one is whole.
+    `client_state`: what this rank wants back from `load_checkpoint` (a step counter, RNG
+    states): tensors, dicts, lists, tuples, numbers, strings, bools and None, what
+    ``torch.load(weights_only=True)`` loads. Any other object is refused (on every rank,
+    naming its key) before anything is written: a load runs no code. `frozen=False` leaves
+    out parameters that do not require a gradient. An existing checkpoint at `path` is
+    replaced only once the new one is whole.
     """
     path = Path(path)
     partial = path.with_name(path.name + PARTIAL)
     rank, world = ranks.rank(), ranks.world_size()
+    state: dict[str, Any] = {MODEL: model_state(model, frozen=frozen)}
+    if optimizer is not None:
+        state[OPTIMIZER] = optimizer_state(model, optimizer)
+    _refuse_what_would_not_load(state, client_state)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # a save that died before
         partial.mkdir(parents=True)
     ranks.barrier()
-    state: dict[str, Any] = {MODEL: model_state(model, frozen=frozen)}
-    if optimizer is not None:
-        state[OPTIMIZER] = optimizer_state(model, optimizer)
     with _one_process_is_intended():
         _dcp().save(state, checkpoint_id=partial, no_dist=not ranks.distributed())
     torch.save(client_state, partial / client_state_file(rank))
@@ -104,6 +116,19 @@ def save_checkpoint(
         _publish(partial, path)
     ranks.barrier()
     return path
+
+
+def _refuse_what_would_not_load(state: dict[str, Any], client_state: Any) -> None:
+    # torch.distributed.checkpoint pickles the non-tensor entries (hyper-parameters, step
+    # count) as client_state is: both are read back with weights_only=True.
+    entries = {k: v for k, v in flat_entries(state) if not isinstance(v, torch.Tensor)}
+    error: Exception | None = None
+    try:
+        _safe_loading().refuse_unloadable(client_state, "client_state")
+        _safe_loading().refuse_unloadable(entries, "the optimizer's state")
+    except ValueError as refusal:
+        error = refusal
+    ranks.agree(error)
 
 
 def _publish(partial: Path, path: Path) -> None:
@@ -148,6 +173,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     *,
     strict: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Any:
     """Loads a `save_checkpoint` directory into `model` and `optimizer` at this run's world
     size (every rank calls it) and returns this rank's `client_state` (rank 0's where the
@@ -157,47 +183,67 @@ def load_checkpoint(
     checkpoint (naming the file), one of another model, optimizer class, hyper-parameter
     set-up or sharding engine. `strict=False` loads a model whose parameters are a superset
     of the checkpoint's (frozen parameters left out of it).
+
+    Nothing in the checkpoint runs code as it is read: a client_state (or an entry) holding
+    other Python objects than `save_checkpoint` accepts is refused, naming the file.
+    `trust_checkpoint=True` unpickles such objects (and reads with torch < 2.6, which
+    unpickles the tensors): it runs whatever code the files name, so pass it only for a
+    checkpoint you trust as you would a program you run.
     """
     path = Path(path)
-    one_process = not ranks.distributed()
     manifest = verify_checkpoint(path)
     state: dict[str, Any] = {MODEL: model_state(model)}
     if optimizer is not None:
         state[OPTIMIZER] = optimizer_state(model, optimizer)
     error: Exception | None = None
     try:
-        saved = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+        reader, _ = _safe_loading().reader_and_planner(path, trust_checkpoint)
+        saved = reader.read_metadata().state_dict_metadata
         state[MODEL] = flat_where_saved_flat(state[MODEL], saved)
         if not strict:
             state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
         check_against_metadata(state, saved, strict_model=strict)
+        client_state = _client_state(path, manifest, trust_checkpoint)
     except ValueError as refusal:
         error = refusal
     ranks.agree(error)
     if optimizer is not None:
-        with _one_process_is_intended():
-            _dcp().load({OPTIMIZER: state[OPTIMIZER]}, checkpoint_id=path, no_dist=one_process)
+        planner = _load({OPTIMIZER: state[OPTIMIZER]}, path, trust_checkpoint)
         # Checked on every rank before any rank applies it (Lomo and AdaLomo can say; a
         # torch optimizer is applied as torch loads it).
         check = getattr(optimizer, "check_state_dict", None)
         error = None
         try:
+            _safe_loading().planner_refusal(planner)
             if check is not None:
                 check(state[OPTIMIZER])
         except ValueError as refusal:
             error = refusal
         ranks.agree(error)
         apply_optimizer_state(model, optimizer, state[OPTIMIZER])
-    with _one_process_is_intended():
-        _dcp().load({MODEL: state[MODEL]}, checkpoint_id=path, no_dist=one_process)
+    # Tensors only (checked against the metadata above): nothing here can be refused.
+    _load({MODEL: state[MODEL]}, path, trust_checkpoint)
     after_model_load(model)
-    return _client_state(path, manifest)
+    return client_state
 
 
-def _client_state(path: Path, manifest: dict[str, Any]) -> Any:
+def _load(state: dict[str, Any], path: Path, trusted: bool) -> Any:
+    """Loads `state` from the checkpoint at `path` in place; returns the planner, which
+    holds the entries refused as running code (`safe_loading.planner_refusal`)."""
+    reader, planner = _safe_loading().reader_and_planner(path, trusted)
+    with _one_process_is_intended():
+        _dcp().load(
+            state, storage_reader=reader, planner=planner, no_dist=not ranks.distributed()
+        )
+    return planner
+
+
+def _client_state(path: Path, manifest: dict[str, Any], trusted: bool) -> Any:
     same_world = manifest.get("world_size") == ranks.world_size()
     name = client_state_file(ranks.rank() if same_world else 0)
-    return torch.load(path / name, weights_only=False) if name in manifest["files"] else None
+    if name not in manifest["files"]:
+        return None
+    return _safe_loading().load_client_state(path / name, trusted)
 
 
 __all__ = ["MANIFEST", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]

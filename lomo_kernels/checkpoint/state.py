@@ -152,9 +152,16 @@ def check_against_metadata(
                 "class or param-group set-up (or with frozen parameters left out)"
             )
         size = getattr(saved[key], "size", None)
-        if isinstance(value, torch.Tensor) and tuple(size or ()) != tuple(value.shape):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if size is None:  # loaded in place of the tensor, not into it
             raise CheckpointError(
-                f"the checkpoint's {key!r} has shape {tuple(size or ())}, this run's "
+                f"the checkpoint's {key!r} is not a tensor: it was written for another "
+                "model, optimizer class or param-group set-up"
+            )
+        if tuple(size) != tuple(value.shape):
+            raise CheckpointError(
+                f"the checkpoint's {key!r} has shape {tuple(size)}, this run's "
                 f"{tuple(value.shape)}: it was written for another model or sharding engine"
             )
     kinds = {MODEL: strict_model, OPTIMIZER: OPTIMIZER in state}  # a model-only load

@@ -8,8 +8,9 @@ import inspect
 
 import pytest
 import torch
+from support.crafted import Progress, RunsCode, plant_client_state
 from support.models import batch, tiny_llama
-from support.state import assert_same_state
+from support.state import assert_refused, assert_same_state
 
 from lomo_kernels import AdaLomo, CheckpointError
 from lomo_kernels.checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
@@ -25,13 +26,16 @@ def trained(steps: int, seed: int = 0):
 
 
 def test_signatures_are_deepspeeds():
+    """DeepSpeed's parameters, in order; load_checkpoint adds the keyword-only
+    trust_checkpoint."""
     deepspeed = pytest.importorskip("deepspeed")
     model, opt = trained(0)
     engine = deepspeed.DeepSpeedEngine
-    for name in ("save_checkpoint", "load_checkpoint"):
-        ours = list(inspect.signature(getattr(model, name)).parameters)
+    for name, added in (("save_checkpoint", []), ("load_checkpoint", ["trust_checkpoint"])):
+        ours = inspect.signature(getattr(model, name)).parameters
         theirs = list(inspect.signature(getattr(engine, name)).parameters)[1:]  # self
-        assert ours == theirs, name
+        assert list(ours) == theirs + added, name
+        assert all(ours[p].kind is inspect.Parameter.KEYWORD_ONLY for p in added)
 
 
 def test_tag_from_step_count_latest_and_client_state(tmp_path):
@@ -80,3 +84,37 @@ def test_served_methods_hold_the_optimizer_weakly(tmp_path):
     restore_engine_checkpoints(model, opt)
     assert "save_checkpoint" not in model.__dict__ and "load_checkpoint" not in model.__dict__
     assert isinstance(model, torch.nn.Module)
+
+
+def test_client_state_that_runs_code_refused_naming_the_file(tmp_path):
+    model, _ = trained(2)
+    model.save_checkpoint(tmp_path / "run", client_state={"epoch": 1})
+    marker = tmp_path / "code-ran"
+    record = {"client_state": {"epoch": 1}, "payload": RunsCode(marker)}
+    file = plant_client_state(tmp_path / "run" / "global_step2", 0, record)
+    fresh, fresh_opt = trained(1, seed=1)
+    before = fresh_opt.state_dict()
+    load = lambda: fresh.load_checkpoint(tmp_path / "run")
+    assert_refused(fresh, fresh_opt, load, CheckpointError, rf"{file} holds a Python object")
+    assert_same_state(fresh_opt.state_dict(), before)
+    assert not marker.exists(), "loading the checkpoint ran the code its pickle names"
+
+
+def test_trusted_checkpoint_loads_a_custom_client_state(tmp_path):
+    model, opt = trained(2)
+    model.save_checkpoint(tmp_path)
+    record = {"client_state": {"progress": Progress(2, "x")}, "global_steps": 2}
+    plant_client_state(tmp_path / "global_step2", 0, record)
+    fresh, fresh_opt = trained(0, seed=1)
+    with pytest.raises(CheckpointError, match=r"crafted\.Progress"):
+        fresh.load_checkpoint(tmp_path)
+    _, client_state = fresh.load_checkpoint(tmp_path, trust_checkpoint=True)
+    assert client_state == {"progress": Progress(2, "x")}
+    assert_same_state(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_save_refuses_a_client_state_a_load_would_refuse(tmp_path):
+    model, _ = trained(1)
+    with pytest.raises(ValueError, match=r"client_state\['client_state'\]\['progress'\]"):
+        model.save_checkpoint(tmp_path, client_state={"progress": Progress(1, "x")})
+    assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,9 @@ torchrun, gloo, CPU).
         after SAVE_AT, and writes the consolidated state at SAVE_AT and at the end; then, in
         the same processes, fresh objects resume from the checkpoint and finish. Loads the
         one-process checkpoint ONE_PROCESS_CKPT into FSDP2 (1 -> 2), and tries loading a
-        checkpoint of another optimizer class on every rank.
+        checkpoint of another optimizer class, and one whose rank-1 client_state runs code
+        as it is unpickled, on every rank; saves a client_state only rank 1's part of which
+        a load would refuse.
         Also saves and resumes FSDP2 through torch's own get_state_dict / dcp.save /
         dcp.load / set_state_dict.
     checkpoint_worker.py OUT zero3-one-rank REFERENCE_OUT   (1 rank)
@@ -23,6 +25,7 @@ torchrun, gloo, CPU).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import warnings
@@ -36,8 +39,10 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from support.crafted import RunsCode, plant_client_state  # noqa: E402
 from support.sharded_checks import run_worker  # noqa: E402
 from support.sharded_models import LR, OPTIONS, SINGLE, ScaledLlama, rank_batch  # noqa: E402
+from support.state import assert_same_state  # noqa: E402
 
 import lomo_kernels  # noqa: E402
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
@@ -144,6 +149,8 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
     dump("from_one_process", consolidated(model, opt))
     opt.detach()
     refused_on_one_rank(checks)
+    code_refused_on_every_rank(checks)
+    unloadable_save_refused_on_every_rank(checks)
     # Another optimizer class's checkpoint: refused on every rank, nothing changed.
     model, opt = build("fsdp2", "lomo")
     before = [p.to_local().clone() for p in model.parameters()]
@@ -182,6 +189,44 @@ def refused_on_one_rank(checks: dict) -> None:
         for key, v in values.items()
     )
     fresh_opt.detach()
+
+
+def code_refused_on_every_rank(checks: dict) -> None:
+    """A copy of the FSDP2 checkpoint whose rank-1 client_state runs code as it is unpickled
+    (its manifest re-recorded): every rank refuses it, naming the file, with the code never
+    run and the model and optimizer unchanged bit for bit."""
+    crafted = OUT / "crafted"
+    if dist.get_rank() == 0:
+        shutil.copytree(OUT / "fsdp2_adalomo_single", crafted)
+        plant_client_state(crafted, 1, {"step": SAVE_AT, "payload": RunsCode(OUT / "code-ran")})
+    dist.barrier()
+    model, opt = build("fsdp2", "adalomo_single")
+    train_step(model, opt, "fsdp2", 0)  # moments, a step count: state that could change
+    before = consolidated(model, opt)
+    try:
+        lomo_kernels.load_checkpoint(crafted, model, opt)
+        checks["runs_code"] = None
+    except ValueError as error:
+        checks["runs_code"] = str(error)
+    try:
+        assert_same_state(consolidated(model, opt), before)
+        checks["runs_code_unchanged"] = True
+    except AssertionError as difference:
+        checks["runs_code_unchanged"] = str(difference)
+    opt.detach()
+
+
+def unloadable_save_refused_on_every_rank(checks: dict) -> None:
+    """Rank 1's client_state holds a lambda: every rank refuses the save before anything is
+    written."""
+    model, opt = build("fsdp2", "lomo")
+    own = {"step": 1, "schedule": lambda step: 0.5} if dist.get_rank() == 1 else {"step": 1}
+    try:
+        lomo_kernels.save_checkpoint(OUT / "unloadable", model, opt, client_state=own)
+        checks["unloadable_save"] = None
+    except ValueError as error:
+        checks["unloadable_save"] = str(error)
+    opt.detach()
 
 
 def torch_api(checks: dict) -> None:

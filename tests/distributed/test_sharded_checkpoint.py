@@ -176,6 +176,28 @@ def test_other_optimizer_class_refused_on_every_rank(reference):
     assert all(rank["other_class_unchanged"] for rank in checks)
 
 
+def test_client_state_that_runs_code_refused_by_every_rank(reference):
+    """Rank 1's client_state runs code as it is unpickled: rank 1 refuses to load it, rank 0
+    (whose own file is harmless) refuses with it, and neither changes anything."""
+    checks = read_checks(reference)
+    refusal = checks[0]["runs_code"]
+    assert refusal is not None and refusal == checks[1]["runs_code"], "not refused alike"
+    assert f"{reference / 'crafted' / 'client_state_1.pt'} holds a Python object" in refusal
+    assert all(rank["runs_code_unchanged"] is True for rank in checks)
+    assert not (reference / "code-ran").exists(), "loading the checkpoint ran its code"
+
+
+def test_save_a_load_would_refuse_refused_by_every_rank(reference):
+    """Only rank 1's client_state holds a lambda: both ranks refuse the save, naming the key,
+    and neither the checkpoint nor its .partial directory is written."""
+    checks = read_checks(reference)
+    refusal = checks[0]["unloadable_save"]
+    assert refusal is not None and refusal == checks[1]["unloadable_save"], "not refused alike"
+    assert "client_state['schedule'] (a function)" in refusal
+    assert not (reference / "unloadable").exists()
+    assert not (reference / "unloadable.partial").exists()
+
+
 def test_bad_value_in_one_ranks_slice_refused_by_every_rank(reference):
     """Checked on every rank before any rank applies: rank 0's own part passes every check,
     yet it refuses with rank 1 and changes nothing."""

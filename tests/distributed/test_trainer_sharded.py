@@ -258,3 +258,16 @@ def test_trainer_unsupported_multi_process_setups_refused(checks):
         for key, expected in REFUSALS.items():
             assert expected in (rank["refusals"][key] or ""), (key, rank["refusals"][key])
         assert rank["refusals_unchanged"]
+
+
+@pytest.mark.slow
+def test_trainer_resume_running_code_refused_by_every_rank(ranks_dir, checks):
+    """train(resume_from_checkpoint=...) under ZeRO-3 from a checkpoint whose rank-1
+    client_state runs code as it is unpickled: both ranks refuse it, naming the file, before
+    the parameters or the optimizer state change, and the code never runs."""
+    crafted = ranks_dir / "crafted" / "checkpoint-2" / "global_step2" / "client_state_1.pt"
+    refusal = checks[0]["resume_runs_code"]
+    assert refusal is not None and refusal == checks[1]["resume_runs_code"], "not refused alike"
+    assert f"{crafted} holds a Python object" in refusal
+    assert all(rank["resume_runs_code_unchanged"] is True for rank in checks)
+    assert not (ranks_dir / "code-ran").exists(), "resuming ran the checkpoint's code"

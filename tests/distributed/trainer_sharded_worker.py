@@ -6,7 +6,8 @@ torchrun, gloo, CPU).
   GPU ranks only): fully_shard on each decoder layer and the root, Lomo/AdaLomo with the param
   groups LomoTrainer builds from the same TrainingArguments, transformers' linear schedule,
   `fused_backward` per step, on the batches the ZeRO-3 Trainer gave this rank;
-- a ZeRO-3 LomoTrainer run resumed from its sharded step-2 checkpoint by a new trainer;
+- a ZeRO-3 LomoTrainer run resumed from its sharded step-2 checkpoint by a new trainer, and
+  a resume from a copy of it whose rank-1 client_state runs code as it is unpickled;
 - the set-ups LomoTrainer refuses.
 
 Writes, on rank 0, to the directory in argv[1]: for each run the initial and consolidated
@@ -18,6 +19,7 @@ step, logged norms, the refusals).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,7 +32,9 @@ from transformers import Trainer, get_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from support.crafted import RunsCode, plant_client_state  # noqa: E402
 from support.sharded_checks import count_phases, record_order, write_checks  # noqa: E402
+from support.state import assert_same_state  # noqa: E402
 from support.trainer_runs import (  # noqa: E402
     EVAL,
     EVAL_ROWS,
@@ -177,6 +181,49 @@ def run_resumed(rank: int, checks: dict) -> None:
         torch.save(runs, OUT / "resume.pt")
 
 
+class LoadWatchingTrainer(LomoTrainer):
+    """Records the consolidated model and optimizer state right before a resume loads (the
+    scheduler is made after the engine and its optimizer, before the checkpoint is read)."""
+
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        self.before_load = consolidated(self)
+        return scheduler
+
+
+def consolidated(trainer: LomoTrainer) -> dict:
+    return {
+        "model": consolidated_state_dict(trainer.model),
+        "opt": trainer._lomo().consolidated_state_dict(),
+    }
+
+
+def run_resume_running_code(rank: int, checks: dict) -> None:
+    """train(resume_from_checkpoint=...) from a copy of the step-2 checkpoint whose rank-1
+    client_state runs code as it is unpickled (its manifest re-recorded): refused on every
+    rank, naming the file, with the code never run and nothing changed."""
+    crafted = OUT / "crafted" / f"checkpoint-{RESUME_SAVE}"
+    if rank == 0:
+        shutil.copytree(OUT / "resume" / f"checkpoint-{RESUME_SAVE}", crafted)
+        record = {"client_state": {}, "payload": RunsCode(OUT / "code-ran")}
+        plant_client_state(crafted / f"global_step{RESUME_SAVE}", 1, record)
+    dist.barrier()
+    args = training_args(
+        str(OUT / "crafted"),
+        "adalomo",
+        deepspeed=ZERO3,
+        max_steps=RESUME_STEPS,
+        **configured_state(),
+    )
+    trainer = LoadWatchingTrainer(model=llama(seed=1), args=args, train_dataset=dataset())
+    checks["resume_runs_code"] = refusal(lambda: trainer.train(resume_from_checkpoint=str(crafted)))
+    try:
+        assert_same_state(consolidated(trainer), trainer.before_load)
+        checks["resume_runs_code_unchanged"] = True
+    except AssertionError as difference:
+        checks["resume_runs_code_unchanged"] = str(difference)
+
+
 def refusal(build) -> str | None:
     try:
         build()
@@ -258,6 +305,7 @@ def main() -> None:
     for name in ("lomo", "adalomo"):
         run_fsdp2(name, batches[name], rank, checks)
     run_resumed(rank, checks)
+    run_resume_running_code(rank, checks)
     run_refusals(checks)
     write_checks(OUT, checks)
 
