@@ -21,7 +21,8 @@ on the machine hits every optimizer alike: the table gives the median of the rou
 and their range (MEASURING.md's interleaving, one process per run). Memory comes from the
 first round.
 
-The update's share is 1 - t(forward_backward) / t(step): `forward_backward` is the same
+The update's share is 1 - k t(forward_backward) / t(step), k the micro-batches of a step
+(4 for the *_accumulate optimizers, else 1): `forward_backward` is the same
 forward and backward with no update at all (gradients dropped), run in its own process. It
 is what choosing the optimizer costs over plain backpropagation: for the two-pass modes it
 includes the second backward. All optimizers clip by global norm 1.0 (`--clip-grad-norm`).
@@ -146,7 +147,9 @@ def run(
     base = raw.pop(FORWARD_BACKWARD)
     for result in raw.values():
         if result["status"] == "ok" and base["status"] == "ok":
-            result["update_share"] = 1 - base["median_step_s"] / result["median_step_s"]
+            # An accumulating step runs the forward and backward once per micro-batch.
+            passes = result.get("accumulation_steps", 1)
+            result["update_share"] = 1 - passes * base["median_step_s"] / result["median_step_s"]
     shape = resolve_model(model)
     meta = machine.describe(device) | spec
     meta |= {

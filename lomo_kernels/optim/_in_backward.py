@@ -297,7 +297,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         was built on gets its own checkpoint methods back."""
         self._release_hooks()  # runs once; later calls do nothing
         if self._accumulation is not None:
-            self._accumulation.release()  # as zero_grad(): nothing can apply them now
+            self._accumulation.release(free=True)  # nothing can apply them now
         engine = getattr(self, "_engine", None)
         if engine is not None:
             restore_engine_checkpoints(engine, self)
@@ -656,12 +656,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: ``.grad`` and, with accumulation, the micro-batches
-        accumulated since the last step (as torch's zero_grad drops accumulated gradients)."""
+        accumulated since the last step (as torch's zero_grad drops accumulated gradients).
+        The accumulation buffers are freed, or with ``set_to_none=False`` kept for the next
+        step (they are reused from step to step otherwise)."""
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
         if self._accumulation is not None:
-            self._accumulation.release()
+            self._accumulation.release(free=set_to_none)
 
     def flush_report(self) -> None:
         """Reports the last step's overflow now (at the end of training, for example)."""

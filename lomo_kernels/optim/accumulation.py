@@ -10,7 +10,9 @@ The k-th micro-batch's pass also measures the accumulated gradients' squared nor
 inf/nan flag, so the step then knows the exact global norm without a norm pass: every
 parameter is updated from its buffer with the clip coefficient of the whole big batch, or,
 after an overflow in any micro-batch, none is and the loss scale is lowered once (torch's
-GradScaler semantics). The buffers are then released.
+GradScaler semantics). The buffers stay allocated for the next step, whose first gradient
+overwrites each (no clearing pass, no new pages every step); `zero_grad()` and `detach()`
+free them.
 
 The buffers hold the loss-scaled sum, as ``.grad`` does under torch's GradScaler (one scale
 serves the k micro-batches: the scale changes only when a step is applied); the update
@@ -67,8 +69,11 @@ class Accumulation:
         self.rounding = rounding
         self.pending = 0  # micro-batches accumulated into the buffers
         self.measuring = False  # this micro-batch's pass measures the accumulated gradients
-        # id(param) -> (param, buffer, shard), in the order the gradients first arrived.
+        # id(param) -> (param, buffer, shard), in the order the gradients first arrived. Kept
+        # from step to step (a new allocation would be paged in again every step); those
+        # written this step are `_written`.
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, Shard | None]] = {}
+        self._written: set[int] = set()
         self._measured: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
         self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
@@ -132,14 +137,21 @@ class Accumulation:
     def _buffer(
         self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
     ) -> tuple[torch.Tensor, bool]:
-        """`param`'s buffer, shaped like `like`, and whether it was just allocated without
-        being zeroed (its first gradient then overwrites it)."""
+        """`param`'s buffer, shaped like `like`, and whether this is its first gradient of the
+        step, which then overwrites it (`zeroed`: the buffer is zeroed instead, for a
+        gradient that comes in blocks which may leave rows out)."""
         entry = self._buffers.get(id(param))
-        if entry is not None:
+        if entry is not None and id(param) in self._written:
             return entry[1], False
-        make = torch.zeros_like if zeroed else torch.empty_like
-        buffer = make(like, dtype=self.buffer_dtype(param))
-        self._buffers[id(param)] = (param, buffer, shard)
+        if entry is None:
+            make = torch.zeros_like if zeroed else torch.empty_like
+            buffer = make(like, dtype=self.buffer_dtype(param))
+            self._buffers[id(param)] = (param, buffer, shard)
+        else:
+            buffer = entry[1]
+            if zeroed:
+                buffer.zero_()
+        self._written.add(id(param))
         return buffer, not zeroed
 
     def _add(
@@ -192,7 +204,7 @@ class Accumulation:
         a gradient there, or every buffer of a step applied early by `step()`), so the step's
         norm and flag cover every accumulated gradient. `inv_scale_for(device)`: the loss
         scale's inverse there."""
-        for param, buffer, _ in self._buffers.values():
+        for param, buffer, _ in self.buffered():
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
             measured = self._measured[buffer.device]
@@ -209,7 +221,7 @@ class Accumulation:
         """(parameter, buffer, this rank's shard or None) of every parameter that got a
         gradient this step, in the order the gradients first arrived (the same on every
         rank: the sharding hands the slices over in the same order)."""
-        return list(self._buffers.values())
+        return [entry for key, entry in self._buffers.items() if key in self._written]
 
     def measured(self, device: torch.device) -> torch.Tensor:
         """[sum of squares, inf/nan flag] of the accumulated gradients on `device`."""
@@ -218,12 +230,15 @@ class Accumulation:
     def devices(self) -> list[torch.device]:
         return list(self._measured)
 
-    def release(self) -> None:
-        """Drops the buffers and the micro-batch count (after a step, or `zero_grad`)."""
-        self._buffers.clear()
+    def release(self, free: bool = False) -> None:
+        """Ends the step's accumulation (after a step, or `zero_grad`): nothing is pending;
+        the buffers are kept for the next step unless `free`."""
+        self._written.clear()
         self._measured_ids.clear()
         self.pending = 0
         self.measuring = False
+        if free:
+            self._buffers.clear()
 
     def buffer_bytes(self) -> int:
         """The bytes the buffers of this step hold now."""
