@@ -122,5 +122,6 @@ def grad_accumulate_(
     _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
                 seed, seed_step)  # fmt: skip
     if sumsq is not None or found_inf is not None:
-        grad_sumsq_(buffer, inv_scale, torch.zeros_like(sumsq) if sumsq is None else sumsq,
-                    found_inf)  # fmt: skip
+        if sumsq is None:  # found_inf alone: the sum is measured and dropped
+            sumsq = torch.zeros(1, dtype=torch.float32, device=buffer.device)
+        grad_sumsq_(buffer, inv_scale, sumsq, found_inf)

@@ -211,3 +211,30 @@ def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
     )
     kernel = runtime.kernels("lomo_kernels").grad_sumsq_kernel
     return (kernel, *aot_signature(kernel, args))
+
+
+def aot_grad_accumulate(
+    buffer_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    *,
+    first: bool = False,
+    stochastic_rounding: bool = False,
+) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the accumulation with sumsq, found_inf and
+    the per-step seed given, as `aot_update`."""
+    n = 2 * BLOCK + 5
+    _, args = grad_accumulate_args(
+        GRAD_ACCUMULATE.Arguments(
+            torch.empty(n, dtype=buffer_dtype),
+            torch.empty(n, dtype=grad_dtype),
+            first,
+            torch.ones(1),
+            torch.zeros(1),
+            torch.zeros(1),
+            stochastic_rounding,
+            12345,
+            torch.zeros(1, dtype=torch.int64),
+        )
+    )
+    kernel = runtime.kernels("lomo_kernels").grad_accumulate_kernel
+    return (kernel, *aot_signature(kernel, args))
