@@ -100,3 +100,44 @@ def sumsq_model(stored: torch.Tensor, inv_scale: float, start: float) -> float:
     it, squared exactly and summed in float64 (relative error ~n * 2^-53, negligible)."""
     scaled = stored.float().reshape(-1) * torch.tensor(inv_scale, dtype=torch.float32)
     return start + (scaled.double() ** 2).sum().item()
+
+
+def accumulate_both(
+    module,
+    buffer: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    first: bool = False,
+    inv_scale: torch.Tensor | None = None,
+    sr: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
+    start: float = 0.75,
+) -> tuple[tuple, tuple, tuple]:
+    """`module.grad_accumulate_` (a backend) and the reference's on copies of `buffer`, each
+    with sumsq (from `start`) and found_inf: ((buffers), (sumsqs), (flags)), backend first."""
+    from lomo_kernels.ops.lomo import reference
+
+    buffers, sums, flags = [], [], []
+    for m in (module, reference):
+        out, sumsq, found = buffer.clone(), torch.tensor([start]), torch.zeros(1)
+        m.grad_accumulate_(out, grad, first, inv_scale, sumsq, found, sr, seed, seed_step)
+        buffers.append(out)
+        sums.append(sumsq)
+        flags.append(found)
+    return tuple(buffers), tuple(sums), tuple(flags)
+
+
+def assert_same_stored(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-identical but for nan payloads: a nan summed from an fp16 input carries what the
+    fp16 -> fp32 conversion gives it (IEEE's in the kernels, torch's own varies), so nans only
+    have to sit at the same places (the bf16 quiet-nan rule: the update's bitwise tests)."""
+    from .lomo_bitwise import assert_same_bits
+
+    nan = float("nan")
+    assert_same_bits(got.masked_fill(got.isnan(), nan), want.masked_fill(want.isnan(), nan))
+
+
+def roundings(buffer_dtype: str) -> tuple[bool, ...]:
+    """The stochastic_rounding values a buffer of that dtype (a DTYPES key) takes."""
+    return (False,) if buffer_dtype == "fp32" else (False, True)
