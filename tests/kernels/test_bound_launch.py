@@ -40,7 +40,7 @@ VALUES = [
     0.0, 1.0, 0.5, True, False,
 ]
 conflicts = []
-for kernel in (k.lomo_update_kernel, k.grad_sumsq_kernel):
+for kernel in (k.lomo_update_kernel, k.grad_sumsq_kernel, k.grad_accumulate_kernel):
     for p in kernel.params:
         if p.is_constexpr:
             continue

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.float64 import as_f32, ulp
+from support.float64 import as_f32, sumsq_rel_bound, ulp
 from support.fp16_edges import (
     TINY16,
     check_edge_values_match_reference,
     check_skip_if_writes_nothing,
     fp16_any_value_case,
 )
+from support.grad_accumulate import accumulate_both, assert_same_stored, roundings
 from support.lomo_bitwise import (
     COMBOS,
     DTYPES,
@@ -511,6 +512,90 @@ def test_grad_sumsq_independent_of_thread_count() -> None:
 
     first, second = _at_one_and_two_threads(sumsq)
     assert first == second
+
+
+# ---------------------------------------------------------------------------------------
+# Gradient accumulation (tests/ops/test_grad_accumulate.py: against the float64 model)
+# ---------------------------------------------------------------------------------------
+
+
+def _same_sum(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or bool(a.isnan().all() and b.isnan().all())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("bdt,gdt", COMBOS, ids=[f"b{b}-g{g}" for b, g in COMBOS])
+def test_grad_accumulate_matches_reference_bitwise(bdt: str, gdt: str, size: int) -> None:
+    # inf/nan gradients (odd sizes) and subnormal buffer values among the elements; each
+    # variant: nearest and stochastic rounding, adding and the first micro-batch's pass.
+    buffer = make_param(size, DTYPES[bdt], seed=size, specials=True)
+    grad = make_grad(size, DTYPES[gdt], seed=size, scale=4.0, specials=size % 2 == 1)
+    inv = torch.tensor([0.375])
+    step = torch.tensor([2**32 + 3], dtype=torch.int64)
+    for first in (False, True):
+        for sr in roundings(bdt):
+            (got, want), (s_got, s_want), (f_got, f_want) = accumulate_both(
+                cpp_backend, buffer, grad, first=first, inv_scale=inv, sr=sr, seed=size,
+                seed_step=step,
+            )  # fmt: skip
+            assert_same_stored(got, want)
+            assert torch.equal(f_got, f_want)
+            # The sum of squares is grad_sumsq_'s of the stored buffer, in its order.
+            again = torch.tensor([0.75])
+            cpp_backend.grad_sumsq_(got, inv, again, None)
+            assert _same_sum(s_got, again)
+            if f_want.item() == 0.0:  # the reference's float64 dot: two fp32 roundings apart
+                bound = sumsq_rel_bound("cpp", size)
+                assert math.isclose(s_got.item(), s_want.item(), rel_tol=2 * bound)
+            else:
+                assert not s_got.isfinite().item()
+
+
+def test_grad_accumulate_first_does_not_read_the_buffer() -> None:
+    grad = make_grad(4099, torch.float32, seed=3, scale=1.0, specials=False)
+    for dtype in DTYPES.values():
+        dirty = torch.full((4099,), float("nan")).to(dtype)
+        (got, want), (s_got, _), (f_got, _) = accumulate_both(cpp_backend, dirty, grad, first=True)
+        assert_same_stored(got, want)
+        assert f_got.item() == 0.0 and s_got.isfinite().item()
+
+
+def test_grad_accumulate_unaligned_views() -> None:
+    # Views 1 and 3 elements into their storage: no vector loop may assume alignment.
+    n = 4099
+    base_b = make_param(n + 8, torch.bfloat16, seed=1, specials=False)
+    base_g = make_grad(n + 8, torch.float16, seed=1, scale=1.0, specials=False)
+    for sr in (False, True):
+        (got, want), (s_got, s_want), _ = accumulate_both(
+            cpp_backend, base_b[1 : n + 1], base_g[3 : n + 3], sr=sr, seed=9
+        )
+        assert_same_stored(got, want)
+        assert math.isclose(s_got.item(), s_want.item(), rel_tol=2 * sumsq_rel_bound("cpp", n))
+
+
+def test_grad_accumulate_independent_of_thread_count() -> None:
+    buffer = make_param(2**20 + 3, torch.bfloat16, seed=9, specials=False)
+    grad = make_grad(2**20 + 3, torch.bfloat16, seed=9, scale=1.0, specials=False)
+
+    def accumulate() -> tuple[torch.Tensor, torch.Tensor]:
+        out, sumsq = buffer.clone(), torch.zeros(1)
+        cpp_backend.grad_accumulate_(out, grad, False, None, sumsq, None, True, 3, None)
+        return int_bits(out), sumsq
+
+    (b1, s1), (b2, s2) = _at_one_and_two_threads(accumulate)
+    assert torch.equal(b1, b2) and torch.equal(s1, s2)
+
+
+def test_grad_accumulate_bumps_versions_and_empty() -> None:
+    buffer, grad = _finite_case()
+    sumsq, found = torch.zeros(1), torch.zeros(1)
+    before = (buffer._version, sumsq._version)
+    cpp_backend.grad_accumulate_(buffer, grad, False, None, sumsq, found, False, 0, None)
+    assert buffer._version > before[0] and sumsq._version > before[1]
+    sumsq = torch.tensor([2.0])
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    cpp_backend.grad_accumulate_(empty, torch.empty(0), False, None, sumsq, found, True, 1, None)
+    assert sumsq.item() == 2.0
 
 
 # ---------------------------------------------------------------------------------------

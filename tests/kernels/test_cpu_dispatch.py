@@ -34,6 +34,7 @@ from support.fp16_edges import (
     check_skip_if_writes_nothing,
     fp16_any_value_case,
 )
+from support.grad_accumulate import accumulate_both, assert_same_stored, roundings
 from support.lomo_bitwise import (
     COMBOS,
     DTYPES,
@@ -272,6 +273,65 @@ def test_grad_sumsq_every_level_flags_non_finite(
     assert found.item() == float(expect_flag)
     if not expect_flag:
         assert out.item() == _lane_order_sumsq(grad, 2.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("bdt,gdt", COMBOS, ids=[f"b{b}-g{g}" for b, g in COMBOS])
+def test_grad_accumulate_every_level_matches_reference(
+    level: str, bdt: str, gdt: str, size: int
+) -> None:
+    # Stored bits as the reference's (both roundings, adding and the first pass), the sum of
+    # squares in grad_sumsq_'s documented lane order of the stored values, bit for bit.
+    buffer = make_param(size, DTYPES[bdt], seed=size, specials=False)
+    grad = make_grad(size, DTYPES[gdt], seed=size, scale=3.0, specials=False)
+    inv = torch.tensor([0.5])
+    for first in (False, True):
+        for sr in roundings(bdt):
+            (got, want), (s_got, _), (f_got, f_want) = accumulate_both(
+                cpp_backend, buffer, grad, first=first, inv_scale=inv, sr=sr, seed=size,
+                seed_step=torch.tensor([size * 31], dtype=torch.int64), start=1.25,
+            )  # fmt: skip
+            assert_same_stored(got, want)
+            assert f_got.item() == f_want.item() == 0.0
+            assert s_got.item() == _lane_order_sumsq(got, 0.5, 1.25)
+            # Started at minus the sum, the fp32 result shows the double sum's low bits.
+            start = -_lane_order_sumsq(got, 0.5, 0.0)
+            again = buffer.clone()
+            sumsq = torch.tensor([start])
+            cpp_backend.grad_accumulate_(again, grad, first, inv, sumsq, None, sr, size, None)
+            assert sumsq.item() == _lane_order_sumsq(again, 0.5, start)
+
+
+@pytest.mark.parametrize("where", ["first", "vector body", "tail"])
+@pytest.mark.parametrize("special", ["inf", "nan", "overflow"])
+@pytest.mark.parametrize(
+    "bdt,gdt", [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")]
+)
+def test_grad_accumulate_every_level_flags_non_finite(
+    level: str, bdt: str, gdt: str, special: str, where: str
+) -> None:
+    # A non-finite stored value, wherever it sits, raises found_inf and makes the sum
+    # non-finite; "overflow": a finite stored value the inverse scale (2.0) takes past fp32
+    # (the dtype's largest; fp16's stays finite and must not be flagged).
+    n = 4_101
+    buffer = make_param(n, DTYPES[bdt], seed=4, specials=False)
+    grad = make_grad(n, DTYPES[gdt], seed=4, scale=1.0, specials=False)
+    index = {"first": 0, "vector body": 2_053, "tail": n - 2}[where]
+    if special == "overflow":
+        buffer[index], grad[index] = torch.finfo(DTYPES[bdt]).max, 0.0
+    else:
+        grad[index] = float(special)
+    for sr in roundings(bdt):
+        (got, want), (s_got, _), (f_got, f_want) = accumulate_both(
+            cpp_backend, buffer, grad, inv_scale=torch.tensor([2.0]), sr=sr, seed=1
+        )
+        assert_same_stored(got, want)
+        flagged = not torch.isfinite(got[index].float() * 2.0).item()
+        assert f_got.item() == f_want.item() == float(flagged)
+        assert s_got.isfinite().item() != flagged
 
 
 ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]

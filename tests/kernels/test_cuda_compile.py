@@ -60,7 +60,7 @@ def test_object_builds_without_spills(arch: str, tmp_path: Path) -> None:
     log = _nvcc(f"-arch={arch}", "-c", "-Xptxas", "-v", "-o", str(tmp_path / "lomo_cuda.o"))
     assert (tmp_path / "lomo_cuda.o").stat().st_size > 0
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
-    assert len(frames) >= 15, log[-2000:]  # one line per kernel
+    assert len(frames) >= 48, log[-2000:]  # one line per kernel
     assert all(frame == ("0", "0") for frame in frames), log[-2000:]
 
 
@@ -76,15 +76,31 @@ def test_all_kernels_instantiated(ptx: str) -> None:
     assert sum("4Bf16" in n.split("lomo_update_kernel")[1][:12] for n in stochastic) == 3
     assert sum("4Fp16" in n.split("lomo_update_kernel")[1][:12] for n in stochastic) == 3
     assert len(sumsqs) == 3, names
+    # The accumulation: the 15 pairs and roundings of the update, each with and without
+    # reading the buffer (the first micro-batch: the third template argument).
+    accumulates = [n for n in names if "grad_accumulate_kernel" in n]
+    assert len(accumulates) == 30, names
+    flags = [_template_flags(n) for n in accumulates]  # [first, stochastic]
+    assert sum(first for first, _ in flags) == 15, accumulates
+    assert sum(stochastic for _, stochastic in flags) == 12, accumulates
 
 
 def test_bulk_uses_128_bit_memory_ops(ptx: str) -> None:
     for name, body in _kernels(ptx).items():
         assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}: no 128-bit load"
-        if "lomo_update_kernel" in name:
+        if "lomo_update_kernel" in name or "grad_accumulate_kernel" in name:
             assert re.search(r"st\.global\.v4\.", body), f"{name}: no 128-bit store"
             # The gradient is read-only: the non-coherent path.
             assert re.search(r"ld\.global\.nc\.v4\.", body), f"{name}: grad not via ld.nc"
+        if "grad_accumulate_kernel" in name:
+            # The buffer is read (coherent loads) except on the first micro-batch.
+            first = _template_flags(name)[0]
+            assert bool(re.search(r"ld\.global\.v4\.", body)) != first, name
+
+
+def _template_flags(name: str) -> list[bool]:
+    """The bool template arguments of a mangled kernel name, in order (Lb0E / Lb1E)."""
+    return [flag == "1" for flag in re.findall(r"Lb([01])E", name)]
 
 
 def test_no_local_memory(ptx: str) -> None:

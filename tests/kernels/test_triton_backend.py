@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from support.dependencies import require  # noqa: E402
 from support.float64 import sumsq_rel_bound  # noqa: E402
+from support.grad_accumulate import accumulate_both, assert_same_stored, roundings  # noqa: E402
 
 from lomo_kernels import ops
 from lomo_kernels.core import rounding as _rounding  # noqa: E402
@@ -656,6 +657,43 @@ def test_grad_sumsq_without_found_inf() -> None:
     triton_backend.grad_sumsq_(grad, torch.tensor([2.0]), sumsq, None)
     exact = ((grad.double() * 2) ** 2).sum().item()
     assert sumsq.item() == pytest.approx(exact, rel=sumsq_rel_bound("triton", grad.numel()))
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+ACCUMULATE_PAIRS = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"),
+                    ("fp16", "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [1, 7, BLOCK + 16, 2 * BLOCK + 5], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize(
+    "bdt,gdt", ACCUMULATE_PAIRS, ids=[f"b{b}-g{g}" for b, g in ACCUMULATE_PAIRS]
+)
+def test_grad_accumulate_matches_reference(bdt: str, gdt: str, n: int) -> None:
+    # The stored bits of both roundings, adding and the first pass, as the reference's (the
+    # bulk, the 16-element tail, a lone element); the sum within the Triton order's bound.
+    buffer, grad = _inputs(n, DTYPES[bdt], DTYPES[gdt], seed=n)
+    inv = torch.tensor([0.25])
+    for first in (False, True):
+        for sr in roundings(bdt):
+            (got, want), (s_got, s_want), (f_got, f_want) = accumulate_both(
+                triton_backend, buffer, grad, first=first, inv_scale=inv, sr=sr, seed=n,
+                seed_step=torch.tensor([5], dtype=torch.int64),
+            )  # fmt: skip
+            assert_same_stored(got, want)
+            assert f_got.item() == f_want.item() == 0.0
+            exact = 0.75 + ((got.float() * 0.25).double() ** 2).sum().item()
+            assert s_got.item() == pytest.approx(exact, rel=sumsq_rel_bound("triton", n))
+
+
+@pytest.mark.parametrize("position", [0, BLOCK + 1, 2 * BLOCK + 3])
+def test_grad_accumulate_non_finite(position: int) -> None:
+    buffer, grad = _inputs(2 * BLOCK + 5, torch.bfloat16, torch.float16)
+    grad[position] = float("inf")
+    (got, want), (s_got, _), (f_got, f_want) = accumulate_both(triton_backend, buffer, grad)
+    assert_same_stored(got, want)
+    assert f_got.item() == f_want.item() == 1.0
+    assert not torch.isfinite(s_got).item()
 
 
 # ----------------------------------------------------------------------------- availability

@@ -21,7 +21,7 @@ import json, os, re, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from lomo_kernels.ops.lomo import triton_backend as m
-from lomo_kernels.ops.lomo.spec import GRAD_SUMSQ, LOMO_UPDATE
+from lomo_kernels.ops.lomo.spec import GRAD_ACCUMULATE, GRAD_SUMSQ, LOMO_UPDATE
 from lomo_kernels.kernels.triton import lomo_kernels as k
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -29,6 +29,9 @@ bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 UPDATES = [(bf16, bf16, False), (fp16, fp16, False), (fp32, fp32, False), (bf16, fp32, False),
            (bf16, bf16, True), (fp16, fp16, True), (fp16, fp32, True)]
 SUMSQ = [bf16, fp16, fp32]
+# (buffer, grad, stochastic rounding, first): the buffer is not read on the first micro-batch.
+ACCUMULATES = [(bf16, bf16, False, False), (bf16, bf16, True, False), (bf16, fp32, True, False),
+               (fp16, fp16, True, False), (fp32, fp32, False, False), (bf16, bf16, False, True)]
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
 
@@ -69,6 +72,12 @@ for arch in (80, 90):
         rec = compile_one(*m.aot_grad_sumsq(grad), arch)
         rec.update(kernel="sumsq", param=None, grad=str(grad), sr=False, arch=arch)
         records.append(rec)
+    for buffer, grad, sr, first in ACCUMULATES:
+        rec = compile_one(*m.aot_grad_accumulate(buffer, grad, first=first,
+                                                 stochastic_rounding=sr), arch)
+        rec.update(kernel="accumulate" + ("-first" if first else ""), param=str(buffer),
+                   grad=str(grad), sr=sr, arch=arch)
+        records.append(rec)
 
 # The AOT specialisation must be the one the JIT computes for the same launch.
 mismatches = []
@@ -92,6 +101,12 @@ if native_specialize_impl is not None:
         (k.grad_sumsq_kernel, m.grad_sumsq_args(GRAD_SUMSQ.Arguments(
             torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),
             None))),
+        # (buffer, grad, first, inv_scale, sumsq, found_inf, stochastic_rounding, seed,
+        #  seed_step)
+        (k.grad_accumulate_kernel, m.grad_accumulate_args(GRAD_ACCUMULATE.Arguments(
+            torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5), False,
+            torch.full((1,), 0.5), torch.zeros(1), None, True, 7,
+            torch.zeros(1, dtype=torch.int64)))),
     ]:
         signature, constexprs, attrs = m.aot_signature(kernel, args)
         for i, p in enumerate(kernel.params):
@@ -108,7 +123,7 @@ if native_specialize_impl is not None:
 
 runtime_constexprs = {
     kernel.__name__: sorted(p.name for p in kernel.params if p.is_constexpr)
-    for kernel in (k.lomo_update_kernel, k.grad_sumsq_kernel)
+    for kernel in (k.lomo_update_kernel, k.grad_sumsq_kernel, k.grad_accumulate_kernel)
 }
 print(json.dumps({"records": records, "mismatches": mismatches,
                   "checked_spec": native_specialize_impl is not None,
@@ -134,7 +149,7 @@ def _record_ids(compiled: dict) -> list[str]:
 
 def test_every_variant_compiled_for_both_architectures(compiled: dict) -> None:
     ids = _record_ids(compiled)
-    assert len(ids) == len(set(ids)) == 20
+    assert len(ids) == len(set(ids)) == 32
     assert {r["arch"] for r in compiled["records"]} == {80, 90}
 
 
@@ -151,6 +166,12 @@ def test_bulk_loads_and_stores_are_128_bit(compiled: dict) -> None:
             # Every bulk byte of grad and param moves in 16-byte vectors.
             assert rec["ld_v4"] == (grad_bytes + param_bytes) // 16, name
             assert rec["st_v4"] == param_bytes // 16, name
+        elif rec["kernel"].startswith("accumulate"):
+            buffer_bytes = per_thread * _ITEMSIZE[rec["param"]]
+            # The first micro-batch's pass reads the gradient only.
+            read = grad_bytes + (0 if rec["kernel"].endswith("first") else buffer_bytes)
+            assert rec["ld_v4"] == read // 16, name
+            assert rec["st_v4"] == buffer_bytes // 16, name
         else:
             assert rec["ld_v4"] == grad_bytes // 16, name
             assert rec["st_v4"] == 0, name
@@ -174,4 +195,7 @@ def test_runtime_values_are_not_constexpr(compiled: dict) -> None:
             ["PARAM_KIND", "GRAD_KIND", "HAS_CLIP_VALUE", "STOCHASTIC_ROUNDING", "BLOCK"]
         ),
         "grad_sumsq_kernel": sorted(["GRAD_KIND", "BLOCK"]),
+        "grad_accumulate_kernel": sorted(
+            ["FIRST", "BUFFER_KIND", "GRAD_KIND", "STOCHASTIC_ROUNDING", "BLOCK"]
+        ),
     }

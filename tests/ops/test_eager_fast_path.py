@@ -124,6 +124,38 @@ def test_grad_sumsq_fast_path_is_bit_identical(backend, fast_calls, dispatcher_o
     assert torch.equal(results[0][2], results[1][2]) and torch.equal(results[0][3], results[1][3])
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["add", "first"])
+def test_grad_accumulate_fast_path_is_bit_identical(backend, first, fast_calls, dispatcher_only):
+    results = []
+    for fast in (True, False):
+        buffer, grad = _sgd_inputs(torch.bfloat16)  # an inf gradient: found_inf raised
+        sumsq, found = torch.zeros(1), torch.zeros(1)
+        kwargs = dict(
+            first=first,
+            inv_scale=0.25,
+            sumsq=sumsq,
+            found_inf=found,
+            stochastic_rounding=True,
+            seed=5,
+            seed_step=torch.full((1,), 77, dtype=torch.int64),
+            backend=backend,
+        )
+        versions = (buffer._version, sumsq._version, found._version)
+        if fast:
+            ops.grad_accumulate_(buffer, grad, **kwargs)
+        else:
+            with dispatcher_only:
+                ops.grad_accumulate_(buffer, grad, **kwargs)
+        now = (buffer._version, sumsq._version, found._version)
+        bumped = tuple(after - before for after, before in zip(now, versions, strict=True))
+        results.append((_bits(buffer).clone(), sumsq.clone(), found.clone(), bumped))
+    assert fast_calls == ["lomo_kernels::grad_accumulate_"]
+    (b_fast, s_fast, f_fast, v_fast), (b_slow, s_slow, f_slow, v_slow) = results
+    assert torch.equal(b_fast, b_slow) and torch.equal(f_fast, f_slow) and f_fast.item() == 1.0
+    assert torch.equal(s_fast, s_slow)
+    assert v_fast == v_slow and v_fast[0] > 0
+
+
 @pytest.mark.parametrize("shape", [(24, 40), (3, 8, 16), (50,)], ids=str)
 def test_adalomo_update_fast_path_is_bit_identical(backend, shape, fast_calls, dispatcher_only):
     results = []

@@ -18,7 +18,7 @@ from lomo_kernels.ops import adalomo, backends, cross_entropy, definition, lomo
 from lomo_kernels.ops import embedding as embedding_backward
 
 FAMILIES = {
-    "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ)),
+    "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ, lomo.GRAD_ACCUMULATE)),
     "adalomo": (backends.ADALOMO, adalomo.SPECS),
 }
 # The C++ binding sources of each family, CPU and CUDA (their arguments: op_bindings.h).
@@ -80,6 +80,7 @@ def test_built_cpu_extension_takes_the_spec_arguments(family):
 PUBLIC = {
     lomo.LOMO_UPDATE: lomo.fused_lomo_update_,
     lomo.GRAD_SUMSQ: lomo.grad_sumsq_,
+    lomo.GRAD_ACCUMULATE: lomo.grad_accumulate_,
     adalomo.FACTORED_STATS: adalomo.adalomo_factored_stats_,
     adalomo.FACTORED_MOMENTS: adalomo.adalomo_factored_moments_,
     adalomo.FACTORED_NORM: adalomo.adalomo_factored_norm_,

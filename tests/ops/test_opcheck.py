@@ -45,12 +45,22 @@ def _lomo_update_args(seed_step: torch.Tensor | None) -> tuple:
     )
 
 
+def _grad_accumulate_args(first: bool) -> tuple:
+    """Stochastic rounding of a bf16 buffer from an fp16 gradient, sumsq and found_inf."""
+    buffer = torch.randn(4103, dtype=torch.bfloat16)
+    grad = torch.randn(4103, dtype=torch.float16)
+    seed_step = torch.tensor([99], dtype=torch.int64)
+    return (buffer, grad, first, _scalar(0.5), torch.zeros(1), torch.zeros(1), True, 7, seed_step)
+
+
 def _lomo_cases() -> list[tuple]:
     sumsq = (torch.randn(100, dtype=torch.bfloat16), _scalar(0.5), torch.zeros(1), torch.zeros(1))
     return [
         (OPS.lomo_update_, _lomo_update_args(None)),
         (OPS.lomo_update_, _lomo_update_args(torch.tensor([123456789], dtype=torch.int64))),
         (OPS.grad_sumsq_, sumsq),
+        (OPS.grad_accumulate_, _grad_accumulate_args(first=False)),
+        (OPS.grad_accumulate_, _grad_accumulate_args(first=True)),
     ]
 
 
@@ -91,7 +101,7 @@ def _adalomo_cases() -> list[tuple]:
 CASES = [
     pytest.param(family, index, backend, id=f"{family}{index}-{backend}")
     for backend in BACKENDS
-    for family, count in (("lomo", 3), ("adalomo", 6))
+    for family, count in (("lomo", 5), ("adalomo", 6))
     for index in range(count)
 ]
 

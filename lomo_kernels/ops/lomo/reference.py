@@ -122,5 +122,6 @@ def grad_accumulate_(
     _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
                 seed, seed_step)  # fmt: skip
     if sumsq is not None or found_inf is not None:
-        target = torch.zeros(1, device=buffer.device) if sumsq is None else sumsq
-        grad_sumsq_(buffer, inv_scale, target, found_inf)
+        if sumsq is None:  # found_inf alone: the sum is measured and dropped
+            sumsq = torch.zeros(1, dtype=torch.float32, device=buffer.device)
+        grad_sumsq_(buffer, inv_scale, sumsq, found_inf)

@@ -174,6 +174,12 @@ def aot_signature(kernel: Any, args: dict[str, Any]) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
+def _aot(kernel_name: str, launch: runtime.Launch) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the named kernel for a launch's arguments."""
+    kernel = getattr(runtime.kernels("lomo_kernels"), kernel_name)
+    return (kernel, *aot_signature(kernel, launch[1]))
+
+
 def aot_update(
     param_dtype: torch.dtype, grad_dtype: torch.dtype, *, stochastic_rounding: bool = False
 ) -> tuple[Any, dict, dict, dict]:
@@ -181,7 +187,7 @@ def aot_update(
     for an aligned parameter whose numel is not a multiple of 16."""
     n = 2 * BLOCK + 5
     flag = torch.zeros(1)
-    _, args = lomo_update_args(
+    launch = lomo_update_args(
         LOMO_UPDATE.Arguments(
             torch.empty(n, dtype=param_dtype),
             torch.empty(n, dtype=grad_dtype),
@@ -197,17 +203,41 @@ def aot_update(
             torch.zeros(1, dtype=torch.int64),
         )
     )
-    kernel = runtime.kernels("lomo_kernels").lomo_update_kernel
-    return (kernel, *aot_signature(kernel, args))
+    return _aot("lomo_update_kernel", launch)
 
 
 def aot_grad_sumsq(grad_dtype: torch.dtype) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the sum of squares, as `aot_update`."""
     n = 2 * BLOCK + 5
-    _, args = grad_sumsq_args(
+    launch = grad_sumsq_args(
         GRAD_SUMSQ.Arguments(
             torch.empty(n, dtype=grad_dtype), torch.ones(1), torch.zeros(1), torch.zeros(1)
         )
     )
-    kernel = runtime.kernels("lomo_kernels").grad_sumsq_kernel
-    return (kernel, *aot_signature(kernel, args))
+    return _aot("grad_sumsq_kernel", launch)
+
+
+def aot_grad_accumulate(
+    buffer_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    *,
+    first: bool = False,
+    stochastic_rounding: bool = False,
+) -> tuple[Any, dict, dict, dict]:
+    """(kernel, signature, constexprs, attrs) of the accumulation with sumsq, found_inf and
+    the per-step seed given, as `aot_update`."""
+    n = 2 * BLOCK + 5
+    launch = grad_accumulate_args(
+        GRAD_ACCUMULATE.Arguments(
+            torch.empty(n, dtype=buffer_dtype),
+            torch.empty(n, dtype=grad_dtype),
+            first,
+            torch.ones(1),
+            torch.zeros(1),
+            torch.zeros(1),
+            stochastic_rounding,
+            12345,
+            torch.zeros(1, dtype=torch.int64),
+        )
+    )
+    return _aot("grad_accumulate_kernel", launch)
