@@ -312,3 +312,15 @@ def test_logits_free_head_accumulates_from_row_blocks(monkeypatch, optimizer):
     # The fused loss sums the chunks' fp32 partial results in another order than the
     # materialised logits' cross-entropy: the fp32 bound of the rest of this file.
     assert max_rel_diff(patched, plain) <= FP32_BOUND
+
+
+def test_compiled_autograd_is_refused_before_any_change():
+    from lomo_kernels.core.torch_internals import enable_compiled_autograd
+
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    loss = model(**micro_batches(0)[0]).loss / K
+    with enable_compiled_autograd(torch.compile(backend="eager")):
+        assert_refused(model, opt, lambda: opt.fused_backward(loss), RuntimeError,
+                       "compiled autograd")  # fmt: skip
+    assert opt.pending_micro_batches == 0
