@@ -245,7 +245,9 @@ def test_accumulation_buffer_dtype_and_memory():
     assert opt32._accumulation.buffer_bytes() == 4 * params
 
 
-def test_refusals_before_any_change():
+def test_refusals_before_any_change(tmp_path):
+    import lomo_kernels
+
     model = tiny_llama()
     opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K)
     opt.fused_backward(model(**micro_batches(0)[0]).loss / K)
@@ -253,6 +255,10 @@ def test_refusals_before_any_change():
     assert_refused(model, opt, lambda: opt.grad_norm(loss), RuntimeError, "accumulation_steps")
     assert_refused(model, opt, opt.state_dict, RuntimeError, "1 of 4 micro-batches")
     assert_refused(model, opt, lambda: opt.load_state_dict({}), RuntimeError, "micro-batches")
+    # A sharded checkpoint mid-step: refused before anything is written.
+    save = lambda: lomo_kernels.save_checkpoint(tmp_path / "ckpt", model, opt)  # noqa: E731
+    assert_refused(model, opt, save, RuntimeError, "micro-batches accumulated")
+    assert list(tmp_path.iterdir()) == []
     assert opt.pending_micro_batches == 1
 
 
