@@ -272,3 +272,52 @@ def test_optimizers_train_on_cuda_without_host_sync(cls, dtype, single):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert float(model(**_cuda_batch(0)).loss) < first
     assert all(v.is_cuda for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("grad_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("buffer_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_grad_accumulate_matches_the_reference_on_cuda(
+    cuda_backend, buffer_dtype, grad_dtype, stochastic
+):
+    """The accumulate pass on CUDA stores the reference's bits (one fp32 add, then the
+    write-back's rounding from the same key), its sum of squares within fp32 summation."""
+    if stochastic and buffer_dtype == torch.float32:
+        pytest.skip("fp32 buffers store the sum exactly: nothing to round")
+    gen = torch.Generator().manual_seed(3)
+    n = 278011
+    buffer = torch.randn(n, generator=gen).to(buffer_dtype)
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
+    step = torch.tensor([12345], dtype=torch.int64)
+    results = []
+    for device, backend in (("cpu", "torch"), (DEVICE, cuda_backend)):
+        out, sumsq, found = (
+            buffer.to(device),
+            torch.zeros(1, device=device),
+            torch.zeros(1, device=device),
+        )
+        ops.grad_accumulate_(out, grad.to(device), inv_scale=0.5, sumsq=sumsq, found_inf=found,
+                             stochastic_rounding=stochastic, seed=7, seed_step=step.to(device),
+                             backend=backend)  # fmt: skip
+        results.append((out.cpu(), float(sumsq), float(found)))
+    (ref, ref_sumsq, ref_found), (got, got_sumsq, got_found) = results
+    assert torch.equal(ref.view(-1).float(), got.view(-1).float()) and got_found == ref_found == 0
+    # fp32 accumulation of n positive terms against the reference's float64 sum (as above).
+    assert got_sumsq == pytest.approx(ref_sumsq, rel=1e-5)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo], ids=["lomo", "adalomo"])
+def test_accumulation_trains_on_cuda_without_host_sync(cls):
+    model = tiny_llama(torch.bfloat16).to(DEVICE)
+    lr = 0.05 if cls is Lomo else 1e-2
+    opt = cls(model, lr=lr, clip_grad_norm=1.0, accumulation_steps=4)
+    first = float(model(**_cuda_batch(0)).loss)
+    for step in range(40):
+        loss = model(**_cuda_batch(step % 2)).loss / 4
+        with NoHostSync():
+            opt.fused_backward(loss)
+    opt.flush_report()
+    assert opt.step_count == 10
+    assert float(model(**_cuda_batch(0)).loss) < first
