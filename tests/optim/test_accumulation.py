@@ -330,3 +330,32 @@ def test_compiled_autograd_is_refused_before_any_change():
         assert_refused(model, opt, lambda: opt.fused_backward(loss), RuntimeError,
                        "compiled autograd")  # fmt: skip
     assert opt.pending_micro_batches == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
+    # A rank's shard starts at an arbitrary flat offset (here odd, 2 + 3 pieces): its buffer
+    # is rounded in aligned pieces with the seeds under which they round as the whole
+    # buffer's elements do, so the ranks together store the whole buffer's bits.
+    from lomo_kernels.distributed import Shard
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(4099, dtype=dtype))
+    grads = [torch.randn(4099, generator=gen).to(dtype) * 1e-3 for _ in range(3)]
+    module = LOMO.resolve(torch.device("cpu"), backend)
+    stored = []
+    for cuts in ((0, 4099), (0, 1237, 4099)):
+        parts = []
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):  # one Accumulation per rank
+            accumulation = Accumulation(3, None, WriteBackRounding(True, seed=11))
+            accumulation.begin_micro_batch(5, [torch.device("cpu")], measuring=False)
+            shard = Shard(param, param.detach()[a:b], a, param.shape, None)
+            for grad in grads:
+                accumulation.add(param, grad[a:b], 7, None, module, shard)
+            parts += [buffer for _, buffer, _ in accumulation.buffered()]
+        stored.append(torch.cat(parts))
+    whole, sliced = stored
+    assert torch.equal(whole.view(torch.int16), sliced.view(torch.int16))
