@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of `t`: equal only where every element has the same bit pattern (a NaN
-    equals the same NaN, unlike with torch.equal)."""
+    equals the same NaN, unlike with torch.equal); a DTensor's local part."""
+    if _is_dtensor(t):
+        t = t.to_local()
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -102,9 +104,12 @@ def _device_scalars(scalars: Any) -> dict[str, Any]:
     return {k: v for k, v in _tensor_attributes(scalars).items() if k not in MEASURED}
 
 
-# The step reports a refused call must leave as they were (the norms a norm pass measures
-# are not state: a norm pass may run before a refusal; the last step's outcome: `_outcome`).
-REPORTS = ("step_count", "last_step_interrupted", "last_step_partial_names")
+# The step reports a refused call must leave as they were: the step count, and the names
+# of the parameters an interrupted update pass had updated (none). Not compared: the norms
+# a norm pass measures (one may run before a refusal), `last_step_interrupted` (about the
+# last call: a refusal raised inside the update pass, before any update, sets it) and the
+# last step's outcome, compared as `_outcome`.
+REPORTS = ("step_count", "last_step_partial_names")
 
 
 def _outcome(opt) -> dict[str, Any]:
@@ -151,6 +156,16 @@ def assert_unchanged_since(before: dict[str, Any], model, opt) -> None:
         d: s for d, s in after["device_scalars"].items() if d in before["device_scalars"]
     }
     assert_same_state(before, after, "snapshot")
+
+
+def changes_since(before: dict[str, Any], model, opt) -> str | None:
+    """What `assert_unchanged_since` finds changed, as text (None: nothing): for a worker
+    process, which reports its checks rather than asserting them."""
+    try:
+        assert_unchanged_since(before, model, opt)
+    except AssertionError as exc:
+        return str(exc)
+    return None
 
 
 def assert_refused(model, opt, call, error: type[BaseException], match: str) -> None:
