@@ -29,6 +29,14 @@ from support.sharded_models import (  # noqa: E402
     rank_batch,
     train_single,
 )
+from support.state import (  # noqa: E402
+    changes_since,
+    optimizer_snapshot,
+    owned,
+    same_bits,
+    snapshot,
+    unchanged,
+)
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
@@ -47,14 +55,6 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **fsdp_kwargs) -> S
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
-
-
-def local_shards(model) -> list[torch.Tensor]:
-    return [p.to_local().detach().clone() for p in model.parameters()]
-
-
-def unchanged(before: list[torch.Tensor], model) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(before, local_shards(model), strict=True))
 
 
 def run_training(
@@ -186,31 +186,36 @@ def poisoned_fp16_model(label: str, rank: int) -> tuple[type, ScaledLlama, torch
     return cls, model, target, inject
 
 
+def state_tensors(opt) -> list[torch.Tensor]:
+    """Copies of the optimizer's per-parameter state tensors (AdaLomo's moments)."""
+    return [v.clone() for s in opt.state.values() for v in s.values()]
+
+
 def run_fp16_overflow(label: str, rank: int, checks: dict) -> None:
     """An inf in a gradient row only rank 1 holds: no rank may change anything."""
     cls, model, target, inject = poisoned_fp16_model(label, rank)
     opt = cls(model, lr=LR["lomo"] if cls is Lomo else LR["adalomo"])
     scale_before = opt.loss_scaler.scale.item() if cls is Lomo else None
-    before = local_shards(model)
+    before, moments = snapshot(model), state_tensors(opt)
     x = rank_batch(0, rank)
     opt.grad_norm(model(x))
     opt.fused_backward(model(x))
     opt.flush_report()
     result = {
         "loss_scaling": opt._needs_detection_pass(),
-        "unchanged": unchanged(before, model),
+        "unchanged": unchanged(model, before),
         "skipped": opt.last_step_skipped,
         "scale_before": scale_before,
         "scale_after": opt.loss_scaler.scale.item() if cls is Lomo else None,
-        "states_zero": all(
-            float(v.abs().sum()) == 0 for s in opt.state.values() for v in s.values()
-        ),
+        # AdaLomo's moments (Lomo keeps none: the count tells which), bit for bit.
+        "moments": len(moments),
+        "moments_unchanged": same_bits(moments, state_tensors(opt)),
     }
     inject["on"] = False
     opt.grad_norm(model(x))
     opt.fused_backward(model(x))
     opt.flush_report()
-    result["next_step_updates"] = not unchanged(before, model)
+    result["next_step_updates"] = not unchanged(model, before)
     checks[label] = result
 
 
@@ -223,7 +228,7 @@ def unchanged_names(before: list[torch.Tensor], model) -> list[str]:
     return [
         name
         for (name, p), b in zip(model.named_parameters(), before, strict=True)
-        if b.numel() and torch.equal(p.to_local(), b)
+        if b.numel() and same_bits([owned(p)], [b])
     ]
 
 
@@ -249,7 +254,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
     held = [names[id(p)] for p in model.parameters() if p.to_local().numel()]
     scaler = getattr(opt, "loss_scaler", None)
     scale_before = None if scaler is None else scaler.scale.item()
-    before = local_shards(model)
+    before = snapshot(model)
     moments = {k: v.clone() for k, v in opt.state[target].items()}
     phases = count_phases(opt)
     opt.fused_backward(model(rank_batch(0, rank)))
@@ -261,7 +266,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
         "held": held,
         "unchanged": unchanged_names(before, model),
         "target": names[id(target)],
-        "moments_unchanged": all(torch.equal(opt.state[target][k], v) for k, v in moments.items()),
+        "moments_unchanged": same_bits(list(moments.values()), list(opt.state[target].values())),
         "finite": finite_everywhere(model, opt),
         "scale_before": scale_before,
         "scale_after": None if scaler is None else scaler.scale.item(),
@@ -274,7 +279,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
     }
     inject["on"] = False
     for step in (1, 2):
-        before = local_shards(model)
+        before = snapshot(model)
         opt.fused_backward(model(rank_batch(step, rank)))
         opt.flush_report()
         result["later"].append(
@@ -368,14 +373,14 @@ def run_refusals(checks: dict) -> None:
     model = build()  # gradient accumulation: refused at the step, before any change
     opt = Lomo(model)
     model.set_requires_gradient_sync(False)
-    before = local_shards(model)
+    before = optimizer_snapshot(model, opt)
     try:
         opt.fused_backward(model(rank_batch(0, dist.get_rank())))
         checks["no_sync"] = None
     except RuntimeError as exc:
         checks["no_sync"] = str(exc)
     model.reshard()  # the root keeps its gathered parameters after its forward
-    checks["no_sync_unchanged"] = unchanged(before, model)
+    checks["no_sync_changed"] = changes_since(before, model, opt)
 
 
 def main(rank: int, checks: dict) -> None:

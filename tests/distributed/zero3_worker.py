@@ -28,10 +28,17 @@ from support.sharded_models import (  # noqa: E402
     train,
     train_single,
 )
+from support.state import (  # noqa: E402
+    bits,
+    changes_since,
+    optimizer_snapshot,
+    owned,
+    snapshot,
+    unchanged,
+)
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
-from lomo_kernels.distributed.zero3 import zero3_shard  # noqa: E402
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
@@ -51,8 +58,26 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0):
     return engine
 
 
-def partitions(model) -> list[torch.Tensor]:
+def nan_padding(model) -> int:
+    """Writes a NaN into every padding element of this rank's partitions, as DeepSpeed's
+    uninitialised padding may hold (it allocates with torch.empty and copies only the real
+    elements in); returns how many. A check of "unchanged" must still say so."""
+    written = 0
+    for p in model.parameters():
+        flat = p.ds_tensor.data.view(-1)
+        flat[owned(p).numel() :] = float("nan")
+        written += flat.numel() - owned(p).numel()
+    return written
+
+
+def whole_partitions(model) -> list[torch.Tensor]:
+    """Copies of this rank's whole partitions, padding included."""
     return [p.ds_tensor.detach().clone() for p in model.parameters()]
+
+
+def whole_equal(model, before: list[torch.Tensor]) -> bool:
+    """torch.equal over whole partitions, padding included (a NaN there never equals)."""
+    return all(torch.equal(a, b) for a, b in zip(before, whole_partitions(model), strict=True))
 
 
 SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
@@ -147,22 +172,23 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
     opt = Lomo(engine, lr=0.05, single_backward=True, **OPTIONS)
     names = {id(p): n for n, p in model.named_parameters()}
     scale_before = opt.loss_scaler.scale.item()
-    before = partitions(model)
+    before = snapshot(model)
     phases = count_phases(opt)
     opt.fused_backward(model(rank_batch(0, rank)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.flush_report()
+    nan_padding(model)  # no change: the comparison below reads the owned elements only
     unchanged = [
         names[id(p)]
         for p, b in zip(model.parameters(), before, strict=True)
-        if zero3_shard(p).local.numel() and torch.equal(p.ds_tensor, b)
+        if b.numel() and torch.equal(bits(owned(p)), bits(b))
     ]
     checks["single_fp16_partial"] = {
         "phases": phases,
         "unchanged": unchanged,
         "target": names[id(target)],
-        "owned": sum(bool(zero3_shard(p).local.numel()) for p in model.parameters()),
+        "owned": sum(bool(b.numel()) for b in before),
         "scale_before": scale_before,
         "scale_after": opt.loss_scaler.scale.item(),
         "partial": opt.last_step_partial,
@@ -174,13 +200,16 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
 
 
 def run_one_loss_pattern(rank: int, checks: dict) -> None:
+    """Both refusals of the one-loss pattern, each before any change: the parameters' owned
+    elements (the padding NaN-filled: a NaN there is no change) and everything
+    `optimizer_snapshot` holds, on every rank."""
     engine = build()
     model = engine.module
     opt = Lomo(engine, lr=0.05, clip_grad_norm=0.3)
-    before = partitions(model)
     errors = []
     loss = model(rank_batch(0, rank))
     opt.grad_norm(loss)
+    before, whole = optimizer_snapshot(model, opt), whole_partitions(model)
     try:
         opt.fused_backward(loss)
     except RuntimeError as exc:
@@ -189,8 +218,13 @@ def run_one_loss_pattern(rank: int, checks: dict) -> None:
         opt.fused_backward(model(rank_batch(0, rank)))  # clip set, no norm pass
     except RuntimeError as exc:
         errors.append(str(exc))
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
-    checks["one_loss"] = {"errors": errors, "unchanged": unchanged}
+    padding = nan_padding(model)
+    checks["one_loss"] = {
+        "errors": errors,
+        "changed": changes_since(before, model, opt),
+        "padding": padding,
+        "whole_equal": whole_equal(model, whole),
+    }
 
 
 def run_fp16_overflow(rank: int, checks: dict) -> None:
@@ -198,25 +232,26 @@ def run_fp16_overflow(rank: int, checks: dict) -> None:
     model = engine.module
     opt = Lomo(engine, lr=0.05)
     scale_before = opt.loss_scaler.scale.item()
-    before = partitions(model)
+    before, whole = snapshot(model), whole_partitions(model)
     x = rank_batch(0, rank)
     blow_up = float("inf") if rank == 1 else 1.0  # overflow on one rank only
     opt.grad_norm(model(x) * blow_up)
     opt.fused_backward(model(x) * blow_up)
     opt.flush_report()
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
+    padding = nan_padding(model)
     checks["fp16_overflow"] = {
-        "unchanged": unchanged,
+        "unchanged": unchanged(model, before),
+        "padding": padding,
+        "whole_equal": whole_equal(model, whole),
         "scale_before": scale_before,
         "scale_after": opt.loss_scaler.scale.item(),
         "skipped": opt.last_step_skipped,
     }
-    # The next clean step does update.
+    # The next clean step does update (owned elements: the NaN padding is no update).
     opt.grad_norm(model(x))
     opt.fused_backward(model(x))
     opt.flush_report()
-    moved = not all(torch.equal(a, b) for a, b in zip(before, partitions(model), strict=True))
-    checks["fp16_overflow"]["next_step_updates"] = moved
+    checks["fp16_overflow"]["next_step_updates"] = not unchanged(model, before)
 
 
 def run_traffic(rank: int, checks: dict) -> None:

@@ -10,7 +10,7 @@ from support.allocations import LargestMatrix
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
 from support.models import assert_steps_match, causal_lm, max_rel_diff
-from support.state import same_bits, tensors
+from support.state import assert_unchanged_since, optimizer_snapshot
 
 import lomo_kernels
 
@@ -214,10 +214,10 @@ def test_trls_head_over_a_patched_model_is_refused_before_any_change(tmp_path, o
         )
         trainer.create_optimizer_and_scheduler(STEPS)
         opt = in_backward_optimizer(trainer.optimizer)
-        before = tensors(model, opt)
+        before = optimizer_snapshot(model, opt)
         with pytest.raises(RuntimeError, match="'lm_head.weight'.*enable_trl"):
             trainer.train()
-        assert same_bits(before, tensors(model, opt))
+        assert_unchanged_since(before, model, opt)
     finally:
         lomo_kernels.disable_trl()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.host_sync import FastPathCalls
 from support.models import batch, clone, tiny_llama
 from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -23,22 +24,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def fast_calls(monkeypatch) -> list[str]:
+def fast_calls() -> list[str]:
     """Records each fused-op call that took the fast path (the kernel run directly)."""
-    calls: list[str] = []
-    original = eager.FusedOp._kernel
-
-    def _kernel(self, module, device_type):
-        kernel = original(self, module, device_type)
-
-        def recorded(*args):
-            calls.append(self.overload.name())
-            return kernel(*args)
-
-        return recorded
-
-    monkeypatch.setattr(eager.FusedOp, "_kernel", _kernel)
-    return calls
+    with FastPathCalls() as recorder:
+        yield recorder.calls
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from support.models import batch, clone, tiny_llama
 from support.optimizers import OPTIMIZERS
-from support.state import same_bits, tensors
+from support.state import assert_unchanged_since, optimizer_snapshot
 
 import lomo_kernels
 from lomo_kernels import Lomo
@@ -67,29 +67,29 @@ def stepped_model(name, mode, tie=False):
 @pytest.mark.parametrize("bypass", BYPASSES)
 def test_a_bypassed_head_is_refused_before_any_change(name, mode, bypass):
     model, opt = stepped_model(name, mode)
-    before = tensors(model, opt)
+    before = optimizer_snapshot(model, opt)
     with pytest.raises(RuntimeError, match="'lm_head.weight'.*not through the fused loss"):
         opt.fused_backward(BYPASSES[bypass](model, batch(1)))
-    assert same_bits(before, tensors(model, opt))
+    assert_unchanged_since(before, model, opt)
     assert opt.step_count == 1
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_refused_by_grad_norm_too_and_with_tied_weights(name):
     model, opt = stepped_model(name, "clip_norm", tie=True)
-    before = tensors(model, opt)
+    before = optimizer_snapshot(model, opt)
     with pytest.raises(RuntimeError, match="not through the fused loss"):
         opt.grad_norm(chunked_head_loss(model, batch(1)))
-    assert same_bits(before, tensors(model, opt))
+    assert_unchanged_since(before, model, opt)
 
 
 def test_an_optimizer_given_the_parameters_refuses_too():
     model = lomo_kernels.patch_causal_lm(tiny_llama())
     opt = Lomo(model.parameters(), lr=0.05)
-    before = tensors(model, opt)
+    before = optimizer_snapshot(model, opt)
     with pytest.raises(RuntimeError, match="'lm_head.weight'"):
         opt.fused_backward(chunked_head_loss(model, batch(0)))
-    assert same_bits(before, tensors(model, opt))
+    assert_unchanged_since(before, model, opt)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

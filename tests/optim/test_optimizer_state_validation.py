@@ -8,7 +8,13 @@ import pytest
 import torch
 from support.models import loss_of, mlp, tiny_llama
 from support.optimizers import OPTIMIZERS
-from support.state import assert_refused, same_bits, tensors
+from support.state import (
+    assert_refused,
+    assert_unchanged_since,
+    optimizer_snapshot,
+    same_bits,
+    tensors,
+)
 
 from lomo_kernels import AdaLomo, Lomo
 
@@ -134,9 +140,19 @@ def test_param_group_structure_edit_refused_before_any_change(name, edit, call):
     opt = OPTIMIZERS[name](model, lr=0.1)
     opt.fused_backward(loss_of(model, 0))
     change, match = GROUP_EDITS[edit]
-    change(opt, model)
     loss = loss_of(model, 1)
-    assert_refused(model, opt, lambda: getattr(opt, call)(loss), ValueError, match)
+    # Taken before the edit (an edited optimizer has no state_dict), compared once the
+    # groups are restored.
+    before = optimizer_snapshot(model, opt)
+    kept = [(group, dict(group, params=list(group["params"]))) for group in opt.param_groups]
+    change(opt, model)
+    with pytest.raises(ValueError, match=match):
+        getattr(opt, call)(loss)
+    for group, values in kept:
+        group.clear()
+        group.update(values)
+    opt.param_groups[:] = [group for group, _ in kept]
+    assert_unchanged_since(before, model, opt)
 
 
 @pytest.mark.parametrize("name,dtype", [("lomo", torch.float16), ("adalomo", torch.float32)])

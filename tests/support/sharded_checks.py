@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -36,12 +35,6 @@ from support.sharded_models import (
 
 OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
 TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # gloo's TCP transport rarely aborts a rank from a C++ thread (std::terminate while
@@ -123,9 +116,13 @@ def launch_ranks(worker: Path, args: list[str], what: str, nproc: int = 2) -> tu
     root = str(Path(lomo_kernels.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    # --standalone: torchrun's store binds port 0 (the OS picks a free one, atomically) and
+    # the ranks join through that store (shared with them unless this variable is 1), so no
+    # port is chosen first and bound later: two runs at once cannot race for one.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(free_port()), str(worker), *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), str(worker), *args,
     ]  # fmt: skip
     # A session of its own, so a hung or failed run is killed with every rank.
     proc = subprocess.Popen(
