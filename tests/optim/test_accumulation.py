@@ -359,3 +359,16 @@ def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
         stored.append(torch.cat(parts))
     whole, sliced = stored
     assert torch.equal(whole.view(torch.int16), sliced.view(torch.int16))
+
+
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_no_host_sync_in_micro_batches_or_the_step(optimizer, dtype):
+    # Every micro-batch and the step from the buffers (8 micro-batches: 2 steps) on the eager
+    # fast path, failing on any host read of a tensor's values.
+    from support.host_sync import train_without_host_sync
+
+    lr = 0.05 if optimizer is Lomo else 1e-3
+    _, opt = train_without_host_sync(optimizer, dtype, steps=8, lr=lr, clip_grad_norm=1.0,
+                                     accumulation_steps=4)  # fmt: skip
+    assert opt.step_count == 2
