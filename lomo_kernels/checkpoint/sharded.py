@@ -232,9 +232,7 @@ def _load(state: dict[str, Any], path: Path, trusted: bool) -> Any:
     holds the entries refused as running code (`safe_loading.planner_refusal`)."""
     reader, planner = _safe_loading().reader_and_planner(path, trusted)
     with _one_process_is_intended():
-        _dcp().load(
-            state, storage_reader=reader, planner=planner, no_dist=not ranks.distributed()
-        )
+        _dcp().load(state, storage_reader=reader, planner=planner, no_dist=not ranks.distributed())
     return planner
 
 

@@ -215,7 +215,8 @@ class Fsdp2Sharding:
                 "FSDP2 gradient synchronisation is off (set_requires_gradient_sync(False)): "
                 "FSDP2 would accumulate the gradients and never hand them to the optimizer. "
                 "The optimizer's hooks cannot accumulate gradients that FSDP2 keeps: keep "
-                "synchronisation on and use a larger batch. " + SUPPORTED_SETUP
+                "synchronisation on, and to accumulate micro-batches build the optimizer with "
+                "accumulation_steps=k. " + SUPPORTED_SETUP
             )
 
     def grad_ready(self, param: nn.Parameter, grad: torch.Tensor) -> list[ShardGrads]:

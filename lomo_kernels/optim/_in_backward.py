@@ -512,6 +512,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
         param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None
+        found = self._share_norm(total_sumsq, found, param_sumsq)
+        self._loss_scaling.after_norm_pass(found)
+        self._mode.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
+        return self._reports.last_grad_norm
+
+    def _share_norm(
+        self, total_sumsq: torch.Tensor, found: torch.Tensor, param_sumsq: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step's measured gradients (their global sum of squares, inf/nan count and,
+        where kept, each parameter's sum) made the step's: reported, turned into the clip
+        coefficient and given to every device's updates. Returns the overflow count."""
         if self._sharded is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
             # (and each parameter's) and the same overflow decision.
@@ -527,9 +538,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self._reports.norms_measured(total_sumsq.sqrt(), param_norms, clip_coef)
         self._scalars.share_norm_outcome(found, clip_coef)
-        self._loss_scaling.after_norm_pass(found)
-        self._mode.norm_measured(loss, max_norm, keep_graph=self._sharded is not None)
-        return self._reports.last_grad_norm
+        return found
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
@@ -779,18 +788,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         try:
             accumulation.measure_rest(self._inv_scale_for, self.backend)
             measured = [accumulation.measured(d) for d in accumulation.devices()]
-            both = measured[0].clone()
+            both = measured[0].clone()  # [sum of squares, inf/nan count] of every device
             for other in measured[1:]:
                 both += copied_to(other, both.device)
-            if self._sharded is not None:  # this rank's slices' partial sums: every rank's
-                self._sharded.sharding.all_reduce_sum_(both)
-            total_sumsq, found = both[0:1], both[1:2]
-            max_norm = self._groups.max_norm
-            clip_coef = None
-            if max_norm is not None:
-                clip_coef = ops.clip_coef_from_sumsq(total_sumsq, max_norm).reshape(())
-            self._reports.norms_measured(total_sumsq.sqrt(), None, clip_coef)
-            self._scalars.share_norm_outcome(found, clip_coef)
+            found = self._share_norm(both[0:1], both[1:2], None)
             self._reports.forget_updated()
             self._update_from_buffers(accumulation.buffered())
         except BaseException as error:
