@@ -21,8 +21,10 @@ on the machine hits every optimizer alike: the table gives the median of the rou
 and their range (MEASURING.md's interleaving, one process per run). Memory comes from the
 first round.
 
-The update's share is 1 - k t(forward_backward) / t(step), k the micro-batches of a step
-(4 for the *_accumulate optimizers, else 1): `forward_backward` is the same
+The *_accumulate optimizers run k = 4 micro-batches of `--batch` sequences per step (their
+step trains on k times the batch, cut by the optimizer): tokens/s counts every micro-batch.
+The update's share is 1 - k t(forward_backward) / t(step) (k = 1 for the others):
+`forward_backward` is the same
 forward and backward with no update at all (gradients dropped), run in its own process. It
 is what choosing the optimizer costs over plain backpropagation: for the two-pass modes it
 includes the second backward. All optimizers clip by global norm 1.0 (`--clip-grad-norm`).
@@ -56,7 +58,13 @@ from .common.argtypes import (
 )
 from .common.dtypes import DTYPES
 from .common.models import build_model, resolve_model
-from .common.optimizers import DEFAULT_LR, FORWARD_BACKWARD, OPTIMIZERS, unavailable_reason
+from .common.optimizers import (
+    DEFAULT_LR,
+    FORWARD_BACKWARD,
+    OPTIMIZERS,
+    micro_batches,
+    unavailable_reason,
+)
 from .common.progress import with_progress
 from .common.train_runner import Workload, measure_isolated, step_clock
 
@@ -134,7 +142,9 @@ def run(
         runs[name].append(
             measure_isolated(
                 __name__,
-                spec,
+                # A step of k micro-batches of --batch each (the same micro-batch as the
+                # other optimizers'): k times the batch, cut by the optimizer's step.
+                spec | {"batch": batch * micro_batches(name)},
                 name,
                 steps=warmup + steps,
                 warmup=warmup,

@@ -18,9 +18,8 @@ set-up), each the way its optimizer does it:
   lomo_single      lomo_kernels.Lomo(single_backward=True): one backward per step
   adalomo          lomo_kernels.AdaLomo, exact clipping (two backward passes)
   adalomo_single   lomo_kernels.AdaLomo(single_backward=True)
-  lomo_accumulate  lomo with accumulation_steps=4: each step 4 micro-batches of the given
-                   batch (the same ids: the micro-batch size stays the one asked for), one
-                   fused_backward(loss / 4) each
+  lomo_accumulate  lomo with accumulation_steps=4: each step's batch cut into 4 micro-batches
+                   along the batch dimension, one fused_backward(loss / 4) each
   adalomo_accumulate  adalomo, the same
   lomo_compiled_autograd  lomo, with `torch.compile(model)` and the backward (hooks and
                    updates included) compiled by compiled autograd
@@ -71,6 +70,11 @@ FORWARD_BACKWARD = "forward_backward"
 ACCUMULATION_STEPS = 4
 # Optimizers that hold every gradient at once (and, AdamW, two fp32 states per parameter).
 HOLDS_ALL_GRADIENTS = ("adamw", "adamw_master", "sgd")
+
+
+def micro_batches(name: str) -> int:
+    """Micro-batches per step of optimizer `name` (its batch is cut into as many)."""
+    return ACCUMULATION_STEPS if name.endswith("_accumulate") else 1
 
 
 class Unavailable(RuntimeError):
@@ -222,9 +226,11 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
         notes["accumulation_steps"] = k
 
         def accumulating_step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if ids.shape[0] % k:
+                raise ValueError(f"a batch of {ids.shape[0]} does not cut into {k} micro-batches")
             total = torch.zeros((), device=ids.device)
-            for _ in range(k):
-                loss = loss_of(ids, labels) / k
+            for part, part_labels in zip(ids.chunk(k), labels.chunk(k), strict=True):
+                loss = loss_of(part, part_labels) / k
                 opt.fused_backward(loss)
                 total += loss.detach().float()
             return total

@@ -140,8 +140,6 @@ def measure(
             raise
         return result | {"status": "OOM", "error": str(exc).splitlines()[0][:300]}
     clock = step_clock(device, torch.get_num_threads())
-    # An accumulating step trains on its micro-batches, each of the batch's shape.
-    tokens = first.numel() * result.get("accumulation_steps", 1)
     wall, cpu = statistics.median(times[warmup:]), statistics.median(cpu_times[warmup:])
     median = cpu if clock == "cpu" else wall
     result |= {
@@ -152,8 +150,8 @@ def measure(
         "median_wall_step_s": wall,
         "median_cpu_step_s": cpu,
         "median_step_s": median,
-        "tokens_per_step": tokens,
-        "tokens_per_s": tokens / median,
+        "tokens_per_step": first.numel(),
+        "tokens_per_s": first.numel() / median,
         "peak_mib": peak / MIB,
         "peak_above_model_mib": (peak - baseline) / MIB,
         "state_mib": state_bytes(trainer.optimizer) / MIB,
