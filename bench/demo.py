@@ -1,35 +1,40 @@
-"""`make demo`: fine-tune a pretrained small LLaMA with LOMO, AdaLomo and AdamW.
+"""`make demo`: fine-tune a pretrained small LLaMA with LOMO, AdaLomo and AdamW, within three
+minutes on an idle 2-core CPU, the C++ kernels' first build included.
 
-A character-level LLaMA pretrained (fp32, AdamW, cached on first use: `bench.quality`'s
-checkpoint) on the shipped corpus's comparison and counting sentences is fine-tuned on its
-arithmetic sentences ("seven plus five is twelve.") by each optimizer at a fine-tuning
-learning rate, with the package's defaults: weights stored in bf16 and written back with
-stochastic rounding, exact clipping by global norm 1.0, a cosine schedule. AdamW keeps fp32
-master weights beside the bf16 model, as mixed-precision training does. Each optimizer also
-fine-tunes the same checkpoint on fp32 weights, so the closing table says how much of the
-fp32 quality each keeps (the held-out loss gain, 10% of the arithmetic sentences held out),
-and at what memory and speed. Every run is a process of its own (`bench/common/train_runner.py`),
-from the same weights on the same batches.
+A character-level LLaMA (0.8M parameters: hidden 128, 4 layers), pretrained in fp32 with
+AdamW on the corpus's comparison and counting sentences (the checkpoint in bench/data/, made
+by `python -m bench.data.make_checkpoint`; pretrained and cached here when it is missing),
+is fine-tuned on the corpus's arithmetic sentences ("seven plus five is twelve.") by each
+optimizer at its best learning rate (`python -m bench.quality --sweep` found them on this
+set-up: bench/data/demo_learning_rates.json), with the package's defaults: weights stored in
+bf16 and written back with stochastic rounding, exact clipping by global norm 1.0, a cosine
+schedule. AdamW keeps fp32 master weights beside the bf16 model, as mixed-precision training
+does. Each optimizer also fine-tunes the same checkpoint on fp32 weights, so the closing
+table says how much of the fp32 quality each keeps (the held-out loss gain, 10% of the
+arithmetic sentences held out), and at what memory and speed; the closing lines say what
+LOMO buys (the model AdamW could fit in the same memory) and what it costs. Every run is a
+process of its own (`bench/common/train_runner.py`), from the same weights on the same
+batches; a line per phase says what runs and how long it should take.
 
     python -m bench.demo [--optimizers lomo,lomo_single,adalomo,adamw_master]
-                                [--steps N] [--dtype bf16|fp16] [--size tiny|small|base|wide]
-                                [--plot demo.png]
+                         [--steps N] [--dtype bf16|fp16] [--size tiny|small|base|wide]
+                         [--plot demo.png]
 
-The default model ("wide": hidden 512, 2 layers, 6.6M parameters) and batch (8 x 64
-characters) are chosen so that what an optimizer holds is most of the step's memory, as in
-fine-tuning a large model on short sequences: AdamW's fp32 master weights, gradients and two
-fp32 moments are 7x the bf16 model, while LOMO holds one gradient at a time. Peak memory is
-the process's VmHWM above what it holds once the model exists (CUDA: the allocator's peak
-above the model), after a warm-up step. Where the CPU has no native bf16 matmul the bf16
-weights compute in fp32 (cast up as each is used; the table says so) and the memory figures
-include those casts. CPU timings are CPU timings, not GPU figures; with one thread they are
-the process's CPU time (`train_runner.step_clock`).
+Peak memory is the process's VmHWM above what it holds once the model exists (CUDA: the
+allocator's peak above the model), after a warm-up step. Where the CPU has no native bf16
+matmul (AVX2-only CPUs, where a bf16 matmul is about 40x slower than fp32) the bf16 weights
+compute in fp32 (cast up as each is used; the table says so), so the demo runs as fast there
+and the memory figures include those casts. CPU timings are CPU timings, not GPU figures;
+with one thread they are the process's CPU time (`train_runner.step_clock`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,8 +51,13 @@ from .common.argtypes import (
 from .common.char_model import MAX_SEQ, MIN_SEQ, SIZES, build_model
 from .common.optimizers import HOLDS_ALL_GRADIENTS
 from .quality import (
+    DEMO_BATCH,
+    DEMO_STEPS,
+    LEARNING_RATES,
     PRETRAIN,
+    SHIPPED,
     Row,
+    checkpoint_name,
     compute_note,
     kept_shares,
     pretrained,
@@ -55,18 +65,37 @@ from .quality import (
 )
 
 CHOICES = ("lomo", "lomo_single", "adalomo", "adalomo_single", "adamw_master", "sgd")
-DEFAULT_OPTIMIZERS = "lomo,lomo_single,adalomo,adamw_master"
-# Fine-tuning learning rates: the LOMO paper's SGD rate, the AdaLomo paper's, AdamW's usual.
-FINE_TUNE_LR = {
-    "lomo": 1e-2,
-    "lomo_single": 1e-2,
-    "adalomo": 1e-3,
-    "adalomo_single": 1e-3,
-    "adamw_master": 1e-3,
-    "sgd": 1e-2,
-}
+DEFAULT_OPTIMIZERS = "lomo,adalomo,adamw_master"
+# Without a sweep for this set-up: the LOMO paper's SGD rate, the AdaLomo paper's, AdamW's
+# usual. The one-backward variants and SGD take the rate swept for their family.
+PAPER_LR = {"lomo": 1e-2, "adalomo": 1e-3, "adamw_master": 1e-3}
+FAMILY = {"lomo_single": "lomo", "adalomo_single": "adalomo", "sgd": "lomo"}
 BACKWARD_PASSES = {"lomo": 2, "adalomo": 2}  # exact clipping: a norm pass first; else 1
 LOW_PRECISION = ("bf16", "fp16")
+# What a run takes on an idle 2-core CPU (one thread each, two at a time), for the phase
+# lines: seconds per run of 100 steps (process start, model, metered steps, evaluation), and
+# the C++ kernels' first build (both families compiled at once).
+RUN_S = {"tiny": 15, "small": 30, "base": 60, "wide": 45}
+BUILD_S = 50
+PRETRAIN_STEP_S = {"tiny": 0.15, "small": 0.45, "base": 0.9, "wide": 0.85}
+# "What LOMO buys" at scale: the largest preset each optimizer fits on this GPU memory
+# (`lomo-kernels estimate`, one sequence of 2048 tokens, activation checkpointing).
+GPU_GIB = 24
+
+
+class Progress:
+    """Lines stamped with the time since the demo started."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.lock = threading.Lock()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            print(f"[{self.elapsed():5.0f} s] {text}", flush=True)
 
 
 def _held_mib(r: dict[str, Any]) -> float:
@@ -95,11 +124,29 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def largest_fit(optimizer: str, precision: str, gpu_gib: float = GPU_GIB) -> str | None:
+    """The largest LLaMA preset `optimizer` fine-tunes in `gpu_gib` (`lomo-kernels
+    estimate`: one sequence of 2048 tokens, activation checkpointing), or None."""
+    from lomo_kernels.tools.estimate import estimate
+    from lomo_kernels.tools.models import PRESETS
+
+    fitting = [
+        shape
+        for name, shape in PRESETS.items()
+        if estimate(name, optimizer, gpu_mem_gib=gpu_gib, precision=precision).fits
+    ]
+    if not fitting:
+        return None
+    shape = max(fitting, key=lambda shape: shape.num_parameters)
+    return f"{shape.name} ({shape.num_parameters / 1e9:.1f}B parameters)"
+
+
 def verdict(results: list[dict[str, Any]]) -> str:
-    """The trade-off in words, for the low-precision runs: quality kept, memory, speed."""
+    """The trade-off in words, for the low-precision runs: quality kept, memory, speed; then
+    what LOMO buys and what it costs, against AdamW."""
     low = [r for r in results if r["dtype"] != "fp32"]
     base = next((r for r in low if r["optimizer"] == "adamw_master"), None)
-    lines = []
+    lines = [f"{low[0]['dtype']} weights, each against the same optimizer on fp32 weights:"]
     for r in low:
         line = f"  {r['optimizer']}: keeps {r['kept']:.0%} of its fp32-weights gain"
         if base is not None and r is not base:
@@ -109,8 +156,30 @@ def verdict(results: list[dict[str, Any]]) -> str:
                 f"held-out loss {r['loss_after']:.2f} (AdamW {base['loss_after']:.2f})"
             )
         lines.append(line)
-    head = f"{low[0]['dtype']} weights, each against the same optimizer on fp32 weights:"
-    return "\n".join([head, *lines])
+    lomo = [r for r in low if r is not base]
+    if base is None or not lomo:
+        return "\n".join(lines)
+    best = min(lomo, key=lambda r: r["loss_after"])
+    matched = best["loss_after"] <= base["loss_after"] + 0.005  # within the runs' noise
+    held = {r["optimizer"]: _held_mib(r) for r in low}
+    adamw_fits, lomo_fits = largest_fit("adamw", "mixed"), largest_fit("lomo", "bf16")
+    lines += [
+        "",
+        f"What LOMO buys: memory. Here AdamW holds {held['adamw_master']:.1f} MiB for its "
+        "master weights, gradients and moments; "
+        + ", ".join(f"{r['optimizer']} {held[r['optimizer']]:.1f} MiB" for r in lomo)
+        + ". At scale the weights and that state are the memory: on a "
+        f"{GPU_GIB} GiB GPU (lomo-kernels estimate, 1 x 2048 tokens, checkpointing) AdamW with "
+        f"fp32 master weights fits up to {adamw_fits or 'no preset'}, Lomo on bf16 weights up "
+        f"to {lomo_fits or 'no preset'}.",
+        f"What it costs: {'time' if matched else 'quality and time'}. The best of them, "
+        f"{best['optimizer']}, ends at held-out loss {best['loss_after']:.3f} against AdamW's "
+        f"{base['loss_after']:.3f} after the same {len(base['losses'])} steps, each at its best "
+        f"learning rate ({'no worse' if matched else 'worse'}), at "
+        f"{best['tokens_per_s'] / base['tokens_per_s']:.2f}x AdamW's tokens/s (exact clipping "
+        "runs the backward twice; lomo_single once); and no gradient accumulation.",
+    ]
+    return "\n".join(lines)
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
@@ -151,17 +220,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_OPTIMIZERS,
         help=f"comma list of {', '.join(CHOICES)}",
     )
-    parser.add_argument("--size", choices=list(SIZES), default="wide")
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument(
         "--dtype",
         choices=LOW_PRECISION,
         default="bf16",
         help="the weights' dtype (each optimizer also runs on fp32 weights, the reference)",
     )
-    parser.add_argument("--steps", type=positive_int, default=150)
-    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=DEMO_STEPS)
+    parser.add_argument("--batch", type=positive_int, default=DEMO_BATCH)
     parser.add_argument("--seq", type=whole_number(MIN_SEQ, MAX_SEQ), default=64)
-    parser.add_argument("--lr", type=positive_float, default=None, help="default per optimizer")
+    parser.add_argument(
+        "--lr", type=positive_float, default=None,
+        help="one rate for every optimizer (default: each one's best from the sweep)",
+    )  # fmt: skip
     parser.add_argument("--clip-grad-norm", type=positive_float, default=1.0)
     parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda")
     parser.add_argument(
@@ -176,54 +248,117 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def banner(args: argparse.Namespace) -> str:
-    from lomo_kernels.ops import backends
-
     hidden, _, layers, _ = SIZES[args.size]
     model = build_model(args.size, torch.float32, 0, "meta")
     n_params = sum(p.numel() for p in model.parameters())
-    backend = backends.backend_name(backends.resolve(torch.device(args.device)))
     return (
         f"LLaMA architecture: {n_params / 1e6:.1f}M parameters (hidden {hidden}, {layers} "
         f"layers), pretrained, fine-tuned on {args.device} for {args.steps} steps of "
-        f"{args.batch} x {args.seq} characters per run, each in its own process; Lomo "
-        f"kernels: {backend} backend\n{args.dtype} weights, computed "
-        f"{compute_note(args.dtype, args.device)}, and fp32 weights as the reference"
+        f"{args.batch} x {args.seq} characters per run, each in its own process\n"
+        f"{args.dtype} weights, computed {compute_note(args.dtype, args.device)}, and fp32 "
+        "weights as the reference"
     )
 
 
-def runs(args: argparse.Namespace) -> list[Row]:
+def learning_rates(args: argparse.Namespace) -> tuple[dict[str, float], str]:
+    """Each optimizer's rate and where it comes from: --lr; else the sweep's best
+    (`bench.quality --sweep`) where it ran on this set-up; else the papers'."""
+    if args.lr is not None:
+        return dict.fromkeys(CHOICES, args.lr), "--lr"
+    setup = {"size": args.size, "steps": args.steps, "batch": args.batch, "seq": args.seq}
+    found = json.loads(LEARNING_RATES.read_text()) if LEARNING_RATES.exists() else {}
+    swept = found.get("optimizers", {})
+    if {k: found.get("setup", {}).get(k) for k in setup} != setup or args.dtype != "bf16":
+        swept, source = (
+            {},
+            "the papers' (no sweep for this set-up: python -m bench.quality --sweep)",
+        )
+    else:
+        source = f"each one's best of a sweep ({LEARNING_RATES.name})"
+    rates = {name: swept.get(name, {}).get("lr", lr) for name, lr in PAPER_LR.items()}
+    return rates | {name: rates[family] for name, family in FAMILY.items()}, source
+
+
+def runs(args: argparse.Namespace, rates: dict[str, float]) -> list[Row]:
     """Each optimizer on the chosen low-precision weights (default rounding), and on fp32."""
     out = []
     for name in args.optimizers:
-        lr = FINE_TUNE_LR[name] if args.lr is None else args.lr
         low = "master" if name == "adamw_master" else "stochastic"
-        out += [Row(name, lr, args.dtype, low), Row(name, lr, "fp32", "exact")]
+        out += [Row(name, rates[name], args.dtype, low), Row(name, rates[name], "fp32", "exact")]
     return out
+
+
+def load_kernels(device_name: str, progress: Progress) -> str:
+    """The backend the fused updates run on here, its extensions loaded (on the CPU, the C++
+    kernels are compiled on first use: both families at once, one compiler each)."""
+    from lomo_kernels.ops import backends
+
+    device_type = torch.device(device_name).type
+    if device_type == "cpu":
+        progress.line(
+            f"phase 1/3: the C++ CPU kernels (compiled the first time: about {BUILD_S} s on 2 "
+            "cores; then loaded in a second)"
+        )
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: r.load("cpp", "cpu"), (backends.LOMO, backends.ADALOMO)))
+    else:
+        progress.line("phase 1/3: the GPU kernels")
+    return backends.backend_name(backends.resolve(torch.device(device_name)))
+
+
+def starting_model(args: argparse.Namespace, progress: Progress) -> Any:
+    """The pretrained checkpoint's path: the shipped one, a cached one, or pretrained now."""
+    pretrain = {**PRETRAIN, "steps": args.pretrain_steps, "seed": args.seed}
+    name = checkpoint_name(args.size, pretrain)
+    if (SHIPPED / name).exists():
+        progress.line(f"phase 2/3: the pretrained model, bench/data/{name}")
+    else:
+        expected = args.pretrain_steps * PRETRAIN_STEP_S[args.size]
+        progress.line(
+            f"phase 2/3: the pretrained model (not shipped for this recipe: cached, or "
+            f"pretrained now in about {expected:.0f} s the first time)"
+        )
+    return pretrained(args.size, pretrain, lambda text: progress.line("  " + text.strip()))
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Fine-tune with each optimizer, print the table (and write the plot); the results."""
     from .common import machine
 
+    progress = Progress()
     print(banner(args), flush=True)
-    pretrain = {**PRETRAIN, "steps": args.pretrain_steps, "seed": args.seed}
-    checkpoint = pretrained(args.size, pretrain)
+    backend = load_kernels(args.device, progress)
+    progress.line(f"  Lomo kernels: {backend} backend")
+    checkpoint = starting_model(args, progress)
+    rates, source = learning_rates(args)
+    chosen = runs(args, rates)
     settings = {
         key: getattr(args, key)
         for key in ("size", "batch", "seq", "seed", "device", "threads", "clip_grad_norm")
     }
+    per_run = RUN_S.get(args.size, 60) * args.steps / 100
+    rounds = -(-len(chosen) // args.workers)
+    progress.line(
+        f"phase 3/3: fine-tuning, {len(chosen)} runs of {args.steps} steps, {args.workers} at a "
+        f"time (about {rounds * per_run:.0f} s on an idle 2-core CPU); learning rates: "
+        f"{source}: " + ", ".join(f"{name} {rates[name]:g}" for name in args.optimizers)
+    )
+    done: list[float] = []
 
     def one(row: Row) -> dict[str, Any]:
+        started = time.perf_counter()
         result = run_row(row, checkpoint, args.steps, **settings)
-        print(
-            f"  {row.optimizer}, {row.label}: held-out loss {result['loss_before']:.3f} -> "
-            f"{result['loss_after']:.3f}",
-            flush=True,
+        done.append(time.perf_counter() - started)
+        left = -(-(len(chosen) - len(done)) // args.workers) * sum(done) / len(done)
+        progress.line(
+            f"  [{len(done)}/{len(chosen)}] {row.optimizer}, {row.label}: held-out loss "
+            f"{result['loss_before']:.3f} -> {result['loss_after']:.3f} "
+            f"({done[-1]:.0f} s{f'; about {left:.0f} s left' if left else ''})"
         )
         return result
 
     with ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(one, runs(args)))
+        results = list(pool.map(one, chosen))
     kept_shares(results)
     info = machine.describe(args.device) | {"threads": args.threads}
     print()
@@ -235,6 +370,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         title = f"demo, {args.size} LLaMA, {args.dtype}; {kind}: " + machine.one_line(info)
         plot(results, args.plot, title)
         print(f"plot: {args.plot}")
+    progress.line("done")
     for r in results:
         if not r["loss_after"] < r["loss_before"]:
             raise SystemExit(

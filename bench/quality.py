@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -53,6 +54,7 @@ from .common.argtypes import (
     add_device_argument,
     add_list_argument,
     add_output_arguments,
+    output_path,
     positive_int,
 )
 from .common.char_model import (
@@ -70,11 +72,23 @@ from .common.train_runner import Workload, measure_isolated
 
 SIZE = "tiny"  # the demo's (hidden 128, 4 layers): 0.8M parameters
 SEQ, BATCH = 64, 8
+STEPS = 150  # the study's fine-tuning steps
+# The demo's set-up (`make demo`), which the sweep runs: shorter and smaller batches, so
+# that the demo answers in minutes on two cores (and the optimizer's memory counts more).
+DEMO_STEPS, DEMO_BATCH = 100, 4
 PRETRAIN = {"steps": 400, "lr": 3e-3, "batch": 16, "seed": 0}
 CLIP = 1.0
 # Learning rates: the papers' (LOMO: SGD at 1e-2; AdaLomo: 1e-3) and a few times lower.
 LRS = {"lomo": (1e-2, 3e-3), "adalomo": (1e-3, 3e-4)}
 ADAMW_LR = 1e-3
+# The learning-rate sweep (--sweep): each optimizer on the demo's set-up, bf16 weights with
+# its defaults, at each of these; the best held-out loss picks the demo's rate.
+SWEEP_LRS = {
+    "lomo": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "adalomo": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "adamw_master": (3e-4, 1e-3, 3e-3, 1e-2),
+}
+LEARNING_RATES = CORPUS.parent / "demo_learning_rates.json"
 # Steps of a metered run: a warm-up step (lazy state), then the peak over three steps.
 MEMORY_STEPS = 4
 # Storage variants: (weights dtype, rounding) -> label.
@@ -127,45 +141,66 @@ def cache_dir() -> Path:
     return Path(root) / "quality"
 
 
-def checkpoint_path(size: str, pretrain: dict[str, Any]) -> Path:
-    """Where the pretrained weights of this recipe live: keyed by the recipe, the model and
-    the corpus, so a change of any gives a new file."""
+# The pretrained checkpoint kept in the repository (`python -m bench.data.make_checkpoint`).
+SHIPPED = CORPUS.parent
+
+
+def checkpoint_name(size: str, pretrain: dict[str, Any]) -> str:
+    """The pretrained weights' file name: keyed by the recipe, the model and the corpus, so a
+    change of any gives a new name (and a shipped checkpoint of another recipe is not used)."""
     key = json.dumps({"pretrain": pretrain, "size": SIZES[size], "seq": SEQ}, sort_keys=True)
     digest = hashlib.sha256(key.encode() + CORPUS.read_bytes()).hexdigest()[:16]
-    return cache_dir() / f"pretrained-{size}-{digest}.pt"
+    return f"pretrained-{size}-{digest}.pt"
 
 
 def pretrained(size: str, pretrain: dict[str, Any], log: Callable[[str], None] = print) -> Path:
-    """The pretrained checkpoint's path, made first if it is not cached (fp32, AdamW, one
-    thread, from `pretrain["seed"]`: the same bits on a given machine and torch)."""
-    path = checkpoint_path(size, pretrain)
-    if path.exists():
-        return path
-    log(f"pretraining the {size} model ({pretrain['steps']} AdamW steps, fp32; cached in {path})")
+    """The pretrained checkpoint's path: the one shipped in bench/data/ or the cached one for
+    this recipe, else made now and cached (`pretrain_into`)."""
+    name = checkpoint_name(size, pretrain)
+    for folder in (SHIPPED, cache_dir()):
+        if (folder / name).exists():
+            return folder / name
+    path = cache_dir() / name
+    pretrain_into(path, size, pretrain, log)
+    return path
+
+
+def pretrain_into(
+    path: Path, size: str, pretrain: dict[str, Any], log: Callable[[str], None] = print
+) -> None:
+    """Pretrains the `size` model by `pretrain` into `path` (fp32, AdamW, one thread, from
+    `pretrain["seed"]`: the same bits on a given machine and torch), a line every 50 steps."""
+    steps = pretrain["steps"]
+    log(f"pretraining the {size} model ({steps} AdamW steps, fp32) into {path}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    start = time.perf_counter()
     try:
         pre, _, held = corpus_parts()
         model = build_model(size, torch.float32, pretrain["seed"])
         opt = torch.optim.AdamW(model.parameters(), lr=pretrain["lr"])
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=pretrain["steps"])
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
         batches = windows(char_ids(pre), SEQ, pretrain["batch"], pretrain["seed"])
-        for _ in range(pretrain["steps"]):
+        for step in range(1, steps + 1):
             ids = next(batches)
             model(input_ids=ids, labels=ids).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            if step % 50 == 0 and step < steps:
+                elapsed = time.perf_counter() - start
+                left = elapsed / step * (steps - step)
+                log(f"  step {step}/{steps}, {elapsed:.0f} s, about {left:.0f} s left")
         loss = held_out_loss(model, char_ids(held), SEQ, "cpu")
-        log(f"pretrained: held-out loss on the fine-tuning task {loss:.3f}")
+        took = time.perf_counter() - start
+        log(f"pretrained in {took:.0f} s: held-out loss on the fine-tuning task {loss:.3f}")
     finally:
         torch.set_num_threads(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(model.state_dict(), tmp)
     tmp.replace(path)  # atomic: a parallel run never reads half a file
-    return path
 
 
 # ----------------------------------------------------------------------------- one row
@@ -413,9 +448,79 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[di
     return results
 
 
+def sweep_rows(dtype: str = "bf16") -> list[Row]:
+    """The sweep's rows: each optimizer at each of its `SWEEP_LRS`, `dtype` weights with its
+    defaults (Lomo and AdaLomo: stochastic rounding; AdamW: fp32 master weights)."""
+    return [
+        Row(optimizer, lr, dtype, "master" if optimizer == "adamw_master" else "stochastic")
+        for optimizer, lrs in SWEEP_LRS.items()
+        for lr in lrs
+    ]
+
+
+def sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each optimizer's best learning rate on the demo's set-up (`SIZE`, `DEMO_BATCH` x `SEQ`,
+    --steps), by the held-out loss after fine-tuning; written to --sweep-json for the demo."""
+    pretrain = {**PRETRAIN, "steps": args.pretrain_steps}
+    checkpoint = pretrained(SIZE, pretrain, log)
+    chosen = sweep_rows()
+    log(
+        f"learning-rate sweep: {len(chosen)} runs of {args.steps} steps of {DEMO_BATCH} x {SEQ} "
+        f"characters, {args.workers} at a time"
+    )
+
+    def one(row: Row) -> dict[str, Any]:
+        result = run_row(row, checkpoint, args.steps, False, device=args.device, batch=DEMO_BATCH)
+        log(f"  {row.optimizer} lr {row.lr:g}: held-out loss {result['loss_after']:.3f}")
+        return result
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        results = list(pool.map(one, chosen))
+    optimizers = {}
+    for optimizer, lrs in SWEEP_LRS.items():
+        losses = {r["lr"]: r["loss_after"] for r in results if r["optimizer"] == optimizer}
+        best = min(losses, key=losses.get)
+        optimizers[optimizer] = {
+            "lr": best,
+            "held_out_loss": {f"{lr:g}": round(loss, 4) for lr, loss in losses.items()},
+            "at_grid_edge": best in (lrs[0], lrs[-1]),
+        }
+    found = {
+        "setup": {
+            "size": SIZE,
+            "steps": args.steps,
+            "batch": DEMO_BATCH,
+            "seq": SEQ,
+            "weights": "bf16",
+        },
+        "checkpoint": checkpoint.name,
+        "machine": machine.one_line(machine.describe(args.device) | {"threads": 1}),
+        "optimizers": optimizers,
+    }
+    log(sweep_table(found))
+    Path(args.sweep_json).write_text(json.dumps(found, indent=1) + "\n")
+    log(f"learning rates: {args.sweep_json}")
+    return found
+
+
+def sweep_table(found: dict[str, Any]) -> str:
+    """The sweep as a Markdown table: each optimizer's held-out loss per rate, the best bold."""
+    lines = ["| optimizer | held-out loss per learning rate | best |", "|---|---|---|"]
+    for optimizer, entry in found["optimizers"].items():
+        cells = [
+            f"**{lr}: {loss:.3f}**" if float(lr) == entry["lr"] else f"{lr}: {loss:.3f}"
+            for lr, loss in entry["held_out_loss"].items()
+        ]
+        lines.append(f"| {optimizer} | {', '.join(cells)} | {entry['lr']:g} |")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
-    parser.add_argument("--steps", type=positive_int, default=150, help="fine-tuning steps")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None,
+        help=f"fine-tuning steps (default {STEPS}; with --sweep the demo's, {DEMO_STEPS})",
+    )  # fmt: skip
     parser.add_argument(
         "--pretrain-steps", type=positive_int, default=PRETRAIN["steps"],
         help="AdamW steps of the cached pretrained model",
@@ -429,10 +534,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers", type=positive_int, default=2, help="rows run at once (one thread each)"
     )
     add_output_arguments(parser, "write a bar chart of the kept shares here")
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="instead: each optimizer's best learning rate on the demo's set-up (--sweep-json)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sweep-json", type=output_path, default=str(LEARNING_RATES),
+        help="where --sweep writes the rates the demo uses (default: the demo's file)",
+    )  # fmt: skip
 
 
 def command(args: argparse.Namespace) -> int:
-    run(args)
+    if args.steps is None:
+        args.steps = DEMO_STEPS if args.sweep else STEPS
+    if args.sweep:
+        sweep(args)
+    else:
+        run(args)
     return 0
 
 

@@ -4,6 +4,7 @@ work, in one stderr line, status 2."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -234,13 +235,57 @@ def restore_threads():
 def test_demo_through_the_cli_exits_0(capsys, restore_threads, monkeypatch, tmp_path):
     monkeypatch.setenv("LOMO_KERNELS_CACHE", str(tmp_path))  # a fresh pretrained checkpoint
     argv = ["demo", "--steps", "2", "--size", "tiny", "--batch", "2", "--seq", "16"]
-    assert main(argv + ["--pretrain-steps", "2", "--optimizers", "lomo", "--workers", "1"]) == 0
+    argv += ["--pretrain-steps", "2", "--optimizers", "lomo,adamw_master", "--workers", "2"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "bf16 weights, computed" in out
+    for phase in ("phase 1/3", "phase 2/3", "pretraining the tiny model", "phase 3/3"):
+        assert phase in out
+    assert "[4/4]" in out and "learning rates: the papers'" in out
     assert "| lomo | 2 | 0.01 | bf16, stochastic (default) |" in out
     assert "| lomo | 2 | 0.01 | fp32 weights |" in out
     assert "lomo: keeps" in out
+    assert "What LOMO buys: memory." in out and "AdamW with fp32 master weights fits up to" in out
+    assert "What it costs:" in out
     assert list((tmp_path / "quality").glob("pretrained-tiny-*.pt"))
+
+
+def test_demo_takes_each_optimizers_best_rate_from_the_sweep(monkeypatch, tmp_path):
+    swept = {
+        "setup": {"size": "tiny", "steps": 100, "batch": 4, "seq": 64, "weights": "bf16"},
+        "optimizers": {
+            "lomo": {"lr": 0.03},
+            "adalomo": {"lr": 0.003},
+            "adamw_master": {"lr": 0.01},
+        },
+    }
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(swept))
+    monkeypatch.setattr(demo, "LEARNING_RATES", path)
+    rates, source = demo.learning_rates(build_parser("demo").parse_args([]))
+    assert "sweep" in source
+    assert rates["lomo"] == rates["lomo_single"] == rates["sgd"] == 0.03
+    assert rates["adalomo"] == rates["adalomo_single"] == 0.003 and rates["adamw_master"] == 0.01
+    # Another set-up than the sweep's: the papers' rates, said so.
+    rates, source = demo.learning_rates(build_parser("demo").parse_args(["--steps", "20"]))
+    assert "papers'" in source and rates["lomo"] == 0.01
+    rates, _ = demo.learning_rates(build_parser("demo").parse_args(["--lr", "0.5"]))
+    assert set(rates.values()) == {0.5}
+
+
+def test_the_shipped_rates_and_checkpoint_are_the_demos():
+    """The demo's defaults find the sweep's rates and the shipped checkpoint (a few MB, loaded
+    with weights_only=True into the demo's model)."""
+    from bench import quality
+    from bench.common.char_model import build_model
+
+    args = build_parser("demo").parse_args([])
+    assert "sweep" in demo.learning_rates(args)[1]
+    name = quality.checkpoint_name(args.size, {**quality.PRETRAIN, "seed": args.seed})
+    path = quality.SHIPPED / name
+    assert path.is_file() and path.stat().st_size < 4e6
+    state = torch.load(path, weights_only=True)
+    build_model(args.size, torch.float32, 0).load_state_dict(state)
 
 
 @pytest.mark.parametrize(

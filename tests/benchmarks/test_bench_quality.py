@@ -35,7 +35,24 @@ def test_pretrained_checkpoint_is_made_once_and_keyed_by_its_recipe(monkeypatch,
     logged.clear()
     assert bq.pretrained("tiny", recipe, logged.append) == path
     assert path.stat().st_mtime_ns == mtime and not logged  # cached: not trained again
-    assert bq.checkpoint_path("tiny", {**recipe, "steps": 3}) != path
+    assert bq.checkpoint_name("tiny", {**recipe, "steps": 3}) != path.name
+    # The default recipe's checkpoint is the one shipped in bench/data/: nothing to pretrain.
+    logged.clear()
+    assert bq.pretrained("tiny", bq.PRETRAIN, logged.append).parent == bq.SHIPPED
+    assert not logged
+
+
+def test_the_sweep_table_marks_each_best_rate():
+    found = {
+        "optimizers": {
+            "lomo": {"lr": 0.1, "held_out_loss": {"0.01": 1.2, "0.1": 0.45}},
+            "adamw_master": {"lr": 0.001, "held_out_loss": {"0.001": 0.38, "0.01": 0.41}},
+        }
+    }
+    assert bq.sweep_table(found).splitlines()[2:] == [
+        "| lomo | 0.01: 1.200, **0.1: 0.450** | 0.1 |",
+        "| adamw_master | **0.001: 0.380**, 0.01: 0.410 | 0.001 |",
+    ]
 
 
 def test_upcast_forward_computes_in_fp32_and_steps_the_bf16_weights():
