@@ -177,7 +177,8 @@ def verdict(results: list[dict[str, Any]]) -> str:
         f"{base['loss_after']:.3f} after the same {len(base['losses'])} steps, each at its best "
         f"learning rate ({'no worse' if matched else 'worse'}), at "
         f"{best['tokens_per_s'] / base['tokens_per_s']:.2f}x AdamW's tokens/s (exact clipping "
-        "runs the backward twice; lomo_single once); and no gradient accumulation.",
+        "runs the backward twice; lomo_single once, as does accumulation_steps=k per "
+        "micro-batch, for one buffer of 2 bytes per parameter).",
     ]
     return "\n".join(lines)
 
