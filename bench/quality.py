@@ -101,15 +101,32 @@ STORAGES = {
 }
 
 
+# Gradient accumulation rows: each step's batch cut into 4 micro-batches (`*_accumulate`),
+# at the papers' learning rate, by (weights dtype, buffer) -> label. The 8-bit buffer is
+# emulated on fp32 buffers (`optimizers.emulate_int8_buffer`); its memory is modelled.
+ACCUMULATING = {"lomo_accumulate": "lomo", "adalomo_accumulate": "adalomo"}
+ACCUMULATION = {
+    ("fp32", "exact"): "fp32 weights, fp32 buffer",
+    ("bf16", "stochastic"): "bf16, bf16 buffer (default)",
+    ("bf16", "fp32 buffer"): "bf16, fp32 buffer",
+    ("bf16", "int8 buffer"): "bf16, 8-bit blockwise buffer (emulated)",
+}
+EMULATED = ("compensated", "int8 buffer")
+
+
 @dataclass(frozen=True)
 class Row:
-    optimizer: str  # lomo, adalomo or adamw_master
+    optimizer: str  # lomo, adalomo, adamw_master, or lomo/adalomo_accumulate
     lr: float
     dtype: str  # the weights' storage dtype
-    rounding: str  # exact, nearest, stochastic or compensated (master: AdamW's fp32 copy)
+    # exact, nearest, stochastic or compensated (master: AdamW's fp32 copy); accumulating:
+    # the buffer (`ACCUMULATION`)
+    rounding: str
 
     @property
     def label(self) -> str:
+        if self.optimizer in ACCUMULATING:
+            return ACCUMULATION[self.dtype, self.rounding]
         if self.optimizer == "adamw_master" and self.dtype != "fp32":
             return f"{self.dtype} weights, fp32 master"
         if self.optimizer == "adamw_master":
@@ -117,7 +134,7 @@ class Row:
         return STORAGES[self.dtype, self.rounding]
 
 
-OPTIMIZERS = (*LRS, "adamw_master")
+OPTIMIZERS = (*LRS, "adamw_master", *ACCUMULATING)
 
 
 def rows(kind: str, optimizers: Sequence[str] = OPTIMIZERS) -> list[Row]:
@@ -130,6 +147,9 @@ def rows(kind: str, optimizers: Sequence[str] = OPTIMIZERS) -> list[Row]:
                 out += [Row(optimizer, lr, dtype, rounding) for dtype, rounding in STORAGES]
     if "adamw_master" in optimizers:
         out.append(Row("adamw_master", ADAMW_LR, "bf16", "master"))
+    for optimizer, base in ACCUMULATING.items():
+        if optimizer in optimizers:
+            out += [Row(optimizer, LRS[base][0], dtype, buffer) for dtype, buffer in ACCUMULATION]
     return out
 
 
@@ -306,7 +326,13 @@ def run_row(
         "steps": steps,
     }
     options = None
-    if row.optimizer.startswith(("lomo", "adalomo")):
+    if row.optimizer in ACCUMULATING:
+        options = {"stochastic_rounding": True}  # the default (fp32 weights: not rounded)
+        if row.rounding in ("fp32 buffer", "int8 buffer"):
+            options["accumulation_dtype"] = "fp32"
+        if row.rounding == "int8 buffer":
+            options["int8_buffer"] = True
+    elif row.optimizer.startswith(("lomo", "adalomo")):
         options = {"stochastic_rounding": row.rounding == "stochastic"}
     result = measure_isolated(
         __name__, spec, row.optimizer, steps=steps, lr=row.lr,
@@ -334,32 +360,39 @@ def kept_shares(results: list[dict[str, Any]]) -> None:
         r["kept"] = None if base is None or base <= 0 else gain / base
 
 
-def memory_key(row: Row) -> tuple[str, str]:
+def memory_key(row: Row) -> tuple[str, str, str]:
     """Rows that hold the same memory: one optimizer on one storage dtype (the lr and the
-    rounding do not change what is allocated)."""
-    return row.optimizer, row.dtype
+    rounding do not change what is allocated; an accumulation buffer's dtype does)."""
+    return row.optimizer, row.dtype, "fp32 buffer" if row.rounding == "fp32 buffer" else ""
 
 
 def memory_rows(chosen: list[Row]) -> list[Row]:
-    """One row per `memory_key`, measured in a short metered run; the compensated rows are
-    emulated on fp32 parameters, so their memory is modelled instead (`memory_columns`)."""
+    """One row per `memory_key`, measured in a short metered run; the emulated rows (the
+    compensated write-back on fp32 parameters, the 8-bit buffer on fp32 buffers) have their
+    memory modelled instead (`memory_columns`)."""
     picked: dict[tuple[str, str], Row] = {}
     for row in chosen:
-        if row.rounding != "compensated":
+        if row.rounding not in EMULATED:
             picked.setdefault(memory_key(row), row)
     return list(picked.values())
 
 
-def memory_columns(results: list[dict[str, Any]], peaks: dict[tuple[str, str], float]) -> None:
+def memory_columns(results: list[dict[str, Any]], peaks: dict[tuple[str, str, str], float]) -> None:
     """The peak above the model from the metered runs (`peaks` by `memory_key`); the emulated
-    compensated rows: the bf16 rows' peak plus the bf16 error buffer."""
+    rows modelled: the compensated ones the bf16 rows' peak plus the bf16 error buffer, the
+    8-bit buffer the bf16 buffer's row less 1 byte per parameter."""
     for r in results:
-        r["memory_mib"] = peaks[r["optimizer"], r["dtype"]]
+        row = Row(r["optimizer"], r["lr"], r["dtype"], r["rounding"])
+        r["memory_mib"] = peaks[memory_key(row)]
         r["memory_note"] = ""
         if r["rounding"] == "compensated":
             buffer = r["num_parameters"] * 2 / MIB
             r["memory_mib"] += buffer
             r["memory_note"] = f"modelled: the bf16 rows' peak + {buffer:.1f} MiB buffer"
+        elif r["rounding"] == "int8 buffer":
+            saved = r["num_parameters"] / MIB
+            r["memory_mib"] -= saved
+            r["memory_note"] = f"modelled: the bf16 buffer's peak - {saved:.1f} MiB"
 
 
 def compute_note(dtype: str, device: str = "cpu") -> str:
