@@ -19,6 +19,13 @@ squares in double, inf/nan flag) is timed the same way at each level against tor
 `torch.linalg.vector_norm(g, dtype=float32)`, what `clip_grad_norm_` runs (one read of the
 gradient, fp32 accumulation): "sumsq" lines, cells median / median(vector_norm).
 
+Gradient accumulation's pass (`grad_accumulate_`: the buffer += the gradient, rounded into
+the buffer's dtype, the stored values' sum of squares and inf/nan flag: what each
+micro-batch of `accumulation_steps` runs) is timed at each level, to nearest (`acc[<level>]`)
+and for bf16 and fp16 stochastically (`acc_sr[<level>]`), against the floor
+`b.add_(g)` (the same bytes): "accumulate" lines, cells median / median(add_), and
+"accumulate sr/nearest" lines.
+
 Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
 shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.
 Memory stalls are CPU time, so memory-bound kernels are measured fully. CPU figures only.
@@ -98,6 +105,30 @@ def sumsq_variants(g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
     return out
 
 
+def accumulate_variants(b: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
+    """acc[<level>] and, for bf16 and fp16, acc_sr[<level>] per level (the caller sets the
+    level), the sum of squares measured as the last micro-batch measures it; add_."""
+    ext = cpp._loader.module("cpu")
+    inv_scale, sumsq, found = torch.tensor([INV_SCALE]), torch.zeros(1), torch.zeros(1)
+    seed_step = torch.tensor([3], dtype=torch.int64)
+
+    def nearest() -> None:
+        ext.grad_accumulate_(b, g, False, inv_scale, sumsq, found, False, 0, None)
+
+    def stochastic() -> None:
+        ext.grad_accumulate_(b, g, False, inv_scale, sumsq, found, True, 7, seed_step)
+
+    out = {f"acc[{level}]": nearest for level in levels} if levels else {"acc": nearest}
+    if b.dtype in SR_DTYPES:
+        out.update(
+            {f"acc_sr[{level}]": stochastic for level in levels}
+            if levels
+            else {"acc_sr": stochastic}
+        )
+    out["add_"] = lambda: b.add_(g)
+    return out
+
+
 def at_levels(
     fns: dict[str, Callable], tensors: tuple[torch.Tensor, ...], reps: int, ext: Any
 ) -> dict[str, float]:
@@ -126,8 +157,14 @@ def run(dtypes: list[str], sizes: list[int], reps: int) -> list[dict[str, Any]]:
                 g = (torch.randn(numel, generator=gen) * 1e-2).to(DTYPES[name])
                 update = at_levels(variants(p, g, levels), (p, g), reps, ext)
                 sumsq = at_levels(sumsq_variants(g, levels), (g,), reps, ext)
+                buffer = torch.zeros_like(p)
+                accumulate = at_levels(
+                    accumulate_variants(buffer, g, levels), (buffer, g), reps, ext
+                )
                 item = {"dtype": name, "numel": numel, "element_size": p.element_size()}
-                results.append(item | {"update_s": update, "sumsq_s": sumsq})
+                results.append(
+                    item | {"update_s": update, "sumsq_s": sumsq, "accumulate_s": accumulate}
+                )
     finally:
         if previous is not None:
             ext._set_cpu_isa(previous)
@@ -158,6 +195,19 @@ def format_lines(results: list[dict[str, Any]]) -> str:
         cells = "  ".join(f"{k} {v / floor:.3f}" for k, v in med.items() if k != "vector_norm")
         gbps = r["numel"] * r["element_size"] / floor / 1e9
         lines.append(f"{where} sumsq: {cells}  (vector_norm {gbps:.1f} GB/s)")
+        med = r.get("accumulate_s")
+        if med:
+            floor = med["add_"]
+            cells = "  ".join(f"{k} {v / floor:.3f}" for k, v in med.items() if k != "add_")
+            gbps = 3 * r["numel"] * r["element_size"] / floor / 1e9
+            lines.append(f"{where} accumulate: {cells}  (add_ {gbps:.1f} GB/s)")
+            ratios = [
+                f"{key[6:]} {v / med['acc' + key[6:]]:.3f}"
+                for key, v in med.items()
+                if key.startswith("acc_sr")
+            ]
+            if ratios:
+                lines.append(f"{where} accumulate sr/nearest: {'  '.join(ratios)}")
     return "\n".join(lines)
 
 
