@@ -71,13 +71,21 @@ def test_cpu_levels_one_line_per_level_dtype_and_size(tmp_path, capsys, restore_
             update += [f"sr[{level}]" for level in levels]
         assert sorted(r["update_s"]) == sorted([*update, "torch._fused_sgd_", "axpy"])
         assert list(r["sumsq_s"]) == [*(f"sumsq[{level}]" for level in levels), "vector_norm"]
-        assert all_positive(r["update_s"]) and all_positive(r["sumsq_s"])
-    # Per dtype and size: the update line, sr/nearest for bf16, the sum-of-squares line.
+        accumulate = [f"acc[{level}]" for level in levels]
+        if r["dtype"] == "bf16":
+            accumulate += [f"acc_sr[{level}]" for level in levels]
+        assert list(r["accumulate_s"]) == [*accumulate, "add_"]
+        assert all(all_positive(r[key]) for key in ("update_s", "sumsq_s", "accumulate_s"))
+    # Per dtype and size: the update line, sr/nearest for bf16, the sum-of-squares line, the
+    # accumulate line and its sr/nearest for bf16.
     tagged = [line.split(":")[0] for line in lines if re.match(r"(bf16|fp32) +\d+K", line)]
+    bf16 = ("", " sr/nearest", " sumsq", " accumulate", " accumulate sr/nearest")
+    fp32 = ("", " sumsq", " accumulate")
     assert tagged == [
-        *("bf16   4K", "bf16   4K sr/nearest", "bf16   4K sumsq"),
-        *("bf16   8K", "bf16   8K sr/nearest", "bf16   8K sumsq"),
-        *("fp32   4K", "fp32   4K sumsq", "fp32   8K", "fp32   8K sumsq"),
+        *(f"bf16   4K{tag}" for tag in bf16),
+        *(f"bf16   8K{tag}" for tag in bf16),
+        *(f"fp32   4K{tag}" for tag in fp32),
+        *(f"fp32   8K{tag}" for tag in fp32),
     ]
     first = result["results"][0]["update_s"]
     cell = re.search(rf"ours\[{levels[0]}\] ([\d.]+)", lines[2]).group(1)
