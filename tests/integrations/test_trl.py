@@ -58,8 +58,22 @@ def dataset(vocab: int = VOCAB, n: int = 8):
     return datasets.Dataset.from_list(rows)
 
 
+# A quiet fp32 CPU run, logging every step (shared by test_trl_preference).
+CPU_RUN = dict(
+    bf16=False,  # TRL's default is bf16 autocast; the comparisons run in fp32
+    report_to=[],
+    logging_steps=1,
+    save_strategy="no",
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    seed=0,
+)
+
+
 def config(tmp_path, **overrides):
     base = dict(
+        **CPU_RUN,
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
         max_steps=STEPS,
@@ -70,15 +84,7 @@ def config(tmp_path, **overrides):
         weight_decay=0.01,
         completion_only_loss=True,
         max_length=32,
-        bf16=False,  # TRL's default is bf16 autocast; the comparisons run in fp32
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         shuffle_dataset=False,
-        seed=0,
     )
     base.update(overrides)
     return SFTConfig(**base)

@@ -1,0 +1,176 @@
+"""TRL's DPOTrainer, GRPOTrainer and RLOOTrainer with Lomo and gradient accumulation against
+the same trainers with torch's SGD; a patched model and the unchecked trainers refused by
+name before any change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.models import max_rel_diff
+from support.state import same_bits, snapshot
+
+import lomo_kernels
+
+try:  # a test dependency, as in test_trl.py
+    import datasets
+    from test_trl import CPU_RUN, llama, tokenizer
+    from test_trl import trl as trl  # the fixture requiring TRL, shared
+    from trl import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        KTOConfig,
+        KTOTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+    )
+
+    from lomo_kernels.integrations.huggingface import in_backward_optimizer
+except ImportError:
+    DPOTrainer = None
+
+
+STEPS = 2
+# The suite's fp32 bound for Lomo against torch.optim.SGD: 1e-6 of each tensor (the runs
+# differ in the order of the clipping norm's reduction and of the update's rounding only).
+SGD_RTOL = 1e-6
+
+
+def words(gen, n):
+    return " ".join(f"t{j}" for j in torch.randint(2, 96, (n,), generator=gen).tolist())
+
+
+def pairs(n=8):
+    gen = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_list(
+        [
+            {
+                "prompt": words(gen, 3),
+                "chosen": words(gen, 3 + i % 3),
+                "rejected": words(gen, 2 + i % 4),
+            }
+            for i in range(n)
+        ]
+    )
+
+
+def prompts(n=8):
+    return datasets.Dataset.from_list([{"prompt": f"t{3 + i} t{4 + i} t{5 + i}"} for i in range(n)])
+
+
+def reward(completions, **_):
+    """A rule: how often the completion says t5."""
+    return [float(c.split().count("t5")) for c in completions]
+
+
+COMMON = dict(
+    CPU_RUN,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=STEPS,
+    learning_rate=0.05,
+    max_grad_norm=1.0,
+)
+# GRPO/RLOO: two generations per prompt, each generation batch reused for 4 micro-batches
+# (steps_per_generation) and twice (num_iterations), so the importance ratio is TRL's own.
+RL = dict(num_generations=2, max_completion_length=6, steps_per_generation=4, num_iterations=2)
+
+
+def build(kind, tmp_path, optim, patch=False, **overrides):
+    model = llama()
+    if patch:
+        lomo_kernels.patch_causal_lm(model)
+    args = dict(COMMON, output_dir=str(tmp_path), optim=optim, **overrides)
+    if kind == "dpo":
+        return model, DPOTrainer(
+            model=model,
+            ref_model=llama(),
+            args=DPOConfig(**args),
+            train_dataset=pairs(),
+            processing_class=tokenizer(),
+        )
+    config, trainer = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[kind]
+    if kind == "rloo":
+        args["beta"] = 0.0  # a KL term would load a reference model from the hub by name
+    return model, trainer(
+        model=model,
+        reward_funcs=reward,
+        args=config(**args, **RL),
+        train_dataset=prompts(),
+        processing_class=tokenizer(),
+    )
+
+
+def trained(kind, tmp_path, optim, **overrides):
+    lomo_kernels.enable_trl()
+    try:
+        model, trainer = build(kind, tmp_path, optim, **overrides)
+        trainer.train()
+    finally:
+        lomo_kernels.disable_trl()
+    return model, trainer
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo", "rloo"])
+def test_preference_and_rl_trainers_accumulate_as_with_torchs_sgd(tmp_path, kind):
+    """2 steps of 2 micro-batches, clipped at 1.0 (GRPO/RLOO: generations reused over 4
+    micro-batches and 2 iterations; the same seed gives both runs the same completions):
+    the parameters within SGD_RTOL of torch's SGD run, the losses and norms equal to it
+    within the same bound."""
+    model, trainer = trained(kind, tmp_path / "lomo", "lomo")
+    reference, sgd = trained(kind, tmp_path / "sgd", "sgd")
+    opt = in_backward_optimizer(trainer.optimizer)
+    assert type(opt).__name__ == "Lomo"
+    assert opt.accumulation_steps == 2 and opt.step_count == STEPS
+    assert logged(trainer, "loss") == pytest.approx(logged(sgd, "loss"), rel=SGD_RTOL, abs=1e-9)
+    norms = logged(trainer, "grad_norm")
+    assert norms == pytest.approx(logged(sgd, "grad_norm"), rel=SGD_RTOL) and max(norms) > 0
+    assert max_rel_diff(model, reference) <= SGD_RTOL
+    assert max_rel_diff(model, llama()) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_adalomo_trains_dpo_and_grpo_with_accumulation(tmp_path, kind):
+    model, trainer = trained(kind, tmp_path, "adalomo", learning_rate=1e-2)
+    opt = in_backward_optimizer(trainer.optimizer)
+    assert type(opt).__name__ == "AdaLomo" and opt.step_count == STEPS
+    assert max_rel_diff(model, llama()) > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_a_patched_model_is_refused_by_name_before_any_change(tmp_path, kind):
+    """DPO and GRPO read the head weight in TRL's own chunked log-prob function: refused
+    when the optimizer is built, naming the trainer and unpatch_causal_lm."""
+    lomo_kernels.enable_trl()
+    try:
+        model, trainer = build(kind, tmp_path, "lomo", patch=True)
+        before = snapshot(model)
+        with pytest.raises(ValueError, match=rf"{kind.upper()}Trainer.*unpatch_causal_lm"):
+            trainer.train()
+        assert same_bits(before, snapshot(model))
+    finally:
+        lomo_kernels.disable_trl()
+
+
+def test_kto_trainer_is_refused_by_name(tmp_path):
+    data = datasets.Dataset.from_list(
+        [{"prompt": "t3 t4", "completion": "t5 t6", "label": i % 2 == 0} for i in range(4)]
+    )
+    lomo_kernels.enable_trl()
+    try:
+        trainer = KTOTrainer(
+            model=llama(),
+            ref_model=llama(),
+            args=KTOConfig(**COMMON, output_dir=str(tmp_path), optim="lomo"),
+            train_dataset=data,
+            processing_class=tokenizer(),
+        )
+        with pytest.raises(ValueError, match="KTOTrainer.*not supported"):
+            trainer.create_optimizer()
+    finally:
+        lomo_kernels.disable_trl()
