@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from support.models import batch, clone, tiny_llama
 from support.optimizers import OPTIMIZERS
-from support.state import assert_unchanged_since, optimizer_snapshot, same_bits, snapshot
+from support.state import assert_step_moves, assert_unchanged_since, optimizer_snapshot
 
 import lomo_kernels
 from lomo_kernels import Lomo
@@ -90,15 +90,6 @@ def test_an_optimizer_given_the_parameters_refuses_too():
     with pytest.raises(RuntimeError, match="'lm_head.weight'"):
         opt.fused_backward(chunked_head_loss(model, batch(0)))
     assert_unchanged_since(before, model, opt)
-
-
-def assert_step_moves(model, step, frozen=()) -> None:
-    """`step()` changes every trainable parameter of `model` but those named in `frozen`
-    (a refusal, or a step that skipped its update, would leave them all as they were)."""
-    before = dict(zip((n for n, _ in model.named_parameters()), snapshot(model), strict=True))
-    step()
-    moved = {n for n, p in model.named_parameters() if not same_bits([p.detach()], [before[n]])}
-    assert moved == set(before) - set(frozen), sorted(set(before) - set(frozen) - moved)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

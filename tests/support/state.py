@@ -51,6 +51,15 @@ def unchanged(model: torch.nn.Module, snap: list[torch.Tensor]) -> bool:
     )
 
 
+def assert_step_moves(model, step, frozen=()) -> None:
+    """`step()` changes every trainable parameter of `model` but those named in `frozen`
+    (a refusal, or a step that skipped its update, would leave them all as they were)."""
+    before = dict(zip((n for n, _ in model.named_parameters()), snapshot(model), strict=True))
+    step()
+    moved = {n for n, p in model.named_parameters() if not same_bits([p.detach()], [before[n]])}
+    assert moved == set(before) - set(frozen), sorted(set(before) - set(frozen) - moved)
+
+
 def tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter and optimizer state tensor (moments, loss scale), cloned: what two
     runs that should end alike are compared by (a refusal: `optimizer_snapshot`)."""
