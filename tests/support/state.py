@@ -139,13 +139,14 @@ def _outcome(opt) -> dict[str, Any]:
 
 def optimizer_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Everything a refused call must leave as it was, copied: the parameters (this rank's
-    owned elements where sharded), `opt.state`, `state_dict()` (step count, loss scaler,
+    owned elements where sharded) and buffers, `opt.state`, `state_dict()` (step count, loss scaler,
     single-backward norm history, param groups), the step reports (`REPORTS`), the last
     step's outcome (`_outcome`), the loss scaler's tensors, the single-backward rule's
     running tensors (norm history, the step's sum and skip count) and the per-device
     scalars (overflow flags, sums, lr, clip coefficient)."""
     return {
         "parameters": snapshot(model),
+        "buffers": [b.detach().clone() for b in model.buffers()],
         "state": [_copied(dict(s)) for s in opt.state.values()],
         "state_dict": _copied(opt.state_dict()),
         "reports": {name: _copied(getattr(opt, name)) for name in REPORTS},
