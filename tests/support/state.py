@@ -56,7 +56,7 @@ def assert_step_moves(model, step, frozen=()) -> None:
     (a refusal, or a step that skipped its update, would leave them all as they were)."""
     before = dict(zip((n for n, _ in model.named_parameters()), snapshot(model), strict=True))
     step()
-    moved = {n for n, p in model.named_parameters() if not same_bits([p.detach()], [before[n]])}
+    moved = {n for n, p in model.named_parameters() if not same_bits([owned(p)], [before[n]])}
     assert moved == set(before) - set(frozen), sorted(set(before) - set(frozen) - moved)
 
 
