@@ -13,7 +13,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.models import batch, tiny_llama
-from support.state import assert_same_state
+from support.state import (
+    assert_refused,
+    assert_same_state,
+    assert_unchanged_since,
+    optimizer_snapshot,
+)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lomo_kernels import AdaLomo, CheckpointError, Lomo, load_checkpoint, save_checkpoint
@@ -139,10 +144,8 @@ def adalomo_checkpoint(tmp_path):
 
 
 def refused_unchanged(path, model, opt, error: type[Exception], match: str, **kwargs) -> None:
-    before = state_of(model, opt)
-    with pytest.raises(error, match=match):
-        load_checkpoint(path, model, opt, **kwargs)
-    assert_same_state(state_of(model, opt), before)
+    load = lambda: load_checkpoint(path, model, opt, **kwargs)  # noqa: E731
+    assert_refused(model, opt, load, error, match)
 
 
 def test_other_model_refused_before_any_change(adalomo_checkpoint):
@@ -256,9 +259,9 @@ def test_check_state_dict_refuses_as_load_would_and_changes_nothing():
     good = opt.state_dict()
     bad = opt.state_dict()
     next(iter(bad["state"].values()))["exp_avg_sq_row"][0] = -1.0
-    before = state_of(model, opt)
+    before = optimizer_snapshot(model, opt)
     opt.check_state_dict(good)
     for check in (opt.check_state_dict, opt.load_state_dict):
         with pytest.raises(ValueError, match="holds negative values"):
             check(bad)
-    assert_same_state(state_of(model, opt), before)
+    assert_unchanged_since(before, model, opt)

@@ -10,7 +10,12 @@ import pytest
 import torch
 from support.crafted import Progress, RunsCode, plant_client_state
 from support.models import batch, tiny_llama
-from support.state import assert_refused, assert_same_state
+from support.state import (
+    assert_refused,
+    assert_same_state,
+    assert_unchanged_since,
+    optimizer_snapshot,
+)
 
 from lomo_kernels import AdaLomo, CheckpointError
 from lomo_kernels.checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
@@ -67,10 +72,10 @@ def test_unfinished_save_refused_naming_it(tmp_path):
     model, opt = trained(1)
     (tmp_path / "global_step1.partial").mkdir(parents=True)
     fresh, fresh_opt = trained(0, seed=1)
-    before = fresh.state_dict()
+    before = optimizer_snapshot(fresh, fresh_opt)
     with pytest.raises(CheckpointError, match=r"global_step1\.partial holds a save that did"):
         fresh.load_checkpoint(tmp_path)
-    assert_same_state(fresh.state_dict(), before)
+    assert_unchanged_since(before, fresh, fresh_opt)
     with pytest.raises(ValueError, match="custom_load_fn"):
         fresh.load_checkpoint(tmp_path, tag="global_step1", custom_load_fn=print)
 

@@ -8,11 +8,15 @@ test_zero3.py / test_fsdp2.py.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from support.adalomo import adalomo_f64, beta2_at, check_param, check_state, make_param
 
+from lomo_kernels.core.rounding import Rounding
 from lomo_kernels.distributed.shard import Shard
+from lomo_kernels.ops import adalomo_update_
 from lomo_kernels.ops.adalomo.reference import CHUNK, GradTransform
 from lomo_kernels.optim.adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 
@@ -47,33 +51,19 @@ def test_whole_parameter_slice_equals_float64_model(shape, dtype):
     check_state(state, ref_state)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", [(37, 1031), (4099,)], ids=["37x1031", "4099"])
-def test_two_ranks_round_stochastically_as_the_whole_tensor(shape, dtype):
-    """Two "ranks" (threads with a summing all-reduce) each own a flat slice cut mid-row:
-    with stochastic rounding every element draws the bits of its index in the whole tensor,
-    so the slices together equal one process's whole-tensor step, except where the two fp32
-    results differ (partial sums added in another order) and a draw falls between them: such
-    elements are one spacing apart, and few."""
-    import threading
+# Longest a thread "rank" waits for the other at the all-reduce (a step here takes
+# milliseconds): past it, the wait fails instead of hanging the run.
+BARRIER_TIMEOUT_S = 60
 
-    from lomo_kernels.core.rounding import Rounding
-    from lomo_kernels.ops import adalomo_update_
 
-    param, grad = make_param(shape, dtype, seed=3), make_param(shape, dtype, seed=4) * 0.01
-    seed, step_value = 6, torch.tensor([99], dtype=torch.int64)
-    whole = param.clone()
-    adalomo_update_(whole, grad, {}, lr=1e-4, beta2=0.5, backend="torch",
-                    stochastic_rounding=True, seed=seed, seed_step=step_value)  # fmt: skip
-    sliced = param.clone().view(-1)
-    cut = param.numel() // 2 + 3
-    bounds = [(0, cut), (cut, param.numel())]
-    barrier, parts = threading.Barrier(2), [None, None]
+def run_two_ranks(work) -> None:
+    """Runs ``work(rank, all_reduce_sum_)`` for ranks 0 and 1 in two threads, the all-reduce
+    summing their tensors in place. An exception in either rank breaks the barrier (the
+    other's wait fails at once rather than hanging) and is raised here; a rank still waiting
+    after BARRIER_TIMEOUT_S fails too."""
+    barrier, parts, errors = threading.Barrier(2, timeout=BARRIER_TIMEOUT_S), [None, None], []
 
     def rank(r: int) -> None:
-        a, b = bounds[r]
-        shard = Shard(param=param, local=sliced[a:b], offset=a, full_shape=param.shape, group=None)
-
         def all_reduce_sum_(t: torch.Tensor) -> None:
             parts[r] = t.clone()
             barrier.wait()
@@ -81,21 +71,77 @@ def test_two_ranks_round_stochastically_as_the_whole_tensor(shape, dtype):
             barrier.wait()
             t.copy_(total)
 
-        step = SliceStep(
-            shard=shard, grad=grad.view(-1)[a:b].float(), state=init_slice_state(shard),
-            lr=torch.tensor([1e-4]), beta2=0.5, eps=(1e-30, 1e-3), clip_threshold=1.0,
-            weight_decay=0.0, transform=GradTransform(None, None, None),
-            rounding=Rounding(dtype, True, seed, step_value),
-        )  # fmt: skip
-        adalomo_slices_([step], torch.zeros(1), torch.zeros(1), all_reduce_sum_)
+        try:
+            work(r, all_reduce_sum_)
+        except BaseException as error:
+            errors.append(error)
+            barrier.abort()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=2 * BARRIER_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
+    # The first error that is not the other rank's broken barrier.
+    for error in sorted(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError)):
+        raise error
+
+
+def run_sliced(param, grad, dtype, stochastic: bool, seed, step_value) -> torch.Tensor:
+    """One AdaLomo step of `param` as two "ranks" each owning a flat slice cut mid-row;
+    returns the stepped flat tensor."""
+    sliced = param.clone().view(-1)
+    cut = param.numel() // 2 + 3
+    bounds = [(0, cut), (cut, param.numel())]
+
+    def work(r: int, all_reduce_sum_) -> None:
+        a, b = bounds[r]
+        shard = Shard(param=param, local=sliced[a:b], offset=a, full_shape=param.shape, group=None)
+        step = SliceStep(
+            shard=shard, grad=grad.view(-1)[a:b].float(), state=init_slice_state(shard),
+            lr=torch.tensor([1e-4]), beta2=0.5, eps=(1e-30, 1e-3), clip_threshold=1.0,
+            weight_decay=0.0, transform=GradTransform(None, None, None),
+            rounding=Rounding(dtype, stochastic, seed, step_value),
+        )  # fmt: skip
+        adalomo_slices_([step], torch.zeros(1), torch.zeros(1), all_reduce_sum_)
+
+    run_two_ranks(work)
+    return sliced
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(37, 1031), (4099,)], ids=["37x1031", "4099"])
+def test_two_ranks_round_stochastically_as_the_whole_tensor(shape, dtype):
+    """Two "ranks" (threads with a summing all-reduce) each own a flat slice cut mid-row:
+    with stochastic rounding every element draws the bits of its index in the whole tensor,
+    so the slices together equal one process's whole-tensor step wherever the two fp32
+    results agree (the same step on fp32 weights); where those differ (partial sums added in
+    another order), an element may land on the other neighbour: one spacing apart."""
+    param, grad = make_param(shape, dtype, seed=3), make_param(shape, dtype, seed=4) * 0.01
+    seed, step_value = 6, torch.tensor([99], dtype=torch.int64)
+    whole, whole32 = param.clone(), param.float()
+    for out, stochastic in ((whole, True), (whole32, False)):
+        options = dict(stochastic_rounding=stochastic, seed=seed, seed_step=step_value)
+        adalomo_update_(out, grad, {}, lr=1e-4, beta2=0.5, backend="torch", **options)
+    sliced = run_sliced(param, grad, dtype, True, seed, step_value)
+    sliced32 = run_sliced(param.float(), grad, torch.float32, False, seed, step_value)
     ours, ref = sliced.view(torch.int16).int(), whole.view(-1).view(torch.int16).int()
     differ = ours != ref
-    assert int(differ.sum()) <= ours.numel() // 1000
+    fp32_agree = sliced32.view(torch.int32) == whole32.view(-1).view(torch.int32)
+    assert not bool((differ & fp32_agree).any()), "other draws for one fp32 value"
     assert bool(((ours[differ] - ref[differ]).abs() == 1).all())
     assert (sliced != param.view(-1)).any()  # it stepped
+
+
+def test_a_failing_rank_fails_the_run_without_hanging():
+    """The thread ranks' harness: one rank's exception is raised, the other's wait at the
+    all-reduce breaks instead of waiting forever."""
+
+    def work(r: int, all_reduce_sum_) -> None:
+        if r == 1:
+            raise ZeroDivisionError("rank 1 failed")
+        all_reduce_sum_(torch.ones(1))
+
+    with pytest.raises(ZeroDivisionError, match="rank 1 failed"):
+        run_two_ranks(work)

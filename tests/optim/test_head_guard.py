@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from support.models import batch, clone, tiny_llama
 from support.optimizers import OPTIMIZERS
-from support.state import assert_unchanged_since, optimizer_snapshot
+from support.state import assert_step_moves, assert_unchanged_since, optimizer_snapshot
 
 import lomo_kernels
 from lomo_kernels import Lomo
@@ -98,26 +98,33 @@ def test_what_is_not_a_bypass_trains(name):
     loss); a wrapper that calls the patched forward under autocast, as accelerate's mixed
     precision does; the head read besides the fused loss (AdaLomo; a Lomo stepping the head
     from chunks refuses that second gradient: test_head_row_blocks); a head that is not
-    trained; an unpatched model."""
+    trained; an unpatched model. Each step updates every trained parameter."""
     model = lomo_kernels.patch_causal_lm(tiny_llama())
     opt = OPTIMIZERS[name](model, lr=0.05, clip_grad_norm=1.0)
     data = batch(0)
-    logits = model(input_ids=data["input_ids"]).logits
     targets = data["labels"][:, 1:].flatten()
-    opt.fused_backward(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets))
+
+    def own_logits_loss():
+        logits = model(input_ids=data["input_ids"]).logits
+        opt.fused_backward(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets))
+
+    assert_step_moves(model, own_logits_loss)
     patched = model.forward
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(patched)
-    opt.fused_backward(model(**batch(1)).loss)
+    assert_step_moves(model, lambda: opt.fused_backward(model(**batch(1)).loss))
     model.forward = patched
     if name == "adalomo":  # the whole gradient: a regularizer on the head adds to it
-        opt.fused_backward(model(**batch(1)).loss + model.lm_head.weight.square().sum())
+        regularized = model(**batch(1)).loss + model.lm_head.weight.square().sum()
+        assert_step_moves(model, lambda: opt.fused_backward(regularized))
     opt.detach()
     model.lm_head.weight.requires_grad_(False)
     frozen_head = OPTIMIZERS[name](model, lr=0.05)
-    frozen_head.fused_backward(own_loss(model, batch(2)))
+    frozen = ["lm_head.weight"]
+    assert_step_moves(model, lambda: frozen_head.fused_backward(own_loss(model, batch(2))), frozen)
     frozen_head.detach()
     plain = tiny_llama()
-    OPTIMIZERS[name](plain, lr=0.05).fused_backward(chunked_head_loss(plain, batch(3)))
+    plain_opt = OPTIMIZERS[name](plain, lr=0.05)
+    assert_step_moves(plain, lambda: plain_opt.fused_backward(chunked_head_loss(plain, batch(3))))
 
 
 def test_a_patched_copy_is_guarded_and_unpatching_ends_it():

@@ -1,27 +1,57 @@
-"""How stochastically rounded results fall between the two neighbours of their exact values."""
+"""How stochastically rounded results fall between the two neighbours of their exact values,
+the neighbours found in float64 from bit patterns (no rounding rule of the package's)."""
 
 from __future__ import annotations
 
 import torch
 
-from lomo_kernels.core.rounding import round_to_dtype
-
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the dtypes stochastic rounding serves
 
 
-def neighbour_counts(
-    out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype
-) -> tuple[float, float, float]:
-    """(ups, expected ups, variance) of rounding the fp32 `exact` to `out`, elementwise; fails
-    unless every element of `out` is one of the two neighbours of its `exact` value."""
-    lower = round_to_dtype(exact, dtype, torch.zeros(exact.shape, dtype=torch.int64))
-    lower64, exact64, out64 = lower.double(), exact.double(), out.double()
-    # The upper neighbour: the rounding with every random bit set, unless exact is on the grid.
-    upper = round_to_dtype(exact, dtype, torch.full(exact.shape, 65535, dtype=torch.int64))
-    upper64 = upper.double()
-    on_grid = upper64 == lower64
-    assert bool(((out64 == lower64) | (out64 == upper64)).all()), "not a neighbour"
-    spacing = torch.where(on_grid, torch.ones_like(exact64), upper64 - lower64)
-    frac = torch.where(on_grid, torch.zeros_like(exact64), (exact64 - lower64) / spacing)
-    ups = float((~on_grid & (out64 == upper64)).sum())
-    return ups, float(frac.sum()), float((frac * (1 - frac)).sum())
+def _from_bits16(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 values of the 16-bit patterns `bits` (int32 in [0, 65535]) of `dtype`."""
+    signed = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    return signed.view(dtype).double()
+
+
+def float64_neighbours(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(lower, upper): the values of `dtype` next to each fp32 `exact`, toward and away from
+    zero, in float64 (equal where `exact` is on the grid). Found by stepping the magnitude's
+    bit pattern of torch's nearest cast one up and one down: adjacent patterns are adjacent
+    values (subnormals included), and |exact| lies between the cast and one of them."""
+    bits = exact.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    sign, magnitude = bits & 0x8000, bits & 0x7FFF
+    at = _from_bits16(magnitude | sign, dtype)
+    below = _from_bits16((magnitude - 1).clamp_min(0) | sign, dtype)
+    above = _from_bits16((magnitude + 1) | sign, dtype)
+    x = exact.double().abs()
+    lower = torch.where(at.abs() <= x, at, below)
+    upper = torch.where(at.abs() >= x, at, above)
+    return lower, upper
+
+
+def assert_unbiased_neighbours(
+    out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, err: torch.Tensor | None = None
+) -> float:
+    """Every element of `out` (stochastically rounded to `dtype`) is a neighbour of its
+    exact value, and the number rounded away from zero is the sum of the fractions
+    ``(|x| - |lower|) / spacing`` within 5 standard deviations (Bernoulli variances); returns
+    that number. `exact`: the value the kernel rounded, or a float64 value the kernel's fp32
+    one is within `err` of (elementwise): then a neighbour of any value within `err`
+    counts, and each element may move the expected count by up to ``err / spacing``."""
+    x = exact.double().reshape(-1)
+    e = torch.zeros_like(x) if err is None else err.double().reshape(-1)
+    o = out.double().reshape(-1)
+    floor = torch.minimum(*float64_neighbours(x - e, dtype))
+    ceil = torch.maximum(*float64_neighbours(x + e, dtype))
+    off = (o < floor) | (o > ceil)
+    assert not bool(off.any()), f"not a neighbour at {off.nonzero().reshape(-1)[:8].tolist()}"
+    lower, upper = float64_neighbours(x, dtype)
+    on_grid = upper == lower
+    spacing = torch.where(on_grid, torch.ones_like(x), upper - lower).abs()
+    frac = torch.where(on_grid, torch.zeros_like(x), (x - lower).abs() / spacing)
+    ups = float((~on_grid & (o.abs() > x.abs())).sum())
+    expected, variance = float(frac.sum()), float((frac * (1 - frac)).sum())
+    slack = float((e / spacing).clamp(max=1).sum())
+    assert abs(ups - expected) <= 5 * variance**0.5 + slack, (ups, expected, variance, slack)
+    return ups

@@ -51,6 +51,15 @@ def unchanged(model: torch.nn.Module, snap: list[torch.Tensor]) -> bool:
     )
 
 
+def assert_step_moves(model, step, frozen=()) -> None:
+    """`step()` changes every trainable parameter of `model` but those named in `frozen`
+    (a refusal, or a step that skipped its update, would leave them all as they were)."""
+    before = dict(zip((n for n, _ in model.named_parameters()), snapshot(model), strict=True))
+    step()
+    moved = {n for n, p in model.named_parameters() if not same_bits([owned(p)], [before[n]])}
+    assert moved == set(before) - set(frozen), sorted(set(before) - set(frozen) - moved)
+
+
 def tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter and optimizer state tensor (moments, loss scale), cloned: what two
     runs that should end alike are compared by (a refusal: `optimizer_snapshot`)."""
@@ -144,13 +153,14 @@ def _accumulation(opt) -> dict[str, Any]:
 
 def optimizer_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Everything a refused call must leave as it was, copied: the parameters (this rank's
-    owned elements where sharded), `opt.state`, `state_dict()` (step count, loss scaler,
+    owned elements where sharded) and buffers, `opt.state`, `state_dict()` (step count, loss scaler,
     single-backward norm history, param groups), the step reports (`REPORTS`), the last
     step's outcome (`_outcome`), the loss scaler's tensors, the single-backward rule's
     running tensors (norm history, the step's sum and skip count) and the per-device
     scalars (overflow flags, sums, lr, clip coefficient)."""
     return {
         "parameters": snapshot(model),
+        "buffers": [b.detach().clone() for b in model.buffers()],
         "state": [_copied(dict(s)) for s in opt.state.values()],
         # state_dict() refuses while micro-batches are pending: the same content, read past
         # that refusal, and the accumulation itself.
