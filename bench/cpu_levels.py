@@ -171,43 +171,53 @@ def run(dtypes: list[str], sizes: list[int], reps: int) -> list[dict[str, Any]]:
     return results
 
 
+def _timed_lines(
+    where: str,
+    med: dict[str, float],
+    floor: str,
+    passes: int,
+    numel_bytes: int,
+    label: str = "",
+    variants: tuple[str, str] | None = None,
+) -> list[str]:
+    """One kernel's lines at one dtype and size: its cells (median / that of `floor`, which
+    moves `passes` x `numel_bytes` bytes), then, with `variants` (the round-to-nearest and
+    the stochastic keys' prefixes), the stochastic one's median over the nearest one's per
+    level where it was timed."""
+    cells = "  ".join(f"{k} {v / med[floor]:.3f}" for k, v in med.items() if k != floor)
+    gbps = passes * numel_bytes / med[floor] / 1e9
+    lines = [f"{where}{label}: {cells}  ({floor} {gbps:.1f} GB/s)"]
+    if variants is None:
+        return lines
+    nearest, stochastic = variants
+    level = len(stochastic)
+    ratios = [
+        f"{key[level:]} {v / med[nearest + key[level:]]:.3f}"
+        for key, v in med.items()
+        if key.startswith(stochastic)
+    ]
+    if ratios:
+        lines.append(f"{where}{label} sr/nearest: {'  '.join(ratios)}")
+    return lines
+
+
 def format_lines(results: list[dict[str, Any]]) -> str:
-    """Per dtype and size: the update line (/ axpy), the sr/nearest line, the sumsq line."""
+    """Per dtype and size: the update line (/ axpy), the sr/nearest line, the sumsq line, the
+    accumulate line (/ add_) and its sr/nearest line."""
     lines = [
         "cells: median thread CPU time / that of axpy (p.add_); sumsq lines: / that of "
-        "vector_norm; same size and dtype"
+        "vector_norm; accumulate lines: / that of add_ (b.add_(g)); same size and dtype"
     ]
     for r in results:
         where = f"{r['dtype']} {size_label(r['numel']):>4}"
-        med = r["update_s"]
-        cells = "  ".join(f"{k} {v / med['axpy']:.3f}" for k, v in med.items() if k != "axpy")
-        gbps = 3 * r["numel"] * r["element_size"] / med["axpy"] / 1e9
-        lines.append(f"{where}: {cells}  (axpy {gbps:.1f} GB/s)")
-        ratios = [
-            f"{key[2:]} {v / med['ours' + key[2:]]:.3f}"
-            for key, v in med.items()
-            if key.startswith("sr")
-        ]
-        if ratios:
-            lines.append(f"{where} sr/nearest: {'  '.join(ratios)}")
-        med = r["sumsq_s"]
-        floor = med["vector_norm"]
-        cells = "  ".join(f"{k} {v / floor:.3f}" for k, v in med.items() if k != "vector_norm")
-        gbps = r["numel"] * r["element_size"] / floor / 1e9
-        lines.append(f"{where} sumsq: {cells}  (vector_norm {gbps:.1f} GB/s)")
-        med = r.get("accumulate_s")
-        if med:
-            floor = med["add_"]
-            cells = "  ".join(f"{k} {v / floor:.3f}" for k, v in med.items() if k != "add_")
-            gbps = 3 * r["numel"] * r["element_size"] / floor / 1e9
-            lines.append(f"{where} accumulate: {cells}  (add_ {gbps:.1f} GB/s)")
-            ratios = [
-                f"{key[6:]} {v / med['acc' + key[6:]]:.3f}"
-                for key, v in med.items()
-                if key.startswith("acc_sr")
-            ]
-            if ratios:
-                lines.append(f"{where} accumulate sr/nearest: {'  '.join(ratios)}")
+        numel_bytes = r["numel"] * r["element_size"]
+        lines += _timed_lines(where, r["update_s"], "axpy", 3, numel_bytes, "", ("ours", "sr"))
+        lines += _timed_lines(where, r["sumsq_s"], "vector_norm", 1, numel_bytes, " sumsq")
+        if r.get("accumulate_s"):
+            accumulate, variants = r["accumulate_s"], ("acc", "acc_sr")
+            lines += _timed_lines(
+                where, accumulate, "add_", 3, numel_bytes, " accumulate", variants
+            )
     return "\n".join(lines)
 
 
