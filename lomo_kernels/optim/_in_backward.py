@@ -82,23 +82,6 @@ ACCUMULATION_COMPILED_ERROR = (
 )
 
 
-def _refuse_accumulation_setup(
-    steps: int, dtype: torch.dtype | None, single_backward: bool
-) -> None:
-    """Refuses, at construction, what accumulation does not combine with."""
-    if steps == 1 and dtype is not None:
-        raise ValueError(
-            "accumulation_dtype applies to the buffers of accumulation_steps > 1; with one "
-            "micro-batch per step there is no buffer: leave it out"
-        )
-    if steps > 1 and single_backward:
-        raise ValueError(
-            "single_backward=True with accumulation_steps > 1: the accumulated gradients' norm "
-            "is known once the last micro-batch's backward is done, so clipping is exact "
-            "with one backward per micro-batch already: leave single_backward out"
-        )
-
-
 class InBackwardOptions(TypedDict, total=False):
     """The keyword-only options Lomo and AdaLomo share (`InBackwardOptimizer`'s, with its
     defaults)."""
@@ -180,7 +163,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         parameter's dtype) and the step applied from them (accumulation.py)."""
         rounding = WriteBackRounding(stochastic_rounding, seed)
         accumulation_steps, accumulation_dtype = check_accumulation(
-            accumulation_steps, accumulation_dtype
+            accumulation_steps, accumulation_dtype, bool(single_backward)
         )
         defaults = checked_group(defaults)
         engine = model if is_deepspeed_engine(model) else None
@@ -194,7 +177,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             bucket_numel=bucket_numel,
             replicated=bool(replicated),
         )
-        _refuse_accumulation_setup(accumulation_steps, accumulation_dtype, bool(single_backward))
         super().__init__(build_param_groups(model, params, param_groups, defaults), defaults)
         self.model = model
         self.rounding = rounding
@@ -668,9 +650,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         accumulated since the last step (as torch's zero_grad drops accumulated gradients).
         The accumulation buffers are freed, or with ``set_to_none=False`` kept for the next
         step (they are reused from step to step otherwise)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        self._drop_gradients()
         if self._accumulation is not None:
             self._accumulation.release(free=set_to_none)
 
@@ -771,9 +751,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._scalars.for_device(device)
         self._loss_scaling.begin_step(self._scalars)
         self._accumulate_backends = {d: LOMO.resolve(d, self._backend_name) for d in devices}
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None  # a stale gradient would be summed into this micro-batch's
+        self._drop_gradients()  # a stale gradient would be summed into this micro-batch's
         return devices
 
     @torch.compiler.disable  # see _check_call
@@ -806,12 +784,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._opt_called = True  # lets lr schedulers know the step happened
 
     # -- the step's passes --------------------------------------------------------------
-    @torch.compiler.disable  # see _check_call
-    def _prepare_scalars(self) -> None:
+    def _drop_gradients(self) -> None:
+        """Sets every trained parameter's ``.grad`` to None."""
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.grad = None  # stale gradients would be summed into this step's
+                    p.grad = None
+
+    @torch.compiler.disable  # see _check_call
+    def _prepare_scalars(self) -> None:
+        self._drop_gradients()  # stale gradients would be summed into this step's
         self._scalars.begin_step(self.param_groups)
         self._loss_scaling.begin_step(self._scalars)
         self.rounding.begin_step(self.step_count, self._scalars)

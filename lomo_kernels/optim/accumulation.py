@@ -44,8 +44,11 @@ def micro_batch_value(seed: int, step_count: int, micro_batch: int) -> int:
     return mix32_int(mixed) & 0x7FFFFFFF
 
 
-def check_accumulation(steps: object, dtype: object) -> tuple[int, torch.dtype | None]:
-    """The constructor's `accumulation_steps` and `accumulation_dtype`, checked."""
+def check_accumulation(
+    steps: object, dtype: object, single_backward: bool
+) -> tuple[int, torch.dtype | None]:
+    """The constructor's `accumulation_steps` and `accumulation_dtype`, checked, with what
+    accumulation does not combine with refused."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(
             f"accumulation_steps must be an int >= 1 (micro-batches per step), got {steps!r}"
@@ -54,6 +57,17 @@ def check_accumulation(steps: object, dtype: object) -> tuple[int, torch.dtype |
         raise ValueError(
             "accumulation_dtype must be None (the parameter's dtype), torch.float32, "
             f"torch.bfloat16 or torch.float16, got {dtype!r}"
+        )
+    if steps == 1 and dtype is not None:
+        raise ValueError(
+            "accumulation_dtype applies to the buffers of accumulation_steps > 1; with one "
+            "micro-batch per step there is no buffer: leave it out"
+        )
+    if steps > 1 and single_backward:
+        raise ValueError(
+            "single_backward=True with accumulation_steps > 1: the accumulated gradients' norm "
+            "is known once the last micro-batch's backward is done, so clipping is exact "
+            "with one backward per micro-batch already: leave single_backward out"
         )
     return steps, dtype
 
