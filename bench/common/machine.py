@@ -39,6 +39,7 @@ def describe(device: str = "cpu") -> dict[str, Any]:
         "device": device,
         "cpu": cpu_model(),
         "cpu_isa": vector_isa(),
+        "bf16_matmul_native": native_bf16_matmul("cpu"),
         "cpu_cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -64,12 +65,19 @@ def one_line(info: dict[str, Any]) -> str:
         f"GPU {info['gpu']} ({info['gpu_memory_gib']} GiB), CUDA {info['cuda']}"
         if "gpu" in info
         else f"CPU {info['cpu']} ({info.get('cpu_isa', '?')}), {info['cpu_cores']} cores, "
-        f"{info['threads']} threads"
+        f"{info['threads']} threads, bf16 matmul {_bf16_matmul(info)}"
     )
     return (
         f"{where}; torch {info['torch']}, triton {info['triton']}, python {info['python']}; "
         f"{info['date']}"
     )
+
+
+def _bf16_matmul(info: dict[str, Any]) -> str:
+    """How torch runs bf16 matmuls here: the CPU's flags may offer AVX-512 BF16 while a cap
+    (ONEDNN_MAX_CPU_ISA) or the CPU itself leaves torch its generic fallback."""
+    native = info.get("bf16_matmul_native")
+    return "?" if native is None else ("native" if native else "emulated")
 
 
 def print_results(meta: dict[str, Any], table: str, json_path: str | None, **results: Any) -> None:

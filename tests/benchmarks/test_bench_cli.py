@@ -296,3 +296,15 @@ def test_demo_says_how_bf16_weights_compute(monkeypatch, native, note):
 
     monkeypatch.setattr(machine, "native_bf16_matmul", lambda device="cpu": native)
     assert note in demo.banner(build_parser("demo").parse_args([]))
+
+
+def test_the_machine_line_says_how_bf16_matmuls_run(monkeypatch) -> None:
+    """A cap (ONEDNN_MAX_CPU_ISA=AVX2) leaves the CPU's flags offering AVX-512 BF16 while torch
+    runs bf16 matmuls through its fallback: the header says what torch does, not the flags."""
+    from bench.common import machine
+
+    for native, said in ((True, "bf16 matmul native"), (False, "bf16 matmul emulated")):
+        monkeypatch.setattr(machine, "native_bf16_matmul", lambda device="cpu", n=native: n)
+        info = machine.describe("cpu")
+        assert info["bf16_matmul_native"] is native
+        assert said in machine.one_line(info)
