@@ -30,7 +30,7 @@ from lomo_kernels import AdaLomo, Lomo
 from lomo_kernels.ops import fused_lomo_update_
 from lomo_kernels.ops.backends import BACKEND_NAMES, resolve
 from lomo_kernels.ops.lomo import LOMO_UPDATE, lomo_update_op
-from lomo_kernels.optim._in_backward import TensorStep
+from lomo_kernels.optim.piece import Piece
 
 from .common import machine
 from .common.argtypes import (
@@ -55,7 +55,7 @@ def per_tensor(cls: type, param: torch.Tensor, backend: str) -> Callable[[], Non
     index, group = optimizer._groups.of(weight)
     scalars = optimizer._scalars.for_device(weight.device)
     grad = torch.randn_like(weight)
-    step = TensorStep(weight, grad, index, group, scalars, scalars.update_found_inf)
+    step = Piece(weight, grad, index, group, scalars, scalars.update_found_inf)
     return lambda: optimizer._update(step)
 
 

@@ -14,10 +14,10 @@ is off by 1-40% after one step, with no error (eager autograd would have raised,
 tensor was modified in place).
 
 `install` wraps four of compiled autograd's capture steps, before the first backward of ours
-that compiled autograd runs (`check_supported` calls it; the optimizers register which
-tensors they update with `register_updated_in_backward`). Each acts only on a backward
-whose inputs include a parameter that one of this package's optimizers updates in its hooks
-("ours"); any other backward, and any other hook in ours, gets torch's own code unchanged:
+that compiled autograd runs (`check_supported` calls it). Each acts only on a backward whose
+inputs include a parameter that one of this package's optimizers updates in its hooks
+("ours", by their record `core/ownership.py`); any other backward, and any other hook in
+ours, gets torch's own code unchanged:
 - `begin_capture` notes which graph inputs are ours and which share storage (a weight and
   its saved copy);
 - `reorder_accumulate_grad_nodes` leaves the AccumulateGrad nodes that carry
@@ -57,7 +57,7 @@ The embedding op itself is `lomo_kernels.ops.embedding`.
 """
 
 from .eager_forward import EAGER_FORWARD_MESSAGE, is_aliased_input_failure
-from .scope import install, register_updated_in_backward
+from .scope import install
 from .version_gate import (
     TESTED_TORCH_VERSIONS,
     check_supported,
@@ -72,6 +72,5 @@ __all__ = [
     "compiled_autograd_active",
     "install",
     "is_aliased_input_failure",
-    "register_updated_in_backward",
     "torch_version_tested",
 ]

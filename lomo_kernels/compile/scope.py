@@ -1,22 +1,21 @@
 """`install`: compiled autograd's capture steps adjusted for backwards holding our hooks.
 
-Nothing is patched until compiled autograd first runs a backward of ours: the optimizers
-register which tensors they update (`register_updated_in_backward`), and `check_supported`
+Nothing is patched until compiled autograd first runs a backward of ours: `check_supported`
 calls `install` before such a backward starts. Each patched step checks whether the backward
 being captured has a parameter that one of this package's optimizers updates in its hooks
-("ours"); any other backward, and any other hook in ours, runs torch's own code unchanged
-(the package docstring lists the steps).
+("ours", by their record of them: `core/ownership.py`); any other backward, and any other
+hook in ours, runs torch's own code unchanged (the package docstring lists the steps).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..core import torch_internals
+from ..core.ownership import updated_in_backward
 from . import realize_reads
 from .aot_cache import patch_backward_loading
 from .embedding_backward import use_eager_embedding_backward
@@ -25,9 +24,6 @@ from .ordering import hooked_params, input_index, move_updates_after_last_read, 
 
 _HIDDEN = object()  # stand-in target that hides a node from the reordering pass
 
-# Per tensor: whether this package's optimizers update it in their hooks (each optimizer
-# layer registers its own test).
-_updated_in_backward: list[Callable[[Any], bool]] = []
 _installed: bool | None = None  # None: not tried yet
 _missing: str = ""  # the name this torch lacks, when the capture could not be adjusted
 # Whether the capture under way is of a backward that holds our hooks (read by the loader
@@ -39,25 +35,10 @@ _capturing_ours = False
 _ours_viewed_by_non_leaves = False
 
 
-def register_updated_in_backward(owned: Callable[[Any], bool]) -> None:
-    """Registers `owned` (tensor -> whether an optimizer's hooks update it in backward): the
-    capture of a backward holding such a tensor is adjusted once `install` has run, which
-    `check_supported` does before the first backward under compiled autograd."""
-    if owned not in _updated_in_backward:
-        _updated_in_backward.append(owned)
-
-
-def _owned(t: Any) -> bool:
-    return any(owned(t) for owned in _updated_in_backward)
-
-
-def install(owned: Callable[[Any], bool] | None = None) -> bool:
-    """Adjusts compiled autograd's capture of backwards holding parameters that a registered
-    test (and `owned`, if given) says our hooks update, once; False if this torch lacks
-    what that needs (`missing` says what)."""
+def install() -> bool:
+    """Adjusts compiled autograd's capture of backwards holding parameters that our hooks
+    update, once; False if this torch lacks what that needs (`missing` says what)."""
     global _installed
-    if owned is not None:
-        register_updated_in_backward(owned)
     if _installed is None:
         _installed = _patch_passes()
     return _installed
@@ -86,7 +67,7 @@ def captured_views_of_ours() -> bool:
 
 def _our_inputs(inputs: list[Any]) -> set[int]:
     """Indices of the capture's inputs that are parameters our hooks update."""
-    return {i for i, t in enumerate(inputs) if _owned(t)}
+    return {i for i, t in enumerate(inputs) if updated_in_backward(t)}
 
 
 def _non_leaf_views(inputs: list[Any], ours: set[int], storages: list[int | None]) -> bool:

@@ -1,5 +1,5 @@
 """A walk of a loss's autograd graph before its backward runs: what the optimizers'
-refusals read (`optim.validation.GraphFacts`, `optim.head_guard`) and how the
+refusals read (`optim.loss_graph`) and how the
 donated-buffer check finds compiled nodes (`torch_internals`)."""
 
 from __future__ import annotations

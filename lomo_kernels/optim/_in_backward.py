@@ -3,9 +3,11 @@
 Each trainable parameter gets one post-accumulate-grad hook (`hooks.py`). During
 `fused_backward` the hook updates that parameter with a fused op and frees its gradient;
 during `grad_norm` it only accumulates the gradient's squared norm and inf/nan flag on the
-device. Which pass runs and how the update pass treats a gradient is the step mode
-(`step_mode.py`). Flags, norms, clip coefficients, the loss scale and the learning rate stay
-in device tensors (`device_scalars.py`), so backward never waits for the host.
+device. The step in progress is one object (`step.py`): its plan, decided once as it starts
+(update; norm, then update; single backward; accumulate), the pass that runs, the flags the
+hooks read and what the pass has seen. Flags, norms, clip coefficients, the loss scale and
+the learning rate stay in device tensors (`device_scalars.py`), so backward never waits for
+the host.
 
 The other jobs are parts of the optimizer, each with its own state: the checks before any
 change (`validation.py`, `_hyper.py`), what the hooks read of the param groups
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from .. import compile as _compiled_autograd
 from .. import ops
 from ..checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
+from ..core.ownership import Claim, refuse_claimed
 from ..core.scalars import copied_to
 from ..core.torch_internals import compiled_backward_donates_buffers
 from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
@@ -38,17 +40,19 @@ from ._hyper import check_lr, checked_group
 from .accumulation import AccumulatedRows, Accumulation, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
-from .head_guard import refuse_bypassed_head
-from .hooks import attach_hooks, check_unowned, updated_in_backward
+from .head_guard import refuse_bypassed_head, trained_heads
+from .hooks import attach_hooks
+from .loss_graph import read_loss_graph
 from .loss_scaling import LossScaling
 from .param_groups import GroupHyperParameter, HookGroups, build_param_groups
 from .parameter_state import ParameterState
+from .piece import Piece, PieceBatch
 from .reporting import Reported, StepReports
 from .rounding import WriteBackRounding
-from .row_blocks import RowBlocks, RowBlockStep, UpdateRows
-from .sharded_steps import ShardedSteps, SliceBatch
+from .row_blocks import RowBlocks, RowBlockStep
+from .sharded_steps import ShardedSteps
 from .single_backward import SingleBackwardClip
-from .step_mode import Phase, StepMode
+from .step import Phase, Plan, Step
 from .validation import (
     ParameterLayout,
     check_loss,
@@ -97,36 +101,20 @@ class InBackwardOptions(TypedDict, total=False):
     accumulation_dtype: torch.dtype | None
 
 
-@dataclass
-class TensorStep:
-    """One parameter's update in the pass in progress, as the hook hands it to `_update`."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    group_index: int  # the lr is the device tensor scalars.lr[group_index]
-    group: dict[str, Any]  # the param group's hyper-parameters without "params" and "lr"
-    scalars: DeviceScalars  # those of the parameter's device
-    # Non-zero: nothing is written. None: the update measures the gradient itself and calls
-    # on_grad_sumsq with its [sum of squares, non-finite flag] before reading
-    # scalars.clip_coef, skipping a non-finite gradient itself (`_update_measures`).
-    skip_if: torch.Tensor | None
-    on_grad_sumsq: Callable[[torch.Tensor], None] | None = None
-
-
 class InBackwardOptimizer(torch.optim.Optimizer):
-    """Base of Lomo/AdaLomo. Subclasses implement `_update` (one parameter),
-    `_update_shards` (sharded slices) and `_prepare_update_arguments` (once per step), and
-    say what they keep per parameter (`_PARAMETER_STATE`); an elementwise update also
-    implements `update_rows` (`row_blocks.py`).
+    """Base of Lomo/AdaLomo. Subclasses implement `_update` (one `Piece`: a whole tensor, or
+    any piece where `elementwise`), `_prepare_update_arguments` (once per step) and, where
+    not elementwise, `_update_shards` (a batch of this rank's slices), and say what they keep
+    per parameter (`_PARAMETER_STATE`).
 
     The hooks stay until `detach()`, the end of a ``with`` block, or the optimizer's
     collection; then the model trains with plain backward and any other optimizer.
     """
 
     _PARAMETER_STATE: ClassVar[ParameterState]
-    # Steps rows [start, stop) of a parameter exactly as its whole step would; None where
-    # the update is not elementwise (no row blocks then).
-    update_rows: UpdateRows | None = None
+    # Whether the update is elementwise: any piece of a parameter (a block of rows, a slice)
+    # is then stepped on its own exactly as the whole tensor's step steps it.
+    elementwise: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -169,7 +157,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         engine = model if is_deepspeed_engine(model) else None
         model = unwrap_engine(model)
         params = trainable_parameters(model)
-        check_unowned(params, parameter_names(model), type(self).__name__)
+        refuse_claimed(params, parameter_names(model), type(self).__name__)
         sharding = sharding_for(
             params,
             parameter_names(model),
@@ -184,9 +172,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._backend_name = requested_backend(backend)  # validated once, not per call
         hooked = [p for g in self.param_groups for p in g["params"]]
         self._loss_scaling = loss_scaling(hooked[0].device)
-        self._mode = StepMode()
+        self._step = Step()
         self._scalars = DeviceScalarTable()
-        self._groups = HookGroups(self.param_groups, params, defaults)
+        # The one record of the parameters this optimizer updates and their index (norm
+        # slots, rounding seeds), held once the hooks attach.
+        self._claim = Claim(self, params)
+        self._groups = HookGroups(self.param_groups, self._claim.index_of, defaults)
         self._reports = StepReports(
             functools.partial(parameter_names, model), len(params), self._loss_scaling.scaler
         )
@@ -198,13 +189,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._sharded = (
             None
             if sharding is None
-            else ShardedSteps(sharding, self._mode, self._single_backward_clip, backend)
+            else ShardedSteps(sharding, self._step, self._single_backward_clip, backend)
         )
         self._row_blocks = RowBlocks(
             model,
-            self._mode,
+            self._step,
             rounding,
-            steps_rows=self.update_rows is not None,
+            steps_rows=self.elementwise,
             sharded=sharding is not None,
             clip=self._single_backward_clip,
             backend=backend,
@@ -213,7 +204,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._PARAMETER_STATE,
             model,
             self._reports,
-            self._mode,
+            self._step,
             self._loss_scaling,
             self._single_backward_clip,
             sharding,
@@ -228,9 +219,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if initial is not None:
             for p in params:
                 self.state[p] = initial(p, None if sharding is None else sharding.shard(p))
-        # Keeps in-backward updates correct under compiled autograd (from its first backward).
-        _compiled_autograd.register_updated_in_backward(updated_in_backward)
-        self._release_hooks = attach_hooks(self, hooked)  # last (see above)
+        # Last (see above).
+        self._release_hooks = attach_hooks(self, self._claim, hooked, parameter_names(model))
         self._engine = engine
         if engine is not None:  # DeepSpeed's own need a ZeRO optimizer (checkpoint/)
             serve_engine_checkpoints(engine, self)
@@ -296,13 +286,63 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return self._release_hooks.alive
 
     # -- what subclasses define ---------------------------------------------------------
-    def _update(self, step: TensorStep) -> None:
-        """Applies the step to one parameter (see `TensorStep`)."""
+    def _update(self, piece: Piece) -> None:
+        """Applies the step to one piece of a parameter (see `Piece`)."""
         raise NotImplementedError
 
-    def _update_shards(self, batch: SliceBatch) -> None:
-        """Applies the step to this rank's slices in `batch`, given their reduced gradients."""
-        raise NotImplementedError
+    def _update_shards(self, batch: PieceBatch) -> None:
+        """Applies the step to this rank's slices in `batch`, given their reduced gradients:
+        each on its own where the update is elementwise."""
+        if not self.elementwise:
+            raise NotImplementedError
+        for piece in batch.pieces:
+            if piece.written.numel():
+                self._update(piece)
+
+    def update_rows(
+        self,
+        param: torch.Tensor,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        skip_if: torch.Tensor,
+    ) -> None:
+        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad` exactly as
+        the whole tensor's step would (an elementwise update; `row_blocks.py`)."""
+        width = param.numel() // param.shape[0]
+        scalars = self._scalars.for_device(param.device)
+        self._update(
+            self._piece(
+                param, grad, scalars, skip_if, target=param[start:stop], offset=start * width
+            )
+        )
+
+    def _piece(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        scalars: DeviceScalars,
+        skip_if: torch.Tensor | None,
+        **where: Any,
+    ) -> Piece:
+        """`param`'s piece with gradient `grad`, in its group (`where`: `Piece`'s optional
+        fields)."""
+        index, group = self._groups.of(param)
+        return Piece(param, grad, index, group, scalars, skip_if, **where)
+
+    def _slice_piece(
+        self,
+        shard: Any,
+        grad: torch.Tensor,
+        scalars: DeviceScalars,
+        skip_if: torch.Tensor,
+        clip_coef: torch.Tensor | None = None,
+    ) -> Piece:
+        """This rank's slice `shard` of a parameter as a piece, with its reduced `grad`."""
+        return self._piece(
+            shard.param, grad, scalars, skip_if,
+            target=shard.local, offset=shard.offset, clip_coef=clip_coef, shard=shard,
+        )  # fmt: skip
 
     def _prepare_update_arguments(self) -> None:
         """Once per step, after the device scalars are set: what every update call of the
@@ -311,8 +351,20 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """single_backward: whether `_update` measures this gradient's sum of squares and
-        non-finite flag itself (`TensorStep.on_grad_sumsq`)."""
+        non-finite flag itself (`Piece.on_grad_sumsq`)."""
         return False
+
+    def _update_plan(self) -> Plan:
+        """The plan of the step `fused_backward` starts (step.py), decided once: a norm pass
+        measured (or to measure) first where clipping by norm or fp16 needs one, unless the
+        update pass measures as it goes (single_backward)."""
+        if self._step.norm_ready:
+            return Plan.NORM_THEN_UPDATE
+        if not self._needs_detection_pass():
+            return Plan.UPDATE
+        if self._single_backward_clip is not None:
+            return Plan.SINGLE_BACKWARD
+        return Plan.NORM_THEN_UPDATE
 
     def _needs_detection_pass(self) -> bool:
         """Whether an inf/nan check must precede the update: clipping by the global norm,
@@ -328,7 +380,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
         param.grad = None  # the gradient is dropped as soon as it has been used
-        if self._mode.phase is Phase.IDLE:
+        if self._step.phase is Phase.IDLE:
             raise RuntimeError(plain_backward_error())
         if grad is None:
             return
@@ -340,17 +392,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             for ready in self._sharded.sharding.grad_ready(param, grad):
                 self._step_slices(ready)
             return
-        if self._mode.phase is Phase.ACCUMULATE:
+        if self._step.phase is Phase.ACCUMULATE:
             self._accumulate(param, grad)
             return
         scalars = self._scalars.for_device(param.device)
-        if self._mode.phase is Phase.NORM:
+        if self._step.phase is Phase.NORM:
             self._accumulate_norm(param, grad, scalars)
             return
-        self._reports.note_updated(param)
+        self._step.note_updated(param)
         on_grad_sumsq = None
-        if not self._mode.single_backward:
-            skip_if = scalars.skip_flag(self._mode.norm_ready)
+        if not self._step.single_backward:
+            skip_if = scalars.skip_flag(self._step.norm_ready)
         elif self._update_measures(param, grad):
             # Measured by the update's own first pass, the coefficient written into
             # scalars.clip_coef before the update reads it; a non-finite gradient skips the
@@ -363,29 +415,41 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             skip_if = self._single_backward_clip.prepare(
                 grad, self._inv_scale_for(param.device), self.backend, scalars.clip_coef
             )
-        index, group = self._groups.of(param)
-        self._update(TensorStep(param, grad, index, group, scalars, skip_if, on_grad_sumsq))
+        self._update(self._piece(param, grad, scalars, skip_if, on_grad_sumsq=on_grad_sumsq))
 
     def _step_slices(self, ready: ShardGrads) -> None:
         """One batch of this rank's slices with their reduced gradients: measure or update."""
         if not ready:
             return
-        if self._mode.phase is Phase.ACCUMULATE:
+        if self._step.phase is Phase.ACCUMULATE:
             for shard, grad in ready:
                 self._accumulate(shard.param, grad, shard)
             return
         scalars = self._scalars.for_device(ready[0][1].device)
-        if self._mode.phase is Phase.NORM:
+        if self._step.phase is Phase.NORM:
             for shard, grad in ready:
                 self._accumulate_norm(shard.param, grad, scalars)
             return
         for shard, _ in ready:
-            self._reports.note_updated(shard.param)
-        if self._mode.single_backward:
+            self._step.note_updated(shard.param)
+        if self._step.single_backward:
             inv_scale = self._inv_scale_for(scalars.device)
-            batch = self._sharded.single_backward_batch(ready, scalars, inv_scale)
+            coefs, skips = self._sharded.single_backward_flags(ready, inv_scale)
+            pieces = [
+                self._slice_piece(
+                    shard,
+                    grad,
+                    scalars,
+                    skips[i : i + 1],
+                    None if coefs is None else coefs[i : i + 1],
+                )  # fmt: skip
+                for i, (shard, grad) in enumerate(ready)
+            ]
+            batch = PieceBatch(pieces, scalars, scalars.no_skip)
         else:
-            batch = SliceBatch(ready, scalars, scalars.skip_flag(self._mode.norm_ready))
+            skip_if = scalars.skip_flag(self._step.norm_ready)
+            pieces = [self._slice_piece(shard, grad, scalars, skip_if) for shard, grad in ready]
+            batch = PieceBatch(pieces, scalars, skip_if)
         self._update_shards(batch)
 
     def _accumulate(self, param: torch.Tensor, grad: torch.Tensor, shard: Any = None) -> None:
@@ -424,7 +488,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
         the whole gradient (row_blocks.py says when). Refuses a second contribution to a
         parameter already stepped from blocks in this pass."""
-        if self._mode.phase is Phase.ACCUMULATE:
+        if self._step.phase is Phase.ACCUMULATE:
             if not self._row_blocks.accumulates(param):
                 return None  # the whole gradient goes into the parameter's buffer
             return AccumulatedRows(
@@ -436,8 +500,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             )
         if not self._row_blocks.take(param):
             return None
-        if self._mode.phase is Phase.UPDATE:
-            self._reports.note_updated(param)
+        if self._step.phase is Phase.UPDATE:
+            self._step.note_updated(param)
         _, group = self._groups.of(param)
         return RowBlockStep(
             self._row_blocks,
@@ -459,7 +523,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """
         if self._accumulation is not None:
             raise RuntimeError(GRAD_NORM_WITH_ACCUMULATION_ERROR)
-        self._refuse_bypassed_head(loss)
+        self._step.begin(Plan.NORM_THEN_UPDATE)
+        self._read_graph(loss, whole=False)
         # A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
         # pass after an overflow and tries again): its overflow counts anew.
         self._loss_scaling.begin_attempt()
@@ -496,7 +561,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None
         found = self._share_norm(total_sumsq, found, param_sumsq)
         self._loss_scaling.after_norm_pass(found)
-        self._mode.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
+        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
         return self._reports.last_grad_norm
 
     def _share_norm(
@@ -524,10 +589,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
-        self._mode.keep_norm_only_for(
+        self._step.keep_norm_only_for(
             loss, self._groups.max_norm, same_batch=self._one_loss_per_pass
         )
-        if not self._mode.norm_ready:
+        if not self._step.norm_ready:
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -547,44 +612,45 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._one_loss_per_pass:
             self._sharded.check_pattern(loss, self._needs_detection_pass())
         self._keep_norm_only_for(loss)
-        if not self._mode.norm_ready:  # else grad_norm(loss) checked this loss
-            self._refuse_bypassed_head(loss)
-        single = (
-            self._single_backward_clip is not None
-            and not self._mode.norm_ready
-            and self._needs_detection_pass()
-        )
-        if not self._mode.norm_ready and self._needs_detection_pass() and not single:
+        plan = self._update_plan()
+        self._step.begin(plan)
+        measured = self._step.norm_ready  # by grad_norm(loss), which read this loss's graph
+        if not measured:
+            # The whole graph where no norm pass would meet such a gradient first.
+            self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
+        if plan is Plan.NORM_THEN_UPDATE and not measured:
             self._norm_pass(loss)  # same attempt as a grad_norm of another loss
         else:
             self._reports.report_previous_step()
             self._prepare_scalars()
-        if not self._mode.norm_ready:
-            self._refuse_graph(loss)  # no norm pass would meet such a gradient first
+        single = plan is Plan.SINGLE_BACKWARD
         if single:
             self._single_backward_clip.max_norm = self._groups.max_norm
             self._single_backward_clip.begin_step()
-        self._mode.begin_update(single)
+        self._step.begin_update(single)
         try:
             self._run_backward(loss, Phase.UPDATE, retain_graph=False)
         finally:
-            detection = self._mode.end_update()
+            detection = self._step.end_update()
         self._finish_step(detection, single)
 
     @torch.compiler.disable  # see _check_call
-    def _refuse_graph(self, loss: torch.Tensor) -> None:
-        def stepped_from_blocks(param: torch.Tensor) -> bool:
-            return id(param) in self._groups.group_of and self._row_blocks.eligible(param)
+    def _read_graph(self, loss: torch.Tensor, whole: bool, blocks: bool = True) -> None:
+        """Reads `loss`'s autograd graph once (`loss_graph.py`) and refuses, before anything
+        changes, a patched model's head bypassed (`head_guard.py`) and, with `whole` (a pass
+        no norm pass precedes), a gradient the step cannot take (`validation.refuse_graph`;
+        `blocks`: whether this pass steps parameters from row blocks at all)."""
+        if not isinstance(loss, torch.Tensor):
+            return
+        heads = trained_heads(self._claim.updates, self.model)
+        graph = read_loss_graph(loss, whole, heads)
+        refuse_bypassed_head(graph, heads)
+        if whole:
 
-        refuse_graph(loss, stepped_from_blocks, self.model)
+            def stepped_from_blocks(param: torch.Tensor) -> bool:
+                return blocks and self._claim.updates(param) and self._row_blocks.eligible(param)
 
-    @torch.compiler.disable  # see _check_call
-    def _refuse_bypassed_head(self, loss: torch.Tensor) -> None:
-        """Refuses a loss that reads a patched model's trained head weight other than through
-        the fused loss (`head_guard.py`), before anything changes."""
-        if isinstance(loss, torch.Tensor):
-            group_of = self._groups.group_of
-            refuse_bypassed_head(loss, lambda p: id(p) in group_of, self.model)
+            refuse_graph(graph, stepped_from_blocks, self.model)
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only
@@ -703,9 +769,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._check_call(loss, lr)
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             raise RuntimeError(ACCUMULATION_COMPILED_ERROR)
-        self._refuse_bypassed_head(loss)
-        # The whole gradients go to the buffers: only a sparse gradient is refused here.
-        refuse_graph(loss, lambda param: False, self.model)
+        self._step.begin(Plan.ACCUMULATE)
+        # The whole gradients go to the buffers: only a sparse gradient is refused there.
+        self._read_graph(loss, whole=True, blocks=False)
         devices = self._prepare_micro_batch()
         last = accumulation.pending + 1 == accumulation.steps
         accumulation.begin_micro_batch(self.step_count, devices, measuring=last)
@@ -724,22 +790,22 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._apply_accumulated()
 
     def _update_from_buffers(self, buffered: list[tuple[Any, torch.Tensor, Any]]) -> None:
-        """Every buffered parameter (or this rank's slice of it) updated from its buffer,
-        skipped whole on the step's overflow flag (`norm_found_inf`, shared above)."""
+        """Every buffered parameter (or this rank's slice of it) updated from its buffer as
+        a piece, skipped whole on the step's overflow flag (`norm_found_inf`, shared above)."""
         if self._sharded is None:
             for param, buffer, _ in buffered:
                 scalars = self._scalars.for_device(param.device)
-                index, group = self._groups.of(param)
-                self._reports.note_updated(param)
-                step = TensorStep(param, buffer, index, group, scalars, scalars.norm_found_inf)
-                self._update(step)
+                self._step.note_updated(param)
+                self._update(self._piece(param, buffer, scalars, scalars.norm_found_inf))
             return
         if buffered:  # one batch: the same parameters in the same order on every rank
             scalars = self._scalars.for_device(buffered[0][1].device)
-            for param, _, _ in buffered:
-                self._reports.note_updated(param)
-            entries = [(shard, buffer) for _, buffer, shard in buffered]
-            self._update_shards(SliceBatch(entries, scalars, scalars.norm_found_inf))
+            skip_if = scalars.norm_found_inf
+            pieces = []
+            for param, buffer, shard in buffered:
+                self._step.note_updated(param)
+                pieces.append(self._slice_piece(shard, buffer, scalars, skip_if))
+            self._update_shards(PieceBatch(pieces, scalars, skip_if))
         self._sharded.sharding.after_update()
 
     @torch.compiler.disable  # see _check_call
@@ -770,14 +836,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             for other in measured[1:]:
                 both += copied_to(other, both.device)
             found = self._share_norm(both[0:1], both[1:2], None)
-            self._reports.forget_updated()
+            self._step.begin_pass(Phase.UPDATE)  # the update pass, from the buffers
             self._update_from_buffers(accumulation.buffered())
         except BaseException as error:
-            self._reports.record_interruption(error, True)
+            self._reports.record_interruption(error, True, self._step.updated)
             raise
         finally:
             accumulation.release()
-            self._reports.forget_updated()
+            self._step.end_pass()
         # One scale served every micro-batch: it changes once, by the step's outcome.
         self._loss_scaling.after_step(found, detection=False)
         self._reports.step_done(found, atomic=True, single_backward=False)
@@ -802,9 +868,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _run_backward(self, loss: torch.Tensor, phase: Phase, retain_graph: bool) -> None:
         with torch.enable_grad():  # the scaled loss needs a graph under torch.no_grad() too
             loss = self._loss_scaling.scaled(loss)
-        self._mode.begin_pass(phase)
-        self._reports.forget_updated()
-        self._row_blocks.begin_pass()
+        self._step.begin_pass(phase)
         tracked = not _compiled_autograd.compiled_autograd_active()
         sharding = None if self._sharded is None else self._sharded.sharding
         try:
@@ -827,8 +891,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
                 ) from error
             if phase is Phase.UPDATE:
-                self._reports.record_interruption(error, tracked)
+                self._reports.record_interruption(error, tracked, self._step.updated)
             raise
         finally:
-            self._mode.end_pass()
-            self._reports.forget_updated()
+            self._step.end_pass()

@@ -22,13 +22,13 @@ from ..ops.adalomo.reference import GradTransform
 from ..ops.adalomo.workspace import workspace_numel
 from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
-from ._in_backward import InBackwardOptimizer, TensorStep
+from ._in_backward import InBackwardOptimizer
 from .adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 from .given_parameters import model_and_groups
 from .loss_scaling import LossScaling, StaticLossScale
 from .param_groups import GroupHyperParameter
 from .parameter_state import ParameterState, State, non_finite
-from .sharded_steps import SliceBatch
+from .piece import Piece, PieceBatch
 from .validation import computes_in_fp16, parameter_names, trainable_parameters
 
 if TYPE_CHECKING:
@@ -230,7 +230,9 @@ class AdaLomo(InBackwardOptimizer):
         # separate read), and a non-finite gradient skips the tensor through its SKIP slot.
         return param.dim() >= 2 and grad.numel() > 0
 
-    def _update(self, step: TensorStep) -> None:
+    def _update(self, piece: Piece) -> None:
+        # A whole tensor: the factored statistics span the matrix (slices: _update_shards).
+        step = piece
         param, group, scalars = step.param, step.group, step.scalars
         if torch.compiler.is_compiling():
             # Traced: the public function as it is, nothing read from host-side caches.
@@ -292,17 +294,18 @@ class AdaLomo(InBackwardOptimizer):
             self._workspaces[key] = workspace
         return workspace.zero_()
 
-    def _update_shards(self, batch: SliceBatch) -> None:
+    def _update_shards(self, batch: PieceBatch) -> None:
         # Row/column statistics span ranks: the whole batch is stepped together, with two
         # small all-reduces (see adalomo_slices.py).
         t = self.step_count + 1
         steps = []
-        for i, (shard, grad) in enumerate(batch.entries):
-            index, group = self._groups.of(shard.param)
+        for piece in batch.pieces:
+            shard, index, group = piece.shard, piece.group_index, piece.group
+            clip_coef = piece.clip_coef if piece.clip_coef is not None else batch.scalars.clip_coef
             steps.append(
                 SliceStep(
                     shard=shard,
-                    grad=grad,
+                    grad=piece.grad,
                     state=self.state[shard.param],
                     lr=batch.scalars.lr[index],
                     beta2=1.0 - math.pow(t, group["decay_rate"]),
@@ -312,9 +315,9 @@ class AdaLomo(InBackwardOptimizer):
                     transform=GradTransform(
                         self._inv_scale_for(shard.local.device),
                         group["clip_grad_value"],
-                        batch.clip_coef_of(i) if group["clip_grad_norm"] is not None else None,
+                        clip_coef if group["clip_grad_norm"] is not None else None,
                     ),
-                    skip=batch.skip_of(i),
+                    skip=piece.skip_if,
                     rounding=Rounding(shard.local.dtype, **self._rounding_arguments(shard.param)),
                 )
             )

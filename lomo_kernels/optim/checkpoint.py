@@ -19,7 +19,7 @@ from .param_groups import check_saved_groups
 from .parameter_state import ParameterState
 from .reporting import StepReports
 from .single_backward import SingleBackwardClip
-from .step_mode import StepMode
+from .step import Step
 from .validation import parameter_names
 
 # The param-group keys of lomo-optim 0.1.1's state_dict(), by class: its torch.optim
@@ -114,7 +114,7 @@ class Checkpoint:
     kept: ParameterState  # the optimizer's per-parameter state's rules
     model: nn.Module
     reports: StepReports  # the step count's keeper
-    mode: StepMode  # whose measured norm a load makes stale
+    step: Step  # whose measured norm a load makes stale
     loss_scaling: LossScaling
     clip: SingleBackwardClip | None
     sharding: Sharding | None
@@ -163,7 +163,7 @@ class Checkpoint:
         state_dict = dict(state_dict)
         extra = state_dict.pop("lomo", None)
         _load_torch_state(optimizer, state_dict)
-        self.mode.forget_norm()  # a norm measured before the load belongs to the old state
+        self.step.forget_norm()  # a norm measured before the load belongs to the old state
         if extra is not None:
             self.reports.step_count = int(extra["step_count"])
             self.loss_scaling.load_state_dict(extra["loss_scaler"])

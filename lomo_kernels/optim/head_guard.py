@@ -19,9 +19,10 @@ that read the weight. (A loss that also reads the weight elsewhere, a regularize
 a use, not a bypass: a Lomo stepping the head from its chunks refuses that second gradient
 itself.)
 
-The walk does not go below the fused loss's node and tagged logits, so in the usual case it
-reads a handful of nodes; otherwise one walk of the graph (about 1 us per node). A region
-compiled with torch.compile is one opaque node: what runs inside it is not checked.
+The graph is read once per step (`loss_graph.py`, which also answers the whole-graph
+refusals); this question does not go below the fused loss's node and tagged logits, so in
+the usual case it reads a handful of nodes. A region compiled with torch.compile is one
+opaque node: what runs inside it is not checked.
 """
 
 from __future__ import annotations
@@ -35,17 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.autograd_graph import graph_nodes, leaf_inputs
+from .loss_graph import LOGITS_ON_REQUEST, LossGraph
 
 # The attribute `patch_causal_lm` sets on a model it patched.
 PATCHED_ATTRIBUTE = "_lomo_kernels_fused_head"
-# The metadata key of the autograd node of logits the patched forward returned on request.
-LOGITS_ON_REQUEST = "lomo_kernels_logits_on_request"
-
-FUSED_LOSS_NODE = "GeneratedBackwardFor_lomo_kernels_linear_cross_entropy_forward_defaultBackward"
-EMBEDDING_NODES = ("EmbeddingBackward0", "EmbeddingBagBackward0", "_EmbeddingRowsBackward")
-# A torch.compile'd region: one node whose inside the walk cannot see.
-OPAQUE_NODES = ("CompiledFunctionBackward",)
 
 _PATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _REQUEST = threading.local()
@@ -106,40 +100,24 @@ def tied_head_weights() -> set[int]:
     return tied
 
 
-def _walked_into(node: Any, *stops: str) -> bool:
-    """Whether the walk reads `node`'s inputs: not a compiled region, not requested logits,
-    nor one of `stops`."""
-    name = node.name()
-    return name not in OPAQUE_NODES + stops and not node.metadata.get(LOGITS_ON_REQUEST)
+HeadWeights = dict[int, tuple[nn.Module, torch.Tensor]]
 
 
-def refuse_bypassed_head(
-    loss: torch.Tensor, trains: Callable[[torch.Tensor], bool], root: nn.Module | None
-) -> None:
-    """Raises, naming the weight and the node that read it, when `loss` reaches the head
-    weight of a patched model (one `trains(weight)`) other than through the fused loss, the
-    embedding lookup or requested logits (module docstring)."""
-    heads = {id(w): (m, w) for m, w in _head_weights(root) if w.requires_grad and trains(w)}
-    if not heads or loss.grad_fn is None:
-        return
-    fused: set[int] = set()  # heads the fused loss reads
-    read_by: dict[int, str] = {}  # heads read otherwise, and by which node
-    # Not below the fused loss (the decoder, which fed it), nor into what cannot be seen.
-    for node in graph_nodes(loss.grad_fn, lambda node: _walked_into(node, FUSED_LOSS_NODE)):
-        name = node.name()
-        if not _walked_into(node):
-            continue
-        for variable in leaf_inputs(node):
-            if id(variable) in heads:
-                if name == FUSED_LOSS_NODE:
-                    fused.add(id(variable))
-                elif name not in EMBEDDING_NODES:
-                    read_by.setdefault(id(variable), name)
-    for key, name in read_by.items():
+def trained_heads(trains: Callable[[torch.Tensor], bool], root: nn.Module | None) -> HeadWeights:
+    """The head weights of patched models (`root` among them, if patched) that require a
+    gradient and that `trains(weight)`, by id: what the graph's head question asks about."""
+    return {id(w): (m, w) for m, w in _head_weights(root) if w.requires_grad and trains(w)}
+
+
+def refuse_bypassed_head(graph: LossGraph, heads: HeadWeights) -> None:
+    """Raises, naming the weight and the node that read it, when the loss whose graph was
+    read reaches one of `heads` other than through the fused loss, the embedding lookup or
+    requested logits (module docstring)."""
+    for key, name in graph.heads_read_by.items():
         # Read besides the fused loss (a regularizer on the weight) is a use of the weight,
         # not a bypass; a Lomo stepping it from row blocks refuses that second gradient
         # itself (row_blocks.py).
-        if key not in fused:
+        if key not in graph.heads_fused:
             model, weight = heads[key]
             raise RuntimeError(bypass_message(model, weight, name))
 

@@ -10,12 +10,12 @@ from torch import nn
 
 from ..ops.backends import LOMO
 from ..ops.lomo import LOMO_UPDATE, lomo_update_op
-from ._in_backward import InBackwardOptimizer, TensorStep
+from ._in_backward import InBackwardOptimizer
 from .given_parameters import model_and_groups
 from .loss_scaler import DynamicLossScaler
 from .loss_scaling import DynamicScaling, LossScaling
 from .parameter_state import ParameterState
-from .sharded_steps import SliceBatch
+from .piece import Piece
 from .validation import computes_in_fp16, split_loss_scale_args
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Lomo(InBackwardOptimizer):
     """
 
     _PARAMETER_STATE = ParameterState("Lomo")
+    elementwise = True  # plain SGD: rows and slices are stepped on their own
 
     def __init__(
         self,
@@ -135,70 +136,36 @@ class Lomo(InBackwardOptimizer):
                 },
             )
 
-    def _update(self, step: TensorStep) -> None:
-        self._apply(step, step.param, 0)
-
-    def update_rows(
-        self,
-        param: torch.Tensor,
-        start: int,
-        stop: int,
-        grad: torch.Tensor,
-        skip_if: torch.Tensor,
-    ) -> None:
-        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad` exactly as
-        the whole tensor's step would (`row_blocks.py`)."""
-        index, group = self._groups.of(param)
-        scalars = self._scalars.for_device(param.device)
-        first = start * (param.numel() // param.shape[0])
-        step = TensorStep(param, grad, index, group, scalars, skip_if)
-        self._apply(step, param[start:stop], first)
-
-    def _update_shards(self, batch: SliceBatch) -> None:
-        # Plain SGD is elementwise: each slice is updated on its own, with the fused op.
-        for i, (shard, grad) in enumerate(batch.entries):
-            if shard.local.numel():
-                index, group = self._groups.of(shard.param)
-                step = TensorStep(shard.param, grad, index, group, batch.scalars, batch.skip_of(i))
-                self._apply(step, shard.local, shard.offset, batch.clip_coef_of(i))
-
-    def _apply(
-        self,
-        step: TensorStep,
-        target: torch.Tensor,
-        offset: int,
-        clip_coef: torch.Tensor | None = None,
-    ) -> None:
-        """Updates `target` (the parameter, or its contiguous slice starting at flat
-        `offset`) from `step.grad`, its gradient; `clip_coef` replaces the step-wide
-        coefficient (single_backward under sharding). A stochastically rounded slice rounds
-        as the whole tensor would."""
+    def _update(self, piece: Piece) -> None:
+        """Updates `piece` (the parameter, a block of its rows, or this rank's slice of it)
+        from its gradient; a stochastically rounded piece rounds as the whole tensor would."""
+        target = piece.written
         if not self.rounding.applies_to(target.dtype):
-            self._apply_piece(step, target, step.grad, clip_coef)
+            self._apply_piece(piece, target, piece.grad)
             return
-        flat, flat_grad = target.reshape(-1), step.grad.reshape(-1)
+        flat, flat_grad = target.reshape(-1), piece.grad.reshape(-1)
         seeds_step = self.rounding.seed_step(target.device)
 
-        def piece(a: int, b: int, seed: int) -> None:
+        def part(a: int, b: int, seed: int) -> None:
             whole = a == 0 and b == flat.numel()  # the tensors as given (a traced step's)
-            self._apply_piece(step, target if whole else flat[a:b],
-                              step.grad if whole else flat_grad[a:b], clip_coef,
-                              (seed, seeds_step))  # fmt: skip
+            grad = piece.grad if whole else flat_grad[a:b]
+            self._apply_piece(piece, target if whole else flat[a:b], grad, (seed, seeds_step))
 
-        self.rounding.in_pieces(self._groups.index_of[id(step.param)], offset, flat.numel(), piece)
+        index = self._groups.index_of[id(piece.param)]
+        self.rounding.in_pieces(index, piece.offset, flat.numel(), part)
 
     def _apply_piece(
         self,
-        step: TensorStep,
+        piece: Piece,
         target: torch.Tensor,
         grad: torch.Tensor,
-        clip_coef: torch.Tensor | None,
         seeds: tuple[int, torch.Tensor | None] | None = None,
     ) -> None:
-        """One fused update call on `target` from its gradient `grad`; `seeds`: (seed,
-        seed_step) of its stochastic rounding, None to round to nearest."""
+        """One fused update call on `target` (`piece`'s, or an aligned part of it) from its
+        gradient `grad`; `seeds`: (seed, seed_step) of its stochastic rounding, None to round
+        to nearest."""
         seed, seed_step = (0, None) if seeds is None else seeds
-        scalars, group = step.scalars, step.group
+        scalars, group, clip_coef = piece.scalars, piece.group, piece.clip_coef
         device = scalars.device  # target's
         if torch.compiler.is_compiling():
             # Traced: the device's backend, and nothing read from host-side caches.
@@ -220,13 +187,13 @@ class Lomo(InBackwardOptimizer):
             (
                 target,  # param
                 grad.contiguous(),  # grad
-                scalars.lr[step.group_index],  # lr
+                scalars.lr[piece.group_index],  # lr
                 inv_scale,  # inv_scale
                 group["clip_grad_value"],  # clip_value
                 clip_coef,  # clip_coef
                 group["weight_decay"],  # weight_decay
                 scalars.update_found_inf,  # found_inf
-                step.skip_if,  # skip_if
+                piece.skip_if,  # skip_if
                 seeds is not None,  # stochastic_rounding
                 seed,  # seed
                 seed_step,  # seed_step

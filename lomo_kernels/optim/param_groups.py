@@ -179,13 +179,14 @@ class HookGroups:
     def __init__(
         self,
         param_groups: list[dict[str, Any]],
-        params: list[nn.Parameter],
+        index_of: dict[int, int],
         defaults: Mapping[str, Any],
     ) -> None:
-        """`params`: the trained parameters, in model order; `defaults`: the optimizer's
-        checked hyper-parameters (every group keeps each of them)."""
+        """`index_of`: each trained parameter's index (the optimizer's claim on them,
+        `core/ownership.py`); `defaults`: the optimizer's checked hyper-parameters (every
+        group keeps each of them)."""
         self._required = [key for key in defaults if key in CHECKS]  # not torch.optim's own
-        self.index_of = {id(p): i for i, p in enumerate(params)}
+        self.index_of = index_of
         self.group_of = group_index(param_groups)
         self.hyper = hook_groups(self.checked(param_groups))
         # The step's clip threshold: traced code reads this float, not param_groups (whose

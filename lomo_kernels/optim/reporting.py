@@ -104,7 +104,6 @@ class StepReports:
         self.last_step_partial = False
         self.last_step_interrupted = False
         self.last_step_partial_names: list[str] = []
-        self.updated: list[torch.Tensor] = []  # the update pass's parameters, in order
 
     @property
     def grad_norms(self) -> torch.Tensor | list[Any]:
@@ -132,21 +131,15 @@ class StepReports:
         self.last_step_interrupted = False
         self.last_step_partial_names = []
 
-    def forget_updated(self) -> None:
-        self.updated.clear()
-
-    def note_updated(self, param: torch.Tensor) -> None:
-        # Noted before the update is launched: a failing update counts as applied. Traced
-        # (compiled autograd), the append would replay only after the graph; not recorded.
-        if not torch.compiler.is_compiling():
-            self.updated.append(param)
-
-    def record_interruption(self, error: BaseException, tracked: bool) -> None:
-        """Reports which parameters an interrupted update pass had already updated (a norm
-        pass writes no parameter or state: its interruption changes nothing)."""
+    def record_interruption(
+        self, error: BaseException, tracked: bool, updated: list[torch.Tensor]
+    ) -> None:
+        """Reports which parameters an interrupted update pass had already updated
+        (`updated`, the step's record; a norm pass writes no parameter or state: its
+        interruption changes nothing)."""
         names = self._names()
         self.last_step_interrupted = True
-        self.last_step_partial_names = [names.get(id(p), "?") for p in self.updated]
+        self.last_step_partial_names = [names.get(id(p), "?") for p in updated]
         error.add_note(
             interruption_note(self.last_step_partial_names, self._parameter_count, tracked)
         )

@@ -3,13 +3,14 @@ that the parameter's whole gradient never exists (the fused linear + cross-entro
 `ops/cross_entropy/head_gradient.py` walks the vocabulary in chunks, each chunk's gradient
 complete when its rows are done).
 
-The op asks `core.gradient_sink` for the weight's sink; the finder registered here asks
-the parameter's owner (`hooks.owner_of`) for a `RowBlockStep` (a `GradientSink`); None means "give
-the parameter its gradient as usual" (the hook then steps it whole). A step is offered only
-where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise; AdaLomo's
-statistics span the whole matrix), an eager backward of its own norm or update pass, an
-unsharded parameter registered once in the model (a tied weight gets a second contribution),
-and, with stochastic rounding of a bf16 or fp16 parameter, fewer than 2**32 elements.
+The op asks `core.gradient_sink` for the weight's sink; the finder registered here asks the
+parameter's owner (`core.ownership.owner_of`) for a `RowBlockStep` (a `GradientSink`); None
+means "give the parameter its gradient as usual" (the hook then steps it whole). A step is
+offered only where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise;
+AdaLomo's statistics span the whole matrix), an eager backward of its own norm or update
+pass, an unsharded parameter registered once in the model (a tied weight gets a second
+contribution), and, with stochastic rounding of a bf16 or fp16 parameter, fewer than 2**32
+elements.
 
 What each pass does with the blocks:
 
@@ -30,7 +31,7 @@ What each pass does with the blocks:
 A parameter stepped from blocks must get no other gradient in the same pass (it would be a
 second step): the second contribution, by blocks or through the hook, is refused with an
 error before anything changes: by the norm pass where one precedes the update, otherwise
-by a read of the loss's autograd graph before the backward (`validation.GraphFacts`).
+by the read of the loss's autograd graph before the backward (`loss_graph.py`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ from torch import nn
 from .. import compile as _compiled_autograd
 from .. import ops
 from ..core.gradient_sink import register_sink_finder
+from ..core.ownership import owner_of
 from .device_scalars import DeviceScalars
 from .head_guard import tied_head_weights
-from .hooks import owner_of
 from .rounding import MAX_SLICED_NUMEL, WriteBackRounding
 from .single_backward import SingleBackwardClip
-from .step_mode import Phase, StepMode
+from .step import Phase, Step
 from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
 
 # An optimizer's update of rows [start, stop) of a parameter from their gradient, skipped
@@ -86,7 +87,7 @@ class RowBlockStep:
         weight_decay: float,
         update_rows: UpdateRows,
     ) -> None:
-        """`blocks`: the pass's row blocks (its mode, clip rule and backend); `scalars`:
+        """`blocks`: the pass's row blocks (its step, clip rule and backend); `scalars`:
         those of `param`'s device; `slot`: `param`'s index among the trained parameters (its
         sum of squares in a norm pass); `inv_scale`: the gradients' inverse loss scale;
         `update_rows`: the optimizer's update of a block of rows."""
@@ -95,14 +96,14 @@ class RowBlockStep:
         self._scalars = scalars
         self._inv_scale = inv_scale
         self._update_rows = update_rows
-        mode = blocks.mode
-        self._norm = mode.phase is Phase.NORM
+        step = blocks.step
+        self._norm = step.phase is Phase.NORM
         # A norm pass only measures: any blocks holding the gradient's values will do.
         self.measuring = self._norm
-        self.measure_first = not self._norm and mode.single_backward
+        self.measure_first = not self._norm and step.single_backward
         # Whether a block whose gradient is zero still changes (decoupled weight decay).
         self.changes_zero_rows = weight_decay != 0
-        self._skip_if = scalars.skip_flag(mode.norm_ready)
+        self._skip_if = scalars.skip_flag(step.norm_ready)
         self._sumsq = scalars.sumsq
         if self._norm and scalars.param_sumsq is not None:
             self._sumsq = scalars.param_sumsq[slot : slot + 1]
@@ -136,36 +137,30 @@ class RowBlockStep:
 
 @dataclass(eq=False)
 class RowBlocks:
-    """Which parameters the pass in progress steps from blocks of rows, and which got their
-    whole gradient, so that neither gets a second contribution. Only an optimizer whose
+    """Which parameters the pass in progress may step from blocks of rows, noting on the step
+    which it steps so and which got their whole gradient, so that neither gets a second
+    contribution. Only an optimizer whose
     update is elementwise (`steps_rows`: it has an `update_rows`) is handed row blocks, so
     rows stepped apart equal the whole tensor's step (Lomo; AdaLomo's statistics span the
     whole matrix)."""
 
     model: nn.Module
-    mode: StepMode
+    step: Step
     rounding: WriteBackRounding
     steps_rows: bool
     sharded: bool  # sharded parameters are never given in rows
     clip: SingleBackwardClip | None
     backend: str | None
-    # This pass's parameters stepped from blocks, and those given a whole gradient.
-    _row_block_params: set[int] = field(default_factory=set, init=False)
-    _whole_params: set[int] = field(default_factory=set, init=False)
     _tied_ids: set[int] | None = field(default=None, init=False)
-
-    def begin_pass(self) -> None:
-        self._row_block_params.clear()
-        self._whole_params.clear()
 
     def take(self, param: torch.Tensor) -> bool:
         """Whether the pass in progress takes `param`'s gradient in row blocks (see the
         module docstring for when), noting it if so. Refuses a second contribution to a
         parameter already stepped from blocks, or given its whole gradient, in this pass."""
-        if self.mode.phase is Phase.IDLE or not self.eligible(param):
+        if self.step.phase is Phase.IDLE or not self.eligible(param):
             return False
         self._refuse_second_contribution(param)
-        self._row_block_params.add(id(param))
+        self.step.row_block_params.add(id(param))
         return True
 
     def eligible(self, param: torch.Tensor) -> bool:
@@ -204,7 +199,7 @@ class RowBlocks:
         return self._tied_ids
 
     def _refuse_second_contribution(self, param: torch.Tensor) -> None:
-        if id(param) in self._row_block_params or id(param) in self._whole_params:
+        if id(param) in self.step.row_block_params or id(param) in self.step.whole_params:
             raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
 
     def note_whole_gradient(self, param: torch.Tensor) -> None:
@@ -212,8 +207,8 @@ class RowBlocks:
         if the hook got one already in this pass (the gradient came in parts)."""
         if torch.compiler.is_compiling():
             return  # traced backward: no row blocks there
-        if id(param) in self._row_block_params:
+        if id(param) in self.step.row_block_params:
             self._refuse_second_contribution(param)
-        if id(param) in self._whole_params and not self.sharded:
+        if id(param) in self.step.whole_params and not self.sharded:
             raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
-        self._whole_params.add(id(param))
+        self.step.whole_params.add(id(param))

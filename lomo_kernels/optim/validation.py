@@ -10,11 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.autograd_graph import graph_nodes, leaf_inputs
 from ..core.checks import SUPPORTED_DTYPES
-from ..core.torch_internals import saved_sparse
+from ..core.ownership import updated_in_backward
 from ..distributed import compute_dtypes, unwrap_engine
-from .hooks import updated_in_backward
+from .loss_graph import LossGraph
 from .loss_scaler import LOSS_SCALE_KEYS
 
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
@@ -176,61 +175,18 @@ def refuse_sparse_embeddings(embeddings: list[tuple[str, nn.Module]]) -> None:
             )
 
 
-_SPARSE_GRADIENT_NODES = ("EmbeddingBackward0", "EmbeddingBagBackward0")
-
-
-# The backward nodes of the ops that hand a parameter's gradient to its owner in row blocks
-# (the fused head's loss, the input embedding's used rows: optim/row_blocks.py).
-ROW_BLOCK_NODES = (
-    "GeneratedBackwardFor_lomo_kernels_linear_cross_entropy_forward_defaultBackward",
-    "_EmbeddingRowsBackward",
-)
-
-
-class GraphFacts:
-    """What one walk of the autograd graph of a loss shows, before its backward runs:
-    whether it holds an embedding lookup with sparse=True (the functional form,
-    F.embedding(..., sparse=True), that no module flag shows), and the parameters a
-    row-block op feeds that receive a gradient more than once (used elsewhere in the graph
-    too, or the op ran twice).
-
-    About 1.3 us per node on the host (seen: 0.13 ms for a 2-layer LLaMA, 3.3 ms for a
-    32-layer one); run only for steps without a norm pass, where such a gradient would
-    otherwise arrive after other tensors were updated.
-    """
-
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.sparse_embedding = False
-        uses: dict[int, int] = {}
-        fed_by_blocks: dict[int, torch.Tensor] = {}
-        for node in graph_nodes(loss.grad_fn):
-            name = node.name()
-            if name in _SPARSE_GRADIENT_NODES and saved_sparse(node):
-                self.sparse_embedding = True
-            for variable in leaf_inputs(node):
-                uses[id(variable)] = uses.get(id(variable), 0) + 1
-                if name in ROW_BLOCK_NODES:
-                    fed_by_blocks[id(variable)] = variable
-        self.reused_row_block_params = [p for i, p in fed_by_blocks.items() if uses[i] > 1]
-
-
-def sparse_embedding_in_graph(loss: torch.Tensor) -> bool:
-    """Whether the backward of `loss` holds an embedding lookup with sparse=True."""
-    return GraphFacts(loss).sparse_embedding
-
-
-def refuse_graph(loss: torch.Tensor, takes_row_blocks: Any, model: nn.Module) -> None:
-    """Refuses, before the backward, a loss whose gradients would reach a parameter in a way
-    the in-backward step cannot take: a sparse embedding gradient, or a second gradient of
-    a parameter its owner steps from row blocks (`takes_row_blocks(param)`)."""
-    facts = GraphFacts(loss)
-    if facts.sparse_embedding:
+def refuse_graph(graph: LossGraph, takes_row_blocks: Any, model: nn.Module) -> None:
+    """Refuses, before the backward, a loss (its whole graph read: `loss_graph.py`) whose
+    gradients would reach a parameter in a way the in-backward step cannot take: a sparse
+    embedding gradient, or a second gradient of a parameter its owner steps from row blocks
+    (`takes_row_blocks(param)`)."""
+    if graph.sparse_embedding:
         raise ValueError(
             "the loss's backward holds an embedding lookup with sparse=True "
             "(F.embedding(..., sparse=True)); LOMO updates dense parameters in place and "
             "nothing was updated: pass sparse=False"
         )
-    for param in facts.reused_row_block_params:
+    for param in graph.reused_row_block_params:
         if takes_row_blocks(param):
             error = second_contribution_error(parameter_names(model).get(id(param), "?"))
             raise RuntimeError(f"{error} Nothing was updated.")

@@ -86,9 +86,10 @@ def lomo_on_another_model() -> object:
 
 def run_mode(mode: str, out: Path) -> None:
     if mode == "patch_all":  # the patches taking every parameter for ours
-        from lomo_kernels.compile import install
+        from lomo_kernels.compile import install, scope
 
-        install(lambda t: isinstance(t, torch.nn.Parameter))
+        install()
+        scope.updated_in_backward = lambda t: isinstance(t, torch.nn.Parameter)
     keep = lomo_on_another_model() if mode != "plain" else None
     graph_code: list[str] = []
     model, inductor_code = train_user_model(graph_code)

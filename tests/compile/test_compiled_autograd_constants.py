@@ -16,7 +16,6 @@ from torch._functorch._aot_autograd.runtime_wrappers import (
 )
 
 from lomo_kernels.compile import embedding_backward, install, scope
-from lomo_kernels.optim._in_backward import updated_in_backward
 
 SHAPE = [64, 32]
 
@@ -55,7 +54,7 @@ def test_torch_loader_keeps_the_constant_in_the_serialized_state():
 
 
 def test_compiled_autograd_loads_the_backward_from_a_copy(monkeypatch):
-    assert install(updated_in_backward)
+    assert install()
     monkeypatch.setattr(scope, "_capturing_ours", True)  # as in our capture
     serialized = SerializedGraphModule(_backward_like_graph())
     before = _tensors_in(serialized.args[0])

@@ -213,7 +213,7 @@ def test_lomo_embedding_stepped_from_used_rows_matches_unpatched(
     assert_steps_match(fused, plain, start)
 
 
-def test_compiled_model_takes_the_exact_step(monkeypatch):
+def test_compiled_model_takes_the_exact_step():
     """A compiled model with the fused loss, compiled afresh (no cached artifact): the first
     backward of its graph is grad_norm's, which keeps the graph, so AOTAutograd compiles that
     backward without donated buffers and the update pass runs it again: the exact step
@@ -222,19 +222,23 @@ def test_compiled_model_takes_the_exact_step(monkeypatch):
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    torch._dynamo.reset()
-    model = patch_causal_lm(_model("llama"))
-    compiled = torch.compile(model)
-    with Lomo(model, lr=0.05, clip_grad_norm=1.0) as opt:
-        loss = compiled(**batch(0, vocab=VOCAB)).loss
+    # torch's own config patches: setting these attributes by hand (monkeypatch) leaves the
+    # autograd cache's entry hidden afterwards, and every later compile in the process fails.
+    with (
+        functorch_config.patch(enable_autograd_cache=False),
+        inductor_config.patch(fx_graph_cache=False),
+    ):
+        torch._dynamo.reset()
+        model = patch_causal_lm(_model("llama"))
+        compiled = torch.compile(model)
+        with Lomo(model, lr=0.05, clip_grad_norm=1.0) as opt:
+            loss = compiled(**batch(0, vocab=VOCAB)).loss
 
-        def exact_step():
-            assert float(opt.grad_norm(loss)) > 0
-            opt.fused_backward(loss)
+            def exact_step():
+                assert float(opt.grad_norm(loss)) > 0
+                opt.fused_backward(loss)
 
-        assert_step_moves(model, exact_step)
+            assert_step_moves(model, exact_step)
 
 
 def test_a_deep_copy_of_the_patched_model_trains_its_own_weights():

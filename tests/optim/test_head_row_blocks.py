@@ -13,7 +13,7 @@ from support.models import batch, clone, tiny_llama
 from lomo_kernels import Lomo, patch_causal_lm
 from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.ops.cross_entropy import blocked_backend as blocked
-from lomo_kernels.optim.step_mode import Phase
+from lomo_kernels.optim.step import Phase
 
 HIDDEN = 32
 CHUNK_ROWS = 64  # vocab 96: chunks of 64 and 32 rows
@@ -39,11 +39,11 @@ def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend):
         opt = Lomo(module, lr=0.1, weight_decay=0.01, stochastic_rounding=rounding, seed=5,
                    backend=backend)  # fmt: skip
         opt._prepare_scalars()
-        opt._mode.begin_pass(Phase.UPDATE)
+        opt._step.begin_pass(Phase.UPDATE)
         no_skip = opt._scalars.for_device(weight.device).no_skip
         for start, stop in zip(chunks[:-1], chunks[1:], strict=True):
             opt.update_rows(module.weight, start, stop, grad[start:stop], no_skip)
-        opt._mode.end_pass()
+        opt._step.end_pass()
         opt.detach()
         results.append(module.weight.detach().clone())
     by_chunks, whole, nearest = results
@@ -113,8 +113,8 @@ def test_bf16_head_and_embedding_by_blocks_against_the_materialised_gradients(
     data = {key: value.to(test_device) for key, value in batch(1).items()}
 
     def step(model, by_blocks):
-        if not by_blocks:  # no update_rows: the head and embedding get whole gradients
-            monkeypatch.delattr(Lomo, "update_rows")
+        if not by_blocks:  # not elementwise: the head and embedding get whole gradients
+            monkeypatch.setattr(Lomo, "elementwise", False)
         opt = Lomo(model, lr=0.05, weight_decay=0.01)
         opt.fused_backward(model(**data).loss)
         opt.detach()

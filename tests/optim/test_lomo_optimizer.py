@@ -122,7 +122,7 @@ def test_stochastic_rounding_of_slices_equals_the_whole_tensor(dtype, cuts):
     """Sharded updates (ZeRO-3, FSDP2) step each rank's flat slice on its own: slices cut at
     any offsets round exactly as the whole tensor's update does, bit for bit."""
     from lomo_kernels.distributed import Shard
-    from lomo_kernels.optim.sharded_steps import SliceBatch
+    from lomo_kernels.optim.piece import PieceBatch
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(48, 128).to(dtype))  # 6144 elements
@@ -139,7 +139,8 @@ def test_stochastic_rounding_of_slices_equals_the_whole_tensor(dtype, cuts):
     def step(local: torch.Tensor, offset: int) -> None:
         shard = Shard(shard_param, local, offset, param.shape, None)
         flat_grad = grad.reshape(-1)[offset : offset + local.numel()] * scale
-        opt._update_shards(SliceBatch([(shard, flat_grad)], scalars, scalars.no_skip))
+        piece = opt._slice_piece(shard, flat_grad, scalars, scalars.no_skip)
+        opt._update_shards(PieceBatch([piece], scalars, scalars.no_skip))
 
     step(whole.view(-1), 0)
     sliced = param.detach().clone().view(-1)

@@ -12,7 +12,7 @@ from support.float64 import FP32_NORM_RTOL
 from support.models import batch, max_rel_diff, tiny_llama
 
 from lomo_kernels import AdaLomo, Lomo
-from lomo_kernels.optim._in_backward import updated_in_backward
+from lomo_kernels.core.ownership import updated_in_backward
 
 STEPS = 4
 MAX_NORM = 0.5  # below the tiny LLaMA's gradient norms (about 2-3): every step clips

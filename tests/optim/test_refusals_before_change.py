@@ -132,20 +132,6 @@ def test_functional_sparse_embedding_refused_before_any_change(name, model_name,
     assert not opt.last_step_interrupted
 
 
-@pytest.mark.parametrize("sparse", [True, False])
-def test_graph_walk_finds_sparse_embedding_and_bag_lookups(sparse):
-    from lomo_kernels.optim.validation import sparse_embedding_in_graph
-
-    weight = torch.randn(10, 4, requires_grad=True)
-    ids = torch.tensor([1, 2, 3])
-    dense = (weight * 2).sum()  # a branch without any lookup
-    lookup = F.embedding(ids, weight, sparse=sparse).sum()
-    bag = F.embedding_bag(ids, weight, torch.tensor([0]), sparse=sparse).sum()
-    assert not sparse_embedding_in_graph(dense)
-    assert sparse_embedding_in_graph(dense + lookup) is sparse
-    assert sparse_embedding_in_graph(bag * 3 + dense) is sparse
-
-
 # ------------------------------------------------------------------ mid-backward exceptions
 
 

@@ -194,7 +194,7 @@ def in_order(cls):
 
     class InOrder(cls):
         def _on_grad_ready(self, param):
-            if self._mode.single_backward:  # held until backward ends, then replayed in order
+            if self._step.single_backward:  # held until backward ends, then replayed in order
                 self._held[id(param)] = param.grad
                 param.grad = None
                 return
@@ -203,18 +203,18 @@ def in_order(cls):
         def _run_backward(self, loss, phase, retain_graph):
             self._held = {}
             super()._run_backward(loss, phase, retain_graph)
-            if not self._mode.single_backward:
+            if not self._step.single_backward:
                 return
             assert len(self._held) == len(self.order)
             names = {n: p for n, p in self.model.named_parameters()}
-            self._mode.begin_pass(phase)
+            self._step.begin_pass(phase)
             try:
                 for name in self.order:
                     param = names[name]
                     param.grad = self._held.pop(id(param))
                     super()._on_grad_ready(param)
             finally:
-                self._mode.end_pass()
+                self._step.end_pass()
 
     return InOrder
 
@@ -245,7 +245,7 @@ def record_order(opt, model) -> list[str]:
 
     def wrapper(batch):
         if opt.step_count == 0:
-            order.extend(names[id(shard.param)] for shard, _ in batch.entries)
+            order.extend(names[id(piece.param)] for piece in batch.pieces)
         return original(batch)
 
     opt._update_shards = wrapper

@@ -1,20 +1,41 @@
-"""The mode of the step in progress: which pass runs, and how the update pass treats each
-gradient. One object, changed only through its named transitions.
+"""The step in progress, as one object: its plan (decided once, when the step starts), the
+pass that runs, the flags the hooks read, and what the pass has seen.
 
-A step is either one update pass, or a norm pass (gradients measured, nothing written)
-followed by an update pass that skips on the norm pass's overflow flag and clips with its
-coefficient. With ``single_backward=True`` the update pass clips and checks each gradient
-as it arrives instead (`single_backward.py`).
+A step follows one of four plans:
+
+- `Plan.UPDATE`: one update pass, nothing measured first (no clipping by norm, no fp16);
+- `Plan.NORM_THEN_UPDATE`: a norm pass measures the gradients (global norm, inf/nan), nothing
+  written; the update pass then skips on its overflow flag and clips with its coefficient.
+  The norm pass may be the caller's (``grad_norm(loss)``), kept for that loss only;
+- `Plan.SINGLE_BACKWARD`: one update pass that clips and checks each gradient as it arrives
+  (`single_backward.py`);
+- `Plan.ACCUMULATE`: a micro-batch's pass adds each gradient into its buffer; the last
+  micro-batch's also measures the sum, and the step is then applied from the buffers
+  (`accumulation.py`).
+
+The optimizer keeps one `Step` for its lifetime and starts each step on it (`begin`) rather
+than building a new one: the hooks read its fields, and a compiled backward guards on their
+values, which stay the same from step to step, where a new object each step would be a new
+guard each step. Every reset of the step's state is here: `begin`, `begin_pass`/`end_pass`,
+`begin_update`/`end_update` and the norm's `norm_measured`/`keep_norm_only_for`/
+`forget_norm`.
 """
 
 from __future__ import annotations
 
 import enum
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class Plan(enum.Enum):
+    UPDATE = "update"
+    NORM_THEN_UPDATE = "norm, then update"
+    SINGLE_BACKWARD = "single backward"
+    ACCUMULATE = "accumulate"
 
 
 class Phase(enum.Enum):
@@ -25,26 +46,51 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class StepMode:
-    """What the hooks read (`phase`, `norm_ready`, `single_backward`: plain fields, so a
-    compiled backward guards on values) and which loss a measured norm belongs to."""
+class Step:
+    """The step in progress (see the module docstring). `phase`, `norm_ready` and
+    `single_backward` are plain fields, so a compiled backward guards on values."""
 
+    plan: Plan | None = None  # None before the first step
     phase: Phase = Phase.IDLE
     # A norm pass measured this step's loss: the update pass skips on its overflow flag.
     norm_ready: bool = False
     # This update pass clips and checks the gradients as they arrive (no norm pass).
     single_backward: bool = False
+    # What the pass in progress has seen: the parameters it updated, in order (an
+    # interrupted pass reports them), those it stepped from row blocks and those given their
+    # whole gradient (neither may get a second contribution: row_blocks.py).
+    updated: list[torch.Tensor] = field(default_factory=list)
+    row_block_params: set[int] = field(default_factory=set)
+    whole_params: set[int] = field(default_factory=set)
     # The loss the norm pass measured (weakly: a collected loss whose id() is reused never
     # matches), with the clip threshold then and, under sharding, its graph.
     _norm_loss: weakref.ref[torch.Tensor] | None = None
     _norm_max_norm: float | None = None
     _norm_graph: Any = None
 
+    def begin(self, plan: Plan) -> None:
+        """Starts a step (or, for `Plan.ACCUMULATE`, a micro-batch) following `plan`."""
+        self.plan = plan
+
     def begin_pass(self, phase: Phase) -> None:
         self.phase = phase
+        self._forget_seen()
 
     def end_pass(self) -> None:
         self.phase = Phase.IDLE
+        self._forget_seen()
+
+    def _forget_seen(self) -> None:
+        self.updated.clear()
+        self.row_block_params.clear()
+        self.whole_params.clear()
+
+    def note_updated(self, param: torch.Tensor) -> None:
+        """`param` is being updated by the pass in progress. Noted before the update is
+        launched: a failing update counts as applied. Traced (compiled autograd), the append
+        would replay only after the graph; not recorded."""
+        if not torch.compiler.is_compiling():
+            self.updated.append(param)
 
     # The transitions that keep a reference to the loss are host bookkeeping, kept out of a
     # compiled step (a traced weakref would break the graph and its guards recompile).

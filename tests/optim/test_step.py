@@ -1,4 +1,4 @@
-"""The step mode's transitions: a measured norm serves only the loss it measured, with the
+"""The step's transitions: a measured norm serves only the loss it measured, with the
 clip threshold of then (or any loss of the batch where each pass has its own forward), and
 closing the update pass forgets it. End to end in test_lomo_optimizer.py and
 test_single_backward.py; here the rules alone."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from lomo_kernels.optim.step_mode import Phase, StepMode
+from lomo_kernels.optim.step import Phase, Step
 
 
-def measured(loss: torch.Tensor, max_norm: float | None = 1.0, graph: bool = False) -> StepMode:
-    mode = StepMode()
+def measured(loss: torch.Tensor, max_norm: float | None = 1.0, graph: bool = False) -> Step:
+    mode = Step()
     mode.begin_pass(Phase.NORM)
     mode.end_pass()
     mode.norm_measured(loss, max_norm, keep_graph=graph)
@@ -42,3 +42,21 @@ def test_end_update_reports_the_norm_pass_and_forgets_it():
     mode.begin_update(single_backward=True)
     assert mode.single_backward
     assert mode.end_update() is False and not mode.single_backward
+
+
+def test_a_pass_starts_and_ends_with_nothing_seen():
+    """What a pass has seen (updated parameters, row-block and whole gradients) is the pass's
+    own: the next pass, and the idle optimizer, start from nothing."""
+    step = Step()
+    weight = torch.ones(2)
+    step.begin_pass(Phase.UPDATE)
+    step.note_updated(weight)
+    step.row_block_params.add(id(weight))
+    step.whole_params.add(id(weight))
+    assert step.updated == [weight]
+    step.end_pass()
+    assert step.phase is Phase.IDLE
+    assert (step.updated, step.row_block_params, step.whole_params) == ([], set(), set())
+    step.updated.append(weight)  # left over by a pass that was not closed
+    step.begin_pass(Phase.NORM)
+    assert step.updated == [] and step.phase is Phase.NORM
