@@ -35,8 +35,8 @@ from lomo_kernels import Lomo  # noqa: E402
 
 VOCAB = 128  # the character model's: ids are code points, 127 for anything above
 PAD, EOS = "\x00", "\n"  # a sentence ends with its line
-# The task: the corpus's sums whose result is at most this (66 sentences, 60 of them in the
-# fine-tuning split): few enough facts for the 0.8M-parameter model to pick up in seconds.
+# GRPO's task: the corpus's sums whose result is at most this (28 sentences, 27 of them in
+# the fine-tuning split): few enough facts for the 0.8M-parameter model to pick up in seconds.
 MAX_SUM = 6
 SEQ = 64  # the demo's window length
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -54,15 +54,17 @@ def problem(sentence: str) -> Problem:
     return Problem(prompt, answer)
 
 
-def is_small_sum(sentence: str) -> bool:
+def is_sum(sentence: str, max_sum: int = len(WORDS) - 1) -> bool:
+    """'a plus b is c.' with c <= max_sum."""
     words = sentence.rstrip(".").split()
-    return words[1] == "plus" and WORDS.index(words[4]) <= MAX_SUM
+    return words[1] == "plus" and WORDS.index(words[4]) <= max_sum
 
 
-def task_sentences() -> tuple[list[str], list[str]]:
-    """(training, held-out) sums of the task, from the corpus's own fine-tuning split."""
+def task_sentences(max_sum: int = MAX_SUM) -> tuple[list[str], list[str]]:
+    """(training, held-out) sums up to `max_sum`, from the corpus's own fine-tuning split
+    (its held-out tenth of the arithmetic sentences stays held out)."""
     _, task, held = corpus_parts()
-    return [s for s in task if is_small_sum(s)], [s for s in held if is_small_sum(s)]
+    return [s for s in task if is_sum(s, max_sum)], [s for s in held if is_sum(s, max_sum)]
 
 
 def answer_of(completion: str) -> str:
@@ -120,6 +122,41 @@ def warm_up(model: torch.nn.Module, sentences: list[str], steps: int, seed: int 
         ids = next(batches)
         opt.fused_backward(model(input_ids=ids, labels=ids).loss)
         sched.step()
+
+
+def completion_log_probs(
+    model: torch.nn.Module, prompts: Sequence[str], completions: Sequence[str]
+) -> torch.Tensor:
+    """Sum over each completion's characters and the line end that closes it of log p(character
+    | the prompt and the characters before it), in fp32, one per (prompt, completion)."""
+    out = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions, strict=True):
+            ids = char_ids([prompt + completion])[None]
+            logits = model(input_ids=ids).logits.float()[0, :-1]
+            targets = ids[0, 1:]
+            lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+            out.append(lp[len(prompt) - 1 :].sum())
+    model.train(was_training)
+    return torch.stack(out)
+
+
+def sampled_accuracy(model: torch.nn.Module, problems: Sequence[Problem], seed: int) -> float:
+    """The share of right answers among completions sampled at temperature 1 (the rule of
+    `correct`), one per problem, from `seed`."""
+    tok = char_tokenizer()
+    tok.padding_side = "left"
+    enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=1.0)
+    model.train(was_training)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(correct(t, p.answer) for t, p in zip(texts, problems, strict=True)) / len(texts)
 
 
 class Clock:

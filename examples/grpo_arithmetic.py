@@ -4,7 +4,7 @@
 
 The pretrained character-level LLaMA (0.8M parameters, bench/data/) has seen comparisons and
 counting but no sums. A short supervised warm-up with Lomo on the task's sentences ("seven
-plus three is ten.", sums up to ten) makes its sampled answers right now and then; TRL's
+plus three is ten.", the sums up to six) makes its sampled answers right now and then; TRL's
 GRPOTrainer then trains it with `optim="lomo"` on the prompts ("seven plus three is"), eight
 completions per prompt, rewarded 1 for the right number word and 0 otherwise, and again from
 the same warmed-up weights with `optim="adamw_torch"` for comparison. Each step's mean reward
@@ -52,7 +52,7 @@ def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per optimizer")
-    parser.add_argument("--warm-up-steps", type=int, default=200, help="supervised, with Lomo")
+    parser.add_argument("--warm-up-steps", type=int, default=300, help="supervised, with Lomo")
     parser.add_argument("--optimizers", default="lomo,adamw", help="lomo, adamw or both")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--lomo-lr", type=float, default=LEARNING_RATES["lomo"])
