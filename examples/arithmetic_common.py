@@ -170,7 +170,8 @@ class Clock:
 
     def line(self) -> str:
         wall, cpu = self.elapsed()
-        return f"{wall:.0f} s of wall time, {cpu:.0f} s of CPU time ({torch.get_num_threads()} thread(s))"
+        threads = torch.get_num_threads()
+        return f"{wall:.0f} s of wall time, {cpu:.0f} s of CPU time ({threads} thread(s))"
 
 
 def common_run_args(output_dir: str, steps: int, seed: int) -> dict[str, Any]:
@@ -196,9 +197,7 @@ def logged(trainer: Any, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def plot_curves(
-    curves: dict[str, Sequence[float]], path: str, ylabel: str, title: str
-) -> bool:
+def plot_curves(curves: dict[str, Sequence[float]], path: str, ylabel: str, title: str) -> bool:
     """One line per curve against the step, into `path` (PNG); False without matplotlib."""
     try:
         from bench.common.plots import _pyplot

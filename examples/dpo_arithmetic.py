@@ -26,10 +26,10 @@ from typing import Any
 from arithmetic_common import (
     Clock,
     Problem,
+    char_tokenizer,
     common_run_args,
     completion_log_probs,
     logged,
-    char_tokenizer,
     plot_curves,
     pretrained_model,
     problem,

@@ -22,9 +22,9 @@ from typing import Any
 
 from arithmetic_common import (
     Clock,
+    char_tokenizer,
     common_run_args,
     correct,
-    char_tokenizer,
     logged,
     plot_curves,
     pretrained_model,
