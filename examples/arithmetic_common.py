@@ -125,22 +125,27 @@ def warm_up(model: torch.nn.Module, sentences: list[str], steps: int, seed: int 
 
 
 def completion_log_probs(
-    model: torch.nn.Module, prompts: Sequence[str], completions: Sequence[str]
+    model: torch.nn.Module, prompts: Sequence[str], completions: Sequence[str], chunk: int = 256
 ) -> torch.Tensor:
     """Sum over each completion's characters and the line end that closes it of log p(character
     | the prompt and the characters before it), in fp32, one per (prompt, completion)."""
+    rows = [char_ids([p + c]) for p, c in zip(prompts, completions, strict=True)]
     out = []
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for prompt, completion in zip(prompts, completions, strict=True):
-            ids = char_ids([prompt + completion])[None]
-            logits = model(input_ids=ids).logits.float()[0, :-1]
-            targets = ids[0, 1:]
-            lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
-            out.append(lp[len(prompt) - 1 :].sum())
+        for i in range(0, len(rows), chunk):
+            part, starts = rows[i : i + chunk], [len(p) for p in prompts[i : i + chunk]]
+            # Padded on the right: a causal model's earlier positions do not see the padding.
+            ids = torch.nn.utils.rnn.pad_sequence(part, batch_first=True, padding_value=0)
+            lp = torch.log_softmax(model(input_ids=ids).logits.float()[:, :-1], -1)
+            lp = lp.gather(2, ids[:, 1:, None])[..., 0]  # position t scores character t + 1
+            pos = torch.arange(ids.shape[1] - 1)[None]
+            lengths = torch.tensor([r.numel() for r in part])[:, None]
+            scored = (pos >= torch.tensor(starts)[:, None] - 1) & (pos < lengths - 1)
+            out.append((lp * scored).sum(1))
     model.train(was_training)
-    return torch.stack(out)
+    return torch.cat(out)
 
 
 def sampled_accuracy(model: torch.nn.Module, problems: Sequence[Problem], seed: int) -> float:
