@@ -5,13 +5,17 @@ their options refused before any work when only half given."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
 from support.dependencies import require
 
 from lomo_kernels.tools import estimate as est
-from lomo_kernels.tools.cli import main
+from lomo_kernels.tools.argtypes import keyword_arguments
+from lomo_kernels.tools.cli import build_parser, main
 from lomo_kernels.tools.models import PRESETS, resolve_model
 
 GIB = 2**30
@@ -123,3 +127,40 @@ def test_half_a_kv_cache_is_refused_naming_both_options(capsys, given: list[str]
             ["estimate", "--model", "llama-3-8b", "--optimizer", "lomo", "--generation-batch", "-1"]
         )
     assert exc.value.code == 2
+
+
+# -- docs/preference_rl.md quotes the estimate: its command, its output and its table --------
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "preference_rl.md"
+
+
+def memory_section() -> str:
+    text = PAGE.read_text()
+    return text[text.index("## Memory: full-parameter GRPO") :]
+
+
+def test_the_documented_command_prints_the_documented_output(capsys) -> None:
+    section = memory_section()
+    command = re.search(r"```bash\n(lomo-kernels estimate [^\n]+)\n```", section).group(1)
+    quoted = re.search(r"```text\n(.*?)\n```", section, re.S).group(1)
+    assert main(shlex.split(command)[1:]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == quoted
+
+
+def test_the_documented_table_is_the_estimates() -> None:
+    """Each row: the command plus the row's options, its total and its verdicts at 24 and 80
+    GiB as the estimate gives them."""
+    section = memory_section()
+    command = re.search(r"```bash\n(lomo-kernels estimate [^\n]+)\n```", section).group(1)
+    base = shlex.split(command)[2:]
+    rows = re.findall(r"^\| (\(none[^|]*\)|`[^`|]+`) \|(.*)\|$", section, re.M)
+    assert len(rows) == 6
+    parser = build_parser()
+    for options, cells in rows:
+        added = [] if options.startswith("(none") else shlex.split(options.strip("`"))
+        *_, total, at24, at80 = (c.strip() for c in cells.split("|"))
+        args = parser.parse_args(["estimate", *base, *added])
+        kwargs = keyword_arguments(args, est.estimate)
+        for gib, verdict in ((24, at24), (80, at80)):
+            e = est.estimate(**{**kwargs, "gpu_mem_gib": gib})
+            assert f"{e.total_gib:.2f}" == total, options
+            assert e.fits == verdict.startswith("fits"), (options, gib)
