@@ -103,8 +103,8 @@ def pretrained_model(dtype: torch.dtype) -> torch.nn.Module:
     with torch.no_grad():
         for name, t in model.state_dict().items():
             t.copy_(state[name])
-    model.generation_config.pad_token_id = ord(PAD)
-    model.generation_config.eos_token_id = ord(EOS)
+    for config in (model.config, model.generation_config):  # the tokenizer's, for TRL
+        config.pad_token_id, config.eos_token_id = ord(PAD), ord(EOS)
     return model
 
 

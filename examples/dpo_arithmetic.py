@@ -3,14 +3,15 @@
     python examples/dpo_arithmetic.py [--steps 80] [--plot dpo.png]
 
 Pairs from the corpus's sums ("seven plus five is"): the right number word chosen
-(" twelve."), a wrong one rejected (drawn at random from the other number words, from a
-seed). TRL's DPOTrainer trains the pretrained character-level LLaMA (0.8M parameters,
+(" twelve."), a wrong one rejected (two per sum, drawn at random from the other number
+words, from a seed). TRL's DPOTrainer trains the pretrained character-level LLaMA (0.8M parameters,
 bench/data/, which has seen no sums) with `optim="lomo"` against a frozen copy of it as the
 reference, with gradient accumulation over two micro-batches per step. Each step's
 preference accuracy (the share of pairs whose chosen completion gets the larger DPO reward)
 and reward margin are printed and plotted where matplotlib is installed. Before and after,
-the held-out accuracy: on the sums the corpus holds out (never trained on), the share of
-pairs whose chosen completion the model itself makes more likely than the rejected one.
+the held-out accuracy, the share of pairs whose chosen completion the model itself makes
+more likely than the rejected one: on the sums the corpus holds out (never trained on), and
+on the training sums with wrong answers not trained on.
 Weights are bf16 where the CPU multiplies bf16 natively, fp32 elsewhere (`--dtype`).
 """
 
@@ -39,8 +40,9 @@ from arithmetic_common import (
 
 import lomo_kernels
 from bench.data.make_corpus import WORDS
+from lomo_kernels.tools.argtypes import positive_int
 
-LEARNING_RATE = 0.3
+LEARNING_RATE = 0.3  # of 0.3 and 1.0 at this batch, the steadier rise of the margin
 BETA = 0.1  # TRL's default
 
 
@@ -66,7 +68,7 @@ def held_out_accuracy(model: Any, rows: list[dict[str, str]]) -> float:
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=positive_int, default=80)
     parser.add_argument("--lr", type=float, default=LEARNING_RATE)
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         per_device_train_batch_size=16,
         gradient_accumulation_steps=2,
         beta=BETA,
+        dataloader_drop_last=True,  # every step the same number of pairs
     )
     lomo_kernels.enable_trl()
     try:
@@ -125,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{len(train_rows)} training pairs")  # fmt: skip
     print("preference accuracy per step\n  " + " ".join(f"{a:.2f}" for a in curves["accuracy"]))
     print("reward margin per step\n  " + " ".join(f"{m:.3f}" for m in curves["margin"]))
+    k = max(1, args.steps // 5)  # first and last fifth: one step's figure is noisy
+    for name, curve in curves.items():
+        start, end = sum(curve[:k]) / k, sum(curve[-k:]) / k
+        print(f"{name}: {start:.2f} over the first {k} step(s), {end:.2f} over the last {k}")
     print(f"held-out accuracy ({len(held_rows)} pairs on {len(held)} held-out sums): "
           f"{before:.2f} before, {after:.2f} after")  # fmt: skip
     print(f"unseen pairs on the training sums ({len(unseen)}): {before_unseen:.2f} before, "

@@ -3,9 +3,9 @@
     python examples/grpo_arithmetic.py [--steps 40] [--optimizers lomo,adamw] [--plot grpo.png]
 
 The pretrained character-level LLaMA (0.8M parameters, bench/data/) has seen comparisons and
-counting but no sums. A short supervised warm-up with Lomo on the task's sentences ("seven
-plus three is ten.", the sums up to six) makes its sampled answers right now and then; TRL's
-GRPOTrainer then trains it with `optim="lomo"` on the prompts ("seven plus three is"), eight
+counting but no sums. A short supervised warm-up with Lomo on the task's sentences ("two
+plus three is five.", the sums up to six) makes its sampled answers right now and then; TRL's
+GRPOTrainer then trains it with `optim="lomo"` on the prompts ("two plus three is"), eight
 completions per prompt, rewarded 1 for the right number word and 0 otherwise, and again from
 the same warmed-up weights with `optim="adamw_torch"` for comparison. Each step's mean reward
 (the share of right answers among that step's completions) is printed, and the curves are
@@ -35,9 +35,10 @@ from arithmetic_common import (
 )
 
 import lomo_kernels
+from lomo_kernels.tools.argtypes import positive_int, whole_number
 
-# Learning rates: Lomo's is the demo's (1.0, plain SGD clipped at 1.0) scaled down for the
-# policy gradient's noisier direction; AdamW's the demo's.
+# Learning rates: Lomo's from 0.3, 0.5 and 1.0 on this task (0.3 and 0.5 rose alike; 1.0, the
+# demo's supervised rate, collapsed the answers onto one number word); AdamW's the demo's.
 LEARNING_RATES = {"lomo": 0.3, "adamw": 1e-3}
 OPTIMS = {"lomo": "lomo", "adamw": "adamw_torch"}
 GENERATIONS = 8  # completions per prompt: the group GRPO normalises the reward within
@@ -51,8 +52,10 @@ def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="GRPO steps per optimizer")
-    parser.add_argument("--warm-up-steps", type=int, default=300, help="supervised, with Lomo")
+    parser.add_argument("--steps", type=positive_int, default=40, help="GRPO steps each")
+    parser.add_argument(
+        "--warm-up-steps", type=whole_number(0), default=300, help="supervised, with Lomo"
+    )
     parser.add_argument("--optimizers", default="lomo,adamw", help="lomo, adamw or both")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--lomo-lr", type=float, default=LEARNING_RATES["lomo"])
