@@ -148,22 +148,6 @@ def completion_log_probs(
     return torch.cat(out)
 
 
-def sampled_accuracy(model: torch.nn.Module, problems: Sequence[Problem], seed: int) -> float:
-    """The share of right answers among completions sampled at temperature 1 (the rule of
-    `correct`), one per problem, from `seed`."""
-    tok = char_tokenizer()
-    tok.padding_side = "left"
-    enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
-    was_training = model.training
-    model.eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=1.0)
-    model.train(was_training)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(correct(t, p.answer) for t, p in zip(texts, problems, strict=True)) / len(texts)
-
-
 class Clock:
     """Wall time and this process's CPU time (all threads) since it was made."""
 

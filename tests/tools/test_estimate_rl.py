@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.dependencies import require
+from support.models import causal_lm
 
 from lomo_kernels.tools import estimate as est
 from lomo_kernels.tools.argtypes import keyword_arguments
@@ -55,17 +56,11 @@ def test_llama_3_8b_kv_cache_by_hand() -> None:
 def test_kv_cache_is_what_transformers_fills(dtype: torch.dtype) -> None:
     """An awkward grouped-query LLaMA (5 layers, 6 heads over 2 KV heads of 12) run on 3 x 7
     tokens with the cache on: the bytes of every key and value tensor it keeps."""
-    transformers = require("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=72,
-        intermediate_size=100,
-        num_hidden_layers=5,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    require("transformers")
+    model = causal_lm(
+        "llama", dtype, num_hidden_layers=5, hidden_size=72, num_attention_heads=6,
+        num_key_value_heads=2, intermediate_size=100, vocab_size=50,
+    ).eval()  # fmt: skip
     batch, tokens = 3, 7
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 50, (batch, tokens)), use_cache=True)
@@ -74,7 +69,7 @@ def test_kv_cache_is_what_transformers_fills(dtype: torch.dtype) -> None:
         t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
     )
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    assert est.kv_cache_bytes(resolve_model(config), batch, tokens, precision) == held
+    assert est.kv_cache_bytes(resolve_model(model.config), batch, tokens, precision) == held
 
 
 @pytest.mark.parametrize(("gpus", "zero3"), [(1, False), (8, True)])
