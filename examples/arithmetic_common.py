@@ -36,7 +36,8 @@ from lomo_kernels import Lomo  # noqa: E402
 VOCAB = 128  # the character model's: ids are code points, 127 for anything above
 PAD, EOS = "\x00", "\n"  # a sentence ends with its line
 # GRPO's task: the corpus's sums whose result is at most this (28 sentences, 27 of them in
-# the fine-tuning split): few enough facts for the 0.8M-parameter model to pick up in seconds.
+# the fine-tuning split): few enough facts for the 0.8M-parameter model to pick up in a few
+# hundred steps.
 MAX_SUM = 6
 SEQ = 64  # the demo's window length
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
