@@ -79,6 +79,20 @@ sequence length of this model; it depends on the implementation it was measured 
 print the modelled figure (totals 101.83 / 51.62 / 14.21), and ``activations_gib=1.787``
 (``--activations-gib 1.787``) prints the paper's three totals.
 
+Preference and RL fine-tuning (TRL's DPO, GRPO, RLOO) add two terms, each its own line:
+KV cache
+    The key and value tensors generation keeps for every token of every sequence it
+    generates at once (``generation_batch`` sequences of ``generation_tokens`` tokens,
+    prompt and completion): 2 * layers * kv_heads * head_dim * p bytes per token (Llama-3-8B
+    in bf16: 2 * 32 * 8 * 128 * 2 = 128 KiB). Added to the total, an upper bound: in TRL's
+    generate-then-train loop the cache is freed before the training step's backward, so the
+    training peak alone is the total less this line; a generation engine of its own (vLLM)
+    holds its memory outside this model.
+Reference model
+    ``reference_model=True``: a frozen second copy of the weights in their dtype, N * p (DPO,
+    and GRPO/RLOO with ``beta > 0``; GRPO's default ``beta=0`` loads none), sharded like the
+    weights under ZeRO-3.
+
 ZeRO-3 (``zero3=True``) shards parameters, gradients and optimizer states over the GPUs and
 adds the gathered full copy of the largest parameter being computed with; with LOMO/AdaLomo
 the gradient of the largest tensor exists in full before it is reduce-scattered, so it is not
@@ -89,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -102,6 +117,7 @@ from .argtypes import (
     non_negative_float,
     positive_float,
     positive_int,
+    whole_number,
 )
 from .models import ModelShape, resolve_model
 
@@ -125,6 +141,8 @@ class Estimate:
     fits: bool
     gpu_mem_gib: float
     detail: dict[str, Any]
+    kv_cache_gib: float = 0.0
+    reference_model_gib: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,6 +222,20 @@ def optimizer_state_bytes(model: ModelShape, optimizer: str, precision: str = "m
     if opt == "lomo":
         return 0
     return adalomo_state_numel(model) * FP32
+
+
+def kv_cache_bytes_per_token(model: ModelShape, precision: str = "mixed") -> int:
+    """Generation's key and value cache per token: 2 x layers x kv_heads x head_dim x p."""
+    p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
+    head_dim = model.hidden_size // model.num_heads
+    return 2 * model.num_layers * model.num_kv_heads * head_dim * p
+
+
+def kv_cache_bytes(
+    model: ModelShape, generation_batch: int, generation_tokens: int, precision: str = "mixed"
+) -> int:
+    """The KV cache of `generation_batch` sequences of `generation_tokens` tokens each."""
+    return kv_cache_bytes_per_token(model, precision) * generation_batch * generation_tokens
 
 
 def layer_saved_bytes_per_token(model: ModelShape, act_bytes: int) -> int:
@@ -289,6 +321,17 @@ def activation_bytes(
     return peak + seq * rope_bytes_per_position(model, a)
 
 
+def generation_mismatch(generation_batch: int, generation_tokens: int) -> str | None:
+    """What is wrong when one of the KV cache's two sizes is given without the other."""
+    if (generation_batch > 0) == (generation_tokens > 0):
+        return None
+    return (
+        "the KV cache needs both --generation-batch (sequences generated at once) and "
+        f"--generation-tokens (prompt + completion tokens each), got {generation_batch} and "
+        f"{generation_tokens}: give both, or neither for no generation"
+    )
+
+
 def estimate(
     model: str | ModelShape | Any,
     optimizer: str,
@@ -304,6 +347,9 @@ def estimate(
     fused_head: bool = False,
     accumulation_steps: int = 1,
     accumulation_dtype: str = "param",
+    generation_batch: int = 0,
+    generation_tokens: int = 0,
+    reference_model: bool = False,
 ) -> Estimate:
     """Peak memory per GPU of fine-tuning `model` with `optimizer` (see the module docstring).
 
@@ -314,6 +360,9 @@ def estimate(
     accumulation_steps: micro-batches per step; above 1 a LOMO optimizer holds one buffer per
     parameter (of its shard under ZeRO-3), in the parameter's dtype ("param") or "fp32",
     counted with the gradients (AdamW and SGD accumulate into the gradients they hold anyway).
+    generation_batch, generation_tokens: sequences generated at once per GPU and tokens per
+    sequence (prompt + completion), for the generation's KV cache (both or neither).
+    reference_model: a frozen copy of the weights (DPO; GRPO and RLOO with beta > 0).
     """
     shape = resolve_model(model)
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -333,6 +382,12 @@ def estimate(
             f"accumulation_dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, "
             f"got {accumulation_dtype!r}"
         )
+    for name, value in (("generation_batch", generation_batch),
+                        ("generation_tokens", generation_tokens)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if mismatch := generation_mismatch(generation_batch, generation_tokens):
+        raise ValueError(mismatch)
     if activations_gib is not None and not is_finite_non_negative(activations_gib):
         raise ValueError(f"activations_gib must be a finite number >= 0, got {activations_gib}")
     p = PRECISIONS[precision]
@@ -353,7 +408,10 @@ def estimate(
     else:
         acts = float(activations_gib)
     parts = [params / GIB, grads / GIB, states / GIB, acts]
-    total = sum(parts)
+    kv_cache = kv_cache_bytes(shape, generation_batch, generation_tokens, precision) / GIB
+    reference = parameter_bytes(shape, precision) if reference_model else 0
+    reference = reference / (gpus if zero3 else 1) / GIB  # sharded like the weights
+    total = sum(parts) + kv_cache + reference
     detail = {
         "model": shape.name,
         "optimizer": opt,
@@ -369,6 +427,10 @@ def estimate(
         "accumulation_steps": accumulation_steps,
         "accumulation_buffer_gib": round(buffer / GIB, 2),
         "activations": "given" if activations_gib is not None else "modelled",
+        "generation_batch": generation_batch,
+        "generation_tokens": generation_tokens,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, precision),
+        "reference_model": reference_model,
     }
     return Estimate(
         *(round(x, 2) for x in parts),
@@ -376,6 +438,8 @@ def estimate(
         fits=total <= gpu_mem_gib,
         gpu_mem_gib=gpu_mem_gib,
         detail=detail,
+        kv_cache_gib=round(kv_cache, 2),
+        reference_model_gib=round(reference, 2),
     )
 
 
@@ -397,9 +461,16 @@ def format_estimate(est: Estimate) -> str:
         (gradients, est.gradients_gib),
         ("optimizer states", est.optimizer_states_gib),
         (f"activations ({d['activations']})", est.activations_gib),
-        ("total per GPU", est.total_gib),
     ]
-    lines = [setup] + [f"  {name:<32} {value:9.2f} GiB" for name, value in rows]
+    if d["reference_model"]:
+        rows.append(("reference model (frozen copy)", est.reference_model_gib))
+    if d["generation_batch"]:
+        per_token = d["kv_cache_bytes_per_token"] / 1024
+        tokens = f"{d['generation_batch']} x {d['generation_tokens']}"
+        rows.append((f"KV cache ({tokens}, {per_token:g} KiB/token)", est.kv_cache_gib))
+    rows.append(("total per GPU", est.total_gib))
+    width = max(32, *(len(name) for name, _ in rows))
+    lines = [setup] + [f"  {name:<{width}} {value:9.2f} GiB" for name, value in rows]
     verdict = "fits" if est.fits else "does NOT fit"
     lines.append(f"  {verdict} in {est.gpu_mem_gib:g} GiB per GPU")
     return "\n".join(lines)
@@ -452,10 +523,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="param",
         help="the accumulation buffer's dtype: the parameter's (default) or fp32",
     )
+    parser.add_argument(
+        "--generation-batch",
+        type=whole_number(0),
+        default=0,
+        help="RL: sequences generated at once per GPU, for the KV cache (with --generation-tokens)",
+    )
+    parser.add_argument(
+        "--generation-tokens",
+        type=whole_number(0),
+        default=0,
+        help="RL: tokens per generated sequence, prompt + completion (with --generation-batch)",
+    )
+    parser.add_argument(
+        "--reference-model",
+        action="store_true",
+        help="a frozen copy of the weights: DPO, and GRPO/RLOO with beta > 0",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def command(args: argparse.Namespace) -> int:
+    if mismatch := generation_mismatch(args.generation_batch, args.generation_tokens):
+        # Refused as a parse error would be: one line on stderr, exit status 2.
+        print(f"lomo-kernels estimate: error: {mismatch}", file=sys.stderr)
+        return 2
     est = estimate(**keyword_arguments(args, estimate))
     print(json.dumps(est.to_json()) if args.json else format_estimate(est))
     return 0
