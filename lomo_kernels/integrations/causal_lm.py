@@ -59,7 +59,7 @@ _UNPATCHED_FORWARD = "_lomo_kernels_unpatched_forward"
 # it then, else the class's forward.
 _INSTANCE_FORWARD = "_lomo_kernels_instance_forward"
 # (temperature, statistics) the patched forward's fused_lm_head=True answers with.
-_FUSED_HEAD = "_lomo_kernels_fused_head"
+_FUSED_HEAD = "_lomo_kernels_fused_head_request"
 DEFAULT_FUSED_HEAD = (1.0, ("entropy", "is_top1"))
 IGNORE_INDEX = -100
 

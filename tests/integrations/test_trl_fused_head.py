@@ -19,7 +19,7 @@ try:  # a test dependency, as in test_trl.py
     from test_trl import llama, logged
     from test_trl import trl as trl  # the fixture requiring TRL, shared
     from test_trl_preference import COMMON, RL, pairs, prompts, tokenizer
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from lomo_kernels.integrations.huggingface import in_backward_optimizer
 except ImportError:
@@ -153,6 +153,10 @@ class WatchedGRPO(Watched, GRPOTrainer if DPOTrainer else object):
     pass
 
 
+class WatchedRLOO(Watched, RLOOTrainer if DPOTrainer else object):
+    pass
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks and chunks of 64 vocabulary rows, so that a logits-free step's largest
@@ -191,13 +195,17 @@ def run(kind, tmp_path, optim, patch, **overrides):
             model = saved_llama(tmp_path / "start")
             if patch:
                 lomo_kernels.patch_causal_lm(model)
-            grpo = dict(RL, temperature=0.7, beta=0.04, top_entropy_quantile=0.5)
-            trainer = WatchedGRPO(
+            rl = dict(RL, temperature=0.7, beta=0.04)
+            if kind == "grpo":
+                rl["top_entropy_quantile"] = 0.5
+            config, trainer_class = {
+                "grpo": (GRPOConfig, WatchedGRPO),
+                "rloo": (RLOOConfig, WatchedRLOO),
+            }[kind]
+            trainer = trainer_class(
                 model=model,
                 reward_funcs=low_words,
-                args=GRPOConfig(
-                    **COMMON, output_dir=str(tmp_path), optim=optim, **grpo, **overrides
-                ),
+                args=config(**COMMON, output_dir=str(tmp_path), optim=optim, **rl, **overrides),
                 train_dataset=prompts(),
                 processing_class=tokenizer(VOCAB),
             )
@@ -207,11 +215,12 @@ def run(kind, tmp_path, optim, patch, **overrides):
     return model, trainer
 
 
-@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+@pytest.mark.parametrize("kind", ["dpo", "grpo", "rloo"])
 def test_patched_head_with_lomo_equals_trls_head_with_sgd_and_lomo(tmp_path, small_blocks, kind):
-    """DPO (reference model patched too) and GRPO (temperature 0.7, num_iterations=2,
-    steps_per_generation=4, beta > 0: a reference model TRL builds and the patch serves,
-    top_entropy_quantile=0.5: the entropies mask the loss), gradient_accumulation_steps=2,
+    """DPO (reference model patched too), GRPO and RLOO (temperature 0.7, num_iterations=2,
+    steps_per_generation=4, beta > 0: a reference model TRL builds and the patch serves;
+    GRPO with top_entropy_quantile=0.5: the entropies mask the loss),
+    gradient_accumulation_steps=2,
     clipped at 1.0: the patched run with Lomo gives the parameters of the unpatched run with
     optim="sgd" and with Lomo within the fused head's rounding (assert_steps_match: 4 ulps,
     or 1e-4 of the tensor's largest update), the losses and norms within LOSS_RTOL. The
