@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,7 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
 
 
 def _trainer(
+    folder: str,
     kind: str,
     config: str,
     model: str,
@@ -100,7 +102,7 @@ def _trainer(
     vocab = policy.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     common = dict(
-        output_dir="/tmp/bench_preference_rl",
+        output_dir=folder,
         optim="lomo" if config.endswith("lomo") else "adamw_torch",
         learning_rate=1e-5,
         max_grad_norm=1.0,
@@ -134,7 +136,7 @@ def _trainer(
             callbacks=[meter_callback],
         )
     # GRPO builds its reference model from the policy's config path: give it one on disk.
-    path = f"/tmp/bench_preference_rl/{config}_start"
+    path = f"{folder}/start"
     reference.save_pretrained(path)
     policy.config._name_or_path = path
     rows = [{"prompt": _words(gen, vocab, prompt)} for _ in range(batch * steps)]
@@ -192,14 +194,16 @@ def measure(
                 peaks.append(meter.peak() - baseline)
 
     lomo_kernels.enable_trl()
+    folder = tempfile.TemporaryDirectory(prefix="bench_preference_rl_")
     try:
         policy, trainer = _trainer(
-            kind, config, model, batch, prompt, completion, steps, PeakPerStep()
+            folder.name, kind, config, model, batch, prompt, completion, steps, PeakPerStep()
         )
         baseline = meter.current()
         trainer.train()
     finally:
         lomo_kernels.disable_trl()
+        folder.cleanup()
     return {
         "kind": kind,
         "config": config,
