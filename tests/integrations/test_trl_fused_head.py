@@ -209,6 +209,12 @@ def run(kind, tmp_path, optim, patch, **overrides):
                 train_dataset=prompts(),
                 processing_class=tokenizer(VOCAB),
             )
+        # Every gradient autograd computes for the head's weight (none when Lomo steps it
+        # from its vocabulary chunks inside the fused loss's backward).
+        trainer.head_gradients = []
+        model.lm_head.weight.register_hook(
+            lambda g: None if g is None else trainer.head_gradients.append(g.shape)
+        )
         trainer.train()
     finally:
         lomo_kernels.disable_trl()
@@ -224,8 +230,9 @@ def test_patched_head_with_lomo_equals_trls_head_with_sgd_and_lomo(tmp_path, sma
     clipped at 1.0: the patched run with Lomo gives the parameters of the unpatched run with
     optim="sgd" and with Lomo within the fused head's rounding (assert_steps_match: 4 ulps,
     or 1e-4 of the tensor's largest update), the losses and norms within LOSS_RTOL. The
-    head's .grad is never set and no step allocates a tokens x vocabulary matrix (TRL's
-    own head, unpatched, does: its logit tiles are tokens x 32768)."""
+    head's gradient is never computed (a hook on the weight never fires; unpatched it fires
+    each micro-batch), its .grad never set, and no step allocates a tokens x vocabulary
+    matrix (TRL's own head, unpatched, does: its logit tiles are tokens x 32768)."""
     model, trainer = run(kind, tmp_path / "fused", "lomo", patch=True)
     plain, plain_lomo = run(kind, tmp_path / "plain", "lomo", patch=False)
     reference, sgd = run(kind, tmp_path / "sgd", "sgd", patch=False)
@@ -243,6 +250,7 @@ def test_patched_head_with_lomo_equals_trls_head_with_sgd_and_lomo(tmp_path, sma
     if kind == "grpo":
         assert logged(trainer, "entropy") == pytest.approx(logged(sgd, "entropy"), rel=1e-5)
     assert model.lm_head.weight.grad is None
+    assert trainer.head_gradients == [] and len(plain_lomo.head_gradients) >= 4
     assert trainer.largest[0] < LOGITS_ELEMENTS <= plain_lomo.largest[0], (
         trainer.largest,
         plain_lomo.largest,
