@@ -77,7 +77,6 @@ def _keeping_patched_head(original: Callable[..., Any]) -> Callable[..., Any]:
         set_fused_head(model, temperature, tuple(outputs))
         return None  # the patched forward serves fused_lm_head=True itself
 
-    add_fused_lm_head.__wrapped__ = original  # type: ignore[attr-defined]
     return add_fused_lm_head
 
 
