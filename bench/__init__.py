@@ -30,6 +30,7 @@ STUDIES: dict[str, str] = {
     "compile": "a Lomo step's time: eager, compiled forward, compiled autograd",
     "head": "an LM head's loss, backward, update: fused, unfused, liger-kernel, cut-cross-entropy",
     "head_sweeps": "the fused head's backward: what one more sweep over the vocabulary costs",
+    "preference_rl": "peak memory of a TRL DPO and GRPO step: fused head + Lomo, TRL's head",
     "quality": "fine-tuning quality of bf16/fp16 weights: the share of the fp32-weights gain kept",
     "zero3": "ZeRO-3 on 2 ranks: per-rank peak memory and step time, ours against DeepSpeed's",
     "fsdp2": "FSDP2 on 2 ranks: per-rank peak memory and step time per optimizer",

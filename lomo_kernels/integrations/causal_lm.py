@@ -19,13 +19,15 @@ different loss.
 Called with ``fused_lm_head=True`` and labels (as TRL's trainers call a model given their own
 fused head), the patched forward returns per-token results instead of a mean loss
 (`TokenOutputs`): the log-probability of each label (through the fused loss, so
-differentiable, and the head stepped from its chunks as above), the label mask, and, for
-logging, each token's entropy and whether its label is the most likely token
-(`token_metrics.py`). TRL's SFTTrainer then keeps this head: patched after the trainer is
-built, the patched forward replaces TRL's; patched before, `lomo_kernels.enable_trl()` makes
-the trainer keep it (`trl_sft.py`). Anything else that wraps or replaces the patched forward
-so that the head's logits are formed the ordinary way is refused by Lomo/AdaLomo at the
-step, before any change (`optim/head_guard.py`).
+differentiable, and the head stepped from its chunks as above), the label mask, and, without
+gradient, the statistics TRL asks for (each token's entropy, whether its label is the most
+likely token, ``log(sum p^2)``, the mean logit: `token_metrics.py`), all at the temperature
+`set_fused_head` gave the model (1 unless told; divided inside the kernels' blocks). TRL's
+trainers then keep this head: patched after the trainer is built, the patched forward
+replaces TRL's; patched before, `lomo_kernels.enable_trl()` makes the trainer keep it and
+records the temperature and statistics it asks for (`trl_sft.py`). Anything else that wraps
+or replaces the patched forward so that the head's logits are formed the ordinary way is
+refused by Lomo/AdaLomo at the step, before any change (`optim/head_guard.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from ..ops.cross_entropy import causal_lm_loss, linear_cross_entropy
 from ..ops.embedding import embedding_rows
 from ..optim import head_guard
-from .token_metrics import token_metrics
+from .token_metrics import STATISTICS, token_statistics
 
 # Classes whose forward is "decoder -> lm_head -> ForCausalLMLoss" with nothing in between.
 SUPPORTED_CLASSES = (
@@ -56,7 +58,33 @@ _UNPATCHED_FORWARD = "_lomo_kernels_unpatched_forward"
 # Whether that forward was set on the instance (a wrapper's, e.g. TRL's): unpatching restores
 # it then, else the class's forward.
 _INSTANCE_FORWARD = "_lomo_kernels_instance_forward"
+# (temperature, statistics) the patched forward's fused_lm_head=True answers with.
+_FUSED_HEAD = "_lomo_kernels_fused_head_request"
+DEFAULT_FUSED_HEAD = (1.0, ("entropy", "is_top1"))
 IGNORE_INDEX = -100
+
+
+def set_fused_head(
+    model: torch.nn.Module, temperature: float = 1.0, outputs: tuple[str, ...] = ("log_probs",)
+) -> None:
+    """What ``model(..., labels=..., fused_lm_head=True)`` computes, as TRL's
+    ``add_fused_lm_head(model, temperature, outputs=...)`` asks: log-probabilities of the
+    labels under ``softmax(logits / temperature)``, and the per-token `outputs` among
+    ``log_probs`` and `token_metrics.STATISTICS` (the others are None). Refuses, by name,
+    a field it does not compute and a temperature that is not a finite positive number."""
+    unknown = [name for name in outputs if name != "log_probs" and name not in STATISTICS]
+    if unknown:
+        raise ValueError(
+            f"lomo_kernels.patch_causal_lm: the fused head does not compute {', '.join(unknown)} "
+            f"(it gives log_probs, {', '.join(STATISTICS)}); train this model with TRL's own "
+            "head: lomo_kernels.unpatch_causal_lm(model) before building the trainer"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"lomo_kernels: temperature must be a number, got {temperature!r}")
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"lomo_kernels: temperature must be finite and > 0, got {temperature}")
+    fields = tuple(name for name in STATISTICS if name in outputs)
+    setattr(model, _FUSED_HEAD, (float(temperature), fields))
 
 
 def _refusal(model: torch.nn.Module) -> str:
@@ -175,7 +203,9 @@ def _forward(
     # Through the head module's call, so that sharding engines' module hooks (ZeRO-3's
     # gather, FSDP's unshard) see the head used, in forward and in backward.
     if fused_lm_head:
-        result = _token_outputs(head, outputs, labels, shift_labels, num_items_in_batch)
+        temperature, fields = getattr(model, _FUSED_HEAD, DEFAULT_FUSED_HEAD)
+        per_token = dict(temperature=temperature, fields=fields)
+        result = _token_outputs(head, outputs, labels, shift_labels, num_items_in_batch, per_token)
     else:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -201,17 +231,20 @@ def _token_outputs(
     labels: torch.Tensor | None,
     shift_labels: torch.Tensor | None,
     num_items_in_batch: torch.Tensor | int | None,
+    per_token: dict[str, Any],
 ) -> Any:
     """`fused_lm_head=True`: per-token results, for positions ``[:, :-1]`` against
     ``labels[:, 1:]`` (every position against ``shift_labels`` when given), as TRL's trainers
-    read them."""
-    token_loss, entropy, is_top1, mask = head(
-        outputs.last_hidden_state, loss_labels=labels, shift_labels=shift_labels, per_token=True
+    read them; `per_token`: the temperature and statistics asked for."""
+    token_loss, stats, mask = head(
+        outputs.last_hidden_state,
+        loss_labels=labels,
+        shift_labels=shift_labels,
+        per_token=per_token,
     )
     if shift_labels is None:  # the last position predicts nothing
-        token_loss, entropy, is_top1, mask = (
-            t[:, :-1] for t in (token_loss, entropy, is_top1, mask)
-        )
+        token_loss, mask = token_loss[:, :-1], mask[:, :-1]
+        stats = {name: value[:, :-1] for name, value in stats.items()}
     log_probs = -token_loss  # 0 where the label is ignored
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):
@@ -219,9 +252,8 @@ def _token_outputs(
     return token_outputs_class()(
         loss=-log_probs.sum() / count,
         log_probs=log_probs,
-        entropy=entropy,
-        is_top1=is_top1,
         label_mask=mask,
+        **stats,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
@@ -237,14 +269,16 @@ def token_outputs_class() -> type:
     class TokenOutputs(ModelOutput):
         """The patched forward's result with ``fused_lm_head=True`` (field names as TRL's
         trainers read them). Per position: ``log_probs`` (of the label; 0 where ignored;
-        differentiable, through the fused loss), ``entropy`` and ``is_top1`` (no gradient;
-        0 / False where ignored), ``label_mask``. ``loss``: ``-log_probs.sum()`` over
-        ``num_items_in_batch``, or over the counted tokens. The per-token fields TRL's other
-        trainers may ask for (``log_sum_sq_probs``, ``mean_logits``) are not computed."""
+        differentiable, through the fused loss), the statistics asked for (`set_fused_head`;
+        no gradient; 0 / False where ignored; None when not asked for), ``label_mask``.
+        ``loss``: ``-log_probs.sum()`` over ``num_items_in_batch``, or over the counted
+        tokens. TRL's MoE ``aux_loss`` is not computed (no architecture patched has one)."""
 
         loss: torch.Tensor | None = None
         log_probs: torch.Tensor | None = None
         entropy: torch.Tensor | None = None
+        log_sum_sq_probs: torch.Tensor | None = None
+        mean_logits: torch.Tensor | None = None
         is_top1: torch.Tensor | None = None
         label_mask: torch.Tensor | None = None
         hidden_states: Any = None
@@ -262,8 +296,8 @@ def token_outputs_class() -> type:
     return TokenOutputs
 
 
-COMPUTED = ("loss", "log_probs", "entropy", "is_top1", "label_mask")
-NOT_COMPUTED = ("log_sum_sq_probs", "mean_logits")
+COMPUTED = ("loss", "log_probs", *STATISTICS, "label_mask")
+NOT_COMPUTED = ("aux_loss",)
 
 
 def _head_forward(
@@ -272,12 +306,13 @@ def _head_forward(
     loss_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
-    per_token: bool = False,
+    per_token: dict[str, Any] | None = None,
 ) -> Any:
     """The head's forward (applied to it): logits as before, or, given ``loss_labels`` or
-    ``shift_labels``, the fused causal-LM loss of its input; with ``per_token``, per position
-    (every one, the last included, against the shifted labels): the fp32 loss, entropy,
-    whether the label is the most likely token, and whether the label counts."""
+    ``shift_labels``, the fused causal-LM loss of its input; with ``per_token`` (a
+    temperature and the statistics' names), per position (every one, the last included,
+    against the shifted labels): the fp32 loss (the negated log-probability of the label),
+    the statistics (`token_statistics`), and whether the label counts."""
     if loss_labels is None and shift_labels is None:
         logits = torch.nn.functional.linear(hidden_states, head.weight)
         return head_guard.tag_requested_logits(logits)
@@ -286,11 +321,24 @@ def _head_forward(
             padded = torch.nn.functional.pad(loss_labels, (0, 1), value=IGNORE_INDEX)
             shift_labels = padded[..., 1:]
         shift_labels = shift_labels.to(hidden_states.device)
+        temperature = per_token["temperature"]
         token_loss = linear_cross_entropy(
-            hidden_states, head.weight, shift_labels, ignore_index=IGNORE_INDEX, reduction="none"
+            hidden_states,
+            head.weight,
+            shift_labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+            temperature=temperature,
         )
-        entropy, is_top1 = token_metrics(hidden_states, head.weight, shift_labels, IGNORE_INDEX)
-        return token_loss, entropy, is_top1, shift_labels != IGNORE_INDEX
+        stats = token_statistics(
+            hidden_states,
+            head.weight,
+            shift_labels,
+            IGNORE_INDEX,
+            temperature=temperature,
+            fields=per_token["fields"],
+        )
+        return token_loss, stats, shift_labels != IGNORE_INDEX
     return causal_lm_loss(
         hidden_states,
         head.weight,
@@ -330,6 +378,8 @@ def unpatch_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(model, _INSTANCE_FORWARD):
             delattr(model, _INSTANCE_FORWARD)
         delattr(model, _PATCHED)
+        if hasattr(model, _FUSED_HEAD):
+            delattr(model, _FUSED_HEAD)
         head_guard.unregister(model)
         for module, function in (
             (model.get_output_embeddings(), _head_forward),

@@ -1,66 +1,138 @@
-"""TRL's SFTTrainer with this package's optimizers and logits-free head.
+"""TRL's trainers with this package's optimizers and logits-free head.
 
     import lomo_kernels
-    lomo_kernels.enable_trl()                  # enable_transformers(), and the line below
+    lomo_kernels.enable_trl()                  # enable_transformers(), and the lines below
     model = lomo_kernels.patch_causal_lm(model)  # before or after building the trainer
     SFTTrainer(model=model, args=SFTConfig(..., optim="lomo"), ...).train()
+    # DPOTrainer, GRPOTrainer, RLOOTrainer alike
 
-SFTTrainer installs its own chunked head over ``model.forward`` (``add_fused_lm_head``) and
-asks the model for per-token log-probabilities with ``fused_lm_head=True``; that head forms
-the head's gradient the ordinary way. A model patched by `patch_causal_lm` answers
-``fused_lm_head=True`` itself, through the fused loss (`causal_lm.py`), so after
-`enable_trl()` the trainer keeps a patched model's forward instead of wrapping it. A model
-patched after the trainer was built needs nothing: the patched forward replaces TRL's. The
-entropy and token accuracy TRL logs come from the fused head (`token_metrics.py`).
+SFTTrainer, DPOTrainer, GRPOTrainer and RLOOTrainer install TRL's chunked head over
+``model.forward`` (``add_fused_lm_head(model, temperature, outputs=...)``) and ask the model
+for per-token log-probabilities with ``fused_lm_head=True``; that head
+(``ChunkedLogProbFunction``) reads the head weight and forms its gradient the ordinary way. A
+model patched by `patch_causal_lm` answers ``fused_lm_head=True`` itself, through the fused
+loss (`causal_lm.py`): after `enable_trl()` the trainers keep a patched model's forward
+instead of wrapping it, and the temperature and per-token statistics they ask for are
+recorded on it (`causal_lm.set_fused_head`): GRPO's and RLOO's temperature divides the logits
+inside the kernels' blocks; the entropy, token accuracy, mean logits and ``log(sum p^2)``
+come from the fused head's statistics pass (`token_metrics.py`). A reference model TRL scores
+(DPO's ``ref_model``, GRPO's/RLOO's with ``beta > 0``) is patched too when the policy is, so
+its log-probs are logits-free as well. A model patched after the trainer was built needs
+`set_fused_head` to get anything but temperature 1 (the patched forward replaces TRL's).
+
+What the fused head does not compute is refused by name when the trainer is built, before any
+change: the gradient of GRPO's entropy (``entropy_coef != 0`` or ``use_adaptive_entropy``:
+the fused head's entropy has no gradient), ``cast_lm_head_to_fp32`` (it replaces the head's
+forward), a reference model of an architecture `patch_causal_lm` refuses.
 
 Without `enable_trl()`, a model patched before the trainer was built is wrapped by TRL's head;
 Lomo and AdaLomo then refuse the first step, before any change (`optim/head_guard.py`).
-Only SFTTrainer keeps the patched head: TRL's other trainers ask the head for other values.
 
 DPOTrainer, GRPOTrainer and RLOOTrainer run with Lomo/AdaLomo and
 ``gradient_accumulation_steps > 1`` through transformers' path (`huggingface.py`): their
-losses go through ``accelerator.backward`` like SFT's. A model patched by `patch_causal_lm`
-is refused by them when the trainer builds its optimizer, before any change: they compute
-per-token log-probs through TRL's own chunked head (``ChunkedLogProbFunction``), which reads
-the head weight, so the patch would save nothing. KTOTrainer and DistillationTrainer are
-refused with Lomo/AdaLomo by name: their steps are not checked against torch's optimizers.
+losses go through ``accelerator.backward`` like SFT's. KTOTrainer and DistillationTrainer
+are refused with Lomo/AdaLomo by name: their steps are not checked against torch's
+optimizers.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from ..optim.head_guard import is_patched
+from .causal_lm import patch_causal_lm, set_fused_head
 from .huggingface import _patch, disable_transformers, enable_transformers
 
-
-def _keeping_patched_head(original: Callable[..., Any]) -> Callable[..., Any]:
-    def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_patched(model):
-            return original(model, *args, **kwargs)
-        temperature = kwargs.get("temperature", args[0] if args else 1.0)
-        if temperature != 1.0:
-            raise ValueError(
-                f"lomo_kernels: TRL asks the fused head for log-probabilities at temperature "
-                f"{temperature}; the patched head computes them at 1.0: train this model "
-                "unpatched (lomo_kernels.unpatch_causal_lm)"
-            )
-        return None  # the patched forward serves fused_lm_head=True itself
-
-    add_fused_lm_head.__wrapped__ = original  # type: ignore[attr-defined]
-    return add_fused_lm_head
-
-
-# TRL trainers whose per-token log-probs come from TRL's chunked head (a patched model refused).
-_OWN_HEAD_TRAINERS = ("DPOTrainer", "GRPOTrainer", "RLOOTrainer")
+# What a trainer asked TRL's head for, recorded on a model TRL's head serves (a reference
+# model patched later answers with it).
+_REQUEST = "_lomo_kernels_trl_head_request"
+# TRL's modules that import add_fused_lm_head by name.
+_HEAD_MODULES = ("sft_trainer", "dpo_trainer", "grpo_trainer", "rloo_trainer")
+# TRL trainers whose log-probs a patched model serves (SFTTrainer has no reference model).
+_SERVED_TRAINERS = ("DPOTrainer", "GRPOTrainer", "RLOOTrainer")
 # TRL trainers not checked with Lomo/AdaLomo (refused by name).
 _UNCHECKED_TRAINERS = ("KTOTrainer", "DistillationTrainer")
 
 
+def _keeping_patched_head(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def add_fused_lm_head(
+        model: Any,
+        temperature: float = 1.0,
+        cast_lm_head_to_fp32: bool = False,
+        outputs: tuple[str, ...] = ("log_probs",),
+    ) -> Any:
+        if not is_patched(model):
+            setattr(model, _REQUEST, (temperature, tuple(outputs)))
+            return original(model, temperature, cast_lm_head_to_fp32, outputs)
+        if cast_lm_head_to_fp32:
+            raise ValueError(
+                "lomo_kernels: cast_lm_head_to_fp32=True replaces the head's forward, which "
+                "patch_causal_lm made logits-free (the fused head accumulates its logits in "
+                "fp32 already): set cast_lm_head_to_fp32=False, or train this model "
+                "unpatched (lomo_kernels.unpatch_causal_lm). Nothing was changed."
+            )
+        set_fused_head(model, temperature, tuple(outputs))
+        return None  # the patched forward serves fused_lm_head=True itself
+
+    return add_fused_lm_head
+
+
+def _entropy_gradient_refusal(trainer: Any) -> str:
+    args = trainer.args
+    if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
+        return (
+            f"{type(trainer).__name__} with entropy_coef={args.entropy_coef} / "
+            f"use_adaptive_entropy={args.use_adaptive_entropy} differentiates the entropy, "
+            "and the fused head's entropy has no gradient: set entropy_coef=0 and "
+            "use_adaptive_entropy=False, or train this model unpatched "
+            "(lomo_kernels.unpatch_causal_lm(model))"
+        )
+    return ""
+
+
+def serve_trainer(trainer: Any) -> None:
+    """For a TRL trainer built around a model patched by `patch_causal_lm`: refuses by name
+    what the fused head does not compute, and patches the reference model TRL scores, with
+    the temperature and statistics the trainer asked for (module docstring)."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(policy, "get_base_model"):  # PEFT
+        policy = policy.get_base_model()
+    if not is_patched(policy):
+        return
+    reason = _entropy_gradient_refusal(trainer)
+    if reason:
+        raise ValueError(f"lomo_kernels: {reason}. Nothing was changed.")
+    ref = getattr(trainer, "ref_model", None)
+    if ref is None:
+        return
+    ref = trainer.accelerator.unwrap_model(ref)
+    if not is_patched(ref):
+        try:
+            patch_causal_lm(ref)
+        except ValueError as error:
+            raise ValueError(
+                f"lomo_kernels: {type(trainer).__name__}'s reference model cannot be scored by "
+                f"the fused head ({error}); pass a reference model of the policy's "
+                "architecture, or train the policy unpatched. Nothing was changed."
+            ) from None
+        set_fused_head(ref, *getattr(ref, _REQUEST, (1.0, ("log_probs",))))
+
+
+def _serving_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        serve_trainer(self)
+
+    return __init__
+
+
 def check_trl_trainer(trainer: Any) -> None:
-    """Refuses, before the optimizer is built, what a TRL trainer other than SFTTrainer
-    cannot run with Lomo/AdaLomo (module docstring)."""
+    """Refuses, before the optimizer is built, the TRL trainers not checked with Lomo/AdaLomo
+    (module docstring)."""
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)  # an OptimizerNames
     if optim not in ("lomo", "adalomo"):
         return
@@ -71,14 +143,6 @@ def check_trl_trainer(trainer: Any) -> None:
                 f"lomo_kernels: {name} (a {base.__name__}) with optim={optim!r}"
                 " is not supported: its steps are not checked against torch's optimizers. "
                 "Use DPOTrainer, GRPOTrainer, RLOOTrainer or SFTTrainer. Nothing was changed."
-            )
-        if base.__name__ in _OWN_HEAD_TRAINERS and is_patched(trainer.model):
-            raise ValueError(
-                f"lomo_kernels: {name} computes per-token log-probs through TRL's own chunked "
-                "head (ChunkedLogProbFunction), which reads the head weight, so a model patched "
-                "by patch_causal_lm would form the head's gradient the ordinary way: train "
-                "this model unpatched (lomo_kernels.unpatch_causal_lm(model)); Lomo/AdaLomo "
-                "and gradient accumulation still run. Nothing was changed."
             )
 
 
@@ -91,15 +155,21 @@ def _checked_create_optimizer(original: Callable[..., Any]) -> Callable[..., Any
 
 
 def enable_trl() -> None:
-    """`enable_transformers()`, and TRL's SFTTrainer keeps the forward of a model patched by
-    `patch_causal_lm` (module docstring). Idempotent; `disable_trl()` undoes both."""
-    from trl.trainer import sft_trainer
+    """`enable_transformers()`, and TRL's SFT, DPO, GRPO and RLOO trainers keep the forward of
+    a model patched by `patch_causal_lm` (module docstring). Idempotent; `disable_trl()`
+    undoes both."""
+    import importlib
 
-    enable_transformers()
-    _patch(sft_trainer, "add_fused_lm_head", _keeping_patched_head(sft_trainer.add_fused_lm_head))
     import trl
 
-    for name in _OWN_HEAD_TRAINERS + _UNCHECKED_TRAINERS:
+    enable_transformers()
+    for name in _HEAD_MODULES:
+        module = importlib.import_module(f"trl.trainer.{name}")
+        _patch(module, "add_fused_lm_head", _keeping_patched_head(module.add_fused_lm_head))
+    for name in _SERVED_TRAINERS:
+        cls = getattr(trl, name)
+        _patch(cls, "__init__", _serving_init(cls.__init__))
+    for name in _SERVED_TRAINERS + _UNCHECKED_TRAINERS:
         cls = getattr(trl, name)
         _patch(cls, "create_optimizer", _checked_create_optimizer(cls.create_optimizer))
 

@@ -255,8 +255,9 @@ def test_unpatching_restores_trls_head_and_other_fields_are_named(tmp_path):
     ids = torch.tensor([[5, 6, 7, 8]])
     out = model(input_ids=ids, labels=ids, fused_lm_head=True)
     assert out.log_probs.shape == (1, 3) and out.label_mask.all()
-    with pytest.raises(AttributeError, match="does not compute mean_logits"):
-        _ = out.mean_logits
+    assert out.mean_logits is None  # not asked for, as TRL's head
+    with pytest.raises(AttributeError, match="does not compute aux_loss"):
+        _ = out.aux_loss
     lomo_kernels.unpatch_causal_lm(model)
     assert model.forward == trls_forward  # TRL's wrapper again, as before patching
     assert trainer.model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
@@ -272,8 +273,13 @@ def test_enable_trl_keeps_only_a_patched_head_and_disable_restores_trl():
         patched = model.forward
         sft_trainer.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
         assert model.forward is patched
-        with pytest.raises(ValueError, match="temperature 0.7"):
-            sft_trainer.add_fused_lm_head(model, temperature=0.7)
+        sft_trainer.add_fused_lm_head(model, temperature=0.7)  # recorded, served
+        assert model.forward is patched
+        ids = torch.tensor([[5, 6, 7, 8]])
+        cold = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+        sft_trainer.add_fused_lm_head(model)
+        warm = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+        assert not torch.allclose(cold, warm)
         plain = llama()
         sft_trainer.add_fused_lm_head(plain)
         assert "forward" in vars(plain)  # TRL's head on an unpatched model, as without us

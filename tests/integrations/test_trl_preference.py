@@ -1,13 +1,12 @@
 """TRL's DPOTrainer, GRPOTrainer and RLOOTrainer with Lomo and gradient accumulation against
-the same trainers with torch's SGD; a patched model and the unchecked trainers refused by
-name before any change."""
+the same trainers with torch's SGD; the unchecked trainers refused by name before any change
+(a patched model in these trainers: test_trl_fused_head.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from support.models import max_rel_diff
-from support.state import same_bits, snapshot
 
 import lomo_kernels
 
@@ -140,21 +139,6 @@ def test_adalomo_trains_dpo_and_grpo_with_accumulation(tmp_path, kind):
     opt = in_backward_optimizer(trainer.optimizer)
     assert type(opt).__name__ == "AdaLomo" and opt.step_count == STEPS
     assert max_rel_diff(model, llama()) > 1e-4
-
-
-@pytest.mark.parametrize("kind", ["dpo", "grpo"])
-def test_a_patched_model_is_refused_by_name_before_any_change(tmp_path, kind):
-    """DPO and GRPO read the head weight in TRL's own chunked log-prob function: refused
-    when the optimizer is built, naming the trainer and unpatch_causal_lm."""
-    lomo_kernels.enable_trl()
-    try:
-        model, trainer = build(kind, tmp_path, "lomo", patch=True)
-        before = snapshot(model)
-        with pytest.raises(ValueError, match=rf"{kind.upper()}Trainer.*unpatch_causal_lm"):
-            trainer.train()
-        assert same_bits(before, snapshot(model))
-    finally:
-        lomo_kernels.disable_trl()
 
 
 def test_kto_trainer_is_refused_by_name(tmp_path):

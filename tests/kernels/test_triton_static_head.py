@@ -39,6 +39,8 @@ for arch in (80, 90):
                     signature[p.name] = "constexpr"
                 elif p.name in SCALARS:
                     signature[p.name] = "i32"
+                elif p.name == "temperature":
+                    signature[p.name] = "fp32"
                 elif p.name in ("hidden_ptr", "weight_ptr"):
                     signature[p.name] = "*" + name
                 elif p.name == "labels_ptr":

@@ -1,11 +1,12 @@
 """Fused linear + cross-entropy against the float64 specification and the unfused torch path.
 
 Error model (u = 2**-24, fp32 accumulation; inputs are exact in fp32): a logit is a dot
-product over the hidden width H, so it is off by at most H*u*A[t,v] with A = |h| @ |W|.T; the
+product over the hidden width H divided by the temperature T, so it is off by at most
+(H+1)*u*A[t,v] with A = |h| @ |W|.T / T; the
 log-sum-exp adds at most (V+8)*u*max(1, |lse|) (V terms summed, exp/log rounding), so every
 probability p is off by at most p*eps[t], eps[t] = 2*H*u*max_v A[t,v] + (V+8)*u*max(1,|lse|).
 A gradient is a sum over V (d_hidden) or N (the weight) of products with the logit gradient
-DL = g*(p - onehot): its error is at most |g|*eps*(P @ |W|) + (V+H)*u*(|DL| @ |W|) (and
+DL = g*(p - onehot)/T: its error is at most |g|*eps*(P @ |W|) + (V+H)*u*(|DL| @ |W|) (and
 alike for the weight), plus half an ulp of the output dtype. The tests assert these bounds
 elementwise; they are first-order and loose by orders of magnitude on random data, but a
 wrong block boundary, a missed tile or a stale log-sum-exp exceeds them at once.
@@ -54,15 +55,15 @@ def _problem(tokens: int, width: int, vocab: int, dtype: torch.dtype, seed: int 
     return hidden, weight, labels, grad
 
 
-def _error_scales(hidden, weight, labels, grad):
+def _error_scales(hidden, weight, labels, grad, temperature=1.0):
     """eps[t] (relative error of each probability) and the float64 magnitudes of the model."""
     h, w = hidden.double(), weight.double()
     vocab, width = weight.shape
-    mag = h.abs() @ w.abs().T
-    _, lse = ref.forward(hidden, weight, labels, IGNORE)
-    eps = 2 * width * U32 * mag.amax(dim=1) + (vocab + 8) * U32 * lse.abs().clamp_min(1.0)
-    probs = torch.softmax(h @ w.T, dim=1)
-    counted = torch.where(labels != IGNORE, grad, 0.0)
+    mag = h.abs() @ w.abs().T / temperature
+    _, lse = ref.forward(hidden, weight, labels, IGNORE, temperature)
+    eps = 2 * (width + 1) * U32 * mag.amax(dim=1) + (vocab + 8) * U32 * lse.abs().clamp_min(1.0)
+    probs = torch.softmax(h @ w.T / temperature, dim=1)
+    counted = torch.where(labels != IGNORE, grad, 0.0) / temperature
     dl = probs.clone()
     rows = torch.nonzero(labels != IGNORE).squeeze(1)
     dl[rows, labels[rows]] -= 1.0
@@ -79,15 +80,22 @@ def _assert_bounded(out, ref64, bound, dtype, what):
     assert worst <= 1.0, f"{what}: error {worst:.3g}x its bound"
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.9])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(37, 40, 333), (1, 24, 50), (70, 16, 200)])
-def test_forward_and_backward_match_float64(kernels, dtype, shape, monkeypatch):
+def test_forward_and_backward_match_float64(kernels, dtype, shape, temperature, monkeypatch):
+    """Against the float64 specification, and its lse and loss against torch's float64
+    log_softmax of the logits over the temperature (an independent formula)."""
     tokens, width, vocab = shape
     hidden, weight, labels, grad = _problem(tokens, width, vocab, dtype)
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 100 * width)  # several vocabulary chunks
-    loss, lse = kernels.forward(hidden, weight, labels, IGNORE)
-    loss64, lse64 = ref.forward(hidden, weight, labels, IGNORE)
-    eps, mag, weighted_p, dl = _error_scales(hidden, weight, labels, grad)
+    loss, lse = kernels.forward(hidden, weight, labels, IGNORE, temperature)
+    loss64, lse64 = ref.forward(hidden, weight, labels, IGNORE, temperature)
+    log_probs = torch.log_softmax(hidden.double() @ weight.double().T / temperature, dim=1)
+    counted = labels != IGNORE
+    picked = log_probs.gather(1, torch.where(counted, labels, 0)[:, None]).squeeze(1)
+    torch.testing.assert_close(loss64, torch.where(counted, -picked, 0.0), rtol=1e-12, atol=1e-12)
+    eps, mag, weighted_p, dl = _error_scales(hidden, weight, labels, grad, temperature)
     _assert_bounded(lse, lse64, eps, torch.float32, "lse")
     _assert_bounded(loss, loss64, eps, torch.float32, "loss")
     assert bool((loss[labels == IGNORE] == 0).all())
@@ -97,9 +105,9 @@ def test_forward_and_backward_match_float64(kernels, dtype, shape, monkeypatch):
     def sink(start: int, stop: int, chunk: torch.Tensor) -> None:
         d_weight[start:stop] = chunk
 
-    args = (grad.float(), hidden, weight, labels, lse, IGNORE)
+    args = (grad.float(), hidden, weight, labels, lse, IGNORE, temperature)
     d_hidden = lce.backward_by_chunks(args, sink, kernels=kernels)
-    dh64, dw64 = ref.backward(grad, hidden, weight, labels, IGNORE)
+    dh64, dw64 = ref.backward(grad, hidden, weight, labels, IGNORE, temperature)
     w_abs, h_abs = weight.double().abs(), hidden.double().abs()
     dh_bound = weighted_p @ w_abs + (vocab + width) * U32 * (dl @ w_abs)
     dw_bound = weighted_p.T @ h_abs + (tokens + width) * U32 * (dl.T @ h_abs)
@@ -111,10 +119,10 @@ def test_forward_and_backward_match_float64(kernels, dtype, shape, monkeypatch):
 def test_all_ignored_rows_give_zero_loss_and_gradients(kernels):
     hidden, weight, labels, grad = _problem(20, 16, 70, torch.float32)
     labels[:] = IGNORE
-    loss, lse = kernels.forward(hidden, weight, labels, IGNORE)
+    loss, lse = kernels.forward(hidden, weight, labels, IGNORE, 1.0)
     assert bool((loss == 0).all()) and bool(torch.isfinite(lse).all())
     chunks = []
-    args = (grad.float(), hidden, weight, labels, lse, IGNORE)
+    args = (grad.float(), hidden, weight, labels, lse, IGNORE, 1.0)
     d_hidden = lce.backward_by_chunks(
         args, lambda a, b, c: chunks.append(c.clone()), kernels=kernels
     )
@@ -127,8 +135,8 @@ def test_skipped_outputs_leave_the_others_bit_identical(kernels, monkeypatch):
     both kernels add in a fixed order)."""
     hidden, weight, labels, grad = _problem(20, 16, 150, torch.float32)
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 32 * 16)  # 150 rows: 4 x 32 + 22
-    _, lse = kernels.forward(hidden, weight, labels, IGNORE)
-    args = (grad.float(), hidden, weight, labels, lse, IGNORE)
+    _, lse = kernels.forward(hidden, weight, labels, IGNORE, 0.7)
+    args = (grad.float(), hidden, weight, labels, lse, IGNORE, 0.7)
     chunks, alone = [], []
     both = lce.backward_by_chunks(args, lambda a, b, c: chunks.append(c.clone()), kernels)
     only_hidden = lce.backward_by_chunks(args, None, kernels)
@@ -185,6 +193,30 @@ def test_bad_input_is_refused_with_its_name():
         lce.linear_cross_entropy(hidden, weight, torch.full((5,), 20))
     with pytest.raises(ValueError, match="reduction"):
         lce.linear_cross_entropy(hidden, weight, labels, reduction="avg")
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="temperature must be"):
+            lce.linear_cross_entropy(hidden, weight, labels, temperature=bad)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 2.5])
+def test_temperature_through_autograd_matches_float64_log_softmax(temperature):
+    """The public function at a temperature, through autograd: per-token loss and both
+    gradients against torch's float64 log_softmax of the logits over the temperature
+    (64 u of each result's largest magnitude, as the unfused comparison below)."""
+    hidden, weight, labels, grad = _problem(29, 24, 301, torch.float32, seed=3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = lce.linear_cross_entropy(h, w, labels, reduction="none", temperature=temperature)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.T / temperature, dim=1)
+    counted = labels != IGNORE
+    ref_loss = torch.where(counted, -logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    torch.testing.assert_close(
+        fused.double(), ref_loss.detach(), rtol=0, atol=64 * U32 * ref_loss.abs().max().item()
+    )
+    (fused * grad.float()).sum().backward()
+    (ref_loss * grad).sum().backward()
+    for a, b in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=64 * U32 * b.abs().max().item())
 
 
 def test_compiles_in_one_graph():

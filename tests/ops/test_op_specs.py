@@ -192,7 +192,7 @@ def test_ops_returning_tensors_are_declared_once():
         assert [r.name for r in schema.returns] == list(spec.returns), spec.name
         assert not any(a.alias_info for a in schema.arguments), spec.name
     assert cross_entropy.FORWARD.schema() == (
-        "(Tensor hidden, Tensor weight, Tensor labels, int ignore_index) "
+        "(Tensor hidden, Tensor weight, Tensor labels, int ignore_index, float temperature) "
         "-> (Tensor loss, Tensor lse)"
     )
 

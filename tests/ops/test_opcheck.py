@@ -134,10 +134,10 @@ def test_cross_entropy_ops() -> None:
         weight = torch.randn(41, 16, generator=gen).to(dtype).requires_grad_()
         labels = torch.randint(0, 41, (9,), generator=gen)
         labels[2] = -100
-        torch.library.opcheck(lce._forward_op, (hidden, weight, labels, -100))
-        _, lse = lce._forward_op(hidden.detach(), weight.detach(), labels, -100)
+        torch.library.opcheck(lce._forward_op, (hidden, weight, labels, -100, 0.7))
+        _, lse = lce._forward_op(hidden.detach(), weight.detach(), labels, -100, 0.7)
         grad = torch.rand(9, generator=gen)
-        args = (grad, hidden.detach(), weight.detach(), labels, lse, -100)
+        args = (grad, hidden.detach(), weight.detach(), labels, lse, -100, 0.7)
         torch.library.opcheck(lce._backward_op, args)
 
 

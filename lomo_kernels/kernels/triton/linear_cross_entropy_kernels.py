@@ -5,7 +5,9 @@ Logit tiles ``[BLOCK_T tokens x BLOCK_V vocabulary rows]`` are built with ``tl.d
 hidden width in ``BLOCK_K`` steps, in fp32 accumulators, and never leave the program. The
 forward walks the whole vocabulary per token tile with an online log-sum-exp. The backward
 recomputes one tile per program from the saved log-sum-exp and adds its products into fp32
-``d_hidden`` and weight-gradient buffers with atomic adds.
+``d_hidden`` and weight-gradient buffers with atomic adds. Each tile of logits is divided by
+the temperature as soon as it is built (the backward's tile gradient then carries its
+``1 / temperature``).
 
 On the GPU the inputs are loaded in their own dtype and multiplied by the tensor cores (fp32
 inputs in IEEE fp32, no TF32); under the interpreter bf16 travels as int16 bits and is
@@ -73,7 +75,7 @@ def _logit_tile(
 @triton.jit
 def forward_kernel(
     hidden_ptr, weight_ptr, labels_ptr, loss_ptr, lse_ptr,
-    n_tokens, n_vocab, width, stride_h, stride_w, ignore_index,
+    n_tokens, n_vocab, width, stride_h, stride_w, ignore_index, temperature,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     KIND: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
@@ -88,7 +90,7 @@ def forward_kernel(
             hidden_ptr, weight_ptr, offs_t, offs_v, n_tokens, n_vocab, width, stride_h,
             stride_w, BLOCK_T, BLOCK_V, BLOCK_K, KIND, NATIVE,
         )  # fmt: skip
-        logits = tl.where(offs_v[None, :] < n_vocab, logits, float("-inf"))
+        logits = tl.where(offs_v[None, :] < n_vocab, logits / temperature, float("-inf"))
         new_max = tl.maximum(running_max, tl.reduce(logits, 1, _MAX))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.reduce(
             tl.exp(logits - new_max[:, None]), 1, _SUM
@@ -105,7 +107,7 @@ def forward_kernel(
 @triton.jit
 def backward_kernel(
     grad_ptr, hidden_ptr, weight_ptr, labels_ptr, lse_ptr, d_hidden_ptr, d_weight_ptr,
-    n_tokens, n_vocab, width, vocab_start, stride_h, stride_w,
+    n_tokens, n_vocab, width, vocab_start, stride_h, stride_w, temperature,
     WITH_D_HIDDEN: tl.constexpr, WITH_D_WEIGHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     KIND: tl.constexpr, NATIVE: tl.constexpr,
@@ -121,8 +123,9 @@ def backward_kernel(
         hidden_ptr, weight_ptr, offs_t, offs_v, n_tokens, n_vocab, width, stride_h, stride_w,
         BLOCK_T, BLOCK_V, BLOCK_K, KIND, NATIVE,
     )  # fmt: skip
+    logits = logits / temperature
     lse = tl.load(lse_ptr + offs_t, mask=t_ok, other=0.0)
-    grad = tl.load(grad_ptr + offs_t, mask=t_ok, other=0.0)
+    grad = tl.load(grad_ptr + offs_t, mask=t_ok, other=0.0) / temperature
     labels = tl.load(labels_ptr + offs_t, mask=t_ok, other=-1) - vocab_start
     probs = tl.exp(logits - lse[:, None])
     probs = tl.where(offs_v[None, :] == labels[:, None], probs - 1.0, probs)

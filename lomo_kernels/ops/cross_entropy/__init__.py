@@ -4,7 +4,10 @@
     linear_cross_entropy   loss of a linear head (mean / sum / per token), differentiable
     causal_lm_loss         transformers' causal-LM loss (shift, ignore_index, num_items_in_batch)
 
-Two ops (``lomo_kernels::linear_cross_entropy_forward`` / ``_backward``). The forward keeps
+Two ops (``lomo_kernels::linear_cross_entropy_forward`` / ``_backward``). Their logits are
+``(hidden @ weight.T) / temperature`` (1 for a loss; sampling's temperature for the
+log-probabilities TRL's GRPO and RLOO score completions with), divided inside each block of
+the kernels, so nothing the size of the logits is ever scaled. The forward keeps
 one fp32 log-sum-exp per token; the backward recomputes the logits block by block, walking
 the vocabulary in chunks: each chunk's weight gradient is complete when the chunk is done,
 and goes either into ``weight.grad``'s buffer or, when an in-backward optimizer owns the
@@ -19,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...core.checks import check_finite
 from ...core.spec import Arg, OpSpec
 from ..backends import linear_cross_entropy_kernels
 from ..definition import define_returning
@@ -30,8 +34,11 @@ CHUNK_ELEMENTS = 16 * 2**20
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 ChunkSink = Callable[[int, int, torch.Tensor], None]
-# The backward op's arguments: (grad_loss, hidden, weight, labels, lse, ignore_index).
-BackwardArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+# The backward op's arguments: (grad_loss, hidden, weight, labels, lse, ignore_index,
+# temperature).
+BackwardArgs = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float
+]
 
 
 def chunk_rows(vocab: int, hidden: int) -> int:
@@ -52,8 +59,9 @@ def backward_by_chunks(
     """``d_hidden`` (in hidden's dtype; None when not `with_d_hidden`); each vocabulary
     chunk's complete fp32 weight gradient is handed to ``sink(start, stop, grad)`` as soon as
     it exists, then reused. ``sink`` None: the weight gradient's products are skipped.
-    `args`: the backward op's ``(grad_loss, hidden, weight, labels, lse, ignore_index)``."""
-    grad_loss, hidden, weight, labels, lse, ignore_index = args
+    `args`: the backward op's ``(grad_loss, hidden, weight, labels, lse, ignore_index,
+    temperature)``."""
+    grad_loss, hidden, weight, labels, lse, ignore_index, temperature = args
     kernels = kernels or linear_cross_entropy_kernels(hidden.device)
     counted_grad = torch.where(labels != ignore_index, grad_loss.float(), 0.0)
     d_hidden = None
@@ -68,7 +76,15 @@ def backward_by_chunks(
         stop = min(start + rows, vocab)
         chunk_grad = None if buffer is None else buffer[: stop - start]
         kernels.backward_chunk(
-            counted_grad, hidden, weight[start:stop], labels, lse, start, d_hidden, chunk_grad
+            counted_grad,
+            hidden,
+            weight[start:stop],
+            labels,
+            lse,
+            start,
+            d_hidden,
+            chunk_grad,
+            temperature,
         )
         if sink is not None:
             sink(start, stop, chunk_grad)
@@ -76,10 +92,15 @@ def backward_by_chunks(
 
 
 def forward_impl(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward op's implementation: (per-token fp32 loss, log-sum-exp)."""
-    return linear_cross_entropy_kernels(hidden.device).forward(hidden, weight, labels, ignore_index)
+    kernels = linear_cross_entropy_kernels(hidden.device)
+    return kernels.forward(hidden, weight, labels, ignore_index, temperature)
 
 
 def backward_impl(
@@ -89,6 +110,7 @@ def backward_impl(
     labels: torch.Tensor,
     lse: torch.Tensor,
     ignore_index: int,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward op's implementation: (d_hidden, the head's weight gradient)."""
     d_weight = torch.empty_like(weight)
@@ -96,7 +118,7 @@ def backward_impl(
     def write(start: int, stop: int, grad: torch.Tensor) -> None:
         d_weight[start:stop].copy_(grad)
 
-    args = (grad_loss, hidden, weight, labels, lse, ignore_index)
+    args = (grad_loss, hidden, weight, labels, lse, ignore_index, temperature)
     d_hidden = backward_by_chunks(args, write)
     return d_hidden, d_weight
 
@@ -111,23 +133,24 @@ FORWARD = OpSpec(
         Arg("weight", "tensor"),
         Arg("labels", "tensor"),
         Arg("ignore_index", "const"),
+        Arg("temperature", "hyper", rule="positive"),
     ),
     returns=("loss", "lse"),
 )
 BACKWARD = OpSpec(
     "linear_cross_entropy_backward",
     "backward",
-    (Arg("grad_loss", "tensor"), *FORWARD.args[:3], Arg("lse", "tensor"), FORWARD.args[3]),
+    (Arg("grad_loss", "tensor"), *FORWARD.args[:3], Arg("lse", "tensor"), *FORWARD.args[3:]),
     returns=("d_hidden", "d_weight"),
 )
 
 
-def _forward_fake(hidden, weight, labels, ignore_index):
+def _forward_fake(hidden, weight, labels, ignore_index, temperature):
     loss = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     return loss, torch.empty_like(loss)
 
 
-def _backward_fake(grad_loss, hidden, weight, labels, lse, ignore_index):
+def _backward_fake(grad_loss, hidden, weight, labels, lse, ignore_index, temperature):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
@@ -136,18 +159,19 @@ _backward_op = define_returning(BACKWARD, backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, ignore_index = inputs
+    hidden, weight, labels, ignore_index, temperature = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
     ctx.ignore_index = ignore_index
+    ctx.temperature = temperature
 
 
 def _backward(ctx, grad_loss, _grad_lse):
     hidden, weight, labels, lse = ctx.saved_tensors
-    args = (grad_loss, hidden, weight, labels, lse, ctx.ignore_index)
+    args = (grad_loss, hidden, weight, labels, lse, ctx.ignore_index, ctx.temperature)
     d_hidden, d_weight = head_backward(
         args, ctx.needs_input_grad[1], _backward_op, backward_by_chunks
     )
-    return d_hidden, d_weight, None, None
+    return d_hidden, d_weight, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -203,13 +227,17 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     num_items_in_batch: torch.Tensor | int | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=..., reduction=...)``
-    without the logits: ``hidden`` is ``(..., width)``, ``weight`` ``(vocab, width)``, ``labels``
+    """``F.cross_entropy((hidden @ weight.T).float() / temperature, labels, ...)`` without the
+    logits: ``hidden`` is ``(..., width)``, ``weight`` ``(vocab, width)``, ``labels``
     ``hidden.shape[:-1]``. ``reduction``: "mean" (over counted tokens; nan when none is
-    counted, as torch), "sum", or "none" (per token, fp32). With ``num_items_in_batch`` the
-    sum is divided by it instead (transformers' gradient-accumulation convention)."""
+    counted, as torch), "sum", or "none" (per token, fp32: the negated log-probability of
+    each label). With ``num_items_in_batch`` the sum is divided by it instead (transformers'
+    gradient-accumulation convention). ``temperature`` (> 0) divides the logits inside each
+    block (sampling's temperature)."""
     _check(hidden, weight, labels)
+    check_finite("temperature", temperature, positive=True)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(
             f"lomo_kernels: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
@@ -217,7 +245,11 @@ def linear_cross_entropy(
     flat_labels = labels.reshape(-1).to(torch.int64)
     _check_label_range(flat_labels, weight.shape[0], ignore_index)
     loss, _lse = _forward_op(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_labels, int(ignore_index)
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        flat_labels,
+        int(ignore_index),
+        float(temperature),
     )
     if reduction == "none":
         return loss.view(labels.shape)

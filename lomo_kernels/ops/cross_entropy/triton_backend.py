@@ -28,7 +28,11 @@ def _launch_args(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, int | bool]]:
 
 @on_first_argument_device
 def forward(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, weight = hidden.contiguous(), weight.contiguous()
     tokens, width = hidden.shape
@@ -40,7 +44,7 @@ def forward(
     kernels("linear_cross_entropy_kernels").forward_kernel[grid](
         h, w, labels.contiguous(), loss, lse,
         tokens, weight.shape[0], width, h.stride(0), w.stride(0), ignore_index,
-        **meta,
+        float(temperature), **meta,
     )  # fmt: skip
     return loss, lse
 
@@ -55,6 +59,7 @@ def backward_chunk(
     vocab_start: int,
     d_hidden: torch.Tensor | None,
     d_weight_chunk: torch.Tensor | None,
+    temperature: float = 1.0,
 ) -> None:
     hidden, weight_chunk = hidden.contiguous(), weight_chunk.contiguous()
     tokens, width = hidden.shape
@@ -69,5 +74,6 @@ def backward_chunk(
         lse if d_hidden is None else d_hidden,
         lse if d_weight_chunk is None else d_weight_chunk,
         tokens, weight_chunk.shape[0], width, vocab_start, h.stride(0), w.stride(0),
+        float(temperature),
         WITH_D_HIDDEN=d_hidden is not None, WITH_D_WEIGHT=d_weight_chunk is not None, **meta,
     )  # fmt: skip
