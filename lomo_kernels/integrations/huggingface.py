@@ -46,6 +46,7 @@ from transformers.training_args import OptimizerNames
 from ..optim._in_backward import InBackwardOptimizer
 from ..optim.validation import register_backward_origin_note
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
+from .trl_trainers import check_trl_trainer
 
 # (id(owner), attribute) -> (owner, the value enable_transformers() replaced); a dict owner
 # is patched by key.
@@ -235,6 +236,7 @@ def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_optimizer(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        check_trl_trainer(self)  # a TRL trainer Lomo/AdaLomo do not serve, before anything
         token = _BUILDING_FOR.set(self)
         try:
             optimizer = original(self, *args, **kwargs)

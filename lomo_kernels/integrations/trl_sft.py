@@ -30,9 +30,8 @@ Lomo and AdaLomo then refuse the first step, before any change (`optim/head_guar
 
 DPOTrainer, GRPOTrainer and RLOOTrainer run with Lomo/AdaLomo and
 ``gradient_accumulation_steps > 1`` through transformers' path (`huggingface.py`): their
-losses go through ``accelerator.backward`` like SFT's. KTOTrainer and DistillationTrainer
-are refused with Lomo/AdaLomo by name: their steps are not checked against torch's
-optimizers.
+losses go through ``accelerator.backward`` like SFT's. Every other trainer TRL defines is
+refused with Lomo/AdaLomo by name when it builds its optimizer (`trl_trainers.py`).
 """
 
 from __future__ import annotations
@@ -52,8 +51,6 @@ _REQUEST = "_lomo_kernels_trl_head_request"
 _HEAD_MODULES = ("sft_trainer", "dpo_trainer", "grpo_trainer", "rloo_trainer")
 # TRL trainers whose log-probs a patched model serves (SFTTrainer has no reference model).
 _SERVED_TRAINERS = ("DPOTrainer", "GRPOTrainer", "RLOOTrainer")
-# TRL trainers not checked with Lomo/AdaLomo (refused by name).
-_UNCHECKED_TRAINERS = ("KTOTrainer", "DistillationTrainer")
 
 
 def _keeping_patched_head(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,30 +127,6 @@ def _serving_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-def check_trl_trainer(trainer: Any) -> None:
-    """Refuses, before the optimizer is built, the TRL trainers not checked with Lomo/AdaLomo
-    (module docstring)."""
-    optim = getattr(trainer.args.optim, "value", trainer.args.optim)  # an OptimizerNames
-    if optim not in ("lomo", "adalomo"):
-        return
-    name = type(trainer).__name__
-    for base in type(trainer).__mro__:
-        if base.__name__ in _UNCHECKED_TRAINERS:
-            raise ValueError(
-                f"lomo_kernels: {name} (a {base.__name__}) with optim={optim!r}"
-                " is not supported: its steps are not checked against torch's optimizers. "
-                "Use DPOTrainer, GRPOTrainer, RLOOTrainer or SFTTrainer. Nothing was changed."
-            )
-
-
-def _checked_create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
-    def create_optimizer(self: Any, *args: Any, **kwargs: Any) -> Any:
-        check_trl_trainer(self)
-        return original(self, *args, **kwargs)
-
-    return create_optimizer
-
-
 def enable_trl() -> None:
     """`enable_transformers()`, and TRL's SFT, DPO, GRPO and RLOO trainers keep the forward of
     a model patched by `patch_causal_lm` (module docstring). Idempotent; `disable_trl()`
@@ -169,9 +142,6 @@ def enable_trl() -> None:
     for name in _SERVED_TRAINERS:
         cls = getattr(trl, name)
         _patch(cls, "__init__", _serving_init(cls.__init__))
-    for name in _SERVED_TRAINERS + _UNCHECKED_TRAINERS:
-        cls = getattr(trl, name)
-        _patch(cls, "create_optimizer", _checked_create_optimizer(cls.create_optimizer))
 
 
 def disable_trl() -> None:

@@ -158,3 +158,41 @@ def test_kto_trainer_is_refused_by_name(tmp_path):
             trainer.create_optimizer()
     finally:
         lomo_kernels.disable_trl()
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("trl", "KTOTrainer"),
+        ("trl", "DistillationTrainer"),
+        ("trl", "RewardTrainer"),
+        ("trl.experimental.orpo", "ORPOTrainer"),
+        ("trl.experimental.cpo", "CPOTrainer"),
+        ("trl.experimental.online_dpo", "OnlineDPOTrainer"),
+        ("trl.experimental.gkd", "GKDTrainer"),  # an SFTTrainer subclass of TRL's own
+    ],
+)
+def test_every_other_trl_trainer_is_refused_by_name(module, name):
+    """Every trainer TRL defines besides SFT, DPO, GRPO and RLOO is refused with Lomo/AdaLomo
+    when it builds its optimizer (`create_optimizer`, which transformers' Trainer runs for
+    all of them), before the optimizer exists; with another optimizer it is left alone. A
+    user's own subclass of a served trainer is served."""
+    import importlib
+    import types
+
+    from lomo_kernels.integrations.trl_trainers import check_trl_trainer
+
+    def bare(cls, optim):  # the check reads the class and args.optim only
+        trainer = cls.__new__(cls)
+        trainer.args = types.SimpleNamespace(optim=optim)
+        return trainer
+
+    cls = getattr(importlib.import_module(module), name)
+    for optim in ("lomo", "adalomo"):
+        with pytest.raises(ValueError, match=rf"TRL's {name} with optim='{optim}' is not supp"):
+            check_trl_trainer(bare(cls, optim))
+    check_trl_trainer(bare(cls, "sgd"))
+    mine = type("MyTrainer", (cls,), {})
+    with pytest.raises(ValueError, match=rf"MyTrainer \(a {name}\)"):
+        check_trl_trainer(bare(mine, "lomo"))
+    check_trl_trainer(bare(type("MyDPO", (DPOTrainer,), {}), "lomo"))
