@@ -40,6 +40,7 @@ from .common.meter import MIB
 from .common.timing import WallClock, time_interleaved
 
 IGNORE_INDEX = -100
+TEMPERATURE = 1.0  # the loss's own (the logits undivided)
 
 
 def run(
@@ -51,9 +52,9 @@ def run(
     weight = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
     weight = weight.to(device_name, DTYPES[dtype])
     labels = torch.randint(0, vocab, (tokens,), generator=gen).to(device_name)
-    _, lse = lce.forward_impl(hidden, weight, labels, IGNORE_INDEX)
+    _, lse = lce.forward_impl(hidden, weight, labels, IGNORE_INDEX, TEMPERATURE)
     grad = torch.full((tokens,), 1.0 / tokens, device=device_name)
-    base = (grad, hidden, weight, labels, lse, IGNORE_INDEX)
+    base = (grad, hidden, weight, labels, lse, IGNORE_INDEX, TEMPERATURE)
     variants = {
         "full": lambda: lce.backward_by_chunks(base, lambda *_: None),
         "measure": lambda: lce.backward_by_chunks(base, lambda *_: None, with_d_hidden=False),

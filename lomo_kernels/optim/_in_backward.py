@@ -467,22 +467,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _accumulate_norm(
         self, param: torch.Tensor, grad: torch.Tensor, scalars: DeviceScalars
     ) -> None:
-        # Into the parameter's own slot, then added to the total: the total's rounding is
-        # that of summing into it directly (the slot starts at 0).
-        slots = scalars.param_sumsq
-        target = scalars.sumsq
-        if slots is not None:
-            index = self._groups.index_of[id(param)]
-            target = slots[index : index + 1]
-        ops.grad_sumsq_(
-            grad,
-            target,
-            inv_scale=self._inv_scale_for(grad.device),
-            found_inf=scalars.norm_found_inf,
-            backend=self.backend,
-        )
-        if slots is not None:
-            scalars.sumsq.add_(target)
+        slot = self._groups.index_of[id(param)]
+        scalars.measure(grad, slot, self._inv_scale_for(grad.device), self.backend)
 
     def row_block_step(self, param: torch.Tensor) -> RowBlockStep | None:
         """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
@@ -556,6 +542,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
+        self._scalars.close_norm_pass()
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
         param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None

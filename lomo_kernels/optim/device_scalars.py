@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from ..core.scalars import copied_to
 
 
@@ -27,6 +28,8 @@ class DeviceScalars:
     # Per trainable parameter (by index), this device's part of the norm pass's sums of
     # squares; None where the pass runs under compiled autograd (one running sum there).
     param_sumsq: torch.Tensor | None = None
+    # The parameters `measure` reached in this norm pass, in order of arrival.
+    measured_slots: dict[int, None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def zeros() -> torch.Tensor:
@@ -35,6 +38,30 @@ class DeviceScalars:
         self.sumsq, self.norm_found_inf, self.update_found_inf = zeros(), zeros(), zeros()
         self.no_skip, self.clip_coef = zeros(), torch.ones(1, device=self.device)
         self.inv_scale = torch.ones(1, device=self.device)
+
+    def measure(
+        self, grad: torch.Tensor, slot: int, inv_scale: torch.Tensor | None, backend: str | None
+    ) -> None:
+        """The norm pass's one accumulator: adds the sum of squares of `grad` (a whole
+        gradient, a block of its rows or this rank's slice of it; times `inv_scale`) of
+        parameter `slot` into that parameter's sum, or into the running total under compiled
+        autograd, and its non-finite flag into the pass's."""
+        per_parameter = self.param_sumsq is not None
+        target = self.param_sumsq[slot : slot + 1] if per_parameter else self.sumsq
+        ops.grad_sumsq_(
+            grad, target, inv_scale=inv_scale, found_inf=self.norm_found_inf, backend=backend
+        )
+        if per_parameter:
+            self.measured_slots[slot] = None
+
+    def close_norm_pass(self) -> None:
+        """The total from the parameters' sums, added in the order they arrived: the rounding
+        of summing each gradient into the total as it came (each sum starts at 0)."""
+        if self.param_sumsq is None:
+            return
+        for slot in self.measured_slots:
+            self.sumsq.add_(self.param_sumsq[slot : slot + 1])
+        self.measured_slots.clear()
 
     def skip_flag(self, norm_ready: bool) -> torch.Tensor:
         """What an update skips on: the norm pass's overflow flag where one measured this
@@ -101,6 +128,12 @@ class DeviceScalarTable:
             scalars.param_sumsq = (
                 None if slots is None else torch.zeros(slots, device=scalars.device)
             )
+            scalars.measured_slots.clear()
+
+    def close_norm_pass(self) -> None:
+        """Each device's total of the norm pass (`DeviceScalars.close_norm_pass`)."""
+        for scalars in self.values():
+            scalars.close_norm_pass()
 
     def combine(self, pick: Callable[[DeviceScalars], torch.Tensor]) -> torch.Tensor:
         """Sum of one per-device tensor over devices, on the first device."""

@@ -104,9 +104,7 @@ class RowBlockStep:
         # Whether a block whose gradient is zero still changes (decoupled weight decay).
         self.changes_zero_rows = weight_decay != 0
         self._skip_if = scalars.skip_flag(step.norm_ready)
-        self._sumsq = scalars.sumsq
-        if self._norm and scalars.param_sumsq is not None:
-            self._sumsq = scalars.param_sumsq[slot : slot + 1]
+        self._slot = slot
         if self.measure_first:
             # [sum of squares, non-finite flag], as SingleBackwardClip.prepare_measured reads.
             self._measured = torch.zeros(2, device=param.device)
@@ -121,13 +119,12 @@ class RowBlockStep:
 
     def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
         if self._norm:
-            self._accumulate(grad, self._sumsq, self._scalars.norm_found_inf)
+            self._scalars.measure(grad, self._slot, self._inv_scale, self._blocks.backend)
         else:
             self._update_rows(self._param, start, stop, grad, self._skip_if)
 
     def finish(self) -> None:
-        if self._norm and self._sumsq is not self._scalars.sumsq:
-            self._scalars.sumsq.add_(self._sumsq)  # the slot into the total, once
+        return None
 
     def _accumulate(self, grad: torch.Tensor, sumsq: torch.Tensor, found: torch.Tensor) -> None:
         ops.grad_sumsq_(

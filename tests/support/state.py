@@ -104,7 +104,7 @@ def _tensor_attributes(holder: Any) -> dict[str, Any]:
 
 # What a norm pass measures afresh each time it runs (its sums of squares and overflow flag):
 # not state, as a norm pass may run, whole or in part, before a refusal.
-MEASURED = ("sumsq", "param_sumsq", "norm_found_inf")
+MEASURED = ("sumsq", "param_sumsq", "measured_slots", "norm_found_inf")
 
 
 def _device_scalars(scalars: Any) -> dict[str, Any]:
