@@ -91,6 +91,22 @@ LOMO_HD LOMO_INLINE uint32_t random_bits16(uint32_t lo, uint32_t hi, uint32_t ke
   return mix32(mix32(lo ^ key) ^ hi) >> 16;
 }
 
+// The accumulation's stream (_rounding.pair_bits16): one hash per aligned pair of elements.
+// u = lo ^ key; the pair's hash is mix32((u >> 1) ^ pair_hi(hi)); the element with u even
+// takes its low half, the other its high half. A vector loop over pairs from an even index
+// hashes (index >> 1) ^ pair_key(key, hi) and, for an odd key, swaps the halves.
+constexpr uint32_t kPairHiMul = 0x2545F491u;  // _rounding._PAIR_HI_MUL
+
+LOMO_HD LOMO_INLINE uint32_t pair_key(uint32_t key, uint32_t hi) {
+  return (key >> 1) ^ (hi * kPairHiMul);
+}
+
+LOMO_HD LOMO_INLINE uint32_t pair_bits16(uint32_t lo, uint32_t hi, uint32_t key) {
+  const uint32_t u = lo ^ key;
+  const uint32_t h = mix32((u >> 1) ^ (hi * kPairHiMul));
+  return (u & 1u) != 0 ? h >> 16 : h & 0xFFFFu;
+}
+
 // _rounding.seed_parts(seed): the host's share of a 64-bit seed's rounding key.
 LOMO_HD LOMO_INLINE uint32_t seed_lo_mixed(uint64_t seed) {
   return mix32(static_cast<uint32_t>(seed));
@@ -273,6 +289,18 @@ template <class P, bool kStochastic>
 LOMO_HD LOMO_INLINE typename P::T store_rounded(float v, int64_t index, uint32_t key) {
   return store_rounded<P, kStochastic>(v, static_cast<uint32_t>(index),
                                        static_cast<uint32_t>(index >> 32), key);
+}
+
+// P::round_sr with the accumulation's bits of flat element index `index` (pair_bits16), or
+// P::round: what grad_accumulate_ stores.
+template <class P, bool kStochastic>
+LOMO_HD LOMO_INLINE typename P::T store_accumulated(float v, int64_t index, uint32_t key) {
+  if constexpr (kStochastic) {
+    return P::round_sr(v, pair_bits16(static_cast<uint32_t>(index),
+                                      static_cast<uint32_t>(index >> 32), key));
+  } else {
+    return P::round(v);
+  }
 }
 
 // ---------------------------------------------------------------------------------------

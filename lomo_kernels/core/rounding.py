@@ -117,6 +117,25 @@ def random_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     return mix32(mix32(lo ^ key) ^ hi) >> 16
 
 
+# Odd multiplier folding an index's high 32 bits into the accumulation's hash input.
+_PAIR_HI_MUL = 0x2545F491
+
+
+def pair_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """16 random bits per flat element index from one 32-bit hash per aligned pair of elements
+    (the accumulation's stream): with ``u = lo32(i) ^ key`` and
+    ``h = mix32((u >> 1) ^ lo32(hi32(i) * _PAIR_HI_MUL))``, elements ``2m`` and ``2m + 1``
+    share ``h``, the one with ``u`` even taking its low half and the other its high half.
+    Every bit depends on the index only through ``u``, so the key's ``^ offset`` of
+    `seed_at_offset` carries over (a slice at any offset draws the whole tensor's bits), and
+    the pair is the aligned pair of the global index whatever the slice's parity."""
+    lo = index & MASK32
+    hi = index >> 32
+    u = lo ^ key
+    h = mix32((u >> 1) ^ _mul32(hi, _PAIR_HI_MUL))
+    return torch.where((u & 1) == 1, h >> 16, h & 0xFFFF)
+
+
 def fp32_to_bf16_bits(value: torch.Tensor, random16: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 bit patterns (int64 in [0, 65535]) of fp32 `value`.
 
