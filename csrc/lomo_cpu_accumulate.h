@@ -3,10 +3,9 @@
 // and AVX-512 levels only (see there), after lomo_cpu_lanes.h and lomo_cpu_avx2.h.
 //
 // Stochastic rounding draws the accumulation's own stream (lomo::pair_bits16): one mix32 per
-// aligned pair of elements, so a vector of V::kCount hashes serves 2 * V::kCount elements.
-// Each hash's two 16-bit halves are the bits of the pair's even and odd element (swapped for
-// an odd key), so the hashes, read as 16-bit words, are the elements' bits in element order:
-// one zero extension puts them into the elements' 32-bit lanes.
+// pair of elements 16 apart, so a vector of 16 hashes serves a block of 32 elements: its low
+// halves are the bits of elements 0-15 and its high halves those of elements 16-31 (the other
+// way round for a key with bit 4 set), each already in its element's lane.
 
 // 64 bytes of each stream per prefetch, kPrefetchBytes ahead, over a trip of `count`
 // elements (the hint of prefetch_streams, lomo_cpu_lanes.h).
@@ -20,28 +19,52 @@ LOMO_INLINE void prefetch_trip(const typename P::T* b, const typename G::T* g) {
   }
 }
 
+// lomo::mix32_product on every lane: a block's hashes are mix32_product_lanes of
+// lomo::pair_block_input ^ l (l = 0 .. 15), then y ^ (y >> 16).
+template <class V>
+LOMO_INLINE typename V::Int mix32_product_lanes(typename V::Int x) {
+  x = V::mul(x, V::set1(0x7FEB352Du));
+  x = V::bit_xor(x, V::shr(x, 15));
+  return V::mul(x, V::set1(0x846CA68Bu));
+}
+
 // ----------------------------------------------------------------------------------------
 // 8 lanes (AVX2)
 
-// lomo::pair_bits16 of the 16 elements from the even flat index `first` (no wrap: one 2^32
-// range): elements 0-7 in r0, 8-15 in r1, 16 bits per lane.
+// lomo::pair_bits16 of the 32 elements from the flat index `first`, a multiple of 32 (no
+// wrap), 16 bits per lane in r[0] .. r[3] (elements 0-7, 8-15, 16-23, 24-31).
 struct PairRandom8 {
-  __m256i key, swap;
-  PairRandom8(uint32_t key_value, uint32_t hi)
-      : key(_mm256_set1_epi32(static_cast<int>(lomo::pair_key(key_value, hi)))),
-        // vpshufb control per 128-bit lane: the words of each hash as they are, or swapped.
-        swap((key_value & 1u) != 0
-                 ? _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0,
-                                    1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-                 : _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2,
-                                    3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) {}
-  LOMO_INLINE void bits(uint32_t first, __m256i& r0, __m256i& r1) const {
-    const __m256i pairs = _mm256_add_epi32(Lanes8::set1(first >> 1), Lanes8::iota());
-    const __m256i h = _mm256_shuffle_epi8(mix32_lanes<Lanes8>(_mm256_xor_si256(pairs, key)), swap);
-    r0 = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h));
-    r1 = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1));
+  uint32_t key, hi;
+  bool swap;  // a key with bit 4 set: elements 0-15 take the high halves
+  PairRandom8(uint32_t key_value, uint32_t hi_value)
+      : key(key_value), hi(hi_value), swap((key_value & 16u) != 0) {}
+  LOMO_INLINE void bits(uint32_t first, __m256i* r) const {
+    const __m256i input = _mm256_xor_si256(Lanes8::set1(lomo::pair_block_input(first, hi, key)),
+                                           Lanes8::iota());
+    for (int k = 0; k < 2; ++k) {
+      const __m256i eight = _mm256_set1_epi32(8 * k);
+      const __m256i y = mix32_product_lanes<Lanes8>(_mm256_xor_si256(input, eight));
+      const __m256i high = _mm256_srli_epi32(y, 16);
+      const __m256i low = _mm256_and_si256(_mm256_xor_si256(y, high), _mm256_set1_epi32(0xFFFF));
+      r[k] = swap ? high : low;
+      r[k + 2] = swap ? low : high;
+    }
   }
 };
+
+// lomo::f32_to_fp16_sr on every lane with `random` (16 bits per lane), as fp16 bits. In fp16's
+// normal range (the common case) random >> 3 is added to the bits (no carry into the sign)
+// and the conversion truncates, which drops exactly the low 13 mantissa bits; a vector with
+// any other value converts fp16_sr_value's exact values to nearest (as update_fp16_sr).
+template <class V>
+LOMO_INLINE typename V::Halves fp16_sr_halves(typename V::Float u, typename V::Int random) {
+  if (__builtin_expect(!V::any(fp16_outside_normal<V>(u)), 1)) {
+    const typename V::Int sum = V::add(V::bits(u), V::shr(random, 3));
+    return V::template narrow<_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC>(V::from_bits(sum));
+  }
+  return V::template narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(
+      fp16_sr_value<V>(u, random));
+}
 
 // lomo::f32_to_bf16_sr on 8 lanes with `random` (16 bits per lane): the stored bf16 in the
 // high half, the low half cleared. inf needs no exception (its low 16 bits are zero, so the
@@ -64,8 +87,8 @@ LOMO_INLINE __m256 store_accumulated8(typename P::T* dst, __m256 u, __m256i rand
     _mm256_storeu_ps(dst, u);
     return u;
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
-    if constexpr (kStochastic) u = fp16_sr_value<Lanes8>(u, random);
-    const __m128i h = Lanes8::narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u);
+    const __m128i h = kStochastic ? fp16_sr_halves<Lanes8>(u, random)
+                                  : Lanes8::narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u);
     Lanes8::store_halves(dst, h);
     return Lanes8::widen(h);
   } else {
@@ -77,35 +100,30 @@ LOMO_INLINE __m256 store_accumulated8(typename P::T* dst, __m256 u, __m256i rand
   }
 }
 
-// accumulate_span's vector loop over the first elements of [0, n) from the even flat index
-// lo: 16 elements per step (one PairRandom8 draw), at least 64 bytes of each stream per trip,
-// 8 lanes at a time (any dtype pair: load_floats8 widens each exactly), the sum of squares of
-// the stored values in sumsq_span's lanes (element 8k + l into lane l), so the total is
-// grad_sumsq_'s of the written buffer bit for bit. Returns the elements done (a multiple of
-// 16).
+// accumulate_span's vector loop over the first elements of [0, n) from the flat index lo, a
+// multiple of 32: 32 elements per trip (one PairRandom8 draw, a prefetch per 64 bytes of each
+// stream), 8 lanes at a time (any dtype pair: load_floats8 widens each exactly), the sum of
+// squares of the stored values in sumsq_span's lanes (element 8k + l into lane l), so the
+// total is grad_sumsq_'s of the written buffer bit for bit. Returns the elements done (a
+// multiple of 32).
 template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
 int64_t accumulate_avx2(typename P::T* __restrict b, const typename G::T* __restrict g,
                         int64_t n, uint32_t lo, uint32_t hi, uint32_t key, float inv_scale,
                         double* lanes) {
-  constexpr int64_t kNarrowest = sizeof(typename P::T) < sizeof(typename G::T)
-                                     ? sizeof(typename P::T) : sizeof(typename G::T);
-  constexpr int64_t kTrip = kLineBytes / kNarrowest;  // 16 or 32 elements
   const PairRandom8 random(key, hi);
   const __m256 inv = _mm256_set1_ps(inv_scale);
   __m256d low = _mm256_loadu_pd(lanes), high = _mm256_loadu_pd(lanes + 4);
   int64_t i = 0;
-  for (; i + kTrip <= n; i += kTrip) {
-    prefetch_trip<P, G, kTrip>(b + i, g + i);
-    for (int64_t k = i; k < i + kTrip; k += 16) {
-      __m256i r[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      if constexpr (kStochastic) random.bits(lo + static_cast<uint32_t>(k), r[0], r[1]);
-      for (int half = 0; half < 2; ++half) {
-        const int64_t e = k + 8 * half;
-        __m256 u = load_floats8<G>(g + e);
-        if constexpr (!kFirst) u = _mm256_add_ps(load_floats8<P>(b + e), u);
-        const __m256 stored = store_accumulated8<P, kStochastic>(b + e, u, r[half]);
-        if constexpr (kMeasure) add_squares8(stored, inv, low, high);
-      }
+  for (; i + 32 <= n; i += 32) {
+    prefetch_trip<P, G, 32>(b + i, g + i);
+    __m256i r[4] = {};
+    if constexpr (kStochastic) random.bits(lo + static_cast<uint32_t>(i), r);
+    for (int part = 0; part < 4; ++part) {
+      const int64_t e = i + 8 * part;
+      __m256 u = load_floats8<G>(g + e);
+      if constexpr (!kFirst) u = _mm256_add_ps(load_floats8<P>(b + e), u);
+      const __m256 stored = store_accumulated8<P, kStochastic>(b + e, u, r[part]);
+      if constexpr (kMeasure) add_squares8(stored, inv, low, high);
     }
   }
   _mm256_storeu_pd(lanes, low);
@@ -118,29 +136,20 @@ int64_t accumulate_avx2(typename P::T* __restrict b, const typename G::T* __rest
 // 16 lanes (AVX-512)
 
 // lomo::pair_bits16 of the 32 elements from the flat index `first`, a multiple of 32 (no
-// wrap): elements 0-15 in r0, 16-31 in r1, 16 bits per lane. The 16 pairs' hash inputs
-// ((first >> 1) + m) ^ pair_key are ((first >> 1) ^ pair_key) with its low 4 bits cleared,
-// plus m ^ (pair_key & 15): one broadcast and one add per draw.
+// wrap): elements 0-15 in r0, 16-31 in r1, 16 bits per lane.
 struct PairRandom16 {
-  uint32_t key;
-  __m512i low, spread0, spread1;
-  PairRandom16(uint32_t key_value, uint32_t hi) : key(lomo::pair_key(key_value, hi)) {
-    low = _mm512_xor_si512(Lanes16::iota(), _mm512_set1_epi32(static_cast<int>(key & 15u)));
-    // Word 2l of r0 (r1) is word l ^ swap (16 + (l ^ swap)) of the hashes, word 2l + 1 zero.
-    alignas(64) uint16_t words[2][32] = {};
-    const uint16_t swap = (key_value & 1u) != 0 ? 1 : 0;
-    for (uint16_t l = 0; l < 16; ++l) {
-      words[0][2 * l] = l ^ swap;
-      words[1][2 * l] = static_cast<uint16_t>(16 + (l ^ swap));
-    }
-    spread0 = _mm512_load_si512(words[0]);
-    spread1 = _mm512_load_si512(words[1]);
-  }
+  uint32_t key, hi;
+  bool swap;  // a key with bit 4 set: elements 0-15 take the high halves
+  PairRandom16(uint32_t key_value, uint32_t hi_value)
+      : key(key_value), hi(hi_value), swap((key_value & 16u) != 0) {}
   LOMO_INLINE void bits(uint32_t first, __m512i& r0, __m512i& r1) const {
-    const uint32_t base = ((first >> 1) ^ key) & ~15u;
-    const __m512i h = mix32_lanes<Lanes16>(_mm512_add_epi32(Lanes16::set1(base), low));
-    r0 = _mm512_maskz_permutexvar_epi16(0x55555555u, spread0, h);
-    r1 = _mm512_maskz_permutexvar_epi16(0x55555555u, spread1, h);
+    const __m512i y = mix32_product_lanes<Lanes16>(
+        _mm512_xor_si512(Lanes16::set1(lomo::pair_block_input(first, hi, key)), Lanes16::iota()));
+    const __m512i high = _mm512_srli_epi32(y, 16);
+    // (y ^ high) & 0xFFFF in one instruction.
+    const __m512i low = _mm512_ternarylogic_epi32(y, high, _mm512_set1_epi32(0xFFFF), 0x28);
+    r0 = swap ? high : low;
+    r1 = swap ? low : high;
   }
 };
 
@@ -188,12 +197,9 @@ LOMO_INLINE void store_accumulated32(typename P::T* dst, __m512 u0, __m512 u1, _
     s0 = u0;
     s1 = u1;
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
-    if constexpr (kStochastic) {
-      u0 = fp16_sr_value<Lanes16>(u0, r0);
-      u1 = fp16_sr_value<Lanes16>(u1, r1);
-    }
     constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m256i h0 = Lanes16::narrow<kNearest>(u0), h1 = Lanes16::narrow<kNearest>(u1);
+    const __m256i h0 = kStochastic ? fp16_sr_halves<Lanes16>(u0, r0) : Lanes16::narrow<kNearest>(u0);
+    const __m256i h1 = kStochastic ? fp16_sr_halves<Lanes16>(u1, r1) : Lanes16::narrow<kNearest>(u1);
     Lanes16::store_halves(dst, h0);
     Lanes16::store_halves(dst + 16, h1);
     s0 = Lanes16::widen(h0);

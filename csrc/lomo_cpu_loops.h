@@ -572,8 +572,8 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
   return lanes_total(lanes, bad);
 }
 
-// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is even
-// and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's chunks are
+// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is a
+// multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's chunks are
 // multiples of kGrain, which divides 2^32). Stores round(buffer + grad) (kFirst: round(grad),
 // the buffer not read) to nearest even or stochastically with the accumulation's bits
 // (lomo::pair_bits16), and with kMeasure returns sumsq_span of the stored values (the same
@@ -593,8 +593,8 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   i = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
                                                            lanes);
 #endif
-  // The portable loop: element i (a multiple of 8 on entry, so lo + i is even) into lane
-  // i % 8, stored with `random` (16 bits; unused to nearest).
+  // The portable loop: element i (a multiple of 32 on entry) into lane i % 8, stored with
+  // `random` (16 bits; unused to nearest).
   const auto one = [&](int64_t k, uint32_t random) {
     const float gv = G::load(g[k]);
     const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
@@ -608,28 +608,39 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     const double stored = lomo::mul_rn(P::load(out), inv_scale);
     return stored * stored;
   };
-  // One hash per pair: its halves go to the pair's elements in the order pair_bits16 gives.
-  const uint32_t pair_key = lomo::pair_key(key, hi);
-  const uint32_t odd_key = key & 1u;
-  for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (int l = 0; l < kSumLanes; l += 2) {
-      uint32_t h = 0;
-      if constexpr (kStochastic) {
-        h = lomo::mix32(((lo + static_cast<uint32_t>(i + l)) >> 1) ^ pair_key);
-        h = odd_key != 0 ? (h >> 16) | (h << 16) : h;
+  // Stochastic: blocks of 32 (lo + i is a multiple of 32 here), one hash per pair of elements
+  // l and l + 16, its halves in the order pair_bits16 gives them.
+  if constexpr (kStochastic) {
+    const bool swap = (key & 16u) != 0;
+    for (; i + 32 <= n; i += 32) {
+      uint32_t random[32];
+      const uint32_t x = lomo::pair_block_input(lo + static_cast<uint32_t>(i), hi, key);
+      for (uint32_t l = 0; l < 16; ++l) {
+        const uint32_t y = lomo::mix32_product(x ^ l);
+        const uint32_t high = y >> 16, low = (y ^ high) & 0xFFFFu;
+        random[l] = swap ? high : low;
+        random[l + 16] = swap ? low : high;
       }
-      const double even = one(i + l, h & 0xFFFFu);
-      const double odd = one(i + l + 1, h >> 16);
-      if constexpr (kMeasure) {
-        lanes[l] += even;
-        lanes[l + 1] += odd;
+      for (int k = 0; k < 32; k += kSumLanes) {
+        for (int l = 0; l < kSumLanes; ++l) {
+          const double square = one(i + k + l, random[k + l]);
+          if constexpr (kMeasure) lanes[l] += square;
+        }
       }
     }
   }
+  // The rest (all of it to nearest), a hash per element.
+  const auto bits = [&](int64_t k) {
+    return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
+  };
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const double square = one(i + l, bits(i + l));
+      if constexpr (kMeasure) lanes[l] += square;
+    }
+  }
   for (int l = 0; i < n; ++i, ++l) {
-    const uint32_t random =
-        kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(i), hi, key) : 0u;
-    const double square = one(i, random);
+    const double square = one(i, bits(i));
     if constexpr (kMeasure) lanes[l] += square;
   }
   return kMeasure ? lanes_total(lanes, bad) : 0.0;

@@ -73,13 +73,13 @@ def random16(offs, key):
 
 @triton.jit
 def pair_random16(offs, key):
-    """16 random bits (uint32) per int64 flat element index from one hash per aligned pair of
-    elements: `_rounding.pair_bits16`, the accumulation's stream."""
+    """16 random bits (uint32) per int64 flat element index from one hash per pair of
+    elements (``i``, ``i ^ 16``): `_rounding.pair_bits16`, the accumulation's stream."""
     lo = offs.to(tl.uint32)
     hi = (offs >> 32).to(tl.uint32)
     u = lo ^ key
-    h = mix32((u >> 1) ^ (hi * _PAIR_HI_MUL))
-    return tl.where((u & 1) == 1, h >> 16, h & 0xFFFF)
+    h = mix32((((u >> 5) << 4) | (u & 15)) ^ (hi * _PAIR_HI_MUL))
+    return tl.where((u & 16) != 0, h >> 16, h & 0xFFFF)
 
 
 @triton.jit
