@@ -219,10 +219,9 @@ LOMO_INLINE void store_accumulated32(typename P::T* dst, __m512 u0, __m512 u1, _
   }
 }
 
-// accumulate_avx2 on 16 lanes from a flat index lo that is a multiple of 32: 32 elements per
-// step (one PairRandom16 draw), the sum of
-// squares in sumsq_span's lanes as add_squares16 adds them. Returns the elements done (a
-// multiple of 32).
+// accumulate_avx2 on 16 lanes (lo a multiple of 32): 32 elements per step (one PairRandom16
+// draw), the sum of squares in sumsq_span's lanes as add_squares16 adds them. Returns the
+// elements done (a multiple of 32).
 template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
 int64_t accumulate_avx512(typename P::T* __restrict b, const typename G::T* __restrict g,
                           int64_t n, uint32_t lo, uint32_t hi, uint32_t key, float inv_scale,

@@ -8,9 +8,9 @@ device tensors (`scalars.py`); an absent inv_scale or clip_coef means 1.
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from ...core.rounding import Rounding, pair_bits16, round_to_dtype
 from ...core.scalars import value_of
