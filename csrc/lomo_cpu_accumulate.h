@@ -52,18 +52,37 @@ struct PairRandom8 {
   }
 };
 
-// lomo::f32_to_fp16_sr on every lane with `random` (16 bits per lane), as fp16 bits. In fp16's
-// normal range (the common case) random >> 3 is added to the bits (no carry into the sign)
-// and the conversion truncates, which drops exactly the low 13 mantissa bits; a vector with
-// any other value converts fp16_sr_value's exact values to nearest (as update_fp16_sr).
+// lomo::f32_to_fp16_sr on every lane with `random` (16 bits per lane): the fp16 bits, and in
+// `stored` their fp32 values. In fp16's normal range (the common case) random >> 3 is added to
+// the fp32 bits (no carry into the sign) and the low 13 mantissa bits cleared, which leaves
+// the stored value itself, converted exactly; a vector with any other value converts
+// fp16_sr_value's exact values to nearest (as update_fp16_sr).
 template <class V>
-LOMO_INLINE typename V::Halves fp16_sr_halves(typename V::Float u, typename V::Int random) {
+LOMO_INLINE typename V::Halves fp16_sr_halves(typename V::Float u, typename V::Int random,
+                                              typename V::Float& stored) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   if (__builtin_expect(!V::any(fp16_outside_normal<V>(u)), 1)) {
     const typename V::Int sum = V::add(V::bits(u), V::shr(random, 3));
-    return V::template narrow<_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC>(V::from_bits(sum));
+    stored = V::from_bits(V::bit_and(sum, V::set1(~0x1FFFu)));
+    return V::template narrow<kNearest>(stored);
   }
-  return V::template narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(
-      fp16_sr_value<V>(u, random));
+  const typename V::Halves halves = V::template narrow<kNearest>(fp16_sr_value<V>(u, random));
+  stored = V::widen(halves);
+  return halves;
+}
+
+// fp16 bits of every lane, to nearest or stochastically (fp16_sr_halves), and their values.
+template <class V, bool kStochastic>
+LOMO_INLINE typename V::Halves fp16_halves(typename V::Float u, typename V::Int random,
+                                           typename V::Float& stored) {
+  if constexpr (kStochastic) {
+    return fp16_sr_halves<V>(u, random, stored);
+  } else {
+    const typename V::Halves halves =
+        V::template narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u);
+    stored = V::widen(halves);
+    return halves;
+  }
 }
 
 // lomo::f32_to_bf16_sr on 8 lanes with `random` (16 bits per lane): the stored bf16 in the
@@ -87,10 +106,9 @@ LOMO_INLINE __m256 store_accumulated8(typename P::T* dst, __m256 u, __m256i rand
     _mm256_storeu_ps(dst, u);
     return u;
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
-    const __m128i h = kStochastic ? fp16_sr_halves<Lanes8>(u, random)
-                                  : Lanes8::narrow<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(u);
-    Lanes8::store_halves(dst, h);
-    return Lanes8::widen(h);
+    __m256 stored;
+    Lanes8::store_halves(dst, fp16_halves<Lanes8, kStochastic>(u, random, stored));
+    return stored;
   } else {
     const __m256i high = kStochastic ? bf16_sr8(u, random) : bf16_rne_high8(u);
     // Words 0-3 and 4-7 land in the low quadword of each 128-bit lane: gather those two.
@@ -197,13 +215,8 @@ LOMO_INLINE void store_accumulated32(typename P::T* dst, __m512 u0, __m512 u1, _
     s0 = u0;
     s1 = u1;
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
-    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m256i h0 = kStochastic ? fp16_sr_halves<Lanes16>(u0, r0) : Lanes16::narrow<kNearest>(u0);
-    const __m256i h1 = kStochastic ? fp16_sr_halves<Lanes16>(u1, r1) : Lanes16::narrow<kNearest>(u1);
-    Lanes16::store_halves(dst, h0);
-    Lanes16::store_halves(dst + 16, h1);
-    s0 = Lanes16::widen(h0);
-    s1 = Lanes16::widen(h1);
+    Lanes16::store_halves(dst, fp16_halves<Lanes16, kStochastic>(u0, r0, s0));
+    Lanes16::store_halves(dst + 16, fp16_halves<Lanes16, kStochastic>(u1, r1, s1));
   } else {
     const __m512i zero = _mm512_setzero_si512();
     const __m512i w0 = kStochastic ? bf16_sr16(u0, r0) : bf16_rne_high_vector(u0, zero, 0);

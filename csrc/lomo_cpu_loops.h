@@ -614,12 +614,11 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     const bool swap = (key & 16u) != 0;
     for (; i + 32 <= n; i += 32) {
       uint32_t random[32];
-      const uint32_t x = lomo::pair_block_input(lo + static_cast<uint32_t>(i), hi, key);
+      const uint32_t input = lomo::pair_input((lo + static_cast<uint32_t>(i)) ^ key, hi);
       for (uint32_t l = 0; l < 16; ++l) {
-        const uint32_t y = lomo::mix32_product(x ^ l);
-        const uint32_t high = y >> 16, low = (y ^ high) & 0xFFFFu;
-        random[l] = swap ? high : low;
-        random[l + 16] = swap ? low : high;
+        const uint32_t h = lomo::mix32(input ^ l);
+        random[l] = swap ? h >> 16 : h & 0xFFFFu;
+        random[l + 16] = swap ? h & 0xFFFFu : h >> 16;
       }
       for (int k = 0; k < 32; k += kSumLanes) {
         for (int l = 0; l < kSumLanes; ++l) {
