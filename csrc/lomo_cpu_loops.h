@@ -573,11 +573,12 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
 }
 
 // One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is a
-// multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's chunks are
-// multiples of kGrain, which divides 2^32). Stores round(buffer + grad) (kFirst: round(grad),
-// the buffer not read) to nearest even or stochastically with the accumulation's bits
-// (lomo::pair_bits16), and with kMeasure returns sumsq_span of the stored values (the same
-// lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); 0 without.
+// multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's
+// chunks start at multiples of kGrain, which divides 2^32). Stores round(buffer + grad)
+// (kFirst: round(grad), the buffer not read) to nearest even or stochastically with the
+// accumulation's bits (lomo::pair_bits16), and with kMeasure returns sumsq_span of the stored
+// values (the same lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); 0
+// without.
 template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
 double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t begin,
                        int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
@@ -628,7 +629,7 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
       }
     }
   }
-  // The rest (all of it to nearest), a hash per element.
+  // The rest (everything when rounding to nearest), stochastically a hash per element.
   const auto bits = [&](int64_t k) {
     return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
   };

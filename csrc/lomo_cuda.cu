@@ -180,9 +180,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // buffer = round(buffer + grad) (kFirst: round(grad), the buffer not read), to nearest even or
-// stochastically with the accumulation's stream (lomo::pair_bits16), in one pass; the stored values times inv_scale are measured as
-// grad_sumsq_kernel measures the gradient (into sumsq and found_inf, either may be absent;
-// the flag `measure` is the same for every thread, so the reduction's barrier is too).
+// stochastically with the accumulation's stream (lomo::pair_bits16), in one pass; the stored
+// values times inv_scale are measured as grad_sumsq_kernel measures the gradient (into sumsq
+// and found_inf, either may be absent; the flag `measure` is the same for every thread, so the
+// reduction's barrier is too).
 template <class P, class G, bool kFirst, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
     grad_accumulate_kernel(typename P::T* __restrict__ buffer,
