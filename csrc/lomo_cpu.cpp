@@ -89,6 +89,7 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
 template <class Span>
 double sum_chunks(int64_t n, bool& bad, Span&& span) {
   static_assert((int64_t{1} << 32) % kGrain == 0, "a chunk stays inside one 2^32 range");
+  static_assert(kGrain % 32 == 0, "accumulate_span's blocks of 32 start at multiples of 32");
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   c10::SmallVector<double, 64> partial(static_cast<size_t>(chunks), 0.0);
   std::atomic<uint32_t> any_bad{0};

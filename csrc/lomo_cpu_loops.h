@@ -224,6 +224,18 @@ uint32_t update_fp32_avx512(float* __restrict p, const float* __restrict g, int6
          update_elements<lomo::Fp32, lomo::Fp32, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
 
+// bf16_rne_high on 16 lanes; lanes in bad keep old (a bf16 value in the high half).
+LOMO_INLINE __m512i bf16_rne_high_vector(__m512 u, __m512i old, __mmask16 bad) {
+  const __m512i b = _mm512_castps_si512(u);
+  // b + 0x7FFF, or b + 0x8000 where the lowest kept bit is set (ties to even).
+  const __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
+  __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
+  r = _mm512_mask_add_epi32(r, odd, b, _mm512_set1_epi32(0x8000));
+  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x00400000));
+  return _mm512_mask_mov_epi32(r, bad, old);
+}
+
 #if LOMO_LOOPS_AVX512_BF16
 // 32 bf16 elements per step (sgd_bf16_block). VCVTNE2PS2BF16 rounds to nearest even and
 // quiets nans as the reference does, and vpermw restores element order. The instruction
@@ -254,18 +266,6 @@ uint32_t update_bf16_avx512(uint16_t* __restrict p, const uint16_t* __restrict g
   return any_bad | update_bf16_pairs<lomo::Bf16, false>(p + i, g + i, n - i, 0, 0, s, 0);
 }
 #else
-// bf16_rne_high on 16 lanes; lanes in bad keep old (a bf16 value in the high half).
-LOMO_INLINE __m512i bf16_rne_high_vector(__m512 u, __m512i old, __mmask16 bad) {
-  const __m512i b = _mm512_castps_si512(u);
-  // b + 0x7FFF, or b + 0x8000 where the lowest kept bit is set (ties to even).
-  const __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
-  __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
-  r = _mm512_mask_add_epi32(r, odd, b, _mm512_set1_epi32(0x8000));
-  const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x00400000));
-  return _mm512_mask_mov_epi32(r, bad, old);
-}
-
 // 32 bf16 elements per step, split into even/odd halves of each 32-bit word as in
 // update_bf16_pairs, rounded with integer operations (no AVX512-BF16 here).
 template <int kF>
@@ -409,6 +409,7 @@ void floats_to_halves(const float* src, uint16_t* dst) {
 }
 
 #include "lomo_cpu_avx2.h"
+#include "lomo_cpu_accumulate.h"
 
 template <class P, class G, bool kStochastic>
 uint32_t update_tiled(typename P::T* __restrict p, const typename G::T* __restrict g, int64_t n,
@@ -571,11 +572,13 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
   return lanes_total(lanes, bad);
 }
 
-// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (the chunk
-// lies inside one 2^32 range of flat indices: lomo_cpu.cpp's chunks divide 2^32). Stores
-// round(buffer + grad) (kFirst: round(grad), the buffer not read) as the update's write-back
-// rounds, and with kMeasure returns sumsq_span of the stored values (the same lanes, order
-// and flag: grad_sumsq_ of the written chunk, bit for bit); 0 without.
+// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is a
+// multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's
+// chunks start at multiples of kGrain, which divides 2^32). Stores round(buffer + grad)
+// (kFirst: round(grad), the buffer not read) to nearest even or stochastically with the
+// accumulation's bits (lomo::pair_bits16), and with kMeasure returns sumsq_span of the stored
+// values (the same lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); 0
+// without.
 template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
 double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t begin,
                        int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
@@ -584,28 +587,60 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   const uint32_t lo = static_cast<uint32_t>(begin), hi = static_cast<uint32_t>(begin >> 32);
   double lanes[kSumLanes] = {};
   int64_t i = 0;
-#if LOMO_LOOPS_AVX2
+#if LOMO_LOOPS_AVX512
+  i = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
+                                                             lanes);
+#elif LOMO_LOOPS_AVX2
   i = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
                                                            lanes);
 #endif
-  // The portable loop: element i (a multiple of 8 on entry) into lane i % 8.
-  const auto one = [&](int64_t k) {
+  // The portable loop: element i (a multiple of 32 on entry) into lane i % 8, stored with
+  // `random` (16 bits; unused to nearest).
+  const auto one = [&](int64_t k, uint32_t random) {
     const float gv = G::load(g[k]);
     const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
-    const typename P::T out =
-        lomo::store_rounded<P, kStochastic>(v, lo + static_cast<uint32_t>(k), hi, key);
+    typename P::T out;
+    if constexpr (kStochastic) {
+      out = P::round_sr(v, random);
+    } else {
+      out = P::round(v);
+    }
     b[k] = out;
     const double stored = lomo::mul_rn(P::load(out), inv_scale);
     return stored * stored;
   };
+  // Stochastic: blocks of 32 (lo + i is a multiple of 32 here), one hash per pair of elements
+  // l and l + 16, its halves in the order pair_bits16 gives them.
+  if constexpr (kStochastic) {
+    const bool swap = (key & 16u) != 0;
+    for (; i + 32 <= n; i += 32) {
+      uint32_t random[32];
+      const uint32_t input = lomo::pair_input((lo + static_cast<uint32_t>(i)) ^ key, hi);
+      for (uint32_t l = 0; l < 16; ++l) {
+        const uint32_t h = lomo::mix32(input ^ l);
+        random[l] = swap ? h >> 16 : h & 0xFFFFu;
+        random[l + 16] = swap ? h & 0xFFFFu : h >> 16;
+      }
+      for (int k = 0; k < 32; k += kSumLanes) {
+        for (int l = 0; l < kSumLanes; ++l) {
+          const double square = one(i + k + l, random[k + l]);
+          if constexpr (kMeasure) lanes[l] += square;
+        }
+      }
+    }
+  }
+  // The rest (everything when rounding to nearest), stochastically a hash per element.
+  const auto bits = [&](int64_t k) {
+    return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
+  };
   for (; i + kSumLanes <= n; i += kSumLanes) {
     for (int l = 0; l < kSumLanes; ++l) {
-      const double square = one(i + l);
+      const double square = one(i + l, bits(i + l));
       if constexpr (kMeasure) lanes[l] += square;
     }
   }
   for (int l = 0; i < n; ++i, ++l) {
-    const double square = one(i);
+    const double square = one(i, bits(i));
     if constexpr (kMeasure) lanes[l] += square;
   }
   return kMeasure ? lanes_total(lanes, bad) : 0.0;

@@ -179,10 +179,11 @@ __global__ void __launch_bounds__(kThreads)
   report_sumsq(acc, any_bad, sumsq, found_inf);
 }
 
-// buffer = round(buffer + grad) (kFirst: round(grad), the buffer not read), rounded as the
-// update's write-back, in one pass; the stored values times inv_scale are measured as
-// grad_sumsq_kernel measures the gradient (into sumsq and found_inf, either may be absent;
-// the flag `measure` is the same for every thread, so the reduction's barrier is too).
+// buffer = round(buffer + grad) (kFirst: round(grad), the buffer not read), to nearest even or
+// stochastically with the accumulation's stream (lomo::pair_bits16), in one pass; the stored
+// values times inv_scale are measured as grad_sumsq_kernel measures the gradient (into sumsq
+// and found_inf, either may be absent; the flag `measure` is the same for every thread, so the
+// reduction's barrier is too).
 template <class P, class G, bool kFirst, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
     grad_accumulate_kernel(typename P::T* __restrict__ buffer,
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t any_bad = 0;
   const auto add = [&](typename P::T old, typename G::T g, int64_t index) {
     const float v = kFirst ? G::load(g) : lomo::add_rn(P::load(old), G::load(g));
-    const typename P::T out = lomo::store_rounded<P, kStochastic>(v, index, key);
+    const typename P::T out = lomo::store_accumulated<P, kStochastic>(v, index, key);
     const float x = __fmul_rn(P::load(out), inv);
     acc = fmaf(x, x, acc);
     any_bad |= lomo::is_nonfinite(x);

@@ -91,6 +91,40 @@ LOMO_HD LOMO_INLINE uint32_t random_bits16(uint32_t lo, uint32_t hi, uint32_t ke
   return mix32(mix32(lo ^ key) ^ hi) >> 16;
 }
 
+// The accumulation's stream (_rounding.pair_bits16): one hash per pair of elements i and
+// i ^ 16. With u = lo ^ key, the pair's hash input is pair_input(u, hi) (u without its bit 4);
+// the element with bit 4 of u clear takes the hash's low half, the other its high half. For a
+// block of 32 from a multiple of 32, `first`, the inputs are pair_input(first ^ key, hi) ^ l
+// (l = 0 .. 15), elements first + l take the low halves unless bit 4 of key is set, and
+// elements first + 16 + l the other halves.
+constexpr uint32_t kPairHiMul = 0x2545F491u;  // _rounding._PAIR_HI_MUL
+
+LOMO_HD LOMO_INLINE uint32_t pair_input(uint32_t u, uint32_t hi) {
+  return (((u >> 5) << 4) | (u & 15u)) ^ (hi * kPairHiMul);
+}
+
+// mix32 after its first step (x ^= x >> 16), up to its last multiply: the hash is y ^ (y >> 16)
+// of this y, so its high half is y's and its low half (y ^ (y >> 16)) & 0xFFFF.
+LOMO_HD LOMO_INLINE uint32_t mix32_product(uint32_t x) {
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  return x * 0x846CA68Bu;
+}
+
+// mix32's first step on the pair inputs of the block of 32 from `first`, a multiple of 32:
+// they are pair_input(first ^ key, hi) ^ l (l < 16), which differ below bit 16 only, so theirs
+// is this value ^ l.
+LOMO_HD LOMO_INLINE uint32_t pair_block_input(uint32_t first, uint32_t hi, uint32_t key) {
+  const uint32_t input = pair_input(first ^ key, hi);
+  return input ^ (input >> 16);
+}
+
+LOMO_HD LOMO_INLINE uint32_t pair_bits16(uint32_t lo, uint32_t hi, uint32_t key) {
+  const uint32_t u = lo ^ key;
+  const uint32_t h = mix32(pair_input(u, hi));
+  return (u & 16u) != 0 ? h >> 16 : h & 0xFFFFu;
+}
+
 // _rounding.seed_parts(seed): the host's share of a 64-bit seed's rounding key.
 LOMO_HD LOMO_INLINE uint32_t seed_lo_mixed(uint64_t seed) {
   return mix32(static_cast<uint32_t>(seed));
@@ -273,6 +307,18 @@ template <class P, bool kStochastic>
 LOMO_HD LOMO_INLINE typename P::T store_rounded(float v, int64_t index, uint32_t key) {
   return store_rounded<P, kStochastic>(v, static_cast<uint32_t>(index),
                                        static_cast<uint32_t>(index >> 32), key);
+}
+
+// P::round_sr with the accumulation's bits of flat element index `index` (pair_bits16), or
+// P::round: what grad_accumulate_ stores.
+template <class P, bool kStochastic>
+LOMO_HD LOMO_INLINE typename P::T store_accumulated(float v, int64_t index, uint32_t key) {
+  if constexpr (kStochastic) {
+    return P::round_sr(v, pair_bits16(static_cast<uint32_t>(index),
+                                      static_cast<uint32_t>(index >> 32), key));
+  } else {
+    return P::round(v);
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -117,6 +117,26 @@ def random_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     return mix32(mix32(lo ^ key) ^ hi) >> 16
 
 
+# Odd multiplier folding an index's high 32 bits into the accumulation's hash input.
+_PAIR_HI_MUL = 0x2545F491
+
+
+def pair_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """16 random bits per flat element index from one 32-bit hash per pair of elements (the
+    accumulation's stream). Elements ``i`` and ``i ^ 16`` (16 apart in an aligned block of
+    32) are a pair: with ``u = lo32(i) ^ key``, their hash is ``mix32(v ^ lo32(hi32(i) *
+    _PAIR_HI_MUL))`` with ``v`` the bits of ``u`` but bit 4 (``(u >> 5) << 4 | u & 15``), and
+    the one with bit 4 of ``u`` clear takes the low half, the other the high half. Every bit
+    depends on the index only through ``u``, so the key's ``^ offset`` of `seed_at_offset`
+    carries over: a slice at any offset draws the whole tensor's bits. (A vector of 16 hashes
+    then serves 32 consecutive elements without moving a half across lanes.)"""
+    lo = index & MASK32
+    hi = index >> 32
+    u = lo ^ key
+    h = mix32(((u >> 5) << 4 | (u & 15)) ^ _mul32(hi, _PAIR_HI_MUL))
+    return torch.where((u & 16) != 0, h >> 16, h & 0xFFFF)
+
+
 def fp32_to_bf16_bits(value: torch.Tensor, random16: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 bit patterns (int64 in [0, 65535]) of fp32 `value`.
 

@@ -13,7 +13,15 @@ from support.adalomo import FP32_REL, adalomo_f64
 from support.rounding import LOW, assert_unbiased_neighbours, float64_neighbours
 
 from lomo_kernels import AdaLomo, Lomo, ops
-from lomo_kernels.core.rounding import fp16_stochastic, random_bits16, round_to_dtype
+from lomo_kernels.core.rounding import (
+    fp16_stochastic,
+    mix32_int,
+    pair_bits16,
+    random_bits16,
+    round_to_dtype,
+    seed_at_offset,
+    seed_key,
+)
 
 ALL_RANDOM16 = torch.arange(1 << 16, dtype=torch.int64)
 
@@ -119,6 +127,42 @@ def test_random_bits_are_uniform_over_indices():
     counts = torch.bincount(bits >> 12, minlength=16).double()
     expected = (1 << 16) / 16
     assert float(((counts - expected) ** 2 / expected).sum()) < 37.7
+
+
+def test_accumulation_bits_are_uniform_and_pairs_uncorrelated():
+    """The accumulation's stream (one hash per pair of elements i, i ^ 16): uniform 16 bits
+    per element (the chi-square above), and the two halves a pair shares uncorrelated (the
+    sample correlation of 2^15 pairs within 5 standard errors of 0, 5 / sqrt(2^15))."""
+    bits = pair_bits16(torch.arange(1 << 16, dtype=torch.int64), 12345)
+    counts = torch.bincount(bits >> 12, minlength=16).double()
+    expected = (1 << 16) / 16
+    assert float(((counts - expected) ** 2 / expected).sum()) < 37.7
+    blocks = bits.double().view(-1, 2, 16)  # [block, half, lane]: element 32b + 16h + l
+    first, second = blocks[:, 0].reshape(-1), blocks[:, 1].reshape(-1)
+    correlation = torch.corrcoef(torch.stack([first, second]))[0, 1].item()
+    assert abs(correlation) < 5 / math.sqrt(first.numel())
+
+
+@pytest.mark.parametrize("index", [0, 1, 15, 16, 17, 31, 12345, 2**32 - 1, 2**32 + 21, 2**40 + 7])
+def test_accumulation_bits_model(index):
+    """pair_bits16 against its definition on Python ints: u = lo32(i) ^ key; the hash of u
+    without bit 4, salted by the index's high half; bit 4 of u picks the half."""
+    key = 0x9C3A_51E7
+    u = (index & 0xFFFF_FFFF) ^ key
+    hashed = mix32_int((((u >> 5) << 4) | (u & 15)) ^ (((index >> 32) * 0x2545F491) & 0xFFFF_FFFF))
+    want = hashed >> 16 if u & 16 else hashed & 0xFFFF
+    assert pair_bits16(torch.tensor([index]), key).item() == want
+
+
+@pytest.mark.parametrize("offset", [1, 6, 16, 48, 1237, 4096 + 16])
+def test_accumulation_bits_of_a_slice_are_the_whole_tensors(offset):
+    """A piece from `offset` keyed with `seed_at_offset` draws the whole tensor's bits (the
+    property the sharded accumulation relies on), pairs split across the cut included."""
+    seed, size = 2**40 + 77, offset & -offset  # the largest aligned piece from offset
+    whole = pair_bits16(torch.arange(offset + size, dtype=torch.int64), seed_key(seed))
+    piece = pair_bits16(torch.arange(size, dtype=torch.int64),
+                        seed_key(seed_at_offset(seed, offset)))  # fmt: skip
+    assert torch.equal(piece, whole[offset:])
 
 
 # ----------------------------------------------------------------------------- the ops

@@ -29,6 +29,7 @@ DECORATED_FOR_INTERPRETER = interpret_mode()
 # The shared loads, gradient, hash and roundings, decorated for the same mode as this module.
 _shared = kernels("rounding_kernels")
 _rounding_key, _to_fp32, _to_storage = _shared.rounding_key, _shared.to_fp32, _shared.to_storage
+_to_accumulated = _shared.to_accumulated
 _load_fp32 = _shared.load_fp32
 _factor, _grad_source, _scaled, _grad = (
     _shared.factor,
@@ -171,12 +172,13 @@ def _accumulate_chunk(
     GRAD_KIND: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
-    """Adds the gradient into the buffer over `offs[mask]`; returns (sum of squares of the
+    """Adds the gradient into the buffer over `offs[mask]` (stochastic rounding: the
+    accumulation's stream, `rounding_kernels.pair_random16`); returns (sum of squares of the
     stored values times inv_scale, 1 if any of those is non-finite else 0)."""
     new = _load_fp32(grad_ptr, offs, mask, GRAD_KIND)
     if not FIRST:
         new += _load_fp32(buffer_ptr, offs, mask, BUFFER_KIND)
-    out = _to_storage(new, offs, key, BUFFER_KIND, STOCHASTIC_ROUNDING)
+    out = _to_accumulated(new, offs, key, BUFFER_KIND, STOCHASTIC_ROUNDING)
     tl.store(buffer_ptr + offs, out, mask=mask)
     # The norm is of what the update will read: the stored value, not the fp32 sum.
     stored = _to_fp32(out, BUFFER_KIND) * inv_scale

@@ -25,6 +25,7 @@ FP32, FP16, BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 _MUL_1 = tl.constexpr(_rounding._HASH_MUL_1)
 _MUL_2 = tl.constexpr(_rounding._HASH_MUL_2)
+_PAIR_HI_MUL = tl.constexpr(_rounding._PAIR_HI_MUL)
 # fp32 magnitude bits of fp16's smallest normal (2^-14) and largest finite value (65504).
 _FP16_MIN_NORMAL_BITS = tl.constexpr(_rounding.FP16_MIN_NORMAL_BITS)
 _FP16_MAX_BITS = tl.constexpr(_rounding.FP16_MAX_BITS)
@@ -68,6 +69,17 @@ def random16(offs, key):
     lo = offs.to(tl.uint32)
     hi = (offs >> 32).to(tl.uint32)
     return mix32(mix32(lo ^ key) ^ hi) >> 16
+
+
+@triton.jit
+def pair_random16(offs, key):
+    """16 random bits (uint32) per int64 flat element index from one hash per pair of
+    elements (``i``, ``i ^ 16``): `_rounding.pair_bits16`, the accumulation's stream."""
+    lo = offs.to(tl.uint32)
+    hi = (offs >> 32).to(tl.uint32)
+    u = lo ^ key
+    h = mix32((((u >> 5) << 4) | (u & 15)) ^ (hi * _PAIR_HI_MUL))
+    return tl.where((u & 16) != 0, h >> 16, h & 0xFFFF)
 
 
 @triton.jit
@@ -177,18 +189,36 @@ def fp16_stochastic(value, noise):
 
 
 @triton.jit
-def to_storage(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
-    """fp32 `value` in the parameter's storage type (bf16 as int16 bits): round to nearest
-    even, or (bf16, fp16) stochastically with the 16 bits of the flat indices `offs` (int64)
-    under `key` (`rounding_key`)."""
+def stored(value, noise, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
+    """fp32 `value` in the storage type (bf16 as int16 bits): round to nearest even, or (bf16,
+    fp16) stochastically with `noise` (16 random bits per element)."""
     if KIND == FP32:
         return value
     elif KIND == FP16:
         if STOCHASTIC_ROUNDING:
-            value = fp16_stochastic(value, random16(offs, key))
+            value = fp16_stochastic(value, noise)
         return value.to(tl.float16)
     else:
-        noise = 0
-        if STOCHASTIC_ROUNDING:
-            noise = random16(offs, key)
         return bf16_bits(value, noise, STOCHASTIC_ROUNDING)
+
+
+@triton.jit
+def to_storage(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
+    """fp32 `value` in the parameter's storage type (bf16 as int16 bits): round to nearest
+    even, or (bf16, fp16) stochastically with the 16 bits of the flat indices `offs` (int64)
+    under `key` (`rounding_key`)."""
+    noise = 0
+    if STOCHASTIC_ROUNDING:  # noqa: SIM102 (compile-time branches)
+        if KIND != FP32:
+            noise = random16(offs, key)
+    return stored(value, noise, KIND, STOCHASTIC_ROUNDING)
+
+
+@triton.jit
+def to_accumulated(value, offs, key, KIND: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr):
+    """`to_storage` with the accumulation's bits (`pair_random16`)."""
+    noise = 0
+    if STOCHASTIC_ROUNDING:  # noqa: SIM102 (compile-time branches)
+        if KIND != FP32:
+            noise = pair_random16(offs, key)
+    return stored(value, noise, KIND, STOCHASTIC_ROUNDING)

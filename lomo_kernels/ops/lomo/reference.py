@@ -8,9 +8,11 @@ device tensors (`scalars.py`); an absent inv_scale or clip_coef means 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ...core.rounding import Rounding, round_to_dtype
+from ...core.rounding import Rounding, pair_bits16, round_to_dtype
 from ...core.scalars import value_of
 
 
@@ -21,14 +23,16 @@ def _write_back(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
+    bits: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """Writes fp32 `new` into `param` in its dtype where `keep` is False."""
+    """Writes fp32 `new` into `param` in its dtype where `keep` is False; stochastic rounding
+    draws from `bits(index, key)` (None: the write-back's stream, `Rounding.random16`)."""
     flat = param.view(-1)
     rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
     random16 = None
     if rounding.stochastic:
         index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
-        random16 = rounding.random16(index)
+        random16 = rounding.random16(index) if bits is None else bits(index, rounding.key)
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
 
@@ -111,16 +115,17 @@ def grad_accumulate_(
     """One micro-batch's gradient added into its accumulation buffer, in place.
 
     new = fp32(grad) (first: the buffer's old contents are not read) or fp32(buffer) +
-    fp32(grad), stored in the buffer's dtype (rounded as the update's write-back:
-    `_write_back`); found_inf = 1 if any stored value is inf/nan; sumsq += the sum of
-    (stored value * inv_scale) ** 2 in float64, as `grad_sumsq_` (the buffer holds the loss-
-    scaled sum, as ``.grad`` does under torch's GradScaler; inv_scale unscales the norm only).
+    fp32(grad), stored in the buffer's dtype (to nearest even, or stochastically with the
+    accumulation's own stream, `core.rounding.pair_bits16`: one hash per pair of elements);
+    found_inf = 1 if any stored value is inf/nan; sumsq += the sum of (stored value *
+    inv_scale) ** 2 in float64, as `grad_sumsq_` (the buffer holds the loss-scaled sum, as
+    ``.grad`` does under torch's GradScaler; inv_scale unscales the norm only).
     """
     new = grad.reshape(-1).to(torch.float32)
     if not first:
         new = buffer.reshape(-1).to(torch.float32) + new
     _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
-                seed, seed_step)  # fmt: skip
+                seed, seed_step, pair_bits16)  # fmt: skip
     if sumsq is not None or found_inf is not None:
         if sumsq is None:  # found_inf alone: the sum is measured and dropped
             sumsq = torch.zeros(1, dtype=torch.float32, device=buffer.device)
