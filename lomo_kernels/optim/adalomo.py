@@ -232,16 +232,15 @@ class AdaLomo(InBackwardOptimizer):
 
     def _update(self, piece: Piece) -> None:
         # A whole tensor: the factored statistics span the matrix (slices: _update_shards).
-        step = piece
-        param, group, scalars = step.param, step.group, step.scalars
+        param, group, scalars = piece.param, piece.group, piece.scalars
         if torch.compiler.is_compiling():
             # Traced: the public function as it is, nothing read from host-side caches.
             adalomo_update_(
                 param,
-                step.grad,
+                piece.grad,
                 self.state[param],
-                lr=scalars.lr[step.group_index],
-                beta2=self._beta2[param.device, step.group_index],
+                lr=scalars.lr[piece.group_index],
+                beta2=self._beta2[param.device, piece.group_index],
                 eps=group["eps"],
                 clip_threshold=group["clip_threshold"],
                 weight_decay=group["weight_decay"],
@@ -249,10 +248,10 @@ class AdaLomo(InBackwardOptimizer):
                 clip_value=group["clip_grad_value"],
                 clip_coef=scalars.clip_coef if group["clip_grad_norm"] is not None else None,
                 found_inf=scalars.update_found_inf,
-                skip_if=step.skip_if,
+                skip_if=piece.skip_if,
                 **self._rounding_arguments(param),
                 backend=self.backend,
-                on_grad_sumsq=step.on_grad_sumsq,
+                on_grad_sumsq=piece.on_grad_sumsq,
             )
             return
         if not param.numel():
@@ -262,15 +261,15 @@ class AdaLomo(InBackwardOptimizer):
         # parameter, its gradient and one of the optimizer's own flags.
         device = param.device
         arguments = {
-            **self._step_arguments[device, step.group_index],
+            **self._step_arguments[device, piece.group_index],
             **self.state[param],
             "param": param,
-            "grad": step.grad.contiguous(),
-            "skip_if": step.skip_if,
+            "grad": piece.grad.contiguous(),
+            "skip_if": piece.skip_if,
             "workspace": self._workspace(param),
             **self._rounding_arguments(param),
         }
-        run_adalomo_passes_(self._backends[device], arguments, step.on_grad_sumsq)
+        run_adalomo_passes_(self._backends[device], arguments, piece.on_grad_sumsq)
 
     def _rounding_arguments(self, param: torch.Tensor) -> dict[str, Any]:
         """The write-back's rounding arguments of `param` (rounding.py)."""

@@ -116,7 +116,7 @@ class Lomo(InBackwardOptimizer):
             d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
         }
         # The update op's public checks (its spec's), once per step, on the step-wide values
-        # every per-tensor call of the step passes (`_apply` skips them per call).
+        # every per-tensor call of the step passes (`_apply_piece` skips them per call).
         for device, scalars, index, group in self._scalars.groups_present(self._groups.hyper):
             LOMO_UPDATE.convert(
                 device,

@@ -136,10 +136,9 @@ class RowBlockStep:
 class RowBlocks:
     """Which parameters the pass in progress may step from blocks of rows, noting on the step
     which it steps so and which got their whole gradient, so that neither gets a second
-    contribution. Only an optimizer whose
-    update is elementwise (`steps_rows`: it has an `update_rows`) is handed row blocks, so
-    rows stepped apart equal the whole tensor's step (Lomo; AdaLomo's statistics span the
-    whole matrix)."""
+    contribution. Only an optimizer whose update is elementwise (`steps_rows`) is handed row
+    blocks, so rows stepped apart equal the whole tensor's step (Lomo; AdaLomo's statistics
+    span the whole matrix)."""
 
     model: nn.Module
     step: Step
