@@ -31,14 +31,12 @@ class Claim:
 
     def updates(self, t: Any) -> bool:
         """Whether `t` is one of this claim's parameters and the claim is still held."""
-        entry = _CLAIMS.get(id(t))
-        return entry is not None and entry[1] is self and entry[0]() is t
+        return claim_of(t) is self
 
-    def hold(self, names: dict[int, str]) -> None:
-        """Records the parameters as this claim's, after `refuse_claimed` (`names` for its
-        error)."""
+    def hold(self) -> None:
+        """Records the parameters as this claim's (the constructor refused any a live
+        optimizer holds, `refuse_claimed`, before building anything)."""
         params, self._params = self._params, []
-        refuse_claimed(params, names, self.owner)
         for p in params:
             _CLAIMS[id(p)] = (weakref.ref(p), self)
 

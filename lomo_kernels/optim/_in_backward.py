@@ -220,7 +220,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             for p in params:
                 self.state[p] = initial(p, None if sharding is None else sharding.shard(p))
         # Last (see above).
-        self._release_hooks = attach_hooks(self, self._claim, hooked, parameter_names(model))
+        self._release_hooks = attach_hooks(self, self._claim, hooked)
         self._engine = engine
         if engine is not None:  # DeepSpeed's own need a ZeRO optimizer (checkpoint/)
             serve_engine_checkpoints(engine, self)
@@ -610,11 +610,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         else:
             self._reports.report_previous_step()
             self._prepare_scalars()
-        single = plan is Plan.SINGLE_BACKWARD
+        single = self._step.begin_update()
         if single:
             self._single_backward_clip.max_norm = self._groups.max_norm
             self._single_backward_clip.begin_step()
-        self._step.begin_update(single)
         try:
             self._run_backward(loss, Phase.UPDATE, retain_graph=False)
         finally:

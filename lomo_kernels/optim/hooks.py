@@ -22,11 +22,8 @@ def _release(handles: list[Any], record: Claim) -> None:
     record.release()
 
 
-def attach_hooks(
-    optimizer: Any, record: Claim, hooked: list[nn.Parameter], names: dict[int, str]
-) -> weakref.finalize:
-    """Holds `optimizer`'s claim `record` (refused if a live optimizer holds one of its
-    parameters; `names` for that error) and registers a post-accumulate-grad hook on each of
+def attach_hooks(optimizer: Any, record: Claim, hooked: list[nn.Parameter]) -> weakref.finalize:
+    """Holds `optimizer`'s claim `record` and registers a post-accumulate-grad hook on each of
     `hooked` (its parameters, in the param groups' order) that calls
     ``optimizer._on_grad_ready(param)``; returns the finalizer that removes both (run by
     `detach()`, or when `optimizer` is collected). Nothing stays attached if it fails."""
@@ -37,7 +34,7 @@ def attach_hooks(
         if alive is not None:
             alive._on_grad_ready(param)
 
-    record.hold(names)
+    record.hold()
     handles: list[Any] = []
     try:
         for p in hooked:

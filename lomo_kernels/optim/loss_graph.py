@@ -45,7 +45,6 @@ LOGITS_ON_REQUEST = "lomo_kernels_logits_on_request"
 class LossGraph:
     """What the walk found (see the module docstring)."""
 
-    whole: bool  # the whole graph was read (else only the head's readers)
     sparse_embedding: bool = False
     reused_row_block_params: list[torch.Tensor] = field(default_factory=list)
     heads_fused: set[int] = field(default_factory=set)  # heads the fused loss reads
@@ -62,7 +61,7 @@ def read_loss_graph(loss: torch.Tensor, whole: bool, heads: Iterable[int] = ()) 
     """One walk of `loss`'s graph answering the whole-graph question (with `whole`) and the
     head question for the weights whose ids are `heads` (module docstring)."""
     heads = set(heads)
-    found = LossGraph(whole=whole)
+    found = LossGraph()
     root = getattr(loss, "grad_fn", None)
     if root is None or not (whole or heads):
         return found

@@ -124,8 +124,11 @@ class Step:
         self._norm_loss = None
         self._norm_graph = None
 
-    def begin_update(self, single_backward: bool) -> None:
-        self.single_backward = single_backward
+    def begin_update(self) -> bool:
+        """Opens the update pass of the step's plan; returns whether it clips and checks the
+        gradients as they arrive (`Plan.SINGLE_BACKWARD`)."""
+        self.single_backward = self.plan is Plan.SINGLE_BACKWARD
+        return self.single_backward
 
     @torch.compiler.disable
     def end_update(self) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from lomo_kernels.optim.step import Phase, Step
+from lomo_kernels.optim.step import Phase, Plan, Step
 
 
 def measured(loss: torch.Tensor, max_norm: float | None = 1.0, graph: bool = False) -> Step:
@@ -36,10 +36,12 @@ def test_end_update_reports_the_norm_pass_and_forgets_it():
     loss = a_loss()
     mode = measured(loss, graph=True)
     assert mode.phase is Phase.IDLE and mode.same_graph_as_norm(loss)
-    mode.begin_update(single_backward=False)
+    mode.begin(Plan.NORM_THEN_UPDATE)
+    assert mode.begin_update() is False
     assert mode.end_update() is True
     assert not mode.norm_ready and not mode.same_graph_as_norm(loss)
-    mode.begin_update(single_backward=True)
+    mode.begin(Plan.SINGLE_BACKWARD)
+    assert mode.begin_update() is True
     assert mode.single_backward
     assert mode.end_update() is False and not mode.single_backward
 
