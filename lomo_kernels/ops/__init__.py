@@ -5,7 +5,8 @@ One package per op family: its specs (spec.py, for LOMO and AdaLomo) and public 
 (triton_backend.py, cpp_backend.py; the head: triton_backend.py, blocked_backend.py) and
 what else belongs to it only:
     lomo/                  LOMO: fused_lomo_update_, fused_sgd_update_, grad_sumsq_,
-                           grad_accumulate_
+                           grad_accumulate_; the 8-bit buffer's grad_accumulate_int8_,
+                           lomo_update_int8_, int8_dequantize_
     adalomo/               AdaLomo: the six passes, adalomo_update_; workspace.py, the
                            per-step fp32 workspace every AdaLomo backend shares
     cross_entropy/         fused linear + cross-entropy (linear_cross_entropy, causal_lm_loss);
@@ -38,7 +39,10 @@ from .lomo import (
     fused_lomo_update_,
     fused_sgd_update_,
     grad_accumulate_,
+    grad_accumulate_int8_,
     grad_sumsq_,
+    int8_dequantize_,
+    lomo_update_int8_,
 )
 
 __all__ = [
@@ -55,7 +59,10 @@ __all__ = [
     "fused_lomo_update_",
     "fused_sgd_update_",
     "grad_accumulate_",
+    "grad_accumulate_int8_",
     "grad_sumsq_",
     "init_adalomo_state",
+    "int8_dequantize_",
     "linear_cross_entropy",
+    "lomo_update_int8_",
 ]

@@ -7,6 +7,10 @@
     grad_accumulate_      a micro-batch's gradient added into its accumulation buffer, with
                           the result's sum of squares + inf/nan flag, one pass
                           (op ``lomo_kernels::grad_accumulate_``)
+    grad_accumulate_int8_ the same into an 8-bit blockwise buffer (int8 codes, a power-of-two
+                          scale per block: `core/int8_blocks.py`), one pass
+    lomo_update_int8_     one LOMO step whose gradient is read from such a buffer, one pass
+    int8_dequantize_      such a buffer's values into a float tensor, one pass
     clip_coef_from_sumsq  device-side clip-by-norm coefficient
 
 The public functions check their arguments and convert runtime scalars to device tensors
@@ -21,16 +25,27 @@ from types import ModuleType
 import torch
 
 from ...core.checks import check_finite, check_pair
+from ...core.int8_blocks import blocks_of
 from ...core.rounding import rounds_stochastically
 from ...core.scalars import Scalar
 from ..backends import LOMO
 from ..definition import define
-from .spec import GRAD_ACCUMULATE, GRAD_SUMSQ, LOMO_UPDATE
+from .spec import (
+    GRAD_ACCUMULATE,
+    GRAD_ACCUMULATE_INT8,
+    GRAD_SUMSQ,
+    INT8_DEQUANTIZE,
+    LOMO_UPDATE,
+    LOMO_UPDATE_INT8,
+)
 
 # The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).
 lomo_update_op = define(LOMO_UPDATE, LOMO)
 grad_sumsq_op = define(GRAD_SUMSQ, LOMO)
 grad_accumulate_op = define(GRAD_ACCUMULATE, LOMO)
+grad_accumulate_int8_op = define(GRAD_ACCUMULATE_INT8, LOMO)
+lomo_update_int8_op = define(LOMO_UPDATE_INT8, LOMO)
+int8_dequantize_op = define(INT8_DEQUANTIZE, LOMO)
 
 
 def fused_lomo_update_(
@@ -143,6 +158,121 @@ def grad_accumulate_(
     arguments = GRAD_ACCUMULATE.convert(buffer.device, arguments)
     if buffer.numel():
         grad_accumulate_op(backend, **arguments)
+
+
+def check_int8_buffer(
+    codes: torch.Tensor, scales: torch.Tensor, offset: int, like: torch.Tensor
+) -> None:
+    """An 8-bit blockwise buffer (`core/int8_blocks.py`) of `like`'s elements starting at flat
+    `offset` of its parameter: contiguous int8 codes of like's numel, contiguous fp32
+    scales, one per block it touches, all on like's device."""
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"lomo_kernels: offset must be an int >= 0, got {offset!r}")
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise TypeError(
+            "lomo_kernels: an 8-bit buffer is int8 codes and float32 scales, got "
+            f"{codes.dtype} and {scales.dtype}"
+        )
+    for name, t in (("codes", codes), ("scales", scales)):
+        if t.device != like.device:
+            raise ValueError(f"lomo_kernels: {name} is on {t.device}, the data on {like.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"lomo_kernels: {name} must be contiguous")
+    if codes.numel() != like.numel():
+        raise ValueError(
+            f"lomo_kernels: codes has {codes.numel()} elements, the data {like.numel()}"
+        )
+    blocks = blocks_of(offset, like.numel())
+    if scales.numel() != blocks:
+        raise ValueError(
+            f"lomo_kernels: {like.numel()} elements at offset {offset} touch {blocks} blocks: "
+            f"scales must have {blocks} elements, got {scales.numel()} (core.int8_blocks.blocks_of)"
+        )
+
+
+def grad_accumulate_int8_(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    offset: int = 0,
+    first: bool = False,
+    inv_scale: Scalar | None = 1.0,
+    sumsq: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
+    backend: str | ModuleType | None = None,
+) -> None:
+    """`grad_accumulate_` into an 8-bit blockwise buffer (`core/int8_blocks.py`), in one pass.
+
+    ``new = codes * scales + grad`` (``first``: ``new = grad``, codes and scales not read);
+    each block stores the power-of-two scale of its largest ``|new|`` and each element its
+    code, rounded to nearest even or stochastically (keyed by ``seed``, ``seed_step`` and the
+    flat index ``offset + j`` in the whole parameter, so a slice rounds as the whole would).
+    ``sumsq`` and ``found_inf`` as `grad_accumulate_`, of the stored values.
+    """
+    public = locals()  # the arguments, by name
+    check_pair(grad, grad)
+    check_int8_buffer(codes, scales, offset, grad)
+    arguments = GRAD_ACCUMULATE_INT8.take(public, grad=grad.contiguous())
+    arguments = GRAD_ACCUMULATE_INT8.convert(grad.device, arguments)
+    if grad.numel():
+        grad_accumulate_int8_op(backend, **arguments)
+
+
+def lomo_update_int8_(
+    param: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    offset: int = 0,
+    lr: Scalar,
+    inv_scale: Scalar | None = 1.0,
+    clip_value: float | None = None,
+    clip_coef: Scalar | None = None,
+    weight_decay: float = 0.0,
+    found_inf: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step: torch.Tensor | None = None,
+    backend: str | ModuleType | None = None,
+) -> None:
+    """`fused_lomo_update_` with the gradient ``codes * scales`` read from an 8-bit blockwise
+    buffer, in one pass; `param` is the slice at flat `offset` of its parameter (0: the whole
+    parameter), whose stochastic write-back draws the whole parameter's bits."""
+    public = locals()  # the arguments, by name
+    check_pair(param, param)
+    check_int8_buffer(codes, scales, offset, param)
+    if stochastic_rounding and not rounds_stochastically(param.dtype):
+        raise ValueError(
+            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
+            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
+            "stochastic_rounding=False"
+        )
+    skip = found_inf if skip_if is None else skip_if
+    arguments = LOMO_UPDATE_INT8.convert(param.device, LOMO_UPDATE_INT8.take(public, skip_if=skip))
+    if param.numel():
+        lomo_update_int8_op(backend, **arguments)
+
+
+def int8_dequantize_(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    offset: int = 0,
+    backend: str | ModuleType | None = None,
+) -> None:
+    """``out = codes * scales`` in out's dtype (exact in fp32 and bf16), in one pass."""
+    public = locals()  # the arguments, by name
+    check_pair(out, out)
+    check_int8_buffer(codes, scales, offset, out)
+    arguments = INT8_DEQUANTIZE.convert(out.device, INT8_DEQUANTIZE.take(public))
+    if out.numel():
+        int8_dequantize_op(backend, **arguments)
 
 
 def clip_coef_from_sumsq(sumsq: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:

@@ -12,7 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from ...core.rounding import Rounding, pair_bits16, round_to_dtype
+from ...core.int8_blocks import (
+    INT8_BLOCK,
+    INT8_MANTISSA_LIMIT,
+    INT8_MAX_CODE,
+    INT8_MIN_EXPONENT,
+)
+from ...core.rounding import Rounding, pair_bits16, random_bits16, round_to_dtype, rounding_key
 from ...core.scalars import value_of
 
 
@@ -58,8 +64,28 @@ def lomo_update_(
     When skip_if is non-zero nothing is written at all. Stochastic rounding draws its bits
     from the key `_rounding.rounding_key(seed, seed_step)` and the element index.
     """
+    _lomo_step(param, grad.reshape(-1).to(torch.float32), lr, inv_scale, clip_value,
+               clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
+               seed_step, None)  # fmt: skip
+
+
+def _lomo_step(
+    param: torch.Tensor,
+    g: torch.Tensor,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+    bits: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None,
+) -> None:
+    """`lomo_update_` from the fp32 gradient `g` (flat); `bits` as `_write_back`'s."""
     lr_eff = value_of(lr)
-    g = grad.reshape(-1).to(torch.float32)
     if inv_scale is not None:
         g = g * value_of(inv_scale)
     bad = ~torch.isfinite(g)
@@ -72,7 +98,7 @@ def lomo_update_(
     keep = bad
     if skip_if is not None:
         keep = keep | (skip_if.reshape(-1)[0] != 0)
-    _write_back(param, new, keep, stochastic_rounding, seed, seed_step)
+    _write_back(param, new, keep, stochastic_rounding, seed, seed_step, bits)
     if found_inf is not None:
         flag = bad.any().to(found_inf.dtype)
         if skip_if is not None:
@@ -130,3 +156,119 @@ def grad_accumulate_(
         if sumsq is None:  # found_inf alone: the sum is measured and dropped
             sumsq = torch.zeros(1, dtype=torch.float32, device=buffer.device)
         grad_sumsq_(buffer, inv_scale, sumsq, found_inf)
+
+
+# -- the 8-bit blockwise buffer (core/int8_blocks.py) ------------------------------------
+
+
+def _block_of(offset: int, n: int, device: torch.device) -> torch.Tensor:
+    """Each element's block, counted from the buffer's first (partial) block."""
+    index = torch.arange(n, device=device, dtype=torch.int64)
+    return (offset % INT8_BLOCK + index) // INT8_BLOCK
+
+
+def int8_dequantized(codes: torch.Tensor, scales: torch.Tensor, offset: int) -> torch.Tensor:
+    """The buffer's fp32 values, flat: code * scale (exact: the scales are powers of two)."""
+    flat = codes.reshape(-1)
+    return flat.to(torch.float32) * scales[_block_of(offset, flat.numel(), codes.device)]
+
+
+def int8_power_of_two(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1 / scale) of blocks with the finite largest magnitudes `absmax` (fp32): the
+    smallest power of two p >= 2**-126 with absmax <= 127 * p, from absmax's bits; scale 0
+    (inverse 0) for an all-zero block."""
+    bits = absmax.view(torch.int32).to(torch.int64)
+    big = ((bits & 0x7FFFFF) > INT8_MANTISSA_LIMIT).to(torch.int64)
+    exponent = (((bits >> 23) & 0xFF) - 127 - 6 + big).clamp(min=INT8_MIN_EXPONENT)
+    scale = ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
+    inverse = ((127 - exponent) << 23).to(torch.int32).view(torch.float32)
+    zero = absmax == 0
+    return scale.masked_fill(zero, 0.0), inverse.masked_fill(zero, 0.0)
+
+
+def grad_accumulate_int8_(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    offset: int,
+    first: bool,
+    inv_scale: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> None:
+    """One micro-batch's gradient added into an 8-bit blockwise buffer, in place.
+
+    new = fp32(grad) (first: codes and scales are not read) or code * scale + fp32(grad)
+    (one fp32 rounding: the product is exact); each block then takes the power-of-two scale
+    of its largest |new| and each element the code new / scale rounded to nearest even or
+    stochastically with `pair_bits16` at flat index offset + j (`core/int8_blocks.py`); a
+    block holding an inf/nan stores codes 0 and scale nan. found_inf = 1 if any stored value
+    times inv_scale is inf/nan; sumsq += the sum of (stored value * inv_scale) ** 2, as
+    `grad_accumulate_`.
+    """
+    device = codes.device
+    new = grad.reshape(-1).to(torch.float32)
+    n = new.numel()
+    if not first:
+        new = int8_dequantized(codes, scales, offset) + new
+    blocks = _block_of(offset, n, device)
+    finite = torch.isfinite(new)
+    count = scales.numel()
+    bad = torch.zeros(count, dtype=torch.int32, device=device)
+    bad = bad.index_add_(0, blocks, (~finite).to(torch.int32)) > 0
+    magnitude = torch.where(finite, new.abs(), torch.zeros_like(new))
+    absmax = torch.zeros(count, dtype=torch.float32, device=device)
+    absmax = absmax.scatter_reduce_(0, blocks, magnitude, "amax")
+    scale, inverse = int8_power_of_two(absmax)
+    x = torch.where(finite, new, torch.zeros_like(new)) * inverse[blocks]  # exact
+    if stochastic_rounding:
+        key = rounding_key(seed, seed_step)
+        u = pair_bits16(blocks.new_tensor(offset) + torch.arange(n, device=device), key)
+        q = torch.floor(x + u.to(torch.float32) * 2.0**-16)
+    else:
+        q = torch.round(x)  # half to even
+    q = q.clamp(-INT8_MAX_CODE, INT8_MAX_CODE).masked_fill(bad[blocks], 0.0)
+    codes.reshape(-1).copy_(q.to(torch.int8))
+    scales.copy_(scale.masked_fill(bad, float("nan")))
+    if sumsq is not None or found_inf is not None:
+        if sumsq is None:  # found_inf alone: the sum is measured and dropped
+            sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+        grad_sumsq_(int8_dequantized(codes, scales, offset), inv_scale, sumsq, found_inf)
+
+
+def lomo_update_int8_(
+    param: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offset: int,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    clip_coef: torch.Tensor | None,
+    weight_decay: float,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    seed_step: torch.Tensor | None,
+) -> None:
+    """`lomo_update_` with the gradient read from an 8-bit blockwise buffer (code * scale)
+    holding `param`, a slice at flat `offset` of its parameter: the write-back's stochastic
+    rounding draws the whole parameter's bits at offset + j (`random_bits16`)."""
+
+    def bits(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+        return random_bits16(index + offset, key)
+
+    _lomo_step(param, int8_dequantized(codes, scales, offset), lr, inv_scale, clip_value,
+               clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
+               seed_step, bits)  # fmt: skip
+
+
+def int8_dequantize_(
+    out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: int
+) -> None:
+    """out = code * scale in out's dtype (exact in fp32 and bf16; fp16 to nearest even)."""
+    out.reshape(-1).copy_(int8_dequantized(codes, scales, offset).to(out.dtype))

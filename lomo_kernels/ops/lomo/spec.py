@@ -46,3 +46,51 @@ GRAD_ACCUMULATE = OpSpec(
         Arg("seed_step", "step", default=None),
     ),
 )
+# The 8-bit blockwise buffer (`core/int8_blocks.py`): int8 codes, one fp32 scale per block of
+# the parameter's flat index; `offset` is the flat offset of codes[0] in its parameter (the
+# block edges and the rounding bits follow it).
+GRAD_ACCUMULATE_INT8 = OpSpec(
+    "grad_accumulate_int8_",
+    "grad_accumulate_int8_",
+    (
+        Arg("codes", "tensor", mutable=True),
+        Arg("scales", "tensor", mutable=True),
+        Arg("grad", "tensor"),
+        Arg("offset", "int", default=0),
+        Arg("first", "bool", default=False),
+        Arg("inv_scale", "factor", default=1.0),
+        Arg("sumsq", "flag", mutable=True, default=None),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
+    ),
+)
+LOMO_UPDATE_INT8 = OpSpec(
+    "lomo_update_int8_",
+    "lomo_update_int8_",
+    (
+        Arg("param", "tensor", mutable=True),
+        Arg("codes", "tensor"),
+        Arg("scales", "tensor"),
+        Arg("offset", "int", default=0),
+        Arg("lr", "scalar", rule="non_negative"),
+        *GRAD_TRANSFORM,
+        Arg("weight_decay", "hyper", default=0.0),
+        Arg("found_inf", "flag", mutable=True, default=None),
+        Arg("skip_if", "flag", default=None),
+        Arg("stochastic_rounding", "bool", default=False),
+        Arg("seed", "seed", default=0),
+        Arg("seed_step", "step", default=None),
+    ),
+)
+INT8_DEQUANTIZE = OpSpec(
+    "int8_dequantize_",
+    "int8_dequantize_",
+    (
+        Arg("out", "tensor", mutable=True),
+        Arg("codes", "tensor"),
+        Arg("scales", "tensor"),
+        Arg("offset", "int", default=0),
+    ),
+)
