@@ -60,9 +60,57 @@ struct GradAccumulate {
   RoundingArgs rounding;
 };
 
-inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
-                         void (*sumsq)(const GradSumsq&),
-                         void (*accumulate)(const GradAccumulate&)) {
+// The 8-bit blockwise buffer (lomo_kernels/core/int8_blocks.py): int8 codes, one fp32
+// power-of-two scale per 256-element block of the parameter's flat index; offset is the flat
+// offset of codes[0] in its parameter (the block edges and the rounding bits follow it).
+struct Int8Buffer {
+  const at::Tensor& codes;
+  const at::Tensor& scales;
+  int64_t offset;
+};
+
+struct GradAccumulateInt8 {
+  Int8Buffer buffer;
+  const at::Tensor& grad;
+  bool first;
+  const OptTensor& inv_scale;
+  const OptTensor& sumsq;
+  const OptTensor& found_inf;
+  RoundingArgs rounding;
+};
+
+struct LomoUpdateInt8 {
+  const at::Tensor& param;
+  Int8Buffer buffer;
+  const at::Tensor& lr;
+  GradArgs grad_args;
+  double weight_decay;
+  const OptTensor& found_inf;
+  const OptTensor& skip_if;
+  RoundingArgs rounding;
+};
+
+struct Int8Dequantize {
+  const at::Tensor& out;
+  Int8Buffer buffer;
+};
+
+// The implementations of the LOMO family's ops in one extension, in the specs' order.
+struct LomoOps {
+  void (*update)(const LomoUpdate&);
+  void (*sumsq)(const GradSumsq&);
+  void (*accumulate)(const GradAccumulate&);
+  void (*accumulate_int8)(const GradAccumulateInt8&);
+  void (*update_int8)(const LomoUpdateInt8&);
+  void (*dequantize_int8)(const Int8Dequantize&);
+};
+
+inline void def_int8_ops(py::module_& m, const LomoOps& ops);
+
+inline void def_lomo_ops(py::module_& m, const LomoOps& ops) {
+  const auto update = ops.update;
+  const auto sumsq = ops.sumsq;
+  const auto accumulate = ops.accumulate;
   const auto lomo_update = [update](const at::Tensor& param, const at::Tensor& grad,
                                     const at::Tensor& lr, const OptTensor& inv_scale,
                                     std::optional<double> clip_value, const OptTensor& clip_coef,
@@ -97,6 +145,48 @@ inline void def_lomo_ops(py::module_& m, void (*update)(const LomoUpdate&),
         py::arg("buffer"), py::arg("grad"), py::arg("first"), py::arg("inv_scale"),
         py::arg("sumsq"), py::arg("found_inf"), py::arg("stochastic_rounding"),
         py::arg("seed"), py::arg("seed_step"));
+  def_int8_ops(m, ops);
+}
+
+inline void def_int8_ops(py::module_& m, const LomoOps& ops) {
+  const auto accumulate_int8 = ops.accumulate_int8;
+  const auto update_int8 = ops.update_int8;
+  const auto dequantize_int8 = ops.dequantize_int8;
+  const auto grad_accumulate_int8 =
+      [accumulate_int8](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& grad,
+                        int64_t offset, bool first, const OptTensor& inv_scale,
+                        const OptTensor& sumsq_out, const OptTensor& found_inf,
+                        bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
+        accumulate_int8({{codes, scales, offset}, grad, first, inv_scale, sumsq_out, found_inf,
+                         {stochastic_rounding, seed, seed_step}});
+      };
+  const auto lomo_update_int8 =
+      [update_int8](const at::Tensor& param, const at::Tensor& codes, const at::Tensor& scales,
+                    int64_t offset, const at::Tensor& lr, const OptTensor& inv_scale,
+                    std::optional<double> clip_value, const OptTensor& clip_coef,
+                    double weight_decay, const OptTensor& found_inf, const OptTensor& skip_if,
+                    bool stochastic_rounding, uint64_t seed, const OptTensor& seed_step) {
+        update_int8({param, {codes, scales, offset}, lr, {inv_scale, clip_value, clip_coef},
+                     weight_decay, found_inf, skip_if, {stochastic_rounding, seed, seed_step}});
+      };
+  const auto int8_dequantize = [dequantize_int8](const at::Tensor& out, const at::Tensor& codes,
+                                                 const at::Tensor& scales, int64_t offset) {
+    dequantize_int8({out, {codes, scales, offset}});
+  };
+  m.def("grad_accumulate_int8_", grad_accumulate_int8,
+        "codes, scales = the 8-bit blockwise buffer of (codes * scales + grad) (first: of grad), "
+        "the stored values' scaled sum of squares and inf/nan flag, in place",
+        py::arg("codes"), py::arg("scales"), py::arg("grad"), py::arg("offset"), py::arg("first"),
+        py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"),
+        py::arg("stochastic_rounding"), py::arg("seed"), py::arg("seed_step"));
+  m.def("lomo_update_int8_", lomo_update_int8,
+        "Fused LOMO update of one parameter (or slice) from an 8-bit blockwise buffer, in place",
+        py::arg("param"), py::arg("codes"), py::arg("scales"), py::arg("offset"), py::arg("lr"),
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"),
+        py::arg("weight_decay"), py::arg("found_inf"), py::arg("skip_if"),
+        py::arg("stochastic_rounding"), py::arg("seed"), py::arg("seed_step"));
+  m.def("int8_dequantize_", int8_dequantize, "out = codes * scales, in place", py::arg("out"),
+        py::arg("codes"), py::arg("scales"), py::arg("offset"));
 }
 
 // ----------------------------------------------------------------------------- AdaLomo

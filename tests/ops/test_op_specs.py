@@ -18,7 +18,7 @@ from lomo_kernels.ops import adalomo, backends, cross_entropy, definition, lomo
 from lomo_kernels.ops import embedding as embedding_backward
 
 FAMILIES = {
-    "lomo": (backends.LOMO, (lomo.LOMO_UPDATE, lomo.GRAD_SUMSQ, lomo.GRAD_ACCUMULATE)),
+    "lomo": (backends.LOMO, lomo.SPECS),
     "adalomo": (backends.ADALOMO, adalomo.SPECS),
 }
 # The C++ binding sources of each family, CPU and CUDA (their arguments: op_bindings.h).

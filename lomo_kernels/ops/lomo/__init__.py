@@ -37,6 +37,7 @@ from .spec import (
     INT8_DEQUANTIZE,
     LOMO_UPDATE,
     LOMO_UPDATE_INT8,
+    SPECS,  # noqa: F401  (the family's ops, for the backends' checks)
 )
 
 # The ops as the public functions call them: ``op(backend, **arguments)`` (eager.py).

@@ -94,3 +94,12 @@ INT8_DEQUANTIZE = OpSpec(
         Arg("offset", "int", default=0),
     ),
 )
+
+SPECS = (
+    LOMO_UPDATE,
+    GRAD_SUMSQ,
+    GRAD_ACCUMULATE,
+    GRAD_ACCUMULATE_INT8,
+    LOMO_UPDATE_INT8,
+    INT8_DEQUANTIZE,
+)
