@@ -36,12 +36,14 @@ from ..core.torch_internals import compiled_backward_donates_buffers
 from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
 from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import LOMO, requested_backend
+from . import int8_buffer
 from ._hyper import check_lr, checked_group
-from .accumulation import AccumulatedRows, Accumulation, check_accumulation
+from .accumulation import AccumulatedRows, Accumulation, Buffer, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
 from .head_guard import refuse_bypassed_head, trained_heads
 from .hooks import attach_hooks
+from .int8_buffer import Int8Buffer
 from .loss_graph import read_loss_graph
 from .loss_scaling import LossScaling
 from .param_groups import GroupHyperParameter, HookGroups, build_param_groups
@@ -115,6 +117,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # Whether the update is elementwise: any piece of a parameter (a block of rows, a slice)
     # is then stepped on its own exactly as the whole tensor's step steps it.
     elementwise: ClassVar[bool] = False
+    # Whether `_update` reads an 8-bit accumulation buffer itself (`Piece.grad` an
+    # `Int8Buffer`); else it is handed the buffer dequantised (int8_buffer.py).
+    reads_int8_buffers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -775,14 +780,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if last:
             self._apply_accumulated()
 
-    def _update_from_buffers(self, buffered: list[tuple[Any, torch.Tensor, Any]]) -> None:
+    def _update_from_buffers(self, buffered: list[tuple[Any, Buffer, Any]]) -> None:
         """Every buffered parameter (or this rank's slice of it) updated from its buffer as
         a piece, skipped whole on the step's overflow flag (`norm_found_inf`, shared above)."""
         if self._sharded is None:
             for param, buffer, _ in buffered:
                 scalars = self._scalars.for_device(param.device)
                 self._step.note_updated(param)
-                self._update(self._piece(param, buffer, scalars, scalars.norm_found_inf))
+                grad = self._buffer_read(param, buffer)
+                self._update(self._piece(param, grad, scalars, scalars.norm_found_inf))
             return
         if buffered:  # one batch: the same parameters in the same order on every rank
             scalars = self._scalars.for_device(buffered[0][1].device)
@@ -790,9 +796,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             pieces = []
             for param, buffer, shard in buffered:
                 self._step.note_updated(param)
-                pieces.append(self._slice_piece(shard, buffer, scalars, skip_if))
+                grad = self._buffer_read(param, buffer)
+                pieces.append(self._slice_piece(shard, grad, scalars, skip_if))
             self._update_shards(PieceBatch(pieces, scalars, skip_if))
         self._sharded.sharding.after_update()
+
+    def _buffer_read(self, param: torch.Tensor, buffer: Buffer) -> torch.Tensor | Int8Buffer:
+        """What the update reads of `param`'s buffer: the buffer, or an 8-bit one dequantised
+        into a transient for an update that does not read it itself."""
+        if isinstance(buffer, Int8Buffer) and not self.reads_int8_buffers:
+            return int8_buffer.dequantized(
+                buffer, param.dtype, self._accumulate_backends[buffer.device]
+            )
+        return buffer
 
     @torch.compiler.disable  # see _check_call
     def _prepare_micro_batch(self) -> list[torch.device]:

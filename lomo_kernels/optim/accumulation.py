@@ -5,7 +5,8 @@ Each ``fused_backward(loss)`` of an optimizer built with ``accumulation_steps=k`
 micro-batch. Its backward adds every gradient into the parameter's buffer with one fused pass
 (`ops.grad_accumulate_`) and frees it at once, so no ``.grad`` is ever kept; the buffer is
 allocated at the parameter's first gradient of the step, in the parameter's dtype (bf16 and
-fp16 rounded stochastically by default, as the write-back is) or in ``accumulation_dtype``.
+fp16 rounded stochastically by default, as the write-back is) or in ``accumulation_dtype``
+(``torch.int8``: the 8-bit blockwise buffer, `int8_buffer.py`).
 The k-th micro-batch's pass also measures the accumulated gradients' squared norm and
 inf/nan flag, so the step then knows the exact global norm without a norm pass: every
 parameter is updated from its buffer with the clip coefficient of the whole big batch, or,
@@ -31,7 +32,12 @@ from ..core.checks import SUPPORTED_DTYPES
 from ..core.rounding import mix32_int
 from ..distributed import Shard
 from ..ops.lomo import grad_accumulate_op
+from . import int8_buffer
+from .int8_buffer import Int8Buffer
 from .rounding import WriteBackRounding, step_value
+
+# A parameter's accumulated gradient: a tensor of the buffer's dtype, or the 8-bit buffer.
+Buffer = torch.Tensor | Int8Buffer
 
 # Salt of the accumulation's rounding stream: its bits are independent of the write-back's.
 _ACCUMULATION_SALT = 0x5A3C_96E1
@@ -53,10 +59,11 @@ def check_accumulation(
         raise ValueError(
             f"accumulation_steps must be an int >= 1 (micro-batches per step), got {steps!r}"
         )
-    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+    if dtype is not None and dtype not in (*SUPPORTED_DTYPES, torch.int8):
         raise ValueError(
             "accumulation_dtype must be None (the parameter's dtype), torch.float32, "
-            f"torch.bfloat16 or torch.float16, got {dtype!r}"
+            "torch.bfloat16, torch.float16 or torch.int8 (8-bit blockwise: int8 codes and "
+            f"one scale per 256 elements), got {dtype!r}"
         )
     if steps == 1 and dtype is not None:
         raise ValueError(
@@ -86,10 +93,12 @@ class Accumulation:
         # id(param) -> (param, buffer, shard), in the order the gradients first arrived. Kept
         # from step to step (a new allocation would be paged in again every step); those
         # written this step are `_written`.
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, Shard | None]] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, Buffer, Shard | None]] = {}
         self._written: set[int] = set()
         self._measured: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
         self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
+        # 8-bit buffers fed in row blocks that cut their blocks: measured whole at the end.
+        self._measure_whole: set[int] = set()
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
 
     def buffer_dtype(self, param: torch.Tensor) -> torch.dtype:
@@ -127,6 +136,9 @@ class Accumulation:
         buffer, first = self._buffer(param, grad, shard, zeroed=False)
         if self.measuring:
             self._measured_ids.add(id(param))
+        if isinstance(buffer, Int8Buffer):
+            self._add_int8(buffer, grad, 0, first, self.measuring, seed, inv_scale, backend)
+            return
         offset = 0 if shard is None else shard.offset
         self._add(buffer, grad, first, offset, seed, inv_scale, backend)
 
@@ -143,14 +155,65 @@ class Accumulation:
         """`add` for rows [start, stop) of `param`, from their gradient `grad` (a fused op's
         block, `AccumulatedRows`): the buffer starts at zero, as the blocks may skip rows."""
         buffer, _ = self._buffer(param, param, None, zeroed=True)
+        width = param.numel() // param.shape[0] if param.shape[0] else 0
+        if isinstance(buffer, Int8Buffer):
+            self._add_int8_rows(param, buffer, start * width, grad, seed, inv_scale, backend)
+            return
         if self.measuring:
             self._measured_ids.add(id(param))
-        width = param.numel() // param.shape[0] if param.shape[0] else 0
         self._add(buffer[start:stop], grad, False, start * width, seed, inv_scale, backend)
+
+    def _add_int8_rows(
+        self,
+        param: torch.Tensor,
+        buffer: Int8Buffer,
+        start: int,
+        grad: torch.Tensor,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> None:
+        """`add_rows` into an 8-bit buffer, from flat element `start`. Every block but the
+        last has the same rows, and the measuring micro-batch hands them over in order, so
+        the first block says whether the blocks cut the buffer's 256-element blocks; if they
+        do, none measures and the buffer is measured whole by `measure_rest`."""
+        key = id(param)
+        measuring = self.measuring and key not in self._measure_whole
+        if measuring and start == 0 and not buffer.covers_whole_blocks(0, grad.numel()):
+            self._measure_whole.add(key)
+            measuring = False
+        measured = self._add_int8(buffer, grad, start, False, measuring, seed, inv_scale, backend)
+        if not measured:
+            raise AssertionError("a row block cut the 8-bit buffer's blocks unannounced")
+        if measuring:
+            self._measured_ids.add(key)
+
+    def _add_int8(
+        self,
+        buffer: Int8Buffer,
+        grad: torch.Tensor,
+        start: int,
+        first: bool,
+        measuring: bool,
+        seed: int,
+        inv_scale: torch.Tensor | None,
+        backend: Any,
+    ) -> bool:
+        """One fused accumulate pass into an 8-bit buffer (`int8_buffer.add`); returns
+        whether it measured what was asked."""
+        if not grad.numel():
+            return True
+        measured = self._measured[buffer.device]
+        stochastic = self.rounding.stochastic
+        rounding = (stochastic, seed, self._seed_steps[buffer.device] if stochastic else None)
+        sumsq = measured[0:1] if measuring else None
+        return int8_buffer.add(
+            buffer, grad, start, first, (sumsq, measured[1:2]), rounding, inv_scale, backend
+        )
 
     def _buffer(
         self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[Buffer, bool]:
         """`param`'s buffer, shaped like `like`, and whether this is its first gradient of the
         step, which then overwrites it (`zeroed`: the buffer is zeroed instead, for a
         gradient that comes in blocks which may leave rows out)."""
@@ -158,8 +221,7 @@ class Accumulation:
         if entry is not None and id(param) in self._written:
             return entry[1], False
         if entry is None:
-            make = torch.zeros_like if zeroed else torch.empty_like
-            buffer = make(like, dtype=self.buffer_dtype(param))
+            buffer = self._new_buffer(param, like, shard, zeroed)
             self._buffers[id(param)] = (param, buffer, shard)
         else:
             buffer = entry[1]
@@ -167,6 +229,14 @@ class Accumulation:
                 buffer.zero_()
         self._written.add(id(param))
         return buffer, not zeroed
+
+    def _new_buffer(
+        self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
+    ) -> Buffer:
+        if self.dtype == torch.int8:
+            return Int8Buffer.like(like, 0 if shard is None else shard.offset, zeroed)
+        make = torch.zeros_like if zeroed else torch.empty_like
+        return make(like, dtype=self.buffer_dtype(param))
 
     def _add(
         self,
@@ -222,6 +292,12 @@ class Accumulation:
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
             measured = self._measured[buffer.device]
+            if isinstance(buffer, Int8Buffer):
+                int8_buffer.measure_sumsq(
+                    buffer, measured[0:1], measured[1:2], inv_scale_for(buffer.device), backend
+                )
+                self._measured_ids.add(id(param))
+                continue
             ops.grad_sumsq_(
                 buffer,
                 measured[0:1],
@@ -231,7 +307,7 @@ class Accumulation:
             )
             self._measured_ids.add(id(param))
 
-    def buffered(self) -> list[tuple[torch.Tensor, torch.Tensor, Shard | None]]:
+    def buffered(self) -> list[tuple[torch.Tensor, Buffer, Shard | None]]:
         """(parameter, buffer, this rank's shard or None) of every parameter that got a
         gradient this step, in the order the gradients first arrived (the same on every
         rank: the sharding hands the slices over in the same order)."""
@@ -249,6 +325,7 @@ class Accumulation:
         the buffers are kept for the next step unless `free`."""
         self._written.clear()
         self._measured_ids.clear()
+        self._measure_whole.clear()
         self.pending = 0
         self.measuring = False
         if free:
@@ -256,7 +333,10 @@ class Accumulation:
 
     def buffer_bytes(self) -> int:
         """The bytes the buffers of this step hold now."""
-        return sum(b.numel() * b.element_size() for _, b, _ in self._buffers.values())
+        return sum(
+            b.nbytes() if isinstance(b, Int8Buffer) else b.numel() * b.element_size()
+            for _, b, _ in self._buffers.values()
+        )
 
 
 class AccumulatedRows:

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ..ops.backends import LOMO
-from ..ops.lomo import LOMO_UPDATE, lomo_update_op
+from ..ops.lomo import LOMO_UPDATE, lomo_update_int8_op, lomo_update_op
 from ._in_backward import InBackwardOptimizer
 from .given_parameters import model_and_groups
+from .int8_buffer import Int8Buffer
 from .loss_scaler import DynamicLossScaler
 from .loss_scaling import DynamicScaling, LossScaling
 from .parameter_state import ParameterState
@@ -70,6 +71,7 @@ class Lomo(InBackwardOptimizer):
 
     _PARAMETER_STATE = ParameterState("Lomo")
     elementwise = True  # plain SGD: rows and slices are stepped on their own
+    reads_int8_buffers = True  # its fused update reads the 8-bit accumulation buffer
 
     def __init__(
         self,
@@ -138,9 +140,17 @@ class Lomo(InBackwardOptimizer):
 
     def _update(self, piece: Piece) -> None:
         """Updates `piece` (the parameter, a block of its rows, or this rank's slice of it)
-        from its gradient; a stochastically rounded piece rounds as the whole tensor would."""
+        from its gradient, or from its 8-bit accumulation buffer; a stochastically rounded
+        piece rounds as the whole tensor would."""
         target = piece.written
-        if not self.rounding.applies_to(target.dtype):
+        stochastic = self.rounding.applies_to(target.dtype)
+        index = self._groups.index_of[id(piece.param)]
+        if isinstance(piece.grad, Int8Buffer):
+            # The op keys its bits by the flat index in the whole parameter itself.
+            seeds = (index, self.rounding.seed_step(target.device)) if stochastic else None
+            self._apply_piece(piece, target, piece.grad, seeds)
+            return
+        if not stochastic:
             self._apply_piece(piece, target, piece.grad)
             return
         flat, flat_grad = target.reshape(-1), piece.grad.reshape(-1)
@@ -151,19 +161,18 @@ class Lomo(InBackwardOptimizer):
             grad = piece.grad if whole else flat_grad[a:b]
             self._apply_piece(piece, target if whole else flat[a:b], grad, (seed, seeds_step))
 
-        index = self._groups.index_of[id(piece.param)]
         self.rounding.in_pieces(index, piece.offset, flat.numel(), part)
 
     def _apply_piece(
         self,
         piece: Piece,
         target: torch.Tensor,
-        grad: torch.Tensor,
+        grad: torch.Tensor | Int8Buffer,
         seeds: tuple[int, torch.Tensor | None] | None = None,
     ) -> None:
         """One fused update call on `target` (`piece`'s, or an aligned part of it) from its
-        gradient `grad`; `seeds`: (seed, seed_step) of its stochastic rounding, None to round
-        to nearest."""
+        gradient `grad` (or 8-bit buffer); `seeds`: (seed, seed_step) of its stochastic
+        rounding, None to round to nearest."""
         seed, seed_step = (0, None) if seeds is None else seeds
         scalars, group, clip_coef = piece.scalars, piece.group, piece.clip_coef
         device = scalars.device  # target's
@@ -179,14 +188,18 @@ class Lomo(InBackwardOptimizer):
         # The op as the public function runs it, without the public function's per-call
         # conversions: every value here is the optimizer's own, in the op's form, and passed
         # the op's public checks once this step (_prepare_update_arguments); the binding
-        # checks the tensors' shapes and dtypes. In the op's order (LOMO_UPDATE.names; each
-        # name's value: tests/optim/test_lomo_optimizer.py), which saves building a keyword
-        # dict per call.
-        lomo_update_op.call_in_order(
+        # checks the tensors' shapes and dtypes. In the op's order (LOMO_UPDATE.names and
+        # LOMO_UPDATE_INT8.names; each name's value: tests/optim/test_lomo_optimizer.py),
+        # which saves building a keyword dict per call.
+        if isinstance(grad, Int8Buffer):
+            op, read = lomo_update_int8_op, (grad.codes, grad.scales, grad.offset)
+        else:
+            op, read = lomo_update_op, (grad.contiguous(),)
+        op.call_in_order(
             backend,
             (
                 target,  # param
-                grad.contiguous(),  # grad
+                *read,  # grad, or codes, scales, offset
                 scalars.lr[piece.group_index],  # lr
                 inv_scale,  # inv_scale
                 group["clip_grad_value"],  # clip_value

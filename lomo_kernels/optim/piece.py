@@ -22,6 +22,7 @@ import torch
 
 from ..distributed import Shard
 from .device_scalars import DeviceScalars
+from .int8_buffer import Int8Buffer
 
 
 @dataclass
@@ -29,7 +30,9 @@ class Piece:
     """One parameter's part of the pass in progress (see the module docstring)."""
 
     param: torch.Tensor  # the parameter (its optimizer state and rounding seed are its own)
-    grad: torch.Tensor  # the gradient of `target`
+    # The gradient of `target`, or its 8-bit accumulation buffer (an optimizer that
+    # `reads_int8_buffers`).
+    grad: torch.Tensor | Int8Buffer
     group_index: int  # the lr is the device tensor scalars.lr[group_index]
     group: dict[str, Any]  # the param group's hyper-parameters without "params" and "lr"
     scalars: DeviceScalars  # those of the target's device
