@@ -108,6 +108,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..core.int8_blocks import int8_buffer_bytes
 from .argtypes import (
     add_fused_head_argument,
     add_model_argument,
@@ -186,7 +187,7 @@ def gradient_bytes(
     return model.num_parameters * p
 
 
-ACCUMULATION_DTYPES = ("param", "fp32")
+ACCUMULATION_DTYPES = ("param", "fp32", "int8")
 
 
 def accumulation_buffer_bytes(
@@ -202,7 +203,17 @@ def accumulation_buffer_bytes(
     if accumulation_steps <= 1 or opt not in ("lomo", "adalomo"):
         return 0
     p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
+    if accumulation_dtype == "int8":
+        return int8_buffer_bytes_of(model)
     return model.num_parameters * (FP32 if accumulation_dtype == "fp32" else p)
+
+
+def int8_buffer_bytes_of(model: ModelShape) -> int:
+    """The 8-bit blockwise buffers' bytes (`core/int8_blocks.py`): one byte per element and
+    one fp32 scale per 256 elements of each matrix (the 1-D tensors counted as one)."""
+    matrices = [rows * cols for rows, cols in model.matrix_shapes()]
+    vectors = model.num_parameters - sum(matrices)
+    return sum(int8_buffer_bytes(0, n) for n in [*matrices, vectors])
 
 
 def adalomo_state_numel(model: ModelShape) -> int:
@@ -521,7 +532,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--accumulation-dtype",
         choices=ACCUMULATION_DTYPES,
         default="param",
-        help="the accumulation buffer's dtype: the parameter's (default) or fp32",
+        help="the accumulation buffer's dtype: the parameter's (default), fp32, or int8 "
+        "(8-bit blockwise: about 1 byte per parameter)",
     )
     parser.add_argument(
         "--generation-batch",

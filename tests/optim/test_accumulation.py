@@ -7,30 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.accumulating import FP32_BOUND, STEPS, K, micro_batches, train_accumulating
 from support.models import batch, max_rel_diff, tiny_llama
 from support.state import assert_refused, same_bits, snapshot, tensors, unchanged
 
 from lomo_kernels import AdaLomo, Lomo
-
-K = 4
-STEPS = 3
-# Lomo's fp32 steps against torch.optim.SGD: the suite's bound for that comparison
-# (test_lomo_optimizer.py): the buffer sums the micro-batches' gradients in the order torch's
-# .grad does, so only the clip coefficient's rounding (a float64 sum here, per-tensor fp32
-# norms in clip_grad_norm_) differs, a few fp32 ulps over the run.
-FP32_BOUND = 1e-6
-
-
-def micro_batches(step: int, k: int = K) -> list[dict[str, torch.Tensor]]:
-    """Step `step`'s big batch (2k sequences of equal length) cut into k micro-batches."""
-    big = batch(step, batch_size=2 * k)
-    return [{name: t[2 * i : 2 * i + 2] for name, t in big.items()} for i in range(k)]
-
-
-def train_accumulating(model, opt, steps=STEPS, k=K):
-    for step in range(steps):
-        for micro in micro_batches(step, k):
-            opt.fused_backward(model(**micro).loss / k)
 
 
 def train_torch_accumulation(model, lr, steps=STEPS, k=K, clip=None, weight_decay=0.0):
@@ -267,7 +248,7 @@ def test_refusals_before_any_change(tmp_path):
     [
         ({"accumulation_steps": 0}, "accumulation_steps must be an int >= 1"),
         ({"accumulation_steps": 2.0}, "accumulation_steps must be an int >= 1"),
-        ({"accumulation_steps": 2, "accumulation_dtype": torch.int8}, "accumulation_dtype"),
+        ({"accumulation_steps": 2, "accumulation_dtype": torch.int16}, "accumulation_dtype"),
         ({"accumulation_dtype": torch.float32}, "leave it out"),
         ({"accumulation_steps": 2, "single_backward": True}, "single_backward"),
     ],

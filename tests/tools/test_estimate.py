@@ -414,6 +414,32 @@ def test_accumulation_buffer_one_per_parameter(optimizer: str, dtype: str, width
     assert sharded.detail["accumulation_buffer_gib"] == round(n * width / 8 / 2**30, 2)
 
 
+def test_the_8_bit_buffer_counts_its_scales() -> None:
+    # int8 codes for every parameter and one fp32 scale per 256 elements of each tensor: the
+    # bytes a tiny LLaMA's buffers hold (measured on the optimizer) within the 1-D tensors'
+    # partial blocks (at most 4 bytes each), and LLaMA-7B's 6,738,415,616 parameters at
+    # 1 + 4/256 bytes each.
+    from support.accumulating import micro_batches
+    from support.models import tiny_llama
+
+    from lomo_kernels import Lomo
+
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.01, accumulation_steps=2, accumulation_dtype=torch.int8,
+               backend="torch")  # fmt: skip
+    opt.fused_backward(model(**micro_batches(0)[0]).loss)
+    shape = resolve_model(model.config.to_dict())
+    assert shape.num_parameters == sum(p.numel() for p in model.parameters())
+    vectors = sum(1 for p in model.parameters() if p.dim() == 1)
+    held = opt._accumulation.buffer_bytes()
+    assert held - 4 * vectors <= est.int8_buffer_bytes_of(shape) <= held
+    n = resolve_model("llama-7b").num_parameters
+    buffer = est.estimate("llama-7b", "lomo", precision="bf16", activations_gib=0.0,
+                          accumulation_steps=4, accumulation_dtype="int8")  # fmt: skip
+    expected = n * (1 + 4 / 256) / 2**30
+    assert buffer.detail["accumulation_buffer_gib"] == pytest.approx(expected, abs=0.011)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_accumulation_costs_optimizers_that_keep_gradients_nothing(optimizer: str) -> None:
     one = est.estimate("llama-7b", optimizer, activations_gib=0.0)
@@ -423,7 +449,7 @@ def test_accumulation_costs_optimizers_that_keep_gradients_nothing(optimizer: st
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"accumulation_steps": 0}, "accumulation_steps"), ({"accumulation_dtype": "int8"}, "dtype")],
+    [({"accumulation_steps": 0}, "accumulation_steps"), ({"accumulation_dtype": "int4"}, "dtype")],
 )
 def test_bad_accumulation_arguments_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,275 @@
+"""The 8-bit blockwise accumulation buffer (`accumulation_dtype=torch.int8`) in the
+optimizers: k micro-batches through the 8-bit buffer equal torch's accumulation whose .grad
+is quantised the same way after every micro-batch (a float64 model of the format written
+here, not the package's), clipping and AdaLomo's statistics read the quantised sum, slices
+and row blocks store what the whole buffer stores, overflow skips the step, and the buffer
+takes about one byte per element."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support.accumulating import FP32_BOUND, K, micro_batches, train_accumulating
+from support.models import max_rel_diff, tiny_llama
+from support.state import same_bits, snapshot, tensors, unchanged
+
+from lomo_kernels import AdaLomo, Lomo
+
+BLOCK = 256
+
+
+def quantise_nearest(values: torch.Tensor) -> torch.Tensor:
+    """What an 8-bit buffer holds for the fp32 `values` (a whole parameter, flat index from
+    0), rounded to nearest even: per block of 256, the scale is the smallest power of two
+    2**e (e >= -126) with max|value| <= 127 * 2**e, found in float64."""
+    flat = values.detach().double().reshape(-1)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), BLOCK):
+        block = flat[start : start + BLOCK]
+        absmax = block.abs().max().item()
+        if absmax == 0:
+            out[start : start + BLOCK] = 0.0
+            continue
+        e = max(-126, math.frexp(absmax / 127)[1] - 1)  # 2**e <= absmax / 127 < 2**(e+1)
+        while absmax > 127 * 2.0**e:
+            e += 1
+        while e > -126 and absmax <= 127 * 2.0 ** (e - 1):
+            e -= 1
+        out[start : start + BLOCK] = torch.round(block / 2.0**e) * 2.0**e
+    return out.to(values.dtype).view_as(values)
+
+
+def train_torch_quantised(model, lr, clip, steps, k=K):
+    """torch's accumulation + clip_grad_norm_ + SGD, each .grad replaced after every
+    micro-batch by what the 8-bit buffer holds (the buffer adds the next gradient to its
+    stored values, as .grad does)."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        for micro in micro_batches(step, k):
+            (model(**micro).loss / k).backward()
+            for p in model.parameters():
+                p.grad = quantise_nearest(p.grad)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_lomo_equals_torch_with_the_quantised_sum(backend, clip):
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=clip, accumulation_steps=K, backend=backend,
+               accumulation_dtype=torch.int8, stochastic_rounding=False)  # fmt: skip
+    train_accumulating(ours, opt, steps=1)
+    train_torch_quantised(ref, 0.05, clip, steps=1)
+    assert opt.step_count == 1
+    # The gradients are the same fp32 values and the quantised sums the same: only the
+    # update's and the clip coefficient's rounding differ, as in test_accumulation.py. (One
+    # step: a later step's gradients would differ in their last bits, which can move a code
+    # by a whole step.)
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_adalomo_reads_the_quantised_sum(backend):
+    # AdaLomo with the 8-bit buffer equals AdaLomo with an fp32 buffer whose contents are
+    # quantised (float64 model) after every micro-batch: its statistics read the same sum.
+    from lomo_kernels.optim.accumulation import Accumulation
+
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = AdaLomo(ours, lr=1e-3, clip_grad_norm=1.0, accumulation_steps=K, backend=backend,
+                  accumulation_dtype=torch.int8, stochastic_rounding=False)  # fmt: skip
+    emulated = AdaLomo(ref, lr=1e-3, clip_grad_norm=1.0, accumulation_steps=K,
+                       accumulation_dtype=torch.float32, backend=backend)  # fmt: skip
+    accumulation: Accumulation = emulated._accumulation
+    add = accumulation.add
+
+    def add_and_quantise(param, *args, **kwargs):
+        add(param, *args, **kwargs)
+        buffer = accumulation._buffers[id(param)][1]
+        buffer.copy_(quantise_nearest(buffer))
+
+    accumulation.add = add_and_quantise
+    train_accumulating(ours, opt, steps=1)
+    train_accumulating(ref, emulated, steps=1)
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+def test_stochastic_buffer_follows_the_fp32_buffer():
+    # Stochastic rounding keeps the expected sum: after one step the 8-bit buffer's update
+    # differs from the fp32 buffer's by at most one scale step per micro-batch per element
+    # (each rounding moves a value by less than its block's step), lr times that.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, accumulation_steps=K, accumulation_dtype=torch.int8)
+    full = Lomo(ref, lr=0.05, accumulation_steps=K, accumulation_dtype=torch.float32)
+    train_accumulating(ours, opt, steps=1)
+    train_accumulating(ref, full, steps=1)
+    steps = {id(p): b.scales.max().item() for p, b, _ in opt._accumulation._buffers.values()}
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        bound = 0.05 * K * steps[id(a)] * 2  # a step may double between micro-batches
+        assert (a - b).abs().max().item() <= bound, name
+    assert not torch.equal(next(ours.parameters()), next(tiny_llama().parameters()))
+
+
+def test_no_change_before_the_last_micro_batch_and_one_byte_per_element():
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K,
+               accumulation_dtype=torch.int8)  # fmt: skip
+    start = snapshot(model)
+    micros = micro_batches(0)
+    for micro in micros[:-1]:
+        opt.fused_backward(model(**micro).loss / K)
+        assert unchanged(model, start) and all(p.grad is None for p in model.parameters())
+    expected = sum(p.numel() + 4 * -(-p.numel() // BLOCK) for p in model.parameters())
+    assert opt._accumulation.buffer_bytes() == expected
+    opt.fused_backward(model(**micros[-1]).loss / K)
+    assert not unchanged(model, start) and opt.step_count == 1
+
+
+def test_fp16_overflow_in_one_micro_batch_skips_the_whole_step():
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K,
+               accumulation_dtype=torch.int8)  # fmt: skip
+    scale = opt.loss_scaler.loss_scale
+    before = tensors(model, opt)
+    for i, micro in enumerate(micro_batches(0)):
+        loss = model(**micro).loss / K
+        opt.fused_backward(loss * float("inf") if i == 1 else loss)
+    assert same_bits(before[: len(list(model.parameters()))], snapshot(model))
+    assert opt.loss_scaler.loss_scale == scale / 2 and opt.step_count == 1
+    opt.flush_report()
+    assert opt.last_step_skipped
+
+
+def test_short_step_measures_every_buffer():
+    # opt.step() after 2 of 4 micro-batches: no micro-batch measured, so every buffer is
+    # measured whole before the step (int8_buffer.measure_sumsq); the norm is that of the
+    # quantised sum, as torch's clip sees it.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K,
+               accumulation_dtype=torch.int8, stochastic_rounding=False)  # fmt: skip
+    for micro in micro_batches(0)[:2]:
+        opt.fused_backward(ours(**micro).loss / 2)
+    opt.step()
+    train_torch_quantised(ref, 0.05, 0.5, steps=1, k=2)
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("offset", [512, 300])
+def test_slices_store_the_whole_buffer(backend, offset):
+    # A rank's slice has its own buffer whose blocks are the parameter's, cut at its edges:
+    # at a block edge (512) the two slices store exactly the whole buffer's codes and scales
+    # (the rounding bits follow the flat index); at 300 only the block the edge cuts differs
+    # (two scales instead of one), by less than one step of that block.
+    from lomo_kernels.distributed import Shard
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.int8_buffer import dequantized
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    n = 1000
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(n))
+    grads = [torch.randn(n, generator=gen) for _ in range(3)]
+    module = LOMO.resolve(torch.device("cpu"), backend)
+    values = []
+    for cuts in ((0, n), (0, offset, n)):
+        parts = []
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):  # one Accumulation per rank
+            accumulation = Accumulation(3, torch.int8, WriteBackRounding(True, seed=11))
+            accumulation.begin_micro_batch(5, [torch.device("cpu")], measuring=False)
+            shard = Shard(param, param.detach()[a:b], a, param.shape, None)
+            for grad in grads:
+                accumulation.add(param, grad[a:b], 7, None, module, shard)
+            ((_, buffer, _),) = accumulation.buffered()
+            assert buffer.offset == a
+            parts.append(dequantized(buffer, torch.float32, module))
+        values.append(torch.cat(parts))
+    whole, sliced = values
+    cut = slice(offset // BLOCK * BLOCK, (offset // BLOCK + 1) * BLOCK)
+    outside = torch.ones(n, dtype=torch.bool)
+    if offset % BLOCK:
+        outside[cut] = False
+        step = whole[cut].abs().max() / 64  # the cut block's step is at most max / 64
+        assert (whole[cut] - sliced[cut]).abs().max() <= 2 * step
+    assert torch.equal(whole[outside], sliced[outside])
+
+
+@pytest.mark.parametrize("rows_per_block", [16, 5])
+def test_row_blocks_store_the_whole_buffer_and_measure_it_once(backend, rows_per_block):
+    # A head's vocabulary chunks add their rows into the weight's one buffer. With 16 rows of
+    # 32 (512 elements) the chunks cover whole blocks: the buffer equals the whole gradient's
+    # add bit for bit and each chunk measures its rows. With 5 rows (160 elements) the chunks
+    # cut blocks: those are re-rounded whole, and the buffer is measured once, whole, at the
+    # step (no block counted twice).
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.int8_buffer import dequantized
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    rows, width = 96, 32
+    gen = torch.Generator().manual_seed(1)
+    param = torch.nn.Parameter(torch.zeros(rows, width))
+    grads = [torch.randn(rows, width, generator=gen) for _ in range(2)]
+    module = LOMO.resolve(torch.device("cpu"), backend)
+    results = []
+    for blocked in (False, True):
+        accumulation = Accumulation(2, torch.int8, WriteBackRounding(False, seed=0))
+        for i, grad in enumerate(grads):
+            accumulation.begin_micro_batch(0, [torch.device("cpu")], measuring=i == 1)
+            if blocked:
+                for start in range(0, rows, rows_per_block):
+                    stop = min(rows, start + rows_per_block)
+                    accumulation.add_rows(param, start, stop, grad[start:stop], 3, None, module)
+            else:
+                accumulation.add(param, grad, 3, None, module)
+        accumulation.measure_rest(lambda device: None, module)
+        ((_, buffer, _),) = accumulation.buffered()
+        values = dequantized(buffer, torch.float32, module)
+        sumsq = accumulation.measured(torch.device("cpu"))[0].item()
+        results.append((values, sumsq))
+    (whole, whole_sumsq), (blocked_values, blocked_sumsq) = results
+    measured = blocked_values.double().pow(2).sum().item()
+    assert math.isclose(blocked_sumsq, measured, rel_tol=1e-5)  # once, not twice
+    if rows_per_block * width % BLOCK == 0:
+        assert torch.equal(whole, blocked_values) and math.isclose(whole_sumsq, blocked_sumsq,
+                                                                   rel_tol=1e-6)  # fmt: skip
+    else:
+        total = sum(grads)
+        assert (blocked_values - total).abs().max() <= total.abs().max() / 64 * 3
+
+
+def test_logits_free_head_with_the_8_bit_buffer(monkeypatch):
+    # The patched head hands its weight's gradient over in chunks of 64 rows of 32 (2048
+    # elements: whole blocks); the run trains, no full head gradient exists, and it follows
+    # the unpatched model with the same buffer to within the buffer's quantisation (the two
+    # fp32 losses differ in their last bits, which can move a code by one step).
+    from lomo_kernels import patch_causal_lm
+    from lomo_kernels.ops import cross_entropy as lce
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)
+    patched, plain = patch_causal_lm(tiny_llama()), tiny_llama()
+    materialised: list[int] = []
+    original = lce._backward_op
+    monkeypatch.setattr(lce, "_backward_op", lambda *a: (materialised.append(1), original(*a))[1])
+    options = dict(lr=0.05, clip_grad_norm=0.5, accumulation_steps=K,
+                   accumulation_dtype=torch.int8, stochastic_rounding=False)  # fmt: skip
+    ours, ref = Lomo(patched, **options), Lomo(plain, **options)
+    train_accumulating(patched, ours, steps=2)
+    train_accumulating(plain, ref, steps=2)
+    assert not materialised and ours.step_count == 2
+    steps = {id(p): b.scales.max().item() for p, b, _ in ref._accumulation._buffers.values()}
+    for a, b in zip(patched.parameters(), plain.parameters(), strict=True):
+        assert (a - b).abs().max().item() <= 0.05 * 2 * K * steps[id(b)] * 2
+
+
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_no_host_sync_with_the_8_bit_buffer(optimizer):
+    from support.host_sync import train_without_host_sync
+
+    lr = 0.05 if optimizer is Lomo else 1e-3
+    _, opt = train_without_host_sync(optimizer, torch.bfloat16, steps=8, lr=lr,
+                                     clip_grad_norm=1.0, accumulation_steps=4,
+                                     accumulation_dtype=torch.int8)  # fmt: skip
+    assert opt.step_count == 2
