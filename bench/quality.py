@@ -102,16 +102,17 @@ STORAGES = {
 
 
 # Gradient accumulation rows: each step's batch cut into 4 micro-batches (`*_accumulate`),
-# at the papers' learning rate, by (weights dtype, buffer) -> label. The 8-bit buffer is
-# emulated on fp32 buffers (`optimizers.emulate_int8_buffer`); its memory is modelled.
+# at the papers' learning rate, by (weights dtype, buffer) -> label.
 ACCUMULATING = {"lomo_accumulate": "lomo", "adalomo_accumulate": "adalomo"}
 ACCUMULATION = {
     ("fp32", "exact"): "fp32 weights, fp32 buffer",
     ("bf16", "stochastic"): "bf16, bf16 buffer (default)",
     ("bf16", "fp32 buffer"): "bf16, fp32 buffer",
-    ("bf16", "int8 buffer"): "bf16, 8-bit blockwise buffer (emulated)",
+    ("bf16", "int8 buffer"): "bf16, 8-bit blockwise buffer",
 }
-EMULATED = ("compensated", "int8 buffer")
+EMULATED = ("compensated",)
+# The accumulation buffer dtype of each buffer row (None: the weights' dtype).
+BUFFER_DTYPES = {"fp32 buffer": "fp32", "int8 buffer": "int8"}
 
 
 @dataclass(frozen=True)
@@ -328,10 +329,8 @@ def run_row(
     options = None
     if row.optimizer in ACCUMULATING:
         options = {"stochastic_rounding": True}  # the default (fp32 weights: not rounded)
-        if row.rounding in ("fp32 buffer", "int8 buffer"):
-            options["accumulation_dtype"] = "fp32"
-        if row.rounding == "int8 buffer":
-            options["int8_buffer"] = True
+        if row.rounding in BUFFER_DTYPES:
+            options["accumulation_dtype"] = BUFFER_DTYPES[row.rounding]
     elif row.optimizer.startswith(("lomo", "adalomo")):
         options = {"stochastic_rounding": row.rounding == "stochastic"}
     result = measure_isolated(
@@ -363,13 +362,13 @@ def kept_shares(results: list[dict[str, Any]]) -> None:
 def memory_key(row: Row) -> tuple[str, str, str]:
     """Rows that hold the same memory: one optimizer on one storage dtype (the lr and the
     rounding do not change what is allocated; an accumulation buffer's dtype does)."""
-    return row.optimizer, row.dtype, "fp32 buffer" if row.rounding == "fp32 buffer" else ""
+    return row.optimizer, row.dtype, row.rounding if row.rounding in BUFFER_DTYPES else ""
 
 
 def memory_rows(chosen: list[Row]) -> list[Row]:
     """One row per `memory_key`, measured in a short metered run; the emulated rows (the
-    compensated write-back on fp32 parameters, the 8-bit buffer on fp32 buffers) have their
-    memory modelled instead (`memory_columns`)."""
+    compensated write-back on fp32 parameters) have their memory modelled instead
+    (`memory_columns`)."""
     picked: dict[tuple[str, str], Row] = {}
     for row in chosen:
         if row.rounding not in EMULATED:
@@ -379,8 +378,7 @@ def memory_rows(chosen: list[Row]) -> list[Row]:
 
 def memory_columns(results: list[dict[str, Any]], peaks: dict[tuple[str, str, str], float]) -> None:
     """The peak above the model from the metered runs (`peaks` by `memory_key`); the emulated
-    rows modelled: the compensated ones the bf16 rows' peak plus the bf16 error buffer, the
-    8-bit buffer the bf16 buffer's row less 1 byte per parameter."""
+    rows modelled: the compensated ones the bf16 rows' peak plus the bf16 error buffer."""
     for r in results:
         row = Row(r["optimizer"], r["lr"], r["dtype"], r["rounding"])
         r["memory_mib"] = peaks[memory_key(row)]
@@ -389,10 +387,6 @@ def memory_columns(results: list[dict[str, Any]], peaks: dict[tuple[str, str, st
             buffer = r["num_parameters"] * 2 / MIB
             r["memory_mib"] += buffer
             r["memory_note"] = f"modelled: the bf16 rows' peak + {buffer:.1f} MiB buffer"
-        elif r["rounding"] == "int8 buffer":
-            saved = r["num_parameters"] / MIB
-            r["memory_mib"] -= saved
-            r["memory_note"] = f"modelled: the bf16 buffer's peak - {saved:.1f} MiB"
 
 
 def compute_note(dtype: str, device: str = "cpu") -> str:

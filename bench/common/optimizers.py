@@ -220,14 +220,13 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
     cls = AdaLomo if name.startswith("adalomo") else Lomo
     single = name.endswith("_single")
     options = dict(options)
-    int8_buffer = options.pop("int8_buffer", False)
     if isinstance(options.get("accumulation_dtype"), str):  # options travel as JSON
-        options["accumulation_dtype"] = DTYPES[options["accumulation_dtype"]]
+        options["accumulation_dtype"] = {**DTYPES, "int8": torch.int8}[
+            options["accumulation_dtype"]
+        ]
     if name.endswith("_accumulate"):
         options = {"accumulation_steps": ACCUMULATION_STEPS, **options}
     opt = cls(model, lr=lr, clip_grad_norm=clip_grad_norm, single_backward=single, **options)
-    if int8_buffer:
-        emulate_int8_buffer(opt)
     notes = {"backend": _backend_name(opt, model)}
     k = opt.accumulation_steps
     if k > 1:
@@ -264,42 +263,6 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
         return loss
 
     return Trainer(name, opt, compiled_step, notes)
-
-
-# The emulated 8-bit accumulation buffer's blocks: one fp32 scale per block of elements.
-INT8_BLOCK = 256
-
-
-def quantize_blockwise_(buffer: torch.Tensor, generator: torch.Generator) -> None:
-    """`buffer` (fp32) replaced by the values an 8-bit blockwise-scaled buffer holds: each
-    block of `INT8_BLOCK` elements scaled by its largest magnitude / 127 and rounded
-    stochastically (unbiased) to an integer in [-127, 127]."""
-    flat = buffer.view(-1)
-    n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, -n % INT8_BLOCK)).view(-1, INT8_BLOCK)
-    step = blocks.abs().amax(dim=1, keepdim=True) / 127.0
-    # An all-zero block has step 0: divided by 1 instead, it stays 0 (127 / 0 would be inf).
-    scaled = blocks / torch.where(step > 0, step, torch.ones_like(step))
-    noise = torch.rand(scaled.shape, generator=generator, device=scaled.device)
-    quantized = torch.floor(scaled + noise).clamp_(-127, 127)
-    flat.copy_((quantized * step).view(-1)[:n])
-
-
-def emulate_int8_buffer(opt: Any) -> None:
-    """Makes `opt`'s fp32 accumulation buffers hold exactly what an 8-bit blockwise buffer
-    with stochastic rounding would after each micro-batch (`quantize_blockwise_`): the
-    quality such a buffer gives, measured without kernels for it (the memory is modelled)."""
-    accumulation = opt._accumulation
-    if accumulation is None or accumulation.dtype != torch.float32:
-        raise ValueError("the emulated 8-bit buffer needs accumulation_dtype fp32 buffers")
-    add = accumulation.add
-    generator = torch.Generator().manual_seed(0)
-
-    def add_and_quantize(param: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        add(param, *args, **kwargs)
-        quantize_blockwise_(accumulation._buffers[id(param)][1], generator)
-
-    accumulation.add = add_and_quantize
 
 
 def _backend_name(opt: Any, model: torch.nn.Module) -> str:
