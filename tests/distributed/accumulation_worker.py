@@ -1,6 +1,7 @@
 """One rank of the gradient accumulation checks on sharded parameters (run by
 test_sharded_accumulation.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and AdaLomo
-with accumulation_steps=4, each rank accumulating its reduced slices.
+with accumulation_steps=4, each rank accumulating its reduced slices; Lomo with the 8-bit
+buffer too.
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
 parameters for the one-process reference, and `checks.json` with what every rank saw.
@@ -22,6 +23,7 @@ import zero3_worker  # noqa: E402
 from support.sharded_checks import run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
     ACCUMULATING,
+    ACCUMULATING_INT8,
     LR,
     STEPS,
     rank_batch,
@@ -33,7 +35,7 @@ from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
-OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
+OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo, "lomo_int8": Lomo}
 
 
 def build(engine: str):
@@ -48,7 +50,8 @@ def build(engine: str):
 def run(engine: str, name: str, rank: int, checks: dict) -> None:
     target, model = build(engine)
     initial = consolidated_state_dict(model)
-    opt = OPTIMIZERS[name](target, lr=LR[name], **ACCUMULATING)
+    options = ACCUMULATING_INT8 if name.endswith("_int8") else ACCUMULATING
+    opt = OPTIMIZERS[name](target, lr=LR[name.removesuffix("_int8")], **options)
     batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
     train_accumulating(model, opt, batch_of, STEPS)
     # A step's first micro-batch, then a checkpoint: refused on every rank, nothing changed.

@@ -15,7 +15,7 @@ from support.sharded_checks import (
     one_process,
     rank_run_fixtures,
 )
-from support.sharded_models import ACCUMULATING, STEPS, train_accumulating
+from support.sharded_models import ACCUMULATING, ACCUMULATING_INT8, LR, STEPS, train_accumulating
 
 deepspeed = require("deepspeed")
 
@@ -38,6 +38,36 @@ def test_sharded_accumulation_equals_one_process(accumulation_run, checks, engin
     assert norms[0] == norms[1]  # one all-reduced norm: the same step on every rank
     # The accumulated gradient's norm: the same rounding effects as the parameters'.
     assert norms[0] == pytest.approx(float(opt.last_grad_norm), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_8_bit_buffer_follows_one_process(accumulation_run, checks, engine):
+    # Each rank's 8-bit buffer holds its slice's blocks (cut at the slice's edges: the small
+    # tensors here split mid-block). The sharded gradients differ from one process's in
+    # their last bits (an average over two half batches), which moves a code by one step
+    # where a value sits at a rounding boundary: rare, so at least 99% of each tensor's
+    # elements are within the fp32 update tolerance, and every element within one code step
+    # per micro-batch and run of its block, times lr, over the steps.
+    saved = torch.load(accumulation_run / f"{engine}_lomo_int8.pt")
+    model, opt = one_process(
+        "lomo", saved["initial"], steps=STEPS, train_fn=train_accumulating,
+        options=ACCUMULATING_INT8,
+    )  # fmt: skip
+    # The buffers stay allocated after the step: their last scales.
+    scales = {id(p): b.scales.max().item() for p, b, _ in opt._accumulation._buffers.values()}
+    for name, param in model.named_parameters():
+        expected, got = param.detach().double(), saved["final"][name].double()
+        largest_update = (expected - saved["initial"][name].double()).abs().max().item()
+        close = (got - expected).abs() <= torch.clamp(
+            4 * torch.finfo(torch.float32).eps * expected.abs(), min=1e-4 * largest_update
+        )
+        assert close.double().mean().item() >= 0.99, name
+        # A step can double between micro-batches: 2 steps per flip, 2 runs, k micro-batches.
+        bound = LR["lomo"] * STEPS * ACCUMULATING["accumulation_steps"] * 2 * 2 * scales[id(param)]
+        assert (got - expected).abs().max().item() <= bound + 1e-4 * largest_update, name
+    norms = [rank[f"{engine}_lomo_int8"]["norm"] for rank in checks]
+    assert norms[0] == norms[1]
 
 
 @pytest.mark.slow

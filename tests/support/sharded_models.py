@@ -27,6 +27,8 @@ SINGLE = {**OPTIONS, "single_backward": True}
 # Gradient accumulation: each step of ACCUMULATION_STEPS micro-batches of a global batch.
 ACCUMULATION_STEPS = 4
 ACCUMULATING = {**OPTIONS, "accumulation_steps": ACCUMULATION_STEPS}
+# The 8-bit blockwise buffer: each rank's buffer holds its slice's blocks, cut at its edges.
+ACCUMULATING_INT8 = {**ACCUMULATING, "accumulation_dtype": torch.int8}
 
 
 class ScaledLlama(nn.Module):
