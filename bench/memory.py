@@ -72,6 +72,7 @@ CONFIGS = (
     "lomo_clip",
     "adalomo",
     "lomo_accumulate",
+    "lomo_accumulate_int8",
     "lomo_compiled_forward",
     "lomo_compiled_autograd",
     "lomo_compiled_layers",
@@ -90,6 +91,7 @@ LABELS = {
     "lomo_clip": "lomo_kernels.Lomo, clip_grad_norm=1.0 (grad_norm + fused_backward)",
     "adalomo": "lomo_kernels.AdaLomo",
     "lomo_accumulate": "lomo_kernels.Lomo, accumulation_steps=4 (4 micro-batches of the shape)",
+    "lomo_accumulate_int8": "lomo_kernels.Lomo, accumulation_steps=4, the 8-bit buffer",
     "lomo_compiled_forward": "lomo_kernels.Lomo, torch.compile(model), eager backward",
     "lomo_compiled_autograd": "lomo_kernels.Lomo, torch.compile(model) + compiled autograd",
     "lomo_compiled_layers": "lomo_kernels.Lomo, each decoder layer compiled, eager backward",
@@ -102,6 +104,7 @@ SHORT = {
     "lomo_clip": "Lomo+clip (ours)",
     "adalomo": "AdaLomo (ours)",
     "lomo_accumulate": "Lomo k=4 (ours)",
+    "lomo_accumulate_int8": "Lomo k=4, 8-bit buffer (ours)",
     "lomo_compiled_forward": "Lomo, compiled fwd",
     "lomo_compiled_autograd": "Lomo, compiled fwd + CA",
     "lomo_compiled_layers": "Lomo, compiled layers",
@@ -169,7 +172,7 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
             loss = forward(input_ids=ids, labels=labels).loss
             with backward_ctx():
                 opt.fused_backward(loss, LR)
-    elif config in ("lomo", "lomo_clip", "adalomo", "lomo_accumulate"):
+    elif config in ("lomo", "lomo_clip", "adalomo", "lomo_accumulate", "lomo_accumulate_int8"):
         import lomo_kernels
         from lomo_kernels.ops import backends
 
@@ -182,7 +185,8 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
                 model,
                 lr=LR,
                 clip_grad_norm=1.0 if config == "lomo_clip" else None,
-                accumulation_steps=ACCUMULATION_STEPS if config == "lomo_accumulate" else 1,
+                accumulation_steps=ACCUMULATION_STEPS if "accumulate" in config else 1,
+                accumulation_dtype=torch.int8 if config.endswith("_int8") else None,
             )
         # Loading the extension here keeps its code pages out of the measured steps.
         notes["backend"] = backends.backend_name(family.resolve(params[0].device, opt.backend))
