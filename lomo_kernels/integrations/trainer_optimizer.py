@@ -7,6 +7,8 @@ Used by both ways in (``LomoTrainer`` and ``enable_transformers()``'s ``optim="l
   others (norm weights and biases), as transformers' Trainer does for every optimizer: two
   param groups;
 - ``gradient_accumulation_steps`` as ``accumulation_steps`` (micro-batches per step);
+- ``optim_args="accumulation_dtype=int8"`` (or fp32, bf16, fp16): the accumulation buffer's
+  dtype (default: the parameter's), with ``gradient_accumulation_steps`` > 1;
 - ``optim_args="single_backward=True"``: clipping (and fp16 overflow checks) inside one
   backward per step. The default, False, runs the norm pass first, so a clipped step takes
   two backward passes and is exactly the clipped step of transformers' other optimizers
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import TrainingArguments
 from transformers.trainer_optimizer import _parse_optim_args
@@ -39,8 +42,31 @@ def _boolean(key: str, text: str) -> bool:
     return value in _TRUE
 
 
+_BUFFER_DTYPES = {
+    "int8": torch.int8,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def _buffer_dtype(key: str, text: str) -> torch.dtype:
+    value = text.strip().lower()
+    if value not in _BUFFER_DTYPES:
+        raise ValueError(
+            f"TrainingArguments(optim_args='{key}={text}'): use one of {', '.join(_BUFFER_DTYPES)}"
+        )
+    return _BUFFER_DTYPES[value]
+
+
 # The optim_args keys an in-backward optimizer takes, with their parsers.
-OPTIM_ARGS: dict[str, Callable[[str, str], Any]] = {"single_backward": _boolean}
+OPTIM_ARGS: dict[str, Callable[[str, str], Any]] = {
+    "single_backward": _boolean,
+    "accumulation_dtype": _buffer_dtype,
+}
 
 
 def optimizer_class(optim: Any) -> type[InBackwardOptimizer]:

@@ -263,6 +263,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return 1 if self._accumulation is None else self._accumulation.steps
 
     @property
+    def accumulation_dtype(self) -> torch.dtype | None:
+        """The accumulation buffers' dtype (None: each parameter's; torch.int8: the 8-bit
+        blockwise buffer)."""
+        return None if self._accumulation is None else self._accumulation.dtype
+
+    @property
     def pending_micro_batches(self) -> int:
         """Micro-batches accumulated since the last step (0 when none waits for `step()`)."""
         return 0 if self._accumulation is None else self._accumulation.pending

@@ -79,6 +79,25 @@ def test_trainer_accumulates_micro_batches(tmp_path, optim):
         assert len(logged(trainer)) == 2 and all(n > 0 for n in logged(trainer))
 
 
+def test_trainer_accumulates_into_the_8_bit_buffer_from_optim_args(tmp_path):
+    # optim_args="accumulation_dtype=int8": the optimizer's buffers are 8-bit (one byte per
+    # element and a scale per 256) and the run takes its steps, the epoch's short one too.
+    model = tiny_llama()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+                  learning_rate=0.2, optim_args="accumulation_dtype=int8"),
+        train_dataset=distinct_rows(12),
+    )  # fmt: skip
+    before = [p.clone() for p in model.parameters()]
+    trainer.train()
+    opt = trainer._lomo()
+    assert opt.accumulation_dtype == torch.int8 and opt.step_count == 2
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel <= opt._accumulation.buffer_bytes() < 1.05 * numel
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
 def test_trainer_refuses_a_given_optimizer_counting_other_micro_batches(tmp_path):
     model = tiny_llama()
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4.*accumulation_steps=1"):
@@ -235,7 +254,11 @@ def test_trainer_logs_no_grad_norm_when_the_step_measures_none(tmp_path):
 
 @pytest.mark.parametrize(
     "optim_args, match",
-    [("momentum=0.9", "accepted: single_backward"), ("single_backward=maybe", "True or False")],
+    [
+        ("momentum=0.9", "accepted: accumulation_dtype, single_backward"),
+        ("single_backward=maybe", "True or False"),
+        ("accumulation_dtype=int4", "one of int8"),
+    ],
 )
 def test_trainer_refuses_optim_args_it_cannot_honour(tmp_path, optim_args, match):
     model = tiny_llama()
