@@ -21,6 +21,7 @@ set-up), each the way its optimizer does it:
   lomo_accumulate  lomo with accumulation_steps=4: each step's batch cut into 4 micro-batches
                    along the batch dimension, one fused_backward(loss / 4) each
   adalomo_accumulate  adalomo, the same
+  lomo_accumulate_int8  lomo_accumulate with the 8-bit blockwise buffer
   lomo_compiled_autograd  lomo, with `torch.compile(model)` and the backward (hooks and
                    updates included) compiled by compiled autograd
 
@@ -50,6 +51,7 @@ OPTIMIZERS: dict[str, str] = {
     "adalomo_single": "AdaLomo, single_backward",
     "lomo_accumulate": "Lomo, 4 micro-batches per step",
     "adalomo_accumulate": "AdaLomo, 4 micro-batches per step",
+    "lomo_accumulate_int8": "Lomo, 4 micro-batches per step, 8-bit buffer",
     "lomo_compiled_autograd": "Lomo, compiled fwd + autograd",
 }
 # Learning rates that train the demo's character model well; `bench.train` uses them too
@@ -65,6 +67,7 @@ DEFAULT_LR = {
     "adalomo_single": 0.02,
     "lomo_accumulate": 0.3,
     "adalomo_accumulate": 0.02,
+    "lomo_accumulate_int8": 0.3,
     "lomo_compiled_autograd": 0.3,
 }
 FORWARD_BACKWARD = "forward_backward"
@@ -76,7 +79,7 @@ HOLDS_ALL_GRADIENTS = ("adamw", "adamw_master", "sgd")
 
 def micro_batches(name: str) -> int:
     """Micro-batches per step of optimizer `name` (its batch is cut into as many)."""
-    return ACCUMULATION_STEPS if name.endswith("_accumulate") else 1
+    return ACCUMULATION_STEPS if "_accumulate" in name else 1
 
 
 class Unavailable(RuntimeError):
@@ -224,8 +227,10 @@ def _lomo_kernels_trainer(run: _Run, options: dict[str, Any]) -> Trainer:
         options["accumulation_dtype"] = {**DTYPES, "int8": torch.int8}[
             options["accumulation_dtype"]
         ]
-    if name.endswith("_accumulate"):
+    if "_accumulate" in name:
         options = {"accumulation_steps": ACCUMULATION_STEPS, **options}
+    if name.endswith("_int8"):
+        options = {"accumulation_dtype": torch.int8, **options}
     opt = cls(model, lr=lr, clip_grad_norm=clip_grad_norm, single_backward=single, **options)
     notes = {"backend": _backend_name(opt, model)}
     k = opt.accumulation_steps
