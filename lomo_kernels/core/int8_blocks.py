@@ -10,15 +10,20 @@ An element's value is ``codes[j] * scales[block]``.
 
 A block's scale is the power of two ``p = 2**e`` for the smallest ``e >= -126`` with
 ``absmax <= 127 * p`` (absmax: the block's largest magnitude; 0 for an all-zero block, NaN
-for a block holding an inf or nan). A power of two keeps every step exact: ``code * p`` and
-``value / p`` are exact in fp32, so no backend's fused multiply-add or division can change a
-code. A code is ``value / p`` rounded to nearest even, or stochastically: ``floor(value / p
-+ u)`` with ``u`` 16 random bits / 2**16 from the accumulation's stream
+for a block holding an inf or nan). A power of two keeps the steps exact: ``code * p`` and
+``value * (1 / p)`` are exact in fp32 (but for an fp32 underflow of a tiny value in a block
+with a large scale), so no backend's fused multiply-add can change a code; the one rounding
+left is the fp32 addition of stochastic rounding, which every backend does as its own
+operation. A code is ``value / p`` rounded to nearest even, or stochastically: the floor of
+the fp32 sum ``value / p + u``, with ``u`` 16 random bits / 2**16 from the accumulation's stream
 (`core.rounding.pair_bits16`) at the element's flat index in the whole parameter
 (``offset + j``), so a slice rounds as the whole parameter would.
 
 ``e`` comes from the bits of absmax alone (no division): with absmax = m * 2**E, m in [1, 2),
 ``e = E - 6`` when ``m <= 127 / 64`` (a 23-bit mantissa field <= 0x7E0000), else ``E - 5``.
+A block whose largest magnitude exceeds 127 * 2**121 (within 0.8% of fp32's largest finite
+value) takes scale 2**122, and its largest values read back as inf: the step is then skipped
+as an overflow, as such a gradient's norm would overflow anyway.
 """
 
 from __future__ import annotations
