@@ -474,6 +474,13 @@ __global__ void __launch_bounds__(kThreads)
       param, Int8Values{codes, scales, offset % kInt8Block}, head, nvec, numel, offset, a);
 }
 
+// A dequantized value as the reference's CPU product gives it: a nan scale's own bits
+// (float("nan")) where the device's arithmetic would give its canonical nan, so a bf16 out
+// stores the reference's nan.
+__device__ __forceinline__ float as_reference_nan(float v) {
+  return lomo::is_nan(v) ? __uint_as_float(kQuietNanBits) : v;
+}
+
 // out = code * scale, rounded to out's type (exact in fp32 and bf16).
 template <class P>
 __global__ void __launch_bounds__(kThreads)
@@ -489,10 +496,10 @@ __global__ void __launch_bounds__(kThreads)
         Vec<typename P::T, V> ov;
         values.load(base, v);
 #pragma unroll
-        for (int j = 0; j < V; ++j) ov.e[j] = P::round(v[j]);
+        for (int j = 0; j < V; ++j) ov.e[j] = P::round(as_reference_nan(v[j]));
         store_vec(ov, out + base);
       },
-      [&](int64_t i) { out[i] = P::round(values.at(i)); });
+      [&](int64_t i) { out[i] = P::round(as_reference_nan(values.at(i))); });
 }
 
 // [0, numel) as a scalar head, nvec aligned vectors of V elements and a tail, and the grid of
