@@ -17,17 +17,21 @@ namespace {
 using binding::OptTensor;
 using binding::scalar_ptr;
 
-void lomo_update_(const op_bindings::LomoUpdate& a) {
-  binding::check_operands(a, c10::kCUDA);
-  const c10::Device device = a.param.device();
-  const c10::cuda::CUDAGuard guard(device);
-
-  // Every block reads skip_if while any block may set found_inf: when they share storage a
-  // late block could see an early block's write and skip half the tensor. Snapshot it.
-  OptTensor skip = a.skip_if;
-  if (skip.has_value() && a.found_inf.has_value() && skip->is_alias_of(*a.found_inf)) {
-    skip = skip->clone();
+// skip_if as the kernel reads it. Every block reads skip_if while any block may set found_inf:
+// when they share storage a late block could see an early block's write and skip half the
+// tensor. Snapshot it then.
+OptTensor skip_snapshot(const OptTensor& skip_if, const OptTensor& found_inf) {
+  if (skip_if.has_value() && found_inf.has_value() && skip_if->is_alias_of(*found_inf)) {
+    return skip_if->clone();
   }
+  return skip_if;
+}
+
+// The update's scalars and rounding as the launchers take them, from the arguments of
+// lomo_update_ or lomo_update_int8_ (`skip`: their skip_snapshot, alive until the launch).
+template <class Update>
+LomoUpdateArgs update_args(const Update& a, const OptTensor& skip) {
+  const c10::Device device = a.param.device();
   LomoUpdateArgs args;
   args.lr = scalar_ptr(a.lr, device, "lr");
   args.inv_scale = scalar_ptr(a.grad_args.inv_scale, device, "inv_scale");
@@ -37,9 +41,30 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
   args.skip_if = scalar_ptr(skip, device, "skip_if");
   args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
   args.rounding = binding::rounding_args(a.param, a.rounding);
+  return args;
+}
+
+// The accumulation's arguments from those of grad_accumulate_ or grad_accumulate_int8_, the
+// stored values rounding as `rounding` says.
+template <class Accumulate>
+GradAccumulateArgs accumulate_args(const Accumulate& a, LomoRoundingArgs rounding) {
+  const c10::Device device = a.grad.device();
+  GradAccumulateArgs args;
+  args.first = a.first ? 1 : 0;
+  args.inv_scale = scalar_ptr(a.inv_scale, device, "inv_scale");
+  args.sumsq = scalar_ptr(a.sumsq, device, "sumsq");
+  args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
+  args.rounding = rounding;
+  return args;
+}
+
+void lomo_update_(const op_bindings::LomoUpdate& a) {
+  binding::check_operands(a, c10::kCUDA);
+  const c10::cuda::CUDAGuard guard(a.param.device());
+  const OptTensor skip = skip_snapshot(a.skip_if, a.found_inf);
   const int rc = lomo_cuda_update(a.param.data_ptr(), binding::dtype_code(a.param, "param"),
                                   a.grad.const_data_ptr(), binding::dtype_code(a.grad, "grad"),
-                                  a.param.numel(), args,
+                                  a.param.numel(), update_args(a, skip),
                                   c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
   binding::bump_version(a.param);
@@ -61,14 +86,9 @@ void grad_sumsq_(const op_bindings::GradSumsq& a) {
 
 void grad_accumulate_(const op_bindings::GradAccumulate& a) {
   binding::check_operands(a, c10::kCUDA);
-  const c10::Device device = a.buffer.device();
-  const c10::cuda::CUDAGuard guard(device);
-  GradAccumulateArgs args;
-  args.first = a.first ? 1 : 0;
-  args.inv_scale = scalar_ptr(a.inv_scale, device, "inv_scale");
-  args.sumsq = scalar_ptr(a.sumsq, device, "sumsq");
-  args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
-  args.rounding = binding::rounding_args(a.buffer, a.rounding);
+  const c10::cuda::CUDAGuard guard(a.buffer.device());
+  const GradAccumulateArgs args =
+      accumulate_args(a, binding::rounding_args(a.buffer, a.rounding));
   const int rc = lomo_cuda_grad_accumulate(
       a.buffer.data_ptr(), binding::dtype_code(a.buffer, "buffer"), a.grad.const_data_ptr(),
       binding::dtype_code(a.grad, "grad"), a.buffer.numel(), args,
@@ -116,12 +136,7 @@ void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
   const c10::Device device = a.grad.device();
   const c10::cuda::CUDAGuard guard(device);
   const LomoInt8Buffer buffer = int8_buffer(a.buffer, a.grad);
-  GradAccumulateArgs args;
-  args.first = a.first ? 1 : 0;
-  args.inv_scale = scalar_ptr(a.inv_scale, device, "inv_scale");
-  args.sumsq = scalar_ptr(a.sumsq, device, "sumsq");
-  args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
-  args.rounding = code_rounding(a.rounding, device);
+  const GradAccumulateArgs args = accumulate_args(a, code_rounding(a.rounding, device));
   const int rc = lomo_cuda_grad_accumulate_int8(buffer, a.grad.const_data_ptr(),
                                                 binding::dtype_code(a.grad, "grad"),
                                                 a.grad.numel(), args,
@@ -135,25 +150,11 @@ void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
 
 void lomo_update_int8_(const op_bindings::LomoUpdateInt8& a) {
   binding::check_dense(a.param, c10::kCUDA, "param");
-  const c10::Device device = a.param.device();
-  const c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAGuard guard(a.param.device());
   const LomoInt8Buffer buffer = int8_buffer(a.buffer, a.param);
-  // As lomo_update_: a skip_if sharing found_inf's storage is read from a snapshot.
-  OptTensor skip = a.skip_if;
-  if (skip.has_value() && a.found_inf.has_value() && skip->is_alias_of(*a.found_inf)) {
-    skip = skip->clone();
-  }
-  LomoUpdateArgs args;
-  args.lr = scalar_ptr(a.lr, device, "lr");
-  args.inv_scale = scalar_ptr(a.grad_args.inv_scale, device, "inv_scale");
-  args.clip_value = binding::clip_bound(a.grad_args.clip_value);
-  args.clip_coef = scalar_ptr(a.grad_args.clip_coef, device, "clip_coef");
-  args.weight_decay = static_cast<float>(a.weight_decay);
-  args.skip_if = scalar_ptr(skip, device, "skip_if");
-  args.found_inf = scalar_ptr(a.found_inf, device, "found_inf");
-  args.rounding = binding::rounding_args(a.param, a.rounding);
+  const OptTensor skip = skip_snapshot(a.skip_if, a.found_inf);
   const int rc = lomo_cuda_update_int8(a.param.data_ptr(), binding::dtype_code(a.param, "param"),
-                                       buffer, a.param.numel(), args,
+                                       buffer, a.param.numel(), update_args(a, skip),
                                        c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
   binding::bump_version(a.param);
