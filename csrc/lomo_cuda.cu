@@ -262,6 +262,8 @@ constexpr int kInt8Block = LOMO_INT8_BLOCK;
 constexpr int kInt8PerThread = 16;
 constexpr int kInt8Group = kInt8Block / kInt8PerThread;
 constexpr int kInt8GroupsPerCta = kThreads / kInt8Group;
+// Resident CTAs per multiprocessor the accumulation is compiled for (at most 64 registers).
+constexpr int kInt8CtasPerSm = 4;
 constexpr uint32_t kInt8MantissaLimit = 0x7E0000u;  // the largest m's field with m * 64 <= 127
 constexpr int kInt8MinExponent = -126;
 constexpr int kInt8MaxCode = 127;
@@ -375,8 +377,9 @@ __device__ __forceinline__ void load_new_values(float (&v)[kInt8PerThread], cons
   }
 }
 
-// The largest bits of |v| over the share and the rest of its group (`group_mask`): magnitudes
-// compare as their bits, and any inf/nan's exceed every finite one.
+// The largest bits of |v| over the share and the rest of its group (`group_mask`, aligned
+// lanes of one warp): magnitudes compare as their bits, and any inf/nan's exceed every finite
+// one. Butterfly shuffles within the group (any architecture; lane offsets < kInt8Group).
 __device__ __forceinline__ uint32_t group_absmax_bits(const float (&v)[kInt8PerThread],
                                                      unsigned group_mask) {
   uint32_t largest = 0;
@@ -384,7 +387,11 @@ __device__ __forceinline__ uint32_t group_absmax_bits(const float (&v)[kInt8PerT
   for (int e = 0; e < kInt8PerThread; ++e) {
     largest = max(largest, __float_as_uint(v[e]) & kMagnitudeBits);
   }
-  return __reduce_max_sync(group_mask, largest);
+#pragma unroll
+  for (int lanes = kInt8Group / 2; lanes > 0; lanes /= 2) {
+    largest = max(largest, __shfl_xor_sync(group_mask, largest, lanes));
+  }
+  return largest;
 }
 
 // The share's codes (0 for a block holding an inf/nan), each element's rounding bits at flat
@@ -425,7 +432,7 @@ __device__ __forceinline__ void store_and_measure(const Vec<int8_t, kInt8PerThre
 // 128-bit aligned where the parameter's blocks start (lead elements before them), so every
 // whole share moves as vectors.
 template <class G, bool kFirst, bool kStochastic>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kInt8CtasPerSm)
     grad_accumulate_int8_kernel(int8_t* __restrict__ codes, float* __restrict__ scales,
                                 const typename G::T* __restrict__ grad, int64_t offset,
                                 int64_t numel, int64_t blocks, bool aligned,
@@ -610,7 +617,7 @@ int lomo_cuda_grad_accumulate_int8(LomoInt8Buffer buffer, const void* grad, int 
   if (buffer.offset < 0) return cudaErrorInvalidValue;
   const int64_t blocks = lomo_int8_blocks_of(buffer.offset, numel);
   const int64_t lead = buffer.offset % kInt8Block;
-  const unsigned grid = cuda_common::grid_for(blocks, kInt8GroupsPerCta, kBlocksPerSm);
+  const unsigned grid = cuda_common::grid_for(blocks, kInt8GroupsPerCta, kInt8CtasPerSm);
   cudaError_t status = cudaErrorInvalidValue;
   lomo::dispatch_dtype(grad_dtype, [&](auto g_tag) {
     using G = decltype(g_tag);
