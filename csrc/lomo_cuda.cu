@@ -321,7 +321,8 @@ __device__ __forceinline__ Int8Scale int8_scale_of(uint32_t absmax_bits) {
           __uint_as_float(static_cast<uint32_t>(127 - exponent) << 23)};
 }
 
-// The code of a finite value x = new / scale (exact), |x| <= 127: to nearest even, or
+// The code of a finite value x = new * (1 / scale) (|x| <= 127; the reference's fp32 product,
+// exact but where it falls below fp32's normal range): to nearest even, or
 // floor(x + u) with u the accumulation's 16 random bits (lomo::pair_bits16) of flat `index`
 // over 2**16 (x + u is one fp32 rounding, as the reference's).
 template <bool kStochastic>
@@ -402,7 +403,7 @@ __device__ __forceinline__ void quantise(Vec<int8_t, kInt8PerThread>& cv,
                                          float inverse, int64_t first_index, uint32_t key) {
 #pragma unroll
   for (int e = 0; e < kInt8PerThread; ++e) {
-    const float x = __fmul_rn(v[e], inverse);  // exact
+    const float x = __fmul_rn(v[e], inverse);
     cv.e[e] = static_cast<int8_t>(bad ? 0 : int8_code_of<kStochastic>(x, first_index + e, key));
   }
 }
