@@ -87,49 +87,78 @@ __device__ __forceinline__ void for_each_aligned(int64_t head, int64_t nvec, int
   for (int64_t k = tid; k < nscalar; k += stride) scalar(k < head ? k : tail_start + (k - head));
 }
 
-template <class P, class G, bool kStochastic>
-__device__ __forceinline__ typename P::T update_one(typename P::T old, typename G::T grad,
-                                                    int64_t index, const lomo::LomoScalars& s,
-                                                    uint32_t key, uint32_t& any_bad) {
+template <class P, bool kStochastic>
+__device__ __forceinline__ typename P::T update_one(typename P::T old, float grad, int64_t index,
+                                                    const lomo::LomoScalars& s, uint32_t key,
+                                                    uint32_t& any_bad) {
   uint32_t bad;
-  const float updated = lomo::lomo_element(G::load(grad), P::load(old), s, bad);
+  const float updated = lomo::lomo_element(grad, P::load(old), s, bad);
   const typename P::T out = lomo::store_rounded<P, kStochastic>(updated, index, key);
   any_bad |= bad;
   return bad ? old : out;
 }
 
-template <class P, class G, bool kStochastic>
-__global__ void __launch_bounds__(kThreads)
-    lomo_update_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
-                      int64_t head, int64_t nvec, int64_t numel, LomoUpdateArgs a) {
+// The update's gradient from a dense tensor of G: V fp32 values from `base` (a 128-bit aligned
+// vector) or the value at `i`, read on the non-coherent path.
+template <class G>
+struct DenseGrad {
+  const typename G::T* values;
+
+  template <int V>
+  __device__ __forceinline__ void load(int64_t base, float (&g)[V]) const {
+    Vec<typename G::T, V> gv;
+    load_vec_ro(gv, values + base);
+#pragma unroll
+    for (int j = 0; j < V; ++j) g[j] = G::load(gv.e[j]);
+  }
+
+  __device__ __forceinline__ float at(int64_t i) const { return G::load(__ldg(values + i)); }
+};
+
+// The update of one launch: param = the LOMO step of each element (lomo::lomo_element) with the
+// gradient Grad gives (DenseGrad, Int8Values), V elements per vector; the write-back's
+// stochastic rounding draws the bits of flat index index_base + i (i: the launch's element).
+template <class P, bool kStochastic, int V, class Grad>
+__device__ __forceinline__ void update_pass(typename P::T* __restrict__ param, const Grad& grad,
+                                            int64_t head, int64_t nvec, int64_t numel,
+                                            int64_t index_base, const LomoUpdateArgs& a) {
   // Every thread reads the flag: all skip together, nothing is written.
   if (a.skip_if != nullptr && *a.skip_if != 0.0f) return;  // nan is non-zero too
   const lomo::LomoScalars s = resolve(a);
   uint32_t key = 0;
   if constexpr (kStochastic) key = cuda_common::rounding_key(a.rounding);
-  constexpr int V = VecWidth<P, G>::value;
   uint32_t any_bad = 0;
   for_each_aligned<V>(
       head, nvec, numel,
       [&](int64_t base) {
         Vec<typename P::T, V> pv;
-        Vec<typename G::T, V> gv;
+        float g[V];
         load_vec(pv, param + base);
-        load_vec_ro(gv, grad + base);
+        grad.load(base, g);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          pv.e[j] = update_one<P, G, kStochastic>(pv.e[j], gv.e[j], base + j, s, key, any_bad);
+          pv.e[j] = update_one<P, kStochastic>(pv.e[j], g[j], index_base + base + j, s, key,
+                                               any_bad);
         }
         store_vec(pv, param + base);
       },
       [&](int64_t i) {
-        param[i] = update_one<P, G, kStochastic>(param[i], grad[i], i, s, key, any_bad);
+        param[i] = update_one<P, kStochastic>(param[i], grad.at(i), index_base + i, s, key,
+                                              any_bad);
       });
 
   // One store per warp that saw a non-finite gradient; all writers store the same 1.0f.
   if (a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, any_bad) && (threadIdx.x & 31) == 0) {
     *a.found_inf = 1.0f;
   }
+}
+
+template <class P, class G, bool kStochastic>
+__global__ void __launch_bounds__(kThreads)
+    lomo_update_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
+                      int64_t head, int64_t nvec, int64_t numel, LomoUpdateArgs a) {
+  update_pass<P, kStochastic, VecWidth<P, G>::value>(param, DenseGrad<G>{grad}, head, nvec,
+                                                     numel, 0, a);
 }
 
 // A block's sum of squares `acc` added to sumsq (when present) with one atomic per block, and
@@ -222,6 +251,265 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ----------------------------------------------------------------------------- 8-bit buffer
+// lomo_kernels/core/int8_blocks.py: int8 codes, one power-of-two fp32 scale per kInt8Block
+// elements of the parameter's flat index; a buffer's element j lies in its block
+// (lead + j) / kInt8Block with lead = offset % kInt8Block (offset >= 0).
+
+constexpr int kInt8Block = LOMO_INT8_BLOCK;
+// A block is quantised by a group of kInt8Group threads of one warp, kInt8PerThread
+// consecutive elements each: one 128-bit vector of codes per thread.
+constexpr int kInt8PerThread = 16;
+constexpr int kInt8Group = kInt8Block / kInt8PerThread;
+constexpr int kInt8GroupsPerCta = kThreads / kInt8Group;
+// Resident CTAs per multiprocessor the accumulation is compiled for (at most 64 registers).
+constexpr int kInt8CtasPerSm = 4;
+constexpr uint32_t kInt8MantissaLimit = 0x7E0000u;  // the largest m's field with m * 64 <= 127
+constexpr int kInt8MinExponent = -126;
+constexpr int kInt8MaxCode = 127;
+constexpr uint32_t kMagnitudeBits = 0x7FFFFFFFu;
+constexpr uint32_t kQuietNanBits = 0x7FC00000u;  // float("nan"): a non-finite block's scale
+
+// The storage tag of the codes (one byte each), for VecWidth.
+struct Int8Code {
+  using T = int8_t;
+};
+
+// The fp32 values code * scale of an 8-bit buffer (exact: the scales are powers of two; a nan
+// scale gives nan), V from `base` (a 128-bit aligned vector of codes, V <= kInt8Block, so
+// across at most two blocks) or the one at `i`, read on the non-coherent path.
+struct Int8Values {
+  const int8_t* codes;
+  const float* scales;
+  int64_t lead;
+
+  template <int V>
+  __device__ __forceinline__ void load(int64_t base, float (&v)[V]) const {
+    static_assert(V <= kInt8Block, "a vector spans at most two blocks");
+    Vec<int8_t, V> cv;
+    load_vec_ro(cv, codes + base);
+    const int64_t block = (lead + base) / kInt8Block;
+    const float first_scale = __ldg(scales + block);
+    const float next_scale = __ldg(scales + (lead + base + V - 1) / kInt8Block);
+    const int64_t in_first = (block + 1) * kInt8Block - lead - base;  // elements in `block`
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      v[j] = __fmul_rn(static_cast<float>(cv.e[j]), j < in_first ? first_scale : next_scale);
+    }
+  }
+
+  __device__ __forceinline__ float at(int64_t i) const {
+    const float scale = __ldg(scales + (lead + i) / kInt8Block);
+    return __fmul_rn(static_cast<float>(__ldg(codes + i)), scale);
+  }
+};
+
+// A block's scale 2**e and its inverse 2**-e from the bits of its largest magnitude (finite,
+// >= 0): the smallest e >= -126 with absmax <= 127 * 2**e, from the exponent and mantissa
+// fields alone (no division); 0 and 0 for an all-zero block.
+struct Int8Scale {
+  float scale;
+  float inverse;
+};
+
+__device__ __forceinline__ Int8Scale int8_scale_of(uint32_t absmax_bits) {
+  const int beyond = (absmax_bits & 0x7FFFFFu) > kInt8MantissaLimit ? 1 : 0;
+  const int biased = static_cast<int>(absmax_bits >> 23);
+  const int exponent = max(biased - 127 - 6 + beyond, kInt8MinExponent);
+  if (absmax_bits == 0) return {0.0f, 0.0f};
+  return {__uint_as_float(static_cast<uint32_t>(exponent + 127) << 23),
+          __uint_as_float(static_cast<uint32_t>(127 - exponent) << 23)};
+}
+
+// The code of a finite value x = new * (1 / scale) (|x| <= 127; the reference's fp32 product,
+// exact but where it falls below fp32's normal range): to nearest even, or
+// floor(x + u) with u the accumulation's 16 random bits (lomo::pair_bits16) of flat `index`
+// over 2**16 (x + u is one fp32 rounding, as the reference's).
+template <bool kStochastic>
+__device__ __forceinline__ int int8_code_of(float x, int64_t index, uint32_t key) {
+  int code;
+  if constexpr (kStochastic) {
+    const uint32_t bits = lomo::pair_bits16(static_cast<uint32_t>(index),
+                                            static_cast<uint32_t>(index >> 32), key);
+    const float u = __fmul_rn(static_cast<float>(bits), 1.0f / 65536.0f);  // exact
+    code = static_cast<int>(floorf(__fadd_rn(x, u)));
+  } else {
+    code = __float2int_rn(x);  // half to even
+  }
+  return min(max(code, -kInt8MaxCode), kInt8MaxCode);
+}
+
+// One thread's share of a block: kInt8PerThread consecutive elements of the buffer from
+// `start` (negative or past numel where the block is partial). `vector`: all inside, their
+// codes and gradient 128-bit aligned.
+struct Int8Share {
+  int64_t start;
+  int64_t numel;
+  bool vector;
+
+  __device__ __forceinline__ bool holds(int e) const {
+    return vector || (start + e >= 0 && start + e < numel);
+  }
+};
+
+// The share's new values: grad, plus code * old_scale unless kFirst (one fp32 rounding: the
+// product is exact); 0 where the share holds no element.
+template <class G, bool kFirst>
+__device__ __forceinline__ void load_new_values(float (&v)[kInt8PerThread], const Int8Share& share,
+                                                const int8_t* codes, float old_scale,
+                                                const typename G::T* grad) {
+  const auto add = [&](int8_t code, typename G::T g) {
+    return kFirst ? G::load(g)
+                  : lomo::add_rn(__fmul_rn(static_cast<float>(code), old_scale), G::load(g));
+  };
+  if (share.vector) {
+    Vec<typename G::T, kInt8PerThread> gv;
+    Vec<int8_t, kInt8PerThread> cv;
+    load_vec_ro(gv, grad + share.start);
+    if constexpr (!kFirst) load_vec(cv, codes + share.start);
+#pragma unroll
+    for (int e = 0; e < kInt8PerThread; ++e) v[e] = add(kFirst ? 0 : cv.e[e], gv.e[e]);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < kInt8PerThread; ++e) {
+    const int64_t j = share.start + e;
+    v[e] = share.holds(e) ? add(kFirst ? 0 : codes[j], __ldg(grad + j)) : 0.0f;
+  }
+}
+
+// The largest bits of |v| over the share and the rest of its group (`group_mask`, aligned
+// lanes of one warp): magnitudes compare as their bits, and any inf/nan's exceed every finite
+// one. Butterfly shuffles within the group (any architecture; lane offsets < kInt8Group).
+__device__ __forceinline__ uint32_t group_absmax_bits(const float (&v)[kInt8PerThread],
+                                                     unsigned group_mask) {
+  uint32_t largest = 0;
+#pragma unroll
+  for (int e = 0; e < kInt8PerThread; ++e) {
+    largest = max(largest, __float_as_uint(v[e]) & kMagnitudeBits);
+  }
+#pragma unroll
+  for (int lanes = kInt8Group / 2; lanes > 0; lanes /= 2) {
+    largest = max(largest, __shfl_xor_sync(group_mask, largest, lanes));
+  }
+  return largest;
+}
+
+// The share's codes (0 for a block holding an inf/nan), each element's rounding bits at flat
+// index `first_index` + e.
+template <bool kStochastic>
+__device__ __forceinline__ void quantise(Vec<int8_t, kInt8PerThread>& cv,
+                                         const float (&v)[kInt8PerThread], bool bad,
+                                         float inverse, int64_t first_index, uint32_t key) {
+#pragma unroll
+  for (int e = 0; e < kInt8PerThread; ++e) {
+    const float x = __fmul_rn(v[e], inverse);
+    cv.e[e] = static_cast<int8_t>(bad ? 0 : int8_code_of<kStochastic>(x, first_index + e, key));
+  }
+}
+
+// The share's codes stored, and the stored values code * scale times inv_scale measured (their
+// squares into acc, any inf/nan into any_bad) as grad_accumulate_kernel measures its own.
+__device__ __forceinline__ void store_and_measure(const Vec<int8_t, kInt8PerThread>& cv,
+                                                  const Int8Share& share, int8_t* codes,
+                                                  float scale, float inv, float& acc,
+                                                  uint32_t& any_bad) {
+#pragma unroll
+  for (int e = 0; e < kInt8PerThread; ++e) {
+    if (!share.holds(e)) continue;
+    const float x = __fmul_rn(__fmul_rn(static_cast<float>(cv.e[e]), scale), inv);
+    acc = fmaf(x, x, acc);
+    any_bad |= lomo::is_nonfinite(x);
+    if (!share.vector) codes[share.start + e] = cv.e[e];
+  }
+  if (share.vector) store_vec(cv, codes + share.start);
+}
+
+// codes, scales = the 8-bit buffer of new = code * scale + grad (kFirst: grad, the buffer not
+// read), one pass: a group of kInt8Group threads per block holds the block's new values in
+// registers, reduces their largest magnitude, and stores the codes and the power-of-two scale
+// (a block with an inf/nan: codes 0, scale nan); the stored values times inv_scale are
+// measured into sumsq and found_inf as grad_accumulate_kernel's. `aligned`: codes and grad are
+// 128-bit aligned where the parameter's blocks start (lead elements before them), so every
+// whole share moves as vectors.
+template <class G, bool kFirst, bool kStochastic>
+__global__ void __launch_bounds__(kThreads, kInt8CtasPerSm)
+    grad_accumulate_int8_kernel(int8_t* __restrict__ codes, float* __restrict__ scales,
+                                const typename G::T* __restrict__ grad, int64_t offset,
+                                int64_t numel, int64_t blocks, bool aligned,
+                                GradAccumulateArgs a) {
+  const float inv = a.inv_scale != nullptr ? __ldg(a.inv_scale) : 1.0f;
+  uint32_t key = 0;
+  if constexpr (kStochastic) key = cuda_common::rounding_key(a.rounding);
+  const int64_t lead = offset % kInt8Block;
+  const int member = threadIdx.x % kInt8Group;
+  // The group's lanes of its warp: its reduction waits for them alone (the warp's other group
+  // may be on another block, or done).
+  const unsigned group_mask = ((1u << kInt8Group) - 1u) << (threadIdx.x % 32 - member);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kInt8GroupsPerCta;
+  const int64_t first_block =
+      static_cast<int64_t>(blockIdx.x) * kInt8GroupsPerCta + threadIdx.x / kInt8Group;
+  float acc = 0.0f;
+  uint32_t any_bad = 0;
+  for (int64_t block = first_block; block < blocks; block += stride) {
+    const int64_t start = block * kInt8Block - lead + member * kInt8PerThread;
+    const Int8Share share{start, numel,
+                          aligned && start >= 0 && start + kInt8PerThread <= numel};
+    // Read by the whole group before the reduction, written by its first member after it.
+    const float old_scale = kFirst ? 0.0f : scales[block];
+    float v[kInt8PerThread];
+    load_new_values<G, kFirst>(v, share, codes, old_scale, grad);
+    const uint32_t absmax_bits = group_absmax_bits(v, group_mask);
+    const bool bad = absmax_bits >= lomo::kNonFiniteExponent;
+    const Int8Scale s = int8_scale_of(bad ? 0u : absmax_bits);
+    const float scale = bad ? __uint_as_float(kQuietNanBits) : s.scale;
+    Vec<int8_t, kInt8PerThread> cv;
+    quantise<kStochastic>(cv, v, bad, s.inverse, offset + start, key);
+    store_and_measure(cv, share, codes, scale, inv, acc, any_bad);
+    if (member == 0) scales[block] = scale;
+  }
+  if (a.sumsq != nullptr || a.found_inf != nullptr) {
+    report_sumsq(acc, any_bad, a.sumsq, a.found_inf);
+  }
+}
+
+template <class P, bool kStochastic>
+__global__ void __launch_bounds__(kThreads)
+    lomo_update_int8_kernel(typename P::T* __restrict__ param, const int8_t* __restrict__ codes,
+                            const float* __restrict__ scales, int64_t offset, int64_t head,
+                            int64_t nvec, int64_t numel, LomoUpdateArgs a) {
+  update_pass<P, kStochastic, VecWidth<P, Int8Code>::value>(
+      param, Int8Values{codes, scales, offset % kInt8Block}, head, nvec, numel, offset, a);
+}
+
+// A dequantized value as the reference's CPU product gives it: a nan scale's own bits
+// (float("nan")) where the device's arithmetic would give its canonical nan, so a bf16 out
+// stores the reference's nan.
+__device__ __forceinline__ float as_reference_nan(float v) {
+  return lomo::is_nan(v) ? __uint_as_float(kQuietNanBits) : v;
+}
+
+// out = code * scale, rounded to out's type (exact in fp32 and bf16).
+template <class P>
+__global__ void __launch_bounds__(kThreads)
+    int8_dequantize_kernel(typename P::T* __restrict__ out, const int8_t* __restrict__ codes,
+                           const float* __restrict__ scales, int64_t offset, int64_t head,
+                           int64_t nvec, int64_t numel) {
+  constexpr int V = VecWidth<P, Int8Code>::value;
+  const Int8Values values{codes, scales, offset % kInt8Block};
+  for_each_aligned<V>(
+      head, nvec, numel,
+      [&](int64_t base) {
+        float v[V];
+        Vec<typename P::T, V> ov;
+        values.load(base, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) ov.e[j] = P::round(as_reference_nan(v[j]));
+        store_vec(ov, out + base);
+      },
+      [&](int64_t i) { out[i] = P::round(as_reference_nan(values.at(i))); });
+}
+
 // [0, numel) as a scalar head, nvec aligned vectors of V elements and a tail, and the grid of
 // its launch (a thread per vector or per scalar element, whichever part is larger). Without a
 // common alignment everything goes through the scalar loop.
@@ -311,5 +599,77 @@ int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, 
           status = cudaGetLastError();
         });
       });
+  return status;
+}
+
+namespace {
+
+// Whether the buffer's elements are 128-bit aligned where its parameter's blocks are: the
+// address `lead` elements of `size` bytes before p is.
+bool aligned_to_blocks(const void* p, size_t size, int64_t lead) {
+  return (reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(lead) * size) % 16 == 0;
+}
+
+}  // namespace
+
+int lomo_cuda_grad_accumulate_int8(LomoInt8Buffer buffer, const void* grad, int grad_dtype,
+                                   int64_t numel, GradAccumulateArgs args, cudaStream_t stream) {
+  if (numel <= 0) return cudaSuccess;
+  if (buffer.offset < 0) return cudaErrorInvalidValue;
+  const int64_t blocks = lomo_int8_blocks_of(buffer.offset, numel);
+  const int64_t lead = buffer.offset % kInt8Block;
+  const unsigned grid = cuda_common::grid_for(blocks, kInt8GroupsPerCta, kInt8CtasPerSm);
+  cudaError_t status = cudaErrorInvalidValue;
+  lomo::dispatch_dtype(grad_dtype, [&](auto g_tag) {
+    using G = decltype(g_tag);
+    const bool aligned = aligned_to_blocks(buffer.codes, 1, lead) &&
+                         aligned_to_blocks(grad, sizeof(typename G::T), lead);
+    lomo::dispatch_bool(args.first != 0, [&](auto first) {
+      lomo::dispatch_bool(args.rounding.stochastic != 0, [&](auto stochastic) {
+        grad_accumulate_int8_kernel<G, decltype(first)::value, decltype(stochastic)::value>
+            <<<grid, kThreads, 0, stream>>>(buffer.codes, buffer.scales,
+                                            static_cast<const typename G::T*>(grad),
+                                            buffer.offset, numel, blocks, aligned, args);
+        status = cudaGetLastError();
+      });
+    });
+  });
+  return status;
+}
+
+int lomo_cuda_update_int8(void* param, int param_dtype, LomoInt8Buffer buffer, int64_t numel,
+                          LomoUpdateArgs args, cudaStream_t stream) {
+  if (args.lr == nullptr || buffer.offset < 0) return cudaErrorInvalidValue;
+  if (numel <= 0) return cudaSuccess;
+  cudaError_t status = cudaErrorInvalidValue;
+  lomo::dispatch_dtype(param_dtype, [&](auto p_tag) {
+    using P = decltype(p_tag);
+    lomo::dispatch_rounding<P>(args.rounding.stochastic != 0, [&](auto stochastic) {
+      const AlignedSplit split = split_aligned<VecWidth<P, Int8Code>::value>(
+          param, sizeof(typename P::T), buffer.codes, 1, numel);
+      lomo_update_int8_kernel<P, decltype(stochastic)::value>
+          <<<split.grid, kThreads, 0, stream>>>(static_cast<typename P::T*>(param),
+                                                buffer.codes, buffer.scales, buffer.offset,
+                                                split.head, split.nvec, numel, args);
+      status = cudaGetLastError();
+    });
+  });
+  return status;
+}
+
+int lomo_cuda_int8_dequantize(void* out, int out_dtype, LomoInt8Buffer buffer, int64_t numel,
+                              cudaStream_t stream) {
+  if (buffer.offset < 0) return cudaErrorInvalidValue;
+  if (numel <= 0) return cudaSuccess;
+  cudaError_t status = cudaErrorInvalidValue;
+  lomo::dispatch_dtype(out_dtype, [&](auto p_tag) {
+    using P = decltype(p_tag);
+    const AlignedSplit split = split_aligned<VecWidth<P, Int8Code>::value>(
+        out, sizeof(typename P::T), buffer.codes, 1, numel);
+    int8_dequantize_kernel<P><<<split.grid, kThreads, 0, stream>>>(
+        static_cast<typename P::T*>(out), buffer.codes, buffer.scales, buffer.offset,
+        split.head, split.nvec, numel);
+    status = cudaGetLastError();
+  });
   return status;
 }

@@ -48,6 +48,40 @@ int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
 int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, int grad_dtype,
                               int64_t numel, GradAccumulateArgs args, cudaStream_t stream);
 
+// An 8-bit blockwise buffer (lomo_kernels/core/int8_blocks.py): int8 codes, one per element,
+// and fp32 power-of-two scales, one per LOMO_INT8_BLOCK-element block of the parameter's flat
+// index that the buffer touches (lomo_int8_blocks_of); codes[0] is the parameter's flat
+// element `offset` (>= 0). Device pointers; only the accumulation writes them.
+#define LOMO_INT8_BLOCK 256
+
+// The scales of a buffer of numel elements from flat `offset` (int8_blocks.blocks_of).
+static inline int64_t lomo_int8_blocks_of(int64_t offset, int64_t numel) {
+  if (numel <= 0) return 0;
+  return (offset % LOMO_INT8_BLOCK + numel + LOMO_INT8_BLOCK - 1) / LOMO_INT8_BLOCK;
+}
+
+typedef struct {
+  int8_t* codes;
+  float* scales;
+  int64_t offset;
+} LomoInt8Buffer;
+
+// The accumulation into an 8-bit buffer of numel elements: `args` as grad_accumulate's, its
+// rounding of the codes stochastic whenever asked (any gradient dtype), with the
+// accumulation's stream at flat index offset + j.
+int lomo_cuda_grad_accumulate_int8(LomoInt8Buffer buffer, const void* grad, int grad_dtype,
+                                   int64_t numel, GradAccumulateArgs args, cudaStream_t stream);
+
+// The LOMO update of numel parameter elements (a slice at the buffer's offset) with the
+// gradient code * scale; the write-back's stochastic rounding (bf16, fp16) draws the bits of
+// flat index offset + j.
+int lomo_cuda_update_int8(void* param, int param_dtype, LomoInt8Buffer buffer, int64_t numel,
+                          LomoUpdateArgs args, cudaStream_t stream);
+
+// out = code * scale in out's dtype, numel elements.
+int lomo_cuda_int8_dequantize(void* out, int out_dtype, LomoInt8Buffer buffer, int64_t numel,
+                              cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from support import int8_device_cases as int8_cases
 from support.adalomo import FACTORED_SHAPES, check_moments, check_pass_a
 from support.adalomo import OPTIONS as ADALOMO_OPTIONS
 from support.adalomo_write_back import (
@@ -320,3 +321,75 @@ def test_accumulation_trains_on_cuda_without_host_sync(cls):
     opt.flush_report()
     assert opt.step_count == 10
     assert float(model(**_cuda_batch(0)).loss) < first
+
+
+# ----------------------------------------------------------------------------- 8-bit buffer
+# The CUDA extension's grad_accumulate_int8_, lomo_update_int8_ and int8_dequantize_
+# (csrc/lomo_cuda.cu) against the reference on the CPU, bit for bit
+# (support/int8_device_cases.py): every size and offset, each with every gradient or parameter
+# dtype in one test, so the grid stays a few hundred launches.
+
+
+@pytest.fixture(scope="module")
+def int8_cuda():
+    """The CUDA C++ extension (its 8-bit buffer ops, called positionally as the reference)."""
+    from lomo_kernels.ops.lomo import cpp_backend
+
+    module = cpp_backend._loader.get("cuda")
+    if module is None:
+        pytest.fail(f"the CUDA extension must build on a GPU machine: "
+                    f"{cpp_backend.unavailable_reason('cuda')}")  # fmt: skip
+    return module
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("layout", int8_cases.LAYOUTS)
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("offset", int8_cases.OFFSETS, ids=lambda o: f"at{o}")
+def test_int8_accumulate_matches_the_reference_on_cuda(int8_cuda, offset, stochastic, layout):
+    for n in int8_cases.sizes_at(offset, large=layout == "fresh"):
+        for dtype in int8_cases.DTYPES.values():
+            int8_cases.check_accumulate(int8_cuda, DEVICE, n, offset, dtype, stochastic, layout)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last", "spread"])
+@pytest.mark.parametrize("offset", [0, 300], ids=lambda o: f"at{o}")
+def test_int8_accumulate_non_finite_blocks_on_cuda(int8_cuda, offset, where):
+    """A block holding an inf/nan stores codes 0 and scale nan; found_inf is set and sumsq nan,
+    as the reference does."""
+    for n in (7, 257, 4097):
+        for dtype in int8_cases.DTYPES.values():
+            int8_cases.check_accumulate(int8_cuda, DEVICE, n, offset, dtype, True,
+                                        "block_aligned", non_finite=where)  # fmt: skip
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("options", int8_cases.UPDATE_OPTIONS)
+@pytest.mark.parametrize("codes_shift", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("offset", int8_cases.OFFSETS, ids=lambda o: f"at{o}")
+def test_int8_update_matches_the_reference_on_cuda(int8_cuda, offset, codes_shift, options):
+    for n in int8_cases.sizes_at(offset, large=codes_shift == 0):
+        for dtype in int8_cases.DTYPES.values():
+            for stochastic in (False, True) if dtype != torch.float32 else (False,):
+                int8_cases.check_update(int8_cuda, DEVICE, n, offset, dtype, stochastic,
+                                        options, codes_shift=codes_shift)  # fmt: skip
+
+
+@pytest.mark.parametrize("skip", [None, 0.0, 1.0], ids=["no_skip", "skip_0", "skip_1"])
+@pytest.mark.parametrize("where", ["first", "middle", "spread"])
+def test_int8_update_non_finite_and_skip_on_cuda(int8_cuda, where, skip):
+    """A nan-scale block's elements keep their parameter and set found_inf; skip_if writes
+    nothing and leaves found_inf alone, as the reference."""
+    for dtype in int8_cases.DTYPES.values():
+        int8_cases.check_update(int8_cuda, DEVICE, 4097, 300, dtype, dtype != torch.float32,
+                                "full", non_finite=where, skip=skip)  # fmt: skip
+
+
+@pytest.mark.parametrize("codes_shift", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("offset", int8_cases.OFFSETS, ids=lambda o: f"at{o}")
+def test_int8_dequantize_matches_the_reference_on_cuda(int8_cuda, offset, codes_shift):
+    for n in int8_cases.sizes_at(offset, large=codes_shift == 0):
+        for dtype in int8_cases.DTYPES.values():
+            for non_finite in (None, "middle"):
+                int8_cases.check_dequantize(int8_cuda, DEVICE, n, offset, dtype, non_finite,
+                                            codes_shift)  # fmt: skip

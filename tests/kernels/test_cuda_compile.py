@@ -139,3 +139,75 @@ def test_adalomo_write_back_kernels_instantiated(adalomo_ptx: str) -> None:
         assert len(stochastic) == 6, (kernel, stochastic)
         assert not any("4Fp32E" in n.split(kernel)[1][:14] for n in stochastic), stochastic
     assert ".local" not in adalomo_ptx
+
+
+# ----------------------------------------------------------------------------- 8-bit buffer
+
+
+def test_int8_kernels_instantiated(ptx: str) -> None:
+    names = list(_kernels(ptx))
+    # The accumulation: each gradient dtype, with and without reading the buffer (first), its
+    # codes to nearest or stochastically (any gradient dtype: codes are never exact).
+    accumulates = [n for n in names if "grad_accumulate_int8_kernel" in n]
+    assert len(accumulates) == 12, names
+    flags = [_template_flags(n) for n in accumulates]  # [first, stochastic]
+    assert sum(first for first, _ in flags) == 6, accumulates
+    assert sum(stochastic for _, stochastic in flags) == 6, accumulates
+    # The update: each parameter dtype, bf16 and fp16 also rounding stochastically.
+    updates = [n for n in names if "lomo_update_int8_kernel" in n]
+    assert len(updates) == 5, names
+    stochastic = [n for n in updates if "Lb1E" in n]
+    assert len(stochastic) == 2 and not any("4Fp32E" in n for n in stochastic), stochastic
+    assert len([n for n in names if "int8_dequantize_kernel" in n]) == 3, names
+
+
+def _int8_kernels(ptx_text: str) -> dict[str, str]:
+    return {name: body for name, body in _kernels(ptx_text).items() if "int8" in name}
+
+
+def test_int8_kernels_move_128_bit_vectors(ptx: str) -> None:
+    for name, body in _int8_kernels(ptx).items():
+        # Codes, parameters and dequantized values are stored 16 bytes at a time; the
+        # read-only operand (the gradient, or the codes) comes on the non-coherent path.
+        assert re.search(r"st\.global\.v4\.", body), f"{name}: no 128-bit store"
+        assert re.search(r"ld\.global\.nc\.v4\.", body), f"{name}: no 128-bit ld.nc"
+        coherent = bool(re.search(r"ld\.global\.v4\.", body))
+        if "grad_accumulate_int8_kernel" in name:
+            # The old codes are read (coherent: the kernel writes them) except on the first
+            # micro-batch.
+            assert coherent != _template_flags(name)[0], name
+        elif "lomo_update_int8_kernel" in name:
+            assert coherent, f"{name}: the parameter is not loaded 128 bits at a time"
+
+
+def test_int8_accumulate_reduces_in_registers(ptx: str) -> None:
+    """A block's largest magnitude is reduced by shuffles within its 16 threads (4 steps, the
+    CTA's sum of squares 5 + 5 more), its scale comes from the bits (no division anywhere),
+    and the sum of squares is one barrier and one atomic per CTA."""
+    for name, body in _int8_kernels(ptx).items():
+        assert not re.search(r"\b(div|rem)\.", body), f"{name}: a division"
+        if "grad_accumulate_int8_kernel" in name:
+            assert len(re.findall(r"\bshfl\.sync\.bfly\.b32", body)) == 4 + 5 + 5, name
+            assert len(re.findall(r"\b(atom|red)\.global\.add\.f32", body)) == 1, name
+            assert len(re.findall(r"\bbar\.sync\b", body)) == 1, name
+
+
+def test_int8_constants_match_the_layout() -> None:
+    """The CUDA kernels' block geometry and scale rule are core/int8_blocks.py's."""
+    from lomo_kernels.core import int8_blocks
+
+    header = (CSRC / "lomo_cuda.h").read_text()
+    source = SOURCE.read_text()
+
+    def constant(text: str, pattern: str) -> int:
+        found = re.search(pattern, text)
+        assert found, pattern
+        return int(found.group(1), 0)
+
+    assert constant(header, r"#define LOMO_INT8_BLOCK (\d+)") == int8_blocks.INT8_BLOCK
+    assert (
+        constant(source, r"kInt8MantissaLimit = (0x[0-9A-Fa-f]+)u;")
+        == int8_blocks.INT8_MANTISSA_LIMIT
+    )
+    assert constant(source, r"kInt8MinExponent = (-\d+);") == int8_blocks.INT8_MIN_EXPONENT
+    assert constant(source, r"kInt8MaxCode = (\d+);") == int8_blocks.INT8_MAX_CODE
