@@ -46,7 +46,9 @@ _MANTISSA_LIMIT = tl.constexpr(INT8_MANTISSA_LIMIT)
 _MIN_EXPONENT = tl.constexpr(INT8_MIN_EXPONENT)
 _MAX_CODE = tl.constexpr(float(INT8_MAX_CODE))
 # fp32 additions round to nearest even: adding and taking away 1.5 * 2**23 leaves a value of
-# magnitude below 2**22 rounded to an integer, half to even (the reference's torch.round).
+# magnitude below 2**22 rounded to an integer, half to even (the reference's torch.round; no
+# libdevice rint under the interpreter). The compiler fuses the first addition with x's
+# product value * (1 / scale), which is exact: the same sum.
 _ROUNDING_SHIFT = tl.constexpr(12582912.0)
 _TWO_POW_M16 = tl.constexpr(2.0**-16)
 
@@ -60,6 +62,7 @@ def power_of_two(absmax):
     absmax's bits (`reference.int8_power_of_two`): 2**e for the smallest e >= -126 with
     absmax <= 127 * 2**e; both 0 for an all-zero block."""
     bits = absmax.to(tl.int32, bitcast=True)
+    # absmax = m * 2**E: e = E - 6 (127 / 64 < 2), E - 5 for an m past 127 / 64.
     big = ((bits & 0x7FFFFF) > _MANTISSA_LIMIT).to(tl.int32)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127 - 6 + big, _MIN_EXPONENT)
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)

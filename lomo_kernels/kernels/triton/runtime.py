@@ -144,13 +144,20 @@ def param_kwargs(param: torch.Tensor) -> dict[str, Any]:
 def grad_kwargs(
     grad: torch.Tensor, inv_scale: torch.Tensor | None, clip_value: float | None
 ) -> dict[str, Any]:
-    """The gradient's arguments: its storage, the unscaling factor (None: 1, compiled out) and
-    the clamp bound (clipping by value compiled in only when there is one)."""
+    """The gradient's arguments: its storage and `transform_kwargs`."""
     return {
         "grad_ptr": storage(grad),
+        "GRAD_KIND": KIND[grad.dtype],
+        **transform_kwargs(inv_scale, clip_value),
+    }
+
+
+def transform_kwargs(inv_scale: torch.Tensor | None, clip_value: float | None) -> dict[str, Any]:
+    """The gradient transform's arguments: the unscaling factor (None: 1, compiled out) and
+    the clamp bound (clipping by value compiled in only when there is one)."""
+    return {
         "inv_scale_ptr": inv_scale,
         "clip_value": 0.0 if clip_value is None else float(clip_value),
-        "GRAD_KIND": KIND[grad.dtype],
         "HAS_CLIP_VALUE": clip_value is not None,
     }
 

@@ -156,15 +156,13 @@ def lomo_update_int8_args(a: Any) -> runtime.Launch:
         "n_blocks": blocks_of(a.offset, n),
         "offset": a.offset,
         "lead": a.offset % INT8_BLOCK,
+        **runtime.transform_kwargs(a.inv_scale, a.clip_value),
         "weight_decay": float(a.weight_decay),
-        "clip_value": 0.0 if a.clip_value is None else float(a.clip_value),
         "lr_ptr": a.lr,
-        "inv_scale_ptr": a.inv_scale,
         "clip_coef_ptr": a.clip_coef,
         "found_inf_ptr": a.found_inf,
         "skip_if_ptr": runtime.snapshot_skip_flag(a.skip_if, a.found_inf),
         **runtime.rounding_kwargs(a.param, a.stochastic_rounding, a.seed, a.seed_step),
-        "HAS_CLIP_VALUE": a.clip_value is not None,
         "ROWS": INT8_ROWS,
     }
     return _grid(n_bulk, n), args
