@@ -5,8 +5,10 @@ unaligned views, bit-identical bf16 rounding (nearest and stochastic) and fp16 s
 rounding, the device-side found_inf / skip_if flags, including the same tensor passed as
 both, and the sum of squares. The backend functions take their arguments positionally
 (`lomo_reference.lomo_update_` order), the runtime scalars lr, inv_scale and clip_coef as
-1-element fp32 tensors (None: 1). Last, the stochastic rounding of the AdaLomo write-back
-passes (`adalomo_reference.factored_apply_`, `vector_apply_`), bit for bit.
+1-element fp32 tensors (None: 1). The 8-bit blockwise buffer's accumulation, update and
+dequantisation, bit for bit, on slices with partial first and last blocks. Last, the
+stochastic rounding of the AdaLomo write-back passes (`adalomo_reference.factored_apply_`,
+`vector_apply_`), bit for bit.
 """
 
 import os
@@ -16,6 +18,7 @@ import os
 # compiled kernels are tested on CUDA tensors in test_cuda.py.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -28,6 +31,7 @@ from support.grad_accumulate import accumulate_both, assert_same_stored, roundin
 
 from lomo_kernels import ops
 from lomo_kernels.core import rounding as _rounding  # noqa: E402
+from lomo_kernels.core.int8_blocks import INT8_BLOCK, blocks_of  # noqa: E402
 from lomo_kernels.kernels.triton import runtime  # noqa: E402
 from lomo_kernels.ops.adalomo import reference as ada_reference  # noqa: E402
 from lomo_kernels.ops.adalomo import triton_backend as triton_adalomo  # noqa: E402
@@ -41,7 +45,7 @@ from lomo_kernels.ops.adalomo.workspace import (  # noqa: E402
 )
 from lomo_kernels.ops.lomo import reference as reference  # noqa: E402
 from lomo_kernels.ops.lomo import triton_backend as triton_backend  # noqa: E402
-from lomo_kernels.ops.lomo.spec import LOMO_UPDATE  # noqa: E402
+from lomo_kernels.ops.lomo.spec import GRAD_ACCUMULATE_INT8, LOMO_UPDATE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ["TRITON_INTERPRET"] != "1",
@@ -694,6 +698,288 @@ def test_grad_accumulate_non_finite(position: int) -> None:
     assert_same_stored(got, want)
     assert f_got.item() == f_want.item() == 1.0
     assert not torch.isfinite(s_got).item()
+
+
+# ----------------------------------------------------------------------------- 8-bit buffer
+
+# The 8-bit blockwise buffer (core/int8_blocks.py): slices of awkward lengths at awkward flat
+# offsets of their parameter (partial first and last blocks, a single block, an offset past
+# 2**32), each op bit for bit as the reference. 278011 elements (68 programs) only where named:
+# the interpreter is slow.
+INT8_SLICES = [(1, 0), (7, 255), (255, 1), (256, 0), (256, 300), (257, 256), (4097, 2**32 + 5),
+               (4097, 1)]  # fmt: skip
+INT8_LARGE = (278011, 300)
+
+
+def _slice_id(case: tuple[int, int]) -> str:
+    return f"n{case[0]}-at{case[1]}"
+
+
+def _int8_buffer(n: int, offset: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of n elements at `offset`: random codes and a different power of two per
+    block, between 2**-10 and 2**-6 (code * scale * 0.75 stays below FULL's clip value, so a
+    block's scale shows in the update), one block all zero when there are several."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+    count = blocks_of(offset, n)
+    scales = torch.exp2(torch.randint(-10, -5, (count,), generator=gen).float())
+    if count > 1:
+        scales[1] = 0.0
+    return codes, scales
+
+
+def _accumulate_int8_both(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    offset: int,
+    *,
+    first: bool = False,
+    sr: bool = False,
+    seed: int = 0,
+) -> tuple[tuple, tuple, tuple, tuple]:
+    """The Triton and the reference accumulation on copies, each with sumsq (from 0.75),
+    found_inf, inv_scale 0.25 and a per-step seed: (codes), (scales), (sumsqs), (flags)."""
+    results = []
+    for module in (triton_backend, reference):
+        c, sc, sumsq, found = codes.clone(), scales.clone(), torch.tensor([0.75]), torch.zeros(1)
+        step = torch.tensor([5], dtype=torch.int64)
+        module.grad_accumulate_int8_(
+            c, sc, grad, offset, first, torch.tensor([0.25]), sumsq, found, sr, seed, step
+        )
+        results.append((c, sc, sumsq, found))
+    return tuple(zip(*results, strict=True))  # type: ignore[return-value]
+
+
+def _assert_same_int8_accumulation(
+    offset: int, codes: tuple, scales: tuple, sums: tuple, flags: tuple
+) -> None:
+    """Codes and scales bit for bit (nan scales included), found_inf equal, sumsq within the
+    Triton order's bound of 0.75 + the float64 sum of the stored values' squares times
+    0.25**2 (`_accumulate_int8_both`)."""
+    assert torch.equal(codes[0], codes[1])
+    assert torch.equal(_bits(scales[0]), _bits(scales[1]))
+    assert flags[0].item() == flags[1].item()
+    stored = reference.int8_dequantized(codes[0], scales[0], offset) * 0.25
+    exact = 0.75 + (stored.double() ** 2).sum().item()
+    if math.isfinite(exact):
+        bound = sumsq_rel_bound("triton", codes[0].numel())
+        assert sums[0].item() == pytest.approx(exact, rel=bound)
+        assert flags[0].item() == 0.0
+    else:
+        assert not math.isfinite(sums[0].item()) and flags[0].item() == 1.0
+
+
+@pytest.mark.parametrize("case", INT8_SLICES, ids=_slice_id)
+def test_grad_accumulate_int8_matches_reference(case: tuple[int, int]) -> None:
+    """Every gradient dtype, adding and the first pass, both roundings."""
+    n, offset = case
+    codes, scales = _int8_buffer(n, offset, seed=n)
+    for dtype in DTYPES.values():
+        gen = torch.Generator().manual_seed(offset % 97)
+        grad = (torch.randn(n, generator=gen) / 64).to(dtype)
+        for first in (False, True):
+            for sr in (False, True):
+                both = _accumulate_int8_both(
+                    codes, scales, grad, offset, first=first, sr=sr, seed=n
+                )
+                _assert_same_int8_accumulation(offset, *both)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "first", "sr", "offset"), [("bf16", False, True, 2**32 + 5), ("fp32", True, False, 0)]
+)
+def test_grad_accumulate_int8_large(dtype: str, first: bool, sr: bool, offset: int) -> None:
+    """Many programs: aligned blocks (offset 0, the 128-bit path on a GPU) and not."""
+    n = INT8_LARGE[0]
+    codes, scales = _int8_buffer(n, offset, seed=3)
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(4)) / 64).to(DTYPES[dtype])
+    both = _accumulate_int8_both(codes, scales, grad, offset, first=first, sr=sr, seed=9)
+    _assert_same_int8_accumulation(offset, *both)
+
+
+def _fp32_of_bits(patterns: list[int]) -> torch.Tensor:
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+def test_grad_accumulate_int8_scale_rule_and_ties() -> None:
+    """One block per case (offset 0, first pass, so new = grad): the scale's edges, from the
+    bits of absmax, under both roundings; to nearest, ties go to even."""
+    cases = {
+        # absmax 127 = 1.984375 * 2**6: the largest mantissa of scale 1; ties 2.5, 3.5, -0.5.
+        1.0: [127.0, 2.5, 3.5, -0.5, -0.0, 1e-30],
+        # the next float above 127 needs scale 2.
+        2.0: [_fp32_of_bits([0x42FE0001]).item(), -3.0, 5.0],
+        # all zero: scale 0, codes 0.
+        0.0: [0.0, -0.0],
+        # subnormal absmax: the exponent's floor, 2**-126.
+        2.0**-126: [_fp32_of_bits([0x00000005]).item(), -(2.0**-140)],
+        # the largest float: 2**122, code 64 (63.99... to nearest).
+        2.0**122: [_fp32_of_bits([0x7F7FFFFF]).item(), -(2.0**123), 1.0],
+    }
+    grad = torch.zeros(INT8_BLOCK * len(cases))
+    for block, values in enumerate(cases.values()):
+        grad[block * INT8_BLOCK : block * INT8_BLOCK + len(values)] = torch.tensor(values)
+    codes, scales = torch.zeros(grad.numel(), dtype=torch.int8), torch.zeros(len(cases))
+    for sr in (False, True):
+        both = _accumulate_int8_both(codes, scales, grad, 0, first=True, sr=sr, seed=1)
+        _assert_same_int8_accumulation(0, *both)
+        assert both[1][0].tolist() == list(cases)
+    got = _accumulate_int8_both(codes, scales, grad, 0, first=True)[0][0].view(-1, INT8_BLOCK)
+    assert got[0, :6].tolist() == [127, 2, 4, 0, 0, 0]
+    assert got[1, :3].tolist() == [64, -2, 2]  # 63.5000..., and ties -1.5, 2.5 to even
+    assert got[3, :2].tolist() == [0, 0]
+    assert got[4, :3].tolist() == [64, -2, 0]  # 63.99998..., -2, 2**-122
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("case", [(4097, 2**32 + 5), (7, 255)], ids=_slice_id)
+def test_grad_accumulate_int8_non_finite(case: tuple[int, int]) -> None:
+    """inf and nan gradients (first, middle and last element: a partial first and last block)
+    and an old nan scale: their blocks store codes 0 and scale nan, the others as usual;
+    found_inf raised and sumsq nan, as the reference."""
+    n, offset = case
+    codes, scales = _int8_buffer(n, offset, seed=8)
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(8)) / 64).to(torch.bfloat16)
+    for position, value in zip([0, n // 2, n - 1], [INF, float("nan"), -INF], strict=True):
+        grad[position] = value
+    left_bad = len(scales) // 4  # a block left non-finite by an earlier micro-batch
+    scales[left_bad] = float("nan")
+    for first in (False, True):
+        both = _accumulate_int8_both(codes, scales, grad, offset, first=first, sr=True, seed=2)
+        _assert_same_int8_accumulation(offset, *both)
+        assert both[3][0].item() == 1.0
+        blocks = reference._block_of(offset, n, torch.device("cpu"))
+        bad = blocks[[0, n // 2, n - 1]]
+        assert bool(both[1][0][bad].isnan().all())
+        assert bool((both[0][0][blocks == bad[1]] == 0).all())
+        if left_bad not in bad.tolist():  # adding keeps it non-finite; the first pass drops it
+            assert both[1][0][left_bad].isnan().item() is not first
+
+
+def _update_int8_both(
+    param: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: int, **options: object
+) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """Runs the Triton and the reference update from an 8-bit buffer on copies of `param`:
+    (ours, theirs, our options, theirs), as `_both`."""
+    ours, theirs = param.clone(), param.clone()
+    opts_ours, opts_theirs = _materialise(_options(**options)), _materialise(_options(**options))
+    triton_backend.lomo_update_int8_(ours, codes, scales, offset, *_args(opts_ours))
+    reference.lomo_update_int8_(theirs, codes, scales, offset, *_args(opts_theirs))
+    return ours, theirs, opts_ours, opts_theirs
+
+
+# Every option of the update: FULL, found_inf, skip_if given and clear, a per-step seed.
+INT8_UPDATE_OPTIONS = dict(FULL, found_inf=[0.0], skip_if=[0.0], seed=2**40 + 3)
+
+
+@pytest.mark.parametrize("case", INT8_SLICES, ids=_slice_id)
+def test_lomo_update_int8_matches_reference(case: tuple[int, int]) -> None:
+    """Every parameter dtype, both roundings, every option; then with none."""
+    n, offset = case
+    codes, scales = _int8_buffer(n, offset, seed=n + 1)
+    for dtype in DTYPES.values():
+        param = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for sr in (False, True) if dtype != torch.float32 else (False,):
+            step = torch.tensor([7], dtype=torch.int64)
+            options = dict(INT8_UPDATE_OPTIONS, stochastic_rounding=sr, seed_step=step)
+            ours, theirs, opts, ref_opts = _update_int8_both(
+                param, codes, scales, offset, **options
+            )
+            assert torch.equal(_bits(ours), _bits(theirs))
+            assert opts["found_inf"].item() == ref_opts["found_inf"].item() == 0.0
+        plain, expected, _, _ = _update_int8_both(param, codes, scales, offset)
+        assert torch.equal(_bits(plain), _bits(expected))
+
+
+def test_lomo_update_int8_large() -> None:
+    n, offset = INT8_LARGE
+    codes, scales = _int8_buffer(n, offset, seed=5)
+    param = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    step = torch.tensor([2**31 + 7], dtype=torch.int64)
+    options = dict(INT8_UPDATE_OPTIONS, stochastic_rounding=True, seed_step=step)
+    ours, theirs, _, _ = _update_int8_both(param, codes, scales, offset, **options)
+    assert torch.equal(_bits(ours), _bits(theirs))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("case", [(4097, 300), (17, 250)], ids=_slice_id)
+def test_lomo_update_int8_non_finite_and_skip(case: tuple[int, int]) -> None:
+    """A nan block (the bulk's first, the tail's last) and a value that overflows times
+    inv_scale keep their elements and raise found_inf; a set skip_if writes nothing."""
+    n, offset = case
+    codes, scales = _int8_buffer(n, offset, seed=6)
+    scales[0], scales[-1] = float("nan"), 2.0**122
+    codes[-1] = 127  # 127 * 2**122 * 10 overflows
+    param = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    options = dict(INT8_UPDATE_OPTIONS, inv_scale=[10.0], stochastic_rounding=True)
+    ours, theirs, opts, ref_opts = _update_int8_both(param, codes, scales, offset, **options)
+    assert torch.equal(_bits(ours), _bits(theirs))
+    blocks = reference._block_of(offset, n, torch.device("cpu"))
+    assert torch.equal(_bits(ours[blocks == 0]), _bits(param[blocks == 0]))
+    assert _bits(ours[-1]).item() == _bits(param[-1]).item()
+    assert opts["found_inf"].item() == ref_opts["found_inf"].item() == 1.0
+    skipped, _, opts, _ = _update_int8_both(
+        param, codes, scales, offset, **dict(options, found_inf=[0.0], skip_if=[1.0])
+    )
+    assert torch.equal(_bits(skipped), _bits(param)) and opts["found_inf"].item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("case", INT8_SLICES, ids=_slice_id)
+def test_int8_dequantize_matches_reference(case: tuple[int, int]) -> None:
+    """Every output dtype; scales 0, nan, and beyond fp16's range both ways (inf, subnormals
+    rounded to nearest even)."""
+    n, offset = case
+    codes, scales = _int8_buffer(n, offset, seed=n + 2)
+    scales[-1] = float("nan")
+    if len(scales) > 3:
+        scales[2], scales[3] = 2.0**10, 2.0**-21
+    for dtype in DTYPES.values():
+        ours, theirs = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        triton_backend.int8_dequantize_(ours, codes, scales, offset)
+        reference.int8_dequantize_(theirs, codes, scales, offset)
+        assert_same_stored(ours, theirs)  # nan payloads are torch's own
+        assert bool(ours[-1].isnan())
+
+
+def test_int8_public_functions_run_the_triton_kernels() -> None:
+    """The public functions, Python-float scalars converted once, on the Triton backend: the
+    reference's results through the same functions."""
+    n, offset = 300, 2**32 + 200
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    param = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    results = []
+    for backend in ("triton", "torch"):
+        codes = torch.empty(n, dtype=torch.int8)
+        scales = torch.empty(blocks_of(offset, n))
+        sumsq, found_inf, p, out = torch.zeros(1), torch.zeros(1), param.clone(), param.clone()
+        common = dict(offset=offset, stochastic_rounding=True, seed=5, backend=backend)
+        ops.grad_accumulate_int8_(
+            codes, scales, grad, first=True, inv_scale=0.5, sumsq=sumsq, **common
+        )
+        ops.lomo_update_int8_(
+            p, codes, scales, lr=0.1, inv_scale=0.5, found_inf=found_inf, **common
+        )
+        ops.int8_dequantize_(out, codes, scales, offset=offset, backend=backend)
+        results.append((codes, scales, p, out, found_inf))
+    for ours, theirs in zip(*results, strict=True):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # every byte
+
+
+def test_int8_ops_launch_arguments() -> None:
+    """The lead is the offset within its block; the accumulation takes whole blocks per
+    program and rounds stochastically for any gradient dtype (codes are always rounded)."""
+    n, offset = 5 * INT8_BLOCK, 2**32 + 300
+    codes, scales = _int8_buffer(n, offset, seed=0)
+    grid, args = triton_backend.grad_accumulate_int8_args(
+        GRAD_ACCUMULATE_INT8.Arguments(
+            codes, scales, torch.zeros(n), offset, False, None, None, None, True, 3, None
+        )
+    )
+    assert grid == (1,) and args["lead"] == 44 and args["n_blocks"] == 6 == len(scales)
+    assert args["STOCHASTIC_ROUNDING"] is True and args["offset"] == offset
 
 
 # ----------------------------------------------------------------------------- availability

@@ -43,6 +43,29 @@ _factor, _grad_source, _scaled, _grad = (
 
 
 @triton.jit
+def update_elements(
+    update,
+    g,
+    finite,
+    offs,
+    index,
+    mask,
+    PARAM_KIND: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+):
+    """The LOMO step of the parameter elements `offs[mask]` of update = (param_ptr, lr, decay,
+    rounding key) with the fp32 gradient `g` (`rounding_kernels.gradient`), where `finite`;
+    stochastic rounding draws the bits of the flat indices `index` (int64)."""
+    param_ptr, lr, decay, key = update
+    raw = tl.load(param_ptr + offs, mask=mask, other=0)
+    new = _to_fp32(raw, PARAM_KIND) * decay - lr * g
+    out = _to_storage(new, index, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+    # Rewriting the old bits instead of masking them out keeps the store mask uniform
+    # over 16 elements, which the 128-bit stores need.
+    tl.store(param_ptr + offs, tl.where(finite, out, raw), mask=mask)
+
+
+@triton.jit
 def _update_chunk(
     update,
     source,
@@ -54,17 +77,10 @@ def _update_chunk(
     HAS_CLIP_COEF: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
-    """Updates the elements `offs[mask]` of update = (param_ptr, lr, decay, rounding key)
-    with the gradient of `source` (`rounding_kernels.grad_source`); returns 1 if any
-    gradient was non-finite, else 0."""
-    param_ptr, lr, decay, key = update
+    """Updates the elements `offs[mask]` with the gradient of `source`
+    (`rounding_kernels.grad_source`); returns 1 if any gradient was non-finite, else 0."""
     g, finite = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
-    raw = tl.load(param_ptr + offs, mask=mask, other=0)
-    new = _to_fp32(raw, PARAM_KIND) * decay - lr * g
-    out = _to_storage(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
-    # Rewriting the old bits instead of masking them out keeps the store mask uniform
-    # over 16 elements, which the 128-bit stores need.
-    tl.store(param_ptr + offs, tl.where(finite, out, raw), mask=mask)
+    update_elements(update, g, finite, offs, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
     return tl.reduce((~finite).to(tl.int32), 0, _MAX)
 
 

@@ -115,10 +115,16 @@ def grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr):
 
 
 @triton.jit
+def scaled(values, inv_scale):
+    """(h, finite): h = fp32 gradient values * inv_scale and whether it is finite."""
+    h = values * inv_scale
+    return h, tl.abs(h) < float("inf")
+
+
+@triton.jit
 def scaled_grad(grad_ptr, inv_scale, offs, mask, GRAD_KIND: tl.constexpr):
     """(h, finite): h = grad * inv_scale in fp32 and whether it is finite."""
-    h = load_fp32(grad_ptr, offs, mask, GRAD_KIND) * inv_scale
-    return h, tl.abs(h) < float("inf")
+    return scaled(load_fp32(grad_ptr, offs, mask, GRAD_KIND), inv_scale)
 
 
 @triton.jit
@@ -140,8 +146,20 @@ def gradient(
 ):
     """(g, finite): the fp32 gradient of the math (`grad_source`'s, scaled, clamped, times
     the clip coefficient) and whether grad * inv_scale is finite."""
-    grad_ptr, inv_scale, clip_value, clip_coef = source
-    h, finite = scaled_grad(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
+    values = load_fp32(source[0], offs, mask, GRAD_KIND)
+    return gradient_of(values, source, HAS_CLIP_VALUE, HAS_CLIP_COEF)
+
+
+@triton.jit
+def gradient_of(
+    values,
+    source,
+    HAS_CLIP_VALUE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+):
+    """`gradient` of fp32 gradient values already formed (`source`'s pointer unread)."""
+    _, inv_scale, clip_value, clip_coef = source
+    h, finite = scaled(values, inv_scale)
     g = clamp(h, clip_value, HAS_CLIP_VALUE)
     if HAS_CLIP_COEF:
         g = g * clip_coef

@@ -144,13 +144,20 @@ def param_kwargs(param: torch.Tensor) -> dict[str, Any]:
 def grad_kwargs(
     grad: torch.Tensor, inv_scale: torch.Tensor | None, clip_value: float | None
 ) -> dict[str, Any]:
-    """The gradient's arguments: its storage, the unscaling factor (None: 1, compiled out) and
-    the clamp bound (clipping by value compiled in only when there is one)."""
+    """The gradient's arguments: its storage and `transform_kwargs`."""
     return {
         "grad_ptr": storage(grad),
+        "GRAD_KIND": KIND[grad.dtype],
+        **transform_kwargs(inv_scale, clip_value),
+    }
+
+
+def transform_kwargs(inv_scale: torch.Tensor | None, clip_value: float | None) -> dict[str, Any]:
+    """The gradient transform's arguments: the unscaling factor (None: 1, compiled out) and
+    the clamp bound (clipping by value compiled in only when there is one)."""
+    return {
         "inv_scale_ptr": inv_scale,
         "clip_value": 0.0 if clip_value is None else float(clip_value),
-        "GRAD_KIND": KIND[grad.dtype],
         "HAS_CLIP_VALUE": clip_value is not None,
     }
 
@@ -179,20 +186,37 @@ def rounding_args(
     applies to bf16 and fp16 parameters (fp32 stores the result exactly, as in the
     references), the seed's halves (`_rounding.seed_parts`) as int32 bits; the kernel adds
     the per-step value (`rounding_kernels.rounding_key`)."""
-    stochastic = bool(stochastic_rounding) and rounds_stochastically(param.dtype)
+    stochastic = _rounds(param, stochastic_rounding)
+    return (stochastic, *_seed_bits(stochastic, seed))
+
+
+def _rounds(param: torch.Tensor, stochastic_rounding: bool) -> bool:
+    """Whether a write-back into `param` rounds stochastically (bf16 and fp16 only)."""
+    return bool(stochastic_rounding) and rounds_stochastically(param.dtype)
+
+
+def _seed_bits(stochastic: bool, seed: int) -> tuple[int, int]:
+    """The seed's halves as int32 bits (zeros when the rounding is not stochastic)."""
     seed_lo, seed_hi = seed_parts(seed) if stochastic else (0, 0)
-    return stochastic, _int32_bits(seed_lo), _int32_bits(seed_hi)
+    return _int32_bits(seed_lo), _int32_bits(seed_hi)
 
 
-def rounding_kwargs(
-    param: torch.Tensor, stochastic_rounding: bool, seed: int, seed_step: torch.Tensor | None
+def stochastic_kwargs(
+    stochastic: bool, seed: int, seed_step: torch.Tensor | None
 ) -> dict[str, Any]:
-    """The write-back's rounding arguments (`rounding_args`), the per-step value read on the
-    device and passed only when the rounding is stochastic."""
-    stochastic, seed_lo, seed_hi = rounding_args(param, stochastic_rounding, seed)
+    """A rounding's arguments: the seed's halves (`rounding_args`) and the per-step value,
+    read on the device and passed only when the rounding is stochastic."""
+    seed_lo, seed_hi = _seed_bits(stochastic, seed)
     return {
         "seed_lo": seed_lo,
         "seed_hi": seed_hi,
         "seed_step_ptr": seed_step if stochastic else None,
         "STOCHASTIC_ROUNDING": stochastic,
     }
+
+
+def rounding_kwargs(
+    param: torch.Tensor, stochastic_rounding: bool, seed: int, seed_step: torch.Tensor | None
+) -> dict[str, Any]:
+    """The write-back's rounding arguments (`rounding_args`, `stochastic_kwargs`)."""
+    return stochastic_kwargs(_rounds(param, stochastic_rounding), seed, seed_step)
