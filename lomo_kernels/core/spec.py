@@ -21,6 +21,7 @@ An argument's kind says what it is to the kernels and how a public call may give
     clip     an optional Python float > 0 (clip by value; None: no clipping)
     seed     a Python int in [0, 2**63)
     int      a Python int (a shape)
+    offset   a Python int >= 0 a call gives: a slice's flat offset in its parameter
     const    a Python int a compiled graph specialises on (a label to ignore, a row count)
     bool     a Python bool
 """
@@ -47,6 +48,7 @@ _SCHEMA_TYPES = {
     "clip": "float?",
     "seed": "SymInt",
     "int": "SymInt",
+    "offset": "SymInt",
     "const": "int",
     "bool": "bool",
 }
@@ -118,6 +120,8 @@ class Arg:
             return lambda v, device: bool(v)
         if self.kind in ("int", "const"):
             return lambda v, device: int(v)
+        if self.kind == "offset":
+            return lambda v, device: _offset(name, v)
         return None
 
 
@@ -144,6 +148,12 @@ def _flag(
 def _hyper(name: str, value: Any, positive: bool, non_negative: bool) -> float:
     check_finite(name, value, positive=positive, non_negative=non_negative)
     return float(value)
+
+
+def _offset(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"lomo_kernels: {name} must be an int >= 0, got {value!r}")
+    return value
 
 
 def _seed(value: Any) -> int:

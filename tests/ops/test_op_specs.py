@@ -28,7 +28,7 @@ BINDINGS = {
 }
 SPECS = [spec for _, specs in FAMILIES.values() for spec in specs]
 # A valid public value of each kind of argument (tensors and flags: None passes unchecked).
-VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "bool": False}
+VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "offset": 0, "bool": False}
 
 
 def test_every_op_is_declared_once():
@@ -81,6 +81,9 @@ PUBLIC = {
     lomo.LOMO_UPDATE: lomo.fused_lomo_update_,
     lomo.GRAD_SUMSQ: lomo.grad_sumsq_,
     lomo.GRAD_ACCUMULATE: lomo.grad_accumulate_,
+    lomo.GRAD_ACCUMULATE_INT8: lomo.grad_accumulate_int8_,
+    lomo.LOMO_UPDATE_INT8: lomo.lomo_update_int8_,
+    lomo.INT8_DEQUANTIZE: lomo.int8_dequantize_,
     adalomo.FACTORED_STATS: adalomo.adalomo_factored_stats_,
     adalomo.FACTORED_MOMENTS: adalomo.adalomo_factored_moments_,
     adalomo.FACTORED_NORM: adalomo.adalomo_factored_norm_,
@@ -139,18 +142,34 @@ def test_schema_is_derived_from_the_spec(spec: OpSpec):
     assert parsed.returns == []
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+# The kinds of runtime scalars and hyper-parameters, and the ops that take any.
+SCALAR_KINDS = ("scalar", "factor", "hyper", "clip")
+WITH_SCALARS = [s for s in SPECS if any(a.kind in SCALAR_KINDS for a in s.args)]
+
+
+@pytest.mark.parametrize("spec", WITH_SCALARS, ids=lambda s: s.name)
 def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
     """Every runtime scalar and hyper-parameter of every op is checked by its spec before the
     op runs: a non-finite value is refused with an error naming the argument."""
     device = torch.device("cpu")
-    checked = [a for a in spec.args if a.kind in ("scalar", "factor", "hyper", "clip")]
-    assert checked
+    checked = [a for a in spec.args if a.kind in SCALAR_KINDS]
     for arg in checked:
         values = {a.name: VALID.get(a.kind) for a in spec.args}
         values[arg.name] = float("nan")
         with pytest.raises(ValueError, match=rf"{arg.name} must be finite"):
             spec.convert(device, values)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, None])
+def test_offsets_are_refused_unless_a_non_negative_int(bad):
+    """The 8-bit buffer's ops take a slice's flat offset: refused by name otherwise."""
+    with_offset = [s for s in SPECS if any(a.kind == "offset" for a in s.args)]
+    assert len(with_offset) == 3
+    for spec in with_offset:
+        values = {a.name: VALID.get(a.kind) for a in spec.args}
+        values["offset"] = bad
+        with pytest.raises(ValueError, match="offset must be an int >= 0"):
+            spec.convert(torch.device("cpu"), values)
 
 
 def test_dispatcher_calls_run_the_chosen_backend(monkeypatch):

@@ -165,10 +165,8 @@ def check_int8_buffer(
     codes: torch.Tensor, scales: torch.Tensor, offset: int, like: torch.Tensor
 ) -> None:
     """An 8-bit blockwise buffer (`core/int8_blocks.py`) of `like`'s elements starting at flat
-    `offset` of its parameter: contiguous int8 codes of like's numel, contiguous fp32
-    scales, one per block it touches, all on like's device."""
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"lomo_kernels: offset must be an int >= 0, got {offset!r}")
+    `offset` (checked by the spec) of its parameter: contiguous int8 codes of like's numel,
+    contiguous fp32 scales, one per block it touches, all on like's device."""
     if codes.dtype != torch.int8 or scales.dtype != torch.float32:
         raise TypeError(
             "lomo_kernels: an 8-bit buffer is int8 codes and float32 scales, got "
@@ -216,9 +214,9 @@ def grad_accumulate_int8_(
     """
     public = locals()  # the arguments, by name
     check_pair(grad, grad)
-    check_int8_buffer(codes, scales, offset, grad)
     arguments = GRAD_ACCUMULATE_INT8.take(public, grad=grad.contiguous())
     arguments = GRAD_ACCUMULATE_INT8.convert(grad.device, arguments)
+    check_int8_buffer(codes, scales, arguments["offset"], grad)
     if grad.numel():
         grad_accumulate_int8_op(backend, **arguments)
 
@@ -246,7 +244,6 @@ def lomo_update_int8_(
     parameter), whose stochastic write-back draws the whole parameter's bits."""
     public = locals()  # the arguments, by name
     check_pair(param, param)
-    check_int8_buffer(codes, scales, offset, param)
     if stochastic_rounding and not rounds_stochastically(param.dtype):
         raise ValueError(
             "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
@@ -255,6 +252,7 @@ def lomo_update_int8_(
         )
     skip = found_inf if skip_if is None else skip_if
     arguments = LOMO_UPDATE_INT8.convert(param.device, LOMO_UPDATE_INT8.take(public, skip_if=skip))
+    check_int8_buffer(codes, scales, arguments["offset"], param)
     if param.numel():
         lomo_update_int8_op(backend, **arguments)
 
@@ -270,8 +268,8 @@ def int8_dequantize_(
     """``out = codes * scales`` in out's dtype (exact in fp32 and bf16), in one pass."""
     public = locals()  # the arguments, by name
     check_pair(out, out)
-    check_int8_buffer(codes, scales, offset, out)
     arguments = INT8_DEQUANTIZE.convert(out.device, INT8_DEQUANTIZE.take(public))
+    check_int8_buffer(codes, scales, arguments["offset"], out)
     if out.numel():
         int8_dequantize_op(backend, **arguments)
 

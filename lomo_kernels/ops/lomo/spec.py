@@ -56,7 +56,7 @@ GRAD_ACCUMULATE_INT8 = OpSpec(
         Arg("codes", "tensor", mutable=True),
         Arg("scales", "tensor", mutable=True),
         Arg("grad", "tensor"),
-        Arg("offset", "int", default=0),
+        Arg("offset", "offset", default=0),
         Arg("first", "bool", default=False),
         Arg("inv_scale", "factor", default=1.0),
         Arg("sumsq", "flag", mutable=True, default=None),
@@ -73,7 +73,7 @@ LOMO_UPDATE_INT8 = OpSpec(
         Arg("param", "tensor", mutable=True),
         Arg("codes", "tensor"),
         Arg("scales", "tensor"),
-        Arg("offset", "int", default=0),
+        Arg("offset", "offset", default=0),
         Arg("lr", "scalar", rule="non_negative"),
         *GRAD_TRANSFORM,
         Arg("weight_decay", "hyper", default=0.0),
@@ -91,7 +91,7 @@ INT8_DEQUANTIZE = OpSpec(
         Arg("out", "tensor", mutable=True),
         Arg("codes", "tensor"),
         Arg("scales", "tensor"),
-        Arg("offset", "int", default=0),
+        Arg("offset", "offset", default=0),
     ),
 )
 
