@@ -355,6 +355,7 @@ def test_grad_accumulate_every_level_flags_non_finite(
 INT8_SIZES = [1, 33, 257, 4099, 65_557]
 INT8_OFFSETS = [0, 255, 2**32 + 5]
 INT8_CHUNK = SUMSQ_GRAIN // INT8_BLOCK  # csrc/lomo_cpu.cpp: the accumulation's chunk, in blocks
+INT8_LANES = 32  # csrc/lomo_cpu_int8.h's kInt8Lanes
 
 
 def _int8_lane_order_total(
@@ -362,7 +363,7 @@ def _int8_lane_order_total(
 ) -> float:
     """grad_accumulate_int8_'s documented order in float64: the stored values times inv_scale
     (fp32), per chunk of INT8_CHUNK blocks from the buffer's first, element j into lane
-    (offset + j) % 8 in sequence, the lanes added in order, the chunks in order from 0 (the
+    (offset + j) % 32 in sequence, the lanes added in order, the chunks in order from 0 (the
     kernel then adds the total to sumsq, rounded once to fp32). Independent of the kernels:
     every level must give its bits."""
     inv = torch.tensor(inv_scale, dtype=torch.float32)
@@ -371,9 +372,9 @@ def _int8_lane_order_total(
     for block in range(0, scales.numel(), INT8_CHUNK):
         begin = max(0, block * INT8_BLOCK - lead)
         end = min(len(scaled), (block + INT8_CHUNK) * INT8_BLOCK - lead)
-        lanes = [0.0] * SUMSQ_LANES
+        lanes = [0.0] * INT8_LANES
         for j in range(begin, end):
-            lanes[(offset + j) % SUMSQ_LANES] += scaled[j] * scaled[j]
+            lanes[(offset + j) % INT8_LANES] += scaled[j] * scaled[j]
         partial = 0.0
         for lane in lanes:
             partial += lane
