@@ -1,8 +1,8 @@
 """`python -m bench.cpu_levels`: the C++ CPU update and sum of squares at every vector
 level this CPU runs, against floors.
 
-    python -m bench.cpu_levels [--sizes 64K,1M,4M,16M] [--dtype bf16,fp16,fp32] [--reps 41]
-                                  [--json F]
+    python -m bench.cpu_levels [--sizes 64K,1M,4M,16M] [--dtype bf16,fp16,fp32,int8]
+                                  [--reps 41] [--json F]
 
 One build holds every level (csrc/cpu_isa.h: baseline, avx2, avx512, avx512bf16); this times
 the binding `lomo_update_` with the full LOMO option set (the `bench.kernels` values: unscale
@@ -26,6 +26,14 @@ and for bf16 and fp16 stochastically (`acc_sr[<level>]`), against the floor
 `b.add_(g)` (the same bytes): "accumulate" lines, cells median / median(add_), and
 "accumulate sr/nearest" lines.
 
+The 8-bit blockwise buffer's accumulation pass (`--dtype int8`: `grad_accumulate_int8_` of a
+bf16 gradient with stochastic rounding, `int8[<level>]`; `int8+sumsq[<level>]` also measures
+the sum of squares and flag, as a step's last micro-batch does) is timed at each level against
+the bf16 buffer's stochastic pass of the same gradient (`bf16_sr[<level>]`,
+`bf16_sr+sumsq[<level>]`) and the floor `b.add_(g)` of the bf16 buffer: "int8 ...
+accumulate" lines, cells median / median(add_), and "accumulate int8/bf16_sr" lines, the
+int8 pass's median over the bf16 one's at the same level.
+
 Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
 shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.
 Memory stalls are CPU time, so memory-bound kernels are measured fully. CPU figures only.
@@ -40,6 +48,7 @@ from typing import Any
 
 import torch
 
+from lomo_kernels.core.int8_blocks import blocks_of
 from lomo_kernels.ops.lomo import cpp_backend as cpp
 
 from .common import machine
@@ -63,6 +72,7 @@ from .kernels import (
 
 SIZES = (2**16, 2**20, 2**22, 2**24)  # 64K, 1M, 4M, 16M
 SR_DTYPES = (torch.bfloat16, torch.float16)  # the parameters stochastic rounding applies to
+INT8 = "int8"  # the 8-bit blockwise buffer's rows (`int8_rows`)
 
 
 def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
@@ -129,6 +139,41 @@ def accumulate_variants(b: torch.Tensor, g: torch.Tensor, levels: list[str]) -> 
     return out
 
 
+def int8_variants(
+    g: torch.Tensor, levels: list[str]
+) -> tuple[dict[str, Callable], tuple[torch.Tensor, ...]]:
+    """int8[<level>] (the 8-bit buffer's pass) and bf16_sr[<level>] (a bf16 buffer's) per level
+    (the caller sets the level), both adding the bf16 gradient `g` stochastically: unmeasured
+    (the passes before a step's last) and, as "<name>+sumsq", with the sum of squares and flag
+    measured (the last); add_ into the bf16 buffer. Also the tensors they touch."""
+    ext = cpp._loader.module("cpu")
+    numel = g.numel()
+    codes = torch.zeros(numel, dtype=torch.int8)
+    scales = torch.zeros(blocks_of(0, numel))
+    buffer = torch.zeros_like(g)
+    inv_scale, sumsq, found = torch.tensor([INV_SCALE]), torch.zeros(1), torch.zeros(1)
+    seed_step = torch.tensor([3], dtype=torch.int64)
+
+    def int8(measured: bool) -> Callable[[], None]:
+        out, flag = (sumsq, found) if measured else (None, None)
+        return lambda: ext.grad_accumulate_int8_(
+            codes, scales, g, 0, False, inv_scale, out, flag, True, 7, seed_step
+        )
+
+    def bf16_sr(measured: bool) -> Callable[[], None]:
+        out, flag = (sumsq, found) if measured else (None, None)
+        return lambda: ext.grad_accumulate_(
+            buffer, g, False, inv_scale, out, flag, True, 7, seed_step
+        )
+
+    out = {}
+    for name, make in (("int8", int8), ("bf16_sr", bf16_sr)):
+        for suffix, measured in (("", False), ("+sumsq", True)):
+            out.update({f"{name}{suffix}[{level}]": make(measured) for level in levels})
+    out["add_"] = lambda: buffer.add_(g)
+    return out, (codes, scales, buffer, g)
+
+
 def at_levels(
     fns: dict[str, Callable], tensors: tuple[torch.Tensor, ...], reps: int, ext: Any
 ) -> dict[str, float]:
@@ -152,6 +197,9 @@ def run(dtypes: list[str], sizes: list[int], reps: int) -> list[dict[str, Any]]:
     try:
         for name in dtypes:
             for numel in sizes:
+                if name == INT8:
+                    results.append(int8_rows(numel, levels, reps, ext))
+                    continue
                 gen = torch.Generator().manual_seed(numel)
                 p = torch.randn(numel, generator=gen).to(DTYPES[name])
                 g = (torch.randn(numel, generator=gen) * 1e-2).to(DTYPES[name])
@@ -171,6 +219,16 @@ def run(dtypes: list[str], sizes: list[int], reps: int) -> list[dict[str, Any]]:
     return results
 
 
+def int8_rows(numel: int, levels: list[str], reps: int, ext: Any) -> dict[str, Any]:
+    """The 8-bit buffer's accumulation medians (seconds) by key at one size."""
+    gen = torch.Generator().manual_seed(numel)
+    g = (torch.randn(numel, generator=gen) * 1e-2).to(torch.bfloat16)
+    fns, tensors = int8_variants(g, levels)
+    accumulate = at_levels(fns, tensors, reps, ext)
+    return {"dtype": INT8, "numel": numel, "element_size": g.element_size(),
+            "accumulate_s": accumulate}  # fmt: skip
+
+
 def _timed_lines(
     where: str,
     med: dict[str, float],
@@ -179,11 +237,12 @@ def _timed_lines(
     numel_bytes: int,
     label: str = "",
     variants: tuple[str, str] | None = None,
+    ratio: str = "sr/nearest",
 ) -> list[str]:
     """One kernel's lines at one dtype and size: its cells (median / that of `floor`, which
-    moves `passes` x `numel_bytes` bytes), then, with `variants` (the round-to-nearest and
-    the stochastic keys' prefixes), the stochastic one's median over the nearest one's per
-    level where it was timed."""
+    moves `passes` x `numel_bytes` bytes), then, with `variants` (the keys' prefixes of the
+    base and the compared kernel: round-to-nearest and stochastic by default), the compared
+    one's median over the base one's per level where it was timed, on a line named `ratio`."""
     cells = "  ".join(f"{k} {v / med[floor]:.3f}" for k, v in med.items() if k != floor)
     gbps = passes * numel_bytes / med[floor] / 1e9
     lines = [f"{where}{label}: {cells}  ({floor} {gbps:.1f} GB/s)"]
@@ -197,7 +256,7 @@ def _timed_lines(
         if key.startswith(stochastic)
     ]
     if ratios:
-        lines.append(f"{where}{label} sr/nearest: {'  '.join(ratios)}")
+        lines.append(f"{where}{label} {ratio}: {'  '.join(ratios)}")
     return lines
 
 
@@ -211,6 +270,10 @@ def format_lines(results: list[dict[str, Any]]) -> str:
     for r in results:
         where = f"{r['dtype']} {size_label(r['numel']):>4}"
         numel_bytes = r["numel"] * r["element_size"]
+        if r["dtype"] == INT8:  # the bf16 gradient's bytes: add_ into the bf16 buffer
+            lines += _timed_lines(where, r["accumulate_s"], "add_", 3, numel_bytes,
+                                  " accumulate", ("bf16_sr", "int8"), "int8/bf16_sr")  # fmt: skip
+            continue
         lines += _timed_lines(where, r["update_s"], "axpy", 3, numel_bytes, "", ("ours", "sr"))
         lines += _timed_lines(where, r["sumsq_s"], "vector_norm", 1, numel_bytes, " sumsq")
         if r.get("accumulate_s"):
@@ -223,7 +286,7 @@ def format_lines(results: list[dict[str, Any]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sizes_argument(parser, SIZES)
-    add_list_argument(parser, "--dtype", DTYPES)
+    add_list_argument(parser, "--dtype", [*DTYPES, INT8])
     add_counts(parser, reps=41)
     add_json_argument(parser)
 

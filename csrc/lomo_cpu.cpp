@@ -1,9 +1,11 @@
-// CPU kernels of the fused LOMO update, the gradient sum of squares and the gradient
-// accumulation, with their torch binding. Semantics: lomo_kernels/ops/lomo/reference.py (bit for bit).
+// CPU kernels of the fused LOMO update, the gradient sum of squares, the gradient
+// accumulation and the 8-bit blockwise buffer's ops, with their torch binding. Semantics:
+// lomo_kernels/ops/lomo/reference.py (bit for bit).
 //
-// The loops (lomo_cpu_loops.h) are built once per vector level (cpu_levels.h), and each call
-// runs the level cpu_isa::active() names: one build runs on any x86-64 and uses AVX2 or
-// AVX-512 where the CPU has them. Threads: at::parallel_for, at least 32K elements per thread.
+// The loops (lomo_cpu_loops.h, lomo_cpu_int8.h) are built once per vector level
+// (cpu_levels.h), and each call runs the level cpu_isa::active() names: one build runs on any
+// x86-64 and uses AVX2 or AVX-512 where the CPU has them. Threads: at::parallel_for, at least
+// 32K elements per thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -19,6 +21,7 @@
 #include <utility>
 
 #include "binding.h"
+#include "int8_blocks.h"
 #include "lomo_math.h"
 #include "op_bindings.h"
 
@@ -33,17 +36,24 @@ constexpr int64_t kGrain = 32768;
 
 using binding::OptTensor;
 
+// Runs span(begin, end) -> uint32_t over [0, n) on the threads; true when any span returned
+// non-zero (saw a non-finite gradient).
+template <class Span>
+bool any_span(int64_t n, Span&& span) {
+  std::atomic<uint32_t> bad{0};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    if (span(begin, end) != 0) bad.store(1, std::memory_order_relaxed);
+  });
+  return bad.load(std::memory_order_relaxed) != 0;
+}
+
 template <class P, class G, bool kStochastic>
 bool run_update(typename P::T* p, const typename G::T* g, int64_t n, const lomo::LomoScalars& s,
                 uint32_t key, cpu_isa::Level level) {
   const auto span_update = LOMO_AT_LEVEL(level, update_span<P, G, kStochastic>);
-  std::atomic<uint32_t> bad{0};
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    if (span_update(p, g, begin, end, s, key) != 0) {
-      bad.store(1, std::memory_order_relaxed);
-    }
+  return any_span(n, [&](int64_t begin, int64_t end) {
+    return span_update(p, g, begin, end, s, key);
   });
-  return bad.load(std::memory_order_relaxed) != 0;
 }
 
 // found_inf raised (and its version bumped) when a kernel saw a non-finite gradient.
@@ -54,23 +64,32 @@ void report_nonfinite(bool bad, const OptTensor& found_inf) {
   }
 }
 
-void lomo_update_(const op_bindings::LomoUpdate& a) {
-  binding::check_operands(a, c10::kCPU);
-  const cpu_isa::Level level = cpu_isa::active();
+// The update's scalars as the reference forms them: decay = fp32(1 - fp32(lr * wd)).
+lomo::LomoScalars update_scalars(const at::Tensor& lr, double weight_decay,
+                                 const op_bindings::GradArgs& grad_args) {
   lomo::LomoScalars s;
-  s.lr = binding::read_scalar(a.lr, c10::kCPU, "lr");
-  s.decay = lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(a.weight_decay)));
-  const lomo::GradScalars g = binding::read_grad_scalars(a.grad_args);
+  s.lr = binding::read_scalar(lr, c10::kCPU, "lr");
+  s.decay = lomo::sub_rn(1.0f, lomo::mul_rn(s.lr, static_cast<float>(weight_decay)));
+  const lomo::GradScalars g = binding::read_grad_scalars(grad_args);
   s.inv_scale = g.inv_scale;
   s.clip = g.clip;
   s.coef = g.coef;
+  return s;
+}
+
+// Whether a set skip_if (non-zero, nan too) asks the update to write nothing. Read once,
+// before anything is written: found_inf may alias it.
+bool skipped(const OptTensor& skip_if) {
+  return skip_if.has_value() && binding::read_scalar(*skip_if, c10::kCPU, "skip_if") != 0.0f;
+}
+
+void lomo_update_(const op_bindings::LomoUpdate& a) {
+  binding::check_operands(a, c10::kCPU);
+  const cpu_isa::Level level = cpu_isa::active();
+  const lomo::LomoScalars s = update_scalars(a.lr, a.weight_decay, a.grad_args);
   const bool stochastic = binding::rounds_stochastically(a.param, a.rounding);
   const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
-  // Read once before anything is written: found_inf may alias skip_if.
-  if (a.skip_if.has_value() &&
-      binding::read_scalar(*a.skip_if, c10::kCPU, "skip_if") != 0.0f) {
-    return;  // nan too
-  }
+  if (skipped(a.skip_if)) return;
 
   bool bad = false;
   binding::dispatch_write_back(
@@ -82,22 +101,19 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
   report_nonfinite(bad, a.found_inf);
 }
 
-// Runs span(begin, count, bad) -> double over [0, n) in fixed chunks of kGrain elements and
+// Runs span(begin, count, bad) -> double over [0, n) in fixed chunks of `chunk` units and
 // returns their results summed in chunk order, so the total does not depend on the thread
-// count; `bad` is set when any chunk set its flag. The chunks divide 2^32: none crosses a
-// 2^32 range of flat indices.
+// count; `bad` is set when any chunk set its flag.
 template <class Span>
-double sum_chunks(int64_t n, bool& bad, Span&& span) {
-  static_assert((int64_t{1} << 32) % kGrain == 0, "a chunk stays inside one 2^32 range");
-  static_assert(kGrain % 32 == 0, "accumulate_span's blocks of 32 start at multiples of 32");
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
+double sum_fixed_chunks(int64_t n, int64_t chunk, bool& bad, Span&& span) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
   c10::SmallVector<double, 64> partial(static_cast<size_t>(chunks), 0.0);
   std::atomic<uint32_t> any_bad{0};
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     uint32_t local_bad = 0;
     for (int64_t c = first; c < last; ++c) {
-      const int64_t begin = c * kGrain;
-      partial[c] = span(begin, std::min(kGrain, n - begin), local_bad);
+      const int64_t begin = c * chunk;
+      partial[c] = span(begin, std::min(chunk, n - begin), local_bad);
     }
     if (local_bad != 0) any_bad.store(1, std::memory_order_relaxed);
   });
@@ -105,6 +121,15 @@ double sum_chunks(int64_t n, bool& bad, Span&& span) {
   for (double v : partial) total += v;
   bad = any_bad.load(std::memory_order_relaxed) != 0;
   return total;
+}
+
+// sum_fixed_chunks of elements in chunks of kGrain. The chunks divide 2^32: none crosses a
+// 2^32 range of flat indices.
+template <class Span>
+double sum_chunks(int64_t n, bool& bad, Span&& span) {
+  static_assert((int64_t{1} << 32) % kGrain == 0, "a chunk stays inside one 2^32 range");
+  static_assert(kGrain % 32 == 0, "accumulate_span's blocks of 32 start at multiples of 32");
+  return sum_fixed_chunks(n, kGrain, bad, std::forward<Span>(span));
 }
 
 // sumsq += total, rounded once to fp32.
@@ -161,10 +186,113 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
   report_nonfinite(bad, a.found_inf);
 }
 
+// ----------------------------------------------------------------------------- 8-bit buffer
+// int8_blocks.h: int8 codes, one fp32 scale per block of the parameter's flat index.
+
+// A buffer of `numel` elements: int8 codes of that many, fp32 scales one per block it touches,
+// dense on the CPU, at an offset >= 0.
+void check_int8_buffer(const op_bindings::Int8Buffer& b, int64_t numel) {
+  TORCH_CHECK(b.offset >= 0, "lomo_kernels: offset must be >= 0, got ", b.offset);
+  binding::check_sized(b.codes, numel, c10::kCPU, "codes", "the data");
+  TORCH_CHECK(b.codes.scalar_type() == at::kChar, "lomo_kernels: codes must be int8, got ",
+              b.codes.scalar_type());
+  binding::check_fp32(b.scales, int8_blocks::blocks_of(b.offset, numel), c10::kCPU, "scales");
+}
+
+// Writes through raw pointers: the codes' and the scales' version counters.
+void bump_versions(const op_bindings::Int8Buffer& b) {
+  binding::bump_version(b.codes);
+  binding::bump_version(b.scales);
+}
+
+void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
+  binding::check_dense(a.grad, c10::kCPU, "grad");
+  check_int8_buffer(a.buffer, a.grad.numel());
+  if (a.sumsq.has_value()) binding::check_scalar(*a.sumsq, c10::kCPU, "sumsq");
+  const cpu_isa::Level level = cpu_isa::active();
+  const float inv = binding::read_factor(a.inv_scale, c10::kCPU, "inv_scale");
+  // The codes round stochastically whatever the gradient's dtype.
+  const bool stochastic = a.rounding.stochastic_rounding;
+  const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
+  const bool measure = a.sumsq.has_value() || a.found_inf.has_value();
+  const int64_t numel = a.grad.numel(), offset = a.buffer.offset;
+  const int64_t blocks = int8_blocks::blocks_of(offset, numel);
+  int8_t* codes = a.buffer.codes.data_ptr<int8_t>();
+  float* scales = a.buffer.scales.data_ptr<float>();
+  bool bad = false;
+  double total = 0.0;
+  binding::dispatch_dtype(a.grad, "grad", [&](auto g_tag, auto g) {
+    lomo::dispatch_bool(a.first, [&](auto first) {
+      lomo::dispatch_bool(stochastic, [&](auto rounding) {
+        lomo::dispatch_bool(measure, [&](auto measured) {
+          const auto span = LOMO_AT_LEVEL(
+              level, accumulate_int8_span<decltype(g_tag), decltype(first)::value,
+                                          decltype(rounding)::value, decltype(measured)::value>);
+          // Chunks of whole blocks of the parameter: the same chunks at any thread count.
+          total = sum_fixed_chunks(blocks, kGrain / int8_blocks::kBlock, bad,
+                                   [&](int64_t first_block, int64_t count, uint32_t& flag) {
+                                     return span(codes, scales, g, offset, numel, first_block,
+                                                 count, inv, key, flag);
+                                   });
+        });
+      });
+    });
+  });
+  bump_versions(a.buffer);
+  if (a.sumsq.has_value()) add_to_sumsq(*a.sumsq, total);
+  report_nonfinite(bad, a.found_inf);
+}
+
+void lomo_update_int8_(const op_bindings::LomoUpdateInt8& a) {
+  binding::check_dense(a.param, c10::kCPU, "param");
+  check_int8_buffer(a.buffer, a.param.numel());
+  const cpu_isa::Level level = cpu_isa::active();
+  const lomo::LomoScalars s = update_scalars(a.lr, a.weight_decay, a.grad_args);
+  const bool stochastic = binding::rounds_stochastically(a.param, a.rounding);
+  const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
+  if (skipped(a.skip_if)) return;
+
+  const int8_t* codes = a.buffer.codes.const_data_ptr<int8_t>();
+  const float* scales = a.buffer.scales.const_data_ptr<float>();
+  const int64_t offset = a.buffer.offset;
+  bool bad = false;
+  lomo::dispatch_dtype(binding::dtype_code(a.param, "param"), [&](auto p_tag) {
+    using P = decltype(p_tag);
+    auto* p = binding::mutable_elements<P>(a.param);
+    lomo::dispatch_rounding<P>(stochastic, [&](auto rounding) {
+      const auto span = LOMO_AT_LEVEL(level, update_int8_span<P, decltype(rounding)::value>);
+      bad = any_span(a.param.numel(), [&](int64_t begin, int64_t end) {
+        return span(p, codes, scales, offset, begin, end, s, key);
+      });
+    });
+  });
+  binding::bump_version(a.param);
+  report_nonfinite(bad, a.found_inf);
+}
+
+void int8_dequantize_(const op_bindings::Int8Dequantize& a) {
+  binding::check_dense(a.out, c10::kCPU, "out");
+  check_int8_buffer(a.buffer, a.out.numel());
+  const cpu_isa::Level level = cpu_isa::active();
+  const int8_t* codes = a.buffer.codes.const_data_ptr<int8_t>();
+  const float* scales = a.buffer.scales.const_data_ptr<float>();
+  const int64_t offset = a.buffer.offset;
+  lomo::dispatch_dtype(binding::dtype_code(a.out, "out"), [&](auto o_tag) {
+    using P = decltype(o_tag);
+    auto* out = binding::mutable_elements<P>(a.out);
+    const auto span = LOMO_AT_LEVEL(level, dequantize_int8_span<P>);
+    at::parallel_for(0, a.out.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      span(out, codes, scales, offset, begin, end);
+    });
+  });
+  binding::bump_version(a.out);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lomo_kernels CPU kernels";
-  op_bindings::def_lomo_ops(m, &lomo_update_, &grad_sumsq_, &grad_accumulate_);
+  op_bindings::def_lomo_ops(m, {&lomo_update_, &grad_sumsq_, &grad_accumulate_,
+                                &grad_accumulate_int8_, &lomo_update_int8_, &int8_dequantize_});
   cpu_isa::def_bindings(m);
 }

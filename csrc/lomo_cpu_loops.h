@@ -1,9 +1,10 @@
 // The CPU loops of the fused LOMO update, the gradient sum of squares and the gradient
-// accumulation, at one vector level. lomo_cpu.cpp includes this file once per level through
+// accumulation (into a dense buffer here, into an 8-bit one in lomo_cpu_int8.h, included at
+// the end), at one vector level. lomo_cpu.cpp includes this file once per level through
 // cpu_levels.h (each copy in its own namespace and GCC target, with LOMO_LOOPS_AVX2,
 // LOMO_LOOPS_AVX512 and LOMO_LOOPS_AVX512_BF16 set to 0 or 1), so no include guard; everything
-// it needs is included before (torch, <immintrin.h>, lomo_math.h). Every level gives
-// bit-identical results.
+// it needs is included before (torch, <immintrin.h>, lomo_math.h, int8_blocks.h). Every level
+// gives bit-identical results.
 //
 // The hot loops are plain loops over raw pointers with selects instead of branches, so the
 // compiler vectorises them for the level (built with -O3 -fno-trapping-math
@@ -572,6 +573,19 @@ double sumsq_span(const typename G::T* __restrict grad, int64_t n, float inv_sca
   return lanes_total(lanes, bad);
 }
 
+// lomo::pair_bits16 of the 32 elements from the flat index (hi << 32 | first), first a multiple
+// of 32: one hash per pair of elements l and l + 16, its halves in the order pair_bits16 gives
+// them.
+LOMO_INLINE void pair_bits32(uint32_t first, uint32_t hi, uint32_t key, uint32_t* random) {
+  const bool swap = (key & 16u) != 0;
+  const uint32_t input = lomo::pair_input(first ^ key, hi);
+  for (uint32_t l = 0; l < 16; ++l) {
+    const uint32_t h = lomo::mix32(input ^ l);
+    random[l] = swap ? h >> 16 : h & 0xFFFFu;
+    random[l + 16] = swap ? h & 0xFFFFu : h >> 16;
+  }
+}
+
 // One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is a
 // multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's
 // chunks start at multiples of kGrain, which divides 2^32). Stores round(buffer + grad)
@@ -612,15 +626,9 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   // Stochastic: blocks of 32 (lo + i is a multiple of 32 here), one hash per pair of elements
   // l and l + 16, its halves in the order pair_bits16 gives them.
   if constexpr (kStochastic) {
-    const bool swap = (key & 16u) != 0;
     for (; i + 32 <= n; i += 32) {
       uint32_t random[32];
-      const uint32_t input = lomo::pair_input((lo + static_cast<uint32_t>(i)) ^ key, hi);
-      for (uint32_t l = 0; l < 16; ++l) {
-        const uint32_t h = lomo::mix32(input ^ l);
-        random[l] = swap ? h >> 16 : h & 0xFFFFu;
-        random[l + 16] = swap ? h & 0xFFFFu : h >> 16;
-      }
+      pair_bits32(lo + static_cast<uint32_t>(i), hi, key, random);
       for (int k = 0; k < 32; k += kSumLanes) {
         for (int l = 0; l < kSumLanes; ++l) {
           const double square = one(i + k + l, random[k + l]);
@@ -645,3 +653,5 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   }
   return kMeasure ? lanes_total(lanes, bad) : 0.0;
 }
+
+#include "lomo_cpu_int8.h"

@@ -92,6 +92,29 @@ def test_cpu_levels_one_line_per_level_dtype_and_size(tmp_path, capsys, restore_
     assert float(cell) == pytest.approx(first[f"ours[{levels[0]}]"] / first["axpy"], abs=6e-4)
 
 
+def test_cpu_levels_int8_rows(tmp_path, capsys, restore_threads):
+    # The 8-bit buffer's pass against the bf16 buffer's, unmeasured and measured, per level:
+    # the cells line and the int8/bf16_sr line, each ratio what the JSON's medians give.
+    levels = cpp._loader.module("cpu")._cpu_isas()
+    argv = ["cpu_levels", "--sizes", "4K", "--dtype", "int8", "--reps", "2"]
+    lines, result = run_cli(argv, tmp_path, capsys)
+    [r] = result["results"]
+    assert (r["dtype"], r["numel"]) == ("int8", 4096)
+    keys = [
+        f"{name}{suffix}[{level}]"
+        for name in ("int8", "bf16_sr")
+        for suffix in ("", "+sumsq")
+        for level in levels
+    ]
+    assert list(r["accumulate_s"]) == [*keys, "add_"] and all_positive(r["accumulate_s"])
+    tagged = [line.split(":")[0] for line in lines if line.startswith("int8")]
+    assert tagged == ["int8   4K accumulate", "int8   4K accumulate int8/bf16_sr"]
+    med = r["accumulate_s"]
+    ratio = re.search(rf"\+sumsq\[{levels[-1]}\] ([\d.]+)", lines[-1]).group(1)
+    expected = med[f"int8+sumsq[{levels[-1]}]"] / med[f"bf16_sr+sumsq[{levels[-1]}]"]
+    assert float(ratio) == pytest.approx(expected, abs=6e-4)
+
+
 def test_update_every_case_dtype_and_variant_and_its_targets(tmp_path, capsys, restore_threads):
     argv = ["update", "--numel", "4K", "--reps", "2", "--mix-reps", "1"]
     lines, result = run_cli(argv + ["--mix-layers", "1", "--threads", "1"], tmp_path, capsys)

@@ -23,6 +23,19 @@ from support.fp16_edges import (
     fp16_any_value_case,
 )
 from support.grad_accumulate import accumulate_both, assert_same_stored, roundings
+from support.int8_compare import OFFSETS as INT8_OFFSETS
+from support.int8_compare import SIZES as INT8_SIZES
+from support.int8_compare import (
+    SUMSQ_INV,
+    Int8Grad,
+    accumulate_int8_both,
+    assert_same_buffer,
+    assert_same_values,
+    dequantize_both,
+    make_int8_buffer,
+    make_int8_grad,
+    update_int8_both,
+)
 from support.lomo_bitwise import (
     COMBOS,
     DTYPES,
@@ -42,6 +55,7 @@ from support.lomo_bitwise import (
     run_update,
 )
 
+from lomo_kernels.core.int8_blocks import INT8_BLOCK, blocks_of
 from lomo_kernels.ops.lomo import cpp_backend as cpp_backend
 from lomo_kernels.ops.lomo import reference as reference
 
@@ -709,3 +723,196 @@ int main() {
 
 def test_fp16_stochastic_rounding_exhaustive(tmp_path: Path) -> None:
     assert _sweep_mismatches(tmp_path, _SWEEP_SR, "-ffp-contract=off") == ["0", "0"]
+
+
+# ---------------------------------------------------------------------------------------
+# The 8-bit blockwise buffer (core/int8_blocks.py; support/int8_compare.py)
+# ---------------------------------------------------------------------------------------
+
+
+def _int8_cases(size: int) -> list[tuple[int, bool, bool]]:
+    """(offset, first, stochastic) of a size: every combination up to two blocks; above, each
+    offset adding stochastically and a first pass to nearest; at the largest size (~0.5 s a
+    reference call) two of those."""
+    if size <= 2 * INT8_BLOCK:
+        return [(o, f, s) for o in INT8_OFFSETS for f in (False, True) for s in (False, True)]
+    if size < 100_000:
+        return [(o, f, not f) for o in INT8_OFFSETS for f in (False, True)]
+    return [(300, False, True), (2**32 + 5, True, False)]
+
+
+@pytest.mark.parametrize("size", INT8_SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_accumulate_int8_matches_reference_bitwise(gdt: str, size: int) -> None:
+    # Codes and scales bit for bit (blocks from fp32's subnormals to 2^120, ties, the scale
+    # rule's boundary, zero and nan blocks in the buffer added to), the flag equal, the sum of
+    # squares within the summation bound of the reference's float64 dot.
+    inv = torch.tensor([SUMSQ_INV[DTYPES[gdt]]])
+    step = torch.tensor([2**32 + 3], dtype=torch.int64)
+    for k, (offset, first, sr) in enumerate(_int8_cases(size)):
+        codes, scales = make_int8_buffer(size, offset, seed=size, dtype=DTYPES[gdt])
+        grad = make_int8_grad(size, DTYPES[gdt], offset, seed=size + k)
+        c, s, (s_got, s_want), (f_got, f_want) = accumulate_int8_both(
+            cpp_backend, codes, scales, grad, offset, first=first, inv_scale=inv, sr=sr,
+            seed=size + k, seed_step=step,
+        )  # fmt: skip
+        assert_same_buffer(c, s)
+        assert torch.equal(f_got, f_want)
+        if f_want.item() == 0.0:
+            bound = sumsq_rel_bound("cpp", size)
+            assert math.isclose(s_got.item(), s_want.item(), rel_tol=2 * bound)
+        else:
+            assert not s_got.isfinite().item() and not s_want.isfinite().item()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("special", ["inf", "-inf", "nan", "overflow"])
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_accumulate_int8_non_finite_matches_reference(
+    gdt: str, special: str, where: str
+) -> None:
+    # An inf/nan gradient: its block stores codes 0 and a nan scale, the others as usual, the
+    # flag set and the sum non-finite. "overflow": the dtype's largest value, whose stored
+    # value times the inverse scale (2^113) passes fp32: flagged, its block kept finite.
+    n, offset = 4097, 300
+    codes = torch.empty(n, dtype=torch.int8)
+    scales = torch.empty(blocks_of(offset, n))
+    clean = make_grad(n, torch.float32, seed=5, scale=1.0, specials=False)
+    reference.grad_accumulate_int8_(codes, scales, clean, offset, True, None, None, None,
+                                    False, 0, None)  # fmt: skip
+    grad = make_grad(n, DTYPES[gdt], seed=6, scale=1.0, specials=False)
+    index = {"first": 0, "middle": 2 * INT8_BLOCK + 17, "last": n - 1}[where]
+    value = {"inf": INF, "-inf": -INF, "nan": NAN}.get(special, torch.finfo(DTYPES[gdt]).max)
+    grad[index] = value
+    inv = torch.tensor([2.0**113])
+    for first in (False, True):
+        c, s, (s_got, _), (f_got, f_want) = accumulate_int8_both(
+            cpp_backend, codes, scales, grad, offset, first=first, inv_scale=inv, sr=True, seed=3
+        )
+        assert_same_buffer(c, s)
+        assert f_got.item() == f_want.item() == 1.0
+        assert not s_got.isfinite().item()
+        block = (offset % INT8_BLOCK + index) // INT8_BLOCK
+        assert s[0].isnan().sum().item() == (special != "overflow")
+        assert s[0][block].isnan().item() == (special != "overflow")
+
+
+@pytest.mark.parametrize("size", INT8_SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_lomo_update_int8_matches_reference_bitwise(pdt: str, size: int) -> None:
+    # The update's option sets over the offsets, bf16 and fp16 also stochastically (the
+    # whole parameter's bits at offset + j); the buffer's nan block keeps its elements and
+    # sets found_inf.
+    offsets = INT8_OFFSETS if size < 100_000 else [300, 2**32 + 5]
+    for k, offset in enumerate(offsets):
+        kind = ("plain", "full", "tensors")[k % 3]
+        codes, scales = make_int8_buffer(size, offset, seed=size)
+        param = make_param(size, DTYPES[pdt], seed=size + k, specials=True)
+        for sr in roundings(pdt):
+            (got, want), (f_got, f_want) = update_int8_both(
+                cpp_backend, param, codes, scales, offset, option_set(kind), sr=sr,
+                seed=size + k, seed_step=torch.tensor([k], dtype=torch.int64),
+            )  # fmt: skip
+            assert_same_bits(got, want)
+            assert torch.equal(f_got, f_want)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_lomo_update_int8_option_subsets_and_skip(pdt: str) -> None:
+    # Each option on or neutral (the dense update's 16 vector loops), and a set skip_if: then
+    # nothing is written and nothing flagged.
+    n, offset = 4099, 2**32 + 5
+    codes, scales = make_int8_buffer(n, offset, seed=1)
+    param = make_param(n, DTYPES[pdt], seed=1, specials=True)
+    for bits in OPTION_SUBSETS:
+        for sr in roundings(pdt):
+            (got, want), (f_got, f_want) = update_int8_both(
+                cpp_backend, param, codes, scales, offset, option_subset(bits), sr=sr, seed=bits
+            )
+            assert_same_bits(got, want)
+            assert f_got.item() == f_want.item() == 1.0  # the nan block
+    for flag in (1.0, NAN):
+        (got, _), (found, _) = update_int8_both(
+            cpp_backend, param, codes, scales, offset, option_set("full"), skip=flag
+        )
+        assert torch.equal(int_bits(got), int_bits(param)) and found.item() == 0.0
+
+
+@pytest.mark.parametrize("odt", list(DTYPES))
+def test_int8_dequantize_matches_reference(odt: str) -> None:
+    for size in INT8_SIZES:
+        for offset in INT8_OFFSETS[:: 1 if size < 100_000 else 3]:
+            codes, scales = make_int8_buffer(size, offset, seed=size)
+            got, want = dequantize_both(cpp_backend, DTYPES[odt], codes, scales, offset)
+            assert_same_values(got, want)
+
+
+def test_int8_ops_independent_of_thread_count() -> None:
+    # The accumulation's chunks are whole blocks at fixed places: codes, scales and the sum
+    # of squares (finite: the buffer's nan block made a zero one) bit for bit at 1 and 2
+    # threads, and the update from the result.
+    n, offset = 2**20 + 3, 300
+    codes, scales = make_int8_buffer(n, offset, seed=9)
+    scales[-1] = 0.0
+    grad = make_int8_grad(n, torch.bfloat16, offset, seed=9)
+    param = make_param(n, torch.bfloat16, seed=9, specials=False)
+    inv = torch.tensor([SUMSQ_INV[torch.bfloat16]])
+
+    def run() -> tuple[torch.Tensor, ...]:
+        c, s, sumsq = codes.clone(), scales.clone(), torch.tensor([0.5])
+        cpp_backend.grad_accumulate_int8_(c, s, grad, offset, False, inv, sumsq, None, True, 3,
+                                          None)  # fmt: skip
+        p = param.clone()
+        run_update(Int8Grad(cpp_backend, c, s, offset), p, None, option_set("full"), sr=True)
+        return c, s.view(torch.int32), sumsq, int_bits(p)
+
+    first, second = _at_one_and_two_threads(run)
+    assert first[2].isfinite().item()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_int8_ops_bump_versions_and_empty() -> None:
+    n, offset = 4097, 1
+    codes, scales = make_int8_buffer(n, offset, seed=2)
+    grad = make_int8_grad(n, torch.float32, offset, seed=2)
+    sumsq, found = torch.zeros(1), torch.zeros(1)
+    before = (codes._version, scales._version, sumsq._version, found._version)
+    cpp_backend.grad_accumulate_int8_(codes, scales, grad, offset, False, None, sumsq, found,
+                                      False, 0, None)  # fmt: skip
+    after = (codes._version, scales._version, sumsq._version, found._version)
+    assert all(b < a for b, a in zip(before, after, strict=True))  # the nan block raised found
+    param, out = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)
+    before = (param._version, out._version)
+    cpp_backend.lomo_update_int8_(param, codes, scales, offset, torch.tensor([0.1]), None, None,
+                                  None, 0.0, None, None, False, 0, None)  # fmt: skip
+    cpp_backend.int8_dequantize_(out, codes, scales, offset)
+    assert param._version > before[0] and out._version > before[1]
+    # Empty: no scales, nothing added or flagged.
+    none8, no_scales = torch.empty(0, dtype=torch.int8), torch.empty(0)
+    sumsq, found = torch.tensor([2.0]), torch.zeros(1)
+    cpp_backend.grad_accumulate_int8_(none8, no_scales, torch.empty(0), 5, False, None, sumsq,
+                                      found, True, 1, None)  # fmt: skip
+    cpp_backend.lomo_update_int8_(torch.empty(0, dtype=torch.bfloat16), none8, no_scales, 5,
+                                  torch.tensor([0.1]), None, None, None, 0.0, found, None, True,
+                                  1, None)  # fmt: skip
+    cpp_backend.int8_dequantize_(torch.empty(0), none8, no_scales, 5)
+    assert sumsq.item() == 2.0 and found.item() == 0.0
+
+
+def test_int8_binding_refuses_bad_buffers() -> None:
+    # The binding's own checks (the public functions check first): codes' dtype and size, the
+    # scales' count for the offset, a negative offset.
+    grad, out = torch.zeros(300), torch.zeros(300)
+    codes, scales = torch.zeros(300, dtype=torch.int8), torch.zeros(2)
+    cases = {
+        "codes must be int8": (codes.to(torch.int16), scales, 0),
+        "codes must have 300": (codes[:299], scales, 0),
+        "scales must be fp32 with 3": (codes, scales, 250),
+        "offset must be >= 0": (codes, scales, -1),
+    }
+    for message, (c, s, offset) in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            cpp_backend.grad_accumulate_int8_(c, s, grad, offset, True, None, None, None, False,
+                                              0, None)  # fmt: skip
+        with pytest.raises(RuntimeError, match=message):
+            cpp_backend.int8_dequantize_(out, c, s, offset)

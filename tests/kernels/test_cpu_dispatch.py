@@ -11,6 +11,7 @@ the first vectors, one in the middle and the last element.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -35,6 +36,16 @@ from support.fp16_edges import (
     fp16_any_value_case,
 )
 from support.grad_accumulate import accumulate_both, assert_same_stored, roundings
+from support.int8_compare import (
+    SUMSQ_INV,
+    Int8Grad,
+    assert_same_buffer,
+    assert_same_values,
+    dequantize_both,
+    make_int8_buffer,
+    make_int8_grad,
+    same_sum,
+)
 from support.lomo_bitwise import (
     COMBOS,
     DTYPES,
@@ -50,11 +61,14 @@ from support.lomo_bitwise import (
     run_update,
 )
 
+from lomo_kernels.core.int8_blocks import INT8_BLOCK
 from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
 from lomo_kernels.ops.adalomo import cpp_backend as cpp_adalomo
 from lomo_kernels.ops.adalomo import reference as adalomo_reference
 from lomo_kernels.ops.adalomo.workspace import NUM_SLOTS, SKIP
 from lomo_kernels.ops.lomo import cpp_backend as cpp_backend
+from lomo_kernels.ops.lomo import reference as reference
+from lomo_kernels.ops.lomo.reference import int8_dequantized
 from lomo_kernels.tools import env as machine
 
 SIZES = [1, 15, 16, 17, 31, 33, 4099, 65_557]
@@ -332,6 +346,125 @@ def test_grad_accumulate_every_level_flags_non_finite(
         flagged = not torch.isfinite(got[index].float() * 2.0).item()
         assert f_got.item() == f_want.item() == float(flagged)
         assert s_got.isfinite().item() != flagged
+
+
+# ----------------------------------------------------------------------------- 8-bit buffer
+
+# Sizes from one element to past one chunk of whole blocks (128 blocks, 32768 elements), and
+# offsets mid-block, on a block's last element and past 2^32.
+INT8_SIZES = [1, 33, 257, 4099, 65_557]
+INT8_OFFSETS = [0, 255, 2**32 + 5]
+INT8_CHUNK = SUMSQ_GRAIN // INT8_BLOCK  # csrc/lomo_cpu.cpp: the accumulation's chunk, in blocks
+INT8_LANES = 32  # csrc/lomo_cpu_int8.h's kInt8Lanes
+
+
+def _int8_lane_order_total(
+    codes: torch.Tensor, scales: torch.Tensor, offset: int, inv_scale: float
+) -> float:
+    """grad_accumulate_int8_'s documented order in float64: the stored values times inv_scale
+    (fp32), per chunk of INT8_CHUNK blocks from the buffer's first, element j into lane
+    (offset + j) % 32 in sequence, the lanes added in order, the chunks in order from 0 (the
+    kernel then adds the total to sumsq, rounded once to fp32). Independent of the kernels:
+    every level must give its bits."""
+    inv = torch.tensor(inv_scale, dtype=torch.float32)
+    scaled = (int8_dequantized(codes, scales, offset) * inv).double().tolist()
+    lead, total = offset % INT8_BLOCK, 0.0
+    for block in range(0, scales.numel(), INT8_CHUNK):
+        begin = max(0, block * INT8_BLOCK - lead)
+        end = min(len(scaled), (block + INT8_CHUNK) * INT8_BLOCK - lead)
+        lanes = [0.0] * INT8_LANES
+        for j in range(begin, end):
+            lanes[(offset + j) % INT8_LANES] += scaled[j] * scaled[j]
+        partial = 0.0
+        for lane in lanes:
+            partial += lane
+        total += partial
+    return total
+
+
+@functools.cache
+def _int8_accumulated(gdt: str, size: int, offset: int, first: bool, sr: bool):
+    """The reference's grad_accumulate_int8_ of a case, once for every level: its inputs
+    (codes, scales, grad, inv_scale), (codes, scales, found_inf) and the lane-order total of
+    the sum of squares."""
+    codes, scales = make_int8_buffer(size, offset, seed=size, dtype=DTYPES[gdt])
+    grad = make_int8_grad(size, DTYPES[gdt], offset, seed=size + 1)
+    inv = torch.tensor([SUMSQ_INV[DTYPES[gdt]]])
+    want = codes.clone(), scales.clone(), torch.zeros(1)
+    reference.grad_accumulate_int8_(
+        want[0], want[1], grad, offset, first, inv, None, want[2], sr, size, None
+    )
+    return (codes, scales, grad, inv), want, _int8_lane_order_total(*want[:2], offset, inv.item())
+
+
+@pytest.mark.parametrize("size", INT8_SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("gdt", list(DTYPES))
+def test_grad_accumulate_int8_every_level_matches_reference(
+    level: str, gdt: str, size: int
+) -> None:
+    # Codes, scales and flag as the reference's; the sum of squares in the documented lane order
+    # bit for bit (started at minus the sum too: the fp32 result then shows the double sum's
+    # low bits), so every level adds the same sums.
+    for offset in INT8_OFFSETS:
+        for first, sr in ((False, False), (False, True), (True, False), (True, True)):
+            (codes, scales, grad, inv), want, total = _int8_accumulated(
+                gdt, size, offset, first, sr
+            )
+            for start in (1.25, -torch.tensor(total).float().item()):
+                c, s, sumsq, found = (
+                    codes.clone(),
+                    scales.clone(),
+                    torch.tensor([start]),
+                    torch.zeros(1),
+                )
+                cpp_backend.grad_accumulate_int8_(
+                    c, s, grad, offset, first, inv, sumsq, found, sr, size, None
+                )
+                assert_same_buffer((c, want[0]), (s, want[1]))
+                assert torch.equal(found, want[2])
+                expected = torch.tensor(start + total, dtype=torch.float64).float()
+                assert same_sum(sumsq, expected.reshape(1))
+
+
+@functools.cache
+def _int8_updated(pdt: str, offset: int, bits: int, sr: bool):
+    """The reference's lomo_update_int8_ of a case (option subset `bits`), once for every
+    level: its inputs and (param, found_inf)."""
+    n = 4133
+    codes, scales = make_int8_buffer(n, offset, seed=bits)
+    param = make_param(n, DTYPES[pdt], seed=bits, specials=True)
+    want, found = param.clone(), torch.zeros(1)
+    run_update(
+        Int8Grad(reference, codes, scales, offset), want, None, option_subset(bits),
+        found=found, sr=sr, seed=bits,
+    )  # fmt: skip
+    return (param, codes, scales), (want, found)
+
+
+@pytest.mark.parametrize("pdt", list(DTYPES))
+def test_lomo_update_int8_every_level_matches_reference(level: str, pdt: str) -> None:
+    # Each option on or neutral, bf16 and fp16 also stochastically; the buffer's nan block keeps
+    # its elements and raises found_inf.
+    for offset in (1, 2**32 + 5):
+        for bits in range(16):
+            for sr in roundings(pdt):
+                (param, codes, scales), (want, f_want) = _int8_updated(pdt, offset, bits, sr)
+                got, found = param.clone(), torch.zeros(1)
+                run_update(
+                    Int8Grad(cpp_backend, codes, scales, offset), got, None, option_subset(bits),
+                    found=found, sr=sr, seed=bits,
+                )  # fmt: skip
+                assert_same_bits(got, want)
+                assert torch.equal(found, f_want)
+
+
+@pytest.mark.parametrize("odt", list(DTYPES))
+def test_int8_dequantize_every_level_matches_reference(level: str, odt: str) -> None:
+    for size in INT8_SIZES:
+        for offset in INT8_OFFSETS:
+            codes, scales = make_int8_buffer(size, offset, seed=size)
+            got, want = dequantize_both(cpp_backend, DTYPES[odt], codes, scales, offset)
+            assert_same_values(got, want)
 
 
 ADALOMO_SHAPES = [(4097,), (17, 33), (64, 1029), (2, 3, 7), (1, 70_001)]

@@ -25,3 +25,11 @@ grad_sumsq_ = _loader.function("grad_sumsq_")
 # buffer = round(buffer + grad) (first: round(grad)), the stored values' scaled sum of squares
 # and inf/nan flag (in place).
 grad_accumulate_ = _loader.function("grad_accumulate_")
+# The 8-bit blockwise buffer (core/int8_blocks.py), each at flat `offset` of its parameter:
+# codes, scales = the buffer of (codes * scales + grad) (first: of grad), the stored values'
+# scaled sum of squares and inf/nan flag (in place).
+grad_accumulate_int8_ = _loader.function("grad_accumulate_int8_")
+# One fused LOMO step whose gradient is codes * scales (in place).
+lomo_update_int8_ = _loader.function("lomo_update_int8_")
+# out = codes * scales in out's dtype (in place).
+int8_dequantize_ = _loader.function("int8_dequantize_")
