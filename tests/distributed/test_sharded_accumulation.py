@@ -43,12 +43,13 @@ def test_sharded_accumulation_equals_one_process(accumulation_run, checks, engin
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_sharded_8_bit_buffer_follows_one_process(accumulation_run, checks, engine):
-    # Each rank's 8-bit buffer holds its slice's blocks (cut at the slice's edges: the small
-    # tensors here split mid-block). The sharded gradients differ from one process's in
-    # their last bits (an average over two half batches), which moves a code by one step
-    # where a value sits at a rounding boundary: rare, so at least 99% of each tensor's
-    # elements are within the fp32 update tolerance, and every element within one code step
-    # per micro-batch and run of its block, times lr, over the steps.
+    # Each rank's 8-bit buffer holds its slice's blocks, cut at the slice's edges (the small
+    # tensors here split mid-block: two scales where one process has one), and the sharded
+    # gradients differ from one process's in their last bits (an average over two half
+    # batches), which moves a code by one step where a value sits at a rounding boundary.
+    # Each such difference is at most one code step of its block per micro-batch and run
+    # (a step at most doubles from one micro-batch to the next: 2 steps of the last), lr
+    # times that, over the steps: the bound per tensor, from one process's last scales.
     saved = torch.load(accumulation_run / f"{engine}_lomo_int8.pt")
     model, opt = one_process(
         "lomo", saved["initial"], steps=STEPS, train_fn=train_accumulating,
@@ -56,16 +57,23 @@ def test_sharded_8_bit_buffer_follows_one_process(accumulation_run, checks, engi
     )  # fmt: skip
     # The buffers stay allocated after the step: their last scales.
     scales = {id(p): b.scales.max().item() for p, b, _ in opt._accumulation._buffers.values()}
+    k = ACCUMULATING["accumulation_steps"]
+    worst = spread = 0.0
     for name, param in model.named_parameters():
         expected, got = param.detach().double(), saved["final"][name].double()
         largest_update = (expected - saved["initial"][name].double()).abs().max().item()
-        close = (got - expected).abs() <= torch.clamp(
-            4 * torch.finfo(torch.float32).eps * expected.abs(), min=1e-4 * largest_update
-        )
-        assert close.double().mean().item() >= 0.99, name
-        # A step can double between micro-batches: 2 steps per flip, 2 runs, k micro-batches.
-        bound = LR["lomo"] * STEPS * ACCUMULATING["accumulation_steps"] * 2 * 2 * scales[id(param)]
-        assert (got - expected).abs().max().item() <= bound + 1e-4 * largest_update, name
+        step = LR["lomo"] * 2 * scales[id(param)]  # lr x a block's largest step
+        bound = step * STEPS * k * 2 + 1e-4 * largest_update
+        worst = max(worst, (got - expected).abs().max().item() / bound)
+        if param.numel() >= 1024:
+            # The roundings are unbiased and independent: per element a variance of at most
+            # step**2 / 4 per rounding, 2 runs x STEPS x k roundings; the root mean square
+            # over the tensor within 3 times that standard deviation. (A micro-batch lost
+            # or counted twice moves it by lr times the gradient's spread: far more.)
+            rms = (got - expected).pow(2).mean().sqrt().item()
+            spread = max(spread, rms / (3 * step / 2 * (2 * STEPS * k) ** 0.5))
+    assert worst <= 1.0, f"an element off by {worst:.2f} of its bound"
+    assert spread <= 1.0, f"a tensor's differences spread {spread:.2f} of their bound"
     norms = [rank[f"{engine}_lomo_int8"]["norm"] for rank in checks]
     assert norms[0] == norms[1]
 
