@@ -3,9 +3,10 @@
 // update_block and the sum of squares' lanes; at the vector levels after lomo_cpu_avx2.h and
 // lomo_cpu_accumulate.h), so no include guard. Every level gives bit-identical results.
 //
-// Accumulation takes one block at a time: its new values into an fp32 tile (it stays in L1),
-// their largest magnitude, the block's scale, the codes and the stored values' squares, so the
-// gradient and the codes are read once and the codes written once. A block starts at a flat
+// Accumulation takes one block at a time: its new values (in registers at AVX-512, else in an
+// fp32 tile that stays in L1), their largest magnitude, the block's scale, the codes and the
+// stored values' squares, so the gradient and the codes are read once and the codes written
+// once. A block starts at a flat
 // index that is a multiple of 256: it never crosses a multiple of 2^32, and its stochastic bits
 // are eight of the accumulation stream's blocks of 32 (lomo::pair_bits16), drawn as
 // grad_accumulate_'s loops draw them.
@@ -267,7 +268,8 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
 // ---------------------------------------------------------------------------------------
 // The level's forms
 
-// A partial block (every block at the portable level, every one at AVX2) into the tile.
+// A block's new values into the tile: whole blocks by the AVX2 loop at the AVX2 level, the
+// others by the portable loop (the AVX-512 level keeps whole blocks in registers instead).
 template <class G, bool kFirst>
 LOMO_INLINE uint32_t fill_block(float* tile, const int8_t* codes, float scale,
                                 const typename G::T* g, int64_t head, int64_t count) {
@@ -309,7 +311,8 @@ template <class G, bool kFirst, bool kStochastic, bool kMeasure>
 LOMO_INLINE void accumulate_block(const int8_blocks::BlockSpan& span, int8_t* c,
                                   const typename G::T* g, float& scale_slot, uint32_t key,
                                   float inv, double* lanes) {
-  const uint32_t lo = static_cast<uint32_t>(span.flat), hi = static_cast<uint32_t>(span.flat >> 32);
+  const uint32_t lo = static_cast<uint32_t>(span.flat);
+  const uint32_t hi = static_cast<uint32_t>(span.flat >> 32);
   const float old_scale = kFirst ? 0.0f : scale_slot;
 #if LOMO_LOOPS_AVX512
   if (span.whole()) {
