@@ -53,6 +53,33 @@ def _grad_accumulate_args(first: bool) -> tuple:
     return (buffer, grad, first, _scalar(0.5), torch.zeros(1), torch.zeros(1), True, 7, seed_step)
 
 
+def _int8_buffer(offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit buffer of n elements at `offset` (codes, scales): random codes, one scale."""
+    from lomo_kernels.core.int8_blocks import blocks_of
+
+    codes = torch.randint(-127, 128, (n,), dtype=torch.int8)
+    scales = torch.full((blocks_of(offset, n),), 2.0**-7)
+    return codes, scales
+
+
+def _int8_cases() -> list[tuple]:
+    """The 8-bit buffer's ops on a slice at offset 300 (partial first and last blocks)."""
+    offset, n = 300, 4103
+    grad = torch.randn(n, dtype=torch.float16)
+    seed_step = torch.tensor([99], dtype=torch.int64)
+    accumulate = (*_int8_buffer(offset, n), grad, offset, False, _scalar(0.5), torch.zeros(1),
+                  torch.zeros(1), True, 7, seed_step)  # fmt: skip
+    param = torch.randn(n, dtype=torch.bfloat16)
+    update = (param, *_int8_buffer(offset, n), offset, _scalar(0.05), *_grad_args(), 0.01,
+              torch.zeros(1), None, True, 7, seed_step)  # fmt: skip
+    dequantize = (torch.empty(n, dtype=torch.bfloat16), *_int8_buffer(offset, n), offset)
+    return [
+        (OPS.grad_accumulate_int8_, accumulate),
+        (OPS.lomo_update_int8_, update),
+        (OPS.int8_dequantize_, dequantize),
+    ]
+
+
 def _lomo_cases() -> list[tuple]:
     sumsq = (torch.randn(100, dtype=torch.bfloat16), _scalar(0.5), torch.zeros(1), torch.zeros(1))
     return [
@@ -61,6 +88,7 @@ def _lomo_cases() -> list[tuple]:
         (OPS.grad_sumsq_, sumsq),
         (OPS.grad_accumulate_, _grad_accumulate_args(first=False)),
         (OPS.grad_accumulate_, _grad_accumulate_args(first=True)),
+        *_int8_cases(),
     ]
 
 
