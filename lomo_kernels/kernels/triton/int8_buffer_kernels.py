@@ -13,7 +13,7 @@ end, masks by n (every other one lies before it).
 The update and the dequantisation are element-wise: their tiles follow the parameter's own
 alignment (the bulk/tail split of `lomo_kernels.py`, whatever the lead), a row of 256
 elements spanning at most two blocks, whose two scales the row reads once; each element picks
-its own. The update's math is `lomo_kernels.update_elements` with the gradient code * scale.
+its own. The update's math is `update_elements` (lomo_kernels.py) with the gradient code * scale.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def lomo_update_int8_kernel(
     STOCHASTIC_ROUNDING: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """`lomo_kernels.lomo_update_kernel` with the gradient code * scale read from an 8-bit
+    """`lomo_update_kernel` (lomo_kernels.py) with the gradient code * scale read from an 8-bit
     blockwise buffer holding the slice at flat `offset` of its parameter (lead = offset %
     INT8_BLOCK); programs of ROWS * INT8_BLOCK elements, the tail in the last."""
     run = tl.load(skip_if_ptr) == 0 if skip_if_ptr is not None else True
