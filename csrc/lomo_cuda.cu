@@ -14,6 +14,7 @@
 
 #include "cuda_common.cuh"
 #include "dtype_dispatch.h"
+#include "int8_blocks.h"
 #include "lomo_cuda.h"
 #include "lomo_math.h"
 
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(kThreads)
 // elements of the parameter's flat index; a buffer's element j lies in its block
 // (lead + j) / kInt8Block with lead = offset % kInt8Block (offset >= 0).
 
-constexpr int kInt8Block = LOMO_INT8_BLOCK;
+constexpr int kInt8Block = static_cast<int>(int8_blocks::kBlock);
 // A block is quantised by a group of kInt8Group threads of one warp, kInt8PerThread
 // consecutive elements each: one 128-bit vector of codes per thread.
 constexpr int kInt8PerThread = 16;
@@ -264,11 +265,7 @@ constexpr int kInt8Group = kInt8Block / kInt8PerThread;
 constexpr int kInt8GroupsPerCta = kThreads / kInt8Group;
 // Resident CTAs per multiprocessor the accumulation is compiled for (at most 64 registers).
 constexpr int kInt8CtasPerSm = 4;
-constexpr uint32_t kInt8MantissaLimit = 0x7E0000u;  // the largest m's field with m * 64 <= 127
-constexpr int kInt8MinExponent = -126;
-constexpr int kInt8MaxCode = 127;
-constexpr uint32_t kMagnitudeBits = 0x7FFFFFFFu;
-constexpr uint32_t kQuietNanBits = 0x7FC00000u;  // float("nan"): a non-finite block's scale
+constexpr int kInt8MaxCode = static_cast<int>(int8_blocks::kMaxCode);
 
 // The storage tag of the codes (one byte each), for VecWidth.
 struct Int8Code {
@@ -303,23 +300,6 @@ struct Int8Values {
     return __fmul_rn(static_cast<float>(__ldg(codes + i)), scale);
   }
 };
-
-// A block's scale 2**e and its inverse 2**-e from the bits of its largest magnitude (finite,
-// >= 0): the smallest e >= -126 with absmax <= 127 * 2**e, from the exponent and mantissa
-// fields alone (no division); 0 and 0 for an all-zero block.
-struct Int8Scale {
-  float scale;
-  float inverse;
-};
-
-__device__ __forceinline__ Int8Scale int8_scale_of(uint32_t absmax_bits) {
-  const int beyond = (absmax_bits & 0x7FFFFFu) > kInt8MantissaLimit ? 1 : 0;
-  const int biased = static_cast<int>(absmax_bits >> 23);
-  const int exponent = max(biased - 127 - 6 + beyond, kInt8MinExponent);
-  if (absmax_bits == 0) return {0.0f, 0.0f};
-  return {__uint_as_float(static_cast<uint32_t>(exponent + 127) << 23),
-          __uint_as_float(static_cast<uint32_t>(127 - exponent) << 23)};
-}
 
 // The code of a finite value x = new * (1 / scale) (|x| <= 127; the reference's fp32 product,
 // exact but where it falls below fp32's normal range): to nearest even, or
@@ -386,7 +366,7 @@ __device__ __forceinline__ uint32_t group_absmax_bits(const float (&v)[kInt8PerT
   uint32_t largest = 0;
 #pragma unroll
   for (int e = 0; e < kInt8PerThread; ++e) {
-    largest = max(largest, __float_as_uint(v[e]) & kMagnitudeBits);
+    largest = max(largest, __float_as_uint(v[e]) & int8_blocks::kMagnitudeMask);
   }
 #pragma unroll
   for (int lanes = kInt8Group / 2; lanes > 0; lanes /= 2) {
@@ -461,8 +441,8 @@ __global__ void __launch_bounds__(kThreads, kInt8CtasPerSm)
     load_new_values<G, kFirst>(v, share, codes, old_scale, grad);
     const uint32_t absmax_bits = group_absmax_bits(v, group_mask);
     const bool bad = absmax_bits >= lomo::kNonFiniteExponent;
-    const Int8Scale s = int8_scale_of(bad ? 0u : absmax_bits);
-    const float scale = bad ? __uint_as_float(kQuietNanBits) : s.scale;
+    const int8_blocks::Scale s = int8_blocks::power_of_two(bad ? 0u : absmax_bits);
+    const float scale = bad ? __uint_as_float(int8_blocks::kNanScaleBits) : s.scale;
     Vec<int8_t, kInt8PerThread> cv;
     quantise<kStochastic>(cv, v, bad, s.inverse, offset + start, key);
     store_and_measure(cv, share, codes, scale, inv, acc, any_bad);
@@ -486,7 +466,7 @@ __global__ void __launch_bounds__(kThreads)
 // (float("nan")) where the device's arithmetic would give its canonical nan, so a bf16 out
 // stores the reference's nan.
 __device__ __forceinline__ float as_reference_nan(float v) {
-  return lomo::is_nan(v) ? __uint_as_float(kQuietNanBits) : v;
+  return lomo::is_nan(v) ? __uint_as_float(int8_blocks::kNanScaleBits) : v;
 }
 
 // out = code * scale, rounded to out's type (exact in fp32 and bf16).
@@ -616,7 +596,7 @@ int lomo_cuda_grad_accumulate_int8(LomoInt8Buffer buffer, const void* grad, int 
                                    int64_t numel, GradAccumulateArgs args, cudaStream_t stream) {
   if (numel <= 0) return cudaSuccess;
   if (buffer.offset < 0) return cudaErrorInvalidValue;
-  const int64_t blocks = lomo_int8_blocks_of(buffer.offset, numel);
+  const int64_t blocks = int8_blocks::blocks_of(buffer.offset, numel);
   const int64_t lead = buffer.offset % kInt8Block;
   const unsigned grid = cuda_common::grid_for(blocks, kInt8GroupsPerCta, kInt8CtasPerSm);
   cudaError_t status = cudaErrorInvalidValue;

@@ -49,16 +49,9 @@ int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, 
                               int64_t numel, GradAccumulateArgs args, cudaStream_t stream);
 
 // An 8-bit blockwise buffer (lomo_kernels/core/int8_blocks.py): int8 codes, one per element,
-// and fp32 power-of-two scales, one per LOMO_INT8_BLOCK-element block of the parameter's flat
-// index that the buffer touches (lomo_int8_blocks_of); codes[0] is the parameter's flat
-// element `offset` (>= 0). Device pointers; only the accumulation writes them.
-#define LOMO_INT8_BLOCK 256
-
-// The scales of a buffer of numel elements from flat `offset` (int8_blocks.blocks_of).
-static inline int64_t lomo_int8_blocks_of(int64_t offset, int64_t numel) {
-  if (numel <= 0) return 0;
-  return (offset % LOMO_INT8_BLOCK + numel + LOMO_INT8_BLOCK - 1) / LOMO_INT8_BLOCK;
-}
+// and fp32 power-of-two scales, one per 256-element block of the parameter's flat index that
+// the buffer touches (int8_blocks.h: blocks_of); codes[0] is the parameter's flat element
+// `offset` (>= 0). Device pointers; only the accumulation writes them.
 
 typedef struct {
   int8_t* codes;

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "binding.h"
+#include "int8_blocks.h"
 #include "lomo_cuda.h"
 #include "op_bindings.h"
 
@@ -113,7 +114,7 @@ LomoInt8Buffer int8_buffer(const op_bindings::Int8Buffer& b, const at::Tensor& d
               "lomo_kernels: codes and scales must be on ", data.device());
   TORCH_CHECK(b.codes.numel() == data.numel(), "lomo_kernels: codes must have ", data.numel(),
               " elements");
-  const int64_t blocks = lomo_int8_blocks_of(b.offset, data.numel());
+  const int64_t blocks = int8_blocks::blocks_of(b.offset, data.numel());
   TORCH_CHECK(b.scales.numel() == blocks, "lomo_kernels: scales must have ", blocks,
               " elements (the blocks of ", data.numel(), " elements at offset ", b.offset, ")");
   return {static_cast<int8_t*>(b.codes.data_ptr()), static_cast<float*>(b.scales.data_ptr()),

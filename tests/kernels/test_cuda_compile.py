@@ -193,21 +193,20 @@ def test_int8_accumulate_reduces_in_registers(ptx: str) -> None:
 
 
 def test_int8_constants_match_the_layout() -> None:
-    """The CUDA kernels' block geometry and scale rule are core/int8_blocks.py's."""
+    """The C++ and CUDA kernels' block geometry and scale rule (csrc/int8_blocks.h, which
+    both include) are core/int8_blocks.py's."""
     from lomo_kernels.core import int8_blocks
 
-    header = (CSRC / "lomo_cuda.h").read_text()
-    source = SOURCE.read_text()
+    header = (CSRC / "int8_blocks.h").read_text()
 
-    def constant(text: str, pattern: str) -> int:
-        found = re.search(pattern, text)
+    def constant(pattern: str) -> int:
+        found = re.search(pattern, header)
         assert found, pattern
         return int(found.group(1), 0)
 
-    assert constant(header, r"#define LOMO_INT8_BLOCK (\d+)") == int8_blocks.INT8_BLOCK
-    assert (
-        constant(source, r"kInt8MantissaLimit = (0x[0-9A-Fa-f]+)u;")
-        == int8_blocks.INT8_MANTISSA_LIMIT
-    )
-    assert constant(source, r"kInt8MinExponent = (-\d+);") == int8_blocks.INT8_MIN_EXPONENT
-    assert constant(source, r"kInt8MaxCode = (\d+);") == int8_blocks.INT8_MAX_CODE
+    assert constant(r"kBlock = (\d+);") == int8_blocks.INT8_BLOCK
+    assert constant(r"kMantissaLimit = (0x[0-9A-Fa-f]+)u;") == int8_blocks.INT8_MANTISSA_LIMIT
+    assert constant(r"kMinExponent = (-\d+);") == int8_blocks.INT8_MIN_EXPONENT
+    assert constant(r"kMaxCode = (\d+)\.0f;") == int8_blocks.INT8_MAX_CODE
+    for source in (SOURCE, CSRC / "lomo_cpu.cpp", CSRC / "lomo_cuda_binding.cpp"):
+        assert '#include "int8_blocks.h"' in source.read_text(), source.name
