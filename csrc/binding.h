@@ -15,6 +15,7 @@
 
 #include "adalomo_math.h"
 #include "dtype_dispatch.h"
+#include "int8_blocks.h"
 #include "lomo_math.h"
 #include "op_bindings.h"
 #include "rounding_args.h"
@@ -98,6 +99,20 @@ inline void check_sized(const at::Tensor& t, int64_t numel, c10::DeviceType devi
   check_dense(t, device, what);
   TORCH_CHECK(t.numel() == numel, "lomo_kernels: ", what, " must have ", numel,
               " elements (as ", as, ")");
+}
+
+// An 8-bit blockwise buffer (int8_blocks.h) of `data`'s elements (param, grad, out): int8
+// codes of its numel and fp32 scales one per block they touch, dense on data's device, at an
+// offset >= 0.
+inline void check_int8_buffer(const op_bindings::Int8Buffer& b, const at::Tensor& data,
+                              c10::DeviceType device) {
+  TORCH_CHECK(b.offset >= 0, "lomo_kernels: offset must be >= 0, got ", b.offset);
+  check_sized(b.codes, data.numel(), device, "codes", "the data");
+  TORCH_CHECK(b.codes.scalar_type() == at::kChar, "lomo_kernels: codes must be int8, got ",
+              b.codes.scalar_type());
+  check_fp32(b.scales, int8_blocks::blocks_of(b.offset, data.numel()), device, "scales");
+  TORCH_CHECK(b.codes.device() == data.device() && b.scales.device() == data.device(),
+              "lomo_kernels: codes and scales must be on ", data.device());
 }
 
 // A runtime scalar: one element of `dtype` on `device` (the parameter's).

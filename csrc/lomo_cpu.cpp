@@ -189,16 +189,6 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
 // ----------------------------------------------------------------------------- 8-bit buffer
 // int8_blocks.h: int8 codes, one fp32 scale per block of the parameter's flat index.
 
-// A buffer of `numel` elements: int8 codes of that many, fp32 scales one per block it touches,
-// dense on the CPU, at an offset >= 0.
-void check_int8_buffer(const op_bindings::Int8Buffer& b, int64_t numel) {
-  TORCH_CHECK(b.offset >= 0, "lomo_kernels: offset must be >= 0, got ", b.offset);
-  binding::check_sized(b.codes, numel, c10::kCPU, "codes", "the data");
-  TORCH_CHECK(b.codes.scalar_type() == at::kChar, "lomo_kernels: codes must be int8, got ",
-              b.codes.scalar_type());
-  binding::check_fp32(b.scales, int8_blocks::blocks_of(b.offset, numel), c10::kCPU, "scales");
-}
-
 // Writes through raw pointers: the codes' and the scales' version counters.
 void bump_versions(const op_bindings::Int8Buffer& b) {
   binding::bump_version(b.codes);
@@ -207,7 +197,7 @@ void bump_versions(const op_bindings::Int8Buffer& b) {
 
 void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
   binding::check_dense(a.grad, c10::kCPU, "grad");
-  check_int8_buffer(a.buffer, a.grad.numel());
+  binding::check_int8_buffer(a.buffer, a.grad, c10::kCPU);
   if (a.sumsq.has_value()) binding::check_scalar(*a.sumsq, c10::kCPU, "sumsq");
   const cpu_isa::Level level = cpu_isa::active();
   const float inv = binding::read_factor(a.inv_scale, c10::kCPU, "inv_scale");
@@ -245,7 +235,7 @@ void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
 
 void lomo_update_int8_(const op_bindings::LomoUpdateInt8& a) {
   binding::check_dense(a.param, c10::kCPU, "param");
-  check_int8_buffer(a.buffer, a.param.numel());
+  binding::check_int8_buffer(a.buffer, a.param, c10::kCPU);
   const cpu_isa::Level level = cpu_isa::active();
   const lomo::LomoScalars s = update_scalars(a.lr, a.weight_decay, a.grad_args);
   const bool stochastic = binding::rounds_stochastically(a.param, a.rounding);
@@ -272,7 +262,7 @@ void lomo_update_int8_(const op_bindings::LomoUpdateInt8& a) {
 
 void int8_dequantize_(const op_bindings::Int8Dequantize& a) {
   binding::check_dense(a.out, c10::kCPU, "out");
-  check_int8_buffer(a.buffer, a.out.numel());
+  binding::check_int8_buffer(a.buffer, a.out, c10::kCPU);
   const cpu_isa::Level level = cpu_isa::active();
   const int8_t* codes = a.buffer.codes.const_data_ptr<int8_t>();
   const float* scales = a.buffer.scales.const_data_ptr<float>();

@@ -102,21 +102,9 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
 
 // ----------------------------------------------------------------------------- 8-bit buffer
 
-// The buffer of `data`'s elements (param, grad, out): contiguous int8 codes of its numel and
-// contiguous fp32 scales of the blocks they touch, on its device, at a flat offset >= 0.
+// The buffer of `data`'s elements (param, grad, out), checked (binding::check_int8_buffer).
 LomoInt8Buffer int8_buffer(const op_bindings::Int8Buffer& b, const at::Tensor& data) {
-  binding::check_dense(b.codes, c10::kCUDA, "codes");
-  binding::check_dense(b.scales, c10::kCUDA, "scales");
-  TORCH_CHECK(b.offset >= 0, "lomo_kernels: offset must be >= 0, got ", b.offset);
-  TORCH_CHECK(b.codes.scalar_type() == at::kChar && b.scales.scalar_type() == at::kFloat,
-              "lomo_kernels: an 8-bit buffer is int8 codes and float32 scales");
-  TORCH_CHECK(b.codes.device() == data.device() && b.scales.device() == data.device(),
-              "lomo_kernels: codes and scales must be on ", data.device());
-  TORCH_CHECK(b.codes.numel() == data.numel(), "lomo_kernels: codes must have ", data.numel(),
-              " elements");
-  const int64_t blocks = int8_blocks::blocks_of(b.offset, data.numel());
-  TORCH_CHECK(b.scales.numel() == blocks, "lomo_kernels: scales must have ", blocks,
-              " elements (the blocks of ", data.numel(), " elements at offset ", b.offset, ")");
+  binding::check_int8_buffer(b, data, c10::kCUDA);
   return {static_cast<int8_t*>(b.codes.data_ptr()), static_cast<float*>(b.scales.data_ptr()),
           b.offset};
 }
