@@ -31,20 +31,19 @@ from .. import compile as _compiled_autograd
 from .. import ops
 from ..checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
 from ..core.ownership import Claim, refuse_claimed
-from ..core.scalars import copied_to
 from ..core.torch_internals import compiled_backward_donates_buffers
 from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
 from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import LOMO, requested_backend
 from . import int8_buffer
 from ._hyper import check_lr, checked_group
-from .accumulation import AccumulatedRows, Accumulation, Buffer, check_accumulation
+from .accumulation import Accumulation, Buffer, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
 from .head_guard import refuse_bypassed_head, trained_heads
 from .hooks import attach_hooks
 from .int8_buffer import Int8Buffer
-from .loss_graph import read_loss_graph
+from .loss_graph import LossGraph, read_loss_graph
 from .loss_scaling import LossScaling
 from .param_groups import GroupHyperParameter, HookGroups, build_param_groups
 from .parameter_state import ParameterState
@@ -310,7 +309,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if piece.written.numel():
                 self._update(piece)
 
-    def update_rows(
+    def _take_rows(
         self,
         param: torch.Tensor,
         start: int,
@@ -318,15 +317,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         grad: torch.Tensor,
         skip_if: torch.Tensor,
     ) -> None:
-        """Steps rows ``[start, stop)`` of `param` from their fp32 gradient `grad` exactly as
-        the whole tensor's step would (an elementwise update; `row_blocks.py`)."""
+        """Rows ``[start, stop)`` of `param` with their fp32 gradient `grad`, taken by the
+        pass in progress as the whole tensor's gradient would be (`row_blocks.py`)."""
         width = param.numel() // param.shape[0]
         scalars = self._scalars.for_device(param.device)
-        self._update(
-            self._piece(
-                param, grad, scalars, skip_if, target=param[start:stop], offset=start * width
-            )
+        piece = self._piece(
+            param, grad, scalars, skip_if, target=param[start:stop], offset=start * width
         )
+        if self._step.phase is Phase.UPDATE:
+            self._update(piece)  # elementwise: as the whole tensor's update
+        else:
+            self._gather(piece)
 
     def _piece(
         self,
@@ -399,17 +400,20 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
         if self._sharded is not None:
-            # Reduced first, then stepped as slices.
+            # Reduced first, then taken as slices.
             for ready in self._sharded.sharding.grad_ready(param, grad):
                 self._step_slices(ready)
             return
-        if self._step.phase is Phase.ACCUMULATE:
-            self._accumulate(param, grad)
-            return
         scalars = self._scalars.for_device(param.device)
-        if self._step.phase is Phase.NORM:
-            self._accumulate_norm(param, grad, scalars)
-            return
+        if self._step.phase is Phase.UPDATE:
+            self._update_whole(param, grad, scalars)
+        else:
+            self._gather(self._piece(param, grad, scalars, None))
+
+    def _update_whole(
+        self, param: torch.Tensor, grad: torch.Tensor | Int8Buffer, scalars: DeviceScalars
+    ) -> None:
+        """The update pass's step of a whole parameter from its gradient (or its buffer)."""
         self._step.note_updated(param)
         on_grad_sumsq = None
         if not self._step.single_backward:
@@ -429,17 +433,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._update(self._piece(param, grad, scalars, skip_if, on_grad_sumsq=on_grad_sumsq))
 
     def _step_slices(self, ready: ShardGrads) -> None:
-        """One batch of this rank's slices with their reduced gradients: measure or update."""
+        """One batch of this rank's slices with their reduced gradients (or buffers), taken
+        by the pass in progress: measured, accumulated or updated together."""
         if not ready:
             return
-        if self._step.phase is Phase.ACCUMULATE:
-            for shard, grad in ready:
-                self._accumulate(shard.param, grad, shard)
-            return
         scalars = self._scalars.for_device(ready[0][1].device)
-        if self._step.phase is Phase.NORM:
+        if self._step.phase is not Phase.UPDATE:
             for shard, grad in ready:
-                self._accumulate_norm(shard.param, grad, scalars)
+                self._gather(self._slice_piece(shard, grad, scalars, None))
             return
         for shard, _ in ready:
             self._step.note_updated(shard.param)
@@ -463,51 +464,39 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             batch = PieceBatch(pieces, scalars, skip_if)
         self._update_shards(batch)
 
-    def _accumulate(self, param: torch.Tensor, grad: torch.Tensor, shard: Any = None) -> None:
-        """Adds a micro-batch's gradient (sharded: this rank's reduced slice) into the buffer."""
-        device = grad.device
-        self._accumulation.add(
-            param,
-            grad,
-            self._groups.index_of[id(param)],
-            self._inv_scale_for(device),
-            self._accumulate_backends[device],
-            shard,
-        )
-
-    def _accumulate_norm(
-        self, param: torch.Tensor, grad: torch.Tensor, scalars: DeviceScalars
-    ) -> None:
-        slot = self._groups.index_of[id(param)]
-        scalars.measure(grad, slot, self._inv_scale_for(grad.device), self.backend)
+    def _gather(self, piece: Piece) -> None:
+        """A piece taken by a pass that writes no parameter: a norm pass adds its gradient's
+        sum of squares and inf/nan flag into its parameter's slot (`DeviceScalars.measure`,
+        the one norm accumulator); a micro-batch adds its gradient into the buffer."""
+        device = piece.scalars.device
+        slot = self._groups.index_of[id(piece.param)]
+        inv_scale = self._inv_scale_for(device)
+        if self._step.phase is Phase.ACCUMULATE:
+            self._accumulation.add(piece, slot, inv_scale, self._accumulate_backends[device])
+        else:
+            piece.scalars.measure(piece.grad, slot, inv_scale, self.backend)
 
     def row_block_step(self, param: torch.Tensor) -> RowBlockStep | None:
         """How the pass in progress takes `param`'s gradient in row blocks, or None: give it
         the whole gradient (row_blocks.py says when). Refuses a second contribution to a
         parameter already stepped from blocks in this pass."""
-        if self._step.phase is Phase.ACCUMULATE:
-            if not self._row_blocks.accumulates(param):
-                return None  # the whole gradient goes into the parameter's buffer
-            return AccumulatedRows(
-                self._accumulation,
-                param,
-                self._groups.index_of[id(param)],
-                self._inv_scale_for(param.device),
-                self._accumulate_backends[param.device],
-            )
         if not self._row_blocks.take(param):
             return None
-        if self._step.phase is Phase.UPDATE:
+        phase = self._step.phase
+        if phase is Phase.UPDATE:
             self._step.note_updated(param)
-        _, group = self._groups.of(param)
+        if phase is Phase.ACCUMULATE:
+            # The measuring micro-batch sums every row of the buffer.
+            changes_zero_rows = self._accumulation.measuring
+        else:
+            changes_zero_rows = self._groups.of(param)[1]["weight_decay"] != 0
         return RowBlockStep(
             self._row_blocks,
             param,
             self._scalars.for_device(param.device),
-            slot=self._groups.index_of[id(param)],
             inv_scale=self._inv_scale_for(param.device),
-            weight_decay=group["weight_decay"],
-            update_rows=self.update_rows,
+            changes_zero_rows=changes_zero_rows,
+            take_rows=self._take_rows,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -553,21 +542,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
+        self._close_norm_pass(per_parameter)
+        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
+        return self._reports.last_grad_norm
+
+    def _close_norm_pass(self, per_parameter: bool) -> None:
+        """The gradients measured into the device scalars (by a norm pass, or by the
+        micro-batches into their buffers) made the step's: their global sum of squares,
+        inf/nan count and, `per_parameter`, each parameter's sum, all-reduced under sharding,
+        reported, turned into the clip coefficient and given to every device's updates."""
         self._scalars.close_norm_pass()
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
         param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None
-        found = self._share_norm(total_sumsq, found, param_sumsq)
-        self._loss_scaling.after_norm_pass(found)
-        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
-        return self._reports.last_grad_norm
-
-    def _share_norm(
-        self, total_sumsq: torch.Tensor, found: torch.Tensor, param_sumsq: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The step's measured gradients (their global sum of squares, inf/nan count and,
-        where kept, each parameter's sum) made the step's: reported, turned into the clip
-        coefficient and given to every device's updates. Returns the overflow count."""
         if self._sharded is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
             # (and each parameter's) and the same overflow decision.
@@ -583,7 +570,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self._reports.norms_measured(total_sumsq.sqrt(), param_norms, clip_coef)
         self._scalars.share_norm_outcome(found, clip_coef)
-        return found
+        self._loss_scaling.after_norm_pass(found)
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
@@ -632,13 +619,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._finish_step(detection, single)
 
     @torch.compiler.disable  # see _check_call
-    def _read_graph(self, loss: torch.Tensor, whole: bool, blocks: bool = True) -> None:
+    def _read_graph(self, loss: torch.Tensor, whole: bool, blocks: bool = True) -> LossGraph:
         """Reads `loss`'s autograd graph once (`loss_graph.py`) and refuses, before anything
         changes, a patched model's head bypassed (`head_guard.py`) and, with `whole` (a pass
         no norm pass precedes), a gradient the step cannot take (`validation.refuse_graph`;
         `blocks`: whether this pass steps parameters from row blocks at all)."""
-        if not isinstance(loss, torch.Tensor):
-            return
         heads = trained_heads(self._claim.updates, self.model)
         graph = read_loss_graph(loss, whole, heads)
         refuse_bypassed_head(graph, heads)
@@ -648,6 +633,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 return blocks and self._claim.updates(param) and self._row_blocks.eligible(param)
 
             refuse_graph(graph, stepped_from_blocks, self.model)
+        return graph
 
     # Host-side bookkeeping runs eagerly even inside a compiled training step: traced, it
     # would specialise on the float lr and the step count and recompile every step. Only
@@ -767,11 +753,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             raise RuntimeError(ACCUMULATION_COMPILED_ERROR)
         self._step.begin(Plan.ACCUMULATE)
-        # The whole gradients go to the buffers: only a sparse gradient is refused there.
-        self._read_graph(loss, whole=True, blocks=False)
-        devices = self._prepare_micro_batch()
+        # The whole gradients go to the buffers: only a sparse gradient is refused there. A
+        # parameter the graph gives more than one gradient is measured whole at the step.
+        graph = self._read_graph(loss, whole=True, blocks=False)
         last = accumulation.pending + 1 == accumulation.steps
-        accumulation.begin_micro_batch(self.step_count, devices, measuring=last)
+        devices = self._prepare_micro_batch()
+        accumulation.begin_micro_batch(
+            self.step_count, devices, measuring=last, measure_whole=graph.reused_row_block_params
+        )
         try:
             self._run_backward(loss, Phase.ACCUMULATE, retain_graph=False)
         except BaseException as error:
@@ -786,27 +775,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if last:
             self._apply_accumulated()
 
-    def _update_from_buffers(self, buffered: list[tuple[Any, Buffer, Any]]) -> None:
-        """Every buffered parameter (or this rank's slice of it) updated from its buffer as
-        a piece, skipped whole on the step's overflow flag (`norm_found_inf`, shared above)."""
-        if self._sharded is None:
-            for param, buffer, _ in buffered:
-                scalars = self._scalars.for_device(param.device)
-                self._step.note_updated(param)
-                grad = self._buffer_read(param, buffer)
-                self._update(self._piece(param, grad, scalars, scalars.norm_found_inf))
-            return
-        if buffered:  # one batch: the same parameters in the same order on every rank
-            scalars = self._scalars.for_device(buffered[0][1].device)
-            skip_if = scalars.norm_found_inf
-            pieces = []
-            for param, buffer, shard in buffered:
-                self._step.note_updated(param)
-                grad = self._buffer_read(param, buffer)
-                pieces.append(self._slice_piece(shard, grad, scalars, skip_if))
-            self._update_shards(PieceBatch(pieces, scalars, skip_if))
-        self._sharded.sharding.after_update()
-
     def _buffer_read(self, param: torch.Tensor, buffer: Buffer) -> torch.Tensor | Int8Buffer:
         """What the update reads of `param`'s buffer: the buffer, or an 8-bit one dequantised
         into a transient for an update that does not read it itself."""
@@ -818,11 +786,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable  # see _check_call
     def _prepare_micro_batch(self) -> list[torch.device]:
-        """What a micro-batch's hooks read: the loss scale's inverse and the accumulation's
-        kernels, per device of the trained parameters (host-side, no sync)."""
+        """What a micro-batch's hooks read: the loss scale's inverse, the accumulation's
+        kernels and, from a step's first micro-batch, cleared norm sums, per device of the
+        trained parameters (host-side, no sync)."""
         devices = list(dict.fromkeys(p.device for g in self.param_groups for p in g["params"]))
         for device in devices:
             self._scalars.for_device(device)
+        if not self._accumulation.pending:
+            self._scalars.begin_norm_pass(None)
         self._loss_scaling.begin_step(self._scalars)
         self._accumulate_backends = {d: LOMO.resolve(d, self._backend_name) for d in devices}
         self._drop_gradients()  # a stale gradient would be summed into this micro-batch's
@@ -831,31 +802,31 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable  # see _check_call
     def _apply_accumulated(self) -> None:
         """The step from the buffers: the accumulated gradients' global norm and inf/nan flag
-        (measured by the last micro-batch's pass), then every parameter updated from its
-        buffer with the step's clip coefficient, or none after an overflow; the buffers are
-        released either way."""
+        (measured by the micro-batches, as a norm pass measures), then every parameter
+        updated from its buffer as the update pass after a norm pass updates it (clipped,
+        or skipped whole after an overflow); the buffers are released either way."""
         accumulation = self._accumulation
         self._reports.report_previous_step()
         self._prepare_scalars()
         try:
-            accumulation.measure_rest(self._inv_scale_for, self.backend)
-            measured = [accumulation.measured(d) for d in accumulation.devices()]
-            both = measured[0].clone()  # [sum of squares, inf/nan count] of every device
-            for other in measured[1:]:
-                both += copied_to(other, both.device)
-            found = self._share_norm(both[0:1], both[1:2], None)
-            self._step.begin_pass(Phase.UPDATE)  # the update pass, from the buffers
-            self._update_from_buffers(accumulation.buffered())
+            accumulation.measure_rest(self._scalars.for_device, self._inv_scale_for, self.backend)
+            self._close_norm_pass(per_parameter=False)
+            self._step.norm_ready = True  # the buffers' norm serves this update pass
+            self._step.begin_pass(Phase.UPDATE)
+            buffered = accumulation.buffered()
+            if self._sharded is not None:  # one batch: the same order on every rank
+                self._step_slices([(s, self._buffer_read(p, b)) for p, b, s in buffered])
+            for param, buffer, _ in buffered if self._sharded is None else ():
+                read = self._buffer_read(param, buffer)  # one transient at a time
+                self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
             self._reports.record_interruption(error, True, self._step.updated)
             raise
         finally:
             accumulation.release()
             self._step.end_pass()
-        # One scale served every micro-batch: it changes once, by the step's outcome.
-        self._loss_scaling.after_step(found, detection=False)
-        self._reports.step_done(found, atomic=True, single_backward=False)
-        self._opt_called = True  # lets lr schedulers know the step happened
+            detection = self._step.end_update()
+        self._finish_step(detection, single=False)
 
     # -- the step's passes --------------------------------------------------------------
     def _drop_gradients(self) -> None:

@@ -22,7 +22,7 @@ divides by the scale as it divides a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,7 +33,9 @@ from ..core.rounding import mix32_int
 from ..distributed import Shard
 from ..ops.lomo import grad_accumulate_op
 from . import int8_buffer
+from .device_scalars import DeviceScalars
 from .int8_buffer import Int8Buffer
+from .piece import Piece
 from .rounding import WriteBackRounding, step_value
 
 # A parameter's accumulated gradient: a tensor of the buffer's dtype, or the 8-bit buffer.
@@ -80,9 +82,10 @@ def check_accumulation(
 
 
 class Accumulation:
-    """The micro-batches of the step in progress: the buffers, how many micro-batches they
-    hold, and per device the step's [sum of squares, inf/nan flag] of the accumulated
-    gradients (measured by the last micro-batch's pass)."""
+    """The micro-batches of the step in progress: the buffers and how many micro-batches
+    they hold. The last micro-batch's pass measures the accumulated gradients into the
+    device scalars' norm-pass sums (`DeviceScalars.sumsq`, `norm_found_inf`), where the
+    step reads them as it reads a norm pass's."""
 
     def __init__(self, steps: int, dtype: torch.dtype | None, rounding: WriteBackRounding):
         self.steps = steps
@@ -95,140 +98,93 @@ class Accumulation:
         # written this step are `_written`.
         self._buffers: dict[int, tuple[torch.Tensor, Buffer, Shard | None]] = {}
         self._written: set[int] = set()
-        self._measured: dict[torch.device, torch.Tensor] = {}  # [sumsq, found] per device
         self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
-        # 8-bit buffers fed in row blocks that cut their blocks: measured whole at the end.
+        # Buffers the measuring pass must not sum piece by piece (they get more than one
+        # contribution, or 8-bit blocks cut by row blocks): measured whole by `measure_rest`.
         self._measure_whole: set[int] = set()
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
 
-    def buffer_dtype(self, param: torch.Tensor) -> torch.dtype:
-        return param.dtype if self.dtype is None else self.dtype
-
     def begin_micro_batch(
-        self, step_count: int, devices: Iterable[torch.device], measuring: bool
+        self,
+        step_count: int,
+        devices: Iterable[torch.device],
+        measuring: bool,
+        measure_whole: Iterable[torch.Tensor] = (),
     ) -> None:
-        """Before a micro-batch's backward (host-side, no sync): a new step's first clears the
-        flags; every one refreshes the rounding's per-micro-batch value."""
+        """Before a micro-batch's backward (host-side, no sync): refreshes the rounding's
+        per-micro-batch value. `measuring`: the pass measures the accumulated gradients,
+        except those of `measure_whole` (parameters whose gradient arrives in more than one
+        contribution: the loss's graph says which), measured whole at the step."""
         self.measuring = measuring
+        self._measure_whole = {id(p) for p in measure_whole} if measuring else set()
         value = micro_batch_value(self.rounding.seed, step_count, self.pending)
         for device in devices:
-            measured = self._measured.get(device)
-            if measured is None:
-                measured = self._measured[device] = torch.zeros(2, device=device)
-                self._seed_steps[device] = torch.zeros(1, dtype=torch.int64, device=device)
-            if self.pending == 0:
-                measured.zero_()
-            self._seed_steps[device].fill_(value)
+            seed_step = self._seed_steps.get(device)
+            if seed_step is None:
+                seed_step = self._seed_steps[device] = torch.zeros(
+                    1, dtype=torch.int64, device=device
+                )
+            seed_step.fill_(value)
 
-    def add(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        seed: int,
-        inv_scale: torch.Tensor | None,
-        backend: Any,
-        shard: Shard | None = None,
-    ) -> None:
-        """Adds `param`'s gradient of this micro-batch into its buffer (allocated at its first
-        gradient of the step); `seed`: the parameter's rounding seed (its index). Sharded,
-        `grad` is this rank's reduced slice `shard` of it, and the buffer that slice's: it
-        rounds as the whole parameter's buffer would (`WriteBackRounding.in_pieces`)."""
-        buffer, first = self._buffer(param, grad, shard, zeroed=False)
-        if self.measuring:
-            self._measured_ids.add(id(param))
-        if isinstance(buffer, Int8Buffer):
-            self._add_int8(buffer, grad, 0, first, self.measuring, seed, inv_scale, backend)
-            return
-        offset = 0 if shard is None else shard.offset
-        self._add(buffer, grad, first, offset, seed, inv_scale, backend)
-
-    def add_rows(
-        self,
-        param: torch.Tensor,
-        start: int,
-        stop: int,
-        grad: torch.Tensor,
-        seed: int,
-        inv_scale: torch.Tensor | None,
-        backend: Any,
-    ) -> None:
-        """`add` for rows [start, stop) of `param`, from their gradient `grad` (a fused op's
-        block, `AccumulatedRows`): the buffer starts at zero, as the blocks may skip rows."""
-        buffer, _ = self._buffer(param, param, None, zeroed=True)
-        width = param.numel() // param.shape[0] if param.shape[0] else 0
-        if isinstance(buffer, Int8Buffer):
-            self._add_int8_rows(param, buffer, start * width, grad, seed, inv_scale, backend)
-            return
-        if self.measuring:
-            self._measured_ids.add(id(param))
-        self._add(buffer[start:stop], grad, False, start * width, seed, inv_scale, backend)
-
-    def _add_int8_rows(
-        self,
-        param: torch.Tensor,
-        buffer: Int8Buffer,
-        start: int,
-        grad: torch.Tensor,
-        seed: int,
-        inv_scale: torch.Tensor | None,
-        backend: Any,
-    ) -> None:
-        """`add_rows` into an 8-bit buffer, from flat element `start`. Every block but the
-        last has the same rows, and the measuring micro-batch hands them over in order, so
-        the first block says whether the blocks cut the buffer's 256-element blocks; if they
-        do, none measures and the buffer is measured whole by `measure_rest`."""
-        key = id(param)
+    def add(self, piece: Piece, seed: int, inv_scale: torch.Tensor | None, backend: Any) -> None:
+        """Adds a micro-batch's gradient of `piece` (a whole parameter, this rank's reduced
+        slice of it or a block of its rows) into the parameter's buffer with one fused pass;
+        `seed`: the parameter's rounding seed (its index). The buffer is this rank's part of
+        the parameter and rounds as the whole parameter's would (`WriteBackRounding.in_pieces`,
+        the 8-bit blocks' flat index); a piece that covers only part of it (row blocks, which
+        may skip rows) adds into a buffer zeroed at its first piece of the step."""
+        key = id(piece.param)
+        buffer, first, start = self._buffer(piece)
+        grad = piece.grad
+        stop = start + grad.numel()
         measuring = self.measuring and key not in self._measure_whole
-        if measuring and start == 0 and not buffer.covers_whole_blocks(0, grad.numel()):
+        cuts_blocks = isinstance(buffer, Int8Buffer) and not buffer.covers_whole_blocks(start, stop)
+        if measuring and cuts_blocks:
+            # Row blocks cut the 8-bit blocks: re-rounded whole, so measured once at the end.
+            # Every block but the last has the same rows: the first one tells.
+            if key in self._measured_ids:
+                raise AssertionError("a row block cut the 8-bit buffer's blocks unannounced")
             self._measure_whole.add(key)
             measuring = False
-        measured = self._add_int8(buffer, grad, start, False, measuring, seed, inv_scale, backend)
-        if not measured:
-            raise AssertionError("a row block cut the 8-bit buffer's blocks unannounced")
         if measuring:
             self._measured_ids.add(key)
-
-    def _add_int8(
-        self,
-        buffer: Int8Buffer,
-        grad: torch.Tensor,
-        start: int,
-        first: bool,
-        measuring: bool,
-        seed: int,
-        inv_scale: torch.Tensor | None,
-        backend: Any,
-    ) -> bool:
-        """One fused accumulate pass into an 8-bit buffer (`int8_buffer.add`); returns
-        whether it measured what was asked."""
         if not grad.numel():
-            return True
-        measured = self._measured[buffer.device]
-        stochastic = self.rounding.stochastic
-        rounding = (stochastic, seed, self._seed_steps[buffer.device] if stochastic else None)
-        sumsq = measured[0:1] if measuring else None
-        return int8_buffer.add(
-            buffer, grad, start, first, (sumsq, measured[1:2]), rounding, inv_scale, backend
-        )
+            return
+        scalars = piece.scalars
+        sumsq = scalars.sumsq if measuring else None
+        # found_inf every micro-batch: a buffer may get no more gradients.
+        if isinstance(buffer, Int8Buffer):
+            stochastic = self.rounding.stochastic
+            seed_step = self._seed_steps[buffer.device] if stochastic else None
+            int8_buffer.add(buffer, grad, start, first, (sumsq, scalars.norm_found_inf),
+                            (stochastic, seed, seed_step), inv_scale, backend)  # fmt: skip
+            return
+        base = 0 if piece.shard is None else piece.shard.offset
+        part = buffer.view(-1)[start:stop]
+        self._add(part, grad, first, base + start, seed, inv_scale, backend,
+                  (sumsq, scalars.norm_found_inf))  # fmt: skip
 
-    def _buffer(
-        self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
-    ) -> tuple[Buffer, bool]:
-        """`param`'s buffer, shaped like `like`, and whether this is its first gradient of the
-        step, which then overwrites it (`zeroed`: the buffer is zeroed instead, for a
-        gradient that comes in blocks which may leave rows out)."""
-        entry = self._buffers.get(id(param))
-        if entry is not None and id(param) in self._written:
-            return entry[1], False
+    def _buffer(self, piece: Piece) -> tuple[Buffer, bool, int]:
+        """`piece`'s parameter's buffer (this rank's part of it), whether the piece is its
+        first gradient of the step and covers it whole (it then overwrites it), and the
+        piece's flat start in it."""
+        key = id(piece.param)
+        shard = piece.shard
+        like = piece.param if shard is None else shard.local
+        start = piece.offset - (0 if shard is None else shard.offset)
+        whole = start == 0 and piece.grad.numel() == like.numel()
+        entry = self._buffers.get(key)
+        if entry is not None and key in self._written:
+            return entry[1], False, start
         if entry is None:
-            buffer = self._new_buffer(param, like, shard, zeroed)
-            self._buffers[id(param)] = (param, buffer, shard)
+            buffer = self._new_buffer(piece.param, like, shard, zeroed=not whole)
+            self._buffers[key] = (piece.param, buffer, shard)
         else:
             buffer = entry[1]
-            if zeroed:
+            if not whole:
                 buffer.zero_()
-        self._written.add(id(param))
-        return buffer, not zeroed
+        self._written.add(key)
+        return buffer, whole, start
 
     def _new_buffer(
         self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool
@@ -236,7 +192,7 @@ class Accumulation:
         if self.dtype == torch.int8:
             return Int8Buffer.like(like, 0 if shard is None else shard.offset, zeroed)
         make = torch.zeros_like if zeroed else torch.empty_like
-        return make(like, dtype=self.buffer_dtype(param))
+        return make(like, dtype=param.dtype if self.dtype is None else self.dtype)
 
     def _add(
         self,
@@ -247,31 +203,28 @@ class Accumulation:
         seed: int,
         inv_scale: torch.Tensor | None,
         backend: Any,
+        measure: tuple[torch.Tensor | None, torch.Tensor],
     ) -> None:
-        """One fused accumulate pass of `grad` into `buffer`, which starts at flat `offset` of
-        its parameter: stochastically rounded buffers in aligned pieces, each with the seed
-        under which it rounds as the whole parameter's buffer would."""
-        if not buffer.numel():
-            return
-        device = buffer.device
-        measured = self._measured[device]
+        """One fused accumulate pass of `grad` into the flat `buffer`, which starts at flat
+        `offset` of its parameter: stochastically rounded buffers in aligned pieces, each
+        with the seed under which it rounds as the whole parameter's buffer would.
+        `measure`: (sumsq, or None not to measure; found_inf)."""
         stochastic = self.rounding.applies_to(buffer.dtype)
-        seed_step = self._seed_steps[device] if stochastic else None
-        flat, flat_grad = buffer.reshape(-1), grad.reshape(-1)
+        seed_step = self._seed_steps[buffer.device] if stochastic else None
+        flat_grad = grad.reshape(-1)
 
         def piece(a: int, b: int, piece_seed: int) -> None:
-            whole = a == 0 and b == flat.numel()
+            whole = a == 0 and b == buffer.numel()
             # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own
             # and in the op's form, so the public function's per-call conversions are skipped.
             grad_accumulate_op.call_in_order(
                 backend,
                 (
-                    buffer if whole else flat[a:b],  # buffer
-                    (grad if whole else flat_grad[a:b]).contiguous(),  # grad
+                    buffer if whole else buffer[a:b],  # buffer
+                    (flat_grad if whole else flat_grad[a:b]).contiguous(),  # grad
                     first,  # first
                     inv_scale,  # inv_scale
-                    measured[0:1] if self.measuring else None,  # sumsq
-                    measured[1:2],  # found_inf: every micro-batch (a buffer may get no more)
+                    *measure,  # sumsq, found_inf
                     stochastic,  # stochastic_rounding
                     piece_seed if stochastic else 0,  # seed
                     seed_step,  # seed_step
@@ -279,32 +232,30 @@ class Accumulation:
             )
 
         if stochastic:
-            self.rounding.in_pieces(seed, offset, flat.numel(), piece)
+            self.rounding.in_pieces(seed, offset, buffer.numel(), piece)
         else:
-            piece(0, flat.numel(), 0)
+            piece(0, buffer.numel(), 0)
 
-    def measure_rest(self, inv_scale_for: Any, backend: str | None) -> None:
-        """Measures the buffers the last micro-batch's pass did not reach (a parameter without
-        a gradient there, or every buffer of a step applied early by `step()`), so the step's
-        norm and flag cover every accumulated gradient. `inv_scale_for(device)`: the loss
-        scale's inverse there."""
+    def measure_rest(
+        self,
+        scalars_for: Callable[[torch.device], DeviceScalars],
+        inv_scale_for: Callable[[torch.device], torch.Tensor | None],
+        backend: str | None,
+    ) -> None:
+        """Measures the buffers the last micro-batch's pass did not (a parameter without a
+        gradient there, one measured whole, or every buffer of a step applied early by
+        `step()`), so the step's norm and flag cover every accumulated gradient."""
         for param, buffer, _ in self.buffered():
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
-            measured = self._measured[buffer.device]
+            scalars, inv_scale = scalars_for(buffer.device), inv_scale_for(buffer.device)
             if isinstance(buffer, Int8Buffer):
                 int8_buffer.measure_sumsq(
-                    buffer, measured[0:1], measured[1:2], inv_scale_for(buffer.device), backend
+                    buffer, scalars.sumsq, scalars.norm_found_inf, inv_scale, backend
                 )
-                self._measured_ids.add(id(param))
-                continue
-            ops.grad_sumsq_(
-                buffer,
-                measured[0:1],
-                inv_scale=inv_scale_for(buffer.device),
-                found_inf=measured[1:2],
-                backend=backend,
-            )
+            else:
+                ops.grad_sumsq_(buffer, scalars.sumsq, inv_scale=inv_scale,
+                                found_inf=scalars.norm_found_inf, backend=backend)  # fmt: skip
             self._measured_ids.add(id(param))
 
     def buffered(self) -> list[tuple[torch.Tensor, Buffer, Shard | None]]:
@@ -312,13 +263,6 @@ class Accumulation:
         gradient this step, in the order the gradients first arrived (the same on every
         rank: the sharding hands the slices over in the same order)."""
         return [entry for key, entry in self._buffers.items() if key in self._written]
-
-    def measured(self, device: torch.device) -> torch.Tensor:
-        """[sum of squares, inf/nan flag] of the accumulated gradients on `device`."""
-        return self._measured[device]
-
-    def devices(self) -> list[torch.device]:
-        return list(self._measured)
 
     def release(self, free: bool = False) -> None:
         """Ends the step's accumulation (after a step, or `zero_grad`): nothing is pending;
@@ -337,43 +281,3 @@ class Accumulation:
             b.nbytes() if isinstance(b, Int8Buffer) else b.numel() * b.element_size()
             for _, b, _ in self._buffers.values()
         )
-
-
-class AccumulatedRows:
-    """A `core.gradient_sink.GradientSink` adding a fused op's row blocks of a weight's
-    gradient (the logits-free head's vocabulary chunks) into the weight's buffer, so that
-    the whole ``vocab x hidden`` gradient never exists in a micro-batch either. The
-    measuring micro-batch takes every block (zero ones too), so the sum of squares covers
-    every row of the buffer."""
-
-    measure_first = False
-    measuring = False
-
-    def __init__(
-        self,
-        accumulation: Accumulation,
-        param: torch.Tensor,
-        seed: int,
-        inv_scale: torch.Tensor | None,
-        backend: Any,
-    ) -> None:
-        self._accumulation = accumulation
-        self._param = param
-        self._seed = seed
-        self._inv_scale = inv_scale
-        self._backend = backend
-        self.changes_zero_rows = accumulation.measuring
-
-    def measure(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        raise AssertionError("AccumulatedRows never asks for a measuring sweep")
-
-    def measured(self) -> None:
-        raise AssertionError("AccumulatedRows never asks for a measuring sweep")
-
-    def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        self._accumulation.add_rows(
-            self._param, start, stop, grad, self._seed, self._inv_scale, self._backend
-        )
-
-    def finish(self) -> None:
-        return None

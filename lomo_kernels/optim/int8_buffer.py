@@ -93,22 +93,22 @@ def add(
     rounding: tuple[bool, int, torch.Tensor | None],
     inv_scale: torch.Tensor | None,
     backend: Any,
-) -> bool:
+) -> None:
     """Adds `grad` into elements [start, start + grad.numel()) of `buffer` in one fused pass;
     `measure`: (sumsq, or None not to measure; found_inf); `rounding`: (stochastic, seed,
     seed_step). A range that cuts a block the rest of the buffer shares is widened to whole
     blocks with zeros around the gradient (the other elements are re-rounded under the
-    block's new scale) and not measured. Returns whether the sum of squares asked for was
-    added (False: measure the buffer whole afterwards, `measure_sumsq`)."""
+    block's new scale); such a range is not measured (the caller measures the buffer whole
+    afterwards, `measure_sumsq`)."""
     stop = start + grad.numel()
     sumsq, found_inf = measure
-    measured = True
     if not buffer.covers_whole_blocks(start, stop):
+        if sumsq is not None:
+            raise AssertionError("a range that cuts the 8-bit buffer's blocks was measured")
         low, high = buffer.block_bounds(start, stop)
         widened = torch.zeros(high - low, dtype=torch.float32, device=grad.device)
         widened[start - low : stop - low] = grad.reshape(-1)
         grad, start, stop, first = widened, low, high, False
-        measured, sumsq = sumsq is None, None
     part = buffer.part(start, stop)
     stochastic, seed, seed_step = rounding
     # In the op's order (GRAD_ACCUMULATE_INT8.names), every value the optimizer's own.
@@ -128,7 +128,6 @@ def add(
             seed_step if stochastic else None,  # seed_step
         ),
     )
-    return measured
 
 
 def dequantized(buffer: Int8Buffer, dtype: torch.dtype, backend: Any) -> torch.Tensor:

@@ -1,15 +1,16 @@
-"""A piece of one parameter's step: the one form in which every route hands a gradient to an
-optimizer's update.
+"""A piece of one parameter's step: the one form in which every route hands a gradient to
+the pass in progress (the update, the norm pass's accumulator, a micro-batch's buffer).
 
-A gradient reaches the update in one of four ways, each a `Piece`: the whole tensor (the
+A gradient arrives in one of three ways, each a `Piece`: the whole tensor (the
 post-accumulate-grad hook), a block of its rows as a fused op produces them
-(`row_blocks.py`), this rank's reduced slice of it (ZeRO-3, FSDP2: `sharded_steps.py`) or its
-accumulation buffer (`accumulation.py`). A piece says what is written (`target`, with its
-flat offset in the parameter, which keys its stochastic rounding), from which gradient, with
-which group's hyper-parameters and device scalars, what skips it and which clip coefficient
-scales it. An elementwise update (Lomo) steps any piece on its own; AdaLomo's statistics span
-a whole matrix, so it takes whole tensors one by one and this rank's slices as one
-`PieceBatch`.
+(`row_blocks.py`) or this rank's reduced slice of it (ZeRO-3, FSDP2: `sharded_steps.py`);
+the step from accumulated gradients hands the update each buffer (`accumulation.py`) as the
+whole tensor's or the slice's piece. A piece says what is written (`target`, with its flat
+offset in the parameter, which keys its stochastic rounding and places it in the buffer),
+from which gradient, with which group's hyper-parameters and device scalars, what skips it
+and which clip coefficient scales it. An elementwise update (Lomo) steps any piece on its
+own; AdaLomo's statistics span a whole matrix, so it takes whole tensors one by one and this
+rank's slices as one `PieceBatch`.
 """
 
 from __future__ import annotations

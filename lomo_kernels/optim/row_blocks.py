@@ -27,6 +27,9 @@ What each pass does with the blocks:
   squares and flag, no input gradient), then, with the coefficient and skip flag those give,
   updated. The second sweep recomputes the logits: one more chunked pass of the head's
   matmuls instead of a ``vocab x hidden`` buffer.
+- a micro-batch of gradient accumulation (any optimizer: adding is elementwise): each block
+  is added into the weight's buffer (`accumulation.py`); the measuring micro-batch takes
+  every block, zero ones too, so the buffer's sum of squares covers every row.
 
 A parameter stepped from blocks must get no other gradient in the same pass (it would be a
 second step): the second contribution, by blocks or through the hook, is refused with an
@@ -53,9 +56,10 @@ from .single_backward import SingleBackwardClip
 from .step import Phase, Step
 from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
 
-# An optimizer's update of rows [start, stop) of a parameter from their gradient, skipped
-# where the flag is non-zero: ``update_rows(param, start, stop, grad, skip_if)``.
-UpdateRows = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
+# An optimizer's intake of rows [start, stop) of a parameter with their gradient in the pass
+# in progress (measured, accumulated or updated; an update skipped where the flag is
+# non-zero): ``take_rows(param, start, stop, grad, skip_if)``.
+TakeRows = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 
 def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
@@ -82,54 +86,44 @@ class RowBlockStep:
         param: torch.Tensor,
         scalars: DeviceScalars,
         *,
-        slot: int,
         inv_scale: torch.Tensor | None,
-        weight_decay: float,
-        update_rows: UpdateRows,
+        changes_zero_rows: bool,
+        take_rows: TakeRows,
     ) -> None:
         """`blocks`: the pass's row blocks (its step, clip rule and backend); `scalars`:
-        those of `param`'s device; `slot`: `param`'s index among the trained parameters (its
-        sum of squares in a norm pass); `inv_scale`: the gradients' inverse loss scale;
-        `update_rows`: the optimizer's update of a block of rows."""
+        those of `param`'s device; `inv_scale`: the gradients' inverse loss scale;
+        `changes_zero_rows`: whether a block whose gradient is zero still counts (decoupled
+        weight decay, or a micro-batch measuring its buffers); `take_rows`: the optimizer's
+        intake of a block of rows."""
         self._blocks = blocks
         self._param = param
         self._scalars = scalars
         self._inv_scale = inv_scale
-        self._update_rows = update_rows
+        self._take_rows = take_rows
         step = blocks.step
-        self._norm = step.phase is Phase.NORM
         # A norm pass only measures: any blocks holding the gradient's values will do.
-        self.measuring = self._norm
-        self.measure_first = not self._norm and step.single_backward
-        # Whether a block whose gradient is zero still changes (decoupled weight decay).
-        self.changes_zero_rows = weight_decay != 0
+        self.measuring = step.phase is Phase.NORM
+        self.measure_first = step.phase is Phase.UPDATE and step.single_backward
+        self.changes_zero_rows = changes_zero_rows
         self._skip_if = scalars.skip_flag(step.norm_ready)
-        self._slot = slot
         if self.measure_first:
             # [sum of squares, non-finite flag], as SingleBackwardClip.prepare_measured reads.
             self._measured = torch.zeros(2, device=param.device)
             self._skip_if = self._measured[1:2]
 
     def measure(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        self._accumulate(grad, self._measured[0:1], self._measured[1:2])
+        ops.grad_sumsq_(grad, self._measured[0:1], inv_scale=self._inv_scale,
+                        found_inf=self._measured[1:2], backend=self._blocks.backend)  # fmt: skip
 
     def measured(self) -> None:
         """single_backward: the head's coefficient and skip flag from its whole norm."""
         self._blocks.clip.prepare_measured(self._measured, clip_coef=self._scalars.clip_coef)
 
     def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        if self._norm:
-            self._scalars.measure(grad, self._slot, self._inv_scale, self._blocks.backend)
-        else:
-            self._update_rows(self._param, start, stop, grad, self._skip_if)
+        self._take_rows(self._param, start, stop, grad, self._skip_if)
 
     def finish(self) -> None:
         return None
-
-    def _accumulate(self, grad: torch.Tensor, sumsq: torch.Tensor, found: torch.Tensor) -> None:
-        ops.grad_sumsq_(
-            grad, sumsq, inv_scale=self._inv_scale, found_inf=found, backend=self._blocks.backend
-        )
 
 
 @dataclass(eq=False)
@@ -152,7 +146,11 @@ class RowBlocks:
     def take(self, param: torch.Tensor) -> bool:
         """Whether the pass in progress takes `param`'s gradient in row blocks (see the
         module docstring for when), noting it if so. Refuses a second contribution to a
-        parameter already stepped from blocks, or given its whole gradient, in this pass."""
+        parameter already stepped from blocks, or given its whole gradient, in this pass.
+        A micro-batch takes any parameter's blocks that can be split (adding is elementwise
+        for every optimizer, and a second contribution, a tied weight, is added too)."""
+        if self.step.phase is Phase.ACCUMULATE:
+            return self._splits(param)
         if self.step.phase is Phase.IDLE or not self.eligible(param):
             return False
         self._refuse_second_contribution(param)
@@ -160,20 +158,13 @@ class RowBlocks:
         return True
 
     def eligible(self, param: torch.Tensor) -> bool:
-        """Whether a pass takes `param`'s gradient in row blocks where an op offers them."""
-        if not self.steps_rows or self.sharded:
-            return False
-        if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
-            return False
-        if id(param) in self._tied():
-            return False
-        rounded = self.rounding.applies_to(param.dtype)
-        return not (rounded and param.numel() > MAX_SLICED_NUMEL)
+        """Whether an update or norm pass takes `param`'s gradient in row blocks where an op
+        offers them."""
+        return self.steps_rows and id(param) not in self._tied() and self._splits(param)
 
-    def accumulates(self, param: torch.Tensor) -> bool:
-        """Whether a micro-batch of gradient accumulation takes `param`'s gradient in row
-        blocks (`accumulation.AccumulatedRows`): adding is elementwise for any optimizer, and
-        a second contribution (a tied weight) is simply added too."""
+    def _splits(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s gradient may be taken in pieces at all: unsharded, an eager
+        backward, and its stochastic rounding's bits addressable in pieces."""
         if self.sharded or torch.compiler.is_compiling():
             return False
         if _compiled_autograd.compiled_autograd_active():

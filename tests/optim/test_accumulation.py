@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.accumulating import FP32_BOUND, STEPS, K, micro_batches, train_accumulating
+from support.accumulating import FP32_BOUND, STEPS, K, micro_batches, piece_of, train_accumulating
 from support.models import batch, max_rel_diff, tiny_llama
 from support.state import assert_refused, same_bits, snapshot, tensors, unchanged
 
@@ -301,6 +301,29 @@ def test_logits_free_head_accumulates_from_row_blocks(monkeypatch, optimizer):
     assert max_rel_diff(patched, plain) <= FP32_BOUND
 
 
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_tied_head_in_row_blocks_is_measured_once(monkeypatch, optimizer):
+    # A head tied to the input embedding gets two gradients per micro-batch, both in row
+    # blocks (the fused loss's vocabulary chunks and the embedding's used rows), added into one
+    # buffer. The measuring micro-batch must count that buffer once: the step's norm and
+    # clip coefficient equal the unpatched tied model's (a buffer summed per contribution
+    # would count the head twice and clip the whole step harder).
+    from lomo_kernels import patch_causal_lm
+    from lomo_kernels.ops import cross_entropy as lce
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)
+    patched = patch_causal_lm(tiny_llama(tie_word_embeddings=True))
+    plain = tiny_llama(tie_word_embeddings=True)
+    lr = 0.05 if optimizer is Lomo else 1e-3
+    ours = optimizer(patched, lr=lr, clip_grad_norm=0.5, accumulation_steps=K)
+    ref = optimizer(plain, lr=lr, clip_grad_norm=0.5, accumulation_steps=K)
+    train_accumulating(patched, ours, steps=2)
+    train_accumulating(plain, ref, steps=2)
+    assert max_rel_diff(patched, plain) <= FP32_BOUND
+    # The norm is a sum in another order: a few fp32 ulps (FP32_BOUND, relative).
+    assert abs(float(ours.last_grad_norm) / float(ref.last_grad_norm) - 1) <= FP32_BOUND
+
+
 def test_compiled_autograd_is_refused_before_any_change():
     from lomo_kernels.core.torch_internals import enable_compiled_autograd
 
@@ -335,7 +358,8 @@ def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
             accumulation.begin_micro_batch(5, [torch.device("cpu")], measuring=False)
             shard = Shard(param, param.detach()[a:b], a, param.shape, None)
             for grad in grads:
-                accumulation.add(param, grad[a:b], 7, None, module, shard)
+                piece = piece_of(param, grad[a:b], target=shard.local, offset=a, shard=shard)
+                accumulation.add(piece, 7, None, module)
             parts += [buffer for _, buffer, _ in accumulation.buffered()]
         stored.append(torch.cat(parts))
     whole, sliced = stored

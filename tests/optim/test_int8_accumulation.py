@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from support.accumulating import FP32_BOUND, K, micro_batches, train_accumulating
+from support.accumulating import FP32_BOUND, K, micro_batches, piece_of, train_accumulating
 from support.models import max_rel_diff, tiny_llama
 from support.state import same_bits, snapshot, tensors, unchanged
 
@@ -85,9 +85,9 @@ def test_adalomo_reads_the_quantised_sum(backend):
     accumulation: Accumulation = emulated._accumulation
     add = accumulation.add
 
-    def add_and_quantise(param, *args, **kwargs):
-        add(param, *args, **kwargs)
-        buffer = accumulation._buffers[id(param)][1]
+    def add_and_quantise(piece, *args, **kwargs):
+        add(piece, *args, **kwargs)
+        buffer = accumulation._buffers[id(piece.param)][1]
         buffer.copy_(quantise_nearest(buffer))
 
     accumulation.add = add_and_quantise
@@ -181,7 +181,8 @@ def test_slices_store_the_whole_buffer(backend, offset):
             accumulation.begin_micro_batch(5, [torch.device("cpu")], measuring=False)
             shard = Shard(param, param.detach()[a:b], a, param.shape, None)
             for grad in grads:
-                accumulation.add(param, grad[a:b], 7, None, module, shard)
+                piece = piece_of(param, grad[a:b], target=shard.local, offset=a, shard=shard)
+                accumulation.add(piece, 7, None, module)
             ((_, buffer, _),) = accumulation.buffered()
             assert buffer.offset == a
             parts.append(dequantized(buffer, torch.float32, module))
@@ -205,6 +206,7 @@ def test_row_blocks_store_the_whole_buffer_and_measure_it_once(backend, rows_per
     # step (no block counted twice).
     from lomo_kernels.ops.backends import LOMO
     from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.device_scalars import DeviceScalars
     from lomo_kernels.optim.int8_buffer import dequantized
     from lomo_kernels.optim.rounding import WriteBackRounding
 
@@ -216,18 +218,22 @@ def test_row_blocks_store_the_whole_buffer_and_measure_it_once(backend, rows_per
     results = []
     for blocked in (False, True):
         accumulation = Accumulation(2, torch.int8, WriteBackRounding(False, seed=0))
+        scalars = DeviceScalars(torch.device("cpu"))
         for i, grad in enumerate(grads):
             accumulation.begin_micro_batch(0, [torch.device("cpu")], measuring=i == 1)
             if blocked:
                 for start in range(0, rows, rows_per_block):
                     stop = min(rows, start + rows_per_block)
-                    accumulation.add_rows(param, start, stop, grad[start:stop], 3, None, module)
+                    piece = piece_of(param, grad[start:stop], scalars, target=param[start:stop],
+                                     offset=start * width)  # fmt: skip
+                    accumulation.add(piece, 3, None, module)
             else:
-                accumulation.add(param, grad, 3, None, module)
-        accumulation.measure_rest(lambda device: None, module)
+                accumulation.add(piece_of(param, grad, scalars), 3, None, module)
+        by_device = {scalars.device: scalars}
+        accumulation.measure_rest(by_device.__getitem__, lambda device: None, module)
         ((_, buffer, _),) = accumulation.buffered()
         values = dequantized(buffer, torch.float32, module)
-        sumsq = accumulation.measured(torch.device("cpu"))[0].item()
+        sumsq = scalars.sumsq.item()
         results.append((values, sumsq))
     (whole, whole_sumsq), (blocked_values, blocked_sumsq) = results
     measured = blocked_values.double().pow(2).sum().item()

@@ -26,3 +26,14 @@ def train_accumulating(model, opt, steps=STEPS, k=K):
     for step in range(steps):
         for micro in micro_batches(step, k):
             opt.fused_backward(model(**micro).loss / k)
+
+
+def piece_of(param, grad, scalars=None, **where):
+    """`grad` as a micro-batch hands it to `Accumulation.add`: a piece of `param` (`where`:
+    the piece's target, flat offset and shard; `scalars`: the device scalars the measuring
+    micro-batch sums into)."""
+    from lomo_kernels.optim.device_scalars import DeviceScalars
+    from lomo_kernels.optim.piece import Piece
+
+    scalars = DeviceScalars(param.device) if scalars is None else scalars
+    return Piece(param, grad, 0, {}, scalars, None, **where)

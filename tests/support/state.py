@@ -139,7 +139,7 @@ def _outcome(opt) -> dict[str, Any]:
 
 def _accumulation(opt) -> dict[str, Any]:
     """Gradient accumulation's pending micro-batches: their count and buffers (by parameter
-    index), and the accumulated norm and flag measured so far."""
+    index; the accumulated norm and flag measured so far are the device scalars')."""
     accumulation = opt._accumulation
     if accumulation is None:
         return {}
@@ -147,7 +147,6 @@ def _accumulation(opt) -> dict[str, Any]:
     return {
         "pending": accumulation.pending,
         "buffers": {index[id(p)]: _copied(b) for p, b, _ in accumulation.buffered()},
-        "measured": {str(d): _copied(accumulation.measured(d)) for d in accumulation.devices()},
     }
 
 
