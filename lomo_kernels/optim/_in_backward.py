@@ -32,7 +32,7 @@ from .. import ops
 from ..checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
 from ..core.ownership import Claim, refuse_claimed
 from ..core.torch_internals import compiled_backward_donates_buffers
-from ..distributed import DEFAULT_BUCKET_NUMEL, ShardGrads, sharding_for, unwrap_engine
+from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, ShardGrads, sharding_for, unwrap_engine
 from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import LOMO, requested_backend
 from . import int8_buffer
@@ -332,29 +332,18 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _piece(
         self,
         param: torch.Tensor,
-        grad: torch.Tensor,
+        grad: torch.Tensor | Int8Buffer,
         scalars: DeviceScalars,
         skip_if: torch.Tensor | None,
+        shard: Shard | None = None,
         **where: Any,
     ) -> Piece:
-        """`param`'s piece with gradient `grad`, in its group (`where`: `Piece`'s optional
-        fields)."""
+        """`param`'s piece with gradient `grad`, in its group: this rank's slice `shard` of
+        it, or as `where` says (`Piece`'s optional fields)."""
+        if shard is not None:
+            where.update(target=shard.local, offset=shard.offset, shard=shard)
         index, group = self._groups.of(param)
         return Piece(param, grad, index, group, scalars, skip_if, **where)
-
-    def _slice_piece(
-        self,
-        shard: Any,
-        grad: torch.Tensor,
-        scalars: DeviceScalars,
-        skip_if: torch.Tensor,
-        clip_coef: torch.Tensor | None = None,
-    ) -> Piece:
-        """This rank's slice `shard` of a parameter as a piece, with its reduced `grad`."""
-        return self._piece(
-            shard.param, grad, scalars, skip_if,
-            target=shard.local, offset=shard.offset, clip_coef=clip_coef, shard=shard,
-        )  # fmt: skip
 
     def _prepare_update_arguments(self) -> None:
         """Once per step, after the device scalars are set: what every update call of the
@@ -440,27 +429,22 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         scalars = self._scalars.for_device(ready[0][1].device)
         if self._step.phase is not Phase.UPDATE:
             for shard, grad in ready:
-                self._gather(self._slice_piece(shard, grad, scalars, None))
+                self._gather(self._piece(shard.param, grad, scalars, None, shard))
             return
         for shard, _ in ready:
             self._step.note_updated(shard.param)
         if self._step.single_backward:
             inv_scale = self._inv_scale_for(scalars.device)
             coefs, skips = self._sharded.single_backward_flags(ready, inv_scale)
+            coef = (lambda i: None) if coefs is None else (lambda i: coefs[i : i + 1])
             pieces = [
-                self._slice_piece(
-                    shard,
-                    grad,
-                    scalars,
-                    skips[i : i + 1],
-                    None if coefs is None else coefs[i : i + 1],
-                )  # fmt: skip
-                for i, (shard, grad) in enumerate(ready)
+                self._piece(s.param, grad, scalars, skips[i : i + 1], s, clip_coef=coef(i))
+                for i, (s, grad) in enumerate(ready)
             ]
             batch = PieceBatch(pieces, scalars, scalars.no_skip)
         else:
             skip_if = scalars.skip_flag(self._step.norm_ready)
-            pieces = [self._slice_piece(shard, grad, scalars, skip_if) for shard, grad in ready]
+            pieces = [self._piece(s.param, grad, scalars, skip_if, s) for s, grad in ready]
             batch = PieceBatch(pieces, scalars, skip_if)
         self._update_shards(batch)
 
@@ -816,9 +800,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             buffered = accumulation.buffered()
             if self._sharded is not None:  # one batch: the same order on every rank
                 self._step_slices([(s, self._buffer_read(p, b)) for p, b, s in buffered])
-            for param, buffer, _ in buffered if self._sharded is None else ():
-                read = self._buffer_read(param, buffer)  # one transient at a time
-                self._update_whole(param, read, self._scalars.for_device(param.device))
+            else:
+                for param, buffer, _ in buffered:
+                    read = self._buffer_read(param, buffer)  # one transient at a time
+                    self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
             self._reports.record_interruption(error, True, self._step.updated)
             raise

@@ -139,7 +139,7 @@ def test_stochastic_rounding_of_slices_equals_the_whole_tensor(dtype, cuts):
     def step(local: torch.Tensor, offset: int) -> None:
         shard = Shard(shard_param, local, offset, param.shape, None)
         flat_grad = grad.reshape(-1)[offset : offset + local.numel()] * scale
-        piece = opt._slice_piece(shard, flat_grad, scalars, scalars.no_skip)
+        piece = opt._piece(shard.param, flat_grad, scalars, scalars.no_skip, shard)
         opt._update_shards(PieceBatch([piece], scalars, scalars.no_skip))
 
     step(whole.view(-1), 0)
