@@ -327,7 +327,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._step.phase is Phase.UPDATE:
             self._update(piece)  # elementwise: as the whole tensor's update
         else:
-            self._gather(piece)
+            self._measure_or_accumulate(piece)
 
     def _piece(
         self,
@@ -397,7 +397,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._step.phase is Phase.UPDATE:
             self._update_whole(param, grad, scalars)
         else:
-            self._gather(self._piece(param, grad, scalars, None))
+            self._measure_or_accumulate(self._piece(param, grad, scalars, None))
 
     def _update_whole(
         self, param: torch.Tensor, grad: torch.Tensor | Int8Buffer, scalars: DeviceScalars
@@ -429,7 +429,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         scalars = self._scalars.for_device(ready[0][1].device)
         if self._step.phase is not Phase.UPDATE:
             for shard, grad in ready:
-                self._gather(self._piece(shard.param, grad, scalars, None, shard))
+                self._measure_or_accumulate(self._piece(shard.param, grad, scalars, None, shard))
             return
         for shard, _ in ready:
             self._step.note_updated(shard.param)
@@ -448,7 +448,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             batch = PieceBatch(pieces, scalars, skip_if)
         self._update_shards(batch)
 
-    def _gather(self, piece: Piece) -> None:
+    def _measure_or_accumulate(self, piece: Piece) -> None:
         """A piece taken by a pass that writes no parameter: a norm pass adds its gradient's
         sum of squares and inf/nan flag into its parameter's slot (`DeviceScalars.measure`,
         the one norm accumulator); a micro-batch adds its gradient into the buffer."""
