@@ -177,6 +177,25 @@ def test_fp16_overflow_in_one_micro_batch_skips_the_whole_step():
     assert not unchanged(model, start)
 
 
+@pytest.mark.parametrize("bad", [1, K - 1])
+def test_bf16_overflow_in_any_micro_batch_skips_the_whole_step(bad):
+    # Without clipping or fp16 a one-batch step leaves only the non-finite elements out; an
+    # accumulated step knows every micro-batch's flag before it writes anything, so an inf in
+    # any (an early one, or the last, measuring one) skips it whole, as torch's GradScaler
+    # does, and says so.
+    model = tiny_llama(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    start = snapshot(model)
+    for i, micro in enumerate(micro_batches(0)):
+        loss = model(**micro).loss / K
+        opt.fused_backward(loss * float("inf") if i == bad else loss)
+    assert same_bits(start, snapshot(model))
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+    with pytest.warns(RuntimeWarning, match="skipped whole"):
+        opt.flush_report()
+    assert opt.last_step_skipped and not opt.last_step_partial
+
+
 def test_fp16_accumulation_equals_its_fp32_step_within_fp16_rounding():
     # fp16 weights, fp16 loss-scaled buffers: the step follows the fp32 one to fp16's
     # precision (the weights themselves are fp16: half an ulp, 2**-11 relative, per write).
