@@ -776,8 +776,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         devices = list(dict.fromkeys(p.device for g in self.param_groups for p in g["params"]))
         for device in devices:
             self._scalars.for_device(device)
-        if not self._accumulation.pending:
-            self._scalars.begin_norm_pass(None)
+        if not self._accumulation.pending:  # a sum per parameter, as an eager norm pass's
+            self._scalars.begin_norm_pass(len(self._groups.index_of))
         self._loss_scaling.begin_step(self._scalars)
         self._accumulate_backends = {d: LOMO.resolve(d, self._backend_name) for d in devices}
         self._drop_gradients()  # a stale gradient would be summed into this micro-batch's
@@ -793,8 +793,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._reports.report_previous_step()
         self._prepare_scalars()
         try:
-            accumulation.measure_rest(self._scalars.for_device, self._inv_scale_for, self.backend)
-            self._close_norm_pass(per_parameter=False)
+            accumulation.measure_rest(
+                self._scalars.for_device,
+                lambda param: self._groups.index_of[id(param)],
+                self._inv_scale_for,
+                self.backend,
+            )
+            self._close_norm_pass(per_parameter=True)
             self._step.norm_ready = True  # the buffers' norm serves this update pass
             self._step.begin_pass(Phase.UPDATE)
             buffered = accumulation.buffered()

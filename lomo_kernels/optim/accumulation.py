@@ -126,13 +126,15 @@ class Accumulation:
                 )
             seed_step.fill_(value)
 
-    def add(self, piece: Piece, seed: int, inv_scale: torch.Tensor | None, backend: Any) -> None:
+    def add(self, piece: Piece, index: int, inv_scale: torch.Tensor | None, backend: Any) -> None:
         """Adds a micro-batch's gradient of `piece` (a whole parameter, this rank's reduced
         slice of it or a block of its rows) into the parameter's buffer with one fused pass;
-        `seed`: the parameter's rounding seed (its index). The buffer is this rank's part of
-        the parameter and rounds as the whole parameter's would (`WriteBackRounding.in_pieces`,
-        the 8-bit blocks' flat index); a piece that covers only part of it (row blocks, which
-        may skip rows) adds into a buffer zeroed at its first piece of the step."""
+        `index`: the parameter's index among the trained ones (its rounding seed, and its slot
+        of the per-parameter sums, `DeviceScalars.slot_sum`). The buffer is this rank's part
+        of the parameter and rounds as the whole parameter's would
+        (`WriteBackRounding.in_pieces`, the 8-bit blocks' flat index); a piece that covers only
+        part of it (row blocks, which may skip rows) adds into a buffer zeroed at its first
+        piece of the step."""
         key = id(piece.param)
         buffer, first, start = self._buffer(piece)
         grad = piece.grad
@@ -146,22 +148,22 @@ class Accumulation:
                 raise AssertionError("a row block cut the 8-bit buffer's blocks unannounced")
             self._measure_whole.add(key)
             measuring = False
+        scalars = piece.scalars
+        sumsq = scalars.slot_sum(index) if measuring else None
         if measuring:
             self._measured_ids.add(key)
         if not grad.numel():
             return
-        scalars = piece.scalars
-        sumsq = scalars.sumsq if measuring else None
         # found_inf every micro-batch: a buffer may get no more gradients.
         if isinstance(buffer, Int8Buffer):
             stochastic = self.rounding.stochastic
             seed_step = self._seed_steps[buffer.device] if stochastic else None
             int8_buffer.add(buffer, grad, start, first, (sumsq, scalars.norm_found_inf),
-                            (stochastic, seed, seed_step), inv_scale, backend)  # fmt: skip
+                            (stochastic, index, seed_step), inv_scale, backend)  # fmt: skip
             return
         base = 0 if piece.shard is None else piece.shard.offset
         part = buffer.view(-1)[start:stop]
-        self._add(part, grad, first, base + start, seed, inv_scale, backend,
+        self._add(part, grad, first, base + start, index, inv_scale, backend,
                   (sumsq, scalars.norm_found_inf))  # fmt: skip
 
     def _buffer(self, piece: Piece) -> tuple[Buffer, bool, int]:
@@ -239,22 +241,23 @@ class Accumulation:
     def measure_rest(
         self,
         scalars_for: Callable[[torch.device], DeviceScalars],
+        index_of: Callable[[torch.Tensor], int],
         inv_scale_for: Callable[[torch.device], torch.Tensor | None],
         backend: str | None,
     ) -> None:
         """Measures the buffers the last micro-batch's pass did not (a parameter without a
         gradient there, one measured whole, or every buffer of a step applied early by
-        `step()`), so the step's norm and flag cover every accumulated gradient."""
+        `step()`), each into its parameter's slot (`index_of`), so the step's norms and flag
+        cover every accumulated gradient."""
         for param, buffer, _ in self.buffered():
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
             scalars, inv_scale = scalars_for(buffer.device), inv_scale_for(buffer.device)
+            sumsq = scalars.slot_sum(index_of(param))
             if isinstance(buffer, Int8Buffer):
-                int8_buffer.measure_sumsq(
-                    buffer, scalars.sumsq, scalars.norm_found_inf, inv_scale, backend
-                )
+                int8_buffer.measure_sumsq(buffer, sumsq, scalars.norm_found_inf, inv_scale, backend)
             else:
-                ops.grad_sumsq_(buffer, scalars.sumsq, inv_scale=inv_scale,
+                ops.grad_sumsq_(buffer, sumsq, inv_scale=inv_scale,
                                 found_inf=scalars.norm_found_inf, backend=backend)  # fmt: skip
             self._measured_ids.add(id(param))
 

@@ -46,13 +46,22 @@ class DeviceScalars:
         gradient, a block of its rows or this rank's slice of it; times `inv_scale`) of
         parameter `slot` into that parameter's sum, or into the running total under compiled
         autograd, and its non-finite flag into the pass's."""
-        per_parameter = self.param_sumsq is not None
-        target = self.param_sumsq[slot : slot + 1] if per_parameter else self.sumsq
         ops.grad_sumsq_(
-            grad, target, inv_scale=inv_scale, found_inf=self.norm_found_inf, backend=backend
+            grad,
+            self.slot_sum(slot),
+            inv_scale=inv_scale,
+            found_inf=self.norm_found_inf,
+            backend=backend,
         )
-        if per_parameter:
-            self.measured_slots[slot] = None
+
+    def slot_sum(self, slot: int) -> torch.Tensor:
+        """Where a norm pass (or a measuring micro-batch) adds parameter `slot`'s sum of
+        squares: its entry of `param_sumsq`, noted as reached, or the running total under
+        compiled autograd."""
+        if self.param_sumsq is None:
+            return self.sumsq
+        self.measured_slots[slot] = None
+        return self.param_sumsq[slot : slot + 1]
 
     def close_norm_pass(self) -> None:
         """The total from the parameters' sums, added in the order they arrived: the rounding

@@ -212,7 +212,8 @@ REPORTED_DOCS = {
         "clip_grad_norm set."
     ),
     "grad_norms": (
-        "lomo-optim's per-gradient norms of the last norm pass: a 1-D device tensor with one entry "
+        "lomo-optim's per-gradient norms of the last norm pass (with accumulation_steps > 1, of "
+        "the last step's accumulated gradients): a 1-D device tensor with one entry "
         "per trainable parameter (in model order; 0 for one that got no gradient, which lomo-optim "
         "leaves out), whose 2-norm is the global norm (``torch.norm(opt.grad_norms)``, as with "
         "lomo-optim). Sharded: each whole parameter's norm, on every rank. After a norm pass under "

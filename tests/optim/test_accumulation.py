@@ -84,6 +84,22 @@ def test_nothing_changes_before_the_last_micro_batch_and_no_grad_is_kept(backend
     assert torch.isfinite(opt.last_grad_norm).all()
 
 
+def test_the_step_reports_each_accumulated_gradients_norm():
+    # As after a norm pass: grad_norms holds each parameter's accumulated gradient's norm (in
+    # model order), whose 2-norm is last_grad_norm; torch's summed .grad is the reference.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=1.0, accumulation_steps=K)
+    train_accumulating(ours, opt, steps=1)
+    for micro in micro_batches(0):
+        (ref(**micro).loss / K).backward()
+    expected = torch.stack([p.grad.double().norm() for p in ref.parameters()])
+    norms = opt.grad_norms.double()
+    assert norms.shape == expected.shape
+    # fp32 sums of squares of the same fp32 values in another order: FP32_BOUND relative.
+    assert ((norms - expected).abs() <= FP32_BOUND * expected.max()).all()
+    assert abs(norms.norm().item() / float(opt.last_grad_norm) - 1) <= FP32_BOUND
+
+
 def test_one_micro_batch_per_step_is_the_default_step():
     a, b = tiny_llama(), tiny_llama()
     plain = Lomo(a, lr=0.05, clip_grad_norm=1.0)

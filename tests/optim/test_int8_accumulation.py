@@ -230,7 +230,7 @@ def test_row_blocks_store_the_whole_buffer_and_measure_it_once(backend, rows_per
             else:
                 accumulation.add(piece_of(param, grad, scalars), 3, None, module)
         by_device = {scalars.device: scalars}
-        accumulation.measure_rest(by_device.__getitem__, lambda device: None, module)
+        accumulation.measure_rest(by_device.__getitem__, lambda p: 3, lambda d: None, module)
         ((_, buffer, _),) = accumulation.buffered()
         values = dequantized(buffer, torch.float32, module)
         sumsq = scalars.sumsq.item()
