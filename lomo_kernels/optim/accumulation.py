@@ -149,8 +149,12 @@ class Accumulation:
             self._measure_whole.add(key)
             measuring = False
         scalars = piece.scalars
-        sumsq = scalars.slot_sum(index) if measuring else None
+        sumsq = None
         if measuring:
+            # A second part of the gradient (reentrant checkpoint segments each deliver one)
+            # covers the buffer again: its slot measures the whole sum anew.
+            again = key in self._measured_ids and start == 0 and stop == buffer.numel()
+            sumsq = scalars.slot_sum(index, anew=again)
             self._measured_ids.add(key)
         if not grad.numel():
             return

@@ -54,14 +54,18 @@ class DeviceScalars:
             backend=backend,
         )
 
-    def slot_sum(self, slot: int) -> torch.Tensor:
+    def slot_sum(self, slot: int, anew: bool = False) -> torch.Tensor:
         """Where a norm pass (or a measuring micro-batch) adds parameter `slot`'s sum of
         squares: its entry of `param_sumsq`, noted as reached, or the running total under
-        compiled autograd."""
+        compiled autograd. `anew`: the entry's earlier sum is dropped (it measured part of
+        what the caller measures now: per-parameter sums only)."""
         if self.param_sumsq is None:
+            if anew:
+                raise AssertionError("a running total cannot drop one parameter's sum")
             return self.sumsq
         self.measured_slots[slot] = None
-        return self.param_sumsq[slot : slot + 1]
+        entry = self.param_sumsq[slot : slot + 1]
+        return entry.zero_() if anew else entry
 
     def close_norm_pass(self) -> None:
         """The total from the parameters' sums, added in the order they arrived: the rounding

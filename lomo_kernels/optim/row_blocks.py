@@ -196,6 +196,8 @@ class RowBlocks:
             return  # traced backward: no row blocks there
         if id(param) in self.step.row_block_params:
             self._refuse_second_contribution(param)
-        if id(param) in self.step.whole_params and not self.sharded:
+        # A micro-batch adds each part into the buffer: the parts sum to the gradient.
+        accumulating = self.step.phase is Phase.ACCUMULATE
+        if id(param) in self.step.whole_params and not (self.sharded or accumulating):
             raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
         self.step.whole_params.add(id(param))

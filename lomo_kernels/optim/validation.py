@@ -77,7 +77,8 @@ def gradient_in_parts_error(name: str) -> RuntimeError:
         "whole gradient: use use_reentrant=False (transformers: "
         "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
         "{'use_reentrant': False})). A step with a norm pass (clip_grad_norm, fp16) refuses "
-        "this before any change."
+        "this before any change; with accumulation_steps > 1 the parts are added into the "
+        "parameter's buffer."
     )
 
 

@@ -137,6 +137,47 @@ def test_a_parameter_without_a_gradient_in_some_micro_batches():
     assert max_rel_diff(ours, ref) <= FP32_BOUND
 
 
+class LayerInTwoSegments(torch.nn.Module):
+    """One layer applied in two checkpoint segments: reentrant ones each run a backward of
+    their own, so the layer's gradient reaches its hook in two parts."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(
+                lambda t: torch.tanh(self.layer(t)), x, use_reentrant=self.reentrant
+            )
+        return self.head(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_a_gradient_in_parts_is_accumulated_whole(optimizer):
+    # A one-batch step refuses a gradient in parts (it would step the layer twice); a
+    # micro-batch adds both parts into the buffer, and the measuring one counts the buffer
+    # once: the step equals the same model's whose gradients arrive whole (non-reentrant
+    # segments), with the same norm. The two add the same fp32 parts in another order.
+    lr = 0.05 if optimizer is Lomo else 1e-3
+    runs = []
+    for reentrant in (True, False):
+        model = LayerInTwoSegments(reentrant)
+        opt = optimizer(model, lr=lr, clip_grad_norm=0.1, weight_decay=0.1, accumulation_steps=K)
+        for step in range(2):
+            for i in range(K):
+                gen = torch.Generator().manual_seed(10 * step + i)
+                x = torch.randn(5, 6, generator=gen).requires_grad_()
+                opt.fused_backward(model(x) / K)
+        runs.append((model, opt))
+    (parts, parts_opt), (whole, whole_opt) = runs
+    assert parts_opt.step_count == 2
+    assert max_rel_diff(parts, whole) <= FP32_BOUND
+    assert abs(float(parts_opt.last_grad_norm) / float(whole_opt.last_grad_norm) - 1) <= FP32_BOUND
+
+
 def test_step_applies_a_short_step():
     # The last step of an epoch with fewer than k micro-batches left (transformers' Trainer):
     # opt.step() applies what was accumulated, as torch's step() applies the summed .grad.
