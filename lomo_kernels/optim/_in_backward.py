@@ -436,10 +436,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._step.single_backward:
             inv_scale = self._inv_scale_for(scalars.device)
             coefs, skips = self._sharded.single_backward_flags(ready, inv_scale)
-            coef = (lambda i: None) if coefs is None else (lambda i: coefs[i : i + 1])
             pieces = [
-                self._piece(s.param, grad, scalars, skips[i : i + 1], s, clip_coef=coef(i))
-                for i, (s, grad) in enumerate(ready)
+                self._piece(
+                    shard.param,
+                    grad,
+                    scalars,
+                    skips[i : i + 1],
+                    shard,
+                    clip_coef=None if coefs is None else coefs[i : i + 1],
+                )
+                for i, (shard, grad) in enumerate(ready)
             ]
             batch = PieceBatch(pieces, scalars, scalars.no_skip)
         else:

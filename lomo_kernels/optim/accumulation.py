@@ -136,9 +136,15 @@ class Accumulation:
         part of it (row blocks, which may skip rows) adds into a buffer zeroed at its first
         piece of the step."""
         key = id(piece.param)
-        buffer, first, start = self._buffer(piece)
         grad = piece.grad
+        # The piece's place in the buffer, which is this rank's part of the parameter (its
+        # slice, from the shard's flat offset, or the whole tensor), and whether it covers it.
+        shard = piece.shard
+        like = piece.param if shard is None else shard.local
+        start = piece.offset - (0 if shard is None else shard.offset)
         stop = start + grad.numel()
+        covers = start == 0 and stop == like.numel()
+        buffer, first = self._buffer(piece, like, covers)
         measuring = self.measuring and key not in self._measure_whole
         cuts_blocks = isinstance(buffer, Int8Buffer) and not buffer.covers_whole_blocks(start, stop)
         if measuring and cuts_blocks:
@@ -153,8 +159,7 @@ class Accumulation:
         if measuring:
             # A second part of the gradient (reentrant checkpoint segments each deliver one)
             # covers the buffer again: its slot measures the whole sum anew.
-            again = key in self._measured_ids and start == 0 and stop == buffer.numel()
-            sumsq = scalars.slot_sum(index, anew=again)
+            sumsq = scalars.slot_sum(index, anew=covers and key in self._measured_ids)
             self._measured_ids.add(key)
         if not grad.numel():
             return
@@ -165,32 +170,27 @@ class Accumulation:
             int8_buffer.add(buffer, grad, start, first, (sumsq, scalars.norm_found_inf),
                             (stochastic, index, seed_step), inv_scale, backend)  # fmt: skip
             return
-        base = 0 if piece.shard is None else piece.shard.offset
         part = buffer.view(-1)[start:stop]
-        self._add(part, grad, first, base + start, index, inv_scale, backend,
+        self._add(part, grad, first, piece.offset, index, inv_scale, backend,
                   (sumsq, scalars.norm_found_inf))  # fmt: skip
 
-    def _buffer(self, piece: Piece) -> tuple[Buffer, bool, int]:
-        """`piece`'s parameter's buffer (this rank's part of it), whether the piece is its
-        first gradient of the step and covers it whole (it then overwrites it), and the
-        piece's flat start in it."""
+    def _buffer(self, piece: Piece, like: torch.Tensor, covers: bool) -> tuple[Buffer, bool]:
+        """`piece`'s parameter's buffer (this rank's part of it, shaped like `like`) and
+        whether the piece is its first gradient of the step and `covers` it whole (it then
+        overwrites it)."""
         key = id(piece.param)
-        shard = piece.shard
-        like = piece.param if shard is None else shard.local
-        start = piece.offset - (0 if shard is None else shard.offset)
-        whole = start == 0 and piece.grad.numel() == like.numel()
         entry = self._buffers.get(key)
         if entry is not None and key in self._written:
-            return entry[1], False, start
+            return entry[1], False
         if entry is None:
-            buffer = self._new_buffer(piece.param, like, shard, zeroed=not whole)
-            self._buffers[key] = (piece.param, buffer, shard)
+            buffer = self._new_buffer(piece.param, like, piece.shard, zeroed=not covers)
+            self._buffers[key] = (piece.param, buffer, piece.shard)
         else:
             buffer = entry[1]
-            if not whole:
+            if not covers:
                 buffer.zero_()
         self._written.add(key)
-        return buffer, whole, start
+        return buffer, covers
 
     def _new_buffer(
         self, param: torch.Tensor, like: torch.Tensor, shard: Shard | None, zeroed: bool

@@ -10,7 +10,9 @@ offered only where it equals the whole-tensor step: an attached `Lomo` (SGD is e
 AdaLomo's statistics span the whole matrix), an eager backward of its own norm or update
 pass, an unsharded parameter registered once in the model (a tied weight gets a second
 contribution), and, with stochastic rounding of a bf16 or fp16 parameter, fewer than 2**32
-elements.
+elements. A micro-batch of gradient accumulation only adds, which is elementwise for any
+optimizer and takes a second contribution too: it takes the blocks of any such parameter,
+AdaLomo's and tied weights' included (unsharded, eager, the same size limit).
 
 What each pass does with the blocks:
 
