@@ -20,15 +20,16 @@ squares in double, inf/nan flag) is timed the same way at each level against tor
 gradient, fp32 accumulation): "sumsq" lines, cells median / median(vector_norm).
 
 Gradient accumulation's pass (`grad_accumulate_`: the buffer += the gradient, rounded into
-the buffer's dtype, the stored values' sum of squares and inf/nan flag: what each
-micro-batch of `accumulation_steps` runs) is timed at each level, to nearest (`acc[<level>]`)
-and for bf16 and fp16 stochastically (`acc_sr[<level>]`), against the floor
-`b.add_(g)` (the same bytes): "accumulate" lines, cells median / median(add_), and
-"accumulate sr/nearest" lines.
+the buffer's dtype, with the stored values' inf/nan flag: what each micro-batch of
+`accumulation_steps` runs but the measuring one) is timed at each level, to nearest
+(`acc[<level>]`) and for bf16 and fp16 stochastically (`acc_sr[<level>]`), and as
+`acc+sumsq` / `acc_sr+sumsq` with the stored values' sum of squares too (the measuring
+micro-batch of clipping by norm), against the floor `b.add_(g)` (the same bytes):
+"accumulate" lines, cells median / median(add_), and "accumulate sr/nearest" lines.
 
 The 8-bit blockwise buffer's accumulation pass (`--dtype int8`: `grad_accumulate_int8_` of a
-bf16 gradient with stochastic rounding, `int8[<level>]`; `int8+sumsq[<level>]` also measures
-the sum of squares and flag, as a step's last micro-batch does) is timed at each level against
+bf16 gradient with stochastic rounding and the inf/nan flag, `int8[<level>]`;
+`int8+sumsq[<level>]` also measures the sum of squares, as a step's measuring micro-batch does) is timed at each level against
 the bf16 buffer's stochastic pass of the same gradient (`bf16_sr[<level>]`,
 `bf16_sr+sumsq[<level>]`) and the floor `b.add_(g)` of the bf16 buffer: "int8 ...
 accumulate" lines, cells median / median(add_), and "accumulate int8/bf16_sr" lines, the
@@ -117,24 +118,26 @@ def sumsq_variants(g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
 
 def accumulate_variants(b: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, Callable]:
     """acc[<level>] and, for bf16 and fp16, acc_sr[<level>] per level (the caller sets the
-    level), the sum of squares measured as the last micro-batch measures it; add_."""
+    level): the inf/nan flag alone, as the micro-batches before a step's measuring one run it
+    (every micro-batch without clipping by norm); as "<name>+sumsq" the sum of squares too,
+    as the measuring micro-batch runs it; add_."""
     ext = cpp._loader.module("cpu")
     inv_scale, sumsq, found = torch.tensor([INV_SCALE]), torch.zeros(1), torch.zeros(1)
     seed_step = torch.tensor([3], dtype=torch.int64)
 
-    def nearest() -> None:
-        ext.grad_accumulate_(b, g, False, inv_scale, sumsq, found, False, 0, None)
-
-    def stochastic() -> None:
-        ext.grad_accumulate_(b, g, False, inv_scale, sumsq, found, True, 7, seed_step)
-
-    out = {f"acc[{level}]": nearest for level in levels} if levels else {"acc": nearest}
-    if b.dtype in SR_DTYPES:
-        out.update(
-            {f"acc_sr[{level}]": stochastic for level in levels}
-            if levels
-            else {"acc_sr": stochastic}
+    def make(stochastic: bool, measured: torch.Tensor | None) -> Callable[[], None]:
+        seed, step = (7, seed_step) if stochastic else (0, None)
+        return lambda: ext.grad_accumulate_(
+            b, g, False, inv_scale, measured, found, stochastic, seed, step
         )
+
+    names = [("acc", False)] + ([("acc_sr", True)] if b.dtype in SR_DTYPES else [])
+    out = {}
+    for name, stochastic in names:
+        for suffix, measured in (("", None), ("+sumsq", sumsq)):
+            fn = make(stochastic, measured)
+            keys = [f"{name}{suffix}[{level}]" for level in levels] or [f"{name}{suffix}"]
+            out.update(dict.fromkeys(keys, fn))
     out["add_"] = lambda: b.add_(g)
     return out
 
@@ -143,9 +146,10 @@ def int8_variants(
     g: torch.Tensor, levels: list[str]
 ) -> tuple[dict[str, Callable], tuple[torch.Tensor, ...]]:
     """int8[<level>] (the 8-bit buffer's pass) and bf16_sr[<level>] (a bf16 buffer's) per level
-    (the caller sets the level), both adding the bf16 gradient `g` stochastically: unmeasured
-    (the passes before a step's last) and, as "<name>+sumsq", with the sum of squares and flag
-    measured (the last); add_ into the bf16 buffer. Also the tensors they touch."""
+    (the caller sets the level), both adding the bf16 gradient `g` stochastically: with the
+    inf/nan flag alone (the passes before a step's measuring one) and, as "<name>+sumsq", with
+    the sum of squares too (the measuring one); add_ into the bf16 buffer. Also the tensors
+    they touch."""
     ext = cpp._loader.module("cpu")
     numel = g.numel()
     codes = torch.zeros(numel, dtype=torch.int8)
@@ -155,15 +159,15 @@ def int8_variants(
     seed_step = torch.tensor([3], dtype=torch.int64)
 
     def int8(measured: bool) -> Callable[[], None]:
-        out, flag = (sumsq, found) if measured else (None, None)
+        out = sumsq if measured else None
         return lambda: ext.grad_accumulate_int8_(
-            codes, scales, g, 0, False, inv_scale, out, flag, True, 7, seed_step
+            codes, scales, g, 0, False, inv_scale, out, found, True, 7, seed_step
         )
 
     def bf16_sr(measured: bool) -> Callable[[], None]:
-        out, flag = (sumsq, found) if measured else (None, None)
+        out = sumsq if measured else None
         return lambda: ext.grad_accumulate_(
-            buffer, g, False, inv_scale, out, flag, True, 7, seed_step
+            buffer, g, False, inv_scale, out, found, True, 7, seed_step
         )
 
     out = {}

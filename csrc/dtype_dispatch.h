@@ -48,6 +48,27 @@ void dispatch_bool(bool flag, F&& f) {
   }
 }
 
+// What a pass that stores values measures of them: nothing; whether any stored value times
+// inv_scale is inf/nan (found_inf alone: an accumulation's micro-batches before the measuring
+// one); or that flag and their sum of squares (sumsq).
+enum class Measure { kNothing, kFlag, kSquares };
+
+// f(std::integral_constant<Measure, m>{}): the run-time choice as a compile-time one.
+template <class F>
+void dispatch_measure(Measure m, F&& f) {
+  switch (m) {
+    case Measure::kNothing:
+      f(std::integral_constant<Measure, Measure::kNothing>{});
+      return;
+    case Measure::kFlag:
+      f(std::integral_constant<Measure, Measure::kFlag>{});
+      return;
+    case Measure::kSquares:
+      f(std::integral_constant<Measure, Measure::kSquares>{});
+      return;
+  }
+}
+
 // f(std::true_type{}) when a write-back to P rounds stochastically (asked for, and P is bf16 or
 // fp16: fp32 stores the result exactly), else f(std::false_type{}); the stochastic code is
 // instantiated only for the types that take it.

@@ -156,6 +156,13 @@ void grad_sumsq_(const op_bindings::GradSumsq& a) {
   report_nonfinite(bad, a.found_inf);
 }
 
+// What an accumulation measures of the values it stores: found_inf alone needs only the
+// flag, not the squares.
+lomo::Measure measure_of(const OptTensor& sumsq, const OptTensor& found_inf) {
+  if (sumsq.has_value()) return lomo::Measure::kSquares;
+  return found_inf.has_value() ? lomo::Measure::kFlag : lomo::Measure::kNothing;
+}
+
 void grad_accumulate_(const op_bindings::GradAccumulate& a) {
   binding::check_operands(a, c10::kCPU);
   if (a.sumsq.has_value()) binding::check_scalar(*a.sumsq, c10::kCPU, "sumsq");
@@ -163,14 +170,13 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
   const float inv = binding::read_factor(a.inv_scale, c10::kCPU, "inv_scale");
   const bool stochastic = binding::rounds_stochastically(a.buffer, a.rounding);
   const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
-  // Without sumsq and found_inf the stored values are not measured.
-  const bool measure = a.sumsq.has_value() || a.found_inf.has_value();
+  const lomo::Measure measure = measure_of(a.sumsq, a.found_inf);
   bool bad = false;
   double total = 0.0;
   binding::dispatch_write_back(
       a.buffer, a.grad, stochastic, [&](auto p_tag, auto g_tag, auto rounding, auto b, auto g) {
         lomo::dispatch_bool(a.first, [&](auto first) {
-          lomo::dispatch_bool(measure, [&](auto measured) {
+          lomo::dispatch_measure(measure, [&](auto measured) {
             const auto span = LOMO_AT_LEVEL(
                 level, accumulate_span<decltype(p_tag), decltype(g_tag), decltype(first)::value,
                                        decltype(rounding)::value, decltype(measured)::value>);
@@ -204,7 +210,7 @@ void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
   // The codes round stochastically whatever the gradient's dtype.
   const bool stochastic = a.rounding.stochastic_rounding;
   const uint32_t key = stochastic ? binding::rounding_key(a.rounding) : 0u;
-  const bool measure = a.sumsq.has_value() || a.found_inf.has_value();
+  const lomo::Measure measure = measure_of(a.sumsq, a.found_inf);
   const int64_t numel = a.grad.numel(), offset = a.buffer.offset;
   const int64_t blocks = int8_blocks::blocks_of(offset, numel);
   int8_t* codes = a.buffer.codes.data_ptr<int8_t>();
@@ -214,7 +220,7 @@ void grad_accumulate_int8_(const op_bindings::GradAccumulateInt8& a) {
   binding::dispatch_dtype(a.grad, "grad", [&](auto g_tag, auto g) {
     lomo::dispatch_bool(a.first, [&](auto first) {
       lomo::dispatch_bool(stochastic, [&](auto rounding) {
-        lomo::dispatch_bool(measure, [&](auto measured) {
+        lomo::dispatch_measure(measure, [&](auto measured) {
           const auto span = LOMO_AT_LEVEL(
               level, accumulate_int8_span<decltype(g_tag), decltype(first)::value,
                                           decltype(rounding)::value, decltype(measured)::value>);

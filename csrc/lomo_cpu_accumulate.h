@@ -7,6 +7,26 @@
 // halves are the bits of elements 0-15 and its high halves those of elements 16-31 (the other
 // way round for a key with bit 4 set), each already in its element's lane.
 
+// What the vector loops measure of the stored values is kMeasure's (lomo::Measure): nothing;
+// for the flag alone their largest magnitude (TopMagnitude), tested once per chunk; or their
+// squares in sumsq_span's lanes, whose total's finiteness is the flag.
+
+// The largest magnitude stored so far, lane by lane: fp32 bits of fp32 and bf16 values, fp16
+// bits of fp16 ones (no widening needed).
+template <class V>
+struct TopMagnitude {
+  typename V::Int values;
+  typename V::Halves halves;
+  TopMagnitude() : values(V::set1(0u)), halves{} {}
+  LOMO_INLINE void add(typename V::Float stored) { values = V::max_magnitude(values, stored); }
+  LOMO_INLINE void add(typename V::Halves stored) { halves = V::max_magnitude(halves, stored); }
+  // The fp32 bits of the largest magnitude of all lanes.
+  LOMO_INLINE uint32_t largest() const {
+    const uint16_t half = static_cast<uint16_t>(V::largest(halves));
+    return std::max(V::largest(values), lomo::bits_of(lomo::Fp16::load(half)));
+  }
+};
+
 // 64 bytes of each stream per prefetch, kPrefetchBytes ahead, over a trip of `count`
 // elements (the hint of prefetch_streams, lomo_cpu_lanes.h).
 template <class P, class G, int64_t kCount>
@@ -52,23 +72,56 @@ struct PairRandom8 {
   }
 };
 
-// lomo::f32_to_fp16_sr on every lane with `random` (16 bits per lane): the fp16 bits, and in
-// `stored` their fp32 values. In fp16's normal range (the common case) random >> 3 is added to
-// the fp32 bits (no carry into the sign) and the low 13 mantissa bits cleared, which leaves
-// the stored value itself, converted exactly; a vector with any other value converts
-// fp16_sr_value's exact values to nearest (as update_fp16_sr).
+// lomo::f32_to_fp16_sr on every lane of a vector inside fp16's normal range, with `random` (16
+// bits per lane): random >> 3 added to the fp32 bits (no carry into the sign) and a truncating
+// conversion, which drops exactly the low 13 mantissa bits, as clearing them gives `stored`
+// (computed only where the squares use it).
+template <class V>
+LOMO_INLINE typename V::Halves fp16_sr_normal(typename V::Float u, typename V::Int random,
+                                              typename V::Float& stored) {
+  const typename V::Int sum = V::add(V::bits(u), V::shr(random, 3));
+  stored = V::from_bits(V::bit_and(sum, V::set1(~0x1FFFu)));
+  return V::template narrow<_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC>(V::from_bits(sum));
+}
+
+// lomo::f32_to_fp16_sr on every lane: the fp16 bits, and in `stored` their fp32 values.
+// fp16_sr_normal where every lane is in fp16's normal range (the common case); otherwise
+// fp16_sr_value's exact values converted to nearest (as update_fp16_sr).
 template <class V>
 LOMO_INLINE typename V::Halves fp16_sr_halves(typename V::Float u, typename V::Int random,
                                               typename V::Float& stored) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   if (__builtin_expect(!V::any(fp16_outside_normal<V>(u)), 1)) {
-    const typename V::Int sum = V::add(V::bits(u), V::shr(random, 3));
-    stored = V::from_bits(V::bit_and(sum, V::set1(~0x1FFFu)));
-    return V::template narrow<kNearest>(stored);
+    return fp16_sr_normal<V>(u, random, stored);
   }
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const typename V::Halves halves = V::template narrow<kNearest>(fp16_sr_value<V>(u, random));
   stored = V::widen(halves);
   return halves;
+}
+
+// A trip's 32 values u[0 .. 32 / V::kCount) rounded stochastically to fp16, stored at dst in
+// order and handed to `m`: one range test for the trip (the largest fp16_normal_key), then
+// fp16_sr_normal for every vector; a trip with a value outside fp16's normal range takes
+// fp16_sr_halves vector by vector.
+template <class V, class Measured>
+LOMO_INLINE void store_fp16_sr_trip(uint16_t* dst, const typename V::Float* u,
+                                    const typename V::Int* random, Measured& m) {
+  constexpr int kParts = 32 / V::kCount;
+  typename V::Int key = fp16_normal_key<V>(u[0]);
+  for (int k = 1; k < kParts; ++k) key = V::max_signed(key, fp16_normal_key<V>(u[k]));
+  const bool normal = !V::any(V::greater(key, V::set1(kFp16NormalTop)));
+  for (int k = 0; k < kParts; ++k) {
+    typename V::Float stored;
+    if (__builtin_expect(normal, 1)) {
+      const typename V::Halves halves = fp16_sr_normal<V>(u[k], random[k], stored);
+      V::store_halves(dst + k * V::kCount, halves);
+      m.stored_normal(halves, stored);
+    } else {
+      const typename V::Halves halves = fp16_sr_halves<V>(u[k], random[k], stored);
+      V::store_halves(dst + k * V::kCount, halves);
+      m.stored(halves, stored);
+    }
+  }
 }
 
 // fp16 bits of every lane, to nearest or stochastically (fp16_sr_halves), and their values.
@@ -96,56 +149,101 @@ LOMO_INLINE __m256i bf16_sr8(__m256 u, __m256i random) {
   return _mm256_and_si256(out, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
 }
 
+// Whether a value in fp16's normal range (at most 65504 in magnitude) times inv_scale can be
+// inf/nan: fp32 rounding is monotone, so when 65504 * inv_scale is finite no such value can
+// raise the flag and the flag need not look at them.
+inline bool fp16_normal_may_flag(float inv_scale) {
+  return !std::isfinite(lomo::mul_rn(65504.0f, inv_scale));
+}
+
+// What accumulate_avx2 measures of each 8 stored values (kMeasure): nothing, their largest
+// magnitude, or their squares times inv in sumsq_span's lanes 0-3 (low) and 4-7 (high).
+template <Measure kMeasure>
+struct Measured8 {
+  __m256 inv;
+  __m256d low, high;
+  TopMagnitude<Lanes8> top;
+  bool normal_may_flag;
+  Measured8(float inv_scale, const double* lanes)
+      : inv(_mm256_set1_ps(inv_scale)), low(_mm256_loadu_pd(lanes)),
+        high(_mm256_loadu_pd(lanes + 4)), normal_may_flag(fp16_normal_may_flag(inv_scale)) {}
+  // Eight stored values as fp32; fp16 ones also as stored (`halves`), which the flag reads.
+  LOMO_INLINE void stored(__m256 values) {
+    if constexpr (kMeasure == Measure::kSquares) add_squares8(values, inv, low, high);
+    if constexpr (kMeasure == Measure::kFlag) top.add(values);
+  }
+  LOMO_INLINE void stored(__m128i halves, __m256 values) {
+    if constexpr (kMeasure == Measure::kSquares) add_squares8(values, inv, low, high);
+    if constexpr (kMeasure == Measure::kFlag) top.add(halves);
+  }
+  // fp16 values inside fp16's normal range (fp16_sr_normal's).
+  LOMO_INLINE void stored_normal(__m128i halves, __m256 values) {
+    if (kMeasure != Measure::kFlag || normal_may_flag) stored(halves, values);
+  }
+  // Into accumulate_span's lanes, or its largest magnitude's fp32 bits.
+  void finish(double* lanes, uint32_t& largest) const {
+    if constexpr (kMeasure == Measure::kSquares) {
+      _mm256_storeu_pd(lanes, low);
+      _mm256_storeu_pd(lanes + 4, high);
+    }
+    if constexpr (kMeasure == Measure::kFlag) largest = std::max(largest, top.largest());
+  }
+};
+
 // Stores 8 fp32 values at dst in P's dtype (to nearest, or stochastically with `random`, 16
-// bits per lane) and returns what was stored, widened back to fp32 exactly. bf16:
-// bf16_rne_high8 / bf16_sr8 (the high halves are the stored values), packed in order;
-// fp16: F16C's nearest conversion, after fp16_sr_value for stochastic rounding.
-template <class P, bool kStochastic>
-LOMO_INLINE __m256 store_accumulated8(typename P::T* dst, __m256 u, __m256i random) {
+// bits per lane) and hands what was stored to `m`. bf16: bf16_rne_high8 / bf16_sr8 (the high
+// halves are the stored values), packed in order; fp16: F16C's conversion (fp16_halves).
+template <class P, bool kStochastic, class Measured>
+LOMO_INLINE void store_accumulated8(typename P::T* dst, __m256 u, __m256i random, Measured& m) {
   if constexpr (std::is_same_v<P, lomo::Fp32>) {
     _mm256_storeu_ps(dst, u);
-    return u;
+    m.stored(u);
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
     __m256 stored;
-    Lanes8::store_halves(dst, fp16_halves<Lanes8, kStochastic>(u, random, stored));
-    return stored;
+    const __m128i halves = fp16_halves<Lanes8, kStochastic>(u, random, stored);
+    Lanes8::store_halves(dst, halves);
+    m.stored(halves, stored);
   } else {
     const __m256i high = kStochastic ? bf16_sr8(u, random) : bf16_rne_high8(u);
     // Words 0-3 and 4-7 land in the low quadword of each 128-bit lane: gather those two.
     const __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(high, 16), _mm256_setzero_si256());
     Lanes8::store_halves(dst, _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0x08)));
-    return _mm256_castsi256_ps(high);
+    m.stored(_mm256_castsi256_ps(high));
   }
 }
 
 // accumulate_span's vector loop over the first elements of [0, n) from the flat index lo, a
 // multiple of 32: 32 elements per trip (one PairRandom8 draw, a prefetch per 64 bytes of each
-// stream), 8 lanes at a time (any dtype pair: load_floats8 widens each exactly), the sum of
-// squares of the stored values in sumsq_span's lanes (element 8k + l into lane l), so the
-// total is grad_sumsq_'s of the written buffer bit for bit. Returns the elements done (a
-// multiple of 32).
-template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
+// stream), 8 lanes at a time (any dtype pair: load_floats8 widens each exactly), measured as
+// Measured8 measures (element 8k + l into lane l of the squares, so their total is
+// grad_sumsq_'s of the written buffer bit for bit). Returns the elements done (a multiple of
+// 32).
+template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure>
 int64_t accumulate_avx2(typename P::T* __restrict b, const typename G::T* __restrict g,
                         int64_t n, uint32_t lo, uint32_t hi, uint32_t key, float inv_scale,
-                        double* lanes) {
+                        double* lanes, uint32_t& largest) {
   const PairRandom8 random(key, hi);
-  const __m256 inv = _mm256_set1_ps(inv_scale);
-  __m256d low = _mm256_loadu_pd(lanes), high = _mm256_loadu_pd(lanes + 4);
+  Measured8<kMeasure> measured(inv_scale, lanes);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_trip<P, G, 32>(b + i, g + i);
     __m256i r[4] = {};
     if constexpr (kStochastic) random.bits(lo + static_cast<uint32_t>(i), r);
+    __m256 u[4];
     for (int part = 0; part < 4; ++part) {
       const int64_t e = i + 8 * part;
-      __m256 u = load_floats8<G>(g + e);
-      if constexpr (!kFirst) u = _mm256_add_ps(load_floats8<P>(b + e), u);
-      const __m256 stored = store_accumulated8<P, kStochastic>(b + e, u, r[part]);
-      if constexpr (kMeasure) add_squares8(stored, inv, low, high);
+      u[part] = load_floats8<G>(g + e);
+      if constexpr (!kFirst) u[part] = _mm256_add_ps(load_floats8<P>(b + e), u[part]);
+    }
+    if constexpr (std::is_same_v<P, lomo::Fp16> && kStochastic) {
+      store_fp16_sr_trip<Lanes8>(b + i, u, r, measured);
+    } else {
+      for (int part = 0; part < 4; ++part) {
+        store_accumulated8<P, kStochastic>(b + i + 8 * part, u[part], r[part], measured);
+      }
     }
   }
-  _mm256_storeu_pd(lanes, low);
-  _mm256_storeu_pd(lanes + 4, high);
+  measured.finish(lanes, largest);
   return i;
 }
 
@@ -203,20 +301,56 @@ LOMO_INLINE void add_squares16(__m512 values, __m512 inv, __m512d& acc) {
   acc = _mm512_add_pd(acc, _mm512_mul_pd(c, c));
 }
 
+// Measured8 on 16 lanes: the squares in sumsq_span's lanes as add_squares16 adds them.
+template <Measure kMeasure>
+struct Measured16 {
+  __m512 inv;
+  __m512d squares;
+  TopMagnitude<Lanes16> top;
+  bool normal_may_flag;
+  Measured16(float inv_scale, const double* lanes)
+      : inv(_mm512_set1_ps(inv_scale)), squares(_mm512_loadu_pd(lanes)),
+        normal_may_flag(fp16_normal_may_flag(inv_scale)) {}
+  LOMO_INLINE void stored(__m512 values) {
+    if constexpr (kMeasure == Measure::kSquares) add_squares16(values, inv, squares);
+    if constexpr (kMeasure == Measure::kFlag) top.add(values);
+  }
+  LOMO_INLINE void stored(__m256i halves, __m512 values) {
+    if constexpr (kMeasure == Measure::kSquares) add_squares16(values, inv, squares);
+    if constexpr (kMeasure == Measure::kFlag) top.add(halves);
+  }
+  LOMO_INLINE void stored_normal(__m256i halves, __m512 values) {
+    if (kMeasure != Measure::kFlag || normal_may_flag) stored(halves, values);
+  }
+  void finish(double* lanes, uint32_t& largest) const {
+    if constexpr (kMeasure == Measure::kSquares) _mm512_storeu_pd(lanes, squares);
+    if constexpr (kMeasure == Measure::kFlag) largest = std::max(largest, top.largest());
+  }
+};
+
 // 32 fp32 values (u0: elements 0-15, u1: 16-31) stored at dst in P's dtype as
-// store_accumulated8 stores them; s0, s1: the stored values widened back to fp32. bf16: one
-// vpermt2w takes the 32 high words in element order.
-template <class P, bool kStochastic>
+// store_accumulated8 stores them, handed to `m` in order. bf16: one vpermt2w takes the 32
+// high words in element order.
+template <class P, bool kStochastic, class Measured>
 LOMO_INLINE void store_accumulated32(typename P::T* dst, __m512 u0, __m512 u1, __m512i r0,
-                                     __m512i r1, __m512& s0, __m512& s1) {
+                                     __m512i r1, Measured& m) {
   if constexpr (std::is_same_v<P, lomo::Fp32>) {
     _mm512_storeu_ps(dst, u0);
     _mm512_storeu_ps(dst + 16, u1);
-    s0 = u0;
-    s1 = u1;
+    m.stored(u0);
+    m.stored(u1);
+  } else if constexpr (std::is_same_v<P, lomo::Fp16> && kStochastic) {
+    const __m512 u[2] = {u0, u1};
+    const __m512i random[2] = {r0, r1};
+    store_fp16_sr_trip<Lanes16>(dst, u, random, m);
   } else if constexpr (std::is_same_v<P, lomo::Fp16>) {
-    Lanes16::store_halves(dst, fp16_halves<Lanes16, kStochastic>(u0, r0, s0));
-    Lanes16::store_halves(dst + 16, fp16_halves<Lanes16, kStochastic>(u1, r1, s1));
+    __m512 s0, s1;
+    const __m256i h0 = fp16_halves<Lanes16, kStochastic>(u0, r0, s0);
+    Lanes16::store_halves(dst, h0);
+    const __m256i h1 = fp16_halves<Lanes16, kStochastic>(u1, r1, s1);
+    Lanes16::store_halves(dst + 16, h1);
+    m.stored(h0, s0);
+    m.stored(h1, s1);
   } else {
     const __m512i zero = _mm512_setzero_si512();
     const __m512i w0 = kStochastic ? bf16_sr16(u0, r0) : bf16_rne_high_vector(u0, zero, 0);
@@ -227,21 +361,19 @@ LOMO_INLINE void store_accumulated32(typename P::T* dst, __m512 u0, __m512 u1, _
                                                15, 13, 11, 9, 7, 5, 3, 1);
     _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(w0, odd_words, w1));
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    s0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-    s1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+    m.stored(_mm512_castsi512_ps(_mm512_and_si512(w0, high)));
+    m.stored(_mm512_castsi512_ps(_mm512_and_si512(w1, high)));
   }
 }
 
 // accumulate_avx2 on 16 lanes (lo a multiple of 32): 32 elements per step (one PairRandom16
-// draw), the sum of squares in sumsq_span's lanes as add_squares16 adds them. Returns the
-// elements done (a multiple of 32).
-template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
+// draw), measured as Measured16 measures. Returns the elements done (a multiple of 32).
+template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure>
 int64_t accumulate_avx512(typename P::T* __restrict b, const typename G::T* __restrict g,
                           int64_t n, uint32_t lo, uint32_t hi, uint32_t key, float inv_scale,
-                          double* lanes) {
+                          double* lanes, uint32_t& largest) {
   const PairRandom16 random(key, hi);
-  const __m512 inv = _mm512_set1_ps(inv_scale);
-  __m512d acc = _mm512_loadu_pd(lanes);
+  Measured16<kMeasure> measured(inv_scale, lanes);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_trip<P, G, 32>(b + i, g + i);
@@ -252,14 +384,9 @@ int64_t accumulate_avx512(typename P::T* __restrict b, const typename G::T* __re
     }
     __m512i r0 = _mm512_setzero_si512(), r1 = r0;
     if constexpr (kStochastic) random.bits(lo + static_cast<uint32_t>(i), r0, r1);
-    __m512 s0, s1;
-    store_accumulated32<P, kStochastic>(b + i, u0, u1, r0, r1, s0, s1);
-    if constexpr (kMeasure) {
-      add_squares16(s0, inv, acc);
-      add_squares16(s1, inv, acc);
-    }
+    store_accumulated32<P, kStochastic>(b + i, u0, u1, r0, r1, measured);
   }
-  _mm512_storeu_pd(lanes, acc);
+  measured.finish(lanes, largest);
   return i;
 }
 #endif

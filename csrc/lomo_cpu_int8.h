@@ -340,18 +340,42 @@ LOMO_INLINE void accumulate_block(const int8_blocks::BlockSpan& span, int8_t* c,
 // ---------------------------------------------------------------------------------------
 // The ops' spans
 
+// Whether blocks [first_block, first_block + blocks) as stored hold a value whose product with
+// inv is inf/nan: a nan scale (a block that held an inf or nan), or else a code * scale * inv
+// past fp32, which needs a look at the codes only where 127 times the largest scale times inv
+// is (fp32 rounding is monotone and |code| <= 127): the squares' flag without the squares.
+inline uint32_t int8_flag(const int8_t* codes, const float* scales, int64_t offset,
+                          int64_t numel, int64_t first_block, int64_t blocks, float inv) {
+  float largest = 0.0f;
+  for (int64_t b = first_block; b < first_block + blocks; ++b) {
+    if (std::isnan(scales[b])) return 1u;
+    largest = std::max(largest, scales[b]);
+  }
+  if (std::isfinite(lomo::mul_rn(lomo::mul_rn(127.0f, largest), inv))) return 0u;
+  for (int64_t b = first_block; b < first_block + blocks; ++b) {
+    const int8_blocks::BlockSpan span = int8_blocks::block_span(offset, numel, b);
+    for (int64_t k = 0; k < span.count; ++k) {
+      const float code = static_cast<float>(codes[span.begin + k]);
+      if (!std::isfinite(lomo::mul_rn(lomo::mul_rn(code, scales[b]), inv))) return 1u;
+    }
+  }
+  return 0u;
+}
+
 // Blocks [first_block, first_block + blocks) of grad_accumulate_int8_ on a buffer of `numel`
 // elements at flat `offset` (codes, grad: from the buffer's element 0; scales: one per block).
 // Each block: new = fp32(grad) (kFirst: codes and scales not read) or code * scale +
 // fp32(grad); its scale from the largest |new|; the codes to nearest even or stochastically
 // (kStochastic: pair_bits16 of each element's flat index under `key`); a block holding an inf
-// or nan stores codes 0 and a nan scale. With kMeasure, returns the stored values' (times
-// inv) sum of squares, its kInt8Lanes lanes added in order (bad set when it is not finite: a
-// nan block, or a stored value times inv past fp32); 0 without.
-template <class G, bool kFirst, bool kStochastic, bool kMeasure>
+// or nan stores codes 0 and a nan scale. kSquares returns the stored values' (times inv) sum
+// of squares, its kInt8Lanes lanes added in order, and sets bad when it is not finite (a nan
+// block, or a stored value times inv past fp32); kFlag sets only that flag (int8_flag); both
+// others return 0.
+template <class G, bool kFirst, bool kStochastic, Measure kMeasure>
 double accumulate_int8_span(int8_t* codes, float* scales, const typename G::T* grad,
                             int64_t offset, int64_t numel, int64_t first_block, int64_t blocks,
                             float inv, uint32_t key, uint32_t& bad) {
+  constexpr bool kSquares = kMeasure == Measure::kSquares;
   double lanes[kInt8Lanes] = {};
   for (int64_t b = first_block; b < first_block + blocks; ++b) {
     const int8_blocks::BlockSpan span = int8_blocks::block_span(offset, numel, b);
@@ -359,16 +383,16 @@ double accumulate_int8_span(int8_t* codes, float* scales, const typename G::T* g
     const typename G::T* g = grad + span.begin;
     prefetch_nta_ahead(g, span.count * static_cast<int64_t>(sizeof(typename G::T)));
     prefetch_nta_ahead(c, span.count);
-    accumulate_block<G, kFirst, kStochastic, kMeasure>(span, c, g, scales[b], key, inv, lanes);
+    accumulate_block<G, kFirst, kStochastic, kSquares>(span, c, g, scales[b], key, inv, lanes);
   }
-  if constexpr (kMeasure) {
-    double total = 0.0;
-    for (double lane : lanes) total += lane;
-    bad |= std::isfinite(total) ? 0u : 1u;  // no finite sum overflows: as lanes_total
-    return total;
-  } else {
-    return 0.0;
+  if constexpr (kMeasure == Measure::kFlag) {
+    bad |= int8_flag(codes, scales, offset, numel, first_block, blocks, inv);
   }
+  if constexpr (!kSquares) return 0.0;
+  double total = 0.0;
+  for (double lane : lanes) total += lane;
+  bad |= std::isfinite(total) ? 0u : 1u;  // no finite sum overflows: as lanes_total
+  return total;
 }
 
 // The values code * scale of the buffer's elements [begin, begin + count) into out (exact: the

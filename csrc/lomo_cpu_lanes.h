@@ -25,6 +25,7 @@ struct Lanes8 {
   static LOMO_INLINE Int sub(Int a, Int b) { return _mm256_sub_epi32(a, b); }
   static LOMO_INLINE Int mul(Int a, Int b) { return _mm256_mullo_epi32(a, b); }
   static LOMO_INLINE Int min_u(Int a, Int b) { return _mm256_min_epu32(a, b); }
+  static LOMO_INLINE Int max_signed(Int a, Int b) { return _mm256_max_epi32(a, b); }
   static LOMO_INLINE Int bit_and(Int a, Int b) { return _mm256_and_si256(a, b); }
   static LOMO_INLINE Int and_not(Int a, Int b) { return _mm256_andnot_si256(a, b); }
   static LOMO_INLINE Int bit_or(Int a, Int b) { return _mm256_or_si256(a, b); }
@@ -57,6 +58,22 @@ struct Lanes8 {
     return _mm256_cvtps_ph(f, kRounding);
   }
   static LOMO_INLINE void prefetch(const void* p, const void* g) { prefetch_streams(p, g); }
+  // max(top, |stored|) lane by lane, of the fp32 (Int) or fp16 (Halves) bits read unsigned,
+  // which order magnitudes as their values do (finite < inf < nan); and the largest lane.
+  static LOMO_INLINE Int max_magnitude(Int top, Float stored) {
+    return _mm256_max_epu32(top, _mm256_and_si256(bits(stored), set1(0x7FFFFFFFu)));
+  }
+  static LOMO_INLINE Halves max_magnitude(Halves top, Halves stored) {
+    return _mm_max_epu16(top, _mm_and_si128(stored, _mm_set1_epi16(0x7FFF)));
+  }
+  static LOMO_INLINE uint32_t largest(Int top) {
+    alignas(32) uint32_t lanes[kCount];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
+    return *std::max_element(lanes, lanes + kCount);
+  }
+  static LOMO_INLINE uint32_t largest(Halves top) {
+    return largest(_mm256_cvtepu16_epi32(top));
+  }
 };
 
 #if LOMO_LOOPS_AVX512
@@ -74,6 +91,7 @@ struct Lanes16 {
   static LOMO_INLINE Int sub(Int a, Int b) { return _mm512_sub_epi32(a, b); }
   static LOMO_INLINE Int mul(Int a, Int b) { return _mm512_mullo_epi32(a, b); }
   static LOMO_INLINE Int min_u(Int a, Int b) { return _mm512_min_epu32(a, b); }
+  static LOMO_INLINE Int max_signed(Int a, Int b) { return _mm512_max_epi32(a, b); }
   static LOMO_INLINE Int bit_and(Int a, Int b) { return _mm512_and_si512(a, b); }
   static LOMO_INLINE Int and_not(Int a, Int b) { return _mm512_andnot_si512(a, b); }
   static LOMO_INLINE Int bit_or(Int a, Int b) { return _mm512_or_si512(a, b); }
@@ -106,6 +124,16 @@ struct Lanes16 {
     return _mm512_cvtps_ph(f, kRounding);
   }
   static LOMO_INLINE void prefetch(const void* p, const void* g) { prefetch_ahead(p, g); }
+  static LOMO_INLINE Int max_magnitude(Int top, Float stored) {
+    return _mm512_max_epu32(top, _mm512_and_si512(bits(stored), set1(0x7FFFFFFFu)));
+  }
+  static LOMO_INLINE Halves max_magnitude(Halves top, Halves stored) {
+    return _mm256_max_epu16(top, _mm256_and_si256(stored, _mm256_set1_epi16(0x7FFF)));
+  }
+  static LOMO_INLINE uint32_t largest(Int top) { return _mm512_reduce_max_epu32(top); }
+  static LOMO_INLINE uint32_t largest(Halves top) {
+    return _mm512_reduce_max_epu32(_mm512_cvtepu16_epi32(top));
+  }
 };
 #endif
 
@@ -140,9 +168,13 @@ constexpr uint32_t kFp16NormalTop =
     0x80000000u + 2u * (lomo::kFp16MaxBits - lomo::kFp16MinNormalBits);
 
 template <class V>
+LOMO_INLINE typename V::Int fp16_normal_key(typename V::Float u) {
+  return V::add(V::shl(V::bits(u), 1), V::set1(kFp16NormalShift));
+}
+
+template <class V>
 LOMO_INLINE typename V::Mask fp16_outside_normal(typename V::Float u) {
-  const typename V::Int shifted = V::add(V::shl(V::bits(u), 1), V::set1(kFp16NormalShift));
-  return V::greater(shifted, V::set1(kFp16NormalTop));
+  return V::greater(fp16_normal_key<V>(u), V::set1(kFp16NormalTop));
 }
 
 // lomo::fp16_sr_value on every lane: the stochastically rounded value on the fp16 grid (fp32),

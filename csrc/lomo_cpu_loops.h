@@ -16,6 +16,8 @@
 // at 32M elements: fp32 full option set 0.96 -> 0.84 of torch._fused_sgd_, bf16 7.1 ->
 // 4.0 ms). Prefetches never fault, so running past the end of an array is harmless.
 constexpr int64_t kPrefetchBytes = 4096;
+
+using lomo::Measure;
 constexpr int64_t kLineBytes = 64;
 
 // kWrite: the line will be written (PREFETCHW where the target has it: no ownership
@@ -590,27 +592,29 @@ LOMO_INLINE void pair_bits32(uint32_t first, uint32_t hi, uint32_t key, uint32_t
 // multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's
 // chunks start at multiples of kGrain, which divides 2^32). Stores round(buffer + grad)
 // (kFirst: round(grad), the buffer not read) to nearest even or stochastically with the
-// accumulation's bits (lomo::pair_bits16), and with kMeasure returns sumsq_span of the stored
-// values (the same lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); 0
-// without.
-template <class P, class G, bool kFirst, bool kStochastic, bool kMeasure>
+// accumulation's bits (lomo::pair_bits16). kSquares returns sumsq_span of the stored values
+// (the same lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); kFlag sets
+// only that flag, from the largest stored magnitude (fp32 rounding is monotone, so its product
+// with inv_scale is inf/nan exactly when one of theirs is); both others return 0.
+template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure>
 double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t begin,
                        int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
   typename P::T* __restrict b = buffer + begin;
   const typename G::T* __restrict g = grad + begin;
   const uint32_t lo = static_cast<uint32_t>(begin), hi = static_cast<uint32_t>(begin >> 32);
   double lanes[kSumLanes] = {};
+  uint32_t largest = 0;  // kFlag: the fp32 bits of the largest stored magnitude
   int64_t i = 0;
 #if LOMO_LOOPS_AVX512
   i = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
-                                                             lanes);
+                                                             lanes, largest);
 #elif LOMO_LOOPS_AVX2
   i = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
-                                                           lanes);
+                                                           lanes, largest);
 #endif
-  // The portable loop: element i (a multiple of 32 on entry) into lane i % 8, stored with
-  // `random` (16 bits; unused to nearest).
-  const auto one = [&](int64_t k, uint32_t random) {
+  // The portable loop: element i (a multiple of 32 on entry) measured into lane i % 8, stored
+  // with `random` (16 bits; unused to nearest).
+  const auto one = [&](int64_t k, int lane, uint32_t random) {
     const float gv = G::load(g[k]);
     const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
     typename P::T out;
@@ -620,8 +624,13 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
       out = P::round(v);
     }
     b[k] = out;
-    const double stored = lomo::mul_rn(P::load(out), inv_scale);
-    return stored * stored;
+    if constexpr (kMeasure == Measure::kSquares) {
+      const double stored = lomo::mul_rn(P::load(out), inv_scale);
+      lanes[lane] += stored * stored;
+    }
+    if constexpr (kMeasure == Measure::kFlag) {
+      largest = std::max(largest, lomo::bits_of(P::load(out)) & 0x7FFFFFFFu);
+    }
   };
   // Stochastic: blocks of 32 (lo + i is a multiple of 32 here), one hash per pair of elements
   // l and l + 16, its halves in the order pair_bits16 gives them.
@@ -629,12 +638,7 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     for (; i + 32 <= n; i += 32) {
       uint32_t random[32];
       pair_bits32(lo + static_cast<uint32_t>(i), hi, key, random);
-      for (int k = 0; k < 32; k += kSumLanes) {
-        for (int l = 0; l < kSumLanes; ++l) {
-          const double square = one(i + k + l, random[k + l]);
-          if constexpr (kMeasure) lanes[l] += square;
-        }
-      }
+      for (int k = 0; k < 32; ++k) one(i + k, k % kSumLanes, random[k]);
     }
   }
   // The rest (everything when rounding to nearest), stochastically a hash per element.
@@ -642,16 +646,14 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
   };
   for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (int l = 0; l < kSumLanes; ++l) {
-      const double square = one(i + l, bits(i + l));
-      if constexpr (kMeasure) lanes[l] += square;
-    }
+    for (int l = 0; l < kSumLanes; ++l) one(i + l, l, bits(i + l));
   }
-  for (int l = 0; i < n; ++i, ++l) {
-    const double square = one(i, bits(i));
-    if constexpr (kMeasure) lanes[l] += square;
+  for (int l = 0; i < n; ++i, ++l) one(i, l, bits(i));
+  if constexpr (kMeasure == Measure::kSquares) return lanes_total(lanes, bad);
+  if constexpr (kMeasure == Measure::kFlag) {
+    bad |= std::isfinite(lomo::mul_rn(lomo::float_of(largest), inv_scale)) ? 0u : 1u;
   }
-  return kMeasure ? lanes_total(lanes, bad) : 0.0;
+  return 0.0;
 }
 
 #include "lomo_cpu_int8.h"

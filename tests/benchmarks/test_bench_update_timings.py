@@ -71,9 +71,14 @@ def test_cpu_levels_one_line_per_level_dtype_and_size(tmp_path, capsys, restore_
             update += [f"sr[{level}]" for level in levels]
         assert sorted(r["update_s"]) == sorted([*update, "torch._fused_sgd_", "axpy"])
         assert list(r["sumsq_s"]) == [*(f"sumsq[{level}]" for level in levels), "vector_norm"]
-        accumulate = [f"acc[{level}]" for level in levels]
-        if r["dtype"] == "bf16":
-            accumulate += [f"acc_sr[{level}]" for level in levels]
+        # The flag alone (the micro-batches before the measuring one), then with the squares.
+        names = ["acc", "acc_sr"] if r["dtype"] == "bf16" else ["acc"]
+        accumulate = [
+            f"{name}{suffix}[{level}]"
+            for name in names
+            for suffix in ("", "+sumsq")
+            for level in levels
+        ]
         assert list(r["accumulate_s"]) == [*accumulate, "add_"]
         assert all(all_positive(r[key]) for key in ("update_s", "sumsq_s", "accumulate_s"))
     # Per dtype and size: the update line, sr/nearest for bf16, the sum-of-squares line, the

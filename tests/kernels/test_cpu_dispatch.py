@@ -311,6 +311,13 @@ def test_grad_accumulate_every_level_matches_reference(
             assert_same_stored(got, want)
             assert f_got.item() == f_want.item() == 0.0
             assert s_got.item() == _lane_order_sumsq(got, 0.5, 1.25)
+            # The flag alone (the loops that track the largest magnitude): the same bits.
+            (alone, _), _, (f_alone, _) = accumulate_both(
+                cpp_backend, buffer, grad, first=first, inv_scale=inv, sr=sr, seed=size,
+                seed_step=torch.tensor([size * 31], dtype=torch.int64), squares=False,
+            )  # fmt: skip
+            assert_same_stored(alone, got)
+            assert f_alone.item() == 0.0
             # Started at minus the sum, the fp32 result shows the double sum's low bits.
             start = -_lane_order_sumsq(got, 0.5, 0.0)
             again = buffer.clone()
@@ -319,17 +326,19 @@ def test_grad_accumulate_every_level_matches_reference(
             assert sumsq.item() == _lane_order_sumsq(again, 0.5, start)
 
 
+@pytest.mark.parametrize("squares", [True, False], ids=["squares", "flag alone"])
 @pytest.mark.parametrize("where", ["first", "vector body", "tail"])
 @pytest.mark.parametrize("special", ["inf", "nan", "overflow"])
 @pytest.mark.parametrize(
     "bdt,gdt", [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")]
 )
 def test_grad_accumulate_every_level_flags_non_finite(
-    level: str, bdt: str, gdt: str, special: str, where: str
+    level: str, bdt: str, gdt: str, special: str, where: str, squares: bool
 ) -> None:
     # A non-finite stored value, wherever it sits, raises found_inf and makes the sum
     # non-finite; "overflow": a finite stored value the inverse scale (2.0) takes past fp32
-    # (the dtype's largest; fp16's stays finite and must not be flagged).
+    # (the dtype's largest; fp16's stays finite and must not be flagged). With the flag
+    # alone (no sumsq) the loops track the largest magnitude instead of the squares.
     n = 4_101
     buffer = make_param(n, DTYPES[bdt], seed=4, specials=False)
     grad = make_grad(n, DTYPES[gdt], seed=4, scale=1.0, specials=False)
@@ -340,12 +349,44 @@ def test_grad_accumulate_every_level_flags_non_finite(
         grad[index] = float(special)
     for sr in roundings(bdt):
         (got, want), (s_got, _), (f_got, f_want) = accumulate_both(
-            cpp_backend, buffer, grad, inv_scale=torch.tensor([2.0]), sr=sr, seed=1
-        )
+            cpp_backend, buffer, grad, inv_scale=torch.tensor([2.0]), sr=sr, seed=1,
+            squares=squares,
+        )  # fmt: skip
         assert_same_stored(got, want)
         flagged = not torch.isfinite(got[index].float() * 2.0).item()
         assert f_got.item() == f_want.item() == float(flagged)
-        assert s_got.isfinite().item() != flagged
+        if squares:
+            assert s_got.isfinite().item() != flagged
+
+
+@pytest.mark.parametrize("where", ["first", "vector body", "tail"])
+@pytest.mark.parametrize("inv_scale", [1e30, 1e34], ids=["65504 x inv finite", "overflows"])
+@pytest.mark.parametrize("bdt", ["fp16", "bf16", "fp32"])
+def test_grad_accumulate_flag_alone_at_a_huge_inverse_scale(
+    level: str, bdt: str, inv_scale: float, where: str
+) -> None:
+    # The flag alone looks at every stored value times inv_scale, including fp16's normal-range
+    # values, which it skips only where 65504 * inv_scale is finite (1e30; 1e34 overflows): a
+    # moderate buffer is not flagged, one value of 40000 is at 1e34 only (4e38 > fp32's
+    # largest), wherever it sits; as the reference and the squares say.
+    n = 4_101
+    buffer = make_param(n, DTYPES[bdt], seed=6, specials=False)
+    grad = make_grad(n, DTYPES[bdt], seed=6, scale=1.0, specials=False)
+    inv = torch.tensor([inv_scale])
+    for big in (False, True):
+        if big:
+            buffer[{"first": 0, "vector body": 2_053, "tail": n - 2}[where]] = 40_000.0
+        for sr in roundings(bdt):
+            (got, want), _, (f_got, f_want) = accumulate_both(
+                cpp_backend, buffer, grad, inv_scale=inv, sr=sr, seed=2, squares=False
+            )
+            _, (s_squares, _), (f_squares, _) = accumulate_both(
+                cpp_backend, buffer, grad, inv_scale=inv, sr=sr, seed=2
+            )
+            assert_same_stored(got, want)
+            flagged = not torch.isfinite(got.float().abs().max() * inv_scale).item()
+            assert flagged == (big and inv_scale == 1e34)
+            assert f_got.item() == f_want.item() == f_squares.item() == float(flagged)
 
 
 # ----------------------------------------------------------------------------- 8-bit buffer
@@ -424,6 +465,13 @@ def test_grad_accumulate_int8_every_level_matches_reference(
                 assert torch.equal(found, want[2])
                 expected = torch.tensor(start + total, dtype=torch.float64).float()
                 assert same_sum(sumsq, expected.reshape(1))
+            # The flag alone (no sumsq): the same store and flag.
+            c, s, found = codes.clone(), scales.clone(), torch.zeros(1)
+            cpp_backend.grad_accumulate_int8_(
+                c, s, grad, offset, first, inv, None, found, sr, size, None
+            )
+            assert_same_buffer((c, want[0]), (s, want[1]))
+            assert torch.equal(found, want[2])
 
 
 @functools.cache

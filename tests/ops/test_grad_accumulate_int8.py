@@ -393,14 +393,20 @@ def test_nan_scale_persists_until_first(backend):
 
 
 def test_found_inf_measures_the_stored_values_times_inv_scale(backend):
-    # 3e38 is stored finite (code 113, scale 2**121); times inv_scale 4 it overflows.
+    # 3e38 is stored finite (code 113, scale 2**121, 3.004e38); times inv_scale 1.2 or 4 it
+    # overflows fp32 (3.403e38), times 1.1 not, though 127 * 2**121 * 1.1 would: the flag
+    # alone (no sumsq) reads the codes there, and must agree with the squares.
     grad = torch.full((37,), 1.0)
     grad[20] = 3.0e38
-    for inv_scale, flagged in ((1.0, 0.0), (4.0, 1.0)):
+    for inv_scale, flagged in ((1.0, 0.0), (1.1, 0.0), (1.2, 1.0), (4.0, 1.0)):
         codes, scales = torch.empty(37, dtype=torch.int8), torch.empty(1)
         sumsq, found = accumulate(backend, codes, scales, grad, 0, True, inv_scale=inv_scale)
         assert scales.item() == 2.0**121 and codes[20].item() == 113
         assert found == flagged
+        alone = torch.zeros(1)
+        ops.grad_accumulate_int8_(codes, scales, grad, offset=0, first=True, inv_scale=inv_scale,
+                                  found_inf=alone, backend=backend)  # fmt: skip
+        assert alone.item() == flagged
 
 
 def test_options_absent_store_the_same(backend):

@@ -113,15 +113,18 @@ def accumulate_both(
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
     start: float = 0.75,
+    squares: bool = True,
 ) -> tuple[tuple, tuple, tuple]:
     """`module.grad_accumulate_` (a backend) and the reference's on copies of `buffer`, each
-    with sumsq (from `start`) and found_inf: ((buffers), (sumsqs), (flags)), backend first."""
+    with sumsq (from `start`; None without `squares`: the flag alone) and found_inf:
+    ((buffers), (sumsqs), (flags)), backend first."""
     from lomo_kernels.ops.lomo import reference
 
     buffers, sums, flags = [], [], []
     for m in (module, reference):
         out, sumsq, found = buffer.clone(), torch.tensor([start]), torch.zeros(1)
-        m.grad_accumulate_(out, grad, first, inv_scale, sumsq, found, sr, seed, seed_step)
+        measured = sumsq if squares else None
+        m.grad_accumulate_(out, grad, first, inv_scale, measured, found, sr, seed, seed_step)
         buffers.append(out)
         sums.append(sumsq)
         flags.append(found)
