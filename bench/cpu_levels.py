@@ -29,11 +29,11 @@ micro-batch of clipping by norm), against the floor `b.add_(g)` (the same bytes)
 
 The 8-bit blockwise buffer's accumulation pass (`--dtype int8`: `grad_accumulate_int8_` of a
 bf16 gradient with stochastic rounding and the inf/nan flag, `int8[<level>]`;
-`int8+sumsq[<level>]` also measures the sum of squares, as a step's measuring micro-batch does) is timed at each level against
-the bf16 buffer's stochastic pass of the same gradient (`bf16_sr[<level>]`,
-`bf16_sr+sumsq[<level>]`) and the floor `b.add_(g)` of the bf16 buffer: "int8 ...
-accumulate" lines, cells median / median(add_), and "accumulate int8/bf16_sr" lines, the
-int8 pass's median over the bf16 one's at the same level.
+`int8+sumsq[<level>]` also measures the sum of squares, as a step's measuring micro-batch
+does) is timed at each level against the bf16 buffer's stochastic pass of the same gradient
+(`bf16_sr[<level>]`, `bf16_sr+sumsq[<level>]`) and the floor `b.add_(g)` of the bf16 buffer:
+"int8 ... accumulate" lines, cells median / median(add_), and "accumulate int8/bf16_sr"
+lines, the int8 pass's median over the bf16 one's at the same level.
 
 Time is the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall time: on a machine
 shared with other jobs a call preempted mid-way would otherwise count the other jobs' time.

@@ -145,8 +145,10 @@ def grad_accumulate_(
     ``seed_step`` and the element index as `fused_lomo_update_`'s write-back). With ``sumsq``
     (1-element fp32), ``sumsq += sum((stored * inv_scale) ** 2)``: the norm of what an update
     reading the buffer with that ``inv_scale`` sees. ``found_inf`` is raised to 1 when a
-    stored value times ``inv_scale`` is inf/nan. The buffer holds the loss-scaled sum (as
-    ``.grad`` does under torch's GradScaler): ``inv_scale`` unscales only the measurement.
+    stored value times ``inv_scale`` is inf/nan; given alone, the CPU kernels track only the
+    largest stored magnitude for it, a cheaper pass than the squares (what the micro-batches
+    before a step's measuring one run). The buffer holds the loss-scaled sum (as ``.grad``
+    does under torch's GradScaler): ``inv_scale`` unscales only the measurement.
     """
     public = locals()  # the arguments, by name
     check_pair(buffer, grad)
