@@ -7,12 +7,9 @@
 // halves are the bits of elements 0-15 and its high halves those of elements 16-31 (the other
 // way round for a key with bit 4 set), each already in its element's lane.
 
-// What the vector loops measure of the stored values is kMeasure's (lomo::Measure): nothing;
-// for the flag alone their largest magnitude (TopMagnitude), tested once per chunk; or their
-// squares in sumsq_span's lanes, whose total's finiteness is the flag.
-
 // The largest magnitude stored so far, lane by lane: fp32 bits of fp32 and bf16 values, fp16
-// bits of fp16 ones (no widening needed).
+// bits of fp16 ones (no widening needed). What the flag alone (lomo::Measure::kFlag) tracks
+// of the stored values, tested once per chunk; the squares' total is the flag otherwise.
 template <class V>
 struct TopMagnitude {
   typename V::Int values;

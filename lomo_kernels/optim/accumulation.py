@@ -7,8 +7,9 @@ micro-batch. Its backward adds every gradient into the parameter's buffer with o
 allocated at the parameter's first gradient of the step, in the parameter's dtype (bf16 and
 fp16 rounded stochastically by default, as the write-back is) or in ``accumulation_dtype``
 (``torch.int8``: the 8-bit blockwise buffer, `int8_buffer.py`).
-The k-th micro-batch's pass also measures the accumulated gradients' squared norm and
-inf/nan flag, so the step then knows the exact global norm without a norm pass: every
+Every micro-batch's pass raises the inf/nan flag of what it stores (the flag alone is a
+cheaper pass than the squares); the k-th also measures the accumulated gradients' squared
+norm, so the step then knows the exact global norm without a norm pass: every
 parameter is updated from its buffer with the clip coefficient of the whole big batch, or,
 after an overflow in any micro-batch, none is and the loss scale is lowered once (torch's
 GradScaler semantics). The buffers stay allocated for the next step, whose first gradient
