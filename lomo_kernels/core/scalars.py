@@ -69,24 +69,6 @@ def optional_factor(name: str, value: Scalar | None, device: torch.device) -> to
     return device_scalar(name, value, device)
 
 
-def grad_transform(
-    inv_scale: Scalar | None,
-    clip_value: float | None,
-    clip_coef: Scalar | None,
-    device: torch.device,
-) -> tuple[torch.Tensor | None, float | None, torch.Tensor | None]:
-    """(inv_scale, clip_value, clip_coef), checked, as every op that reads a gradient takes
-    them (in that order): ``clamp(grad * inv_scale, +-clip_value) * clip_coef``."""
-    if clip_value is not None:
-        check_finite("clip_value", clip_value, positive=True)
-        clip_value = float(clip_value)
-    return (
-        optional_factor("inv_scale", inv_scale, device),
-        clip_value,
-        optional_factor("clip_coef", clip_coef, device),
-    )
-
-
 def copied_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device` without a host sync where none is needed: onto a GPU asynchronously;
     onto the CPU synchronously, as an asynchronous device-to-host copy lands in pinned memory

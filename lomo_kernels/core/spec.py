@@ -198,9 +198,6 @@ class OpSpec:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
-    def names_of_args(self) -> list[str]:
-        return [a.name for a in self.args]
-
     @property
     def qualname(self) -> str:
         return f"lomo_kernels::{self.name}"
