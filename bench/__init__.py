@@ -23,6 +23,7 @@ STUDIES: dict[str, str] = {
     "kernels": "time the fused update against its baselines, sizes 4K to 64M",
     "update": "the C++ CPU update, every option set, against torch's updates and the memory floor",
     "cpu_levels": "the C++ CPU update and sum of squares at every vector level this CPU runs",
+    "accumulate": "gradient accumulation's pass per backend: to nearest and stochastic, vs add_",
     "host_time": "host time of one update call on a small tensor, the ways a program makes it",
     "memory": "measure peak memory per optimizer (parameters, gradients, states, activations)",
     "train": "end-to-end fine-tuning per optimizer: tokens/s, step time, peak memory, OOM",

@@ -16,7 +16,9 @@ allows with a minute to spare, 10 s left for the machine line and the files; wit
                     takes seconds
     head        50  one process; liger-kernel and cut-cross-entropy compile their kernels
     host-time   25  two short processes
-    quality     95  the tiny model's pretraining on the CPU (~30 s, then cached) and 18 short
+    accumulate  30  one process: the accumulation's Triton kernels compile (4 forms) and a
+                    64M bf16 buffer is timed on both backends
+    quality     65  the tiny model's pretraining on the CPU (~30 s, then cached) and 18 short
                     fine-tuning runs, 8 at a time
 
 Each command writes its results as JSON into a scratch folder (the smoke tests' outcomes as
@@ -314,7 +316,35 @@ def summarize_host_time(results: dict[str, Any]) -> Summary:
     return summary
 
 
-# ----------------------------------------------------------------------------- f. quality
+# ----------------------------------------------------------------------------- f. accumulate
+
+ACCUMULATE = {"cuda": "--sizes 64M --dtype bf16", "cpu": "--sizes 4K --dtype bf16 --reps 2"}
+
+
+def accumulate_commands(device: str, scratch: Path) -> list[Command]:
+    output = scratch / "accumulate.json"
+    flags = [*ACCUMULATE[sizes(device)].split(), "--json", str(output)]
+    return [Command("", bench("accumulate", device, *flags), output)]
+
+
+def summarize_accumulate(results: dict[str, Any]) -> Summary:
+    """Per size and variant: its time over `add_`'s; per stochastic variant, its time over the
+    round-to-nearest one's (the target: at most 1.05x on a GPU)."""
+    summary = Summary()
+    if results[""] is None:
+        return summary
+    for case in results[""]["results"]:
+        seconds = case["seconds"]
+        for variant, value in seconds.items():
+            row = f"{case['dtype']} {case['numel']}: {variant}"
+            summary.add(row, "x add_", value / seconds["add_"])
+            if variant.startswith("acc_sr"):
+                nearest = "acc" + variant.removeprefix("acc_sr")
+                summary.add(row, "x nearest", value / seconds[nearest])
+    return summary
+
+
+# ----------------------------------------------------------------------------- g. quality
 
 QUALITY = {
     "cuda": "--rows paper --workers 8",
@@ -384,10 +414,18 @@ PARTS: tuple[Part, ...] = (
         summarize_host_time,
     ),
     Part(
+        "accumulate",
+        "bench accumulate: gradient accumulation's pass on each backend, to nearest and "
+        "stochastic, against b.add_(g)",
+        30,
+        accumulate_commands,
+        summarize_accumulate,
+    ),
+    Part(
         "quality",
         "bench quality on the device: the share of the fp32-weights gain bf16 and fp16 "
         "weights keep",
-        95,
+        65,
         quality_commands,
         summarize_quality,
     ),

@@ -1,4 +1,5 @@
-"""`python -m bench.update`, `bench.cpu_levels` and `bench.host_time` on tiny sizes, through
+"""`python -m bench.update`, `bench.cpu_levels`, `bench.accumulate` and `bench.host_time` on
+tiny sizes, through
 the command line: every row a benchmark promises is there, every figure is a positive time,
 and what the tables print agrees with the JSON they write."""
 
@@ -118,6 +119,33 @@ def test_cpu_levels_int8_rows(tmp_path, capsys, restore_threads):
     ratio = re.search(rf"\+sumsq\[{levels[-1]}\] ([\d.]+)", lines[-1]).group(1)
     expected = med[f"int8+sumsq[{levels[-1]}]"] / med[f"bf16_sr+sumsq[{levels[-1]}]"]
     assert float(ratio) == pytest.approx(expected, abs=6e-4)
+
+
+def test_accumulate_every_backend_form_and_rounding(tmp_path, capsys, restore_threads):
+    # Per dtype and size: the flag-alone and +sumsq passes per backend serving the CPU, to
+    # nearest and (bf16) stochastically, against add_; the sr/nearest line what the JSON's
+    # medians give.
+    argv = ["accumulate", "--sizes", "4K,8K", "--dtype", "bf16,fp32", "--reps", "2"]
+    lines, result = run_cli(argv, tmp_path, capsys)
+    runs = [(r["dtype"], r["numel"]) for r in result["results"]]
+    assert runs == [("bf16", 4096), ("bf16", 8192), ("fp32", 4096), ("fp32", 8192)]
+    for r in result["results"]:
+        names = ["acc", "acc_sr"] if r["dtype"] == "bf16" else ["acc"]
+        keys = [
+            f"{name}[{backend}]{suffix}"
+            for backend in ("cpp", "torch")
+            for name in names
+            for suffix in ("", "+sumsq")
+        ]
+        assert list(r["seconds"]) == [*keys, "add_"] and all_positive(r["seconds"])
+    tagged = [line.split(":")[0] for line in lines if re.match(r"(bf16|fp32) +\d+K", line)]
+    assert tagged == [
+        "bf16   4K", "bf16   4K sr/nearest", "bf16   8K", "bf16   8K sr/nearest",
+        "fp32   4K", "fp32   8K",
+    ]  # fmt: skip
+    med = result["results"][0]["seconds"]
+    ratio = re.search(r"\[cpp\]\+sumsq ([\d.]+)", lines[3]).group(1)
+    assert float(ratio) == pytest.approx(med["acc_sr[cpp]+sumsq"] / med["acc[cpp]+sumsq"], abs=6e-4)
 
 
 def test_update_every_case_dtype_and_variant_and_its_targets(tmp_path, capsys, restore_threads):

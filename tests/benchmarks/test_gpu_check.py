@@ -91,6 +91,8 @@ def test_figures_come_from_each_benchmark(checked) -> None:
     assert {"unfused", "fused_lomo"} <= set(figures["head"])  # liger and cce need CUDA
     for backend in parts.HOST_TIME_BACKENDS:
         assert figures["host-time"][f"{backend}: p.add_"]["x p.add_"] == 1.0
+    assert figures["accumulate"]["bf16 4096: add_"]["x add_"] == 1.0
+    assert "x nearest" in figures["accumulate"]["bf16 4096: acc_sr[cpp]"]
     assert all({"loss before", "loss after"} <= set(v) for v in figures["quality"].values())
 
 
