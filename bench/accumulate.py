@@ -36,14 +36,17 @@ from .common import machine
 from .common.argtypes import add_counts, add_device_argument, add_json_argument, add_list_argument
 from .common.dtypes import DTYPES
 from .common.timing import DeviceClock, time_interleaved
-from .kernels import INV_SCALE, add_sizes_argument, available_backends, size_label
+from .kernels import (
+    CPU_REFERENCE_MAX_NUMEL,
+    INV_SCALE,
+    add_sizes_argument,
+    available_backends,
+    size_label,
+)
 
 SIZES = (2**24, 2**26)  # 16M, 64M: a 7B model's matrices are 16-50M elements
 SR_DTYPES = (torch.bfloat16, torch.float16)
 FLOOR = "add_"
-# The pure-PyTorch reference makes fp32 copies of every tensor: past this size it is left out
-# on the CPU, to keep a run to minutes.
-CPU_REFERENCE_MAX_NUMEL = 2**20
 
 
 def variants(
