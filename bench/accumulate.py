@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lomo_kernels import ops
+from lomo_kernels.core.rounding import rounds_stochastically
 
 from .common import machine
 from .common.argtypes import add_counts, add_device_argument, add_json_argument, add_list_argument
@@ -45,7 +46,6 @@ from .kernels import (
 )
 
 SIZES = (2**24, 2**26)  # 16M, 64M: a 7B model's matrices are 16-50M elements
-SR_DTYPES = (torch.bfloat16, torch.float16)
 FLOOR = "add_"
 
 
@@ -58,7 +58,7 @@ def variants(
     inv_scale = torch.tensor([INV_SCALE], device=device)
     sumsq, found = torch.zeros(1, device=device), torch.zeros(1, device=device)
     seed_step = torch.tensor([3], dtype=torch.int64, device=device)
-    stochastic_forms = (False, True) if buffer.dtype in SR_DTYPES else (False,)
+    stochastic_forms = (False, True) if rounds_stochastically(buffer.dtype) else (False,)
 
     def make(backend: str, stochastic: bool, measured: torch.Tensor | None) -> Callable:
         return lambda: ops.grad_accumulate_(

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from lomo_kernels.core.int8_blocks import blocks_of
+from lomo_kernels.core.rounding import rounds_stochastically
 from lomo_kernels.ops.lomo import cpp_backend as cpp
 
 from .common import machine
@@ -72,7 +73,6 @@ from .kernels import (
 )
 
 SIZES = (2**16, 2**20, 2**22, 2**24)  # 64K, 1M, 4M, 16M
-SR_DTYPES = (torch.bfloat16, torch.float16)  # the parameters stochastic rounding applies to
 INT8 = "int8"  # the 8-bit blockwise buffer's rows (`int8_rows`)
 
 
@@ -96,7 +96,7 @@ def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, C
 
     # An extension without levels (an older build): its one loop set, as "ours".
     out = {f"ours[{level}]": ours for level in levels} if levels else {"ours": ours}
-    if p.dtype in SR_DTYPES:
+    if rounds_stochastically(p.dtype):
         out.update({f"sr[{level}]": sr for level in levels} if levels else {"sr": sr})
     out["torch._fused_sgd_"] = lambda: fused_sgd([p], [g], LR)
     out["axpy"] = lambda: p.add_(g, alpha=-LR)
@@ -131,7 +131,7 @@ def accumulate_variants(b: torch.Tensor, g: torch.Tensor, levels: list[str]) -> 
             b, g, False, inv_scale, measured, found, stochastic, seed, step
         )
 
-    names = [("acc", False)] + ([("acc_sr", True)] if b.dtype in SR_DTYPES else [])
+    names = [("acc", False)] + ([("acc_sr", True)] if rounds_stochastically(b.dtype) else [])
     out = {}
     for name, stochastic in names:
         for suffix, measured in (("", None), ("+sumsq", sumsq)):

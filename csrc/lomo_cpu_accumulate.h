@@ -24,6 +24,45 @@ struct TopMagnitude {
   }
 };
 
+// Whether a value in fp16's normal range (at most 65504 in magnitude) times inv_scale can be
+// inf/nan: fp32 rounding is monotone, so when 65504 * inv_scale is finite no such value can
+// raise the flag and the flag need not look at them.
+inline bool fp16_normal_may_flag(float inv_scale) {
+  return !std::isfinite(lomo::mul_rn(65504.0f, inv_scale));
+}
+
+// What an accumulate loop of V's lanes measures of each vector of stored values (kMeasure):
+// nothing, their largest magnitude, or their squares times inv in sumsq_span's lanes (laid
+// out as `Squares` adds them: Squares8, Squares16).
+template <class V, class Squares, Measure kMeasure>
+struct Measured {
+  typename V::Float inv;
+  Squares squares;
+  TopMagnitude<V> top;
+  bool normal_may_flag;
+  Measured(float inv_scale, const double* lanes)
+      : inv(V::set1(inv_scale)), squares(lanes),
+        normal_may_flag(fp16_normal_may_flag(inv_scale)) {}
+  // Stored values as fp32; fp16 ones also as stored (`halves`), which the flag reads.
+  LOMO_INLINE void stored(typename V::Float values) {
+    if constexpr (kMeasure == Measure::kSquares) squares.add(values, inv);
+    if constexpr (kMeasure == Measure::kFlag) top.add(values);
+  }
+  LOMO_INLINE void stored(typename V::Halves halves, typename V::Float values) {
+    if constexpr (kMeasure == Measure::kSquares) squares.add(values, inv);
+    if constexpr (kMeasure == Measure::kFlag) top.add(halves);
+  }
+  // fp16 values inside fp16's normal range (fp16_sr_normal's).
+  LOMO_INLINE void stored_normal(typename V::Halves halves, typename V::Float values) {
+    if (kMeasure != Measure::kFlag || normal_may_flag) stored(halves, values);
+  }
+  // Into accumulate_span's lanes, or its largest magnitude's fp32 bits.
+  void finish(double* lanes, uint32_t& largest) const {
+    if constexpr (kMeasure == Measure::kSquares) squares.store(lanes);
+    if constexpr (kMeasure == Measure::kFlag) largest = std::max(largest, top.largest());
+  }
+};
+
 // 64 bytes of each stream per prefetch, kPrefetchBytes ahead, over a trip of `count`
 // elements (the hint of prefetch_streams, lomo_cpu_lanes.h).
 template <class P, class G, int64_t kCount>
@@ -146,46 +185,19 @@ LOMO_INLINE __m256i bf16_sr8(__m256 u, __m256i random) {
   return _mm256_and_si256(out, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
 }
 
-// Whether a value in fp16's normal range (at most 65504 in magnitude) times inv_scale can be
-// inf/nan: fp32 rounding is monotone, so when 65504 * inv_scale is finite no such value can
-// raise the flag and the flag need not look at them.
-inline bool fp16_normal_may_flag(float inv_scale) {
-  return !std::isfinite(lomo::mul_rn(65504.0f, inv_scale));
-}
-
-// What accumulate_avx2 measures of each 8 stored values (kMeasure): nothing, their largest
-// magnitude, or their squares times inv in sumsq_span's lanes 0-3 (low) and 4-7 (high).
-template <Measure kMeasure>
-struct Measured8 {
-  __m256 inv;
+// The squares in sumsq_span's lanes as add_squares8 adds them: lanes 0-3 (low), 4-7 (high).
+struct Squares8 {
   __m256d low, high;
-  TopMagnitude<Lanes8> top;
-  bool normal_may_flag;
-  Measured8(float inv_scale, const double* lanes)
-      : inv(_mm256_set1_ps(inv_scale)), low(_mm256_loadu_pd(lanes)),
-        high(_mm256_loadu_pd(lanes + 4)), normal_may_flag(fp16_normal_may_flag(inv_scale)) {}
-  // Eight stored values as fp32; fp16 ones also as stored (`halves`), which the flag reads.
-  LOMO_INLINE void stored(__m256 values) {
-    if constexpr (kMeasure == Measure::kSquares) add_squares8(values, inv, low, high);
-    if constexpr (kMeasure == Measure::kFlag) top.add(values);
-  }
-  LOMO_INLINE void stored(__m128i halves, __m256 values) {
-    if constexpr (kMeasure == Measure::kSquares) add_squares8(values, inv, low, high);
-    if constexpr (kMeasure == Measure::kFlag) top.add(halves);
-  }
-  // fp16 values inside fp16's normal range (fp16_sr_normal's).
-  LOMO_INLINE void stored_normal(__m128i halves, __m256 values) {
-    if (kMeasure != Measure::kFlag || normal_may_flag) stored(halves, values);
-  }
-  // Into accumulate_span's lanes, or its largest magnitude's fp32 bits.
-  void finish(double* lanes, uint32_t& largest) const {
-    if constexpr (kMeasure == Measure::kSquares) {
-      _mm256_storeu_pd(lanes, low);
-      _mm256_storeu_pd(lanes + 4, high);
-    }
-    if constexpr (kMeasure == Measure::kFlag) largest = std::max(largest, top.largest());
+  explicit Squares8(const double* lanes)
+      : low(_mm256_loadu_pd(lanes)), high(_mm256_loadu_pd(lanes + 4)) {}
+  LOMO_INLINE void add(__m256 values, __m256 inv) { add_squares8(values, inv, low, high); }
+  void store(double* lanes) const {
+    _mm256_storeu_pd(lanes, low);
+    _mm256_storeu_pd(lanes + 4, high);
   }
 };
+template <Measure kMeasure>
+using Measured8 = Measured<Lanes8, Squares8, kMeasure>;
 
 // Stores 8 fp32 values at dst in P's dtype (to nearest, or stochastically with `random`, 16
 // bits per lane) and hands what was stored to `m`. bf16: bf16_rne_high8 / bf16_sr8 (the high
@@ -298,32 +310,15 @@ LOMO_INLINE void add_squares16(__m512 values, __m512 inv, __m512d& acc) {
   acc = _mm512_add_pd(acc, _mm512_mul_pd(c, c));
 }
 
-// Measured8 on 16 lanes: the squares in sumsq_span's lanes as add_squares16 adds them.
-template <Measure kMeasure>
-struct Measured16 {
-  __m512 inv;
-  __m512d squares;
-  TopMagnitude<Lanes16> top;
-  bool normal_may_flag;
-  Measured16(float inv_scale, const double* lanes)
-      : inv(_mm512_set1_ps(inv_scale)), squares(_mm512_loadu_pd(lanes)),
-        normal_may_flag(fp16_normal_may_flag(inv_scale)) {}
-  LOMO_INLINE void stored(__m512 values) {
-    if constexpr (kMeasure == Measure::kSquares) add_squares16(values, inv, squares);
-    if constexpr (kMeasure == Measure::kFlag) top.add(values);
-  }
-  LOMO_INLINE void stored(__m256i halves, __m512 values) {
-    if constexpr (kMeasure == Measure::kSquares) add_squares16(values, inv, squares);
-    if constexpr (kMeasure == Measure::kFlag) top.add(halves);
-  }
-  LOMO_INLINE void stored_normal(__m256i halves, __m512 values) {
-    if (kMeasure != Measure::kFlag || normal_may_flag) stored(halves, values);
-  }
-  void finish(double* lanes, uint32_t& largest) const {
-    if constexpr (kMeasure == Measure::kSquares) _mm512_storeu_pd(lanes, squares);
-    if constexpr (kMeasure == Measure::kFlag) largest = std::max(largest, top.largest());
-  }
+// The squares in sumsq_span's lanes as add_squares16 adds them.
+struct Squares16 {
+  __m512d acc;
+  explicit Squares16(const double* lanes) : acc(_mm512_loadu_pd(lanes)) {}
+  LOMO_INLINE void add(__m512 values, __m512 inv) { add_squares16(values, inv, acc); }
+  void store(double* lanes) const { _mm512_storeu_pd(lanes, acc); }
 };
+template <Measure kMeasure>
+using Measured16 = Measured<Lanes16, Squares16, kMeasure>;
 
 // 32 fp32 values (u0: elements 0-15, u1: 16-31) stored at dst in P's dtype as
 // store_accumulated8 stores them, handed to `m` in order. bf16: one vpermt2w takes the 32
