@@ -647,6 +647,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         _compiled_autograd.check_supported()
         checked = self._groups.checked(self.param_groups, None if lr is None else check_lr(lr))
         self._loss_scaling.check(owner)
+        if self._accumulation is not None:
+            self._accumulation.check_scale(self._loss_scaling)
         names = functools.partial(parameter_names, self.model)
         self._groups.refresh(self.param_groups, checked, lr, names)
         self._reports.begin_call()
@@ -742,6 +744,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._check_call(loss, lr)
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
             raise RuntimeError(ACCUMULATION_COMPILED_ERROR)
+        # At every call, as fused_backward's without accumulation: a report that raises (a
+        # warning made an error, fp16's minimum scale) then leaves this micro-batch out whole.
+        self._reports.report_previous_step()
         self._step.begin(Plan.ACCUMULATE)
         # The whole gradients go to the buffers: only a sparse gradient is refused there. A
         # parameter the graph gives more than one gradient is measured whole at the step.
@@ -796,9 +801,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         updated from its buffer as the update pass after a norm pass updates it (clipped,
         or skipped whole after an overflow); the buffers are released either way."""
         accumulation = self._accumulation
-        self._reports.report_previous_step()
-        self._prepare_scalars()
         try:
+            self._prepare_scalars()
             accumulation.measure_rest(
                 self._scalars.for_device,
                 lambda param: self._groups.index_of[id(param)],
@@ -817,6 +821,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
             self._reports.record_interruption(error, True, self._step.updated)
+            error.add_note(
+                "lomo_kernels: the micro-batches accumulated for this step were dropped"
+            )
             raise
         finally:
             accumulation.release()

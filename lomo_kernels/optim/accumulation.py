@@ -36,6 +36,7 @@ from ..ops.lomo import grad_accumulate_op
 from . import int8_buffer
 from .device_scalars import DeviceScalars
 from .int8_buffer import Int8Buffer
+from .loss_scaling import LossScaling
 from .piece import Piece
 from .rounding import WriteBackRounding, step_value
 
@@ -104,6 +105,22 @@ class Accumulation:
         # contribution, or 8-bit blocks cut by row blocks): measured whole by `measure_rest`.
         self._measure_whole: set[int] = set()
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
+        self._scale_setting: object = None  # the loss scale the pending micro-batches took
+
+    def check_scale(self, scaling: LossScaling) -> None:
+        """Notes the loss scale set when no micro-batch is pending; refuses, before any change,
+        a scale set anew while some are: the buffers hold gradients scaled by the one the
+        step's first micro-batch took, and the step divides them by the scale then set."""
+        if not self.pending:
+            self._scale_setting = scaling.setting()
+        elif scaling.scale_changed_since(self._scale_setting):
+            raise RuntimeError(
+                f"{scaling.setting_name} was set while {self.pending} of {self.steps} "
+                "micro-batches are accumulated: their buffers hold gradients scaled by the "
+                "scale of the step's first micro-batch, which the step would divide by the new "
+                "one. Set the loss scale between steps (after a step's last micro-batch, "
+                "opt.step() or opt.zero_grad()), or set it back. Nothing was changed."
+            )
 
     def begin_micro_batch(
         self,

@@ -103,6 +103,9 @@ class DynamicLossScaler:
         # Raised when an overflow happens while the scale is already at its minimum.
         self.overflow_at_min = torch.zeros(1, device=device)
         self.overflow = torch.zeros(1, device=device)  # the last outcome applied
+        # How often the caller set the scale (cur_scale, load_state_dict): a host count, as
+        # reading the scale would sync with the device.
+        self.times_set = 0
 
     def update(self, found_inf: torch.Tensor, apply: torch.Tensor | None = None) -> None:
         """One step's bookkeeping, given the step's overflow flag (1-element, on device).
@@ -162,6 +165,7 @@ class DynamicLossScaler:
         _check_settings("cur_scale", value, *settings)
         self.scale.fill_(float(value))
         torch.reciprocal(self.scale, out=self.inv_scale)
+        self.times_set += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -191,3 +195,4 @@ class DynamicLossScaler:
         self.overflow_at_min.zero_()
         self.overflow.zero_()
         torch.reciprocal(self.scale, out=self.inv_scale)
+        self.times_set += 1

@@ -25,6 +25,8 @@ class LossScaling:
 
     # The dynamic scaler, whose state the checkpoint and the step reports read (None here).
     scaler: DynamicLossScaler | None = None
+    # Where the caller sets the scale (named by the accumulation's refusal of a new one).
+    setting_name = "the loss scale"
 
     def __init__(self, fp16: bool = False) -> None:
         self.fp16 = fp16
@@ -39,6 +41,15 @@ class LossScaling:
         """The gradients' inverse scale on `device` as the ops take it: a device tensor, or
         None for 1."""
         return None
+
+    def setting(self) -> object:
+        """The scale as the caller set it, for `scale_changed_since` (no host sync)."""
+        return None
+
+    def scale_changed_since(self, setting: object) -> bool:
+        """Whether the caller set another scale since `setting()` returned `setting` (the
+        steps' own changes aside)."""
+        return setting != self.setting()
 
     def begin_step(self, scalars: DeviceScalarTable) -> None:
         """Host-side preparation of a step on the devices of `scalars`."""
@@ -68,9 +79,14 @@ class LossScaling:
 class StaticLossScale(LossScaling):
     """A fixed factor (`loss_scale`, which may be reassigned between steps; checked at each)."""
 
+    setting_name = "loss_scale"
+
     def __init__(self, loss_scale: float, fp16: bool) -> None:
         super().__init__(fp16)
         self.loss_scale = loss_scale
+
+    def setting(self) -> object:
+        return self.loss_scale
 
     def _inv_scale(self) -> float:
         return 1.0 / self.loss_scale
@@ -92,6 +108,8 @@ class DynamicScaling(LossScaling):
     """fp16's dynamic scale: an overflow lowers it, clean steps grow it back (all on the
     scaler's device, the first trained parameter's)."""
 
+    setting_name = "loss_scaler.cur_scale"
+
     def __init__(self, scaler: DynamicLossScaler) -> None:
         super().__init__(fp16=True)
         self.scaler = scaler
@@ -107,6 +125,14 @@ class DynamicScaling(LossScaling):
         if self.scaler.device == device:
             return self.scaler.inv_scale
         return scalars[device].inv_scale
+
+    def setting(self) -> object:
+        return self.scaler.times_set, self.scaler.scale.clone()
+
+    def scale_changed_since(self, setting: object) -> bool:
+        times_set, scale = setting
+        # The device is read only where the caller set the scale since (then it syncs).
+        return times_set != self.scaler.times_set and not torch.equal(scale, self.scaler.scale)
 
     def begin_step(self, scalars: DeviceScalarTable) -> None:
         for device_scalars in scalars.values():

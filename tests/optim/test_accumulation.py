@@ -5,6 +5,8 @@ is refused before any change."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from support.accumulating import FP32_BOUND, STEPS, K, micro_batches, piece_of, train_accumulating
@@ -351,6 +353,74 @@ def test_a_failed_micro_batch_drops_the_step_and_changes_nothing():
     handle.remove()
     assert "dropped" in "".join(getattr(info.value, "__notes__", []))
     assert unchanged(model, start) and opt.pending_micro_batches == 0 and opt.step_count == 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "options", "report"),
+    [
+        # A skipped step's warning made an error (warnings.simplefilter("error")).
+        (torch.float32, {}, RuntimeWarning),
+        # fp16's overflow at the scaler's minimum scale.
+        (torch.float16, {"loss_scale_args": {"init_scale": 1.0, "min_scale": 1.0}},
+         FloatingPointError),
+    ],
+)  # fmt: skip
+def test_a_step_reported_at_the_next_micro_batch_before_any_change(dtype, options, report):
+    # A step's outcome is reported at the next call, before that call changes anything: a
+    # report that raises leaves that micro-batch out whole, and the next k micro-batches make
+    # exactly one step (not k + 1 micro-batches piled into one).
+    ours, ref = tiny_llama(dtype), tiny_llama()
+    opt = Lomo(ours, lr=0.05, accumulation_steps=K, **options)
+    skipped, micros = micro_batches(0), micro_batches(1)
+    for i, micro in enumerate(skipped):
+        loss = ours(**micro).loss / K
+        opt.fused_backward(loss * float("inf") if i == 0 else loss)
+    start = snapshot(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(report):
+            opt.fused_backward(ours(**micros[0]).loss / K)
+    assert same_bits(start, snapshot(ours))
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+    assert opt.last_step_skipped
+    for i, micro in enumerate(micros):
+        assert opt.pending_micro_batches == i
+        opt.fused_backward(ours(**micro).loss / K)
+    assert opt.step_count == 2 and opt.pending_micro_batches == 0
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for micro in micros:
+        (ref(**micro).loss / K).backward()
+    sgd.step()
+    # fp16: the weights are fp16 (half an ulp, 2**-11 relative, per write; 2**-10 for the
+    # rounding of the initial weights and of the step).
+    assert max_rel_diff(ours, ref) <= (FP32_BOUND if dtype == torch.float32 else 2**-10)
+
+
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_a_loss_scale_set_while_micro_batches_wait_is_refused(optimizer):
+    # The buffers hold gradients scaled by the step's first micro-batch's scale, which the
+    # step divides by the scale then set: a new scale between micro-batches is refused (at
+    # the next micro-batch and at step()), a scale set back or between steps is taken.
+    model = tiny_llama(torch.float16)
+    opt = optimizer(model, lr=0.05, accumulation_steps=K)
+    name = "loss_scaler.cur_scale" if optimizer is Lomo else "loss_scale"
+    owner = opt.loss_scaler if optimizer is Lomo else opt
+    attribute = name.rsplit(".", 1)[-1]
+    scale = getattr(owner, attribute)
+    micros = micro_batches(0)
+    opt.fused_backward(model(**micros[0]).loss / K)
+    setattr(owner, attribute, scale / 4)
+    loss = model(**micros[1]).loss / K
+    message = f"{name} was set while 1 of {K} micro-batches"
+    assert_refused(model, opt, lambda: opt.fused_backward(loss), RuntimeError, message)
+    assert_refused(model, opt, opt.step, RuntimeError, message)
+    setattr(owner, attribute, scale)
+    for micro in micros[1:]:
+        opt.fused_backward(model(**micro).loss / K)
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+    setattr(owner, attribute, scale / 4)  # between steps: the next step's scale
+    opt.fused_backward(model(**micros[0]).loss / K)
+    assert opt.pending_micro_batches == 1
 
 
 @pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
