@@ -821,9 +821,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
             self._reports.record_interruption(error, True, self._step.updated)
-            error.add_note(
-                "lomo_kernels: the micro-batches accumulated for this step were dropped"
-            )
+            error.add_note("lomo_kernels: the micro-batches accumulated for this step were dropped")
             raise
         finally:
             accumulation.release()
