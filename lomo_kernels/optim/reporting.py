@@ -34,10 +34,11 @@ UPDATE_OVERFLOW_WARNING = (
 )
 
 SKIPPED_STEP_WARNING = (
-    "step {step}: inf/nan gradient elements made the global gradient norm non-finite; the "
-    "norm pass found them before any update, so the step was skipped whole: no parameter or "
-    "optimizer state changed (opt.last_step_skipped is True). Lower the learning rate or "
-    "check the data if this repeats."
+    "step {step}: inf/nan gradient elements made the global gradient norm non-finite; they "
+    "were found before any update (by the norm pass, or in the accumulated micro-batches), so "
+    "the step was skipped whole: no parameter or optimizer state changed "
+    "(opt.last_step_skipped is True). Lower the learning rate or check the data if this "
+    "repeats."
 )
 
 MIN_SCALE_ERROR = (
