@@ -21,6 +21,7 @@ change (`validation.py`, `_hyper.py`), what the hooks read of the param groups
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypedDict
 
@@ -276,10 +277,20 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def detach(self) -> None:
         """Removes every hook from the model: plain ``loss.backward()`` and any other
         optimizer work on it again. This optimizer can no longer step. A DeepSpeed engine it
-        was built on gets its own checkpoint methods back."""
+        was built on gets its own checkpoint methods back. Micro-batches accumulated and
+        not applied are dropped, with a warning (``opt.step()`` first applies them)."""
+        pending = self.pending_micro_batches
         self._release_hooks()  # runs once; later calls do nothing
         if self._accumulation is not None:
             self._accumulation.release(free=True)  # nothing can apply them now
+        if pending:
+            warnings.warn(
+                f"detach() dropped {pending} of {self.accumulation_steps} micro-batches "
+                "accumulated and not applied (no parameter was changed by them): call "
+                "opt.step() before detach() or the end of the with block to apply them.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         engine = getattr(self, "_engine", None)
         if engine is not None:
             restore_engine_checkpoints(engine, self)

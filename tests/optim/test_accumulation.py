@@ -477,6 +477,20 @@ def test_dropped_micro_batches_leave_nothing_in_the_next_step(drop):
     assert torch.equal(opt.last_grad_norm, fresh_opt.last_grad_norm)
 
 
+def test_detach_warns_when_it_drops_pending_micro_batches():
+    model = tiny_llama()
+    start = snapshot(model)
+    dropped = pytest.warns(RuntimeWarning, match="dropped 1 of 4 micro-batches")
+    with dropped, Lomo(model, lr=0.05, accumulation_steps=K) as opt:
+        opt.fused_backward(model(**micro_batches(0)[0]).loss / K)
+    assert unchanged(model, start) and opt.pending_micro_batches == 0
+    with warnings.catch_warnings():  # nothing pending: detached quietly
+        warnings.simplefilter("error", RuntimeWarning)
+        with Lomo(model, lr=0.05, accumulation_steps=K) as opt:
+            for micro in micro_batches(0):
+                opt.fused_backward(model(**micro).loss / K)
+
+
 def test_the_last_micro_batch_s_lr_is_the_step_s():
     # lr passed to fused_backward sets the groups' lr at each call; the k-th call's applies.
     ours, ref = tiny_llama(), tiny_llama()
