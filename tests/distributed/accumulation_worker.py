@@ -1,7 +1,7 @@
 """One rank of the gradient accumulation checks on sharded parameters (run by
 test_sharded_accumulation.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and AdaLomo
-with accumulation_steps=4, each rank accumulating its reduced slices; Lomo with the 8-bit
-buffer too.
+with accumulation_steps=4 and a short step applied by opt.step(), each rank accumulating
+its reduced slices; Lomo with the 8-bit buffer too.
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
 parameters for the one-process reference, and `checks.json` with what every rank saw.
@@ -54,6 +54,8 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
     opt = OPTIMIZERS[name](target, lr=LR[name.removesuffix("_int8")], **options)
     batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
     train_accumulating(model, opt, batch_of, STEPS)
+    # This rank's buffers (kept after the step): its slices of the parameters.
+    buffer_bytes = opt._accumulation.buffer_bytes()
     # A step's first micro-batch, then a checkpoint: refused on every rank, nothing changed.
     opt.fused_backward(model(batch_of(1000)) / opt.accumulation_steps)
     try:
@@ -67,6 +69,7 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
         "norm": float(opt.last_grad_norm),
         "refused_mid_step": refused,
         "pending_after_zero_grad": opt.pending_micro_batches,
+        "buffer_bytes": buffer_bytes,
     }
     final = consolidated_state_dict(model)
     if rank == 0:

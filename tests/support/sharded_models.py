@@ -29,6 +29,7 @@ ACCUMULATION_STEPS = 4
 ACCUMULATING = {**OPTIONS, "accumulation_steps": ACCUMULATION_STEPS}
 # The 8-bit blockwise buffer: each rank's buffer holds its slice's blocks, cut at its edges.
 ACCUMULATING_INT8 = {**ACCUMULATING, "accumulation_dtype": torch.int8}
+SHORT_STEP = 2  # micro-batches of the short step that ends train_accumulating
 
 
 class ScaledLlama(nn.Module):
@@ -95,11 +96,16 @@ def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
 
 
 def train_accumulating(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
-    """accumulation_steps=k: k micro-batches per step, batch `k * step + i`, each loss / k."""
+    """accumulation_steps=k: k micro-batches per step, batch `k * step + i`, each loss / k;
+    then a short step of SHORT_STEP micro-batches applied by `opt.step()` (a Trainer's end of
+    an epoch), each loss / SHORT_STEP: steps + 1 steps in all."""
     k = opt.accumulation_steps
     for step in range(steps):
         for i in range(k):
             opt.fused_backward(model(batch_of(k * step + i)) / k)
+    for i in range(SHORT_STEP):
+        opt.fused_backward(model(batch_of(k * steps + i)) / SHORT_STEP)
+    opt.step()
     opt.flush_report()
 
 
