@@ -14,6 +14,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,12 +48,49 @@ def build(engine: str):
     return model, model
 
 
+def step_norms(opt) -> list[float]:
+    """Every step's norm, noted as the step is applied (by the k-th micro-batch or by
+    opt.step())."""
+    norms: list[float] = []
+
+    def noting(call):
+        def wrapped(*args):
+            before = opt.step_count
+            result = call(*args)
+            if opt.step_count > before:
+                norms.append(float(opt.last_grad_norm))
+            return result
+
+        return wrapped
+
+    opt.fused_backward, opt.step = noting(opt.fused_backward), noting(opt.step)
+    return norms
+
+
+def shards(model, rank: int) -> dict[str, list[int]]:
+    """[flat offset, elements] of this rank's part of each parameter, as the engine holds it:
+    ZeRO-3's partition of ceil(n / W) elements less its padding, FSDP2's local rows (dim 0
+    cut as torch.chunk does)."""
+    parts = {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_tensor"):
+            size, numel = param.ds_tensor.numel(), int(param.ds_numel)
+            start = min(rank * size, numel)
+            parts[name] = [start, min(size, numel - start)]
+        else:
+            rows = param.shape[0]
+            first = min(rank * -(-rows // dist.get_world_size()), rows)
+            parts[name] = [first * (param.numel() // rows), param.to_local().numel()]
+    return parts
+
+
 def run(engine: str, name: str, rank: int, checks: dict) -> None:
     target, model = build(engine)
     initial = consolidated_state_dict(model)
     options = ACCUMULATING_INT8 if name.endswith("_int8") else ACCUMULATING
     opt = OPTIMIZERS[name](target, lr=LR[name.removesuffix("_int8")], **options)
     batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
+    norms = step_norms(opt)
     train_accumulating(model, opt, batch_of, STEPS)
     # This rank's buffers (kept after the step): its slices of the parameters.
     buffer_bytes = opt._accumulation.buffer_bytes()
@@ -66,10 +104,11 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
     opt.zero_grad()
     checks[f"{engine}_{name}"] = {
         "step_count": opt.step_count,
-        "norm": float(opt.last_grad_norm),
+        "norms": norms,
         "refused_mid_step": refused,
         "pending_after_zero_grad": opt.pending_micro_batches,
         "buffer_bytes": buffer_bytes,
+        "shards": shards(model, rank),
     }
     final = consolidated_state_dict(model)
     if rank == 0:

@@ -6,6 +6,7 @@ step."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from support.sharded_checks import (
 )
 from support.sharded_models import ACCUMULATING, ACCUMULATING_INT8, LR, STEPS, train_accumulating
 
+from lomo_kernels.core.int8_blocks import INT8_BLOCK
+
 deepspeed = require("deepspeed")
 
 WORKER = Path(__file__).parent / "accumulation_worker.py"
@@ -25,84 +28,149 @@ WORKER = Path(__file__).parent / "accumulation_worker.py"
 accumulation_run, checks = rank_run_fixtures(WORKER, "sharded accumulation", "accumulation_run")
 
 
+def one_process_seen(name: str, saved: dict, options: dict):
+    """The run in one process from the saved initial values: (model, opt, what it saw: each
+    step's norm and clip coefficient; with the 8-bit buffer, each step's buffer values and,
+    after every micro-batch, each buffer's block scales with the step they belong to)."""
+    seen: dict = {"norms": [], "coefs": [], "values": [], "scales": []}
+    int8 = options.get("accumulation_dtype") == torch.int8
+
+    def train(model, opt, batch_of, steps):
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def noting(call, micro_batch):
+            def wrapped(*args):
+                step = opt.step_count
+                result = call(*args)
+                buffers = {names[id(p)]: b for p, b, _ in opt._accumulation._buffers.values()}
+                if int8 and micro_batch:  # the scales this micro-batch's roundings took
+                    seen["scales"].append(
+                        (step, {n: b.scales.double() for n, b in buffers.items()})
+                    )
+                if opt.step_count > step:  # applied: the buffers still hold the step's sums
+                    seen["norms"].append(float(opt.last_grad_norm))
+                    seen["coefs"].append(float(opt.clip_coef))
+                    if int8:
+                        seen["values"].append({n: values(b) for n, b in buffers.items()})
+                return result
+
+            return wrapped
+
+        opt.fused_backward, opt.step = noting(opt.fused_backward, True), noting(opt.step, False)
+        train_accumulating(model, opt, batch_of, steps)
+
+    model, opt = one_process(name, saved["initial"], STEPS, train_fn=train, options=options)
+    return model, opt, seen
+
+
+def values(buffer) -> torch.Tensor:
+    """A whole parameter's 8-bit buffer's values, flat: each code times its block's scale."""
+    blocks = torch.arange(buffer.codes.numel()) // INT8_BLOCK
+    return buffer.codes.reshape(-1).double() * buffer.scales.double()[blocks]
+
+
+def assert_buffers_are_the_slices(checks: list[dict], key: str, model, int8: bool) -> None:
+    """Each rank's buffers hold exactly its slices, as the engine cut the parameters."""
+    params = dict(model.named_parameters())
+    shards = [rank[key]["shards"] for rank in checks]
+    for name, param in params.items():
+        # The ranks' slices: consecutive, together each element of the parameter once.
+        parts = sorted(tuple(shard[name]) for shard in shards)
+        assert parts[0][0] == 0 and sum(n for _, n in parts) == param.numel(), (name, parts)
+        assert all(a + n == b for (a, n), (b, _) in pairwise(parts)), (name, parts)
+
+    def nbytes(name: str, offset: int, n: int) -> int:
+        if not int8:
+            return n * params[name].element_size()
+        # A code per element, an fp32 scale per block of the parameter the slice touches.
+        return n + 4 * ((offset + n - 1) // INT8_BLOCK - offset // INT8_BLOCK + 1 if n else 0)
+
+    held = [rank[key]["buffer_bytes"] for rank in checks]
+    assert held == [sum(nbytes(n, *part) for n, part in shard.items()) for shard in shards]
+    # About 1/W of the model each: a slice is at most one row (FSDP2's dim-0 chunks) or one
+    # element (ZeRO-3) over 1/W of its parameter (8-bit: and two scales, its edge blocks).
+    whole = sum(nbytes(n, 0, p.numel()) for n, p in params.items())
+    rows = sum(nbytes(n, 0, p.numel() // p.shape[0]) + 8 * int8 for n, p in params.items())
+    assert max(held) <= whole / len(checks) + rows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
 def test_sharded_accumulation_equals_one_process(accumulation_run, checks, engine, name):
     saved = torch.load(accumulation_run / f"{engine}_{name}.pt")
-    model, opt = one_process(
-        name, saved["initial"], steps=STEPS, train_fn=train_accumulating, options=ACCUMULATING
-    )
+    model, opt, seen = one_process_seen(name, saved, ACCUMULATING)
     assert opt.step_count == STEPS + 1
     assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
-    # Each rank's buffers are its slices: together the model's parameters once (ZeRO-3 pads
-    # each parameter's partition to a multiple of W elements), each rank's about 1/W of them.
-    ranks = len(checks)
-    params = [p for p in model.parameters() if p.requires_grad]
-    whole = sum(p.numel() * p.element_size() for p in params)
-    padding = sum((ranks - 1) * p.element_size() for p in params)
-    held = [rank[f"{engine}_{name}"]["buffer_bytes"] for rank in checks]
-    assert whole <= sum(held) <= whole + padding
-    # A rank's slice of a parameter: at most one row (FSDP2's dim-0 chunks) or one element
-    # (ZeRO-3) more than 1/W of it.
-    rows = sum(p.element_size() * p.numel() // p.shape[0] for p in params)
-    assert max(held) <= whole / ranks + rows
-    norms = [rank[f"{engine}_{name}"]["norm"] for rank in checks]
+    assert_buffers_are_the_slices(checks, f"{engine}_{name}", model, int8=False)
+    norms = [rank[f"{engine}_{name}"]["norms"] for rank in checks]
     assert norms[0] == norms[1]  # one all-reduced norm: the same step on every rank
-    # The accumulated gradient's norm: the same rounding effects as the parameters'.
-    assert norms[0] == pytest.approx(float(opt.last_grad_norm), rel=1e-4)
+    # Every step's accumulated norm, the short one's included: the same rounding effects as
+    # the parameters'.
+    assert norms[0] == pytest.approx(seen["norms"], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_sharded_8_bit_buffer_follows_one_process(accumulation_run, checks, engine):
-    # Each rank's 8-bit buffer holds its slice's blocks, cut at the slice's edges (the small
-    # tensors here split mid-block: two scales where one process has one), and the sharded
-    # gradients differ from one process's in their last bits (an average over two half
-    # batches), which moves a code by one step where a value sits at a rounding boundary.
-    # Each such difference is at most one code step of its block per micro-batch and run
-    # (a step at most doubles from one micro-batch to the next: 2 steps of the last), lr
-    # times that, over the steps: the bound per tensor, from one process's last scales.
+    # Each rank's 8-bit buffer holds its slice's blocks, cut at the slice's edges, and the
+    # sharded gradients differ from one process's in their last bits. Each run's buffer is
+    # the exact sum plus one stochastic rounding error per micro-batch, smaller than the step
+    # (scale) its block took then and of mean zero: per element s, one process's recorded
+    # step, and at most 2 s for a slice (a part of a block has at most its largest value, and
+    # the gradients' last bits may lift that over a power of two).
     saved = torch.load(accumulation_run / f"{engine}_lomo_int8.pt")
-    model, opt = one_process(
-        "lomo", saved["initial"], steps=STEPS, train_fn=train_accumulating,
-        options=ACCUMULATING_INT8,
-    )  # fmt: skip
-    # The buffers stay allocated after the step: their last scales.
-    scales = {id(p): b.scales.max().item() for p, b, _ in opt._accumulation._buffers.values()}
-    k = ACCUMULATING["accumulation_steps"]
-    worst = spread = 0.0
+    model, _, seen = one_process_seen("lomo", saved, ACCUMULATING_INT8)
+    ranks = [rank[f"{engine}_lomo_int8"] for rank in checks]
+    assert_buffers_are_the_slices(checks, f"{engine}_lomo_int8", model, int8=True)
+    assert ranks[0]["norms"] == ranks[1]["norms"]
+    got_norms = ranks[0]["norms"]
+    assert len(got_norms) == len(seen["norms"]) == STEPS + 1
+
+    def steps_of(t: int, name: str, power: int = 1) -> torch.Tensor:
+        """Per element of `name`: the sum of the steps (or their squares) of step t's
+        roundings."""
+        blocks = sum(s[name] ** power for step, s in seen["scales"] if step == t)
+        return blocks[torch.arange(seen["values"][t][name].numel()) // INT8_BLOCK]
+
+    # Each step's norm: with b one process's buffer (and g its exact sum), |a|**2 - |b|**2 =
+    # 2 <g, e_a - e_b> + |e_a|**2 - |e_b|**2. Per element the rounding errors of successive
+    # micro-batches are uncorrelated, each of variance at most (step / 2)**2 (the two runs'
+    # possibly correlated: e_a - e_b of standard deviation at most s + s / 2). The first
+    # term: mean zero, variance at most 4 sum g**2 (1.5 s)**2, taken within 6 standard
+    # deviations. |e_a|**2 and |e_b|**2: means of at most sum s**2 and sum s**2 / 4, and as
+    # sums of independent elements, each within [0, (2 s)**2] (s summed over the roundings
+    # first), within 6 sqrt(sum (2 s)**4) of them. Over |a| + |b| for the norms; plus the
+    # gradients' own last bits (1e-4 relative, as for the other buffers).
+    for t, (got, expected) in enumerate(zip(got_norms, seen["norms"], strict=True)):
+        variance = squares = fourth = 0.0
+        for name, b in seen["values"][t].items():
+            variance += 4 * (b**2 * 1.5**2 * steps_of(t, name, 2)).sum().item()
+            squares += steps_of(t, name, 2).sum().item()
+            fourth += (2 * steps_of(t, name)).pow(4).sum().item()
+        errors = 6 * variance**0.5 + squares + 6 * fourth**0.5
+        bound = errors / (got + expected) + 1e-4 * expected
+        assert abs(got - expected) <= bound, (t, got, expected, bound)
+
+    # Each element: step t moves it by lr c_t times its buffer, c_t the clip coefficient
+    # (max_norm / norm: the runs' coefficients differ by r_t = |their norms' difference| /
+    # the sharded norm, relative), so the runs' parameters differ by at most the sum over
+    # the steps of lr c_t ((1 + r_t) 3 s + r_t |b|) (s summed over the step's roundings),
+    # plus 1e-4 of the tensor's largest update for the fp32 effects the other buffers' runs
+    # are held to (the gradients' last bits, later gradients moved by earlier differences).
+    # Blocks that got no gradient (the embedding's unused rows) are held to that last term.
+    worst = 0.0
     for name, param in model.named_parameters():
-        expected, got = param.detach().double(), saved["final"][name].double()
-        largest_update = (expected - saved["initial"][name].double()).abs().max().item()
-        step = LR["lomo"] * 2 * scales[id(param)]  # lr x a block's largest step
-        bound = step * (STEPS + 1) * k * 2 + 1e-4 * largest_update
-        worst = max(worst, (got - expected).abs().max().item() / bound)
-        if param.numel() >= 1024:
-            # The roundings are unbiased and independent: per element a variance of at most
-            # step**2 / 4 per rounding, 2 runs x STEPS x k roundings; the root mean square
-            # over the tensor within 3 times that standard deviation. (A micro-batch lost
-            # or counted twice moves it by lr times the gradient's spread: far more.)
-            rms = (got - expected).pow(2).mean().sqrt().item()
-            spread = max(spread, rms / (3 * step / 2 * (2 * (STEPS + 1) * k) ** 0.5))
+        expected, got = param.detach().double().reshape(-1), saved["final"][name].double()
+        initial = saved["initial"][name].double().reshape(-1)
+        bound = 1e-4 * (expected - initial).abs().max().item()
+        for t, coef in enumerate(seen["coefs"]):
+            r = abs(got_norms[t] - seen["norms"][t]) / got_norms[t]
+            moved = (1 + r) * 3 * steps_of(t, name) + r * seen["values"][t][name].abs()
+            bound = bound + LR["lomo"] * coef * moved
+        error = (got.reshape(-1) - expected).abs()
+        worst = max(worst, (error / bound).max().item())
     assert worst <= 1.0, f"an element off by {worst:.2f} of its bound"
-    assert spread <= 1.0, f"a tensor's differences spread {spread:.2f} of their bound"
-    norms = [rank[f"{engine}_lomo_int8"]["norm"] for rank in checks]
-    assert norms[0] == norms[1]
-    # The last step's norm against one process's. Each run's buffer is the gradients' sum g
-    # plus unbiased independent rounding errors, per element a variance of at most k s**2
-    # (k roundings of a step at most 2 s, s the parameter's largest last scale), so
-    # |a|**2 - |b|**2 = 2 <g, e_a - e_b> + |e_a|**2 - |e_b|**2 has a variance of at most
-    # sum over parameters of 8 k s**2 |g_p|**2 + 4 n_p (k s**2)**2: within 6 of its standard
-    # deviations, over |a| + |b| for the norms; plus the gradients' own last bits (1e-4
-    # relative, as for the other buffers). A micro-batch lost moves the norm by far more.
-    expected = float(opt.last_grad_norm)
-    variance = 0.0
-    for param, grad_norm in zip(model.parameters(), opt.grad_norms.tolist(), strict=True):
-        s2 = scales[id(param)] ** 2
-        variance += 8 * k * s2 * grad_norm**2 + 4 * param.numel() * (k * s2) ** 2
-    bound = 6 * variance**0.5 / (2 * expected) + 1e-4 * expected
-    assert abs(norms[0] - expected) <= bound
 
 
 @pytest.mark.slow
