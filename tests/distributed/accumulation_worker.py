@@ -48,25 +48,6 @@ def build(engine: str):
     return model, model
 
 
-def step_norms(opt) -> list[float]:
-    """Every step's norm, noted as the step is applied (by the k-th micro-batch or by
-    opt.step())."""
-    norms: list[float] = []
-
-    def noting(call):
-        def wrapped(*args):
-            before = opt.step_count
-            result = call(*args)
-            if opt.step_count > before:
-                norms.append(float(opt.last_grad_norm))
-            return result
-
-        return wrapped
-
-    opt.fused_backward, opt.step = noting(opt.fused_backward), noting(opt.step)
-    return norms
-
-
 def shards(model, rank: int) -> dict[str, list[int]]:
     """[flat offset, elements] of this rank's part of each parameter, as the engine holds it:
     ZeRO-3's partition of ceil(n / W) elements less its padding, FSDP2's local rows (dim 0
@@ -90,8 +71,13 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
     options = ACCUMULATING_INT8 if name.endswith("_int8") else ACCUMULATING
     opt = OPTIMIZERS[name](target, lr=LR[name.removesuffix("_int8")], **options)
     batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
-    norms = step_norms(opt)
-    train_accumulating(model, opt, batch_of, STEPS)
+    norms = []  # every step's, noted as it is applied (by the k-th micro-batch or step())
+
+    def note(micro_batch: bool, step: int) -> None:
+        if opt.step_count > step:
+            norms.append(float(opt.last_grad_norm))
+
+    train_accumulating(model, opt, batch_of, STEPS, after_call=note)
     # This rank's buffers (kept after the step): its slices of the parameters.
     buffer_bytes = opt._accumulation.buffer_bytes()
     # A step's first micro-batch, then a checkpoint: refused on every rank, nothing changed.

@@ -38,26 +38,17 @@ def one_process_seen(name: str, saved: dict, options: dict):
     def train(model, opt, batch_of, steps):
         names = {id(p): n for n, p in model.named_parameters()}
 
-        def noting(call, micro_batch):
-            def wrapped(*args):
-                step = opt.step_count
-                result = call(*args)
-                buffers = {names[id(p)]: b for p, b, _ in opt._accumulation._buffers.values()}
-                if int8 and micro_batch:  # the scales this micro-batch's roundings took
-                    seen["scales"].append(
-                        (step, {n: b.scales.double() for n, b in buffers.items()})
-                    )
-                if opt.step_count > step:  # applied: the buffers still hold the step's sums
-                    seen["norms"].append(float(opt.last_grad_norm))
-                    seen["coefs"].append(float(opt.clip_coef))
-                    if int8:
-                        seen["values"].append({n: values(b) for n, b in buffers.items()})
-                return result
+        def note(micro_batch: bool, step: int) -> None:
+            buffers = {names[id(p)]: b for p, b, _ in opt._accumulation._buffers.values()}
+            if int8 and micro_batch:  # the scales this micro-batch's roundings took
+                seen["scales"].append((step, {n: b.scales.double() for n, b in buffers.items()}))
+            if opt.step_count > step:  # applied: the buffers still hold the step's sums
+                seen["norms"].append(float(opt.last_grad_norm))
+                seen["coefs"].append(float(opt.clip_coef))
+                if int8:
+                    seen["values"].append({n: values(b) for n, b in buffers.items()})
 
-            return wrapped
-
-        opt.fused_backward, opt.step = noting(opt.fused_backward, True), noting(opt.step, False)
-        train_accumulating(model, opt, batch_of, steps)
+        train_accumulating(model, opt, batch_of, steps, after_call=note)
 
     model, opt = one_process(name, saved["initial"], STEPS, train_fn=train, options=options)
     return model, opt, seen

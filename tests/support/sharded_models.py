@@ -95,17 +95,28 @@ def train_one_loss(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
     opt.flush_report()
 
 
-def train_accumulating(model: nn.Module, opt, batch_of, steps: int = STEPS) -> None:
+def train_accumulating(
+    model: nn.Module, opt, batch_of, steps: int = STEPS, after_call=None
+) -> None:
     """accumulation_steps=k: k micro-batches per step, batch `k * step + i`, each loss / k;
     then a short step of SHORT_STEP micro-batches applied by `opt.step()` (a Trainer's end of
-    an epoch), each loss / SHORT_STEP: steps + 1 steps in all."""
+    an epoch), each loss / SHORT_STEP: steps + 1 steps in all. `after_call(micro_batch,
+    step_count_before)`, if given, after each `fused_backward` (micro_batch True) and the
+    `step()` (False): a call that applied a step raised `opt.step_count`."""
+
+    def call(method, *args) -> None:
+        before = opt.step_count
+        method(*args)
+        if after_call is not None:
+            after_call(method is not opt.step, before)
+
     k = opt.accumulation_steps
     for step in range(steps):
         for i in range(k):
-            opt.fused_backward(model(batch_of(k * step + i)) / k)
+            call(opt.fused_backward, model(batch_of(k * step + i)) / k)
     for i in range(SHORT_STEP):
-        opt.fused_backward(model(batch_of(k * steps + i)) / SHORT_STEP)
-    opt.step()
+        call(opt.fused_backward, model(batch_of(k * steps + i)) / SHORT_STEP)
+    call(opt.step)
     opt.flush_report()
 
 
