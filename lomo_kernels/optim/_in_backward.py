@@ -606,8 +606,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
         if plan is Plan.NORM_THEN_UPDATE and not measured:
             self._norm_pass(loss)  # same attempt as a grad_norm of another loss
+            self._take_call_lr(lr, on_devices=True)
         else:
             self._reports.report_previous_step()
+            self._take_call_lr(lr)
             self._prepare_scalars()
         single = self._step.begin_update()
         if single:
@@ -641,8 +643,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # these helpers are excluded, not the backward: compiled autograd stays on for it.
     @torch.compiler.disable
     def _check_call(self, loss: torch.Tensor, lr: float | None = None) -> None:
-        """Checks everything the step reads on the host, before anything changes, then sets
-        every group's lr to `lr` when given (as lomo-optim does)."""
+        """Checks everything the step reads on the host, before anything changes (`lr`: the
+        call's, taken by `_take_call_lr` once nothing can refuse the call)."""
         check_loss(loss)
         self._check_state(lr)
 
@@ -661,8 +663,20 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._accumulation is not None:
             self._accumulation.check_scale(self._loss_scaling)
         names = functools.partial(parameter_names, self.model)
-        self._groups.refresh(self.param_groups, checked, lr, names)
+        self._groups.refresh(self.param_groups, checked, names)
         self._reports.begin_call()
+
+    @torch.compiler.disable  # see _check_call
+    def _take_call_lr(self, lr: float | None, on_devices: bool = False) -> None:
+        """Sets every group's lr to the call's `lr` when given (as lomo-optim does), and with
+        `on_devices` in the step's device tensors too (filled already). Called once nothing
+        can refuse the call: a refused call leaves the groups' lr as they were."""
+        if lr is None:
+            return
+        for group in self.param_groups:
+            group["lr"] = float(lr)
+        if on_devices:
+            self._scalars.fill_lr(self.param_groups)
 
     @torch.compiler.disable
     def _finish_step(self, detection: bool, single: bool) -> None:
@@ -778,6 +792,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             )
             raise
         accumulation.pending += 1
+        self._take_call_lr(lr)  # the step's devices take it as the step is applied
         if last:
             self._apply_accumulated()
 

@@ -115,12 +115,16 @@ class DeviceScalarTable:
                 scalars = self.for_device(p.device)
                 if index not in scalars.lr:
                     scalars.lr[index] = torch.zeros(1, device=p.device)
+        self.fill_lr(param_groups)
+        for scalars in self.values():
+            scalars.update_found_inf.zero_()
+
+    def fill_lr(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Each group's lr into its device tensors (host-side, no sync)."""
         for index, group in enumerate(param_groups):
             for scalars in self.values():
                 if index in scalars.lr:
                     scalars.lr[index].fill_(group["lr"])
-        for scalars in self.values():
-            scalars.update_found_inf.zero_()
 
     def groups_present(
         self, groups: Sequence[dict[str, Any]]

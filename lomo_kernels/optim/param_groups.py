@@ -203,17 +203,13 @@ class HookGroups:
         self,
         param_groups: list[dict[str, Any]],
         checked: list[dict[str, Any]],
-        lr: float | None,
         names: Callable[[], dict[int, str]],
     ) -> None:
         """Takes the groups as they are now (`checked`: their checked values), after
-        refusing a change of which parameters they list; sets every group's lr to `lr` when
-        given (as lomo-optim does). `names()`: the model's parameter names, for errors."""
+        refusing a change of which parameters they list. `names()`: the model's parameter
+        names, for errors."""
         # A parameter may have moved to another group: the hooks read this index.
         self.group_of = current_group_index(param_groups, self.index_of, names)
-        if lr is not None:
-            for group in param_groups:
-                group["lr"] = float(lr)
         self.hyper = hook_groups(checked)
         self.max_norm = checked[0]["clip_grad_norm"]
 

@@ -3,6 +3,7 @@ before any tensor changes, or, where a backward is interrupted after some update
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -119,8 +120,9 @@ def test_sparse_embedding_module_refused_at_construction_unless_frozen(name):
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name,mode", list(model_modes()))
 def test_functional_sparse_embedding_refused_before_any_change(name, model_name, mode):
-    """Refused with nothing changed in every mode: by the norm pass where one runs, else by a
-    walk of the loss's autograd graph before the update pass."""
+    """Refused with nothing changed in every mode, the groups' lr included when the call
+    passes one: by the norm pass where one runs, else by a walk of the loss's autograd graph
+    before the update pass."""
     model, opt, loss_fn = built(name, model_name, mode)
     make_sparse_functional(model)
     loss = loss_fn(model, 1)
@@ -129,6 +131,7 @@ def test_functional_sparse_embedding_refused_before_any_change(name, model_name,
     else:
         error, match = ValueError, r"embedding lookup with sparse=True.*nothing was updated"
     assert_refused(model, opt, lambda: opt.fused_backward(loss), error, match)
+    assert_refused(model, opt, lambda: opt.fused_backward(loss, lr=0.5), error, match)
     assert not opt.last_step_interrupted
 
 
@@ -224,8 +227,31 @@ def test_exception_in_norm_pass_changes_nothing(name, how, mode):
     opt.fused_backward(loss_of(model, 0))
     raise_in_backward(model, how)
     loss = loss_of(model, 1)
-    assert_refused(model, opt, lambda: opt.fused_backward(loss), Interrupted, "from the model")
+    call = lambda: opt.fused_backward(loss, lr=0.5)  # noqa: E731  (the lr is left too)
+    assert_refused(model, opt, call, Interrupted, "from the model")
     assert not opt.last_step_interrupted and opt.last_step_partial_names == []
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_failed_micro_batch_leaves_the_lr_and_the_next_one_takes_it(name):
+    """A micro-batch whose backward raises is dropped whole, the lr it was given included;
+    the lr of a micro-batch that is taken is the groups' from then on, and the step's."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    opt = OPTIMIZERS[name](model, lr=0.05, accumulation_steps=2)
+    handle = raise_in_backward(model, "module_hook")
+    with pytest.raises(Interrupted):
+        opt.fused_backward(loss_of(model, 0) / 2, lr=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.05] and opt.pending_micro_batches == 0
+    handle.remove()
+    opt.fused_backward(loss_of(model, 0) / 2, lr=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.5]
+    opt.fused_backward(loss_of(model, 1) / 2)
+    # The same two micro-batches through an optimizer given lr=0.5 from the start.
+    expected = OPTIMIZERS[name](reference, lr=0.5, accumulation_steps=2)
+    for step in range(2):
+        expected.fused_backward(loss_of(reference, step) / 2)
+    assert same_bits(list(model.parameters()), list(reference.parameters()))
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
