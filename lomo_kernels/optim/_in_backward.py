@@ -13,7 +13,7 @@ The other jobs are parts of the optimizer, each with its own state: the checks b
 change (`validation.py`, `_hyper.py`), what the hooks read of the param groups
 (`param_groups.py`), the loss scaling (`loss_scaling.py`), the write-back's rounding
 (`rounding.py`), the one-backward clip rule (`single_backward.py`), the sharding
-(`sharded_steps.py`), the step reports (`reporting.py`), the checkpoint (`checkpoint.py`,
+(`distributed/`; the one-loss pattern of ZeRO-3, `sharded_steps.py`), the step reports (`reporting.py`), the checkpoint (`checkpoint.py`,
 `parameter_state.py`) and the parameters a fused op hands over in blocks of rows
 (`row_blocks.py`). No part holds the optimizer: dropping it removes its hooks at once.
 """
@@ -52,7 +52,7 @@ from .piece import Piece, PieceBatch
 from .reporting import Reported, StepReports
 from .rounding import WriteBackRounding
 from .row_blocks import RowBlocks, RowBlockStep
-from .sharded_steps import ShardedSteps
+from .sharded_steps import check_one_loss_pattern
 from .single_backward import SingleBackwardClip
 from .step import Phase, Plan, Step
 from .validation import (
@@ -191,11 +191,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._single_backward_clip = (
             SingleBackwardClip(None, params[0].device) if single_backward else None
         )
-        self._sharded = (
-            None
-            if sharding is None
-            else ShardedSteps(sharding, self._step, self._single_backward_clip, backend)
-        )
+        self._sharding = sharding  # None: unsharded
         self._row_blocks = RowBlocks(
             model,
             self._step,
@@ -320,26 +316,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if piece.written.numel():
                 self._update(piece)
 
-    def _take_rows(
-        self,
-        param: torch.Tensor,
-        start: int,
-        stop: int,
-        grad: torch.Tensor,
-        skip_if: torch.Tensor,
-    ) -> None:
-        """Rows ``[start, stop)`` of `param` with their fp32 gradient `grad`, taken by the
-        pass in progress as the whole tensor's gradient would be (`row_blocks.py`)."""
-        width = param.numel() // param.shape[0]
-        scalars = self._scalars.for_device(param.device)
-        piece = self._piece(
-            param, grad, scalars, skip_if, target=param[start:stop], offset=start * width
-        )
-        if self._step.phase is Phase.UPDATE:
-            self._update(piece)  # elementwise: as the whole tensor's update
-        else:
-            self._measure_or_accumulate(piece)
-
     def _piece(
         self,
         param: torch.Tensor,
@@ -399,9 +375,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._row_blocks.note_whole_gradient(param)
         if grad.layout != torch.strided:
             raise sparse_gradient_error(parameter_names(self.model).get(id(param), "?"))
-        if self._sharded is not None:
+        if self._sharding is not None:
             # Reduced first, then taken as slices.
-            for ready in self._sharded.sharding.grad_ready(param, grad):
+            for ready in self._sharding.grad_ready(param, grad):
                 self._step_slices(ready)
             return
         scalars = self._scalars.for_device(param.device)
@@ -444,26 +420,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return
         for shard, _ in ready:
             self._step.note_updated(shard.param)
-        if self._step.single_backward:
-            inv_scale = self._inv_scale_for(scalars.device)
-            coefs, skips = self._sharded.single_backward_flags(ready, inv_scale)
-            pieces = [
-                self._piece(
-                    shard.param,
-                    grad,
-                    scalars,
-                    skips[i : i + 1],
-                    shard,
-                    clip_coef=None if coefs is None else coefs[i : i + 1],
-                )
-                for i, (shard, grad) in enumerate(ready)
-            ]
-            batch = PieceBatch(pieces, scalars, scalars.no_skip)
-        else:
-            skip_if = scalars.skip_flag(self._step.norm_ready)
-            pieces = [self._piece(s.param, grad, scalars, skip_if, s) for s, grad in ready]
-            batch = PieceBatch(pieces, scalars, skip_if)
-        self._update_shards(batch)
+        skip_if = scalars.skip_flag(self._step.norm_ready)  # no_skip under single_backward
+        pieces = [self._piece(shard.param, grad, scalars, skip_if, shard) for shard, grad in ready]
+        if self._step.single_backward:  # each slice's own coefficient and skip flag
+            grads, inv_scale = [grad for _, grad in ready], self._inv_scale_for(scalars.device)
+            coefs, skips = self._single_backward_clip.prepare_bucket(
+                grads, inv_scale, self.backend, self._sharding.all_reduce_sum_
+            )
+            for i, piece in enumerate(pieces):
+                piece.skip_if = skips[i : i + 1]
+                piece.clip_coef = None if coefs is None else coefs[i : i + 1]
+        self._update_shards(PieceBatch(pieces, scalars, skip_if))
 
     def _measure_or_accumulate(self, piece: Piece) -> None:
         """A piece taken by a pass that writes no parameter: a norm pass adds its gradient's
@@ -491,13 +458,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             changes_zero_rows = self._accumulation.measuring
         else:
             changes_zero_rows = self._groups.of(param)[1]["weight_decay"] != 0
+        scalars = self._scalars.for_device(param.device)
         return RowBlockStep(
             self._row_blocks,
-            param,
-            self._scalars.for_device(param.device),
+            self._piece(param, None, scalars, scalars.skip_flag(self._step.norm_ready)),
             inv_scale=self._inv_scale_for(param.device),
             changes_zero_rows=changes_zero_rows,
-            take_rows=self._take_rows,
+            take=self._update if phase is Phase.UPDATE else self._measure_or_accumulate,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -520,7 +487,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @property
     def _one_loss_per_pass(self) -> bool:
         """Whether each pass needs a forward of its own (ZeRO-3)."""
-        return self._sharded is not None and self._sharded.one_loss_per_pass
+        return self._sharding is not None and not self._sharding.second_backward_ok
 
     def _norm_pass(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_call(loss)
@@ -544,7 +511,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
         self._close_norm_pass(per_parameter)
-        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharded is not None)
+        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharding is not None)
         return self._reports.last_grad_norm
 
     def _close_norm_pass(self, per_parameter: bool) -> None:
@@ -556,12 +523,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
         param_sumsq = self._scalars.combine(lambda s: s.param_sumsq) if per_parameter else None
-        if self._sharded is not None:
+        if self._sharding is not None:
             # Partial sums of this rank's slices: one all-reduce gives every rank the total
             # (and each parameter's) and the same overflow decision.
             parts = [total_sumsq.reshape(1), found.reshape(1)]
             both = torch.cat(parts if param_sumsq is None else [*parts, param_sumsq])
-            self._sharded.sharding.all_reduce_sum_(both)
+            self._sharding.all_reduce_sum_(both)
             total_sumsq, found = both[:1], both[1:2]
             param_sumsq = None if param_sumsq is None else both[2:]
         max_norm = self._groups.max_norm
@@ -596,7 +563,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return
         self._check_call(loss, lr)
         if self._one_loss_per_pass:
-            self._sharded.check_pattern(loss, self._needs_detection_pass())
+            needs_norm_pass = self._needs_detection_pass() and self._single_backward_clip is None
+            check_one_loss_pattern(self._step, loss, needs_norm_pass)
         self._keep_norm_only_for(loss)
         plan = self._update_plan()
         self._step.begin(plan)
@@ -687,10 +655,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             found = self._scalars.combine(
                 lambda s: s.norm_found_inf if detection else s.update_found_inf
             )
-        if self._sharded is not None:
+        if self._sharding is not None:
             if not detection and not single:  # every rank reports the same step outcome
-                self._sharded.sharding.all_reduce_sum_(found)
-            self._sharded.sharding.after_update()
+                self._sharding.all_reduce_sum_(found)
+            self._sharding.after_update()
         self._loss_scaling.after_step(found, detection)
         self._reports.step_done(found, atomic=detection, single_backward=single)
         self._opt_called = True  # lets lr schedulers know the step happened
@@ -839,7 +807,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._step.norm_ready = True  # the buffers' norm serves this update pass
             self._step.begin_pass(Phase.UPDATE)
             buffered = accumulation.buffered()
-            if self._sharded is not None:  # one batch: the same order on every rank
+            if self._sharding is not None:  # one batch: the same order on every rank
                 self._step_slices([(s, self._buffer_read(p, b)) for p, b, s in buffered])
             else:
                 for param, buffer, _ in buffered:
@@ -876,7 +844,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             loss = self._loss_scaling.scaled(loss)
         self._step.begin_pass(phase)
         tracked = not _compiled_autograd.compiled_autograd_active()
-        sharding = None if self._sharded is None else self._sharded.sharding
+        sharding = self._sharding
         try:
             if sharding is not None:
                 sharding.begin()

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..core.checks import SUPPORTED_DTYPES
 from ..core.rounding import mix32_int
 from ..distributed import Shard
@@ -38,7 +37,7 @@ from .device_scalars import DeviceScalars
 from .int8_buffer import Int8Buffer
 from .loss_scaling import LossScaling
 from .piece import Piece
-from .rounding import WriteBackRounding, step_value
+from .rounding import WriteBackRounding, fill_per_device, step_value
 
 # A parameter's accumulated gradient: a tensor of the buffer's dtype, or the 8-bit buffer.
 Buffer = torch.Tensor | Int8Buffer
@@ -136,13 +135,7 @@ class Accumulation:
         self.measuring = measuring
         self._measure_whole = {id(p) for p in measure_whole} if measuring else set()
         value = micro_batch_value(self.rounding.seed, step_count, self.pending)
-        for device in devices:
-            seed_step = self._seed_steps.get(device)
-            if seed_step is None:
-                seed_step = self._seed_steps[device] = torch.zeros(
-                    1, dtype=torch.int64, device=device
-                )
-            seed_step.fill_(value)
+        fill_per_device(self._seed_steps, devices, value)
 
     def add(self, piece: Piece, index: int, inv_scale: torch.Tensor | None, backend: Any) -> None:
         """Adds a micro-batch's gradient of `piece` (a whole parameter, this rank's reduced
@@ -275,12 +268,11 @@ class Accumulation:
             if id(param) in self._measured_ids or not buffer.numel():
                 continue
             scalars, inv_scale = scalars_for(buffer.device), inv_scale_for(buffer.device)
-            sumsq = scalars.slot_sum(index_of(param))
             if isinstance(buffer, Int8Buffer):
+                sumsq = scalars.slot_sum(index_of(param))
                 int8_buffer.measure_sumsq(buffer, sumsq, scalars.norm_found_inf, inv_scale, backend)
             else:
-                ops.grad_sumsq_(buffer, sumsq, inv_scale=inv_scale,
-                                found_inf=scalars.norm_found_inf, backend=backend)  # fmt: skip
+                scalars.measure(buffer, index_of(param), inv_scale, backend)
             self._measured_ids.add(id(param))
 
     def buffered(self) -> list[tuple[torch.Tensor, Buffer, Shard | None]]:

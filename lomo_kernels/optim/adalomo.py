@@ -220,7 +220,7 @@ class AdaLomo(InBackwardOptimizer):
                 seed=0,
                 seed_step=self.rounding.seed_step(device),
             )
-        if self._sharded is None:  # sharded steps keep slices of their own (adalomo_slices)
+        if self._sharding is None:  # sharded steps keep slices of their own (adalomo_slices)
             for group in self.param_groups:
                 for param in group["params"]:
                     check_adalomo_state(param, self.state[param])
@@ -321,5 +321,5 @@ class AdaLomo(InBackwardOptimizer):
                 )
             )
         found_inf = batch.scalars.update_found_inf
-        all_reduce_sum_ = self._sharded.sharding.all_reduce_sum_
+        all_reduce_sum_ = self._sharding.all_reduce_sum_
         adalomo_slices_(steps, batch.skip_if, found_inf, all_reduce_sum_)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,30 +82,14 @@ class DeviceScalars:
         return self.norm_found_inf if norm_ready else self.no_skip
 
 
-class DeviceScalarTable:
-    """The scalars of every device in use, by device (created on first use). Read as a
-    dict's views, which a compiled step traces as it traces a dict."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, DeviceScalars] = {}
-
-    def __getitem__(self, device: torch.device) -> DeviceScalars:
-        return self._by_device[device]
-
-    def __iter__(self) -> Iterator[torch.device]:
-        return iter(self._by_device)
-
-    def values(self) -> ValuesView[DeviceScalars]:
-        return self._by_device.values()
-
-    def items(self) -> ItemsView[torch.device, DeviceScalars]:
-        return self._by_device.items()
+class DeviceScalarTable(dict[torch.device, DeviceScalars]):
+    """The scalars of every device in use, by device (created on first use): a dict, which a
+    compiled step traces as it traces a dict."""
 
     def for_device(self, device: torch.device) -> DeviceScalars:
-        scalars = self._by_device.get(device)
-        if scalars is None:
-            scalars = self._by_device[device] = DeviceScalars(device)
-        return scalars
+        if device not in self:
+            self[device] = DeviceScalars(device)
+        return self[device]
 
     def begin_step(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
         """Sets each group's lr on the devices its parameters live on, clears the update's
@@ -131,7 +115,7 @@ class DeviceScalarTable:
     ) -> Iterator[tuple[torch.device, DeviceScalars, int, dict[str, Any]]]:
         """(device, its scalars, group index, group) of each of `groups` that has a
         parameter on that device (the step set its lr there)."""
-        for device, scalars in self._by_device.items():
+        for device, scalars in self.items():
             for index, group in enumerate(groups):
                 if index in scalars.lr:
                     yield device, scalars, index, group

@@ -3,7 +3,7 @@ the pass in progress (the update, the norm pass's accumulator, a micro-batch's b
 
 A gradient arrives in one of three ways, each a `Piece`: the whole tensor (the
 post-accumulate-grad hook), a block of its rows as a fused op produces them
-(`row_blocks.py`) or this rank's reduced slice of it (ZeRO-3, FSDP2: `sharded_steps.py`);
+(`row_blocks.py`) or this rank's reduced slice of it (ZeRO-3, FSDP2: `distributed/`);
 the step from accumulated gradients hands the update each buffer (`accumulation.py`) as the
 whole tensor's or the slice's piece. A piece says what is written (`target`, with its flat
 offset in the parameter, which keys its stochastic rounding and places it in the buffer),

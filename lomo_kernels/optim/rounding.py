@@ -42,6 +42,17 @@ def check_seed(seed: object) -> int:
     return seed
 
 
+def fill_per_device(
+    store: dict[torch.device, torch.Tensor], devices: Iterable[torch.device], value: int
+) -> None:
+    """Fills each device's 1-element int64 tensor of `store` (made at first use) with
+    `value` in place: the kernels read a tensor, so a new value is no new input (no sync)."""
+    for device in devices:
+        if device not in store:
+            store[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        store[device].fill_(value)
+
+
 class WriteBackRounding:
     """The rounding of one optimizer's write-back: whether it is stochastic, its seed, and
     per device the per-step part of the key the kernels read."""
@@ -59,14 +70,7 @@ class WriteBackRounding:
         """Refreshes the per-step value on each device, in place (host-side, no sync)."""
         if not self.stochastic:
             return
-        step_key = step_value(self.seed, step_count)
-        for device in devices:
-            seed_step = self._seed_steps.get(device)
-            if seed_step is None:
-                seed_step = self._seed_steps[device] = torch.zeros(
-                    1, dtype=torch.int64, device=device
-                )
-            seed_step.fill_(step_key)
+        fill_per_device(self._seed_steps, devices, step_value(self.seed, step_count))
 
     def seed_step(self, device: torch.device) -> torch.Tensor | None:
         """This step's per-step value on `device` (None before the first step or when off)."""

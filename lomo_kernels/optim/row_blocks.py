@@ -42,7 +42,7 @@ by the read of the loss's autograd graph before the backward (`loss_graph.py`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -51,17 +51,12 @@ from .. import compile as _compiled_autograd
 from .. import ops
 from ..core.gradient_sink import register_sink_finder
 from ..core.ownership import owner_of
-from .device_scalars import DeviceScalars
 from .head_guard import tied_head_weights
+from .piece import Piece
 from .rounding import MAX_SLICED_NUMEL, WriteBackRounding
 from .single_backward import SingleBackwardClip
 from .step import Phase, Step
 from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
-
-# An optimizer's intake of rows [start, stop) of a parameter with their gradient in the pass
-# in progress (measured, accumulated or updated; an update skipped where the flag is
-# non-zero): ``take_rows(param, start, stop, grad, skip_if)``.
-TakeRows = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 
 def row_block_step_for(param: torch.Tensor) -> RowBlockStep | None:
@@ -85,33 +80,29 @@ class RowBlockStep:
     def __init__(
         self,
         blocks: RowBlocks,
-        param: torch.Tensor,
-        scalars: DeviceScalars,
+        piece: Piece,
         *,
         inv_scale: torch.Tensor | None,
         changes_zero_rows: bool,
-        take_rows: TakeRows,
+        take: Callable[[Piece], None],
     ) -> None:
-        """`blocks`: the pass's row blocks (its step, clip rule and backend); `scalars`:
-        those of `param`'s device; `inv_scale`: the gradients' inverse loss scale;
+        """`blocks`: the pass's row blocks (its step, clip rule and backend); `piece`: the
+        parameter's whole piece (its group, device scalars and skip flag), each block taken
+        as a piece of its rows; `inv_scale`: the gradients' inverse loss scale;
         `changes_zero_rows`: whether a block whose gradient is zero still counts (decoupled
-        weight decay, or a micro-batch measuring its buffers); `take_rows`: the optimizer's
-        intake of a block of rows."""
-        self._blocks = blocks
-        self._param = param
-        self._scalars = scalars
-        self._inv_scale = inv_scale
-        self._take_rows = take_rows
+        weight decay, or a micro-batch measuring its buffers); `take`: the optimizer's
+        intake of a piece in the pass in progress."""
+        self._blocks, self._piece, self._inv_scale, self._take = blocks, piece, inv_scale, take
+        self._width = piece.param.numel() // piece.param.shape[0]
         step = blocks.step
         # A norm pass only measures: any blocks holding the gradient's values will do.
         self.measuring = step.phase is Phase.NORM
         self.measure_first = step.phase is Phase.UPDATE and step.single_backward
         self.changes_zero_rows = changes_zero_rows
-        self._skip_if = scalars.skip_flag(step.norm_ready)
         if self.measure_first:
             # [sum of squares, non-finite flag], as SingleBackwardClip.prepare_measured reads.
-            self._measured = torch.zeros(2, device=param.device)
-            self._skip_if = self._measured[1:2]
+            self._measured = torch.zeros(2, device=piece.param.device)
+            piece.skip_if = self._measured[1:2]
 
     def measure(self, start: int, stop: int, grad: torch.Tensor) -> None:
         ops.grad_sumsq_(grad, self._measured[0:1], inv_scale=self._inv_scale,
@@ -119,10 +110,11 @@ class RowBlockStep:
 
     def measured(self) -> None:
         """single_backward: the head's coefficient and skip flag from its whole norm."""
-        self._blocks.clip.prepare_measured(self._measured, clip_coef=self._scalars.clip_coef)
+        self._blocks.clip.prepare_measured(self._measured, clip_coef=self._piece.scalars.clip_coef)
 
     def apply(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        self._take_rows(self._param, start, stop, grad, self._skip_if)
+        rows = self._piece.param[start:stop]
+        self._take(replace(self._piece, grad=grad, target=rows, offset=start * self._width))
 
     def finish(self) -> None:
         return None
@@ -155,7 +147,8 @@ class RowBlocks:
             return self._splits(param)
         if self.step.phase is Phase.IDLE or not self.eligible(param):
             return False
-        self._refuse_second_contribution(param)
+        if id(param) in self.step.row_block_params or id(param) in self.step.whole_params:
+            raise second_contribution_error(self._name(param))
         self.step.row_block_params.add(id(param))
         return True
 
@@ -187,9 +180,8 @@ class RowBlocks:
             self._tied_ids |= tied_head_weights()
         return self._tied_ids
 
-    def _refuse_second_contribution(self, param: torch.Tensor) -> None:
-        if id(param) in self.step.row_block_params or id(param) in self.step.whole_params:
-            raise second_contribution_error(parameter_names(self.model).get(id(param), "?"))
+    def _name(self, param: torch.Tensor) -> str:
+        return parameter_names(self.model).get(id(param), "?")
 
     def note_whole_gradient(self, param: torch.Tensor) -> None:
         """The hook got `param`'s whole gradient: refused if blocks stepped it already, or
@@ -197,9 +189,9 @@ class RowBlocks:
         if torch.compiler.is_compiling():
             return  # traced backward: no row blocks there
         if id(param) in self.step.row_block_params:
-            self._refuse_second_contribution(param)
+            raise second_contribution_error(self._name(param))
         # A micro-batch adds each part into the buffer: the parts sum to the gradient.
         accumulating = self.step.phase is Phase.ACCUMULATE
         if id(param) in self.step.whole_params and not (self.sharded or accumulating):
-            raise gradient_in_parts_error(parameter_names(self.model).get(id(param), "?"))
+            raise gradient_in_parts_error(self._name(param))
         self.step.whole_params.add(id(param))

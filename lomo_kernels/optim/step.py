@@ -74,16 +74,12 @@ class Step:
 
     def begin_pass(self, phase: Phase) -> None:
         self.phase = phase
-        self._forget_seen()
-
-    def end_pass(self) -> None:
-        self.phase = Phase.IDLE
-        self._forget_seen()
-
-    def _forget_seen(self) -> None:
         self.updated.clear()
         self.row_block_params.clear()
         self.whole_params.clear()
+
+    def end_pass(self) -> None:
+        self.begin_pass(Phase.IDLE)
 
     def note_updated(self, param: torch.Tensor) -> None:
         """`param` is being updated by the pass in progress. Noted before the update is

@@ -108,7 +108,7 @@ def run(name: str, rank: int, checks: dict) -> list[torch.Tensor]:
         "phases": trainer.phases,
         "norms": logged_norms(trainer),
         "eval_losses": logged(trainer, "eval_loss"),
-        "sharded": type(opt._sharded.sharding).__name__,
+        "sharded": type(opt._sharding).__name__,
         "partitioned": sum(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()),
         "persistent": sum(bool(p.ds_persist) for p in trainer.model.parameters()),
     }

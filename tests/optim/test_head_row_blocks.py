@@ -40,9 +40,9 @@ def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend):
                    backend=backend)  # fmt: skip
         opt._prepare_scalars()
         opt._step.begin_pass(Phase.UPDATE)
-        no_skip = opt._scalars.for_device(weight.device).no_skip
+        rows = opt.row_block_step(module.weight)
         for start, stop in zip(chunks[:-1], chunks[1:], strict=True):
-            opt._take_rows(module.weight, start, stop, grad[start:stop], no_skip)
+            rows.apply(start, stop, grad[start:stop])
         opt._step.end_pass()
         opt.detach()
         results.append(module.weight.detach().clone())
