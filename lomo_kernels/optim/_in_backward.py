@@ -13,9 +13,10 @@ The other jobs are parts of the optimizer, each with its own state: the checks b
 change (`validation.py`, `_hyper.py`), what the hooks read of the param groups
 (`param_groups.py`), the loss scaling (`loss_scaling.py`), the write-back's rounding
 (`rounding.py`), the one-backward clip rule (`single_backward.py`), the sharding
-(`distributed/`; the one-loss pattern of ZeRO-3, `sharded_steps.py`), the step reports (`reporting.py`), the checkpoint (`checkpoint.py`,
-`parameter_state.py`) and the parameters a fused op hands over in blocks of rows
-(`row_blocks.py`). No part holds the optimizer: dropping it removes its hooks at once.
+(`distributed/`; the one-loss pattern of ZeRO-3, `sharded_steps.py`), the step reports
+(`reporting.py`), the checkpoint (`checkpoint.py`, `parameter_state.py`) and the parameters
+a fused op hands over in blocks of rows (`row_blocks.py`). No part holds the optimizer:
+dropping it removes its hooks at once.
 """
 
 from __future__ import annotations
@@ -489,10 +490,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Whether each pass needs a forward of its own (ZeRO-3)."""
         return self._sharding is not None and not self._sharding.second_backward_ok
 
-    def _norm_pass(self, loss: torch.Tensor) -> torch.Tensor:
-        self._check_call(loss)
+    def _norm_pass(self, loss: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+        self._check_call(loss, lr)
         self._reports.report_previous_step()
-        self._prepare_scalars()
+        self._prepare_scalars(lr)
         # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
         # one running sum (a slot per parameter would be one more graph input each).
         per_parameter = not (
@@ -573,12 +574,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             # The whole graph where no norm pass would meet such a gradient first.
             self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
         if plan is Plan.NORM_THEN_UPDATE and not measured:
-            self._norm_pass(loss)  # same attempt as a grad_norm of another loss
-            self._take_call_lr(lr, on_devices=True)
+            self._norm_pass(loss, lr)  # same attempt as a grad_norm of another loss
         else:
             self._reports.report_previous_step()
-            self._take_call_lr(lr)
-            self._prepare_scalars()
+            self._prepare_scalars(lr)
+        self._take_call_lr(lr, on_devices=True)  # nothing can refuse the call now
         single = self._step.begin_update()
         if single:
             self._single_backward_clip.max_norm = self._groups.max_norm
@@ -637,8 +637,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable  # see _check_call
     def _take_call_lr(self, lr: float | None, on_devices: bool = False) -> None:
         """Sets every group's lr to the call's `lr` when given (as lomo-optim does), and with
-        `on_devices` in the step's device tensors too (filled already). Called once nothing
-        can refuse the call: a refused call leaves the groups' lr as they were."""
+        `on_devices` in the step's device tensors too (which `_prepare_scalars(lr)` left for
+        it). Called once nothing can refuse the call: a refused call leaves the groups' lr."""
         if lr is None:
             return
         for group in self.param_groups:
@@ -832,9 +832,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     p.grad = None
 
     @torch.compiler.disable  # see _check_call
-    def _prepare_scalars(self) -> None:
+    def _prepare_scalars(self, lr: float | None = None) -> None:
+        """The step's device scalars and update arguments; the lr tensors from the groups
+        unless the call gives `lr` (then set by `_take_call_lr`, after the last refusal)."""
         self._drop_gradients()  # stale gradients would be summed into this step's
-        self._scalars.begin_step(self.param_groups)
+        self._scalars.begin_step(self.param_groups, fill_lr=lr is None)
         self._loss_scaling.begin_step(self._scalars)
         self.rounding.begin_step(self.step_count, self._scalars)
         self._prepare_update_arguments()

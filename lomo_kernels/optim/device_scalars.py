@@ -91,15 +91,17 @@ class DeviceScalarTable(dict[torch.device, DeviceScalars]):
             self[device] = DeviceScalars(device)
         return self[device]
 
-    def begin_step(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
-        """Sets each group's lr on the devices its parameters live on, clears the update's
-        overflow flags (host-side, no sync)."""
+    def begin_step(self, param_groups: Sequence[Mapping[str, Any]], fill_lr: bool = True) -> None:
+        """Sets each group's lr on the devices its parameters live on (`fill_lr`: else only
+        made, for the caller to fill), clears the update's overflow flags (host-side, no
+        sync)."""
         for index, group in enumerate(param_groups):
             for p in group["params"]:
                 scalars = self.for_device(p.device)
                 if index not in scalars.lr:
                     scalars.lr[index] = torch.zeros(1, device=p.device)
-        self.fill_lr(param_groups)
+        if fill_lr:  # else filled by the call's lr once nothing can refuse it
+            self.fill_lr(param_groups)
         for scalars in self.values():
             scalars.update_found_inf.zero_()
 

@@ -233,6 +233,34 @@ def test_exception_in_norm_pass_changes_nothing(name, how, mode):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_lr_stands_in_for_the_groups_own(name, mode):
+    """The call's lr is checked in place of the groups' (an invalid group lr is overwritten,
+    as lomo-optim's assignment does) in every mode, the norm pass's included, and the step
+    takes it as a constructor's lr would be taken."""
+    options, dtype, _ = MODES[mode]
+    model, reference = mlp().to(dtype), mlp().to(dtype)
+    opt = OPTIMIZERS[name](model, lr=0.05, **options)
+    expected = OPTIMIZERS[name](reference, lr=0.05, **options)
+    opt.param_groups[0]["lr"] = float("nan")
+    opt.fused_backward(loss_of(model, 0), lr=0.1)
+    expected.fused_backward(loss_of(reference, 0), lr=0.1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1]
+    assert same_bits(list(model.parameters()), list(reference.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["plain", "clip_norm", "single_backward", "fp16"])
+def test_a_refused_adalomo_state_leaves_the_call_lr(mode):
+    """AdaLomo's check of its moments, the last check before the update, refuses a damaged
+    state with nothing changed, the groups' lr included, whatever the step's plan."""
+    model, opt, loss_fn = built("adalomo", "embedder", mode)
+    opt.state[model.head.weight]["exp_avg_sq_row"] = torch.zeros(2)
+    loss = loss_fn(model, 1)
+    call = lambda: opt.fused_backward(loss, lr=0.5)  # noqa: E731
+    assert_refused(model, opt, call, ValueError, "exp_avg_sq_row")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_failed_micro_batch_leaves_the_lr_and_the_next_one_takes_it(name):
     """A micro-batch whose backward raises is dropped whole, the lr it was given included;
     the lr of a micro-batch that is taken is the groups' from then on, and the step's."""
