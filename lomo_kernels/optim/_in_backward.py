@@ -179,6 +179,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         hooked = [p for g in self.param_groups for p in g["params"]]
         self._loss_scaling = loss_scaling(hooked[0].device)
         self._step = Step()
+        self._lr_before_call: list[float] | None = None  # a call's lr given back if refused
         self._scalars = DeviceScalarTable()
         # The one record of the parameters this optimizer updates and their index (norm
         # slots, rounding seeds), held once the hooks attach.
@@ -639,11 +640,21 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Sets every group's lr to the call's `lr` when given (as lomo-optim does), and with
         `on_devices` in the step's device tensors too (which `_prepare_scalars(lr)` left for
         it). Called once nothing can refuse the call: a refused call leaves the groups' lr."""
+        self._lr_before_call = None if lr is None else [g["lr"] for g in self.param_groups]
         if lr is None:
             return
         for group in self.param_groups:
             group["lr"] = float(lr)
         if on_devices:
+            self._scalars.fill_lr(self.param_groups)
+
+    @torch.compiler.disable  # see _check_call
+    def _give_back_call_lr(self) -> None:
+        """The groups' lr as before the call (`_take_call_lr`), in the device tensors too: its
+        update pass was refused before any parameter changed."""
+        if self._lr_before_call is not None:
+            for group, lr in zip(self.param_groups, self._lr_before_call, strict=True):
+                group["lr"] = lr
             self._scalars.fill_lr(self.param_groups)
 
     @torch.compiler.disable
@@ -863,6 +874,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 and isinstance(error, Exception)
                 and _compiled_autograd.is_aliased_input_failure(error)
             ):
+                self._give_back_call_lr()
                 raise RuntimeError(
                     _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
                 ) from error

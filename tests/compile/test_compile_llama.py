@@ -28,10 +28,12 @@ from support.compiled_runs import (
     check_compiled_run,
     eager_reference,
     fresh_counters,
+    make_optimizer,
     measure_torch_rounding,
     tiny_llama,
     train,
 )
+from support.state import assert_refused
 from torch._dynamo import compiled_autograd
 
 from lomo_kernels import Lomo
@@ -115,13 +117,18 @@ def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt
 def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
     references, opt_name, dtype
 ):
-    initial = references[opt_name, dtype, "cpu"][0]
-    model = copy.deepcopy(initial)
+    """The loop's first step with an eager forward (`train`'s "eager_ca"), given an lr: the
+    refused update pass leaves everything as it was, the groups' lr included."""
+    model = copy.deepcopy(references[opt_name, dtype, "cpu"][0])
     fresh_counters()
-    with pytest.raises(RuntimeError, match="Compile the forward as well"):
-        train(model, opt_name, "eager_ca", [])
-    for p0, p in zip(initial.parameters(), model.parameters(), strict=True):
-        assert torch.equal(p0, p)
+    opt = make_optimizer(opt_name, model, LR[dtype])
+    loss = model(**next(iter(batches(model)))).loss
+
+    def step() -> None:
+        with compiled_autograd._enable(torch.compile(backend="inductor", fullgraph=True)):
+            opt.fused_backward(loss, lr=2 * LR[dtype])
+
+    assert_refused(model, opt, step, RuntimeError, "Compile the forward as well")
 
 
 def test_check_detects_the_reordering_bug(references, torch_rounding, monkeypatch):
