@@ -179,7 +179,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         hooked = [p for g in self.param_groups for p in g["params"]]
         self._loss_scaling = loss_scaling(hooked[0].device)
         self._step = Step()
-        self._lr_before_call: list[float] | None = None  # a call's lr given back if refused
+        # The groups' lr before this call took its own (`_take_call_lr`), given back if the
+        # call fails before any parameter changes; None: the call took none.
+        self._lr_before_call: list[float] | None = None
         self._scalars = DeviceScalarTable()
         # The one record of the parameters this optimizer updates and their index (norm
         # slots, rounding seeds), held once the hooks attach.
@@ -634,6 +636,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         names = functools.partial(parameter_names, self.model)
         self._groups.refresh(self.param_groups, checked, names)
         self._reports.begin_call()
+        self._lr_before_call = None  # this call has taken no lr yet
 
     @torch.compiler.disable  # see _check_call
     def _take_call_lr(self, lr: float | None, on_devices: bool = False) -> None:
@@ -651,7 +654,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable  # see _check_call
     def _give_back_call_lr(self) -> None:
         """The groups' lr as before the call (`_take_call_lr`), in the device tensors too: its
-        update pass was refused before any parameter changed."""
+        update pass failed before any parameter changed."""
         if self._lr_before_call is not None:
             for group, lr in zip(self.param_groups, self._lr_before_call, strict=True):
                 group["lr"] = lr
@@ -825,6 +828,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     read = self._buffer_read(param, buffer)  # one transient at a time
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
+            if not self._step.updated:
+                self._give_back_call_lr()
             self._reports.record_interruption(error, True, self._step.updated)
             error.add_note("lomo_kernels: the micro-batches accumulated for this step were dropped")
             raise
@@ -868,17 +873,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         except BaseException as error:
             if sharding is not None:
                 sharding.abandon()
-            # Compilation fails before the graph runs: no parameter has been written.
-            if (
-                phase is Phase.UPDATE
-                and isinstance(error, Exception)
-                and _compiled_autograd.is_aliased_input_failure(error)
-            ):
-                self._give_back_call_lr()
-                raise RuntimeError(
-                    _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
-                ) from error
             if phase is Phase.UPDATE:
+                # Compilation fails before the graph runs: no parameter has been written.
+                aliased = isinstance(error, Exception) and (
+                    _compiled_autograd.is_aliased_input_failure(error)
+                )
+                if aliased or (tracked and not self._step.updated):
+                    self._give_back_call_lr()  # nothing changed: the call's lr neither
+                if aliased:
+                    raise RuntimeError(
+                        _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
+                    ) from error
                 self._reports.record_interruption(error, tracked, self._step.updated)
             raise
         finally:

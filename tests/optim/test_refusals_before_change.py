@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from support.dependencies import require
 from support.models import batch, loss_of, mlp, tiny_llama
 from support.optimizers import OPTIMIZERS
-from support.state import assert_refused, same_bits, tensors
+from support.state import (
+    assert_refused,
+    assert_same_state,
+    optimizer_snapshot,
+    same_bits,
+    tensors,
+)
 
 from lomo_kernels import AdaLomo, Lomo
 
@@ -258,6 +264,49 @@ def test_a_refused_adalomo_state_leaves_the_call_lr(mode):
     loss = loss_fn(model, 1)
     call = lambda: opt.fused_backward(loss, lr=0.5)  # noqa: E731
     assert_refused(model, opt, call, ValueError, "exp_avg_sq_row")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_update_pass_failing_before_any_update_leaves_the_call_lr(name, mode):
+    """An exception in the update pass before any parameter is updated (raised where the
+    loss's gradient arrives, after the norm pass where one runs) leaves the parameters, the
+    optimizer state and its state_dict (step count, loss scaler, norm history, param groups)
+    as they were, the lr the call was given included, as its note says. (The norm pass's
+    measurement, when one ran, stays in the step reports and device scalars.)"""
+    model, opt, loss_fn = built(name, "embedder", mode)
+    loss = loss_fn(model, 1)
+    calls = []
+
+    def fail(grad: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) > MODES[mode][2]:  # the norm pass's backward passes
+            raise Interrupted("from the loss")
+
+    loss.register_hook(fail)
+    kept = ("parameters", "state", "state_dict")
+    before = {key: optimizer_snapshot(model, opt)[key] for key in kept}
+    with pytest.raises(Interrupted, match="from the loss") as raised:
+        opt.fused_backward(loss, lr=0.5)
+    after = {key: optimizer_snapshot(model, opt)[key] for key in kept}
+    assert_same_state(before, after, "snapshot")
+    assert "before any parameter was updated" in "\n".join(raised.value.__notes__)
+
+
+def test_a_step_from_the_buffers_refused_leaves_the_last_call_lr():
+    """The last micro-batch's call applies the step from the buffers; refused there before
+    any update (AdaLomo's damaged moments), the micro-batches are dropped with the
+    parameters unchanged, and the lr the call was given is given back."""
+    model = Embedder()
+    opt = AdaLomo(model, lr=0.05, accumulation_steps=2)
+    for step in range(3):  # a step, then one micro-batch of the next
+        opt.fused_backward(embedder_loss(model, step) / 2)
+    opt.state[model.head.weight]["exp_avg_sq_row"] = torch.zeros(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="exp_avg_sq_row"):
+        opt.fused_backward(embedder_loss(model, 3) / 2, lr=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.05] and opt.pending_micro_batches == 0
+    assert same_bits(list(model.parameters()), before)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
