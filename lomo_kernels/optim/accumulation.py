@@ -99,7 +99,8 @@ class Accumulation:
         # written this step are `_written`.
         self._buffers: dict[int, tuple[torch.Tensor, Buffer, Shard | None]] = {}
         self._written: set[int] = set()
-        self._measured_ids: set[int] = set()  # buffers the measuring pass has summed
+        # Buffers the measuring pass has summed, with the flat end of the furthest piece.
+        self._measured_until: dict[int, int] = {}
         # Buffers the measuring pass must not sum piece by piece (they get more than one
         # contribution, or 8-bit blocks cut by row blocks): measured whole by `measure_rest`.
         self._measure_whole: set[int] = set()
@@ -158,20 +159,25 @@ class Accumulation:
         buffer, first = self._buffer(piece, like, covers)
         measuring = self.measuring and key not in self._measure_whole
         cuts_blocks = isinstance(buffer, Int8Buffer) and not buffer.covers_whole_blocks(start, stop)
-        if measuring and cuts_blocks:
-            # Row blocks cut the 8-bit blocks: re-rounded whole, so measured once at the end.
-            # Every block but the last has the same rows: the first one tells.
-            if key in self._measured_ids:
-                raise AssertionError("a row block cut the 8-bit buffer's blocks unannounced")
+        scalars = piece.scalars
+        reached = self._measured_until.get(key)
+        # A piece of rows measured already: a second contribution the loss's graph did not
+        # show (a tied weight whose other use is inside a reentrant checkpoint). Their sum is
+        # measured whole at the step instead, the partial sums dropped.
+        again = not covers and reached is not None and start < reached
+        if measuring and (cuts_blocks or again):
+            # Row blocks that cut the 8-bit blocks are re-rounded whole: measured at the end.
+            if reached is not None:
+                scalars.slot_sum(index, anew=True)
+                del self._measured_until[key]
             self._measure_whole.add(key)
             measuring = False
-        scalars = piece.scalars
         sumsq = None
         if measuring:
             # A second part of the gradient (reentrant checkpoint segments each deliver one)
             # covers the buffer again: its slot measures the whole sum anew.
-            sumsq = scalars.slot_sum(index, anew=covers and key in self._measured_ids)
-            self._measured_ids.add(key)
+            sumsq = scalars.slot_sum(index, anew=covers and reached is not None)
+            self._measured_until[key] = max(stop, reached or 0)
         if not grad.numel():
             return
         # found_inf every micro-batch: a buffer may get no more gradients.
@@ -265,7 +271,7 @@ class Accumulation:
         `step()`), each into its parameter's slot (`index_of`), so the step's norms and flag
         cover every accumulated gradient."""
         for param, buffer, _ in self.buffered():
-            if id(param) in self._measured_ids or not buffer.numel():
+            if id(param) in self._measured_until or not buffer.numel():
                 continue
             scalars, inv_scale = scalars_for(buffer.device), inv_scale_for(buffer.device)
             if isinstance(buffer, Int8Buffer):
@@ -273,7 +279,7 @@ class Accumulation:
                 int8_buffer.measure_sumsq(buffer, sumsq, scalars.norm_found_inf, inv_scale, backend)
             else:
                 scalars.measure(buffer, index_of(param), inv_scale, backend)
-            self._measured_ids.add(id(param))
+            self._measured_until[id(param)] = buffer.numel()
 
     def buffered(self) -> list[tuple[torch.Tensor, Buffer, Shard | None]]:
         """(parameter, buffer, this rank's shard or None) of every parameter that got a
@@ -285,7 +291,7 @@ class Accumulation:
         """Ends the step's accumulation (after a step, or `zero_grad`): nothing is pending;
         the buffers are kept for the next step unless `free`."""
         self._written.clear()
-        self._measured_ids.clear()
+        self._measured_until.clear()
         self._measure_whole.clear()
         self.pending = 0
         self.measuring = False

@@ -342,6 +342,14 @@ def test_refusals_before_any_change(tmp_path):
     assert not (tmp_path / "ckpt").exists()
     load = lambda: lomo_kernels.load_checkpoint(tmp_path / "saved", model, opt)  # noqa: E731
     assert_refused(model, opt, load, RuntimeError, "micro-batches accumulated")
+    # A sparse gradient (here torch.gather's, which no module flag shows): seen in the loss's
+    # graph, before the backward adds anything into the buffers.
+    embed = model.model.embed_tokens
+    embed.forward = lambda ids: torch.gather(
+        embed.weight, 0, ids.reshape(-1, 1).expand(-1, embed.weight.shape[1]), sparse_grad=True
+    ).reshape(*ids.shape, -1)
+    sparse = model(**micro_batches(0)[1]).loss / K
+    assert_refused(model, opt, lambda: opt.fused_backward(sparse), ValueError, "sparse_grad")
     assert opt.pending_micro_batches == 1
 
 
@@ -544,19 +552,37 @@ def test_logits_free_head_accumulates_from_row_blocks(monkeypatch, optimizer):
     assert max_rel_diff(patched, plain) <= FP32_BOUND
 
 
+def lookup_in_reentrant_checkpoint(model) -> None:
+    """Runs `model`'s input embedding inside torch.utils.checkpoint(use_reentrant=True): the
+    lookup's node is then in a graph of its own, which the read of the loss's graph does not
+    reach (a reentrant segment needs an input that requires grad: a 1.0 scale)."""
+    from torch.utils.checkpoint import checkpoint
+
+    embed = model.model.embed_tokens
+    lookup, one = embed.forward, torch.ones((), requires_grad=True)
+    embed.forward = lambda ids: checkpoint(lambda i, s: lookup(i) * s, ids, one,
+                                           use_reentrant=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
-def test_tied_head_in_row_blocks_is_measured_once(monkeypatch, optimizer):
+@pytest.mark.parametrize("hidden", [False, True], ids=["graph_shows_it", "checkpointed_lookup"])
+def test_tied_head_in_row_blocks_is_measured_once(monkeypatch, optimizer, hidden):
     # A head tied to the input embedding gets two gradients per micro-batch, both in row
     # blocks (the fused loss's vocabulary chunks and the embedding's used rows), added into one
     # buffer. The measuring micro-batch must count that buffer once: the step's norm and
     # clip coefficient equal the unpatched tied model's (a buffer summed per contribution
-    # would count the head twice and clip the whole step harder).
+    # would count the head twice and clip the whole step harder). `hidden`: the lookup runs
+    # in a reentrant checkpoint, so the loss's graph does not show the second use; the
+    # buffer is then measured whole at the step once its rows come a second time.
     from lomo_kernels import patch_causal_lm
     from lomo_kernels.ops import cross_entropy as lce
 
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)
     patched = patch_causal_lm(tiny_llama(tie_word_embeddings=True))
     plain = tiny_llama(tie_word_embeddings=True)
+    if hidden:
+        lookup_in_reentrant_checkpoint(patched)
+        lookup_in_reentrant_checkpoint(plain)
     lr = 0.05 if optimizer is Lomo else 1e-3
     ours = optimizer(patched, lr=lr, clip_grad_norm=0.5, accumulation_steps=K)
     ref = optimizer(plain, lr=lr, clip_grad_norm=0.5, accumulation_steps=K)
