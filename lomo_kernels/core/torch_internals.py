@@ -338,9 +338,9 @@ def compiled_backward_donates_buffers(loss: torch.Tensor) -> bool:
 
 
 def saved_sparse(node: Any) -> bool:
-    """Whether an embedding-backward autograd node produces a sparse gradient (False where
-    the node does not say)."""
-    return bool(getattr(node, "_saved_sparse", False))
+    """Whether an autograd node of an op that may give sparse gradients (an embedding lookup's
+    `sparse`, torch.gather's `sparse_grad`) gives one (False where the node does not say)."""
+    return bool(getattr(node, "_saved_sparse", False) or getattr(node, "_saved_sparse_grad", False))
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> dict[Any, Callable[..., Any]]:

@@ -4,9 +4,10 @@ LLaMA, 3.3 ms for a 32-layer one).
 
 Two questions read the graph:
 - **the whole graph** (`whole=True`, a step without a norm pass, or a micro-batch): does it
-  hold an embedding lookup with sparse=True (the functional form, F.embedding(...,
-  sparse=True), that no module flag shows), and which parameters a row-block op feeds get a
-  gradient more than once (used elsewhere too, or the op ran twice);
+  hold an op that gives a sparse gradient (an embedding lookup's functional form,
+  F.embedding(..., sparse=True), that no module flag shows, or torch.gather(...,
+  sparse_grad=True)), and which parameters a row-block op feeds get a gradient more than
+  once (used elsewhere too, or the op ran twice);
 - **the head's readers** (`head_guard.py`): which nodes read a patched model's head weight
   other than through the fused loss, an embedding lookup or logits the patched forward
   returned on request. That question stops below the fused loss's node (the decoder fed it),
@@ -31,9 +32,10 @@ from ..core.torch_internals import saved_sparse
 FUSED_LOSS_NODE = "GeneratedBackwardFor_lomo_kernels_linear_cross_entropy_forward_defaultBackward"
 # The input embedding's used rows, handed over in row blocks (compile/embedding_backward.py).
 EMBEDDING_ROWS_NODE = "_EmbeddingRowsBackward"
-# torch's lookups: the ones whose gradient may be sparse.
+# torch's lookups, and the ops whose gradient may be sparse (a flag saved on the node).
 TORCH_EMBEDDING_NODES = ("EmbeddingBackward0", "EmbeddingBagBackward0")
 EMBEDDING_NODES = (*TORCH_EMBEDDING_NODES, EMBEDDING_ROWS_NODE)
+SPARSE_CAPABLE_NODES = (*TORCH_EMBEDDING_NODES, "GatherBackward0")
 ROW_BLOCK_NODES = (FUSED_LOSS_NODE, EMBEDDING_ROWS_NODE)
 # A torch.compile'd region: one node whose inside a walk cannot see.
 OPAQUE_NODES = ("CompiledFunctionBackward",)
@@ -45,7 +47,7 @@ LOGITS_ON_REQUEST = "lomo_kernels_logits_on_request"
 class LossGraph:
     """What the walk found (see the module docstring)."""
 
-    sparse_embedding: bool = False
+    sparse_gradient: bool = False
     reused_row_block_params: list[torch.Tensor] = field(default_factory=list)
     heads_fused: set[int] = field(default_factory=set)  # heads the fused loss reads
     # Heads read otherwise, and by which node (the first met).
@@ -81,8 +83,8 @@ def read_loss_graph(loss: torch.Tensor, whole: bool, heads: Iterable[int] = ()) 
         seen.add(id(node))
         name = node.name()
         if first and whole:
-            if name in TORCH_EMBEDDING_NODES and saved_sparse(node):
-                found.sparse_embedding = True
+            if name in SPARSE_CAPABLE_NODES and saved_sparse(node):
+                found.sparse_gradient = True
             for variable in leaf_inputs(node):
                 uses[id(variable)] = uses.get(id(variable), 0) + 1
                 if name in ROW_BLOCK_NODES:

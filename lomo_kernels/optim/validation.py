@@ -179,13 +179,14 @@ def refuse_sparse_embeddings(embeddings: list[tuple[str, nn.Module]]) -> None:
 def refuse_graph(graph: LossGraph, takes_row_blocks: Any, model: nn.Module) -> None:
     """Refuses, before the backward, a loss (its whole graph read: `loss_graph.py`) whose
     gradients would reach a parameter in a way the in-backward step cannot take: a sparse
-    embedding gradient, or a second gradient of a parameter its owner steps from row blocks
+    gradient, or a second gradient of a parameter its owner steps from row blocks
     (`takes_row_blocks(param)`)."""
-    if graph.sparse_embedding:
+    if graph.sparse_gradient:
         raise ValueError(
-            "the loss's backward holds an embedding lookup with sparse=True "
-            "(F.embedding(..., sparse=True)); LOMO updates dense parameters in place and "
-            "nothing was updated: pass sparse=False"
+            "the loss's backward holds an op that gives a sparse gradient (an embedding "
+            "lookup with sparse=True, F.embedding(..., sparse=True), or torch.gather(..., "
+            "sparse_grad=True)); LOMO updates dense parameters in place and nothing was "
+            "updated: pass sparse=False (sparse_grad=False)"
         )
     for param in graph.reused_row_block_params:
         if takes_row_blocks(param):

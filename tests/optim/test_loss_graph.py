@@ -19,17 +19,19 @@ def tagged(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sparse", [True, False])
-def test_the_whole_graph_read_finds_sparse_embedding_and_bag_lookups(sparse):
+def test_the_whole_graph_read_finds_sparse_lookups_and_gathers(sparse):
     weight = torch.randn(10, 4, requires_grad=True)
     ids = torch.tensor([1, 2, 3])
     dense = (weight * 2).sum()  # a branch without any lookup
     lookup = F.embedding(ids, weight, sparse=sparse).sum()
     bag = F.embedding_bag(ids, weight, torch.tensor([0]), sparse=sparse).sum()
-    assert not read_loss_graph(dense, whole=True).sparse_embedding
-    assert read_loss_graph(dense + lookup, whole=True).sparse_embedding is sparse
-    assert read_loss_graph(bag * 3 + dense, whole=True).sparse_embedding is sparse
+    gathered = torch.gather(weight, 0, ids[:, None].expand(-1, 4), sparse_grad=sparse).sum()
+    assert not read_loss_graph(dense, whole=True).sparse_gradient
+    assert read_loss_graph(dense + lookup, whole=True).sparse_gradient is sparse
+    assert read_loss_graph(bag * 3 + dense, whole=True).sparse_gradient is sparse
+    assert read_loss_graph(dense + gathered.exp(), whole=True).sparse_gradient is sparse
     # The head question alone does not read the whole graph.
-    assert not read_loss_graph(dense + lookup, whole=False, heads=[id(weight)]).sparse_embedding
+    assert not read_loss_graph(dense + lookup, whole=False, heads=[id(weight)]).sparse_gradient
 
 
 def test_the_head_question_does_not_count_requested_logits_as_a_reader():
@@ -62,5 +64,5 @@ def test_a_node_met_out_of_the_head_questions_reach_is_read_again_from_within(wh
 def test_no_question_reads_nothing():
     weight = torch.randn(3, requires_grad=True)
     graph = read_loss_graph((weight * 2).sum(), whole=False, heads=[])
-    assert graph.heads_read_by == {} and not graph.sparse_embedding
+    assert graph.heads_read_by == {} and not graph.sparse_gradient
     assert read_loss_graph(torch.tensor(1.0), whole=True).reused_row_block_params == []

@@ -33,21 +33,34 @@ MODES = {
 
 
 class Embedder(torch.nn.Module):
-    """An embedding looked up through F.embedding (the functional form) or nn.Embedding."""
+    """An embedding looked up through nn.Embedding, or a functional op with a sparse gradient
+    (`sparse_op`, SPARSE_LOOKUPS)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(12, 6)
         self.head = torch.nn.Linear(6, 3)
-        self.functional_sparse = False
+        self.sparse_op: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.functional_sparse:
-            x = F.embedding(ids, self.embed.weight, sparse=True)
+        if self.sparse_op is not None:
+            x = SPARSE_LOOKUPS[self.sparse_op](ids, self.embed.weight)
         else:
             x = self.embed(ids)
         return self.head(x).float().pow(2).mean()
+
+
+def gathered_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = ids.reshape(-1, 1).expand(-1, weight.shape[1])
+    return torch.gather(weight, 0, rows, sparse_grad=True).reshape(*ids.shape, -1)
+
+
+# The functional lookups whose gradient is sparse with no module flag to show it.
+SPARSE_LOOKUPS = {
+    "embedding": lambda ids, weight: F.embedding(ids, weight, sparse=True),
+    "gather": gathered_rows,
+}
 
 
 def embedder_loss(model: Embedder, step: int) -> torch.Tensor:
@@ -58,12 +71,12 @@ def llama_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     return model(**batch(step)).loss
 
 
-def make_sparse_functional(model: torch.nn.Module) -> None:
+def make_sparse_functional(model: torch.nn.Module, op: str = "embedding") -> None:
     if isinstance(model, Embedder):
-        model.functional_sparse = True
+        model.sparse_op = op
         return
     embed = model.model.embed_tokens
-    embed.forward = lambda ids: F.embedding(ids, embed.weight, sparse=True)
+    embed.forward = lambda ids: SPARSE_LOOKUPS[op](ids, embed.weight)
 
 
 def make_sparse_module(model: torch.nn.Module) -> None:
@@ -123,19 +136,20 @@ def test_sparse_embedding_module_refused_at_construction_unless_frozen(name):
     opt.fused_backward(embedder_loss(model, 0))
 
 
+@pytest.mark.parametrize("op", SPARSE_LOOKUPS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name,mode", list(model_modes()))
-def test_functional_sparse_embedding_refused_before_any_change(name, model_name, mode):
+def test_functional_sparse_lookup_refused_before_any_change(name, model_name, mode, op):
     """Refused with nothing changed in every mode, the groups' lr included when the call
     passes one: by the norm pass where one runs, else by a walk of the loss's autograd graph
     before the update pass."""
     model, opt, loss_fn = built(name, model_name, mode)
-    make_sparse_functional(model)
+    make_sparse_functional(model, op)
     loss = loss_fn(model, 1)
     if MODES[mode][2]:
         error, match = TypeError, r"received a sparse gradient.*sparse=False"
     else:
-        error, match = ValueError, r"embedding lookup with sparse=True.*nothing was updated"
+        error, match = ValueError, r"gives a sparse gradient.*nothing was updated"
     assert_refused(model, opt, lambda: opt.fused_backward(loss), error, match)
     assert_refused(model, opt, lambda: opt.fused_backward(loss, lr=0.5), error, match)
     assert not opt.last_step_interrupted
