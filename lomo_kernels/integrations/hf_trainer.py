@@ -76,8 +76,10 @@ def _with_own_training_arguments(
 
 
 def _runs_norm_pass(opt: InBackwardOptimizer) -> bool:
-    """Whether `opt.fused_backward` runs a norm (or fp16 overflow) pass before the update."""
-    return opt._needs_detection_pass() and not opt.single_backward
+    """Whether `opt.fused_backward` runs a norm (or fp16 overflow) pass before the update:
+    never with accumulation, whose micro-batches measure the step's norm as they go."""
+    needs_one = opt._needs_detection_pass() and not opt.single_backward
+    return needs_one and opt.accumulation_steps == 1
 
 
 class LomoTrainer(Trainer):

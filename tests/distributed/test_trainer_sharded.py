@@ -19,6 +19,7 @@ from support.float64 import FP32_NORM_RTOL
 from support.sharded_checks import assert_within_update_tolerance, in_order, rank_run_fixtures
 from support.state import assert_same_state
 from support.trainer_runs import (
+    ACCUMULATE,
     EVAL,
     EVAL_ROWS,
     PER_RANK_BATCH,
@@ -152,6 +153,24 @@ def test_trainer_zero3_single_backward_equals_one_process(ranks_dir, checks, tmp
     norms = logged_norms(trainer)
     for rank in checks:
         assert rank[name]["phases"] == ["update"] * STEPS
+        assert rank[name]["norms"] == pytest.approx(norms, rel=NORM_RTOL)
+
+
+@pytest.mark.slow
+def test_trainer_zero3_accumulation_equals_one_process(ranks_dir, checks, tmp_path):
+    """gradient_accumulation_steps=2 with the Trainer's clipping under ZeRO-3: one backward per
+    micro-batch (the step's norm is the accumulated gradients', measured as they are added,
+    with no norm pass and no forward of its own), against one process accumulating the same
+    micro-batches of 4 rows."""
+    name = "lomo_accumulate"
+    saved = torch.load(ranks_dir / f"{name}.pt")
+    trainer = one_process(name, saved["initial"], tmp_path, **ACCUMULATE)
+    assert trainer._lomo().accumulation_steps == 2 and trainer._lomo().step_count == 2
+    assert_within_update_tolerance(saved["final"], trainer.model.state_dict(), saved["initial"])
+    norms = logged_norms(trainer)
+    assert len(norms) == 2 and min(norms) > trainer._lomo().clip_grad_norm  # all clipped
+    for rank in checks:
+        assert rank[name]["phases"] == ["accumulate"] * 4 and rank[name]["steps"] == 2
         assert rank[name]["norms"] == pytest.approx(norms, rel=NORM_RTOL)
 
 

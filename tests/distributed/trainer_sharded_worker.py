@@ -36,6 +36,7 @@ from support.crafted import RunsCode, plant_client_state  # noqa: E402
 from support.sharded_checks import count_phases, record_order, write_checks  # noqa: E402
 from support.state import assert_same_state  # noqa: E402
 from support.trainer_runs import (  # noqa: E402
+    ACCUMULATE,
     EVAL,
     EVAL_ROWS,
     PER_RANK_BATCH,
@@ -85,8 +86,10 @@ def run(name: str, rank: int, checks: dict) -> list[torch.Tensor]:
     """One LomoTrainer run under ZeRO-3; returns this rank's batches."""
     model = llama()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    exact = not name.endswith("single")
+    exact = name in ("lomo", "adalomo")
     extra = {"save_strategy": "steps", "save_steps": STEPS, **EVAL} if exact else {}
+    if name.endswith("accumulate"):
+        extra = ACCUMULATE
     args = training_args(
         str(OUT / name),
         name,
@@ -111,6 +114,7 @@ def run(name: str, rank: int, checks: dict) -> list[torch.Tensor]:
         "sharded": type(opt._sharding).__name__,
         "partitioned": sum(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()),
         "persistent": sum(bool(p.ds_persist) for p in trainer.model.parameters()),
+        "steps": opt.step_count,
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, trainer.batches)

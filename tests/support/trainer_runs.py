@@ -31,7 +31,11 @@ RUNS = {
     "adalomo": ("adalomo", None),
     "lomo_single": ("lomo", "single_backward=True"),
     "adalomo_single": ("adalomo", "single_backward=True"),
+    "lomo_accumulate": ("lomo", None),
 }
+# The accumulating run: 2 micro-batches per step (4 rows each over the ranks), exact clipping
+# by the accumulated gradients' norm; the 16 rows make 2 steps.
+ACCUMULATE = {"gradient_accumulation_steps": 2, "max_steps": 2}
 
 
 # The exact-clipping runs also evaluate after steps 2 and 3 (each rank half of the 8 rows):
