@@ -146,7 +146,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         `stochastic_rounding`, `seed`: the write-back's rounding of bf16 and fp16
         parameters (rounding.py).
         `backend`: 'triton', 'cpp', 'torch' or None for automatic.
-        `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3.
+        `bucket_numel`: gradient elements per reduce-scatter under ZeRO-3; under ZeRO-3
+        and FSDP2, also the elements whose 8-bit buffers a step dequantises at once for an
+        update that does not read them itself (AdaLomo).
         `single_backward`: clip and check overflow within the update pass
         (single_backward.py).
         `replicated=False`: under torch.distributed, each rank's unsharded parameters are its
@@ -196,6 +198,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             SingleBackwardClip(None, params[0].device) if single_backward else None
         )
         self._sharding = sharding  # None: unsharded
+        self._bucket_numel = int(bucket_numel)
         self._row_blocks = RowBlocks(
             model,
             self._step,
@@ -766,11 +769,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         try:
             self._run_backward(loss, Phase.ACCUMULATE, retain_graph=False)
         except BaseException as error:
-            # Part of this micro-batch is in the buffers: none of the step's can be applied.
-            accumulation.release()
+            if accumulation.added:
+                # Part of this micro-batch is in the buffers: none of the step's can be applied.
+                accumulation.release()
+                kept = "the micro-batches accumulated for this step were dropped"
+            else:  # raised before any gradient reached a buffer (refused by the sharding, or
+                # a graph already back-propagated): the buffers hold what they held
+                kept = f"nothing of it was accumulated ({accumulation.pending} pending kept)"
             error.add_note(
-                "lomo_kernels: raised during a micro-batch's backward; the micro-batches "
-                "accumulated for this step were dropped and no parameter was changed"
+                f"lomo_kernels: raised during a micro-batch's backward; {kept} and no "
+                "parameter was changed"
             )
             raise
         accumulation.pending += 1
@@ -820,11 +828,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._close_norm_pass(per_parameter=True)
             self._step.norm_ready = True  # the buffers' norm serves this update pass
             self._step.begin_pass(Phase.UPDATE)
-            buffered = accumulation.buffered()
-            if self._sharding is not None:  # one batch: the same order on every rank
-                self._step_slices([(s, self._buffer_read(p, b)) for p, b, s in buffered])
+            if self._sharding is not None:
+                # Batches of whole parameters, the same on every rank: all in one, or one
+                # bucket of dequantised transients at a time.
+                dequantised = self.accumulation_dtype == torch.int8 and not self.reads_int8_buffers
+                for batch in accumulation.batches(self._bucket_numel if dequantised else None):
+                    self._step_slices([(s, self._buffer_read(p, b)) for p, b, s in batch])
             else:
-                for param, buffer, _ in buffered:
+                for param, buffer, _ in accumulation.buffered():
                     read = self._buffer_read(param, buffer)  # one transient at a time
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:

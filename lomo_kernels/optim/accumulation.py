@@ -23,7 +23,7 @@ divides by the scale as it divides a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ class Accumulation:
         self.rounding = rounding
         self.pending = 0  # micro-batches accumulated into the buffers
         self.measuring = False  # this micro-batch's pass measures the accumulated gradients
+        self.added = False  # this micro-batch's pass has reached the buffers
         # id(param) -> (param, buffer, shard), in the order the gradients first arrived. Kept
         # from step to step (a new allocation would be paged in again every step); those
         # written this step are `_written`.
@@ -134,6 +135,7 @@ class Accumulation:
         except those of `measure_whole` (parameters whose gradient arrives in more than one
         contribution: the loss's graph says which), measured whole at the step."""
         self.measuring = measuring
+        self.added = False
         self._measure_whole = {id(p) for p in measure_whole} if measuring else set()
         value = micro_batch_value(self.rounding.seed, step_count, self.pending)
         fill_per_device(self._seed_steps, devices, value)
@@ -147,6 +149,7 @@ class Accumulation:
         (`WriteBackRounding.in_pieces`, the 8-bit blocks' flat index); a piece that covers only
         part of it (row blocks, which may skip rows) adds into a buffer zeroed at its first
         piece of the step."""
+        self.added = True
         key = id(piece.param)
         grad = piece.grad
         # The piece's place in the buffer, which is this rank's part of the parameter (its
@@ -286,6 +289,22 @@ class Accumulation:
         gradient this step, in the order the gradients first arrived (the same on every
         rank: the sharding hands the slices over in the same order)."""
         return [entry for key, entry in self._buffers.items() if key in self._written]
+
+    def batches(self, numel: int | None) -> Iterator[list[tuple[torch.Tensor, Buffer, Shard]]]:
+        """`buffered()` under sharding, cut into runs of whole parameters of at most `numel`
+        elements together (None: one run; a larger parameter: a run of its own), by the
+        parameters' full sizes: the same runs on every rank."""
+        run: list[tuple[torch.Tensor, Buffer, Shard]] = []
+        size = 0
+        for entry in self.buffered():
+            full = entry[2].full_numel
+            if run and numel is not None and size + full > numel:
+                yield run
+                run, size = [], 0
+            run.append(entry)
+            size += full
+        if run:
+            yield run
 
     def release(self, free: bool = False) -> None:
         """Ends the step's accumulation (after a step, or `zero_grad`): nothing is pending;

@@ -36,7 +36,14 @@ from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
-OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo, "lomo_int8": Lomo}
+OPTIMIZERS = {
+    "lomo": Lomo,
+    "adalomo": AdaLomo,
+    "lomo_int8": Lomo,
+    "adalomo_int8": AdaLomo,
+    # bucket_numel=1: the step from the buffers dequantises one parameter's at a time.
+    "adalomo_int8_batched": AdaLomo,
+}
 
 
 def build(engine: str):
@@ -68,8 +75,14 @@ def shards(model, rank: int) -> dict[str, list[int]]:
 def run(engine: str, name: str, rank: int, checks: dict) -> None:
     target, model = build(engine)
     initial = consolidated_state_dict(model)
-    options = ACCUMULATING_INT8 if name.endswith("_int8") else ACCUMULATING
-    opt = OPTIMIZERS[name](target, lr=LR[name.removesuffix("_int8")], **options)
+    options = ACCUMULATING_INT8 if "_int8" in name else ACCUMULATING
+    if name.endswith("_batched"):
+        options = {**options, "bucket_numel": 1}
+    opt = OPTIMIZERS[name](target, lr=LR[name.split("_")[0]], **options)
+    # The pieces of each batch the step from the buffers hands the update.
+    batch_sizes: list[int] = []
+    update_shards = opt._update_shards
+    opt._update_shards = lambda batch: (batch_sizes.append(len(batch.pieces)), update_shards(batch))
     batch_of = lambda index: rank_batch(index, rank)  # noqa: E731
     norms = []  # every step's, noted as it is applied (by the k-th micro-batch or step())
 
@@ -95,6 +108,7 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
         "pending_after_zero_grad": opt.pending_micro_batches,
         "buffer_bytes": buffer_bytes,
         "shards": shards(model, rank),
+        "batch_sizes": batch_sizes,
     }
     final = consolidated_state_dict(model)
     if rank == 0:

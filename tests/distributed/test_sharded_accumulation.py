@@ -17,7 +17,14 @@ from support.sharded_checks import (
     one_process,
     rank_run_fixtures,
 )
-from support.sharded_models import ACCUMULATING, ACCUMULATING_INT8, LR, STEPS, train_accumulating
+from support.sharded_models import (
+    ACCUMULATING,
+    ACCUMULATING_INT8,
+    LR,
+    STEPS,
+    ScaledLlama,
+    train_accumulating,
+)
 
 from lomo_kernels.core.int8_blocks import INT8_BLOCK
 
@@ -162,6 +169,24 @@ def test_sharded_8_bit_buffer_follows_one_process(accumulation_run, checks, engi
         error = (got.reshape(-1) - expected).abs()
         worst = max(worst, (error / bound).max().item())
     assert worst <= 1.0, f"an element off by {worst:.2f} of its bound"
+
+
+ADALOMO_INT8_RUNS = ("adalomo_int8", "adalomo_int8_batched")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_8_bit_buffers_dequantised_one_bucket_at_a_time(accumulation_run, checks, engine):
+    # AdaLomo reads an 8-bit buffer dequantised into a transient: the step from the buffers
+    # hands the update batches of at most bucket_numel elements (here 1: a parameter each),
+    # so one bucket of transients exists at a time, and steps as one batch of all does (the
+    # ZeRO-3 run's smaller buckets also reorder its reduce-scatters: the sharded runs' bound).
+    params = len(dict(ScaledLlama().named_parameters()))
+    whole, batched = (checks[0][f"{engine}_{name}"] for name in ADALOMO_INT8_RUNS)
+    assert whole["batch_sizes"] == [params] * (STEPS + 1)
+    assert batched["batch_sizes"] == [1] * (params * (STEPS + 1))
+    one, cut = (torch.load(accumulation_run / f"{engine}_{n}.pt") for n in ADALOMO_INT8_RUNS)
+    assert_within_update_tolerance(cut["final"], one["final"], one["initial"])
 
 
 @pytest.mark.slow

@@ -380,6 +380,28 @@ def test_a_failed_micro_batch_drops_the_step_and_changes_nothing():
     assert unchanged(model, start) and opt.pending_micro_batches == 0 and opt.step_count == 0
 
 
+def test_a_micro_batch_refused_before_reaching_the_buffers_keeps_the_pending_ones():
+    # A loss back-propagated already raises in torch's backward before any gradient reaches
+    # a buffer: the micro-batches before it stay pending, and the step they complete equals
+    # one that never saw the failed call, bit for bit.
+    model, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(model, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    ref_opt = Lomo(ref, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    micros = micro_batches(0)
+    ref_opt.fused_backward(ref(**micros[0]).loss / K)
+    loss = model(**micros[0]).loss / K
+    opt.fused_backward(loss)
+    with pytest.raises(RuntimeError, match="second time") as raised:
+        opt.fused_backward(loss)
+    assert "1 pending kept" in "".join(raised.value.__notes__)
+    assert opt.pending_micro_batches == 1
+    for micro in micros[1:]:
+        opt.fused_backward(model(**micro).loss / K)
+        ref_opt.fused_backward(ref(**micro).loss / K)
+    assert opt.step_count == ref_opt.step_count == 1
+    assert same_bits(tensors(model, opt), tensors(ref, ref_opt))
+
+
 @pytest.mark.parametrize(
     ("dtype", "options", "report"),
     [
