@@ -35,10 +35,12 @@ UPDATE_OVERFLOW_WARNING = (
 
 SKIPPED_STEP_WARNING = (
     "step {step}: inf/nan gradient elements made the global gradient norm non-finite; they "
-    "were found before any update (by the norm pass, or in the accumulated micro-batches), so "
-    "the step was skipped whole: no parameter or optimizer state changed "
-    "(opt.last_step_skipped is True). Lower the learning rate or check the data if this "
-    "repeats."
+    "were found before any update (by the norm pass, or in the accumulated micro-batches, "
+    "whose buffers hold the loss-scaled sum: an fp16 buffer overflows past 65504), so the "
+    "step was skipped whole: no parameter or moment changed (opt.last_step_skipped is True; "
+    "the step counts in step_count, as lomo-optim's do). Lower the learning rate or check the "
+    "data if this repeats (with an fp16 accumulation buffer: a lower loss scale, or "
+    "accumulation_dtype=torch.float32)."
 )
 
 MIN_SCALE_ERROR = (
