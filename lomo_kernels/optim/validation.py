@@ -196,9 +196,9 @@ def refuse_graph(graph: LossGraph, takes_row_blocks: Any, model: nn.Module) -> N
 
 def sparse_gradient_error(name: str) -> TypeError:
     return TypeError(
-        f"parameter {name!r} received a sparse gradient (F.embedding(..., sparse=True) or "
-        "another op with sparse gradients in the forward); LOMO updates dense parameters in "
-        "place: pass sparse=False"
+        f"parameter {name!r} received a sparse gradient (F.embedding(..., sparse=True), "
+        "torch.gather(..., sparse_grad=True) or another op with sparse gradients in the "
+        "forward); LOMO updates dense parameters in place: pass sparse=False"
     )
 
 
