@@ -161,6 +161,9 @@ class AdaLomo(InBackwardOptimizer):
             "clip_grad_value": clip_grad_value,
         }
         super().__init__(model, defaults, loss_scaling, **options)
+        # For the moments' refusal: taken while FSDP2 registers the sharded parameters (from
+        # a forward to its backward, the root unit's gathered ones stand in their place).
+        self._moment_names = parameter_names(self.model)
 
     # lomo-optim's attribute names for AdaLomo's hyper-parameters (see GroupHyperParameter).
     eps = GroupHyperParameter("eps")
@@ -197,7 +200,8 @@ class AdaLomo(InBackwardOptimizer):
     def _check_update_arguments(self) -> None:
         """The update's public checks (`ops.adalomo_update_`'s), once per step, on the values
         every per-tensor call of the step passes (`_update` skips them per call), and the
-        moments' form; a value not in the op's form is refused before any parameter changes."""
+        moments' form, sliced ones' too (`adalomo_slices_` reads them unchecked); a value not
+        in the op's form is refused before any parameter changes."""
         self._step_arguments = {}
         for device, scalars, index, group in self._scalars.groups_present(self._groups.hyper):
             clip = group["clip_grad_norm"] is not None
@@ -220,10 +224,29 @@ class AdaLomo(InBackwardOptimizer):
                 seed=0,
                 seed_step=self.rounding.seed_step(device),
             )
-        if self._sharding is None:  # sharded steps keep slices of their own (adalomo_slices)
-            for group in self.param_groups:
-                for param in group["params"]:
-                    check_adalomo_state(param, self.state[param])
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._check_moments(param)
+
+    def _check_moments(self, param: nn.Parameter) -> None:
+        """Refuses `param`'s moments, naming it, unless they are in the form this optimizer
+        keeps (`_initial_moments`: the whole parameter's, or this rank's slice's)."""
+        state = self.state[param]
+        try:
+            if self._sharding is None:
+                check_adalomo_state(param, state)
+            else:
+                shard = self._sharding.shard(param)
+                check_adalomo_state(shard.local, state, shard.full_shape)
+        except (TypeError, ValueError) as error:
+            name = self._moment_names.get(id(param), "?")
+            problem = str(error).removeprefix("lomo_kernels: ")
+            raise type(error)(
+                f"AdaLomo's moments of parameter {name!r} are damaged: {problem}. The step "
+                "was refused before any parameter, moment or lr changed: load a state_dict "
+                "this optimizer saved (load_state_dict checks the moments), or build a new "
+                "optimizer to start them from zero"
+            ) from error
 
     def _update_measures(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         # Factored: pass A measures the gradient's sum of squares and non-finite flag (no

@@ -1,7 +1,8 @@
 """One rank of the gradient accumulation checks on sharded parameters (run by
 test_sharded_accumulation.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and AdaLomo
 with accumulation_steps=4 and a short step applied by opt.step(), each rank accumulating
-its reduced slices; Lomo with the 8-bit buffer too.
+its reduced slices; Lomo with the 8-bit buffer too; AdaLomo's damaged moments refused before
+any change, with and without accumulation.
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
 parameters for the one-process reference, and `checks.json` with what every rank saw.
@@ -30,6 +31,7 @@ from support.sharded_models import (  # noqa: E402
     rank_batch,
     train_accumulating,
 )
+from support.state import assert_same_state, optimizer_snapshot  # noqa: E402
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
@@ -115,10 +117,59 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
         torch.save({"initial": initial, "final": final}, OUT / f"{engine}_{name}.pt")
 
 
+def changes_but_accumulation(before: dict, model, opt) -> str | None:
+    """What differs from `before` (`optimizer_snapshot`) but the accumulated micro-batches."""
+    after = optimizer_snapshot(model, opt)
+    try:
+        assert_same_state(
+            {k: v for k, v in before.items() if k != "accumulation"},
+            {k: v for k, v in after.items() if k != "accumulation"},
+            "snapshot",
+        )
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def run_damaged_moments(engine: str, rank: int, checks: dict) -> None:
+    """AdaLomo's moments damaged on every rank after a step (a matrix's row factor, whose
+    R spans the whole matrix, then a 1-D parameter's sliced v), accumulation_steps 1 and 2:
+    the call that would apply the next step is refused before any change."""
+    target, model = build(engine)
+    llama = model.llama
+    victims = {"exp_avg_sq_row": llama.lm_head.weight, "exp_avg_sq": llama.model.norm.weight}
+    for steps in (1, 2):
+        opt = AdaLomo(target, lr=LR["adalomo"], accumulation_steps=steps)
+        for index in range(steps):  # a step first: moments that are not zero
+            opt.fused_backward(model(rank_batch(index, rank)) / steps)
+        for entry, victim in victims.items():
+            for index in range(steps - 1):  # the step's micro-batches but its last
+                opt.fused_backward(model(rank_batch(10 + index, rank)) / steps)
+            # Compared with the entry put back: a damaged slice has no state_dict.
+            before = optimizer_snapshot(model, opt)
+            kept, opt.state[victim][entry] = opt.state[victim][entry], torch.zeros(2)
+            try:  # the call's lr differs from the group's: refused, the group keeps its own
+                opt.fused_backward(model(rank_batch(20, rank)) / steps, lr=0.5)
+                error = None
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            opt.state[victim][entry] = kept
+            if engine == "fsdp2":
+                model.reshard()  # the root keeps its gathered parameters after its forward
+            checks[f"damaged_{engine}_{steps}_{entry}"] = {
+                "error": error,
+                "changed": changes_but_accumulation(before, model, opt),
+                "pending": opt.pending_micro_batches,
+                "lr": [group["lr"] for group in opt.param_groups],
+            }
+        opt.detach()
+
+
 def main(rank: int, checks: dict) -> None:
     for engine in ("zero3", "fsdp2"):
         for name in OPTIMIZERS:
             run(engine, name, rank, checks)
+        run_damaged_moments(engine, rank, checks)
 
 
 if __name__ == "__main__":

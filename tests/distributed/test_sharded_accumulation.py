@@ -197,3 +197,21 @@ def test_sharded_checkpoint_mid_accumulation_is_refused_on_every_rank(checks, en
         assert seen["step_count"] == STEPS + 1
         assert "1 of 4 micro-batches accumulated" in seen["refused_mid_step"]
         assert seen["pending_after_zero_grad"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["exp_avg_sq_row", "exp_avg_sq"])
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_adalomo_damaged_moments_refused_before_any_change(checks, engine, steps, entry):
+    """A moment of the wrong size (a row factor R, whole on every rank, or a 1-D slice's v),
+    accumulation_steps 1 and 2: the call that would apply the step (given lr=0.5) is refused
+    on every rank with a ValueError naming the parameter and the entry, before any change to
+    the local shards, the moments or the groups' lr; the step's micro-batches are dropped."""
+    for rank in checks:
+        seen = rank[f"damaged_{engine}_{steps}_{entry}"]
+        assert seen["error"] is not None and seen["error"].startswith("ValueError: "), seen
+        assert "of parameter 'llama." in seen["error"] and repr(entry) in seen["error"]
+        assert "load a state_dict" in seen["error"]  # what to do
+        assert seen["changed"] is None, seen["changed"]
+        assert seen["lr"] == [LR["adalomo"]] and seen["pending"] == 0

@@ -279,11 +279,18 @@ def check_rounding(param: torch.Tensor, stochastic_rounding: bool) -> None:
         )
 
 
-def check_adalomo_state(param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-    """Refuses, by name, a `state` not in the form `init_adalomo_state(param)` gives."""
+def check_adalomo_state(
+    param: torch.Tensor, state: dict[str, torch.Tensor], full_shape: torch.Size | None = None
+) -> None:
+    """Refuses, by name, a `state` not in the form `init_adalomo_state(param)` gives.
+
+    `full_shape`: `param` is one rank's flat slice of a parameter of that shape, whose
+    factored moments span the whole matrix and whose 1-D moment the slice only (the form a
+    sharded optimizer keeps)."""
     device = param.device
-    if param.dim() >= 2:
-        rows, cols = _rows_cols(param.shape)
+    shape = param.shape if full_shape is None else full_shape
+    if len(shape) >= 2:
+        rows, cols = _rows_cols(shape)
         _check_state("exp_avg_sq_row", state["exp_avg_sq_row"], rows, device)
         _check_state("exp_avg_sq_col", state["exp_avg_sq_col"], cols, device)
     else:
