@@ -29,8 +29,12 @@ MAX_SLICED_NUMEL = 1 << 32
 def step_value(seed: int, step_count: int) -> int:
     """The per-step part of the rounding key for `seed` at `step_count` completed steps:
     distinct per (seed, step); 31 bits, so each (seed, step, parameter) keeps the stream of
-    the 63-bit seed ``step_value << 32 | index``."""
-    return mix32_int(seed ^ mix32_int(step_count)) & 0x7FFFFFFF
+    the 63-bit seed ``step_value << 32 | index``. A seed's high half is folded in too
+    (`mix32_int` reads 32 bits): seeds that differ only there round differently."""
+    value = mix32_int(seed ^ mix32_int(step_count))
+    if seed >> 32:
+        value = mix32_int(value ^ mix32_int(seed >> 32))
+    return value & 0x7FFFFFFF
 
 
 def check_seed(seed: object) -> int:

@@ -96,6 +96,10 @@ def test_stochastic_rounding_reproducible_per_seed():
     first, again, other = _stochastic_run(3), _stochastic_run(3), _stochastic_run(4)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    # Every bit of the 63-bit seed counts: seeds that differ only in their high half too.
+    for high in (3 + 2**32, 3 + 2**62):
+        run = _stochastic_run(high)
+        assert not all(torch.equal(a, b) for a, b in zip(first, run, strict=True))
 
 
 def test_stochastic_rounding_seed_step_follows_step_count():
