@@ -95,6 +95,10 @@ class Accumulation:
         self.pending = 0  # micro-batches accumulated into the buffers
         self.measuring = False  # this micro-batch's pass measures the accumulated gradients
         self.added = False  # this micro-batch's pass has reached the buffers
+        # Per buffer, this micro-batch's rounding: the end of what its current part of the
+        # gradient rounded, and how many parts came before it (`_part_seed`).
+        self._rounded_until: dict[int, int] = {}
+        self._parts: dict[int, int] = {}
         # id(param) -> (param, buffer, shard), in the order the gradients first arrived. Kept
         # from step to step (a new allocation would be paged in again every step); those
         # written this step are `_written`.
@@ -136,6 +140,8 @@ class Accumulation:
         contribution: the loss's graph says which), measured whole at the step."""
         self.measuring = measuring
         self.added = False
+        self._rounded_until.clear()
+        self._parts.clear()
         self._measure_whole = {id(p) for p in measure_whole} if measuring else set()
         value = micro_batch_value(self.rounding.seed, step_count, self.pending)
         fill_per_device(self._seed_steps, devices, value)
@@ -183,16 +189,34 @@ class Accumulation:
             self._measured_until[key] = max(stop, reached or 0)
         if not grad.numel():
             return
+        seed = self._part_seed(key, index, buffer, start, stop)
         # found_inf every micro-batch: a buffer may get no more gradients.
         if isinstance(buffer, Int8Buffer):
             stochastic = self.rounding.stochastic
             seed_step = self._seed_steps[buffer.device] if stochastic else None
             int8_buffer.add(buffer, grad, start, first, (sumsq, scalars.norm_found_inf),
-                            (stochastic, index, seed_step), inv_scale, backend)  # fmt: skip
+                            (stochastic, seed, seed_step), inv_scale, backend)  # fmt: skip
             return
         part = buffer.view(-1)[start:stop]
-        self._add(part, grad, first, piece.offset, index, inv_scale, backend,
+        self._add(part, grad, first, piece.offset, seed, inv_scale, backend,
                   (sumsq, scalars.norm_found_inf))  # fmt: skip
+
+    def _part_seed(self, key: int, index: int, buffer: Buffer, start: int, stop: int) -> int:
+        """The rounding seed of an add into elements [start, stop) of a buffer: the
+        parameter's `index`, as the whole parameter's buffer rounds, for the first part of this
+        micro-batch's gradient; a part that rounds again what an earlier one rounded (a second
+        use's gradient, a row block re-rounding an 8-bit block the previous one cut) takes
+        fresh bits in the seed's high half: re-rounded with the same bits, a value whose
+        block's scale grew in between would keep the first rounding's direction (biased)."""
+        if isinstance(buffer, Int8Buffer):  # an add re-rounds the whole blocks it touches
+            start, stop = buffer.block_bounds(start, stop)
+        part = self._parts.get(key, 0)
+        if start < self._rounded_until.get(key, 0):
+            part = self._parts[key] = part + 1
+            self._rounded_until[key] = stop
+        else:
+            self._rounded_until[key] = max(stop, self._rounded_until.get(key, 0))
+        return index | part << 32
 
     def _buffer(self, piece: Piece, like: torch.Tensor, covers: bool) -> tuple[Buffer, bool]:
         """`piece`'s parameter's buffer (this rank's part of it, shaped like `like`) and

@@ -281,3 +281,43 @@ def test_no_host_sync_with_the_8_bit_buffer(optimizer):
                                      clip_grad_norm=1.0, accumulation_steps=4,
                                      accumulation_dtype=torch.int8)  # fmt: skip
     assert opt.step_count == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_a_gradient_in_parts_is_rounded_without_bias(backend, dtype):
+    # One micro-batch whose gradient arrives in two parts (two uses of the weight in
+    # reentrant checkpoint segments, say): the second part grows the values' scale (the
+    # 8-bit block's, from 1 to 2; bf16's binade), so each value is rounded again. With the
+    # first part's bits the second rounding would follow the first's direction (1.5 and
+    # 0.7 land on 1.0 on average); with fresh bits each value's mean over seeds is its exact
+    # sum. Bound: 6 standard errors of the mean of a rounding onto a grid of step s (variance
+    # at most s**2 / 4 per rounding, two roundings per value).
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.int8_buffer import Int8Buffer, dequantized
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    param = torch.nn.Parameter(torch.zeros(256))
+    first, second = torch.zeros(256), torch.zeros(256)
+    first[0], first[1:50], first[50:100], first[100:150] = 100.0, 1.5, 0.7, -1.3
+    second[0] = 150.0  # the block's largest value 100 -> 250: its step doubles
+    if dtype == torch.bfloat16:  # values in [4, 8), moved to [8, 16) (bf16 step 1/32 -> 1/16)
+        first, second = first / 32 + 4, torch.full((256,), 4.0)
+    exact = (first + second).double()
+    module = LOMO.resolve(torch.device("cpu"), backend)
+    seeds = 600
+    total = torch.zeros(256, dtype=torch.float64)
+    for seed in range(seeds):
+        accumulation = Accumulation(2, dtype, WriteBackRounding(True, seed=seed))
+        accumulation.begin_micro_batch(0, [torch.device("cpu")], measuring=False)
+        for part in (first, second):
+            accumulation.add(piece_of(param, part.clone()), 0, None, module)
+        ((_, buffer, _),) = accumulation.buffered()
+        if isinstance(buffer, Int8Buffer):
+            buffer = dequantized(buffer, torch.float32, module)
+        total += buffer.double()
+    # The larger grid step met: the block's power-of-two scale once 250 is in it (2), bf16's
+    # in [8, 16).
+    step = 2.0 if dtype == torch.int8 else 1 / 16
+    bound = 6 * (2 * step**2 / 4 / seeds) ** 0.5
+    assert (total / seeds - exact).abs().max() <= bound
