@@ -51,6 +51,7 @@ from .huggingface import (
     apply_short_step,
     check_step_lines_up,
     check_training_arguments,
+    drop_interrupted_step,
     in_backward_optimizer,
 )
 from .trainer_checkpoints import last_whole_checkpoint
@@ -148,6 +149,8 @@ class LomoTrainer(Trainer):
                     max_grad_norm=self.lomo_max_grad_norm,
                 ),
             )
+        elif (given := in_backward_optimizer(self.optimizer)) is not None:
+            drop_interrupted_step(given)  # a run starts: nothing of an interrupted one's step
         return self.optimizer
 
     def create_scheduler(

@@ -31,6 +31,7 @@ After `enable_transformers()` (process-wide, undone by `disable_transformers()`)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
@@ -189,8 +190,26 @@ def check_step_lines_up(optimizer: InBackwardOptimizer, sync_gradients: bool) ->
         raise ValueError(
             f"this backward is micro-batch {k} of {k}, so the optimizer would apply its step, "
             "but the loop does not sync gradients here: the optimizer's accumulation_steps "
-            "and the loop's gradient accumulation differ. Nothing was changed."
+            "and the loop's gradient accumulation differ, or micro-batches of an earlier pass "
+            "are still pending (an IterableDataset whose pass ended in the middle of a step: "
+            "give it a length that divides by the step's rows; opt.step() applies what is "
+            "pending, opt.zero_grad() drops it). Nothing was changed."
         )
+
+
+def drop_interrupted_step(optimizer: InBackwardOptimizer) -> None:
+    """As a training run starts: drops, with a warning, micro-batches an interrupted run left
+    pending (the Trainer's own model.zero_grad() drops their .grad in torch's case)."""
+    pending = optimizer.pending_micro_batches
+    if pending:
+        warnings.warn(
+            f"dropped {pending} of {optimizer.accumulation_steps} micro-batches an interrupted "
+            "training run left accumulated and not applied (no parameter was changed by "
+            "them), as the Trainer's model.zero_grad() drops accumulated gradients",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        optimizer.zero_grad()
 
 
 def apply_short_step(optimizer: InBackwardOptimizer, sync_gradients: bool) -> None:
@@ -208,8 +227,11 @@ def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
         _check_accelerator(self, kwargs, optimizer)
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps  # as accelerate's own backward
-        # Without learning_rate the param groups' lr (an lr scheduler's) is used.
-        optimizer.fused_backward(loss, kwargs.get("learning_rate"))
+        # Without learning_rate the param groups' lr (an lr scheduler's) is used. A Trainer
+        # passes its scheduler's lr of the first group only: the groups hold each their own
+        # already (a given optimizer's may differ), so it is not written over them.
+        lr = None if _steps_by_trainer(self) else kwargs.get("learning_rate")
+        optimizer.fused_backward(loss, lr)
         apply_short_step(optimizer, self.sync_gradients)
 
     return backward
@@ -244,6 +266,7 @@ def _create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
             _BUILDING_FOR.reset(token)
         lomo = in_backward_optimizer(optimizer)
         if lomo is not None:  # checked before the first step changes anything
+            drop_interrupted_step(lomo)
             setattr(self.accelerator, _STEPS_BY_TRAINER, True)
             refuse_deepspeed(self.args)
             check_training_arguments(self.args)

@@ -276,6 +276,67 @@ def test_trainer_accumulation_equals_torchs(tmp_path, rows):
     assert logged(trainer) == pytest.approx(logged(reference), rel=1e-6)
 
 
+def test_trainer_optim_lomo_keeps_a_given_optimizers_group_lrs(tmp_path):
+    """Trainer(optim="lomo") passes its scheduler's lr of the first group to backward; a
+    given optimizer's groups keep each their own (here the head's 10x smaller), as the same
+    Trainer with torch's SGD on those groups does."""
+
+    def groups(model):
+        head = [p for n, p in model.named_parameters() if n.startswith("lm_head")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("lm_head")]
+        return [{"params": rest, "lr": LR}, {"params": head, "lr": LR / 10}]
+
+    ours, ref = tiny_llama(), tiny_llama()
+    common = dict(gradient_accumulation_steps=2, max_steps=-1, num_train_epochs=1,
+                  learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
+                  max_grad_norm=0.0)  # fmt: skip
+    opt = Lomo(groups(ours), lr=LR, accumulation_steps=2)
+    Trainer(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
+            train_dataset=distinct_rows(8), optimizers=(opt, None)).train()  # fmt: skip
+    sgd = torch.optim.SGD(groups(ref), lr=LR)
+    Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
+            train_dataset=distinct_rows(8), optimizers=(sgd, None)).train()  # fmt: skip
+    assert [g["lr"] for g in opt.param_groups] == [LR, LR / 10] and opt.step_count == 2
+    assert max_rel_diff(ours, ref) <= 1e-6  # the suite's bound against torch's SGD in fp32
+
+
+@pytest.mark.parametrize("trainer_class", ["Trainer", "LomoTrainer"])
+def test_trainer_run_after_an_interrupted_one_drops_its_micro_batches(tmp_path, trainer_class):
+    """A train() interrupted in the middle of a step leaves micro-batches pending; the next
+    train() of the same Trainer drops them (with a warning), as the Trainer's
+    model.zero_grad() drops torch's accumulated .grad, so it equals a run never
+    interrupted."""
+    from transformers import TrainerCallback
+
+    from lomo_kernels.integrations.hf_trainer import LomoTrainer
+
+    trainer_class = {"Trainer": Trainer, "LomoTrainer": LomoTrainer}[trainer_class]
+
+    class Interrupt(TrainerCallback):
+        armed = True
+
+        def on_substep_end(self, *args, **kwargs):
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt("interrupted after the step's first micro-batch")
+
+    common = dict(gradient_accumulation_steps=3, max_steps=-1, num_train_epochs=1,
+                  learning_rate=LR)  # fmt: skip
+    ours, clean = tiny_llama(), tiny_llama()
+    trainer = trainer_class(model=ours, args=args(tmp_path / "ours", **common),
+                            train_dataset=distinct_rows(12), callbacks=[Interrupt()])  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.pending_micro_batches == 1
+    with pytest.warns(RuntimeWarning, match="dropped 1 of 3 micro-batches"):
+        trainer.train()
+    trainer_class(model=clean, args=args(tmp_path / "clean", **common),
+                  train_dataset=distinct_rows(12)).train()  # fmt: skip
+    assert opt.step_count == 2 and not opt.pending_micro_batches
+    assert max_rel_diff(ours, clean) == 0.0
+
+
 def test_a_plain_backward_is_refused_in_the_callers_terms():
     """loss.backward() with a Lomo attached: with enable_transformers() active the message
     says so (the backward came from elsewhere); without, it says to call it."""
