@@ -37,7 +37,7 @@ from .device_scalars import DeviceScalars
 from .int8_buffer import Int8Buffer
 from .loss_scaling import LossScaling
 from .piece import Piece
-from .rounding import WriteBackRounding, fill_per_device, step_value
+from .rounding import WriteBackRounding, fill_per_device, parameter_seed, step_value
 
 # A parameter's accumulated gradient: a tensor of the buffer's dtype, or the 8-bit buffer.
 Buffer = torch.Tensor | Int8Buffer
@@ -203,11 +203,11 @@ class Accumulation:
 
     def _part_seed(self, key: int, index: int, buffer: Buffer, start: int, stop: int) -> int:
         """The rounding seed of an add into elements [start, stop) of a buffer: the
-        parameter's `index`, as the whole parameter's buffer rounds, for the first part of this
-        micro-batch's gradient; a part that rounds again what an earlier one rounded (a second
-        use's gradient, a row block re-rounding an 8-bit block the previous one cut) takes
-        fresh bits in the seed's high half: re-rounded with the same bits, a value whose
-        block's scale grew in between would keep the first rounding's direction (biased)."""
+        parameter's (`parameter_seed`), as the whole parameter's buffer rounds, for the first
+        part of this micro-batch's gradient; a part that rounds again what an earlier one
+        rounded (a second use's gradient, a row block re-rounding an 8-bit block the previous
+        one cut) takes bits of its own: re-rounded with the same bits, a value whose block's
+        scale grew in between would keep the first rounding's direction (biased)."""
         if isinstance(buffer, Int8Buffer):  # an add re-rounds the whole blocks it touches
             start, stop = buffer.block_bounds(start, stop)
         part = self._parts.get(key, 0)
@@ -216,7 +216,7 @@ class Accumulation:
             self._rounded_until[key] = stop
         else:
             self._rounded_until[key] = max(stop, self._rounded_until.get(key, 0))
-        return index | part << 32
+        return parameter_seed(index, part)
 
     def _buffer(self, piece: Piece, like: torch.Tensor, covers: bool) -> tuple[Buffer, bool]:
         """`piece`'s parameter's buffer (this rank's part of it, shaped like `like`) and

@@ -29,6 +29,7 @@ from .loss_scaling import LossScaling, StaticLossScale
 from .param_groups import GroupHyperParameter
 from .parameter_state import ParameterState, State, non_finite
 from .piece import Piece, PieceBatch
+from .rounding import parameter_seed
 from .validation import computes_in_fp16, parameter_names, trainable_parameters
 
 if TYPE_CHECKING:
@@ -299,7 +300,7 @@ class AdaLomo(InBackwardOptimizer):
         stochastic = self.rounding.applies_to(param.dtype)
         return {
             "stochastic_rounding": stochastic,
-            "seed": self._groups.index_of[id(param)] if stochastic else 0,
+            "seed": parameter_seed(self._groups.index_of[id(param)]) if stochastic else 0,
             "seed_step": self.rounding.seed_step(param.device) if stochastic else None,
         }
 

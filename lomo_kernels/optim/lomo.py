@@ -17,6 +17,7 @@ from .loss_scaler import DynamicLossScaler
 from .loss_scaling import DynamicScaling, LossScaling
 from .parameter_state import ParameterState
 from .piece import Piece
+from .rounding import parameter_seed
 from .validation import computes_in_fp16, split_loss_scale_args
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ class Lomo(InBackwardOptimizer):
         piece rounds as the whole tensor would."""
         target = piece.written
         stochastic = self.rounding.applies_to(target.dtype)
-        index = self._groups.index_of[id(piece.param)]
+        index = parameter_seed(self._groups.index_of[id(piece.param)])
         if isinstance(piece.grad, Int8Buffer):
             # The op keys its bits by the flat index in the whole parameter itself.
             seeds = (index, self.rounding.seed_step(target.device)) if stochastic else None

@@ -37,6 +37,20 @@ def step_value(seed: int, step_count: int) -> int:
     return value & 0x7FFFFFFF
 
 
+# Salt of the seeds of a gradient's later parts (`parameter_seed`).
+_PART_SALT = 0x2F6B_1C57
+
+
+def parameter_seed(index: int, part: int = 0) -> int:
+    """The seed keying the bits of trained parameter `index` (`part` > 0: a later part of a
+    gradient that comes in parts, with bits of its own). In the seed's high half, which the
+    kernels mix with the step's value: through the low half two parameters' keys would differ
+    by one constant at every step, so some element of each would draw the same bits at every
+    step. The low half is `seed_at_offset`'s."""
+    high = mix32_int(index ^ mix32_int(part ^ _PART_SALT)) & 0x7FFFFFFF if part else index
+    return high << 32
+
+
 def check_seed(seed: object) -> int:
     """`seed` as an int in [0, 2**63), or a clear refusal."""
     if isinstance(seed, bool) or not isinstance(seed, int):

@@ -114,13 +114,13 @@ def _flat_offset(param: torch.Tensor, rank: int, world: int) -> int:
 
 def _stochastic(new: torch.Tensor, dtype: torch.dtype, index: int, step: int, first: int):
     """`new` rounded as the optimizer documents it: the bits of element `first + j` under the
-    key of seed `index` (the parameter's) and the step's value (`optim.rounding`)."""
+    key of parameter `index`'s seed (`parameter_seed`) and the step's value (`optim.rounding`)."""
     from lomo_kernels.core.rounding import random_bits16, round_to_dtype, rounding_key
-    from lomo_kernels.optim.rounding import step_value
+    from lomo_kernels.optim.rounding import parameter_seed, step_value
 
     seed_step = torch.tensor([step_value(0, step)])  # the optimizer's default seed 0
     flat_index = torch.arange(first, first + new.numel(), dtype=torch.int64)
-    bits = random_bits16(flat_index, rounding_key(index, seed_step))
+    bits = random_bits16(flat_index, rounding_key(parameter_seed(index), seed_step))
     return round_to_dtype(new.reshape(-1), dtype, bits).view(new.shape)
 
 

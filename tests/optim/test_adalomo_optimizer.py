@@ -163,6 +163,7 @@ def test_per_tensor_update_is_the_public_function_bit_for_bit(backend, dtype):
     workspaces; the weight decay and clip value reach every pass; low-precision weights
     round stochastically (the default) from the parameter's index and the step's seed."""
     from lomo_kernels.ops import adalomo_update_
+    from lomo_kernels.optim.rounding import parameter_seed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -183,7 +184,7 @@ def test_per_tensor_update_is_the_public_function_bit_for_bit(backend, dtype):
                 adalomo_update_(
                     p, p.grad, states[p], lr=LR, beta2=1.0 - t**-0.8, inv_scale=inv_scale,
                     weight_decay=0.1, clip_value=0.05, backend=backend,
-                    stochastic_rounding=low, seed=index if low else 0,
+                    stochastic_rounding=low, seed=parameter_seed(index) if low else 0,
                     seed_step=opt.rounding.seed_step(p.device) if low else None,
                 )  # fmt: skip
                 p.grad = None

@@ -10,6 +10,7 @@ from support.models import batch, max_rel_diff, tiny_llama
 
 import lomo_kernels
 from lomo_kernels import Lomo
+from lomo_kernels.optim.rounding import parameter_seed
 
 
 def train_ours(model, steps=STEPS, lr=0.05, call_grad_norm=False, **kwargs):
@@ -100,6 +101,22 @@ def test_stochastic_rounding_reproducible_per_seed():
     for high in (3 + 2**32, 3 + 2**62):
         run = _stochastic_run(high)
         assert not all(torch.equal(a, b) for a, b in zip(first, run, strict=True))
+
+
+def test_two_parameters_draw_unrelated_bits_from_step_to_step():
+    """At a step, element e of parameter i draws the bits of element e ^ d of parameter j,
+    d the XOR of their rounding keys: d must change with the step, or the same pairs of
+    elements would draw the same bits at every step (correlated rounding across tensors)."""
+    from lomo_kernels.core.rounding import seed_key
+    from lomo_kernels.optim.rounding import step_value
+
+    for i, j in ((0, 1), (28, 72), (3, 1000)):
+        d = {
+            seed_key(parameter_seed(i), step_value(0, t))
+            ^ seed_key(parameter_seed(j), step_value(0, t))
+            for t in range(8)
+        }
+        assert len(d) == 8
 
 
 def test_stochastic_rounding_seed_step_follows_step_count():
@@ -310,7 +327,7 @@ def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
     scalars = opt._scalars[params[0].device]
     for call in calls:
         param = call["param"]
-        index = next(i for i, p in enumerate(params) if p is param)
+        index = next(i for i, p in enumerate(params) if p is param)  # its seed's
         assert call["grad"].shape == param.shape and call["grad"].is_contiguous()
         lr = 0.02 if param is model[0].weight else 0.05
         assert call["lr"].item() == torch.tensor(lr).item()
@@ -324,5 +341,5 @@ def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
         assert call["found_inf"] is scalars.update_found_inf
         assert call["skip_if"] is scalars.norm_found_inf
         assert call["stochastic_rounding"] is sr
-        assert call["seed"] == (index if sr else 0)
+        assert call["seed"] == (parameter_seed(index) if sr else 0)
         assert call["seed_step"] is (opt.rounding.seed_step(param.device) if sr else None)
