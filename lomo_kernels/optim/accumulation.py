@@ -96,7 +96,7 @@ class Accumulation:
         self.measuring = False  # this micro-batch's pass measures the accumulated gradients
         self.added = False  # this micro-batch's pass has reached the buffers
         # Per buffer, this micro-batch's rounding: the end of what its current part of the
-        # gradient rounded, and how many parts came before it (`_part_seed`).
+        # gradient rounded, and how many parts came before it (`_begins_part`).
         self._rounded_until: dict[int, int] = {}
         self._parts: dict[int, int] = {}
         # id(param) -> (param, buffer, shard), in the order the gradients first arrived. Kept
@@ -104,8 +104,7 @@ class Accumulation:
         # written this step are `_written`.
         self._buffers: dict[int, tuple[torch.Tensor, Buffer, Shard | None]] = {}
         self._written: set[int] = set()
-        # Buffers the measuring pass has summed, with the flat end of the furthest piece.
-        self._measured_until: dict[int, int] = {}
+        self._measured: set[int] = set()  # buffers the measuring pass has summed
         # Buffers the measuring pass must not sum piece by piece (they get more than one
         # contribution, or 8-bit blocks cut by row blocks): measured whole by `measure_rest`.
         self._measure_whole: set[int] = set()
@@ -168,28 +167,28 @@ class Accumulation:
         buffer, first = self._buffer(piece, like, covers)
         measuring = self.measuring and key not in self._measure_whole
         cuts_blocks = isinstance(buffer, Int8Buffer) and not buffer.covers_whole_blocks(start, stop)
+        new_part = grad.numel() > 0 and self._begins_part(key, buffer, start, stop)
         scalars = piece.scalars
-        reached = self._measured_until.get(key)
-        # A piece of rows measured already: a second contribution the loss's graph did not
-        # show (a tied weight whose other use is inside a reentrant checkpoint). Their sum is
-        # measured whole at the step instead, the partial sums dropped.
-        again = not covers and reached is not None and start < reached
-        if measuring and (cuts_blocks or again):
+        measured = key in self._measured
+        # Rows a new part of the gradient brings: a second contribution the loss's graph did
+        # not show (a tied weight whose other use is inside a reentrant checkpoint). Their sum
+        # is measured whole at the step instead, the partial sums dropped.
+        if measuring and (cuts_blocks or (new_part and not covers)):
             # Row blocks that cut the 8-bit blocks are re-rounded whole: measured at the end.
-            if reached is not None:
+            if measured:
                 scalars.slot_sum(index, anew=True)
-                del self._measured_until[key]
+                self._measured.discard(key)
             self._measure_whole.add(key)
             measuring = False
         sumsq = None
         if measuring:
             # A second part of the gradient (reentrant checkpoint segments each deliver one)
             # covers the buffer again: its slot measures the whole sum anew.
-            sumsq = scalars.slot_sum(index, anew=covers and reached is not None)
-            self._measured_until[key] = max(stop, reached or 0)
+            sumsq = scalars.slot_sum(index, anew=covers and measured)
+            self._measured.add(key)
         if not grad.numel():
             return
-        seed = self._part_seed(key, index, buffer, start, stop)
+        seed = parameter_seed(index, self._parts.get(key, 0))
         # found_inf every micro-batch: a buffer may get no more gradients.
         if isinstance(buffer, Int8Buffer):
             stochastic = self.rounding.stochastic
@@ -201,22 +200,23 @@ class Accumulation:
         self._add(part, grad, first, piece.offset, seed, inv_scale, backend,
                   (sumsq, scalars.norm_found_inf))  # fmt: skip
 
-    def _part_seed(self, key: int, index: int, buffer: Buffer, start: int, stop: int) -> int:
-        """The rounding seed of an add into elements [start, stop) of a buffer: the
-        parameter's (`parameter_seed`), as the whole parameter's buffer rounds, for the first
-        part of this micro-batch's gradient; a part that rounds again what an earlier one
-        rounded (a second use's gradient, a row block re-rounding an 8-bit block the previous
-        one cut) takes bits of its own: re-rounded with the same bits, a value whose block's
-        scale grew in between would keep the first rounding's direction (biased)."""
+    def _begins_part(self, key: int, buffer: Buffer, start: int, stop: int) -> bool:
+        """Whether an add into elements [start, stop) of `key`'s buffer rounds again what an
+        earlier add of this micro-batch rounded: a new part of the gradient (a second use's,
+        a row block re-rounding an 8-bit block the previous one cut), counted in `_parts`.
+        The first part rounds with the parameter's seed, as the whole parameter's buffer
+        rounds; each later one with bits of its own (`parameter_seed`): re-rounded with the
+        same bits, a value whose block's scale grew in between would keep the first
+        rounding's direction (biased)."""
         if isinstance(buffer, Int8Buffer):  # an add re-rounds the whole blocks it touches
             start, stop = buffer.block_bounds(start, stop)
-        part = self._parts.get(key, 0)
-        if start < self._rounded_until.get(key, 0):
-            part = self._parts[key] = part + 1
-            self._rounded_until[key] = stop
-        else:
-            self._rounded_until[key] = max(stop, self._rounded_until.get(key, 0))
-        return parameter_seed(index, part)
+        until = self._rounded_until.get(key, 0)
+        begins = start < until
+        if begins:
+            self._parts[key] = self._parts.get(key, 0) + 1
+            until = 0
+        self._rounded_until[key] = max(stop, until)
+        return begins
 
     def _buffer(self, piece: Piece, like: torch.Tensor, covers: bool) -> tuple[Buffer, bool]:
         """`piece`'s parameter's buffer (this rank's part of it, shaped like `like`) and
@@ -298,7 +298,7 @@ class Accumulation:
         `step()`), each into its parameter's slot (`index_of`), so the step's norms and flag
         cover every accumulated gradient."""
         for param, buffer, _ in self.buffered():
-            if id(param) in self._measured_until or not buffer.numel():
+            if id(param) in self._measured or not buffer.numel():
                 continue
             scalars, inv_scale = scalars_for(buffer.device), inv_scale_for(buffer.device)
             if isinstance(buffer, Int8Buffer):
@@ -306,7 +306,7 @@ class Accumulation:
                 int8_buffer.measure_sumsq(buffer, sumsq, scalars.norm_found_inf, inv_scale, backend)
             else:
                 scalars.measure(buffer, index_of(param), inv_scale, backend)
-            self._measured_until[id(param)] = buffer.numel()
+            self._measured.add(id(param))
 
     def buffered(self) -> list[tuple[torch.Tensor, Buffer, Shard | None]]:
         """(parameter, buffer, this rank's shard or None) of every parameter that got a
@@ -334,7 +334,7 @@ class Accumulation:
         """Ends the step's accumulation (after a step, or `zero_grad`): nothing is pending;
         the buffers are kept for the next step unless `free`."""
         self._written.clear()
-        self._measured_until.clear()
+        self._measured.clear()
         self._measure_whole.clear()
         self.pending = 0
         self.measuring = False

@@ -145,10 +145,10 @@ class Lomo(InBackwardOptimizer):
         piece rounds as the whole tensor would."""
         target = piece.written
         stochastic = self.rounding.applies_to(target.dtype)
-        index = parameter_seed(self._groups.index_of[id(piece.param)])
+        param_seed = parameter_seed(self._groups.index_of[id(piece.param)])
         if isinstance(piece.grad, Int8Buffer):
             # The op keys its bits by the flat index in the whole parameter itself.
-            seeds = (index, self.rounding.seed_step(target.device)) if stochastic else None
+            seeds = (param_seed, self.rounding.seed_step(target.device)) if stochastic else None
             self._apply_piece(piece, target, piece.grad, seeds)
             return
         if not stochastic:
@@ -162,7 +162,7 @@ class Lomo(InBackwardOptimizer):
             grad = piece.grad if whole else flat_grad[a:b]
             self._apply_piece(piece, target if whole else flat[a:b], grad, (seed, seeds_step))
 
-        self.rounding.in_pieces(index, piece.offset, flat.numel(), part)
+        self.rounding.in_pieces(param_seed, piece.offset, flat.numel(), part)
 
     def _apply_piece(
         self,
