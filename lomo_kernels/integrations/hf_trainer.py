@@ -76,13 +76,6 @@ def _with_own_training_arguments(
     return args, kwargs
 
 
-def _runs_norm_pass(opt: InBackwardOptimizer) -> bool:
-    """Whether `opt.fused_backward` runs a norm (or fp16 overflow) pass before the update:
-    never with accumulation, whose micro-batches measure the step's norm as they go."""
-    needs_one = opt._needs_detection_pass() and not opt.single_backward
-    return needs_one and opt.accumulation_steps == 1
-
-
 class LomoTrainer(Trainer):
     """A Trainer whose training step calls `optimizer.fused_backward(loss)`."""
 
@@ -172,7 +165,7 @@ class LomoTrainer(Trainer):
         if self.is_deepspeed_enabled:
             # The module itself: the engine's forward would hook DeepSpeed's backward in.
             model = self.accelerator.unwrap_model(model)
-            if _runs_norm_pass(opt):
+            if opt._needs_norm_pass():
                 # ZeRO-3 releases the gathered parameters after a backward: the norm pass
                 # needs a forward of its own.
                 opt.grad_norm(self._loss(model, inputs, num_items_in_batch))

@@ -361,6 +361,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return Plan.SINGLE_BACKWARD
         return Plan.NORM_THEN_UPDATE
 
+    def _needs_norm_pass(self) -> bool:
+        """Whether each step's update pass needs a norm pass before it: an inf/nan check must
+        precede the update, and neither the update pass (single_backward) nor the
+        micro-batches (accumulation) measure the gradients as they come."""
+        single, accumulating = self._single_backward_clip, self._accumulation
+        measures_as_they_come = single is not None or accumulating is not None
+        return self._needs_detection_pass() and not measures_as_they_come
+
     def _needs_detection_pass(self) -> bool:
         """Whether an inf/nan check must precede the update: clipping by the global norm,
         or fp16 (overflows are common there: found before any parameter changes)."""
@@ -570,8 +578,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return
         self._check_call(loss, lr)
         if self._one_loss_per_pass:
-            needs_norm_pass = self._needs_detection_pass() and self._single_backward_clip is None
-            check_one_loss_pattern(self._step, loss, needs_norm_pass)
+            check_one_loss_pattern(self._step, loss, self._needs_norm_pass())
         self._keep_norm_only_for(loss)
         plan = self._update_plan()
         self._step.begin(plan)
