@@ -16,7 +16,9 @@
 using int8_blocks::kBlock;
 using int8_blocks::kMagnitudeMask;
 
-constexpr float kRandomUnit = 1.0f / 65536.0f;  // 16 random bits -> [0, 1), exact
+// Stochastic rounding adds u = (2 r + 1) / 2^17 for 16 random bits r: u centred in its 2^-16
+// cell, so the rounding leans neither way (the reference's int8_stochastic_codes). Exact.
+constexpr float kCentredUnit = 1.0f / 131072.0f;
 
 // The lines of [ptr, ptr + bytes), kPrefetchBytes ahead, with the non-temporal hint of the
 // accumulation's loops (prefetch_streams).
@@ -47,14 +49,16 @@ LOMO_INLINE float floor_code(float x) {
   return r > x ? lomo::sub_rn(r, 1.0f) : r;
 }
 
-// The code of x = value / scale as an fp32 integer: to nearest even, or floor(x + random16 /
-// 2^16) with the sum rounded to fp32, as the reference forms it. No clamp to +-127 is needed
-// (the reference's changes nothing): the scale makes |x| <= 127 exactly, and x + u, at most
-// 128 - 2^-16 and on fp32's grid of 2^-17 there, never rounds up to 128.
+// The code of x = value / scale as an fp32 integer: to nearest even, or floor(x + (2 random16
+// + 1) / 2^17) with the sum rounded to fp32, as the reference forms it. No clamp to +-127 is
+// needed (the reference's changes nothing): the scale makes |x| <= 127 exactly, and x + u, at
+// most 128 - 2^-17 and on fp32's grid of 2^-17 there, never rounds up to 128; u > 0 keeps
+// x + u above -127.
 template <bool kStochastic>
 LOMO_INLINE float code_of(float x, uint32_t random16) {
   if constexpr (kStochastic) {
-    const float u = lomo::mul_rn(static_cast<float>(static_cast<int32_t>(random16)), kRandomUnit);
+    const float u =
+        lomo::mul_rn(static_cast<float>(static_cast<int32_t>(2 * random16 + 1)), kCentredUnit);
     return floor_code(lomo::add_rn(x, u));
   } else {
     return round_code(x);
@@ -153,7 +157,8 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
   constexpr int kDown = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
   const PairRandom8 random(key, hi);
   const __m256 inverse = _mm256_set1_ps(scale.inverse), scale_v = _mm256_set1_ps(scale.scale);
-  const __m256 inv = _mm256_set1_ps(inv_scale), unit = _mm256_set1_ps(kRandomUnit);
+  const __m256 inv = _mm256_set1_ps(inv_scale), unit = _mm256_set1_ps(kCentredUnit);
+  const __m256i one = _mm256_set1_epi32(1);
   // The two packs leave dword d of each 128-bit lane holding codes of vector d: this puts
   // the dwords back in element order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -167,7 +172,8 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
       __m256 x = _mm256_mul_ps(_mm256_load_ps(tile + t + 8 * part), inverse);
       __m256 c;
       if constexpr (kStochastic) {
-        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(r[part]), unit));
+        const __m256i centred = _mm256_or_si256(_mm256_slli_epi32(r[part], 1), one);
+        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(centred), unit));
         c = _mm256_round_ps(x, kDown);
       } else {
         c = _mm256_round_ps(x, kNearest);
@@ -221,7 +227,8 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
                                          uint32_t key, float inv_scale, double* lanes) {
   const PairRandom16 random(key, hi);
   const __m512 inverse = _mm512_set1_ps(scale.inverse), scale_v = _mm512_set1_ps(scale.scale);
-  const __m512 inv = _mm512_set1_ps(inv_scale), unit = _mm512_set1_ps(kRandomUnit);
+  const __m512 inv = _mm512_set1_ps(inv_scale), unit = _mm512_set1_ps(kCentredUnit);
+  const __m512i one = _mm512_set1_epi32(1);
   // The packs leave dword d of each 128-bit lane holding codes of vector d: back in order.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512d acc[kInt8Lanes / 8];
@@ -240,7 +247,8 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
     for (int h = 0; h < 4; ++h) {
       __m512 x = _mm512_mul_ps(value(t + h), inverse);
       if constexpr (kStochastic) {
-        x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(r[h]), unit));
+        const __m512i centred = _mm512_or_si512(_mm512_slli_epi32(r[h], 1), one);
+        x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), unit));
         q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
       } else {
         q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -190,13 +190,14 @@ LOMO_INLINE typename V::Float fp16_sr_value(typename V::Float u, typename V::Int
   Int out = V::bit_and(V::add(mag, V::shr(random, 3)), V::set1(~0x1FFFu));
   const typename V::Mask small = V::greater_magnitude(V::set1(lomo::kFp16MinNormalBits), mag);
   if (__builtin_expect(V::any(small), 0)) {
-    // fp16_subnormal_q16: m >> (110 - e) or m << (e - 110); a count outside [0, 31] (the
-    // other shift's, wrapped) gives 0.
+    // fp16_subnormal_count_sr: q17 = m >> (109 - e) or m << (e - 109) (a count outside
+    // [0, 31], the other shift's, wrapped, gives 0), then (q17 + 2 random + 1) >> 17.
     const Int e = V::min_u(V::shr(mag, 23), V::set1(112u));
     const Int m = V::bit_or(V::bit_and(mag, V::set1(0x007FFFFFu)), V::set1(0x00800000u));
-    const Int e0 = V::set1(110u);
-    const Int q16 = V::bit_or(V::shr_each(m, V::sub(e0, e)), V::shl_each(m, V::sub(e, e0)));
-    const Int count = V::shr(V::add(q16, random), 16);
+    const Int e0 = V::set1(109u);
+    const Int q17 = V::bit_or(V::shr_each(m, V::sub(e0, e)), V::shl_each(m, V::sub(e, e0)));
+    const Int centred = V::bit_or(V::shl(random, 1), V::set1(1u));
+    const Int count = V::shr(V::add(q17, centred), 17);
     const typename V::Float value =
         V::mul(V::to_float(count), V::set1(5.9604644775390625e-8f));  // * 2^-24, exact
     out = V::select(small, V::bits(value), out);

@@ -214,17 +214,23 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) { return f32_to_fp16_portable(
 constexpr uint32_t kFp16MinNormalBits = 0x38800000u;
 constexpr uint32_t kFp16MaxBits = 0x477FE000u;
 
-// q16 = floor(|x| * 2^40) of a magnitude below 2^-14 (mag < kFp16MinNormalBits): the fp16
-// subnormal count |x| * 2^24 with 16 fraction bits, i.e. _rounding.fp16_stochastic's
-// whole * 2^16 + frac16 (both exact). |x| = m * 2^(e - 150) with the implicit bit, so
-// q16 = m * 2^(e - 110): a right shift by 110 - e (everything gone from 24 on, fp32
-// subnormals included), or a left one by 1 or 2 for e = 111, 112.
-LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q16(uint32_t mag) {
+// q17 = floor(|x| * 2^41) of a magnitude below 2^-14 (mag < kFp16MinNormalBits): the fp16
+// subnormal count |x| * 2^24 with 17 fraction bits, i.e. _rounding.fp16_stochastic's
+// whole * 2^17 + frac17 (both exact). |x| = m * 2^(e - 150) with the implicit bit, so
+// q17 = m * 2^(e - 109): a right shift by 109 - e (everything gone from 24 on, fp32
+// subnormals included), or a left one by 1 to 3 for e = 110 .. 112.
+LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q17(uint32_t mag) {
   uint32_t e = mag >> 23;
   e = e > 112u ? 112u : e;  // defined shifts for magnitudes the caller does not select
   const uint32_t m = (mag & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t right = 110u - e;  // wraps for e > 110: not used then
-  return e > 110u ? m << (e - 110u) : (right < 24u ? m >> right : 0u);
+  const uint32_t right = 109u - e;  // wraps for e > 109: not used then
+  return e > 109u ? m << (e - 109u) : (right < 24u ? m >> right : 0u);
+}
+
+// The subnormal count rounded stochastically: whole + (frac17 + 2 random16 + 1 >= 2^17), the
+// random value centred in its 2^-16 cell (_rounding.fp16_stochastic).
+LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_count_sr(uint32_t mag, uint32_t random16) {
+  return (fp16_subnormal_q17(mag) + 2u * random16 + 1u) >> 17;
 }
 
 // Stochastic rounding onto the fp16 grid, _rounding.fp16_stochastic bit for bit, with
@@ -233,12 +239,12 @@ LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q16(uint32_t mag) {
 // itself, which the nearest conversion then rounds as the reference's cast does).
 //   normal (2^-14 <= |v| <= 65504): random16 >> 3 added below fp16's 10 mantissa bits, the
 //     low 13 bits cleared (a carry correctly bumps the exponent, up to 65504 at most);
-//   subnormal: (q16 + random16) >> 16 = whole + (frac16 + random16 >= 2^16) units of 2^-24.
+//   subnormal: fp16_subnormal_count_sr units of 2^-24.
 LOMO_HD LOMO_INLINE float fp16_sr_value(float v, uint32_t random16) {
   const uint32_t b = bits_of(v);
   const uint32_t mag = b & 0x7FFFFFFFu;
   const uint32_t normal = (mag + (random16 >> 3)) & ~0x1FFFu;
-  const uint32_t count = (fp16_subnormal_q16(mag) + random16) >> 16;  // <= 1024: exact
+  const uint32_t count = fp16_subnormal_count_sr(mag, random16);  // <= 1024: exact
   const uint32_t small = bits_of(static_cast<float>(static_cast<int32_t>(count)) *
                                  5.9604644775390625e-8f);  // * 2^-24, exact
   const uint32_t rounded = (mag < kFp16MinNormalBits ? small : normal) | (b & 0x80000000u);
@@ -252,7 +258,7 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_fp16_sr(float v, uint32_t random16) {
   const uint32_t b = bits_of(v);
   const uint32_t mag = b & 0x7FFFFFFFu;
   const uint32_t normal = (mag + (random16 >> 3) - (112u << 23)) >> 13;  // wraps if unused
-  const uint32_t subnormal = (fp16_subnormal_q16(mag) + random16) >> 16;
+  const uint32_t subnormal = fp16_subnormal_count_sr(mag, random16);
   const uint32_t out = (mag < kFp16MinNormalBits ? subnormal : normal) | ((b >> 16) & 0x8000u);
   return mag > kFp16MaxBits ? f32_to_fp16(v) : static_cast<uint16_t>(out);
 }

@@ -15,9 +15,11 @@ for a block holding an inf or nan). A power of two keeps the steps exact: ``code
 with a large scale), so no backend's fused multiply-add can change a code; the one rounding
 left is the fp32 addition of stochastic rounding, which every backend does as its own
 operation. A code is ``value / p`` rounded to nearest even, or stochastically: the floor of
-the fp32 sum ``value / p + u``, with ``u`` 16 random bits / 2**16 from the accumulation's stream
-(`core.rounding.pair_bits16`) at the element's flat index in the whole parameter
-(``offset + j``), so a slice rounds as the whole parameter would.
+the fp32 sum ``value / p + u``, with ``u = (2 r + 1) / 2**17`` for ``r`` 16 random bits from
+the accumulation's stream (`core.rounding.pair_bits16`) at the element's flat index in the
+whole parameter (``offset + j``), so a slice rounds as the whole parameter would. Centring
+``u`` in its 2**-16 cell makes the probability of rounding up the fraction rounded to a
+multiple of 2**-16: within 2**-17 of it and unbiased over fractions.
 
 ``e`` comes from the bits of absmax alone (no division): with absmax = m * 2**E, m in [1, 2),
 ``e = E - 6`` when ``m <= 127 / 64`` (a 23-bit mantissa field <= 0x7E0000), else ``E - 5``.

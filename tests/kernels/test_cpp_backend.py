@@ -301,7 +301,7 @@ def test_stochastic_rounding_is_unbiased_and_seeded(pdt: str, below: float) -> N
 
 def test_fp16_stochastic_rounding_is_unbiased_below_the_normal_range() -> None:
     # 0 - 1 * g = 2.3 units of fp16's subnormal spacing 2^-24: 2 or 3 units, 2.3 on average
-    # (the rule's bias is below 2^-16 of a unit), and the same at 2^-14 - 0.3 units, where
+    # (the rule's bias is at most 2^-17 of a unit), and the same at 2^-14 - 0.3 units, where
     # rounding up reaches the smallest normal.
     n = 2**20
     for exact, outcomes in (
@@ -684,8 +684,8 @@ static uint16_t spec(float v, uint32_t r) {
   } else if (mag < 0x38800000u) {
     const float q = std::fabs(v) * 16777216.0f;
     const float whole = std::floor(q);
-    const long frac16 = static_cast<long>(std::floor((q - whole) * 65536.0f));
-    const float up = (static_cast<long>(r) + frac16) >= 65536 ? 1.0f : 0.0f;
+    const long frac17 = static_cast<long>(std::floor((q - whole) * 131072.0f));
+    const float up = (2 * static_cast<long>(r) + 1 + frac17) >= 131072 ? 1.0f : 0.0f;
     out = lomo::float_of(lomo::bits_of((whole + up) * 5.9604644775390625e-8f) | sign);
   } else {
     out = lomo::float_of(((mag + (r >> 3)) & ~0x1FFFu) | sign);

@@ -281,6 +281,23 @@ def test_stochastic_rounding_is_unbiased(backend):
     assert (offsets[0] != offsets[1]).double().mean().item() > 0.2
 
 
+@pytest.mark.parametrize("whole", [0.0, -1.0])
+@pytest.mark.parametrize("cell", [0, 777, 65535])
+def test_stochastic_rule_rounds_up_with_the_fractions_probability(whole, cell):
+    # The rule itself, over all 2**16 random values r at once: for x = whole + f, the mean
+    # code minus x is 0 within 2**-17 (f's rounding to the 2**-16 grid) plus the fp32
+    # rounding of x + u below 1 in magnitude (2**-24); over 64 evenly spaced fractions of one
+    # 2**-16 cell it is 0 but for the half-way fraction, which rounds up: 2**-23 on average.
+    # floor(x + r / 2**16) leans toward -inf by up to 2**-16, 2**-17 on average, and fails.
+    r = torch.arange(2**16, dtype=torch.int64)
+    fractions = (cell + torch.arange(64, dtype=torch.float64) / 64) * 2.0**-16
+    x = (whole + fractions).float()
+    codes = ops.lomo.reference.int8_stochastic_codes(x[:, None], r[None, :])
+    bias = codes.double().mean(dim=1) - x.double()
+    assert bias.abs().max().item() <= 2.0**-17 + 2.0**-24
+    assert abs(bias.mean().item()) <= 2.0**-23 + 2.0**-24
+
+
 @pytest.mark.parametrize("first", [False, True], ids=["add", "first"])
 def test_stochastic_aligned_slice_stores_the_whole_buffers_blocks(backend, first):
     # A slice from a multiple of 256 to a multiple of 256 or the parameter's end holds whole

@@ -101,9 +101,10 @@ ROUNDED_BY_EVERY_DRAW = {
 )
 def test_rounds_up_with_the_distance_to_the_lower_neighbour(name, x):
     """Over all 2^16 random values, x rounds to its two float64-found neighbours only, and
-    up exactly floor(2^16 * frac) times, frac = (|x| - lower) / (upper - lower): unbiased to
-    within 2^-16 of a spacing, exactly where frac has at most 16 bits (every fp16 normal;
-    every bf16 value, as bf16 drops 16 of fp32's bits)."""
+    up exactly floor(2^16 * frac + 1/2) times, frac = (|x| - lower) / (upper - lower):
+    within 2^-17 of a spacing of unbiased, exactly where frac has at most 16 bits (every
+    fp16 normal; every bf16 value, as bf16 drops 16 of fp32's bits); fp16 subnormals centre
+    their random value in its 2^-16 cell."""
     value = torch.tensor([x], dtype=torch.float32)
     exact = float(value)  # the fp32 value is what the kernels round
     lower, upper = neighbours(exact, LOW[name])
@@ -117,7 +118,7 @@ def test_rounds_up_with_the_distance_to_the_lower_neighbour(name, x):
     frac = (abs(exact) - lower) / (upper - lower)
     if name == "bf16":
         assert frac * 65536 == math.floor(frac * 65536)  # 16 dropped bits: exact
-    assert int((out.abs() == upper).sum()) == math.floor(frac * 65536)
+    assert int((out.abs() == upper).sum()) == math.floor(frac * 65536 + 0.5)
 
 
 def test_random_bits_are_uniform_over_indices():

@@ -162,8 +162,9 @@ def sr_mean_bound(samples: int) -> float:
     """Bound on |mean of sr_offsets| over independent stochastic roundings: each term takes
     -f or 1 - f, of mean 0 and variance f (1 - f) <= 1/4, so 6 standard deviations of the
     mean are 3 / sqrt(samples) (a chance failure below 2e-9); plus the rule's own bias: 16
-    random bits make the probability of rounding up f quantised to 2**-16."""
-    return 3.0 / math.sqrt(samples) + 2.0**-16
+    centred random bits make the probability of rounding up f rounded to a multiple of
+    2**-16, within 2**-17 of it."""
+    return 3.0 / math.sqrt(samples) + 2.0**-17
 
 
 def random_codes(n: int, gen: torch.Generator) -> torch.Tensor:

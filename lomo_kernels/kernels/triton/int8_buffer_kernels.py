@@ -50,7 +50,7 @@ _MAX_CODE = tl.constexpr(float(INT8_MAX_CODE))
 # libdevice rint under the interpreter). The compiler fuses the first addition with x's
 # product value * (1 / scale), which is exact: the same sum.
 _ROUNDING_SHIFT = tl.constexpr(12582912.0)
-_TWO_POW_M16 = tl.constexpr(2.0**-16)
+_TWO_POW_M17 = tl.constexpr(2.0**-17)
 
 
 # ----------------------------------------------------------------------------- block scales
@@ -74,10 +74,11 @@ def power_of_two(absmax):
 @triton.jit
 def quantised(x, index, key, STOCHASTIC_ROUNDING: tl.constexpr):
     """Codes (fp32 integers in [-127, 127]) of x = value / scale: to nearest even, or
-    floor(x + u) with u the accumulation's 16 bits (`pair_random16`) of the flat indices
-    `index` (int64) / 2**16."""
+    floor(x + u) with u = (2 r + 1) / 2**17 for r the accumulation's 16 bits
+    (`pair_random16`) of the flat indices `index` (int64)."""
     if STOCHASTIC_ROUNDING:
-        q = tl.floor(x + _pair_random16(index, key).to(tl.float32) * _TWO_POW_M16)
+        centred = _pair_random16(index, key) * 2 + 1
+        q = tl.floor(x + centred.to(tl.float32) * _TWO_POW_M17)
     else:
         q = (x + _ROUNDING_SHIFT) - _ROUNDING_SHIFT
     return tl.minimum(tl.maximum(q, -_MAX_CODE), _MAX_CODE)

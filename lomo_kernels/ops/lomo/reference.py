@@ -186,6 +186,15 @@ def int8_power_of_two(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scale.masked_fill(zero, 0.0), inverse.masked_fill(zero, 0.0)
 
 
+def int8_stochastic_codes(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """Stochastic codes of fp32 x = value / scale: floor(x + u), the sum one fp32 rounding,
+    with u = (2 r + 1) / 2**17 for r the 16 random bits `random16`. Centring u in its 2**-16
+    cell makes x = k + f round up with probability f rounded to a multiple of 2**-16: within
+    2**-17 of f either way and 0 on average over f (u = r / 2**16 would round f down, always
+    leaning toward -inf)."""
+    return torch.floor(x + (random16 * 2 + 1).to(torch.float32) * 2.0**-17)
+
+
 def grad_accumulate_int8_(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -226,8 +235,8 @@ def grad_accumulate_int8_(
     x = torch.where(finite, new, torch.zeros_like(new)) * inverse[blocks]  # exact
     if stochastic_rounding:
         key = rounding_key(seed, seed_step)
-        u = pair_bits16(blocks.new_tensor(offset) + torch.arange(n, device=device), key)
-        q = torch.floor(x + u.to(torch.float32) * 2.0**-16)
+        index = blocks.new_tensor(offset) + torch.arange(n, device=device)
+        q = int8_stochastic_codes(x, pair_bits16(index, key))
     else:
         q = torch.round(x)  # half to even
     q = q.clamp(-INT8_MAX_CODE, INT8_MAX_CODE).masked_fill(bad[blocks], 0.0)
