@@ -210,10 +210,8 @@ def accumulation_buffer_bytes(
 
 def int8_buffer_bytes_of(model: ModelShape) -> int:
     """The 8-bit blockwise buffers' bytes (`core/int8_blocks.py`): one byte per element and
-    one fp32 scale per 256 elements of each matrix (the 1-D tensors counted as one)."""
-    matrices = [rows * cols for rows, cols in model.matrix_shapes()]
-    vectors = model.num_parameters - sum(matrices)
-    return sum(int8_buffer_bytes(0, n) for n in [*matrices, vectors])
+    one fp32 scale per started 256 elements of each parameter tensor."""
+    return sum(int8_buffer_bytes(0, n) for n in model.tensor_numels())
 
 
 def adalomo_state_numel(model: ModelShape) -> int:
