@@ -48,8 +48,6 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from ..distributed import consolidated_state_dict
 from ..optim._in_backward import InBackwardOptimizer
 from .huggingface import (
-    apply_short_step,
-    check_step_lines_up,
     check_training_arguments,
     drop_interrupted_step,
     in_backward_optimizer,
@@ -172,10 +170,8 @@ class LomoTrainer(Trainer):
         loss = self._loss(model, inputs, num_items_in_batch)
         if not self._loss_scaled_for_accumulation(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps  # as Trainer.training_step
-        check_step_lines_up(opt, self.accelerator.sync_gradients)
         # The learning rate comes from the param groups, which the scheduler sets.
-        opt.fused_backward(loss)
-        apply_short_step(opt, self.accelerator.sync_gradients)
+        opt._fused_backward_in_loop(loss, None, self.accelerator.sync_gradients)
         return loss.detach()
 
     def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:

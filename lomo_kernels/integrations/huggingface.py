@@ -157,7 +157,6 @@ def _check_accelerator(
             f"accumulation_steps={optimizer.accumulation_steps}: build both with the same "
             "number of micro-batches per step. Nothing was changed."
         )
-    check_step_lines_up(optimizer, accelerator.sync_gradients)
     if accelerator.scaler is not None:
         raise ValueError(
             "accelerate's fp16 GradScaler cannot scale the backward Lomo runs itself: load the "
@@ -182,21 +181,6 @@ def _steps_by_trainer(accelerator: Accelerator) -> bool:
     return getattr(accelerator, _STEPS_BY_TRAINER, False)
 
 
-def check_step_lines_up(optimizer: InBackwardOptimizer, sync_gradients: bool) -> None:
-    """Refuses, before its backward, a micro-batch after which the optimizer would apply
-    its step while the loop does not step there (`sync_gradients` False)."""
-    k = optimizer.accumulation_steps
-    if optimizer.pending_micro_batches + 1 == k and not sync_gradients:
-        raise ValueError(
-            f"this backward is micro-batch {k} of {k}, so the optimizer would apply its step, "
-            "but the loop does not sync gradients here: the optimizer's accumulation_steps "
-            "and the loop's gradient accumulation differ, or micro-batches of an earlier pass "
-            "are still pending (an IterableDataset whose pass ended in the middle of a step: "
-            "give it a length that divides by the step's rows; opt.step() applies what is "
-            "pending, opt.zero_grad() drops it). Nothing was changed."
-        )
-
-
 def drop_interrupted_step(optimizer: InBackwardOptimizer) -> None:
     """As a training run starts: drops, with a warning, micro-batches an interrupted run left
     pending (the Trainer's own model.zero_grad() drops their .grad in torch's case)."""
@@ -212,13 +196,6 @@ def drop_interrupted_step(optimizer: InBackwardOptimizer) -> None:
         optimizer.zero_grad()
 
 
-def apply_short_step(optimizer: InBackwardOptimizer, sync_gradients: bool) -> None:
-    """On a sync step with fewer micro-batches than a whole step (the end of an epoch),
-    applies what was accumulated at once, so the step's norm is there for the log."""
-    if sync_gradients and optimizer.pending_micro_batches:
-        optimizer.step()
-
-
 def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> Any:
         optimizer = _prepared_in_backward(self)
@@ -231,8 +208,7 @@ def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
         # passes its scheduler's lr of the first group only: the groups hold each their own
         # already (a given optimizer's may differ), so it is not written over them.
         lr = None if _steps_by_trainer(self) else kwargs.get("learning_rate")
-        optimizer.fused_backward(loss, lr)
-        apply_short_step(optimizer, self.sync_gradients)
+        optimizer._fused_backward_in_loop(loss, lr, self.sync_gradients)
 
     return backward
 

@@ -755,8 +755,27 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 "accumulated), or drop them with opt.zero_grad(). Nothing was changed."
             )
 
-    def _accumulate_micro_batch(self, loss: torch.Tensor, lr: float | None) -> None:
-        """One micro-batch: its gradients added into the buffers; the last applies the step."""
+    def _fused_backward_in_loop(
+        self, loss: torch.Tensor, lr: float | None, loop_syncs: bool
+    ) -> None:
+        """`fused_backward` for a loop that decides where each step ends (transformers'
+        Trainer, accelerate's ``accumulate()``), as torch's accumulation lets it: with
+        accumulation, the step is applied at the micro-batch the loop syncs on, however many
+        came. Fewer than k: an epoch's last step. More: the micro-batches an
+        IterableDataset's pass left at its end, which the Trainer carries into the next
+        epoch's first step, as torch's ``.grad`` carries them."""
+        if self._accumulation is None:
+            self.fused_backward(loss, lr)
+            return
+        self._accumulate_micro_batch(loss, lr, may_end_step=loop_syncs)
+        if loop_syncs and self.pending_micro_batches:  # not the k-th: applied from the buffers
+            self.step()
+
+    def _accumulate_micro_batch(
+        self, loss: torch.Tensor, lr: float | None, may_end_step: bool = True
+    ) -> None:
+        """One micro-batch: its gradients added into the buffers; the k-th applies the step
+        (unless not `may_end_step`: the step then goes on past k)."""
         accumulation = self._accumulation
         self._check_call(loss, lr)
         if torch.compiler.is_compiling() or _compiled_autograd.compiled_autograd_active():
@@ -768,7 +787,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         # The whole gradients go to the buffers: only a sparse gradient is refused there. A
         # parameter the graph gives more than one gradient is measured whole at the step.
         graph = self._read_graph(loss, whole=True, blocks=False)
-        last = accumulation.pending + 1 == accumulation.steps
+        last = may_end_step and accumulation.pending + 1 == accumulation.steps
         devices = self._prepare_micro_batch()
         accumulation.begin_micro_batch(
             self.step_count, devices, measuring=last, measure_whole=graph.reused_row_block_params

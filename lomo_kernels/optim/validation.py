@@ -240,13 +240,14 @@ def refuse_shared_memory(
 
 
 class ParameterLayout:
-    """The trainable parameters the hooks and state were built for, with their dtype and
-    device then: a step on a model whose parameters changed since is refused."""
+    """The trainable parameters the hooks, state and buffers were built for, with their
+    dtype, device and shape then: a step on a model whose parameters changed since is
+    refused."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], sharded: bool) -> None:
         self.model = model
         self.sharded = sharded
-        self.entries = [(p, p.dtype, p.device) for p in params]
+        self.entries = [(p, p.dtype, p.device, p.shape) for p in params]
         self.embeddings = trained_embeddings(model)
         if not sharded:  # sharding engines keep parameters in buffers of their own
             frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -260,17 +261,19 @@ class ParameterLayout:
         `owner` names the optimizer class in the error.
         """
         problem = None
-        for p, dtype, device in self.entries:
+        for p, dtype, device, shape in self.entries:
             if not p.requires_grad:
                 problem = (p, "was frozen (requires_grad=False)")
             elif not self.sharded and (p.dtype != dtype or p.device != device):
                 problem = (p, f"was {dtype} on {device} and is now {p.dtype} on {p.device}")
+            elif not self.sharded and p.shape != shape:
+                problem = (p, f"was of shape {tuple(shape)} and is now {tuple(p.shape)}")
             elif not self.sharded and not p.is_contiguous():
                 problem = (p, "is no longer contiguous (its .data was replaced)")
             if problem:
                 break
         if problem is None and not self.sharded:
-            hooked = {id(p) for p, _, _ in self.entries}
+            hooked = {id(p) for p, *_ in self.entries}
             current = {id(p): p for p in self.model.parameters() if p.requires_grad}
             if current.keys() != hooked:
                 added = next((p for i, p in current.items() if i not in hooked), None)
@@ -293,8 +296,8 @@ class ParameterLayout:
     def _refuse_changed(self, param: torch.Tensor | None, what: str, owner: str) -> None:
         names = parameter_names(self.model)
         if param is None:
-            gone = {id(p) for p, _, _ in self.entries} - set(names)
-            param = next(p for p, _, _ in self.entries if id(p) in gone)
+            gone = {id(p) for p, *_ in self.entries} - set(names)
+            param = next(p for p, *_ in self.entries if id(p) in gone)
         raise RuntimeError(
             f"parameter {names.get(id(param), '?')!r} {what} since the {owner} was built, so "
             "its hooks and state no longer match the model: call opt.detach() and build a new "

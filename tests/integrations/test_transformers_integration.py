@@ -111,22 +111,6 @@ def test_accelerate_accumulation_equals_torchs():
     assert max_rel_diff(ours, ref) <= 1e-6
 
 
-def test_accelerate_refuses_a_step_it_would_not_sync():
-    # The optimizer counts 2 micro-batches, the accelerator 3: its second backward would
-    # apply a step where the accelerator does not sync; refused before it runs.
-    model = tiny_llama()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
-    model, opt = accelerator.prepare(model, Lomo(model, lr=LR, accumulation_steps=3))
-    accelerator.gradient_accumulation_steps = 3
-    with accelerator.accumulate(model):
-        accelerator.backward(model(**batch(0)).loss)
-    opt.optimizer._accumulation.pending = 2  # a loop whose count drifted from the optimizer's
-    before = [p.clone() for p in model.parameters()]
-    with accelerator.accumulate(model), pytest.raises(ValueError, match="does not sync"):
-        accelerator.backward(model(**batch(1)).loss)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
-
-
 def trained_by_trainer(tmp_path, trainer_class=Trainer, **overrides):
     model = tiny_llama()
     trainer = trainer_class(
@@ -254,22 +238,53 @@ def test_disable_restores_transformers_and_accelerate(tmp_path):
     assert not hasattr(opt, "fused_backward")
 
 
-@pytest.mark.parametrize("rows", [16, 12], ids=["whole-steps", "short-last-step"])
-def test_trainer_accumulation_equals_torchs(tmp_path, rows):
+class Streamed(torch.utils.data.IterableDataset):
+    """`rows` as an IterableDataset: the Trainer knows no length, so it runs max_steps
+    steps of k micro-batches and starts a new pass whenever this one ends."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+# (rows, whether streamed, max_steps, the steps taken)
+PASSES = {
+    "whole-steps": (16, False, -1, 2),
+    # 6 micro-batches: a step of 4, then one of 2, applied at the Trainer's sync step.
+    "short-last-step": (12, False, -1, 2),
+    # 10 micro-batches a pass: each pass ends 2 into a step, where the Trainer does not
+    # sync; it carries them into the next pass's first step (6 micro-batches), as torch's
+    # .grad carries them.
+    "iterable-carried": (20, True, 5, 5),
+}
+
+
+@pytest.mark.parametrize("trainer_class", ["Trainer", "LomoTrainer"])
+@pytest.mark.parametrize("passes", PASSES)
+def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     """Trainer(optim="lomo", gradient_accumulation_steps=4) against the same Trainer with
-    torch's SGD; 12 rows in micro-batches of 2 end the epoch with a step of 2 micro-batches,
-    which the optimizer applies at the Trainer's sync step."""
+    torch's SGD, micro-batches of 2 rows: the optimizer follows the loop's sync steps."""
+    from lomo_kernels.integrations.hf_trainer import LomoTrainer
+
+    trainer_class = {"Trainer": Trainer, "LomoTrainer": LomoTrainer}[trainer_class]
+    rows, streamed, max_steps, steps = PASSES[passes]
+
+    def data():
+        return Streamed(distinct_rows(rows)) if streamed else distinct_rows(rows)
+
     ours, ref = tiny_llama(), tiny_llama()
-    common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+    common = dict(gradient_accumulation_steps=4, max_steps=max_steps, num_train_epochs=1,
                   learning_rate=LR)  # fmt: skip
-    trainer = Trainer(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
-                      train_dataset=distinct_rows(rows))  # fmt: skip
+    trainer = trainer_class(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
+                            train_dataset=data())  # fmt: skip
     trainer.train()
     reference = Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
-                        train_dataset=distinct_rows(rows))  # fmt: skip
+                        train_dataset=data())  # fmt: skip
     reference.train()
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
-    assert opt.accumulation_steps == 4 and opt.step_count == rows // 8 + (rows % 8 > 0)
+    assert opt.accumulation_steps == 4 and opt.step_count == steps
     assert opt.pending_micro_batches == 0
     # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
     assert max_rel_diff(ours, ref) <= 1e-6

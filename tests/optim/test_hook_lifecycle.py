@@ -144,29 +144,46 @@ def cast(model):
     model.half()
 
 
+def resize(model):
+    model[2].weight.data = model[2].weight.data[:-1].clone()
+
+
 CHANGES = {
     "unfrozen": (unfreeze, "'0.bias' is trainable but has no hook"),
     "frozen": (freeze, "was frozen"),
     "replaced": (replace, "'2.weight' is trainable but has no hook"),
     "non_contiguous": (transpose_data, "no longer contiguous"),
     "cast": (cast, "was torch.float32"),
+    "resized": (resize, r"'2.weight' was of shape \(3, 8\) and is now \(2, 8\)"),
 }
 
 
-@pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
+@pytest.mark.parametrize(
+    ("call", "accumulation_steps"),
+    [("fused_backward", 1), ("grad_norm", 1), ("fused_backward", 3)],
+    ids=["fused_backward", "grad_norm", "mid-accumulation"],
+)
 @pytest.mark.parametrize("change", CHANGES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_parameters_changed_since_construction_refused_before_backward(name, change, call):
+def test_parameters_changed_since_construction_refused_before_backward(
+    name, change, call, accumulation_steps
+):
+    # In the middle of an accumulated step too: the micro-batch already accumulated stays
+    # pending, and the call's lr is not taken.
     model = mlp()
     model[0].bias.requires_grad_(False)
-    opt = OPTIMIZERS[name](model, lr=0.1)
+    opt = OPTIMIZERS[name](model, lr=0.1, accumulation_steps=accumulation_steps)
     opt.fused_backward(loss_of(model, 0))
     edit, match = CHANGES[change]
     loss = loss_of(model, 1)
     edit(model)
-    assert_refused(model, opt, lambda: getattr(opt, call)(loss), RuntimeError, match)
+    call_with_lr = {"fused_backward": lambda: opt.fused_backward(loss, 0.7),
+                    "grad_norm": lambda: opt.grad_norm(loss)}[call]  # fmt: skip
+    assert_refused(model, opt, call_with_lr, RuntimeError, match)
     refused = pytest.raises(RuntimeError, getattr(opt, call), loss)
     assert "build a new optimizer" in str(refused.value)
+    assert opt.pending_micro_batches == (accumulation_steps > 1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1]
 
 
 @pytest.mark.parametrize("call", ["fused_backward", "grad_norm"])
