@@ -8,6 +8,7 @@ off, as in lomo-optim) or raises with what is wrong and what to pass instead.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ def _finite(name: str, value: Any) -> float:
             f"{name} must be a Python number, not a tensor (the optimizer keeps it in a "
             "device tensor of its own)"
         )
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: numpy's scalars too (np.float32 is no float subclass); bool is no number here.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")

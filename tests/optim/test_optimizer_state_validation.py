@@ -99,6 +99,23 @@ def test_bad_param_group_edit_refused_before_any_change(name, key, value, error,
     assert_refused(model, opt, lambda: getattr(opt, call)(loss), error, f"param_groups.0.: {match}")
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_numpy_scalars_are_numbers(name):
+    # A schedule computed with numpy hands np.float32 (no float subclass) or np.int64: the
+    # same step as the Python floats of the same values.
+    import numpy as np
+
+    def trained(lr, weight_decay):
+        model = mlp()
+        opt = OPTIMIZERS[name](model, lr=lr, weight_decay=weight_decay)
+        opt.fused_backward(loss_of(model, 0), lr)
+        return model
+
+    ours = trained(np.float32(0.25), np.int64(0))
+    ref = trained(float(np.float32(0.25)), 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
+
+
 def add_foreign_group(opt, model):
     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
 
