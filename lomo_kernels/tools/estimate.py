@@ -219,6 +219,14 @@ def adalomo_state_numel(model: ModelShape) -> int:
     return sum(r + c for r, c in model.matrix_shapes())
 
 
+def adalomo_workspace_numel(model: ModelShape) -> int:
+    """fp32 elements of the workspaces an unsharded AdaLomo keeps, one per distinct parameter
+    shape (`ops/adalomo/workspace.py`: rows + cols + the slots, the slots alone for 1-D)."""
+    from ..ops.adalomo.workspace import NUM_SLOTS
+
+    return sum(r + c + NUM_SLOTS if c else NUM_SLOTS for r, c in set(model.matrix_shapes()))
+
+
 def optimizer_state_bytes(model: ModelShape, optimizer: str, precision: str = "mixed") -> int:
     opt = _check_choice(optimizer, OPTIMIZERS, "optimizer")
     p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
@@ -409,6 +417,8 @@ def estimate(
         if opt in ("adamw", "sgd"):
             grads = grads / gpus
         states = states / gpus
+    elif opt == "adalomo":
+        states += adalomo_workspace_numel(shape) * FP32
     buffer = accumulation_buffer_bytes(shape, opt, precision, accumulation_steps,
                                        accumulation_dtype) / (gpus if zero3 else 1)  # fmt: skip
     grads += buffer

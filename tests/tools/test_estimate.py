@@ -103,6 +103,9 @@ def test_adalomo_state_matches_the_optimizer() -> None:
     )
     shape = resolve_model(model.config)
     assert est.adalomo_state_numel(shape) == held
+    # and the workspaces it keeps from step to step, one per distinct parameter shape
+    workspaces = sum(w.numel() for w in opt._workspaces.values())
+    assert est.adalomo_workspace_numel(shape) == workspaces
 
 
 def _batch() -> dict[str, torch.Tensor]:
