@@ -16,8 +16,9 @@
 using int8_blocks::kBlock;
 using int8_blocks::kMagnitudeMask;
 
-// Stochastic rounding adds u = (2 r + 1) / 2^17 for 16 random bits r: u centred in its 2^-16
-// cell, so the rounding leans neither way (the reference's int8_stochastic_codes). Exact.
+// Stochastic rounding adds u = (2 r + 1) / 2^17 for 16 random bits r (u centred in its 2^-16
+// cell) and floors, a sum on an integer (a tie) rounded down for odd r: the rounding leans
+// neither way (the reference's int8_stochastic_codes). Exact.
 constexpr float kCentredUnit = 1.0f / 131072.0f;
 
 // The lines of [ptr, ptr + bytes), kPrefetchBytes ahead, with the non-temporal hint of the
@@ -50,7 +51,8 @@ LOMO_INLINE float floor_code(float x) {
 }
 
 // The code of x = value / scale as an fp32 integer: to nearest even, or floor(x + (2 random16
-// + 1) / 2^17) with the sum rounded to fp32, as the reference forms it. No clamp to +-127 is
+// + 1) / 2^17) with the sum rounded to fp32, as the reference forms it, less 1 for a sum on
+// an integer and an odd random16. No clamp to +-127 is
 // needed (the reference's changes nothing): the scale makes |x| <= 127 exactly, and x + u, at
 // most 128 - 2^-17 and on fp32's grid of 2^-17 there, never rounds up to 128; u > 0 keeps
 // x + u above -127.
@@ -59,7 +61,9 @@ LOMO_INLINE float code_of(float x, uint32_t random16) {
   if constexpr (kStochastic) {
     const float u =
         lomo::mul_rn(static_cast<float>(static_cast<int32_t>(2 * random16 + 1)), kCentredUnit);
-    return floor_code(lomo::add_rn(x, u));
+    const float total = lomo::add_rn(x, u);
+    const float down = floor_code(total);
+    return (random16 & 1u) && down == total ? lomo::sub_rn(down, 1.0f) : down;
   } else {
     return round_code(x);
   }
@@ -175,6 +179,11 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
         const __m256i centred = _mm256_or_si256(_mm256_slli_epi32(r[part], 1), one);
         x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(centred), unit));
         c = _mm256_round_ps(x, kDown);
+        // A tie (x on an integer) with an odd r: one lower. cmpeq_epi32 of r & 1 with 1.
+        const __m256 odd = _mm256_castsi256_ps(
+            _mm256_cmpeq_epi32(_mm256_and_si256(r[part], one), one));
+        const __m256 tie = _mm256_and_ps(_mm256_cmp_ps(c, x, _CMP_EQ_OQ), odd);
+        c = _mm256_sub_ps(c, _mm256_and_ps(tie, _mm256_set1_ps(1.0f)));
       } else {
         c = _mm256_round_ps(x, kNearest);
       }
@@ -250,6 +259,11 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
         const __m512i centred = _mm512_or_si512(_mm512_slli_epi32(r[h], 1), one);
         x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), unit));
         q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        // A tie (x on an integer) with an odd r: one lower.
+        const __mmask16 tie =
+            _mm512_cmp_ps_mask(_mm512_cvtepi32_ps(q[h]), x, _CMP_EQ_OQ) &
+            _mm512_test_epi32_mask(r[h], one);
+        q[h] = _mm512_mask_sub_epi32(q[h], tie, q[h], one);
       } else {
         q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       }

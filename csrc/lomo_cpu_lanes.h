@@ -191,13 +191,19 @@ LOMO_INLINE typename V::Float fp16_sr_value(typename V::Float u, typename V::Int
   const typename V::Mask small = V::greater_magnitude(V::set1(lomo::kFp16MinNormalBits), mag);
   if (__builtin_expect(V::any(small), 0)) {
     // fp16_subnormal_count_sr: q17 = m >> (109 - e) or m << (e - 109) (a count outside
-    // [0, 31], the other shift's, wrapped, gives 0), then (q17 + 2 random + 1) >> 17.
+    // [0, 31], the other shift's, wrapped, gives 0), then (q17 + 2 random + 1 - tie) >> 17,
+    // tie = an odd random and no bit of m dropped (fp16_subnormal_q17_exact; a shift by 24
+    // or more drops them all, as nonzero as m).
     const Int e = V::min_u(V::shr(mag, 23), V::set1(112u));
     const Int m = V::bit_or(V::bit_and(mag, V::set1(0x007FFFFFu)), V::set1(0x00800000u));
     const Int e0 = V::set1(109u);
     const Int q17 = V::bit_or(V::shr_each(m, V::sub(e0, e)), V::shl_each(m, V::sub(e, e0)));
+    const Int right = V::sub(e0, V::min_u(e, e0));
+    const Int dropped = V::bit_and(m, V::sub(V::shl_each(V::set1(1u), right), V::set1(1u)));
+    const Int inexact = V::shr(V::bit_or(dropped, V::sub(V::set1(0u), dropped)), 31);
+    const Int tie = V::and_not(inexact, V::bit_and(random, V::set1(1u)));
     const Int centred = V::bit_or(V::shl(random, 1), V::set1(1u));
-    const Int count = V::shr(V::add(q17, centred), 17);
+    const Int count = V::shr(V::sub(V::add(q17, centred), tie), 17);
     const typename V::Float value =
         V::mul(V::to_float(count), V::set1(5.9604644775390625e-8f));  // * 2^-24, exact
     out = V::select(small, V::bits(value), out);

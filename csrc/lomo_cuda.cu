@@ -304,7 +304,8 @@ struct Int8Values {
 // The code of a finite value x = new * (1 / scale) (|x| <= 127; the reference's fp32 product,
 // exact but where it falls below fp32's normal range): to nearest even, or
 // floor(x + u) with u = (2 r + 1) / 2**17 for r the accumulation's 16 random bits
-// (lomo::pair_bits16) of flat `index` (x + u is one fp32 rounding, as the reference's).
+// (lomo::pair_bits16) of flat `index` (x + u is one fp32 rounding, as the reference's), a sum
+// on an integer (a tie) rounded down for odd r.
 template <bool kStochastic>
 __device__ __forceinline__ int int8_code_of(float x, int64_t index, uint32_t key) {
   int code;
@@ -312,7 +313,9 @@ __device__ __forceinline__ int int8_code_of(float x, int64_t index, uint32_t key
     const uint32_t bits = lomo::pair_bits16(static_cast<uint32_t>(index),
                                             static_cast<uint32_t>(index >> 32), key);
     const float u = __fmul_rn(static_cast<float>(2u * bits + 1u), 1.0f / 131072.0f);  // exact
-    code = static_cast<int>(floorf(__fadd_rn(x, u)));
+    const float total = __fadd_rn(x, u);
+    const float down = floorf(total);
+    code = static_cast<int>(down) - static_cast<int>(down == total && (bits & 1u));
   } else {
     code = __float2int_rn(x);  // half to even
   }

@@ -227,10 +227,22 @@ LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q17(uint32_t mag) {
   return e > 109u ? m << (e - 109u) : (right < 24u ? m >> right : 0u);
 }
 
+// 1 when fp16_subnormal_q17(mag) is exact: no set bit of m below the right shift (a shift by
+// 24 or more leaves q17 = 0, where no tie can arise: 0 then).
+LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q17_exact(uint32_t mag) {
+  uint32_t e = mag >> 23;
+  e = e > 109u ? 109u : e;
+  const uint32_t m = (mag & 0x007FFFFFu) | 0x00800000u;
+  const uint32_t right = 109u - e;
+  return right < 24u ? static_cast<uint32_t>((m & ((1u << right) - 1u)) == 0u) : 0u;
+}
+
 // The subnormal count rounded stochastically: whole + (frac17 + 2 random16 + 1 >= 2^17), the
-// random value centred in its 2^-16 cell (_rounding.fp16_stochastic).
+// random value centred in its 2^-16 cell, a tie (a sum of exactly 2^17 from an exact q17)
+// rounded down for odd random16 (_rounding.fp16_stochastic).
 LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_count_sr(uint32_t mag, uint32_t random16) {
-  return (fp16_subnormal_q17(mag) + 2u * random16 + 1u) >> 17;
+  const uint32_t tie = random16 & fp16_subnormal_q17_exact(mag);
+  return (fp16_subnormal_q17(mag) + 2u * random16 + 1u - tie) >> 17;
 }
 
 // Stochastic rounding onto the fp16 grid, _rounding.fp16_stochastic bit for bit, with

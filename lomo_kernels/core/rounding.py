@@ -174,8 +174,10 @@ def fp16_stochastic(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor
     bits cleared: up with probability exactly (dropped bits) / 2^13. Subnormal range: the
     grid is multiples of 2^-24; ``q = |x| * 2^24`` (exact) rounds up iff
     ``frac(q) + (2 random16 + 1) / 2^17 >= 1``, i.e. ``2 random16 + 1 + floor(frac(q) *
-    2^17) >= 2^17``: the random value centred in its 2^-16 cell, so the probability is
-    frac(q) rounded to a multiple of 2^-16 (within 2^-17 of it, leaning neither way). Beyond
+    2^17) >= 2^17``, but a tie (equality, frac(q) an odd multiple of 2^-17) rounds down
+    for odd random16: the random value centred in its 2^-16 cell, so the probability is
+    frac(q) rounded to a multiple of 2^-16, the ties alternating from cell to cell (within
+    2^-17 of frac(q), 0 on average over fractions, as the 8-bit buffer's codes). Beyond
     65504, inf and nan: the nearest cast's result (65504 up to 65520, inf above, nan stays
     nan). The sign is kept (-0.0 too).
     """
@@ -185,8 +187,11 @@ def fp16_stochastic(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor
     normal = (mag + (random16 >> 3)) & ~0x1FFF
     q = value.abs() * 2.0**24
     whole = torch.floor(q)
-    frac17 = torch.floor((q - whole) * 131072.0).to(torch.int64)
-    up = ((2 * random16 + 1 + frac17) >= 131072).to(torch.float32)
+    scaled = (q - whole) * 131072.0
+    frac17 = torch.floor(scaled)
+    tie = (frac17 == scaled) & (random16 % 2 == 1)  # a sum of exactly 2^17 goes down
+    total = 2 * random16 + 1 + frac17.to(torch.int64) - tie.to(torch.int64)
+    up = (total >= 131072).to(torch.float32)
     small = ((whole + up) * 2.0**-24).view(torch.int32).to(torch.int64) & MASK32
     rounded_mag = torch.where(mag < FP16_MIN_NORMAL_BITS, small, normal)
     out = (rounded_mag | sign).to(torch.int32).view(torch.float32).view(value.shape)

@@ -684,8 +684,10 @@ static uint16_t spec(float v, uint32_t r) {
   } else if (mag < 0x38800000u) {
     const float q = std::fabs(v) * 16777216.0f;
     const float whole = std::floor(q);
-    const long frac17 = static_cast<long>(std::floor((q - whole) * 131072.0f));
-    const float up = (2 * static_cast<long>(r) + 1 + frac17) >= 131072 ? 1.0f : 0.0f;
+    const float scaled = (q - whole) * 131072.0f;
+    const long frac17 = static_cast<long>(std::floor(scaled));
+    const long tie = (std::floor(scaled) == scaled && (r & 1u)) ? 1 : 0;
+    const float up = (2 * static_cast<long>(r) + 1 + frac17 - tie) >= 131072 ? 1.0f : 0.0f;
     out = lomo::float_of(lomo::bits_of((whole + up) * 5.9604644775390625e-8f) | sign);
   } else {
     out = lomo::float_of(((mag + (r >> 3)) & ~0x1FFFu) | sign);

@@ -33,6 +33,7 @@ from support.fp16_edges import (
     FP16_EDGE_PAIRS,
     check_edge_values_match_reference,
     check_skip_if_writes_nothing,
+    check_subnormal_ties_match_reference,
     fp16_any_value_case,
 )
 from support.grad_accumulate import accumulate_both, assert_same_stored, roundings
@@ -45,6 +46,7 @@ from support.int8_compare import (
     make_int8_buffer,
     make_int8_grad,
     same_sum,
+    stochastic_tie_case,
 )
 from support.lomo_bitwise import (
     COMBOS,
@@ -61,7 +63,7 @@ from support.lomo_bitwise import (
     run_update,
 )
 
-from lomo_kernels.core.int8_blocks import INT8_BLOCK
+from lomo_kernels.core.int8_blocks import INT8_BLOCK, blocks_of
 from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
 from lomo_kernels.ops.adalomo import cpp_backend as cpp_adalomo
 from lomo_kernels.ops.adalomo import reference as adalomo_reference
@@ -202,6 +204,12 @@ def test_every_level_stochastic_rounding_edge_values(level: str, pdt: str, gdt: 
     # one, one with a non-finite gradient and the tail (support/fp16_edges.py).
     check_edge_values_match_reference(pdt, gdt)
     check_skip_if_writes_nothing(pdt)
+
+
+def test_every_level_fp16_subnormal_ties(level: str) -> None:
+    # Every element's update a tie of the subnormal rounding: down for an odd random value,
+    # up for an even one (support/fp16_edges.py), in every lane and the tail.
+    check_subnormal_ties_match_reference(cpp_backend)
 
 
 def test_every_level_fp16_stochastic_rounding_of_any_fp32_value(level: str) -> None:
@@ -472,6 +480,20 @@ def test_grad_accumulate_int8_every_level_matches_reference(
             )
             assert_same_buffer((c, want[0]), (s, want[1]))
             assert torch.equal(found, want[2])
+
+
+@pytest.mark.parametrize(("size", "offset"), [(257, 0), (4097, 300), (4097, 2**32 + 5)])
+def test_grad_accumulate_int8_stochastic_ties_every_level(level: str, size: int, offset: int):
+    # Every element a tie of the stochastic rounding (x + u an integer): rounded down for an
+    # odd random value, up for an even one, at every level as in the reference.
+    grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=None)
+    for module in (cpp_backend, reference):
+        codes = torch.empty(size, dtype=torch.int8)
+        scales = torch.empty(blocks_of(offset, size))
+        module.grad_accumulate_int8_(
+            codes, scales, grad, offset, True, None, None, None, True, size, None
+        )
+        assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"
 
 
 @functools.cache

@@ -27,7 +27,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from support.dependencies import require  # noqa: E402
 from support.float64 import sumsq_rel_bound  # noqa: E402
+from support.fp16_edges import check_subnormal_ties_match_reference  # noqa: E402
 from support.grad_accumulate import accumulate_both, assert_same_stored, roundings  # noqa: E402
+from support.int8_compare import stochastic_tie_case  # noqa: E402
 
 from lomo_kernels import ops
 from lomo_kernels.core import rounding as _rounding  # noqa: E402
@@ -784,6 +786,27 @@ def test_grad_accumulate_int8_matches_reference(case: tuple[int, int]) -> None:
                     codes, scales, grad, offset, first=first, sr=sr, seed=n
                 )
                 _assert_same_int8_accumulation(offset, *both)
+
+
+def test_fp16_subnormal_ties() -> None:
+    """Every element's update a tie of fp16's subnormal stochastic rounding: down for an odd
+    random value, up for an even one, as the reference (support/fp16_edges.py)."""
+    check_subnormal_ties_match_reference(triton_backend)
+
+
+@pytest.mark.parametrize(("size", "offset"), [(257, 0), (4097, 2**32 + 5)])
+def test_grad_accumulate_int8_stochastic_ties(size: int, offset: int) -> None:
+    """Every element a tie of the stochastic rounding (x + u an integer): rounded down for an
+    odd random value, up for an even one, as in the reference."""
+    step = torch.tensor([5], dtype=torch.int64)
+    grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=step)
+    for module in (triton_backend, reference):
+        codes = torch.empty(size, dtype=torch.int8)
+        scales = torch.empty(blocks_of(offset, size))
+        module.grad_accumulate_int8_(
+            codes, scales, grad, offset, True, None, None, None, True, size, step
+        )
+        assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"
 
 
 @pytest.mark.parametrize(

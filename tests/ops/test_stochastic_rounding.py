@@ -104,7 +104,7 @@ def test_rounds_up_with_the_distance_to_the_lower_neighbour(name, x):
     up exactly floor(2^16 * frac + 1/2) times, frac = (|x| - lower) / (upper - lower):
     within 2^-17 of a spacing of unbiased, exactly where frac has at most 16 bits (every
     fp16 normal; every bf16 value, as bf16 drops 16 of fp32's bits); fp16 subnormals centre
-    their random value in its 2^-16 cell."""
+    their random value in its 2^-16 cell (none of these is a tie: see the next test)."""
     value = torch.tensor([x], dtype=torch.float32)
     exact = float(value)  # the fp32 value is what the kernels round
     lower, upper = neighbours(exact, LOW[name])
@@ -119,6 +119,23 @@ def test_rounds_up_with_the_distance_to_the_lower_neighbour(name, x):
     if name == "bf16":
         assert frac * 65536 == math.floor(frac * 65536)  # 16 dropped bits: exact
     assert int((out.abs() == upper).sum()) == math.floor(frac * 65536 + 0.5)
+
+
+@pytest.mark.parametrize("cell", [0, 1, 700, 65534])
+def test_fp16_subnormal_ties_alternate_from_cell_to_cell(cell):
+    """frac an odd multiple of 2^-17 is a tie between two counts of rounding up; the tie
+    goes up in one 2^-16 cell and down in the next, so over the two cells' half-way
+    fractions the mean is exact (always up would lean by 2^-17 of a spacing)."""
+    whole = 3 * 2**-24
+    counts = []
+    for c in (cell, cell + 1):
+        frac = (c + 0.5) * 2**-16
+        value = torch.tensor([whole + frac * 2**-24], dtype=torch.float32)
+        assert float(value) == whole + frac * 2**-24  # exact in fp32
+        out = ROUNDED_BY_EVERY_DRAW["fp16"](value.expand(1 << 16)).double()
+        counts.append(int((out == whole + 2**-24).sum()))
+        assert counts[-1] in (c, c + 1)
+    assert sum(counts) == 2 * cell + 2  # the two exact counts, c + 1/2 and c + 3/2
 
 
 def test_random_bits_are_uniform_over_indices():

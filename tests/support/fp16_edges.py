@@ -9,7 +9,9 @@ import math
 
 import torch
 
+from lomo_kernels.core.rounding import random_bits16, rounding_key
 from lomo_kernels.ops.lomo import cpp_backend as cpp_backend
+from lomo_kernels.ops.lomo import reference
 from support.lomo_bitwise import (
     DTYPES,
     INF,
@@ -141,6 +143,33 @@ def fp16_any_value_case(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     grad = bits.to(torch.int32).view(torch.float32).clone()
     grad[~torch.isfinite(grad)] = 0.0
     return torch.zeros(n, dtype=torch.float16), grad, option_set("plain") | dict(lr=1.0)
+
+
+def fp16_subnormal_tie_case(
+    n: int, seed: int, seed_step: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    """(fp16 zeros, fp32 grad, options, expected): an update 0 - 1 * g = -g whose every
+    element is a tie of fp16's subnormal stochastic rounding with its own write-back bits r:
+    |g| * 2^24 = w + 1 - (2 r + 1) / 2^17 (w uniform in [0, 126]: exact in fp32's 24 bits),
+    so the rounding rounds up for even r (w + 1 units of 2^-24) and down for odd (w)."""
+    index = torch.arange(n, dtype=torch.int64)
+    r = random_bits16(index, rounding_key(seed, seed_step))
+    w = torch.randint(0, 127, (n,), generator=torch.Generator().manual_seed(n))
+    units = (w + 1).double() - (2 * r + 1).double() * 2.0**-17
+    grad = (units * 2.0**-24).float()
+    expected = (-(w + 1 - r % 2).double() * 2.0**-24).to(torch.float16)
+    return torch.zeros(n, dtype=torch.float16), grad, option_set("plain") | dict(lr=1.0), expected
+
+
+def check_subnormal_ties_match_reference(module) -> None:
+    """`module`'s fp16 write-back of `fp16_subnormal_tie_case` as the reference's, both the
+    tie rule's result, with and without a per-step value."""
+    for seed, step in ((3, None), (2**62 + 5, torch.tensor([77], dtype=torch.int64))):
+        param, grad, opts, expected = fp16_subnormal_tie_case(4099, seed, step)
+        for m in (module, reference):
+            p = param.clone()
+            run_update(m, p, grad, opts, sr=True, seed=seed, seed_step=step)
+            assert_same_bits(p, expected)
 
 
 def check_edge_values_match_reference(pdt: str, gdt: str) -> None:

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from lomo_kernels.core.int8_blocks import INT8_BLOCK, blocks_of
+from lomo_kernels.core.rounding import pair_bits16, rounding_key
 from lomo_kernels.ops.lomo import reference
 
 from .lomo_bitwise import int_bits, run_update, scalar
@@ -194,3 +195,20 @@ def assert_same_values(got: torch.Tensor, want: torch.Tensor) -> None:
     nan = got.isnan()
     assert torch.equal(nan, want.isnan()), "nan positions differ"
     assert torch.equal(int_bits(got)[~nan], int_bits(want)[~nan])
+
+
+def stochastic_tie_case(
+    n: int, offset: int, seed: int, seed_step: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad, codes): an fp32 gradient of a first stochastic pass (`seed`, `seed_step`) at
+    `offset` in which every element but its block's first (127: the scale 1) is a tie,
+    k + 1 - (2 r + 1) / 2**17 for r the element's own random bits and k uniform in
+    [-127, 125] (exact in fp32), so that x + u is the integer k + 1; and the codes the tie
+    rule stores, k + 1 for even r and k for odd r (half each)."""
+    index = offset + torch.arange(n, dtype=torch.int64)
+    r = pair_bits16(index, rounding_key(seed, seed_step))
+    k = torch.randint(-127, 126, (n,), generator=torch.Generator().manual_seed(seed))
+    grad = (k + 1).double() - (2 * r + 1).double() * 2.0**-17
+    leads = (index % INT8_BLOCK == 0) | (torch.arange(n) == 0)
+    codes = torch.where(leads, 127, k + 1 - r % 2)
+    return torch.where(leads, 127.0, grad).float(), codes.to(torch.int8)

@@ -187,7 +187,8 @@ def fp16_stochastic(value, noise):
     """fp32 `value` rounded stochastically onto the fp16 grid, as fp32 (`core.rounding.
     fp16_stochastic`): ``noise >> 3`` added to the magnitude bits and 13 bits cleared in the
     normal range; below 2^-14 up iff ``2 noise + 1 + floor(frac(|x| * 2^24) * 2^17) >= 2^17``
-    on the 2^-24 grid; beyond 65504, inf and nan `value` itself (the cast rounds it)."""
+    on the 2^-24 grid, a tie (equality, the fraction exact in 17 bits) down for odd noise;
+    beyond 65504, inf and nan `value` itself (the cast rounds it)."""
     bits = value.to(tl.uint32, bitcast=True)
     sign = bits & 0x80000000
     magnitude = bits & 0x7FFFFFFF
@@ -197,8 +198,10 @@ def fp16_stochastic(value, noise):
     tiny = tl.where(magnitude < _FP16_MIN_NORMAL_BITS, magnitude, 0).to(tl.float32, bitcast=True)
     q = tiny * _TWO_POW_24
     whole = tl.floor(q)
-    frac17 = ((q - whole) * 131072.0).to(tl.uint32)  # truncation is floor: q - whole >= 0
-    up = (noise * 2 + 1 + frac17 >= 131072).to(tl.float32)
+    scaled = (q - whole) * 131072.0
+    frac17 = scaled.to(tl.uint32)  # truncation is floor: q - whole >= 0
+    tie = ((frac17.to(tl.float32) == scaled) & ((noise & 1) != 0)).to(tl.uint32)
+    up = (noise * 2 + 1 + frac17 - tie >= 131072).to(tl.float32)
     small = ((whole + up) * _TWO_POW_M24).to(tl.uint32, bitcast=True)
     rounded = (tl.where(magnitude < _FP16_MIN_NORMAL_BITS, small, normal) | sign).to(
         tl.float32, bitcast=True
