@@ -16,10 +16,13 @@
 using int8_blocks::kBlock;
 using int8_blocks::kMagnitudeMask;
 
-// Stochastic rounding adds u = (2 r + 1) / 2^17 for 16 random bits r (u centred in its 2^-16
-// cell) and floors, a sum on an integer (a tie) rounded down for odd r: the rounding leans
-// neither way (the reference's int8_stochastic_codes). Exact.
+// Stochastic rounding adds u = (2 r + 1 - 2^16) / 2^17 for 16 random bits r, an offset
+// uniform on (-1/2, 1/2), and rounds to nearest even: it leans neither way (the reference's
+// int8_stochastic_codes). u is exact, formed as r * 2^-16 + (2^-17 - 1/2) (one FMA) or as
+// (2 r + 1 - 2^16) * 2^-17.
 constexpr float kCentredUnit = 1.0f / 131072.0f;
+constexpr float kRandomUnit = 1.0f / 65536.0f;
+constexpr int32_t kCentredShift = 1 - 65536;
 
 // The lines of [ptr, ptr + bytes), kPrefetchBytes ahead, with the non-temporal hint of the
 // accumulation's loops (prefetch_streams).
@@ -44,26 +47,16 @@ LOMO_INLINE float round_code(float x) {
   return lomo::sub_rn(lomo::add_rn(x, kShift), kShift);
 }
 
-// floor(x) for |x| < 2^22.
-LOMO_INLINE float floor_code(float x) {
-  const float r = round_code(x);
-  return r > x ? lomo::sub_rn(r, 1.0f) : r;
-}
-
-// The code of x = value / scale as an fp32 integer: to nearest even, or floor(x + (2 random16
-// + 1) / 2^17) with the sum rounded to fp32, as the reference forms it, less 1 for a sum on
-// an integer and an odd random16. No clamp to +-127 is
-// needed (the reference's changes nothing): the scale makes |x| <= 127 exactly, and x + u, at
-// most 128 - 2^-17 and on fp32's grid of 2^-17 there, never rounds up to 128; u > 0 keeps
-// x + u above -127.
+// The code of x = value / scale as an fp32 integer: to nearest even, or x + (2 random16 + 1 -
+// 2^16) / 2^17 to nearest even with the sum rounded to fp32, as the reference forms it. No
+// clamp to +-127 is needed (the reference's changes nothing): the scale makes |x| <= 127
+// exactly, and |x + u| is at most 127.5 - 2^-17, on fp32's grid of 2^-17 there.
 template <bool kStochastic>
 LOMO_INLINE float code_of(float x, uint32_t random16) {
   if constexpr (kStochastic) {
-    const float u =
-        lomo::mul_rn(static_cast<float>(static_cast<int32_t>(2 * random16 + 1)), kCentredUnit);
-    const float total = lomo::add_rn(x, u);
-    const float down = floor_code(total);
-    return (random16 & 1u) && down == total ? lomo::sub_rn(down, 1.0f) : down;
+    const int32_t centred = static_cast<int32_t>(2 * random16) + kCentredShift;
+    const float u = lomo::mul_rn(static_cast<float>(centred), kCentredUnit);
+    return round_code(lomo::add_rn(x, u));
   } else {
     return round_code(x);
   }
@@ -158,11 +151,10 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
                          int8_blocks::Scale scale, uint32_t lo, uint32_t hi, uint32_t key,
                          float inv_scale, double* lanes) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  constexpr int kDown = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
   const PairRandom8 random(key, hi);
   const __m256 inverse = _mm256_set1_ps(scale.inverse), scale_v = _mm256_set1_ps(scale.scale);
   const __m256 inv = _mm256_set1_ps(inv_scale), unit = _mm256_set1_ps(kCentredUnit);
-  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i shift = _mm256_set1_epi32(kCentredShift);
   // The two packs leave dword d of each 128-bit lane holding codes of vector d: this puts
   // the dwords back in element order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -174,19 +166,11 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
     __m256i q[4];
     for (int part = 0; part < 4; ++part) {
       __m256 x = _mm256_mul_ps(_mm256_load_ps(tile + t + 8 * part), inverse);
-      __m256 c;
       if constexpr (kStochastic) {
-        const __m256i centred = _mm256_or_si256(_mm256_slli_epi32(r[part], 1), one);
+        const __m256i centred = _mm256_add_epi32(_mm256_slli_epi32(r[part], 1), shift);
         x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(centred), unit));
-        c = _mm256_round_ps(x, kDown);
-        // A tie (x on an integer) with an odd r: one lower. cmpeq_epi32 of r & 1 with 1.
-        const __m256 odd = _mm256_castsi256_ps(
-            _mm256_cmpeq_epi32(_mm256_and_si256(r[part], one), one));
-        const __m256 tie = _mm256_and_ps(_mm256_cmp_ps(c, x, _CMP_EQ_OQ), odd);
-        c = _mm256_sub_ps(c, _mm256_and_ps(tie, _mm256_set1_ps(1.0f)));
-      } else {
-        c = _mm256_round_ps(x, kNearest);
       }
+      const __m256 c = _mm256_round_ps(x, kNearest);
       q[part] = _mm256_cvttps_epi32(c);
       if constexpr (kMeasure) {
         add_squares8(_mm256_mul_ps(c, scale_v), inv, acc[2 * part], acc[2 * part + 1]);
@@ -236,8 +220,8 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
                                          uint32_t key, float inv_scale, double* lanes) {
   const PairRandom16 random(key, hi);
   const __m512 inverse = _mm512_set1_ps(scale.inverse), scale_v = _mm512_set1_ps(scale.scale);
-  const __m512 inv = _mm512_set1_ps(inv_scale), unit = _mm512_set1_ps(kCentredUnit);
-  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 inv = _mm512_set1_ps(inv_scale), unit = _mm512_set1_ps(kRandomUnit);
+  const __m512 centre = _mm512_set1_ps(kCentredUnit - 0.5f);  // exact
   // The packs leave dword d of each 128-bit lane holding codes of vector d: back in order.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512d acc[kInt8Lanes / 8];
@@ -256,17 +240,9 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
     for (int h = 0; h < 4; ++h) {
       __m512 x = _mm512_mul_ps(value(t + h), inverse);
       if constexpr (kStochastic) {
-        const __m512i centred = _mm512_or_si512(_mm512_slli_epi32(r[h], 1), one);
-        x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), unit));
-        q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        // A tie (x on an integer) with an odd r: one lower.
-        const __mmask16 tie =
-            _mm512_cmp_ps_mask(_mm512_cvtepi32_ps(q[h]), x, _CMP_EQ_OQ) &
-            _mm512_test_epi32_mask(r[h], one);
-        q[h] = _mm512_mask_sub_epi32(q[h], tie, q[h], one);
-      } else {
-        q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        x = _mm512_add_ps(x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(r[h]), unit, centre));
       }
+      q[h] = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       if constexpr (kMeasure) {
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q[h]), scale_v), inv);
         const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(v));

@@ -303,19 +303,18 @@ struct Int8Values {
 
 // The code of a finite value x = new * (1 / scale) (|x| <= 127; the reference's fp32 product,
 // exact but where it falls below fp32's normal range): to nearest even, or
-// floor(x + u) with u = (2 r + 1) / 2**17 for r the accumulation's 16 random bits
-// (lomo::pair_bits16) of flat `index` (x + u is one fp32 rounding, as the reference's), a sum
-// on an integer (a tie) rounded down for odd r.
+// x + u to nearest even with u = (2 r + 1 - 2**16) / 2**17 for r the accumulation's 16
+// random bits (lomo::pair_bits16) of flat `index`: a centred offset in (-1/2, 1/2) (x + u is
+// one fp32 rounding, as the reference's).
 template <bool kStochastic>
 __device__ __forceinline__ int int8_code_of(float x, int64_t index, uint32_t key) {
   int code;
   if constexpr (kStochastic) {
     const uint32_t bits = lomo::pair_bits16(static_cast<uint32_t>(index),
                                             static_cast<uint32_t>(index >> 32), key);
-    const float u = __fmul_rn(static_cast<float>(2u * bits + 1u), 1.0f / 131072.0f);  // exact
-    const float total = __fadd_rn(x, u);
-    const float down = floorf(total);
-    code = static_cast<int>(down) - static_cast<int>(down == total && (bits & 1u));
+    const int centred = static_cast<int>(2u * bits + 1u) - 65536;
+    const float u = __fmul_rn(static_cast<float>(centred), 1.0f / 131072.0f);  // exact
+    code = __float2int_rn(__fadd_rn(x, u));  // half to even
   } else {
     code = __float2int_rn(x);  // half to even
   }

@@ -14,14 +14,14 @@ for a block holding an inf or nan). A power of two keeps the steps exact: ``code
 ``value * (1 / p)`` are exact in fp32 (but for an fp32 underflow of a tiny value in a block
 with a large scale), so no backend's fused multiply-add can change a code; the one rounding
 left is the fp32 addition of stochastic rounding, which every backend does as its own
-operation. A code is ``value / p`` rounded to nearest even, or stochastically: the floor of
-the fp32 sum ``value / p + u``, with ``u = (2 r + 1) / 2**17`` for ``r`` 16 random bits from
-the accumulation's stream (`core.rounding.pair_bits16`) at the element's flat index in the
-whole parameter (``offset + j``), so a slice rounds as the whole parameter would; a sum
-that is an integer (a tie) rounds down for odd ``r``. Centring ``u`` in its 2**-16 cell makes
-the probability of rounding up the fraction rounded to a multiple of 2**-16, and the tie rule
-sends half-way fractions up in one cell and down in the next: within 2**-17 of the fraction
-and 0 on average over fractions.
+operation. A code is ``value / p`` rounded to nearest even, or stochastically: the fp32 sum
+``value / p + u`` rounded to nearest even, with ``u = (2 r + 1 - 2**16) / 2**17`` (uniform on
+(-1/2, 1/2), centred on 0) for ``r`` 16 random bits from the accumulation's stream
+(`core.rounding.pair_bits16`) at the element's flat index in the whole parameter
+(``offset + j``), so a slice rounds as the whole parameter would. The probability of
+rounding up is the fraction rounded to a multiple of 2**-16, within 2**-17 of it; a fraction
+half-way between (a tie) goes to the even code, up from one code and down from the next: 0
+on average.
 
 ``e`` comes from the bits of absmax alone (no division): with absmax = m * 2**E, m in [1, 2),
 ``e = E - 6`` when ``m <= 127 / 64`` (a 23-bit mantissa field <= 0x7E0000), else ``E - 5``.

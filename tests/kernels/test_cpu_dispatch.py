@@ -42,11 +42,11 @@ from support.int8_compare import (
     Int8Grad,
     assert_same_buffer,
     assert_same_values,
+    check_stochastic_ties,
     dequantize_both,
     make_int8_buffer,
     make_int8_grad,
     same_sum,
-    stochastic_tie_case,
 )
 from support.lomo_bitwise import (
     COMBOS,
@@ -63,7 +63,7 @@ from support.lomo_bitwise import (
     run_update,
 )
 
-from lomo_kernels.core.int8_blocks import INT8_BLOCK, blocks_of
+from lomo_kernels.core.int8_blocks import INT8_BLOCK
 from lomo_kernels.ops.adalomo import adalomo_update_, init_adalomo_state
 from lomo_kernels.ops.adalomo import cpp_backend as cpp_adalomo
 from lomo_kernels.ops.adalomo import reference as adalomo_reference
@@ -486,14 +486,7 @@ def test_grad_accumulate_int8_every_level_matches_reference(
 def test_grad_accumulate_int8_stochastic_ties_every_level(level: str, size: int, offset: int):
     # Every element a tie of the stochastic rounding (x + u an integer): rounded down for an
     # odd random value, up for an even one, at every level as in the reference.
-    grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=None)
-    for module in (cpp_backend, reference):
-        codes = torch.empty(size, dtype=torch.int8)
-        scales = torch.empty(blocks_of(offset, size))
-        module.grad_accumulate_int8_(
-            codes, scales, grad, offset, True, None, None, None, True, size, None
-        )
-        assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"
+    check_stochastic_ties(cpp_backend, size, offset, None)
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from support.dependencies import require  # noqa: E402
 from support.float64 import sumsq_rel_bound  # noqa: E402
 from support.fp16_edges import check_subnormal_ties_match_reference  # noqa: E402
 from support.grad_accumulate import accumulate_both, assert_same_stored, roundings  # noqa: E402
-from support.int8_compare import stochastic_tie_case  # noqa: E402
+from support.int8_compare import check_stochastic_ties  # noqa: E402
 
 from lomo_kernels import ops
 from lomo_kernels.core import rounding as _rounding  # noqa: E402
@@ -798,15 +798,7 @@ def test_fp16_subnormal_ties() -> None:
 def test_grad_accumulate_int8_stochastic_ties(size: int, offset: int) -> None:
     """Every element a tie of the stochastic rounding (x + u an integer): rounded down for an
     odd random value, up for an even one, as in the reference."""
-    step = torch.tensor([5], dtype=torch.int64)
-    grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=step)
-    for module in (triton_backend, reference):
-        codes = torch.empty(size, dtype=torch.int8)
-        scales = torch.empty(blocks_of(offset, size))
-        module.grad_accumulate_int8_(
-            codes, scales, grad, offset, True, None, None, None, True, size, step
-        )
-        assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"
+    check_stochastic_ties(triton_backend, size, offset, torch.tensor([5], dtype=torch.int64))
 
 
 @pytest.mark.parametrize(

@@ -281,24 +281,25 @@ def test_stochastic_rounding_is_unbiased(backend):
     assert (offsets[0] != offsets[1]).double().mean().item() > 0.2
 
 
-@pytest.mark.parametrize("whole", [0.0, -1.0, 40.0, 100.0, -100.0])
+@pytest.mark.parametrize("whole", [0.0, -2.0, 40.0, 100.0, -101.0])
 @pytest.mark.parametrize("cell", [0, 777, 65528])
 def test_stochastic_rule_rounds_up_with_the_fractions_probability(whole, cell):
-    # The rule itself, over all 2**16 random values r at once, for x = whole + f with f every
-    # multiple of `step` in 8 cells of 2**-16 from `cell` (step: 2**-20, or fp32's spacing
-    # at |x| >= 32, where x + u is exact and lands on integers): the mean code minus x is
-    # within 2**-17 of 0 (f's rounding to the 2**-16 grid) for each x and exactly 0 over
-    # them, the ties (f an odd multiple of 2**-17) going up in one cell and down in the
-    # next. floor(x + r / 2**16) leans toward -inf by 2**-18 on average, and floor(x + u)
-    # without the tie rule toward +inf by 2**-18 at |x| >= 64: both fail.
+    # The rule itself, over all 2**16 random values r at once, for x = n + f with n = whole
+    # and whole + 1 and f every multiple of `step` in 8 cells of 2**-16 from `cell` (step:
+    # 2**-20, or fp32's spacing at |x| >= 32, where x + u is exact and can fall half-way
+    # between codes): the mean code minus x is within 2**-17 of 0 (f's rounding to the
+    # 2**-16 grid) for each x and exactly 0 over them, the half-way ties going to the even
+    # code, up from one n and down from the next. floor(x + r / 2**16) leans toward -inf by
+    # 2**-18 on average, and ties always rounded up toward +inf at |x| >= 64: both fail.
     step = 2.0**-20 if abs(whole) < 32 else 2.0**-18 if abs(whole) < 64 else 2.0**-17
     per_cell = round(2.0**-16 / step)
     r = torch.arange(2**16, dtype=torch.int64)
     fractions = cell * 2.0**-16 + torch.arange(8 * per_cell, dtype=torch.float64) * step
-    x = (whole + fractions).float()
-    assert torch.equal(x.double(), whole + fractions)  # every x exact in fp32
+    exact = torch.cat([whole + fractions, whole + 1 + fractions])
+    x = exact.float()
+    assert torch.equal(x.double(), exact)  # every x exact in fp32
     codes = ops.lomo.reference.int8_stochastic_codes(x[:, None], r[None, :])
-    bias = codes.double().mean(dim=1) - x.double()
+    bias = codes.double().mean(dim=1) - exact
     assert bias.abs().max().item() <= 2.0**-17
     assert bias.mean().item() == 0.0
 

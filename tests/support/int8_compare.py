@@ -203,12 +203,25 @@ def stochastic_tie_case(
     """(grad, codes): an fp32 gradient of a first stochastic pass (`seed`, `seed_step`) at
     `offset` in which every element but its block's first (127: the scale 1) is a tie,
     k + 1 - (2 r + 1) / 2**17 for r the element's own random bits and k uniform in
-    [-127, 125] (exact in fp32), so that x + u is the integer k + 1; and the codes the tie
-    rule stores, k + 1 for even r and k for odd r (half each)."""
+    [-127, 125] (exact in fp32), so that x + u = k + 1/2 for the centred offset u; and the
+    codes rounding to nearest even stores, the even one of k and k + 1 (half go up)."""
     index = offset + torch.arange(n, dtype=torch.int64)
     r = pair_bits16(index, rounding_key(seed, seed_step))
     k = torch.randint(-127, 126, (n,), generator=torch.Generator().manual_seed(seed))
     grad = (k + 1).double() - (2 * r + 1).double() * 2.0**-17
     leads = (index % INT8_BLOCK == 0) | (torch.arange(n) == 0)
-    codes = torch.where(leads, 127, k + 1 - r % 2)
+    codes = torch.where(leads, 127, k + 1 - (k + 1) % 2)
     return torch.where(leads, 127.0, grad).float(), codes.to(torch.int8)
+
+
+def check_stochastic_ties(module, size: int, offset: int, seed_step: torch.Tensor | None) -> None:
+    """`module`'s first stochastic pass of `stochastic_tie_case` stores the tie rule's codes,
+    as the reference's does."""
+    grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=seed_step)
+    for m in (module, reference):
+        codes = torch.empty(size, dtype=torch.int8)
+        scales = torch.empty(blocks_of(offset, size))
+        m.grad_accumulate_int8_(
+            codes, scales, grad, offset, True, None, None, None, True, size, seed_step
+        )
+        assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"

@@ -74,16 +74,13 @@ def power_of_two(absmax):
 @triton.jit
 def quantised(x, index, key, STOCHASTIC_ROUNDING: tl.constexpr):
     """Codes (fp32 integers in [-127, 127]) of x = value / scale: to nearest even, or
-    floor(x + u) with u = (2 r + 1) / 2**17 for r the accumulation's 16 bits
-    (`pair_random16`) of the flat indices `index` (int64), a sum on an integer rounded down
-    for odd r (`reference.int8_stochastic_codes`)."""
+    x + u to nearest even with u = (2 r + 1 - 2**16) / 2**17 for r the accumulation's 16
+    bits (`pair_random16`) of the flat indices `index` (int64): a centred offset in
+    (-1/2, 1/2) (`reference.int8_stochastic_codes`)."""
     if STOCHASTIC_ROUNDING:
-        r = _pair_random16(index, key)
-        total = x + (r * 2 + 1).to(tl.float32) * _TWO_POW_M17
-        q = tl.floor(total)
-        q = tl.where((q == total) & ((r & 1) != 0), q - 1.0, q)
-    else:
-        q = (x + _ROUNDING_SHIFT) - _ROUNDING_SHIFT
+        centred = _pair_random16(index, key).to(tl.int32) * 2 + (1 - 65536)
+        x = x + centred.to(tl.float32) * _TWO_POW_M17
+    q = (x + _ROUNDING_SHIFT) - _ROUNDING_SHIFT
     return tl.minimum(tl.maximum(q, -_MAX_CODE), _MAX_CODE)
 
 

@@ -187,16 +187,14 @@ def int8_power_of_two(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def int8_stochastic_codes(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
-    """Stochastic codes of fp32 x = value / scale: floor(x + u), the sum one fp32 rounding,
-    with u = (2 r + 1) / 2**17 for r the 16 random bits `random16`, but a sum landing on an
-    integer (a tie: f an odd multiple of 2**-17, as every such fraction is for |x| >= 64)
-    rounds down for odd r. x = k + f then rounds up with probability f rounded to a multiple
-    of 2**-16 (ties alternating from cell to cell): within 2**-17 of f either way and 0 on
-    average over f. (u = r / 2**16 rounds every f down, leaning toward -inf; without the
-    tie rule every tie rounds up.)"""
-    total = x + (random16 * 2 + 1).to(torch.float32) * 2.0**-17
-    codes = torch.floor(total)
-    return codes - ((codes == total) & (random16 % 2 == 1)).to(torch.float32)
+    """Stochastic codes of fp32 x = value / scale: x + u rounded to nearest, ties to even,
+    the sum one fp32 rounding, with u = (2 r + 1 - 2**16) / 2**17 for r the 16 random bits
+    `random16`: an offset uniform on (-1/2, 1/2), centred on 0. x = k + f rounds up with
+    probability f rounded to a multiple of 2**-16, within 2**-17 of f; a half-way f (a tie,
+    x + u half-way between codes: f an odd multiple of 2**-17, as every such fraction is
+    for |x| >= 64) goes to the even code, so ties go up from one code and down from the
+    next, 0 on average. (floor(x + r / 2**16) rounds every f down, leaning toward -inf.)"""
+    return torch.round(x + (random16 * 2 + 1 - 2**16).to(torch.float32) * 2.0**-17)
 
 
 def grad_accumulate_int8_(
