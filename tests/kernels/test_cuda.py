@@ -18,8 +18,9 @@ from support.adalomo_write_back import (
     edge_write_back_case,
 )
 from support.float64 import assert_within_ulp, lomo_update_f64
-from support.fp16_edges import fp16_any_value_case, fp16_edge_case
+from support.fp16_edges import fp16_any_value_case, fp16_edge_case, fp16_subnormal_tie_case
 from support.host_sync import NoHostSync, guarded_fused_backward
+from support.int8_compare import check_stochastic_ties
 from support.lomo_bitwise import assert_same_bits, run_update
 from support.lomo_update import LR, OPTIONS, bound_kwargs, make_inputs
 from support.models import batch, max_rel_diff, tiny_llama
@@ -173,6 +174,16 @@ def test_stochastic_rounding_edge_values_on_cuda(cuda_backend, pdt, gdt):
         )
         assert_same_bits(got, want)
         assert found.item() == found_ref.item() == 1.0
+
+
+def test_fp16_subnormal_ties_on_cuda(cuda_backend):
+    # Every element's update a tie of fp16's subnormal rounding (support/fp16_edges.py): down
+    # for an odd random value, up for an even one, as the reference.
+    for seed, step in ROUNDING_SEEDS:
+        param, grad, opts, expected = fp16_subnormal_tie_case(4099, seed, step)
+        (got, want), _ = _lomo_sr_on_cuda(cuda_backend, param, grad, opts, seed, step)
+        assert_same_bits(got, want)
+        assert_same_bits(want, expected)
 
 
 def test_fp16_stochastic_rounding_of_any_fp32_value_on_cuda(cuda_backend):
@@ -350,6 +361,14 @@ def test_int8_accumulate_matches_the_reference_on_cuda(int8_cuda, offset, stocha
     for n in int8_cases.sizes_at(offset, large=layout == "fresh"):
         for dtype in int8_cases.DTYPES.values():
             int8_cases.check_accumulate(int8_cuda, DEVICE, n, offset, dtype, stochastic, layout)
+
+
+@pytest.mark.parametrize(("size", "offset"), [(257, 0), (278011, 300), (4097, 2**32 + 5)])
+def test_int8_accumulate_stochastic_ties_on_cuda(int8_cuda, size, offset):
+    """Every element a tie of the stochastic rounding (x + u half-way between codes): the
+    even code, as the reference (support/int8_compare.py)."""
+    for step in (None, torch.tensor([5], dtype=torch.int64)):
+        check_stochastic_ties(int8_cuda, size, offset, step, device=DEVICE)
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last", "spread"])

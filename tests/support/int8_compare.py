@@ -214,14 +214,18 @@ def stochastic_tie_case(
     return torch.where(leads, 127.0, grad).float(), codes.to(torch.int8)
 
 
-def check_stochastic_ties(module, size: int, offset: int, seed_step: torch.Tensor | None) -> None:
-    """`module`'s first stochastic pass of `stochastic_tie_case` stores the tie rule's codes,
-    as the reference's does."""
+def check_stochastic_ties(
+    module, size: int, offset: int, seed_step: torch.Tensor | None, device: str = "cpu"
+) -> None:
+    """`module`'s first stochastic pass of `stochastic_tie_case` on `device` stores the tie
+    rule's codes, as the reference's does on the CPU."""
     grad, want = stochastic_tie_case(size, offset, seed=size, seed_step=seed_step)
-    for m in (module, reference):
-        codes = torch.empty(size, dtype=torch.int8)
-        scales = torch.empty(blocks_of(offset, size))
+    for m, where in ((module, device), (reference, "cpu")):
+        codes = torch.empty(size, dtype=torch.int8, device=where)
+        scales = torch.empty(blocks_of(offset, size), device=where)
+        step = None if seed_step is None else seed_step.to(where)
         m.grad_accumulate_int8_(
-            codes, scales, grad, offset, True, None, None, None, True, size, seed_step
+            codes, scales, grad.to(where), offset, True, None, None, None, True, size, step
         )
+        codes = codes.cpu()
         assert torch.equal(codes, want), f"{int((codes != want).sum())} codes differ"
