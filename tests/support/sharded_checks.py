@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,24 @@ TIMEOUT_S = 900
 # gloo's TCP transport rarely aborts a rank from a C++ thread (std::terminate while
 # connecting pairs; seen about once in ten runs here, and reported upstream for gloo's
 # address lookup). Such a crash says nothing about the code under test, so that run alone
-# is repeated once, with a warning; a Python error, a wrong result or a second crash fails.
+# is repeated once, from an emptied output folder, with a warning; a Python error, a wrong
+# result or a second crash fails.
 GLOO_ABORT = b"terminate called"
+
+
+def _start_again(out: Path, what: str, nproc: int) -> None:
+    """Warns of the gloo abort and empties `out` (the run's own output folder), so that the
+    repeated run starts from what the first one started from."""
+    warnings.warn(
+        f"the {nproc}-rank {what} run lost a rank to a gloo abort; running it again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    for entry in out.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run_ranks(
@@ -56,11 +73,7 @@ def run_ranks(
         # A worker's Python error shows as "[rankN]: Traceback ...": never repeated.
         python_error = b"]: Traceback (most recent call last)" in log
         if attempt == 1 and GLOO_ABORT in log and not python_error:
-            warnings.warn(
-                f"the {nproc}-rank {what} run lost a rank to a gloo abort; running it again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _start_again(out, what, nproc)
             continue
         break
     pytest.fail(f"the {nproc}-rank {what} run failed:\n{log.decode()[-8000:]}")
@@ -71,20 +84,16 @@ KILLED = b"exitcode  : -9"
 
 
 def run_ranks_killed(worker: Path, args: list[str], what: str, nproc: int = 2) -> bytes:
-    """Runs `worker *args`, one of whose ranks kills itself (SIGKILL) on purpose; returns the
-    log once torchrun reports that death. A run that lost a rank to a gloo abort first is
-    repeated once, with a warning; anything else fails the test with its log."""
+    """Runs `worker *args` (``args[0]``: its output folder), one of whose ranks kills itself
+    (SIGKILL) on purpose; returns the log once torchrun reports that death. A run that lost a
+    rank to a gloo abort first is repeated once, as `run_ranks` does; anything else fails the
+    test with its log."""
     for attempt in (1, 2):
         returncode, log = launch_ranks(worker, args, what, nproc)
         if returncode != 0 and KILLED in log:
             return log
         if attempt == 1 and GLOO_ABORT in log:
-            warnings.warn(
-                f"the {nproc}-rank {what} run lost a rank to a gloo abort before its planned "
-                "death; running it again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _start_again(Path(args[0]), what, nproc)
             continue
         break
     pytest.fail(
