@@ -19,7 +19,8 @@ operation. A code is ``value / p`` rounded to nearest even, or stochastically: t
 (-1/2, 1/2), centred on 0) for ``r`` 16 random bits from the accumulation's stream
 (`core.rounding.pair_bits16`) at the element's flat index in the whole parameter
 (``offset + j``), so a slice rounds as the whole parameter would. The probability of
-rounding up is the fraction rounded to a multiple of 2**-16, within 2**-17 of it; a fraction
+rounding up is the fraction rounded to a multiple of 2**-16, within 2**-17 of it (up to
+2**-25 more for |value / p| < 1/2, where the fp32 sum can round onto +-1/2); a fraction
 half-way between (a tie) goes to the even code, up from one code and down from the next: 0
 on average.
 

@@ -222,6 +222,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if accumulation_steps > 1
             else None
         )
+        # Set once a training loop decides where steps end (`_fused_backward_in_loop`).
+        self._steps_by_loop = False
         self.state = self._PARAMETER_STATE.fresh_container()
         initial = self._PARAMETER_STATE.initial
         if initial is not None:
@@ -718,7 +720,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     # -- checkpoint (checkpoint.py) -----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        self._refuse_pending("state_dict()")
+        self._refuse_pending("state_dict()", saving=True)
         return self._checkpoint.state_dict(self)
 
     def consolidated_state_dict(self) -> dict[str, Any]:
@@ -727,7 +729,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Loads into the same optimizer built on the unsharded model in one process. Without
         sharding it is `state_dict()`.
         """
-        self._refuse_pending("consolidated_state_dict()")
+        self._refuse_pending("consolidated_state_dict()", saving=True)
         return self._checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -743,15 +745,27 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._checkpoint.check_state_dict(self, state_dict)
 
     # -- accumulation (accumulation.py) -----------------------------------------------
-    def _refuse_pending(self, call: str) -> None:
+    def _refuse_pending(self, call: str, saving: bool = False) -> None:
         """Refuses `call` while micro-batches wait in the buffers: a checkpoint would leave
-        them out (or a loaded one mix with them)."""
+        them out (or a loaded one mix with them). A save in a loop that decides where steps
+        end (a Trainer's save at the end of an IterableDataset's pass, whose micro-batches it
+        carries into the next step) leaves them out with a warning, as a checkpoint of
+        torch's leaves out ``.grad``."""
         pending = self.pending_micro_batches
-        if pending:
+        noun = "micro-batch" if pending == 1 else "micro-batches"
+        waiting = f"{pending} {noun} accumulated and not applied (a step is "
+        waiting += f"{self.accumulation_steps})"
+        if pending and saving and self._steps_by_loop:
+            warnings.warn(
+                f"{call} leaves out {waiting}, as torch's checkpoints leave out .grad: a run "
+                "resumed from it starts that step without them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif pending:
             raise RuntimeError(
-                f"{call} with {pending} of {self.accumulation_steps} micro-batches accumulated "
-                "and not applied: the buffers are not part of a checkpoint. Call it after the "
-                "step's last micro-batch, or after opt.step() (which applies what was "
+                f"{call} with {waiting}: the buffers are not part of a checkpoint. Call it "
+                "after the step's last micro-batch, or after opt.step() (which applies what was "
                 "accumulated), or drop them with opt.zero_grad(). Nothing was changed."
             )
 
@@ -764,9 +778,20 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         came. Fewer than k: an epoch's last step. More: the micro-batches an
         IterableDataset's pass left at its end, which the Trainer carries into the next
         epoch's first step, as torch's ``.grad`` carries them."""
+        self._steps_by_loop = True
         if self._accumulation is None:
             self.fused_backward(loss, lr)
             return
+        k = self._accumulation.steps
+        if not loop_syncs and self.pending_micro_batches + 1 >= 2 * k - 1:
+            # A carried step holds at most k - 1 + k micro-batches, its last synced.
+            raise ValueError(
+                f"the training loop has not synced gradients for {2 * k - 1} micro-batches "
+                f"(a step is {k}), so no step would ever be applied: an IterableDataset whose "
+                f"passes hold fewer than {k} micro-batches never reaches the Trainer's sync "
+                "step (torch's accumulation would run on without a step). Give each pass at "
+                "least gradient_accumulation_steps x the batch size rows. Nothing was changed."
+            )
         self._accumulate_micro_batch(loss, lr, may_end_step=loop_syncs)
         if loop_syncs and self.pending_micro_batches:  # not the k-th: applied from the buffers
             self.step()

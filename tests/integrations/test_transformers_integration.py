@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -249,15 +250,18 @@ class Streamed(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
-# (rows, whether streamed, max_steps, the steps taken)
+# (rows, whether streamed, max_steps, whether each pass's end saves, the steps taken)
 PASSES = {
-    "whole-steps": (16, False, -1, 2),
+    "whole-steps": (16, False, -1, False, 2),
     # 6 micro-batches: a step of 4, then one of 2, applied at the Trainer's sync step.
-    "short-last-step": (12, False, -1, 2),
+    "short-last-step": (12, False, -1, False, 2),
     # 10 micro-batches a pass: each pass ends 2 into a step, where the Trainer does not
     # sync; it carries them into the next pass's first step (6 micro-batches), as torch's
     # .grad carries them.
-    "iterable-carried": (20, True, 5, 5),
+    "iterable-carried": (20, True, 5, False, 5),
+    # The same with a checkpoint at each pass's end, while 2 micro-batches wait: saved
+    # without them (with a warning), as torch's checkpoint is saved without .grad.
+    "iterable-carried-saved": (20, True, 5, True, 5),
 }
 
 
@@ -269,17 +273,21 @@ def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     from lomo_kernels.integrations.hf_trainer import LomoTrainer
 
     trainer_class = {"Trainer": Trainer, "LomoTrainer": LomoTrainer}[trainer_class]
-    rows, streamed, max_steps, steps = PASSES[passes]
+    rows, streamed, max_steps, saved, steps = PASSES[passes]
 
     def data():
         return Streamed(distinct_rows(rows)) if streamed else distinct_rows(rows)
 
     ours, ref = tiny_llama(), tiny_llama()
     common = dict(gradient_accumulation_steps=4, max_steps=max_steps, num_train_epochs=1,
-                  learning_rate=LR)  # fmt: skip
+                  learning_rate=LR, save_strategy="epoch" if saved else "no")  # fmt: skip
     trainer = trainer_class(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
                             train_dataset=data())  # fmt: skip
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    left_out = [w for w in caught if "leaves out 2 micro-batches" in str(w.message)]
+    assert len(left_out) == (2 if saved else 0)  # the two passes that ended mid-step
     reference = Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
                         train_dataset=data())  # fmt: skip
     reference.train()
@@ -289,6 +297,22 @@ def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
     assert max_rel_diff(ours, ref) <= 1e-6
     assert logged(trainer) == pytest.approx(logged(reference), rel=1e-6)
+
+
+def test_trainer_refuses_a_loop_that_never_syncs(tmp_path):
+    """An IterableDataset of 3 micro-batches a pass, 4 a step: the Trainer never reaches its
+    sync step (torch's SGD would train on without a step). Refused once 7 micro-batches
+    wait unsynced, more than any step the Trainer carries, before that one's backward."""
+    ours = tiny_llama()
+    common = dict(gradient_accumulation_steps=4, max_steps=2, learning_rate=LR)
+    trainer = Trainer(model=ours, args=args(tmp_path, optim="lomo", **common),
+                      train_dataset=Streamed(distinct_rows(6)))  # fmt: skip
+    before = [p.detach().clone() for p in ours.parameters()]
+    with pytest.raises(ValueError, match="has not synced gradients for 7 micro-batches"):
+        trainer.train()
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert opt.pending_micro_batches == 6 and opt.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), before, strict=True))
 
 
 def test_trainer_optim_lomo_keeps_a_given_optimizers_group_lrs(tmp_path):

@@ -190,7 +190,8 @@ def int8_stochastic_codes(x: torch.Tensor, random16: torch.Tensor) -> torch.Tens
     """Stochastic codes of fp32 x = value / scale: x + u rounded to nearest, ties to even,
     the sum one fp32 rounding, with u = (2 r + 1 - 2**16) / 2**17 for r the 16 random bits
     `random16`: an offset uniform on (-1/2, 1/2), centred on 0. x = k + f rounds up with
-    probability f rounded to a multiple of 2**-16, within 2**-17 of f; a half-way f (a tie,
+    probability f rounded to a multiple of 2**-16, within 2**-17 of f (up to 2**-25 more
+    for |x| < 1/2, where the fp32 sum can round onto +-1/2); a half-way f (a tie,
     x + u half-way between codes: f an odd multiple of 2**-17, as every such fraction is
     for |x| >= 64) goes to the even code, so ties go up from one code and down from the
     next, 0 on average. (floor(x + r / 2**16) rounds every f down, leaning toward -inf.)"""
