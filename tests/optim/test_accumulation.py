@@ -332,16 +332,17 @@ def test_refusals_before_any_change(tmp_path):
     opt.fused_backward(model(**micro_batches(0)[0]).loss / K)
     loss = model(**micro_batches(0)[1]).loss / K
     assert_refused(model, opt, lambda: opt.grad_norm(loss), RuntimeError, "accumulation_steps")
-    assert_refused(model, opt, opt.state_dict, RuntimeError, "1 of 4 micro-batches")
-    assert_refused(model, opt, opt.consolidated_state_dict, RuntimeError, "1 of 4 micro-batches")
-    assert_refused(model, opt, lambda: opt.load_state_dict({}), RuntimeError, "micro-batches")
+    waiting = r"1 micro-batch accumulated and not applied \(a step is 4\)"
+    assert_refused(model, opt, opt.state_dict, RuntimeError, waiting)
+    assert_refused(model, opt, opt.consolidated_state_dict, RuntimeError, waiting)
+    assert_refused(model, opt, lambda: opt.load_state_dict({}), RuntimeError, waiting)
     # Sharded checkpoints mid-step: a save refused before anything is written, a load before
     # anything is read into the model or the optimizer.
     save = lambda: lomo_kernels.save_checkpoint(tmp_path / "ckpt", model, opt)  # noqa: E731
-    assert_refused(model, opt, save, RuntimeError, "micro-batches accumulated")
+    assert_refused(model, opt, save, RuntimeError, waiting)
     assert not (tmp_path / "ckpt").exists()
     load = lambda: lomo_kernels.load_checkpoint(tmp_path / "saved", model, opt)  # noqa: E731
-    assert_refused(model, opt, load, RuntimeError, "micro-batches accumulated")
+    assert_refused(model, opt, load, RuntimeError, waiting)
     # A sparse gradient (here torch.gather's, which no module flag shows): seen in the loss's
     # graph, before the backward adds anything into the buffers.
     embed = model.model.embed_tokens
