@@ -184,12 +184,11 @@ def _steps_by_trainer(accelerator: Accelerator) -> bool:
 def drop_interrupted_step(optimizer: InBackwardOptimizer) -> None:
     """As a training run starts: drops, with a warning, micro-batches an interrupted run left
     pending (the Trainer's own model.zero_grad() drops their .grad in torch's case)."""
-    pending = optimizer.pending_micro_batches
-    if pending:
+    if optimizer.pending_micro_batches:
         warnings.warn(
-            f"dropped {pending} of {optimizer.accumulation_steps} micro-batches an interrupted "
-            "training run left accumulated and not applied (no parameter was changed by "
-            "them), as the Trainer's model.zero_grad() drops accumulated gradients",
+            f"dropped {optimizer._accumulation.waiting()} that an interrupted training run "
+            "left (no parameter was changed by them), as the Trainer's model.zero_grad() "
+            "drops accumulated gradients",
             RuntimeWarning,
             stacklevel=3,
         )

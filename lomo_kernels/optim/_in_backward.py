@@ -285,13 +285,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         was built on gets its own checkpoint methods back. Micro-batches accumulated and
         not applied are dropped, with a warning (``opt.step()`` first applies them)."""
         pending = self.pending_micro_batches
+        waiting = self._accumulation.waiting() if pending else ""
         self._release_hooks()  # runs once; later calls do nothing
         if self._accumulation is not None:
             self._accumulation.release(free=True)  # nothing can apply them now
         if pending:
             warnings.warn(
-                f"detach() dropped {pending} of {self.accumulation_steps} micro-batches "
-                "accumulated and not applied (no parameter was changed by them): call "
+                f"detach() dropped {waiting}; no parameter was changed by them. Call "
                 "opt.step() before detach() or the end of the with block to apply them.",
                 RuntimeWarning,
                 stacklevel=2,
@@ -752,9 +752,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         carries into the next step) leaves them out with a warning, as a checkpoint of
         torch's leaves out ``.grad``."""
         pending = self.pending_micro_batches
-        noun = "micro-batch" if pending == 1 else "micro-batches"
-        waiting = f"{pending} {noun} accumulated and not applied (a step is "
-        waiting += f"{self.accumulation_steps})"
+        waiting = self._accumulation.waiting() if pending else ""
         if pending and saving and self._steps_by_loop:
             warnings.warn(
                 f"{call} leaves out {waiting}, as torch's checkpoints leave out .grad: a run "

@@ -111,6 +111,11 @@ class Accumulation:
         self._seed_steps: dict[torch.device, torch.Tensor] = {}
         self._scale_setting: object = None  # the loss scale the pending micro-batches took
 
+    def waiting(self) -> str:
+        """The pending micro-batches, for messages: a loop may carry a step past k."""
+        noun = "micro-batch" if self.pending == 1 else "micro-batches"
+        return f"{self.pending} {noun} accumulated and not applied (a step is {self.steps})"
+
     def check_scale(self, scaling: LossScaling) -> None:
         """Notes the loss scale set when no micro-batch is pending; refuses, before any change,
         a scale set anew while some are: the buffers hold gradients scaled by the one the
@@ -119,8 +124,8 @@ class Accumulation:
             self._scale_setting = scaling.setting()
         elif scaling.scale_changed_since(self._scale_setting):
             raise RuntimeError(
-                f"{scaling.setting_name} was set while {self.pending} of {self.steps} "
-                "micro-batches are accumulated: their buffers hold gradients scaled by the "
+                f"{scaling.setting_name} was set with {self.waiting()}: their buffers "
+                "hold gradients scaled by the "
                 "scale of the step's first micro-batch, which the step would divide by the new "
                 "one. Set the loss scale between steps (after a step's last micro-batch, "
                 "opt.step() or opt.zero_grad()), or set it back. Nothing was changed."

@@ -368,7 +368,7 @@ def test_trainer_run_after_an_interrupted_one_drops_its_micro_batches(tmp_path, 
         trainer.train()
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
     assert opt.pending_micro_batches == 1
-    with pytest.warns(RuntimeWarning, match="dropped 1 of 3 micro-batches"):
+    with pytest.warns(RuntimeWarning, match=r"dropped 1 micro-batch .* \(a step is 3\)"):
         trainer.train()
     trainer_class(model=clean, args=args(tmp_path / "clean", **common),
                   train_dataset=distinct_rows(12)).train()  # fmt: skip
