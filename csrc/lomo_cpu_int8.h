@@ -18,11 +18,10 @@ using int8_blocks::kMagnitudeMask;
 
 // Stochastic rounding adds u = (2 r + 1 - 2^16) / 2^17 for 16 random bits r, an offset
 // uniform on (-1/2, 1/2), and rounds to nearest even: it leans neither way (the reference's
-// int8_stochastic_codes). u is exact, formed as r * 2^-16 + (2^-17 - 1/2) (one FMA) or as
-// (2 r + 1 - 2^16) * 2^-17.
-constexpr float kCentredUnit = 1.0f / 131072.0f;
+// int8_stochastic_codes). u = r * 2^-16 + (2^-17 - 1/2): the product and the sum are exact,
+// fused or not.
 constexpr float kRandomUnit = 1.0f / 65536.0f;
-constexpr int32_t kCentredShift = 1 - 65536;
+constexpr float kCentre = 1.0f / 131072.0f - 0.5f;
 
 // The lines of [ptr, ptr + bytes), kPrefetchBytes ahead, with the non-temporal hint of the
 // accumulation's loops (prefetch_streams).
@@ -54,9 +53,8 @@ LOMO_INLINE float round_code(float x) {
 template <bool kStochastic>
 LOMO_INLINE float code_of(float x, uint32_t random16) {
   if constexpr (kStochastic) {
-    const int32_t centred = static_cast<int32_t>(2 * random16) + kCentredShift;
-    const float u = lomo::mul_rn(static_cast<float>(centred), kCentredUnit);
-    return round_code(lomo::add_rn(x, u));
+    const float r = static_cast<float>(static_cast<int32_t>(random16));
+    return round_code(lomo::add_rn(x, lomo::add_rn(lomo::mul_rn(r, kRandomUnit), kCentre)));
   } else {
     return round_code(x);
   }
@@ -153,8 +151,8 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const PairRandom8 random(key, hi);
   const __m256 inverse = _mm256_set1_ps(scale.inverse), scale_v = _mm256_set1_ps(scale.scale);
-  const __m256 inv = _mm256_set1_ps(inv_scale), unit = _mm256_set1_ps(kCentredUnit);
-  const __m256i shift = _mm256_set1_epi32(kCentredShift);
+  const __m256 inv = _mm256_set1_ps(inv_scale), unit = _mm256_set1_ps(kRandomUnit);
+  const __m256 centre = _mm256_set1_ps(kCentre);
   // The two packs leave dword d of each 128-bit lane holding codes of vector d: this puts
   // the dwords back in element order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -167,8 +165,8 @@ void quantize_block_avx2(const float* __restrict tile, int8_t* __restrict out,
     for (int part = 0; part < 4; ++part) {
       __m256 x = _mm256_mul_ps(_mm256_load_ps(tile + t + 8 * part), inverse);
       if constexpr (kStochastic) {
-        const __m256i centred = _mm256_add_epi32(_mm256_slli_epi32(r[part], 1), shift);
-        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(centred), unit));
+        const __m256 u = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[part]), unit), centre);
+        x = _mm256_add_ps(x, u);
       }
       const __m256 c = _mm256_round_ps(x, kNearest);
       q[part] = _mm256_cvttps_epi32(c);
@@ -221,7 +219,7 @@ LOMO_INLINE void quantize_vectors_avx512(Values value, int8_t* __restrict out,
   const PairRandom16 random(key, hi);
   const __m512 inverse = _mm512_set1_ps(scale.inverse), scale_v = _mm512_set1_ps(scale.scale);
   const __m512 inv = _mm512_set1_ps(inv_scale), unit = _mm512_set1_ps(kRandomUnit);
-  const __m512 centre = _mm512_set1_ps(kCentredUnit - 0.5f);  // exact
+  const __m512 centre = _mm512_set1_ps(kCentre);
   // The packs leave dword d of each 128-bit lane holding codes of vector d: back in order.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512d acc[kInt8Lanes / 8];

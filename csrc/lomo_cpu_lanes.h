@@ -192,8 +192,8 @@ LOMO_INLINE typename V::Float fp16_sr_value(typename V::Float u, typename V::Int
   if (__builtin_expect(V::any(small), 0)) {
     // fp16_subnormal_count_sr: q17 = m >> (109 - e) or m << (e - 109) (a count outside
     // [0, 31], the other shift's, wrapped, gives 0), then (q17 + 2 random + 1 - tie) >> 17,
-    // tie = an odd random and no bit of m dropped (fp16_subnormal_q17_exact; a shift by 24
-    // or more drops them all, as nonzero as m).
+    // tie = an odd random and no bit of m dropped by a right shift (a shift by 24 or more
+    // drops them all, as nonzero as m).
     const Int e = V::min_u(V::shr(mag, 23), V::set1(112u));
     const Int m = V::bit_or(V::bit_and(mag, V::set1(0x007FFFFFu)), V::set1(0x00800000u));
     const Int e0 = V::set1(109u);

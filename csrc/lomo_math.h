@@ -214,35 +214,22 @@ LOMO_HD LOMO_INLINE uint16_t f32_to_fp16(float v) { return f32_to_fp16_portable(
 constexpr uint32_t kFp16MinNormalBits = 0x38800000u;
 constexpr uint32_t kFp16MaxBits = 0x477FE000u;
 
-// q17 = floor(|x| * 2^41) of a magnitude below 2^-14 (mag < kFp16MinNormalBits): the fp16
-// subnormal count |x| * 2^24 with 17 fraction bits, i.e. _rounding.fp16_stochastic's
-// whole * 2^17 + frac17 (both exact). |x| = m * 2^(e - 150) with the implicit bit, so
-// q17 = m * 2^(e - 109): a right shift by 109 - e (everything gone from 24 on, fp32
-// subnormals included), or a left one by 1 to 3 for e = 110 .. 112.
-LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q17(uint32_t mag) {
+// The fp16 subnormal count |x| * 2^24 of a magnitude below 2^-14 (mag < kFp16MinNormalBits)
+// rounded stochastically, as _rounding.fp16_stochastic: from q17 = floor(|x| * 2^41), the
+// count with 17 fraction bits (whole * 2^17 + frac17), up iff frac17 + 2 random16 + 1 >=
+// 2^17 (the random value centred in its 2^-16 cell), a tie (a sum of exactly 2^17 from an
+// exact q17) rounded down for odd random16. |x| = m * 2^(e - 150) with the implicit bit, so
+// q17 = m * 2^(e - 109): a left shift by 1 to 3 for e = 110 .. 112 (exact), or a right one
+// by 109 - e, exact when it drops no set bit (from 24 on everything goes, fp32 subnormals
+// included: q17 = 0, where no tie can arise).
+LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_count_sr(uint32_t mag, uint32_t random16) {
   uint32_t e = mag >> 23;
   e = e > 112u ? 112u : e;  // defined shifts for magnitudes the caller does not select
   const uint32_t m = (mag & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t right = 109u - e;  // wraps for e > 109: not used then
-  return e > 109u ? m << (e - 109u) : (right < 24u ? m >> right : 0u);
-}
-
-// 1 when fp16_subnormal_q17(mag) is exact: no set bit of m below the right shift (a shift by
-// 24 or more leaves q17 = 0, where no tie can arise: 0 then).
-LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_q17_exact(uint32_t mag) {
-  uint32_t e = mag >> 23;
-  e = e > 109u ? 109u : e;
-  const uint32_t m = (mag & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t right = 109u - e;
-  return right < 24u ? static_cast<uint32_t>((m & ((1u << right) - 1u)) == 0u) : 0u;
-}
-
-// The subnormal count rounded stochastically: whole + (frac17 + 2 random16 + 1 >= 2^17), the
-// random value centred in its 2^-16 cell, a tie (a sum of exactly 2^17 from an exact q17)
-// rounded down for odd random16 (_rounding.fp16_stochastic).
-LOMO_HD LOMO_INLINE uint32_t fp16_subnormal_count_sr(uint32_t mag, uint32_t random16) {
-  const uint32_t tie = random16 & fp16_subnormal_q17_exact(mag);
-  return (fp16_subnormal_q17(mag) + 2u * random16 + 1u - tie) >> 17;
+  const uint32_t right = 109u - (e > 109u ? 109u : e);  // 0 for a left shift
+  const uint32_t q17 = e > 109u ? m << (e - 109u) : (right < 24u ? m >> right : 0u);
+  const uint32_t exact = right < 24u && (m & ((1u << right) - 1u)) == 0u;
+  return (q17 + 2u * random16 + 1u - (random16 & exact)) >> 17;
 }
 
 // Stochastic rounding onto the fp16 grid, _rounding.fp16_stochastic bit for bit, with

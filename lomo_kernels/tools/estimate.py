@@ -221,10 +221,13 @@ def adalomo_state_numel(model: ModelShape) -> int:
 
 def adalomo_workspace_numel(model: ModelShape) -> int:
     """fp32 elements of the workspaces an unsharded AdaLomo keeps, one per distinct parameter
-    shape (`ops/adalomo/workspace.py`: rows + cols + the slots, the slots alone for 1-D)."""
-    from ..ops.adalomo.workspace import NUM_SLOTS
+    shape (`ops/adalomo/workspace.py`)."""
+    import torch
 
-    return sum(r + c + NUM_SLOTS if c else NUM_SLOTS for r, c in set(model.matrix_shapes()))
+    from ..ops.adalomo.workspace import workspace_numel
+
+    shapes = {(r, c) if c else (r,) for r, c in model.matrix_shapes()}
+    return sum(workspace_numel(torch.Size(shape)) for shape in shapes)
 
 
 def optimizer_state_bytes(model: ModelShape, optimizer: str, precision: str = "mixed") -> int:
