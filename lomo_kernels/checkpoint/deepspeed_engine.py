@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,20 @@ import torch
 from torch import nn
 
 from . import ranks
-from .manifest import PARTIAL, CheckpointError
+from .manifest import PARTIAL, CheckpointError, is_plain_name
 from .sharded import load_checkpoint, save_checkpoint
 
 LATEST = "latest"
 _SERVED = "_lomo_checkpoint_optimizer"
+# The engine's counters a checkpoint carries.
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 def _tag_of(optimizer: torch.optim.Optimizer, tag: Any) -> str:
     if tag is None:
         return f"global_step{int(getattr(optimizer, 'step_count', 0))}"
     tag = str(tag)
-    if not tag or os.sep in tag or tag in (".", ".."):
+    if not is_plain_name(tag):
         raise ValueError(f"checkpoint tag {tag!r}: give a plain directory name")
     return tag
 
@@ -42,16 +45,80 @@ def _engine_state(engine: nn.Module, client_state: Any) -> dict[str, Any]:
     return {
         "client_state": client_state,
         "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
-        "global_steps": getattr(engine, "global_steps", 0),
-        "global_samples": getattr(engine, "global_samples", 0),
-        "skipped_steps": getattr(engine, "skipped_steps", 0),
+        **{counter: getattr(engine, counter, 0) for counter in _COUNTERS},
     }
 
 
 def _write_latest(save_dir: Path, tag: str) -> None:
+    # Written into a new file (a link left at its name is replaced, not followed) and renamed
+    # over `latest` (which replaces a link there too).
     partial = save_dir / f"{LATEST}{PARTIAL}"
-    partial.write_text(tag)
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "w") as f:
+        f.write(tag)
     os.replace(partial, save_dir / LATEST)
+
+
+def _same_structure(saved: Any, own: Any) -> bool:
+    """Whether `saved` has the containers and kinds of value `own` has, so loading it cannot
+    fail: every key of `own`'s dicts (more are let be, as a newer torch may add), lists of
+    the same length, numbers for numbers; None matches any value (a scheduler's state holds
+    some that start as None)."""
+    if saved is None or own is None:
+        return True
+    if isinstance(own, dict):
+        return (
+            isinstance(saved, dict)
+            and own.keys() <= saved.keys()
+            and all(_same_structure(saved[k], own[k]) for k in own)
+        )
+    if isinstance(own, (list, tuple)):
+        return (
+            isinstance(saved, (list, tuple))
+            and len(saved) == len(own)
+            and all(_same_structure(a, b) for a, b in zip(saved, own, strict=True))
+        )
+    if isinstance(own, (int, float)) and not isinstance(own, bool):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    return type(saved) is type(own)
+
+
+def _engine_state_check(
+    engine: nn.Module, restore_schedule: bool, restore_counters: bool
+) -> Callable[[Any], None]:
+    """The check of a saved `_engine_state` that the load runs before anything changes: what
+    the load then sets on the engine (the scheduler's state, the counters) can be set."""
+
+    def check(saved: Any) -> None:
+        if saved is None:
+            return
+        if not isinstance(saved, dict):
+            raise CheckpointError(
+                f"the checkpoint's client_state is a {type(saved).__name__}, not the dict an "
+                "engine's save writes: it was written by another tool"
+            )
+        scheduler = getattr(engine, "lr_scheduler", None)
+        schedule = saved.get("lr_scheduler")
+        if (
+            restore_schedule
+            and scheduler is not None
+            and schedule is not None
+            and not _same_structure(schedule, scheduler.state_dict())
+        ):
+            raise CheckpointError(
+                "the checkpoint's lr_scheduler state does not have the entries of this "
+                f"engine's {type(scheduler).__name__}: it was saved with another scheduler "
+                "or param-group set-up (load_lr_scheduler_states=False leaves it out)"
+            )
+        for counter in _COUNTERS if restore_counters else ():
+            value = saved.get(counter, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(
+                    f"the checkpoint's {counter} is {value!r}, not an int >= 0: it is corrupt"
+                )
+
+    return check
 
 
 def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -130,20 +197,21 @@ def serve_engine_checkpoints(engine: nn.Module, optimizer: torch.optim.Optimizer
             tag = latest.read_text().strip()
         path = load_dir / _tag_of(optimizer, tag)
         with_optimizer = load_optimizer_states and not load_module_only
+        restore_schedule = load_lr_scheduler_states and not load_module_only
         saved = load_checkpoint(
             path,
             engine,
             optimizer if with_optimizer else None,
             strict=load_module_strict,
             trust_checkpoint=trust_checkpoint,
+            check_client_state=_engine_state_check(engine, restore_schedule, not load_module_only),
         )
         saved = saved or {}
         scheduler = getattr(engine, "lr_scheduler", None)
-        restore_schedule = load_lr_scheduler_states and not load_module_only
         if scheduler is not None and saved.get("lr_scheduler") is not None and restore_schedule:
             scheduler.load_state_dict(saved["lr_scheduler"])
         if not load_module_only:
-            for counter in ("global_steps", "global_samples", "skipped_steps"):
+            for counter in _COUNTERS:
                 if counter in saved and hasattr(engine, counter):
                     setattr(engine, counter, saved[counter])
         return str(path), saved.get("client_state")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,17 @@ _CHUNK = 16 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, corrupt or of another set-up; nothing was loaded."""
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether `name` names an entry of a directory itself: not a path into another
+    directory (no separator, not '.' or '..'), so a name read from a checkpoint cannot
+    reach outside it."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
 
 
 def file_record(path: Path) -> dict[str, int]:
@@ -62,19 +74,43 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         files = body["files"]
         if body.get("format") != FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {body.get('format')!r}")
-    except (ValueError, KeyError, TypeError) as error:
+        for name, record in files.items():
+            if not _is_record(record):
+                raise ValueError(f"the record of {name!r} is {record!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         message = f"{path} is unreadable ({error}): the checkpoint is corrupt"
         raise CheckpointError(message) from None
+    outside = next((name for name in files if not is_plain_name(name)), None)
+    if outside is not None:
+        raise CheckpointError(
+            f"{path} lists {outside!r}, which is not a file of {directory} itself: a "
+            "checkpoint's files are plain names in its directory; the manifest was crafted or "
+            "corrupted"
+        )
     return body
 
 
+def _is_record(record: object) -> bool:
+    return isinstance(record, dict) and all(
+        type(record.get(key)) is int and record[key] >= 0 for key in ("bytes", "crc32")
+    )
+
+
 def check_files(directory: Path, files: dict[str, dict[str, int]], names: list[str]) -> None:
-    """Refuses the first of `names` that is missing or differs from its manifest record."""
+    """Refuses the first of `names` that is missing, not a regular file (a link is not
+    followed: it could lead out of the checkpoint) or differs from its manifest record."""
     for name in names:
         path = directory / name
         expected = files[name]
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{path} is not a regular file (a symbolic link, a directory or a device): a "
+                "checkpoint holds its own files only, so it is refused"
+            )
         size = path.stat().st_size
         if size != expected["bytes"]:
             raise CheckpointError(

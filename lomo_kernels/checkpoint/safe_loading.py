@@ -13,6 +13,10 @@ plain pickle:
 - ``.metadata``: an unpickler that builds only torch.distributed.checkpoint's metadata
   classes, ``torch.Size``, dtypes, layouts and paths.
 
+Whether trusted or not, a load reads only the files the manifest lists, within their recorded
+sizes: the metadata's storage entries name plain files of the checkpoint's directory, each in
+the manifest, and untransformed (torch's reader opens whatever path an entry names).
+
 `save_checkpoint` refuses, before writing anything, a value the same loader would refuse:
 a checkpoint never holds what it cannot load. Imported when a checkpoint is written or read
 (it imports torch.distributed.checkpoint).
@@ -36,7 +40,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .manifest import CheckpointError
+from .manifest import CheckpointError, is_plain_name
 
 TRUST = "trust_checkpoint=True"
 METADATA = ".metadata"  # torch.distributed.checkpoint's
@@ -53,9 +57,9 @@ _TRUST_ADVICE = (
 )
 
 
-def _loader_reason(error: Exception) -> str:
+def loader_reason(error: Exception) -> str:
     """What torch's weights_only loader refused, from its long message."""
-    pattern = r"WeightsUnpickler error: ([^\n]*?)(?: was not an allowed|\. |\n|$)"
+    pattern = r"WeightsUnpickler error:\s*([^\n]*?)(?: was not an allowed|\. |\n|$)"
     found = re.search(pattern, str(error))
     return found.group(1) if found else str(error).split("\n", 1)[0]
 
@@ -72,7 +76,7 @@ def _round_trip_refusal(value: Any) -> str | None:
     try:
         torch.load(buffer, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        return _loader_reason(error)
+        return loader_reason(error)
     return None
 
 
@@ -116,7 +120,7 @@ def load_client_state(file: Path, trusted: bool) -> Any:
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{file} holds a Python object that a load without running code refuses "
-            f"({_loader_reason(error)}): unpickling it would run whatever code the file "
+            f"({loader_reason(error)}): unpickling it would run whatever code the file "
             f"names. A client_state of {_ACCEPTED} loads as is; {_TRUST_ADVICE}"
         ) from None
 
@@ -160,10 +164,54 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-class SafeReader(FileSystemReader):
-    """torch's file reader with ``.metadata`` unpickled by `_MetadataUnpickler`."""
+def check_storage(metadata: Any, path: Path, files: dict[str, dict[str, int]]) -> None:
+    """Refuses metadata whose storage entries read anything but the checkpoint's own files
+    (`files`: the manifest's records): each entry a plain file name the manifest lists, its
+    bytes within the file's recorded size, with no transform (a save writes none)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path / METADATA} holds no storage table: it is corrupt")
+    for index, info in storage.items():
+        where = f"{path / METADATA} places {getattr(index, 'fqn', index)!r}"
+        name = getattr(info, "relative_path", None)
+        if not is_plain_name(name) or name not in files:
+            raise CheckpointError(
+                f"{where} in {name!r}, which is not a file its manifest lists: a load reads "
+                "the checkpoint's own files only; the metadata was crafted or corrupted"
+            )
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(type(v) is int and v >= 0 for v in (offset, length)) or (
+            offset + length > files[name]["bytes"]
+        ):
+            raise CheckpointError(
+                f"{where} at bytes {offset!r}+{length!r} of {name}, which holds "
+                f"{files[name]['bytes']}: the metadata was crafted or corrupted"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"{where} behind the transforms {info.transform_descriptors!r}, which a save "
+                "never writes: the metadata was crafted, or written by another tool"
+            )
 
-    def read_metadata(self) -> Any:
+
+class SafeReader(FileSystemReader):
+    """torch's file reader with ``.metadata`` checked to read only the files the manifest
+    lists (`check_storage`) and, unless `trusted`, unpickled by `_MetadataUnpickler`."""
+
+    def __init__(self, path: Path, files: dict[str, dict[str, int]], trusted: bool) -> None:
+        super().__init__(path)
+        self._files = files
+        self._trusted = trusted
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._trusted:
+            metadata = super().read_metadata(*args, **kwargs)
+        else:
+            metadata = self._read_untrusted()
+        check_storage(metadata, Path(self.path), self._files)
+        return metadata
+
+    def _read_untrusted(self) -> Any:
         path = Path(self.path) / METADATA
         try:
             with open(path, "rb") as f:
@@ -181,25 +229,33 @@ class SafeReader(FileSystemReader):
 
 
 class SafePlanner(DefaultLoadPlanner):
-    """torch's load planner with the non-tensor entries loaded with weights_only=True; an
-    entry that would run code is left out and named in `refused`."""
+    """torch's load planner with the non-tensor entries loaded with weights_only=True (unless
+    `trusted`); an entry that would run code is left out and named in `refused`.
 
-    def __init__(self) -> None:
+    `read_through=True`: every entry is read and unpickled as a load would, but into a
+    transient, so the state loaded into is left as it was: a checkpoint whose bytes do not
+    hold what its metadata says fails here, before a load writes anything in place."""
+
+    def __init__(self, trusted: bool = False, read_through: bool = False) -> None:
         super().__init__()
         self.refused: list[str] = []
+        self._trusted = trusted
+        self._read_through = read_through
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
         try:
-            loaded = torch.load(value, weights_only=True)
+            loaded = torch.load(value, weights_only=not self._trusted)
         except pickle.UnpicklingError as error:
             self.refused.append(
                 f"the checkpoint's {key!r} holds a Python object that a load without running "
-                f"code refuses ({_loader_reason(error)}); {_TRUST_ADVICE}"
+                f"code refuses ({loader_reason(error)}); {_TRUST_ADVICE}"
             )
             return
-        # Where torch's own planner puts it (after loading with weights_only=False): its
-        # place in the nested state loaded into, which holds every container on the way.
+        if self._read_through:
+            return
+        # Where torch's own planner puts it: its place in the nested state loaded into,
+        # which holds every container on the way.
         if not self.flatten_state_dict:
             self.state_dict[key] = loaded
             return
@@ -209,19 +265,26 @@ class SafePlanner(DefaultLoadPlanner):
             container = container[part]
         container[last] = loaded
 
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        target = super().resolve_tensor(read_item)
+        if self._read_through:  # one item's transient at a time, on the host
+            return torch.empty(target.shape, dtype=target.dtype)
+        return target
 
-def reader_and_planner(path: Path, trusted: bool) -> tuple[FileSystemReader, Any]:
-    """The storage reader and load planner for the checkpoint at `path`: torch's own (which
-    unpickle with pickle) when `trusted`, else the ones that run no code."""
-    if trusted:
-        return FileSystemReader(path), None
-    if not TORCH_READS_TENSORS_SAFELY:
+
+def reader_and_planner(
+    path: Path, files: dict[str, dict[str, int]], trusted: bool, read_through: bool = False
+) -> tuple[FileSystemReader, SafePlanner]:
+    """The storage reader and load planner for the checkpoint at `path` whose manifest lists
+    `files`: unpickling with pickle when `trusted`, else running no code (`read_through`: see
+    `SafePlanner`)."""
+    if not trusted and not TORCH_READS_TENSORS_SAFELY:
         raise CheckpointError(
             f"torch {torch.__version__} reads a checkpoint's tensors with pickle "
             "(weights_only=False before torch 2.6), which runs any code a crafted file names: "
             f"upgrade torch to 2.6 or newer, or {_TRUST_ADVICE}"
         )
-    return SafeReader(path), SafePlanner()
+    return SafeReader(path, files, trusted), SafePlanner(trusted, read_through)
 
 
 def planner_refusal(planner: Any) -> None:

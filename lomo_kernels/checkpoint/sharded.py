@@ -3,11 +3,13 @@ torch.distributed.checkpoint; whole or not at all.
 
 A save writes into ``<path>.partial``, then a manifest (every file's size and CRC-32), and
 publishes the directory by renaming it: a save a rank died in never appears at ``<path>``.
-A load checks the manifest, every tensor's name and shape and the client_state, then loads
+A load checks the manifest (every file the load reads listed, as a plain file of the
+directory), every tensor's name and shape and the client_state, reads every entry once into
+transients (a file whose bytes do not hold what the metadata says fails there), then loads
 the optimizer's state into copies and lets the optimizer check it on every rank, and only
 then applies it and loads the parameters: a checkpoint of another model, optimizer or set-up,
-or one holding a pickle that would run code (safe_loading.py), is refused, on every rank
-alike, before anything changes.
+a crafted one, or one holding a pickle that would run code (safe_loading.py), is refused, on
+every rank alike, before anything changes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from . import ranks
 from .manifest import (
     MANIFEST,
     PARTIAL,
+    CheckpointError,
     check_files,
     file_record,
     read_manifest,
@@ -158,6 +161,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     error: Exception | None = None
     try:
         manifest = read_manifest(path)
+        _refuse_missing_records(path, manifest)
         names = sorted(manifest["files"])
         check_files(path, manifest["files"], names[ranks.rank() :: ranks.world_size()])
     except ValueError as refusal:
@@ -167,6 +171,21 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def _refuse_missing_records(path: Path, manifest: dict[str, Any]) -> None:
+    """Refuses a manifest that leaves out a file every save writes: a load reads only what the
+    manifest vouches for."""
+    world = manifest.get("world_size")
+    if type(world) is not int or world < 1:
+        raise CheckpointError(f"{path / MANIFEST} gives no world size: the checkpoint is corrupt")
+    needed = [_safe_loading().METADATA, *(client_state_file(r) for r in range(world))]
+    unlisted = next((name for name in needed if name not in manifest["files"]), None)
+    if unlisted is not None:
+        raise CheckpointError(
+            f"{path / MANIFEST} does not list {unlisted}, which every save writes: the "
+            "manifest was edited, or the directory was not written by save_checkpoint"
+        )
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -174,6 +193,7 @@ def load_checkpoint(
     *,
     strict: bool = True,
     trust_checkpoint: bool = False,
+    check_client_state: Callable[[Any], None] | None = None,
 ) -> Any:
     """Loads a `save_checkpoint` directory into `model` and `optimizer` at this run's world
     size (every rank calls it) and returns this rank's `client_state` (rank 0's where the
@@ -189,26 +209,40 @@ def load_checkpoint(
     `trust_checkpoint=True` unpickles such objects (and reads with torch < 2.6, which
     unpickles the tensors): it runs whatever code the files name, so pass it only for a
     checkpoint you trust as you would a program you run.
+
+    `check_client_state(client_state)`, if given, runs before anything changes: a ValueError
+    it raises refuses the load (on every rank alike).
     """
     path = Path(path)
     manifest = verify_checkpoint(path)
+    files = manifest["files"]
     state: dict[str, Any] = {MODEL: model_state(model)}
     if optimizer is not None:
         state[OPTIMIZER] = optimizer_state(model, optimizer)
     error: Exception | None = None
     try:
-        reader, _ = _safe_loading().reader_and_planner(path, trust_checkpoint)
+        reader, _ = _safe_loading().reader_and_planner(path, files, trust_checkpoint)
         saved = reader.read_metadata().state_dict_metadata
         state[MODEL] = flat_where_saved_flat(state[MODEL], saved)
         if not strict:
             state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
         check_against_metadata(state, saved, strict_model=strict)
         client_state = _client_state(path, manifest, trust_checkpoint)
+        if check_client_state is not None:
+            check_client_state(client_state)
+    except ValueError as refusal:
+        error = refusal
+    ranks.agree(error)
+    # Read once into transients: the parameters (and a torch optimizer's state) are loaded
+    # in place below, so whatever can fail in reading them must fail here.
+    error = None
+    try:
+        _safe_loading().planner_refusal(_load(state, path, files, trust_checkpoint, True))
     except ValueError as refusal:
         error = refusal
     ranks.agree(error)
     if optimizer is not None:
-        planner = _load({OPTIMIZER: state[OPTIMIZER]}, path, trust_checkpoint)
+        planner = _load({OPTIMIZER: state[OPTIMIZER]}, path, files, trust_checkpoint)
         # Checked on every rank before any rank applies it (Lomo and AdaLomo can say; a
         # torch optimizer is applied as torch loads it).
         check = getattr(optimizer, "check_state_dict", None)
@@ -221,26 +255,44 @@ def load_checkpoint(
             error = refusal
         ranks.agree(error)
         apply_optimizer_state(model, optimizer, state[OPTIMIZER])
-    # Tensors only (checked against the metadata above): nothing here can be refused.
-    _load({MODEL: state[MODEL]}, path, trust_checkpoint)
+    # Tensors only, read through once above: nothing here can be refused.
+    _load({MODEL: state[MODEL]}, path, files, trust_checkpoint)
     after_model_load(model)
     return client_state
 
 
-def _load(state: dict[str, Any], path: Path, trusted: bool) -> Any:
-    """Loads `state` from the checkpoint at `path` in place; returns the planner, which
-    holds the entries refused as running code (`safe_loading.planner_refusal`)."""
-    reader, planner = _safe_loading().reader_and_planner(path, trusted)
-    with _one_process_is_intended():
-        _dcp().load(state, storage_reader=reader, planner=planner, no_dist=not ranks.distributed())
+def _load(
+    state: dict[str, Any],
+    path: Path,
+    files: dict[str, dict[str, int]],
+    trusted: bool,
+    read_through: bool = False,
+) -> Any:
+    """Loads `state` from the checkpoint at `path` in place (`read_through`: reads it without
+    loading it, `safe_loading.SafePlanner`); returns the planner, which holds the entries
+    refused as running code (`safe_loading.planner_refusal`). A read that fails is refused as
+    a corrupt checkpoint (torch raises it as a BaseException, past ``except Exception``)."""
+    reader, planner = _safe_loading().reader_and_planner(path, files, trusted, read_through)
+    try:
+        with _one_process_is_intended():
+            _dcp().load(
+                state, storage_reader=reader, planner=planner, no_dist=not ranks.distributed()
+            )
+    except _dcp().CheckpointException as failed:
+        error, _ = next(iter(failed.failures.values()))
+        if isinstance(error, CheckpointError):
+            raise error from None
+        reason = _safe_loading().loader_reason(error)
+        raise CheckpointError(
+            f"reading {path} failed ({type(error).__name__}: {reason}): its files do not hold "
+            "what its metadata says; the checkpoint is corrupt or crafted"
+        ) from None
     return planner
 
 
 def _client_state(path: Path, manifest: dict[str, Any], trusted: bool) -> Any:
-    same_world = manifest.get("world_size") == ranks.world_size()
+    same_world = manifest["world_size"] == ranks.world_size()
     name = client_state_file(ranks.rank() if same_world else 0)
-    if name not in manifest["files"]:
-        return None
     return _safe_loading().load_client_state(path / name, trusted)
 
 

@@ -18,22 +18,28 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint import MANIFEST
 from ..checkpoint.deepspeed_engine import LATEST
+from ..checkpoint.manifest import is_plain_name
 
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # get_last_checkpoint's
 
 
 def missing_part(folder: Path, sharded: bool) -> str | None:
-    """What a resume reads that `folder` lacks (its path), or None when it is whole.
-    `sharded`: the run resumes through DeepSpeed's engine checkpoint."""
+    """What a resume reads that `folder` lacks ("<path> is missing"), or None when it is
+    whole. `sharded`: the run resumes through DeepSpeed's engine checkpoint, whose tag in
+    ``latest`` must name a folder of `folder` itself."""
     needed = [TRAINER_STATE_NAME, SCHEDULER_NAME]
     if sharded:
         latest = folder / LATEST
         if not latest.is_file():
-            return str(latest)
-        needed.append(f"{latest.read_text().strip()}/{MANIFEST}")
+            return f"{latest} is missing"
+        tag = latest.read_text().strip()
+        if not is_plain_name(tag):
+            return f"{latest} names {tag!r}, not a checkpoint folder beside it"
+        needed.append(f"{tag}/{MANIFEST}")
     else:
         needed.append(OPTIMIZER_NAME)
-    return next((str(folder / name) for name in needed if not (folder / name).is_file()), None)
+    lacking = (folder / name for name in needed if not (folder / name).is_file())
+    return next((f"{path} is missing" for path in lacking), None)
 
 
 def last_whole_checkpoint(output_dir: str, sharded: bool) -> str | None:
@@ -48,8 +54,8 @@ def last_whole_checkpoint(output_dir: str, sharded: bool) -> str | None:
         if missing is None:
             return str(folder)
         warnings.warn(
-            f"resume_from_checkpoint=True passes over {folder}: {missing} is missing (its save "
-            "did not finish)",
+            f"resume_from_checkpoint=True passes over {folder}: {missing} (its save did not "
+            "finish, or the folder was changed since)",
             UserWarning,
             stacklevel=3,
         )

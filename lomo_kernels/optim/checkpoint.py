@@ -332,7 +332,14 @@ class Checkpoint:
                     f"{tuple(value.shape)}: the checkpoint belongs to another model or "
                     "sharding (consolidated_state_dict() loads into the unsharded model)"
                 )
-            problem = self.kept.problem(incoming)
+            if not incoming.is_floating_point():
+                raise ValueError(
+                    f"{where}[{key!r}] has dtype {incoming.dtype}, not a floating-point one: "
+                    "the checkpoint is corrupt"
+                )
+            # Checked as it is kept (fp32, `_load_torch_state`): a float64 value past fp32's
+            # range would become inf there.
+            problem = self.kept.problem(incoming.to(torch.float32))
             if problem:
                 raise ValueError(f"{where}[{key!r}] {problem}: the checkpoint is corrupt")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support.checkpointed import trained_with_moments as trained
 from support.crafted import (
     Progress,
     RunsCode,
@@ -20,28 +21,14 @@ from support.crafted import (
     plant_metadata,
     rerecord_manifest,
 )
-from support.models import batch, tiny_llama
+from support.models import tiny_llama
 from support.state import assert_refused, assert_same_state
 
-from lomo_kernels import AdaLomo, CheckpointError, Lomo, load_checkpoint, save_checkpoint
+from lomo_kernels import CheckpointError, Lomo, load_checkpoint, save_checkpoint
 from lomo_kernels.checkpoint import safe_loading
 from lomo_kernels.checkpoint.state import model_state, optimizer_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def trained(seed: int = 0, steps: int = 1):
-    """A tiny LLaMA and an AdaLomo with moments (so an unchanged state means something)."""
-    model = tiny_llama(seed=seed)
-    opt = AdaLomo(model, lr=0.01, clip_grad_norm=1.0, single_backward=True)
-    for index in range(steps):
-        opt.fused_backward(model(**batch(index)).loss)
-    return model, opt
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    return save_checkpoint(tmp_path / "ckpt", *trained(), client_state={"step": 1})
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from support.state import (
     optimizer_snapshot,
 )
 
-from lomo_kernels import AdaLomo, CheckpointError
+from lomo_kernels import AdaLomo, CheckpointError, save_checkpoint
 from lomo_kernels.checkpoint import restore_engine_checkpoints, serve_engine_checkpoints
 
 
@@ -123,3 +123,62 @@ def test_save_refuses_a_client_state_a_load_would_refuse(tmp_path):
     with pytest.raises(ValueError, match=r"client_state\['client_state'\]\['progress'\]"):
         model.save_checkpoint(tmp_path, client_state={"progress": Progress(1, "x")})
     assert list(tmp_path.iterdir()) == []
+
+
+def with_scheduler(model, opt, kind: str):
+    """The stand-in engine's lr_scheduler, as DeepSpeed's engine holds one."""
+    if kind == "lambda":
+        model.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+    else:
+        model.lr_scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    return model
+
+
+ENGINE_STATES = {
+    # A checkpoint of lomo_kernels.save_checkpoint (client_state a list) given as an engine's.
+    "not-a-dict": ([1, 2, 3], r"client_state is a list, not the dict an engine's save writes"),
+    # Saved with a StepLR, loaded into a LambdaLR (whose load would fail on 'lr_lambdas').
+    "other-scheduler": ("step", r"lr_scheduler state does not have the entries of this engine's"),
+    "bad-counter": (
+        {"global_steps": "two", "client_state": {}},
+        r"the checkpoint's global_steps is 'two', not an int >= 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("saved, match", ENGINE_STATES.values(), ids=ENGINE_STATES)
+def test_engine_state_the_load_cannot_set_refused_before_any_change(tmp_path, saved, match):
+    """What the load sets on the engine after the model and optimizer (the scheduler's state,
+    the counters) is checked before either changes."""
+    model, opt = trained(2)
+    with_scheduler(model, opt, "step" if saved == "step" else "lambda")
+    if saved == "step":
+        model.save_checkpoint(tmp_path)
+    else:
+        save_checkpoint(tmp_path / "global_step2", model, opt, client_state=saved)
+        (tmp_path / "latest").write_text("global_step2")
+    fresh, fresh_opt = trained(1, seed=1)
+    with_scheduler(fresh, fresh_opt, "lambda")
+    schedule, steps = fresh.lr_scheduler.state_dict(), getattr(fresh, "global_steps", None)
+    before = fresh_opt.state_dict()
+    load = lambda: fresh.load_checkpoint(tmp_path)
+    assert_refused(fresh, fresh_opt, load, CheckpointError, match)
+    assert_same_state(fresh_opt.state_dict(), before)
+    assert fresh.lr_scheduler.state_dict() == schedule
+    assert getattr(fresh, "global_steps", None) == steps
+
+
+def test_latest_is_written_without_following_a_link(tmp_path):
+    """A link planted where `latest` is written (its temporary name, or `latest` itself) is
+    replaced, and the file it points to left as it was."""
+    model, _ = trained(1)
+    save_dir, outside = tmp_path / "run", tmp_path / "outside.txt"
+    save_dir.mkdir()
+    outside.write_text("untouched")
+    (save_dir / "latest.partial").symlink_to(outside)
+    (save_dir / "latest").symlink_to(outside)
+    model.save_checkpoint(save_dir)
+    assert outside.read_text() == "untouched"
+    for name in ("latest.partial", "latest"):
+        assert not (save_dir / name).is_symlink(), name
+    assert (save_dir / "latest").read_text() == "global_step1"

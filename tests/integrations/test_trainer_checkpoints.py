@@ -3,6 +3,7 @@ a folder whose save did not finish (a rank died while writing it) is passed over
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -50,11 +51,32 @@ def test_sharded_checkpoint_needs_latest_and_its_manifest(tmp_path):
     folder.mkdir()
     for name in ("trainer_state.json", "scheduler.pt"):
         (folder / name).write_text("{}")
-    assert missing_part(folder, sharded=True) == str(folder / "latest")
+    assert missing_part(folder, sharded=True) == f"{folder / 'latest'} is missing"
     (folder / "latest").write_text("global_step3")
-    assert missing_part(folder, sharded=True) == str(folder / "global_step3" / "manifest.json")
+    manifest = folder / "global_step3" / "manifest.json"
+    assert missing_part(folder, sharded=True) == f"{manifest} is missing"
     (folder / "global_step3").mkdir()
-    (folder / "global_step3" / "manifest.json").write_text("{}")
+    manifest.write_text("{}")
     assert missing_part(folder, sharded=True) is None
     assert last_whole_checkpoint(str(tmp_path), sharded=True) == str(folder)
-    assert missing_part(folder, sharded=False) == str(folder / "optimizer.pt")
+    assert missing_part(folder, sharded=False) == f"{folder / 'optimizer.pt'} is missing"
+
+
+@pytest.mark.parametrize("tag", ["../elsewhere/global_step1", "/abs/global_step1", ".."])
+def test_latest_naming_a_folder_elsewhere_is_not_whole(tmp_path, tag):
+    """``latest`` is a plain name of a folder beside it: one that leads elsewhere (even to a
+    whole checkpoint there) makes the folder not whole, and the older whole one is taken."""
+    older, newer = tmp_path / "checkpoint-5", tmp_path / "checkpoint-10"
+    elsewhere = tmp_path / "elsewhere" / "global_step1"
+    for folder, latest in ((older, "global_step5"), (newer, tag)):
+        folder.mkdir()
+        for name in ("trainer_state.json", "scheduler.pt"):
+            (folder / name).write_text("{}")
+        (folder / "latest").write_text(latest)
+    (older / "global_step5").mkdir()
+    (older / "global_step5" / "manifest.json").write_text("{}")
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "manifest.json").write_text("{}")
+    expected = rf"passes over .*checkpoint-10: .*latest names '{re.escape(tag)}', not a"
+    with pytest.warns(UserWarning, match=expected):
+        assert last_whole_checkpoint(str(tmp_path), sharded=True) == str(older)

@@ -275,6 +275,21 @@ def edit_group(key, value):
     return edit
 
 
+def cast_moments(dtype, value=None):
+    """The moments of parameter 0 given in `dtype` (a load keeps them in fp32), the first
+    element set to `value`."""
+
+    def edit(state):
+        moments = state["state"][0]
+        for key in moments:
+            moments[key] = moments[key].to(dtype)
+        if value is not None:
+            key = sorted(moments)[0]
+            moments[key].view(-1)[0] = value
+
+    return edit
+
+
 def drop_state(state):
     del state["state"][1]
 
@@ -296,6 +311,10 @@ BAD_STATES = {
     "adalomo missing index": ("adalomo", drop_state, r"\[1\].*is missing"),
     "adalomo extra index": ("adalomo", add_state, r"indices \[99\]"),
     "adalomo moment shape": ("adalomo", reshape_moment, "has shape"),
+    # Finite in float64, inf once kept in fp32.
+    "adalomo moment past fp32": ("adalomo", cast_moments(torch.float64, 1e300), "holds inf/nan"),
+    "adalomo integer moments": ("adalomo", cast_moments(torch.int64), "not a floating-point"),
+    "adalomo complex moments": ("adalomo", cast_moments(torch.complex64), "not a floating-point"),
     "lomo extra index": ("lomo", add_state, "Lomo keeps none"),
     "step_count negative": ("lomo", edit_lomo("step_count", -1), "step_count"),
     "group lr nan": ("lomo", edit_group("lr", float("nan")), "lr must be finite"),

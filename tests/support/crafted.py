@@ -53,3 +53,20 @@ def plant_metadata(checkpoint: Path, value: Any) -> Path:
     file.write_bytes(pickle.dumps(value))
     rerecord_manifest(checkpoint)
     return file
+
+
+def rewrite_metadata(checkpoint: Path, change) -> Path:
+    """Rewrites the checkpoint's `.metadata` (a test's own, so plain pickle reads it) after
+    `change(metadata)`, with the manifest re-recorded; returns the file."""
+    file = checkpoint / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    change(metadata)
+    metadata.storage_meta = None  # as torch writes it
+    file.write_bytes(pickle.dumps(metadata))
+    rerecord_manifest(checkpoint)
+    return file
+
+
+def storage_of(metadata, fqn: str):
+    """(index, storage info) of the entry `fqn` in `metadata`'s storage table."""
+    return next((i, info) for i, info in metadata.storage_data.items() if i.fqn == fqn)

@@ -1,0 +1,204 @@
+"""A crafted checkpoint reads nothing outside its directory and changes nothing when it fails
+(lomo_kernels.load_checkpoint in one process).
+
+Each file here is crafted as someone sharing a checkpoint could craft it, with the manifest
+re-recorded so that its CRC-32s vouch for the files: metadata that places tensors in files
+outside the directory or beyond their ends, links, a manifest naming paths or leaving files
+out, and bytes that do not hold what the metadata says. Each is refused with a
+`CheckpointError` naming the problem, with the model and optimizer unchanged bit for bit and,
+where a file outside the directory is named, that file never opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from support.checkpointed import trained_with_moments as trained
+from support.crafted import (
+    RunsCode,
+    rerecord_manifest,
+    rewrite_metadata,
+    storage_of,
+)
+from support.models import batch, tiny_llama
+from support.state import assert_refused, assert_same_state
+
+from lomo_kernels import CheckpointError, load_checkpoint, save_checkpoint
+from lomo_kernels.checkpoint.state import model_state, optimizer_state
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+# The model entry read last (its bytes are the last the load writes into the model).
+LAST = "model.model.norm.weight"
+
+
+@pytest.fixture
+def opened():
+    """The paths the process opens while the test runs (an audit hook cannot be removed: it
+    records only while the list is live)."""
+    seen: list[str] = []
+    live = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if live[0] and event == "open" and isinstance(args[0], str | bytes):
+            seen.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    yield seen
+    live[0] = False
+
+
+def assert_refused_whole(load, match: str) -> None:
+    """`load(model, opt)` on a differently trained model and AdaLomo is refused, changing
+    neither (the optimizer's whole state_dict included)."""
+    model, opt = trained(seed=1, steps=2)
+    before = opt.state_dict()
+    assert_refused(model, opt, lambda: load(model, opt), CheckpointError, match)
+    assert_same_state(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_metadata_placing_tensors_outside_the_directory_refused(checkpoint, opened, where):
+    """A storage entry names a file beside the checkpoint (a real one, of another model:
+    read, it would load that model's weights unchecked)."""
+    outside = checkpoint.parent / "outside.distcp"
+    outside.write_bytes((checkpoint / "__0_0.distcp").read_bytes())
+    name = "../outside.distcp" if where == "relative" else str(outside)
+
+    def redirect(metadata):
+        for index, info in list(metadata.storage_data.items()):
+            if index.fqn.startswith("model."):
+                metadata.storage_data[index] = dataclasses.replace(info, relative_path=name)
+
+    file = rewrite_metadata(checkpoint, redirect)
+    opened.clear()
+    match = rf"{file} places 'model\..*' in '{name}', which is not a file its manifest lists"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+    assert not [p for p in opened if "outside" in p]
+
+
+def test_metadata_placing_a_tensor_in_a_file_the_manifest_leaves_out_refused(checkpoint):
+    (checkpoint / "extra.distcp").write_bytes((checkpoint / "__0_0.distcp").read_bytes())
+
+    def redirect(metadata):
+        index, info = storage_of(metadata, LAST)
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path="extra.distcp")
+
+    file = rewrite_metadata(checkpoint, redirect)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["files"]["extra.distcp"]  # re-recorded with it: left out again
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    match = rf"{file} places '{LAST}' in 'extra.distcp', which is not a file its manifest"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_metadata_placing_a_tensor_past_its_files_end_refused(checkpoint):
+    """A length past the file's end (a load would read a short slice, or a huge one)."""
+
+    def stretch(metadata):
+        index, info = storage_of(metadata, LAST)
+        metadata.storage_data[index] = dataclasses.replace(info, length=1 << 40)
+
+    file = rewrite_metadata(checkpoint, stretch)
+    match = rf"{file} places '{LAST}' at bytes \d+\+{1 << 40} of __0_0.distcp, which holds"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+@pytest.mark.parametrize("bytes_of", ["another tensor's", "no tensor's"])
+def test_tensor_bytes_unlike_the_metadata_refused_before_any_change(checkpoint, bytes_of):
+    """Consistent metadata and manifest, every shape right, but the model entry read last
+    points at bytes that do not hold it: another tensor of another shape, or bytes that are
+    no torch.save at all. Read into the model as they come, the model's other entries and the
+    optimizer's state would already be loaded when it fails."""
+
+    def misplace(metadata):
+        index, info = storage_of(metadata, LAST)
+        if bytes_of == "another tensor's":
+            _, other = storage_of(metadata, "model.model.embed_tokens.weight")
+            metadata.storage_data[index] = dataclasses.replace(other)
+        else:
+            metadata.storage_data[index] = dataclasses.replace(info, offset=info.offset + 7)
+
+    rewrite_metadata(checkpoint, misplace)
+    match = rf"reading {checkpoint} failed \(.*\): its files do not hold what its metadata says"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_a_linked_file_refused(checkpoint, tmp_path):
+    """A file of the checkpoint that is a symbolic link (here to the same file of another
+    checkpoint, whose bytes match the manifest's record): not followed."""
+    other = save_checkpoint(tmp_path / "other", *trained(), client_state={"step": 1})
+    shard = checkpoint / "__0_0.distcp"
+    shard.unlink()
+    shard.symlink_to(other / "__0_0.distcp")
+    match = rf"{shard} is not a regular file \(a symbolic link"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+@pytest.mark.parametrize("name", ["../secret.txt", "/etc/hostname", "sub/file", ".."])
+def test_a_manifest_naming_paths_refused_opening_nothing_outside(checkpoint, opened, name):
+    secret = checkpoint.parent / "secret.txt"
+    secret.write_text("not part of the checkpoint")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": 26, "crc32": 0}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    opened.clear()
+    match = rf"lists '{name}', which is not a file of {checkpoint} itself"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+    assert not [p for p in opened if "secret" in p or "hostname" in p]
+
+
+@pytest.mark.parametrize("left_out", [".metadata", "client_state_0.pt"])
+def test_a_manifest_leaving_out_a_file_every_save_writes_refused(checkpoint, left_out):
+    """A manifest that does not list a file the load reads would vouch for nothing of it
+    (with `.metadata` left out, a flipped byte in it would load unnoticed)."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["files"][left_out]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    match = rf"does not list {left_out}, which every save writes"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_a_manifest_with_malformed_records_refused(checkpoint):
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"bytes": "12", "crc32": None}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    match = r"manifest.json is unreadable \(the record of '.metadata' is .*\): the checkpoint"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_a_torch_optimizers_state_is_unchanged_by_a_refused_load(tmp_path):
+    """A torch optimizer's state is loaded in place (its own tensors, not copies): a load
+    refused for an entry that would run code leaves every moment as it was."""
+    marker = tmp_path / "code-ran"
+
+    def adam(seed: int, steps: int):
+        model = tiny_llama(seed=seed)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for index in range(steps):
+            model(**batch(index)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = adam(0, 1)
+    state = {"model": model_state(model), "optimizer": optimizer_state(model, opt)}
+    state["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, model, opt)
+    (path / ".metadata").unlink()  # written anew (torch warns over an existing one)
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    rerecord_manifest(path)
+    model, opt = adam(1, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    with pytest.raises(CheckpointError, match=r"'optimizer.param_groups.0.lr' holds a Python"):
+        load_checkpoint(path, model, opt)
+    assert not marker.exists()
+    assert_same_state(model.state_dict(), before)
+    assert_same_state([dict(s) for s in opt.state.values()], moments)
