@@ -51,6 +51,7 @@ from .huggingface import (
     check_training_arguments,
     drop_interrupted_step,
     in_backward_optimizer,
+    report_skipped_step,
 )
 from .trainer_checkpoints import last_whole_checkpoint
 from .trainer_optimizer import optimizer_class, optimizer_kwargs
@@ -172,6 +173,8 @@ class LomoTrainer(Trainer):
             loss = loss / self.current_gradient_accumulation_steps  # as Trainer.training_step
         # The learning rate comes from the param groups, which the scheduler sets.
         opt._fused_backward_in_loop(loss, None, self.accelerator.sync_gradients)
+        if self.accelerator.sync_gradients:
+            report_skipped_step(self.accelerator, opt)
         return loss.detach()
 
     def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:

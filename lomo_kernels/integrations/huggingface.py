@@ -195,6 +195,20 @@ def drop_interrupted_step(optimizer: InBackwardOptimizer) -> None:
         optimizer.zero_grad()
 
 
+def report_skipped_step(accelerator: Accelerator, optimizer: InBackwardOptimizer) -> None:
+    """After the step of a micro-batch the loop synced on: tells accelerate whether the
+    optimizer skipped it for an overflow under its fp16 dynamic loss scaler, so that the
+    Trainer's lr scheduler holds, as after a step torch's GradScaler skips (without a
+    dynamic scaler torch skips no step, and the schedule goes on). Reads the step's overflow
+    flag now: one host sync per step, as GradScaler's own."""
+    if getattr(optimizer, "loss_scaler", None) is None:
+        return
+    optimizer.flush_report()
+    for wrapper in accelerator._optimizers:
+        if in_backward_optimizer(wrapper) is optimizer:
+            wrapper._is_overflow = optimizer.last_step_skipped  # read by step_was_skipped
+
+
 def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> Any:
         optimizer = _prepared_in_backward(self)
@@ -208,6 +222,8 @@ def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
         # already (a given optimizer's may differ), so it is not written over them.
         lr = None if _steps_by_trainer(self) else kwargs.get("learning_rate")
         optimizer._fused_backward_in_loop(loss, lr, self.sync_gradients)
+        if self.sync_gradients:
+            report_skipped_step(self, optimizer)
 
     return backward
 

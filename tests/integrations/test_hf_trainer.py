@@ -23,8 +23,10 @@ from support.models import max_rel_diff, tiny_llama
 transformers = require("transformers")
 from transformers import Trainer  # noqa: E402
 
+import lomo_kernels  # noqa: E402
 from lomo_kernels import Lomo  # noqa: E402
 from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
+from lomo_kernels.integrations.huggingface import in_backward_optimizer  # noqa: E402
 
 
 class RecordingTrainer(LomoTrainer):
@@ -305,3 +307,52 @@ def test_trainer_refuses_optim_args_it_cannot_honour(tmp_path, optim_args, match
     with pytest.raises(ValueError, match=match):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+class SkipRecorder(transformers.TrainerCallback):
+    """Per optimizer step: the lr the step ran with and whether the optimizer skipped it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, bool]] = []
+
+    def on_optimizer_step(self, targs, state, control, optimizer=None, **kwargs):
+        lomo = in_backward_optimizer(optimizer)
+        lomo.flush_report()  # the step's outcome now, not at the next call
+        self.steps.append((lomo.param_groups[0]["lr"], lomo.last_step_skipped))
+
+
+@pytest.mark.parametrize("trainer_kind", ["LomoTrainer", "Trainer"])
+def test_fp16_steps_skipped_for_overflow_hold_the_lr_schedule(tmp_path, trainer_kind):
+    """As with torch's GradScaler, a step the fp16 dynamic loss scaler skips (its scale starts
+    too high, so the first steps overflow) does not advance the Trainer's lr schedule: each
+    step runs at the schedule's lr for the steps applied before it (transformers' own linear
+    warm-up schedule, evaluated here independently of the run)."""
+    lr, warmup, steps = 0.1, 4, 8
+    model = tiny_llama(torch.float16)
+    opt = Lomo(
+        model, lr=lr, clip_grad_norm=1.0, accumulation_steps=2,
+        loss_scale_args={"init_scale": 2.0**21},
+    )  # fmt: skip
+    recorder = SkipRecorder()
+    targs = args(
+        tmp_path, max_steps=steps, learning_rate=lr, warmup_steps=warmup, weight_decay=0.0,
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    kwargs = dict(args=targs, train_dataset=distinct_rows(32), optimizers=(opt, None))
+    if trainer_kind == "Trainer":
+        lomo_kernels.enable_transformers()
+        trainer = Trainer(model=model, callbacks=[recorder], **kwargs)
+    else:
+        trainer = LomoTrainer(model=model, callbacks=[recorder], **kwargs)
+    try:
+        trainer.train()
+    finally:
+        lomo_kernels.disable_transformers()
+    skipped = [was_skipped for _, was_skipped in recorder.steps]
+    assert len(skipped) == steps and 0 < sum(skipped) < steps  # some steps overflowed
+    schedule = transformers.get_linear_schedule_with_warmup(
+        torch.optim.SGD([torch.zeros(1)], lr=lr), warmup, steps
+    ).lr_lambdas[0]
+    applied_before = [sum(1 for s in skipped[:k] if not s) for k in range(steps)]
+    expected = [lr * schedule(n) for n in applied_before]
+    assert [step_lr for step_lr, _ in recorder.steps] == pytest.approx(expected, rel=1e-12)
