@@ -21,6 +21,7 @@ from support.grad_accumulate import (
     fp32_sum,
     make_case,
     sr_mean_bound,
+    sr_model,
     sr_offsets,
     sumsq_model,
 )
@@ -81,18 +82,20 @@ def test_inv_scale_forms(backend, inv_scale):
 @pytest.mark.parametrize("first", [False, True], ids=["add", "first"])
 @pytest.mark.parametrize("bdt", ["bf16", "fp16"])
 def test_stochastic_rounding_neighbours_same_bits_every_backend(backend, bdt, first):
+    # Every backend, the torch reference included, stores the bits of the float64 model
+    # (sr_model: the documented stream and rule, computed without the package).
+    seed, step = 2**62 + 11, 2**33 + 5
     for gdt in ("fp32", bdt):
         for n in (7, 4097, 278011):
             buffer, grad = make_case(n, DTYPES[bdt], DTYPES[gdt], seed=n + 1)
             x = fp32_sum(buffer, grad, first)
-            step = torch.tensor([2**33 + 5], dtype=torch.int64)
-            got, want = buffer.clone(), buffer.clone()
-            f_got, f_want = torch.zeros(1), torch.zeros(1)
-            kwargs = dict(first=first, stochastic_rounding=True, seed=2**62 + 11, seed_step=step)
-            ops.grad_accumulate_(got, grad, found_inf=f_got, backend=backend, **kwargs)
-            ops.grad_accumulate_(want, grad, found_inf=f_want, backend="torch", **kwargs)
+            got, found = buffer.clone(), torch.zeros(1)
+            ops.grad_accumulate_(got, grad, first=first, found_inf=found,
+                                 stochastic_rounding=True, seed=seed,
+                                 seed_step=torch.tensor([step]), backend=backend)  # fmt: skip
+            want = sr_model(x, DTYPES[bdt], seed, step).to(DTYPES[bdt])
             assert torch.equal(_bits(got), _bits(want))
-            assert f_got.item() == f_want.item() == 0.0
+            assert found.item() == 0.0
             assert_neighbour(got, x)
 
 

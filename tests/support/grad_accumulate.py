@@ -3,13 +3,16 @@
 
 The model never calls the package: the fp32 sum the op rounds is formed in float64 (exact for
 these inputs) and rounded once to fp32 by torch's cast, and the two neighbours of that value
-in the buffer's dtype come from its ulp (support/float64.py), found in float64.
+in the buffer's dtype come from its ulp (support/float64.py), found in float64; the one a
+stochastic rounding stores, from the accumulation stream's bits written out here (`sr_model`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 
 from .float64 import ulp
@@ -93,6 +96,57 @@ def sr_offsets(stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(stored - x) / spacing, in float64: one term of sr_mean_bound's mean per element."""
     _, _, spacing = neighbours(x, stored.dtype)
     return (stored.double().reshape(-1) - x) / spacing
+
+
+# The accumulation stream's random bits (core/rounding.py's documented format, written out
+# here in numpy's wrapping uint64): the "lowbias32" finaliser, the 64-bit seed and the step
+# folded into a 32-bit key, and one hash per pair of elements i and i ^ 16.
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    x = x & _M32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & _M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & _M32
+    return x ^ (x >> np.uint64(16))
+
+
+@functools.cache
+def _pair_bits16(n: int, seed: int, step: int) -> torch.Tensor:
+    """16 bits per flat index below 2**32: the key mix32(lo32(seed)) ^ mix32(hi32(seed) ^
+    0x9E3779B9 ^ lo32(step)); with u = i ^ key, the hash of u without its bit 4, whose low
+    half goes to the element with bit 4 of u clear and the high half to the other."""
+    word = lambda v: np.array([v & 0xFFFFFFFF], dtype=np.uint64)  # noqa: E731
+    key = _mix32(word(seed)) ^ _mix32(word((seed >> 32) ^ 0x9E3779B9 ^ step))
+    u = np.arange(n, dtype=np.uint64) ^ key
+    h = _mix32((u >> np.uint64(5)) << np.uint64(4) | (u & np.uint64(15)))
+    bits = np.where(u & np.uint64(16), h >> np.uint64(16), h & np.uint64(0xFFFF))
+    return torch.from_numpy(bits.astype(np.float64))
+
+
+def sr_model(x: torch.Tensor, dtype: torch.dtype, seed: int, step: int) -> torch.Tensor:
+    """The finite fp32 sums x (float64, below fp16's 65504 for fp16) rounded stochastically
+    as the accumulation stores them, with the bits r of `_pair_bits16`: bf16 rounds the
+    magnitude up iff its 16 dropped bits plus r reach 2**16; fp16 in its normal range iff its
+    13 dropped bits plus r >> 3 reach 2**13; fp16 below 2**-14 (multiples of 2**-24) iff
+    2 r + 1 plus its fraction's 17 bits reach 2**17, a tie (fraction an exact multiple of
+    2**-17) going down for odd r. The sign (of a zero too) is kept. Float64 throughout."""
+    r = _pair_bits16(x.numel(), seed, step)
+    magnitude = x.abs()
+    below, _, spacing = neighbours(magnitude, dtype)  # the magnitude truncated
+    dropped = (magnitude - below) / spacing  # in [0, 1), an exact binary fraction
+    if dtype == torch.bfloat16:
+        up = dropped * 2**16 + r >= 2**16
+    else:
+        normal = dropped * 2**13 + torch.floor(r / 8) >= 2**13
+        scaled = dropped * 2**17
+        tie = (scaled == torch.floor(scaled)) & (torch.remainder(r, 2) == 1)
+        subnormal = 2 * r + 1 + torch.floor(scaled) - tie.double() >= 2**17
+        up = torch.where(magnitude < 2.0**-14, subnormal, normal)
+    stored = below + up.double() * spacing
+    return torch.where(torch.signbit(x), -stored, stored)
 
 
 def sumsq_model(stored: torch.Tensor, inv_scale: float, start: float) -> float:
