@@ -12,6 +12,7 @@ not move: ``engine.step()`` has nothing to do), the name transformers' Trainer l
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from collections.abc import Callable
@@ -54,34 +55,26 @@ def _write_latest(save_dir: Path, tag: str) -> None:
     # over `latest` (which replaces a link there too).
     partial = save_dir / f"{LATEST}{PARTIAL}"
     partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(partial, flags, 0o644)  # as open() creates it (the umask applies)
     with os.fdopen(fd, "w") as f:
         f.write(tag)
     os.replace(partial, save_dir / LATEST)
 
 
-def _same_structure(saved: Any, own: Any) -> bool:
-    """Whether `saved` has the containers and kinds of value `own` has, so loading it cannot
-    fail: every key of `own`'s dicts (more are let be, as a newer torch may add), lists of
-    the same length, numbers for numbers; None matches any value (a scheduler's state holds
-    some that start as None)."""
-    if saved is None or own is None:
-        return True
-    if isinstance(own, dict):
-        return (
-            isinstance(saved, dict)
-            and own.keys() <= saved.keys()
-            and all(_same_structure(saved[k], own[k]) for k in own)
-        )
-    if isinstance(own, (list, tuple)):
-        return (
-            isinstance(saved, (list, tuple))
-            and len(saved) == len(own)
-            and all(_same_structure(a, b) for a, b in zip(saved, own, strict=True))
-        )
-    if isinstance(own, (int, float)) and not isinstance(own, bool):
-        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
-    return type(saved) is type(own)
+def _loads_into(scheduler: Any, saved: Any) -> BaseException | None:
+    """Why `scheduler.load_state_dict(saved)` fails (None: it loads), tried on the scheduler
+    itself and undone: its own state loaded back, attributes the try added removed."""
+    before, attributes = scheduler.state_dict(), set(vars(scheduler))
+    try:
+        scheduler.load_state_dict(copy.deepcopy(saved))
+    except Exception as error:
+        return error
+    finally:
+        for name in set(vars(scheduler)) - attributes:
+            delattr(scheduler, name)
+        scheduler.load_state_dict(before)
+    return None
 
 
 def _engine_state_check(
@@ -100,16 +93,15 @@ def _engine_state_check(
             )
         scheduler = getattr(engine, "lr_scheduler", None)
         schedule = saved.get("lr_scheduler")
-        if (
-            restore_schedule
-            and scheduler is not None
-            and schedule is not None
-            and not _same_structure(schedule, scheduler.state_dict())
-        ):
+        failed = None
+        if restore_schedule and scheduler is not None and schedule is not None:
+            failed = _loads_into(scheduler, schedule)
+        if failed is not None:
             raise CheckpointError(
-                "the checkpoint's lr_scheduler state does not have the entries of this "
-                f"engine's {type(scheduler).__name__}: it was saved with another scheduler "
-                "or param-group set-up (load_lr_scheduler_states=False leaves it out)"
+                f"the checkpoint's lr_scheduler state does not load into this engine's "
+                f"{type(scheduler).__name__} ({type(failed).__name__}: {failed}): it was "
+                "saved with another scheduler or param-group set-up "
+                "(load_lr_scheduler_states=False leaves it out)"
             )
         for counter in _COUNTERS if restore_counters else ():
             value = saved.get(counter, 0)

@@ -96,20 +96,33 @@ def _is_record(record: object) -> bool:
     )
 
 
-def check_files(directory: Path, files: dict[str, dict[str, int]], names: list[str]) -> None:
-    """Refuses the first of `names` that is missing, not a regular file (a link is not
-    followed: it could lead out of the checkpoint) or differs from its manifest record."""
+def check_files(
+    directory: Path,
+    files: dict[str, dict[str, int]],
+    names: list[str],
+    follow_links: bool = False,
+) -> None:
+    """Refuses the first of `names` that is missing, not a regular file or differs from its
+    manifest record. A symbolic link is refused unless `follow_links`: it could lead out of
+    the checkpoint, to a file the process can read and the checkpoint's author cannot."""
     for name in names:
         path = directory / name
         expected = files[name]
         try:
-            mode = os.lstat(path).st_mode
+            mode = (os.stat if follow_links else os.lstat)(path).st_mode
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+        if stat.S_ISLNK(mode):
+            raise CheckpointError(
+                f"{path} is a symbolic link, which a load does not follow (it could lead out "
+                "of the checkpoint): copy the checkpoint with its links resolved (cp -rL), or "
+                "pass trust_checkpoint=True for one you trust (a hub cache's snapshot links "
+                "its files)"
+            )
         if not stat.S_ISREG(mode):
             raise CheckpointError(
-                f"{path} is not a regular file (a symbolic link, a directory or a device): a "
-                "checkpoint holds its own files only, so it is refused"
+                f"{path} is not a regular file (a directory or a device): a checkpoint holds "
+                "files only, so it is refused"
             )
         size = path.stat().st_size
         if size != expected["bytes"]:

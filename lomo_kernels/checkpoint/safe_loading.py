@@ -110,18 +110,33 @@ def refuse_unloadable(value: Any, name: str) -> None:
         )
 
 
+def from_the_file(error: BaseException) -> bool:
+    """Whether `error`, raised while a checkpoint's file was read, says something of the
+    file's content, not of the process (an interrupt, memory, the disk): only those make
+    the checkpoint corrupt."""
+    return isinstance(error, Exception) and not isinstance(error, MemoryError | OSError)
+
+
 def load_client_state(file: Path, trusted: bool) -> Any:
     """The client_state in `file`; refuses one that holds other Python objects unless
-    `trusted` (then unpickled as any pickle is: running the code it names)."""
-    if trusted:
-        return torch.load(file, weights_only=False)
+    `trusted` (then unpickled as any pickle is: running the code it names), and one that is
+    no torch.save file at all."""
     try:
-        return torch.load(file, weights_only=True)
+        return torch.load(file, weights_only=not trusted)
     except pickle.UnpicklingError as error:
+        if trusted:
+            raise CheckpointError(f"{file} is not a torch.save file ({error})") from None
         raise CheckpointError(
             f"{file} holds a Python object that a load without running code refuses "
             f"({loader_reason(error)}): unpickling it would run whatever code the file "
             f"names. A client_state of {_ACCEPTED} loads as is; {_TRUST_ADVICE}"
+        ) from None
+    except Exception as error:
+        if not from_the_file(error):
+            raise
+        raise CheckpointError(
+            f"{file} is not a torch.save file ({type(error).__name__}: "
+            f"{loader_reason(error)}): the checkpoint is corrupt or crafted"
         ) from None
 
 
@@ -205,7 +220,15 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._trusted:
-            metadata = super().read_metadata(*args, **kwargs)
+            try:
+                metadata = super().read_metadata(*args, **kwargs)
+            except Exception as error:
+                if not from_the_file(error):
+                    raise
+                raise CheckpointError(
+                    f"{Path(self.path) / METADATA} is not torch.distributed.checkpoint "
+                    f"metadata ({type(error).__name__}: {error}): the checkpoint is corrupt"
+                ) from None
         else:
             metadata = self._read_untrusted()
         check_storage(metadata, Path(self.path), self._files)
@@ -217,6 +240,8 @@ class SafeReader(FileSystemReader):
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except Exception as error:  # a crafted or damaged pickle fails in many ways
+            if not from_the_file(error):
+                raise
             raise CheckpointError(
                 f"{path} is not torch.distributed.checkpoint metadata ({error}): unpickling "
                 f"it could run code the file names, so it is refused; {_TRUST_ADVICE}"

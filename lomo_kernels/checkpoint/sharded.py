@@ -152,10 +152,10 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike, *, follow_links: bool = False) -> dict[str, Any]:
     """The manifest of the whole checkpoint at `path`, after every rank checked its share of
     the files against it; refuses (on every rank alike) a missing, incomplete or corrupt one,
-    naming the file."""
+    naming the file, and one whose files are symbolic links unless `follow_links`."""
     path = Path(path)
     manifest: dict[str, Any] | None = None
     error: Exception | None = None
@@ -163,7 +163,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         manifest = read_manifest(path)
         _refuse_missing_records(path, manifest)
         names = sorted(manifest["files"])
-        check_files(path, manifest["files"], names[ranks.rank() :: ranks.world_size()])
+        share = names[ranks.rank() :: ranks.world_size()]
+        check_files(path, manifest["files"], share, follow_links)
     except ValueError as refusal:
         error = refusal
     ranks.agree(error)
@@ -207,14 +208,15 @@ def load_checkpoint(
     Nothing in the checkpoint runs code as it is read: a client_state (or an entry) holding
     other Python objects than `save_checkpoint` accepts is refused, naming the file.
     `trust_checkpoint=True` unpickles such objects (and reads with torch < 2.6, which
-    unpickles the tensors): it runs whatever code the files name, so pass it only for a
-    checkpoint you trust as you would a program you run.
+    unpickles the tensors), and follows files that are symbolic links (a hub cache's
+    snapshot): it runs whatever code the files name, so pass it only for a checkpoint you
+    trust as you would a program you run.
 
     `check_client_state(client_state)`, if given, runs before anything changes: a ValueError
     it raises refuses the load (on every rank alike).
     """
     path = Path(path)
-    manifest = verify_checkpoint(path)
+    manifest = verify_checkpoint(path, follow_links=trust_checkpoint)
     files = manifest["files"]
     state: dict[str, Any] = {MODEL: model_state(model)}
     if optimizer is not None:
@@ -282,6 +284,8 @@ def _load(
         error, _ = next(iter(failed.failures.values()))
         if isinstance(error, CheckpointError):
             raise error from None
+        if not _safe_loading().from_the_file(error):
+            raise  # an interrupt, memory, the disk: not the checkpoint's fault
         reason = _safe_loading().loader_reason(error)
         raise CheckpointError(
             f"reading {path} failed ({type(error).__name__}: {reason}): its files do not hold "

@@ -204,9 +204,14 @@ def report_skipped_step(accelerator: Accelerator, optimizer: InBackwardOptimizer
     if getattr(optimizer, "loss_scaler", None) is None:
         return
     optimizer.flush_report()
-    for wrapper in accelerator._optimizers:
-        if in_backward_optimizer(wrapper) is optimizer:
-            wrapper._is_overflow = optimizer.last_step_skipped  # read by step_was_skipped
+    wrappers = [w for w in accelerator._optimizers if in_backward_optimizer(w) is optimizer]
+    if not wrappers:
+        # Built after accelerate prepared the engine (LomoTrainer under DeepSpeed), so no
+        # wrapper of it is where the Trainer asks whether the step was skipped: add one.
+        wrappers = [AcceleratedOptimizer(optimizer, device_placement=False)]
+        accelerator._optimizers.extend(wrappers)
+    for wrapper in wrappers:
+        wrapper._is_overflow = optimizer.last_step_skipped  # read by step_was_skipped
 
 
 def _backward(original: Callable[..., Any]) -> Callable[..., Any]:

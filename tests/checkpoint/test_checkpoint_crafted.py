@@ -29,6 +29,7 @@ from support.models import batch, tiny_llama
 from support.state import assert_refused, assert_same_state
 
 from lomo_kernels import CheckpointError, load_checkpoint, save_checkpoint
+from lomo_kernels.checkpoint import safe_loading
 from lomo_kernels.checkpoint.state import model_state, optimizer_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -129,15 +130,50 @@ def test_tensor_bytes_unlike_the_metadata_refused_before_any_change(checkpoint, 
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
-def test_a_linked_file_refused(checkpoint, tmp_path):
+def test_a_linked_file_refused_unless_trusted(checkpoint, tmp_path):
     """A file of the checkpoint that is a symbolic link (here to the same file of another
-    checkpoint, whose bytes match the manifest's record): not followed."""
-    other = save_checkpoint(tmp_path / "other", *trained(), client_state={"step": 1})
+    checkpoint, whose bytes match the manifest's record): not followed, unless the caller
+    trusts the checkpoint (a hub cache's snapshot links its files into a blob store)."""
+    model, opt = trained()
+    other = save_checkpoint(tmp_path / "other", model, opt, client_state={"step": 1})
     shard = checkpoint / "__0_0.distcp"
     shard.unlink()
     shard.symlink_to(other / "__0_0.distcp")
-    match = rf"{shard} is not a regular file \(a symbolic link"
+    match = rf"{shard} is a symbolic link, which a load does not follow .*\(cp -rL\)"
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+    fresh, fresh_opt = trained(seed=1, steps=2)
+    assert load_checkpoint(checkpoint, fresh, fresh_opt, trust_checkpoint=True) == {"step": 1}
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04truncated"], ids=["empty", "truncated"])
+def test_a_client_state_that_is_no_torch_file_refused(checkpoint, content):
+    """A client state that torch.load fails on (not for a class it refuses): a CheckpointError
+    like every other refusal, so that under several ranks every rank agrees on it."""
+    file = checkpoint / "client_state_0.pt"
+    file.write_bytes(content)
+    rerecord_manifest(checkpoint)
+    match = rf"{file} is not a torch.save file \(.*\): the checkpoint is corrupt or crafted"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_an_interrupted_read_is_not_called_a_corrupt_checkpoint(checkpoint, monkeypatch):
+    """An interrupt (or a memory or disk error) while the entries are read says nothing of
+    the checkpoint: it is raised as it is, not as a CheckpointError a caller may catch to
+    fall back to an older checkpoint."""
+
+    def interrupted(self, read_item):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safe_loading.SafePlanner, "resolve_tensor", interrupted)
+    model, opt = trained(seed=1, steps=2)
+    before = opt.state_dict()
+    with pytest.raises(BaseException) as raised:
+        load_checkpoint(checkpoint, model, opt)
+    assert not isinstance(raised.value, CheckpointError)
+    assert "KeyboardInterrupt" in str(raised.value)
+    assert_same_state(opt.state_dict(), before)
 
 
 @pytest.mark.parametrize("name", ["../secret.txt", "/etc/hostname", "sub/file", ".."])

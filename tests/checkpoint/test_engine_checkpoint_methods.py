@@ -138,7 +138,7 @@ ENGINE_STATES = {
     # A checkpoint of lomo_kernels.save_checkpoint (client_state a list) given as an engine's.
     "not-a-dict": ([1, 2, 3], r"client_state is a list, not the dict an engine's save writes"),
     # Saved with a StepLR, loaded into a LambdaLR (whose load would fail on 'lr_lambdas').
-    "other-scheduler": ("step", r"lr_scheduler state does not have the entries of this engine's"),
+    "other-scheduler": ("step", r"lr_scheduler state does not load into this engine's Lambda"),
     "bad-counter": (
         {"global_steps": "two", "client_state": {}},
         r"the checkpoint's global_steps is 'two', not an int >= 0",
@@ -182,3 +182,29 @@ def test_latest_is_written_without_following_a_link(tmp_path):
     for name in ("latest.partial", "latest"):
         assert not (save_dir / name).is_symlink(), name
     assert (save_dir / "latest").read_text() == "global_step1"
+
+
+def test_a_scheduler_state_an_older_torch_saved_loads(tmp_path):
+    """A scheduler state without a key this torch's adds (LambdaLR's `_is_initial`, saved by
+    an older torch), which the scheduler's own load takes, is not refused by the check."""
+    model, opt = trained(2)
+    with_scheduler(model, opt, "lambda")
+    model.lr_scheduler.step()
+    model.save_checkpoint(tmp_path)
+    file = tmp_path / "global_step2" / "client_state_0.pt"
+    saved = torch.load(file, weights_only=True)
+    assert saved["lr_scheduler"].pop("_is_initial", None) is not None  # this torch's key
+    plant_client_state(tmp_path / "global_step2", 0, saved)
+    fresh, fresh_opt = trained(0, seed=1)
+    with_scheduler(fresh, fresh_opt, "lambda")
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.lr_scheduler.last_epoch == model.lr_scheduler.last_epoch == 1
+    assert_same_state(fresh_opt.state_dict()["state"], opt.state_dict()["state"])
+
+
+def test_latest_is_created_with_the_mode_of_the_other_files(tmp_path):
+    """Not executable: created as open() creates the manifest (0o644 under the umask)."""
+    model, _ = trained(1)
+    model.save_checkpoint(tmp_path)
+    manifest = tmp_path / "global_step1" / "manifest.json"
+    assert (tmp_path / "latest").stat().st_mode & 0o777 == manifest.stat().st_mode & 0o777

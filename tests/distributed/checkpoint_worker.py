@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support.crafted import RunsCode, plant_client_state  # noqa: E402
+from support.crafted import RunsCode, plant_client_state, rerecord_manifest  # noqa: E402
 from support.sharded_checks import run_worker  # noqa: E402
 from support.sharded_models import LR, OPTIONS, SINGLE, ScaledLlama, rank_batch  # noqa: E402
 from support.state import assert_same_state, changes_since, optimizer_snapshot  # noqa: E402
@@ -149,7 +149,10 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
     dump("from_one_process", consolidated(model, opt))
     opt.detach()
     refused_on_one_rank(checks)
-    code_refused_on_every_rank(checks)
+    # Runs code as it is unpickled; is no torch.save file at all (a truncated zip).
+    runs_code = {"step": SAVE_AT, "payload": RunsCode(OUT / "code-ran")}
+    client_state_refused_on_every_rank(checks, "runs_code", runs_code)
+    client_state_refused_on_every_rank(checks, "not_torch", b"PK\x03\x04truncated")
     unloadable_save_refused_on_every_rank(checks)
     # Another optimizer class's checkpoint: refused on every rank, nothing changed.
     model, opt = build("fsdp2", "lomo")
@@ -183,28 +186,33 @@ def refused_on_one_rank(checks: dict) -> None:
     fresh_opt.detach()
 
 
-def code_refused_on_every_rank(checks: dict) -> None:
-    """A copy of the FSDP2 checkpoint whose rank-1 client_state runs code as it is unpickled
-    (its manifest re-recorded): every rank refuses it, naming the file, with the code never
-    run and the model and optimizer unchanged bit for bit."""
-    crafted = OUT / "crafted"
+def client_state_refused_on_every_rank(checks: dict, name: str, planted: object) -> None:
+    """A copy of the FSDP2 checkpoint whose rank-1 client_state is `planted` (an object
+    torch.save writes, or raw bytes; the manifest re-recorded): every rank refuses it alike,
+    naming the file, with the model and optimizer unchanged bit for bit (`checks[name]`,
+    `checks[name + "_unchanged"]`)."""
+    crafted = OUT / f"crafted_{name}"
     if dist.get_rank() == 0:
         shutil.copytree(OUT / "fsdp2_adalomo_single", crafted)
-        plant_client_state(crafted, 1, {"step": SAVE_AT, "payload": RunsCode(OUT / "code-ran")})
+        if isinstance(planted, bytes):
+            (crafted / "client_state_1.pt").write_bytes(planted)
+            rerecord_manifest(crafted)
+        else:
+            plant_client_state(crafted, 1, planted)
     dist.barrier()
     model, opt = build("fsdp2", "adalomo_single")
     train_step(model, opt, "fsdp2", 0)  # moments, a step count: state that could change
     before = consolidated(model, opt)
     try:
         lomo_kernels.load_checkpoint(crafted, model, opt)
-        checks["runs_code"] = None
+        checks[name] = None
     except ValueError as error:
-        checks["runs_code"] = str(error)
+        checks[name] = str(error)
     try:
         assert_same_state(consolidated(model, opt), before)
-        checks["runs_code_unchanged"] = True
+        checks[f"{name}_unchanged"] = True
     except AssertionError as difference:
-        checks["runs_code_unchanged"] = str(difference)
+        checks[f"{name}_unchanged"] = str(difference)
     opt.detach()
 
 

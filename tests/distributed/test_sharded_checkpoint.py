@@ -176,15 +176,28 @@ def test_other_optimizer_class_refused_on_every_rank(reference):
     assert [rank["other_class_changed"] for rank in checks] == [None, None]
 
 
+def assert_client_state_refused_alike(reference, name: str, says: str) -> None:
+    """Both ranks refused the crafted rank-1 client_state of `name` with the same message,
+    naming the file (`says` what of it), and changed nothing."""
+    checks = read_checks(reference)
+    refusal = checks[0][name]
+    assert refusal is not None and refusal == checks[1][name], "not refused alike"
+    assert f"{reference / f'crafted_{name}' / 'client_state_1.pt'} {says}" in refusal
+    assert all(rank[f"{name}_unchanged"] is True for rank in checks)
+
+
 def test_client_state_that_runs_code_refused_by_every_rank(reference):
     """Rank 1's client_state runs code as it is unpickled: rank 1 refuses to load it, rank 0
     (whose own file is harmless) refuses with it, and neither changes anything."""
-    checks = read_checks(reference)
-    refusal = checks[0]["runs_code"]
-    assert refusal is not None and refusal == checks[1]["runs_code"], "not refused alike"
-    assert f"{reference / 'crafted' / 'client_state_1.pt'} holds a Python object" in refusal
-    assert all(rank["runs_code_unchanged"] is True for rank in checks)
+    assert_client_state_refused_alike(reference, "runs_code", "holds a Python object")
     assert not (reference / "code-ran").exists(), "loading the checkpoint ran its code"
+
+
+def test_client_state_that_is_no_torch_file_refused_by_every_rank(reference):
+    """Rank 1's client_state is a truncated zip: torch.load fails on it (not for a class it
+    refuses), and every rank refuses it alike instead of rank 1 raising alone and rank 0
+    waiting for it in the next collective."""
+    assert_client_state_refused_alike(reference, "not_torch", "is not a torch.save file")
 
 
 def test_save_a_load_would_refuse_refused_by_every_rank(reference):

@@ -292,6 +292,38 @@ def run_refusals(checks: dict) -> None:
     checks["refusals_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
 
 
+class SkipRecordingTrainer(LomoTrainer):
+    """Records each step's lr and whether the optimizer skipped it; the fp16 loss scale
+    starts too high (2^21), so the first steps overflow."""
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        opt = super().create_optimizer(model)
+        if fresh and opt is not None:
+            opt.loss_scaler.cur_scale = 2.0**21
+        return opt
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        lomo = self._lomo()
+        lr = lomo.param_groups[0]["lr"]
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        lomo.flush_report()  # the step's outcome now, not at the next call
+        self.steps = [*getattr(self, "steps", []), (lr, lomo.last_step_skipped)]
+        return loss
+
+
+def run_fp16_schedule(checks: dict) -> None:
+    """fp16 weights under ZeRO-3, where accelerate prepared the engine before the optimizer
+    existed: the steps the dynamic loss scaler skips must hold the lr schedule."""
+    args = training_args(
+        str(OUT / "fp16_schedule"), "lomo", deepspeed=ZERO3, warmup_steps=4, max_steps=8,
+        learning_rate=0.01, weight_decay=0.0, **configured_state(),
+    )  # fmt: skip
+    trainer = SkipRecordingTrainer(model=llama().half(), args=args, train_dataset=dataset(64))
+    trainer.train()
+    checks["fp16_schedule"] = trainer.steps
+
+
 def configured_state() -> dict:
     """accelerate's state for DeepSpeed on CPU ranks: without a backend name accelerate
     counts one process (trainer_parallel.py); the Trainer uses this state as configured."""
@@ -311,6 +343,7 @@ def main() -> None:
     run_resumed(rank, checks)
     run_resume_running_code(rank, checks)
     run_refusals(checks)
+    run_fp16_schedule(checks)
     write_checks(OUT, checks)
 
 
