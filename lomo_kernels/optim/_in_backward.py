@@ -67,11 +67,24 @@ from .validation import (
 )
 
 DONATED_BUFFERS_ERROR = (
-    "grad_norm(loss) keeps the loss's graph for the update pass, but this graph's compiled "
-    "backward reuses the buffers it saved (torch's donated buffers), so torch runs it only "
-    "once. Use single_backward=True (one backward per step, no norm pass), or set "
-    "torch._functorch.config.donated_buffer = False before the first compiled forward. No "
-    "parameter was changed."
+    "the norm pass (clipping by global norm, or fp16: grad_norm(loss), or fused_backward's "
+    "own) keeps the loss's graph for the update pass, but this graph's compiled backward "
+    "reuses the buffers it saved (torch's donated buffers), so torch runs it only once. Set "
+    "torch._functorch.config.donated_buffer = False before the first compiled forward (torch "
+    "decides it as it compiles the backward, and its compile cache keeps the decision), or "
+    "use single_backward=True with compiled autograd on (one backward per step, no norm "
+    "pass). No parameter was changed."
+)
+# torch's own refusal to keep such a graph (AOTAutograd's runtime wrapper).
+_TORCH_DONATED_BUFFERS = "compiled with non-empty donated buffers"
+SINGLE_BACKWARD_ORDER_ERROR = (
+    "single_backward=True clips each gradient by the norm of the gradients before it, so "
+    "its step depends on the order the gradients arrive in; this loss's graph holds a "
+    "torch.compile'd region whose backward runs eagerly, which hands its gradients over in "
+    "another order than the eager model's (and from run to run of torch). Turn compiled "
+    "autograd on (torch._dynamo.config.compiled_autograd = True), which keeps the eager "
+    "order, or clip exactly (single_backward=False: a norm pass first). No parameter was "
+    "changed."
 )
 
 
@@ -524,7 +537,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         except RuntimeError as error:
             # torch's refusal to keep the graph of a compiled backward that reuses its saved
             # buffers, raised before that backward runs.
-            if retain and compiled_backward_donates_buffers(loss):
+            donated = _TORCH_DONATED_BUFFERS in str(error)
+            if donated and retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
         self._close_norm_pass(per_parameter)
@@ -587,7 +601,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         measured = self._step.norm_ready  # by grad_norm(loss), which read this loss's graph
         if not measured:
             # The whole graph where no norm pass would meet such a gradient first.
-            self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
+            graph = self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
+            eager_backward = not _compiled_autograd.compiled_autograd_active()
+            if plan is Plan.SINGLE_BACKWARD and graph.compiled_region and eager_backward:
+                raise RuntimeError(SINGLE_BACKWARD_ORDER_ERROR)
         if plan is Plan.NORM_THEN_UPDATE and not measured:
             self._norm_pass(loss, lr)  # same attempt as a grad_norm of another loss
         else:

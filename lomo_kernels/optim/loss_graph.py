@@ -6,8 +6,8 @@ Two questions read the graph:
 - **the whole graph** (`whole=True`, a step without a norm pass, or a micro-batch): does it
   hold an op that gives a sparse gradient (an embedding lookup's functional form,
   F.embedding(..., sparse=True), that no module flag shows, or torch.gather(...,
-  sparse_grad=True)), and which parameters a row-block op feeds get a gradient more than
-  once (used elsewhere too, or the op ran twice);
+  sparse_grad=True)) or a torch.compile'd region, and which parameters a row-block op feeds
+  get a gradient more than once (used elsewhere too, or the op ran twice);
 - **the head's readers** (`head_guard.py`): which nodes read a patched model's head weight
   other than through the fused loss, an embedding lookup or logits the patched forward
   returned on request. That question stops below the fused loss's node (the decoder fed it),
@@ -48,6 +48,7 @@ class LossGraph:
     """What the walk found (see the module docstring)."""
 
     sparse_gradient: bool = False
+    compiled_region: bool = False  # a torch.compile'd region (an opaque node) feeds the loss
     reused_row_block_params: list[torch.Tensor] = field(default_factory=list)
     heads_fused: set[int] = field(default_factory=set)  # heads the fused loss reads
     # Heads read otherwise, and by which node (the first met).
@@ -85,6 +86,7 @@ def read_loss_graph(loss: torch.Tensor, whole: bool, heads: Iterable[int] = ()) 
         if first and whole:
             if name in SPARSE_CAPABLE_NODES and saved_sparse(node):
                 found.sparse_gradient = True
+            found.compiled_region |= name in OPAQUE_NODES
             for variable in leaf_inputs(node):
                 uses[id(variable)] = uses.get(id(variable), 0) + 1
                 if name in ROW_BLOCK_NODES:

@@ -24,8 +24,8 @@ def loss_of(model, step):
     return model(x).float().pow(2).mean()
 
 
-def train(model, steps, compile_forward=False, compile_backward=False, graphs_seen=None):
-    opt = Lomo(model, lr=0.1, clip_grad_norm=1.0, weight_decay=0.01)
+def train(model, steps, compile_forward=False, compile_backward=False, graphs_seen=None, **options):
+    opt = Lomo(model, lr=0.1, clip_grad_norm=1.0, weight_decay=0.01, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     forward = torch.compile(model, backend="aot_eager") if compile_forward else model
     for step in range(steps):
@@ -78,3 +78,32 @@ def test_inductor_forward_with_fused_backward(test_device):
         # step, held to 2 (U32 * max|b| is 1/2 to 1 ulp); seen on AVX2: 1/2 ulp.
         largest = b.detach().abs().max().item()
         torch.testing.assert_close(a, b, rtol=0, atol=3 * 4 * U32 * largest)
+
+
+def test_single_backward_with_compiled_autograd_matches_eager(test_device):
+    """single_backward clips each gradient by the norm of those before it: compiled
+    autograd hands the gradients over in the eager order, so the steps are the eager ones,
+    bit for bit (aot_eager computes as eager does)."""
+    torch._dynamo.reset()
+    eager = train(mlp(test_device), 4, single_backward=True)
+    compiled = train(
+        mlp(test_device), 4, compile_forward=True, compile_backward=True, single_backward=True
+    )
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_single_backward_with_a_compiled_forward_and_eager_backward_is_refused():
+    """A compiled region's backward run eagerly hands its gradients over in another order
+    than the eager model's (measured on a LLaMA: the embedding first, the head midway),
+    which changes single_backward's step: refused before any change, the call's lr not
+    taken."""
+    torch._dynamo.reset()
+    model = mlp()
+    opt = Lomo(model, lr=0.1, clip_grad_norm=1.0, single_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = loss_of(torch.compile(model, backend="aot_eager"), 0)
+    with pytest.raises(RuntimeError, match="depends on the order the gradients arrive in"):
+        opt.fused_backward(loss, lr=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.step_count == 0

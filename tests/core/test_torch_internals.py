@@ -300,11 +300,14 @@ def test_without_private_names_a_needed_one_is_refused_by_name_and_version(runs)
     assert "run the backward without compiled autograd" in message
 
 
-def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unchanged():
+@pytest.mark.parametrize("failure", ["torch's refusal", "another error"])
+def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unchanged(failure):
     """A compiled forward whose backward was compiled reusing the buffers it saved (AOT's
     donated buffers, after a step with no norm pass): torch runs such a backward only once,
     so grad_norm, which keeps the graph for the update pass, is refused with the package's
-    message, recognised by that state, and no parameter changes."""
+    message, recognised by torch's refusal, and no parameter changes. Another error of
+    that backward (here a hook's, raised before torch's check) is raised as it is, not
+    explained as donated buffers."""
     from lomo_kernels import Lomo
     from lomo_kernels.optim._in_backward import DONATED_BUFFERS_ERROR
 
@@ -316,13 +319,22 @@ def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unch
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
         return forward(x).pow(2).mean()
 
+    def fails(grad: torch.Tensor) -> None:
+        raise RuntimeError("a hook's own error")
+
     torch._dynamo.reset()
     with Lomo(model, lr=0.05) as opt:
         opt.fused_backward(loss(0))  # one pass, the graph not kept: buffers reused
         before = [p.detach().clone() for p in model.parameters()]
+        second = loss(1)
+        if failure == "another error":
+            second.register_hook(fails)
         with pytest.raises(RuntimeError) as refused:
-            opt.grad_norm(loss(1))
-    assert str(refused.value) == DONATED_BUFFERS_ERROR
-    assert "donated buffer" in str(refused.value.__cause__)  # torch's own refusal, chained
+            opt.grad_norm(second)
+    if failure == "another error":
+        assert str(refused.value) == "a hook's own error"
+    else:
+        assert str(refused.value) == DONATED_BUFFERS_ERROR
+        assert "donated buffer" in str(refused.value.__cause__)  # torch's own, chained
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
