@@ -93,10 +93,11 @@ Reference model
     and GRPO/RLOO with ``beta > 0``; GRPO's default ``beta=0`` loads none), sharded like the
     weights under ZeRO-3.
 
-ZeRO-3 (``zero3=True``) shards parameters, gradients and optimizer states over the GPUs and
-adds the gathered full copy of the largest parameter being computed with; with LOMO/AdaLomo
-the gradient of the largest tensor exists in full before it is reduce-scattered, so it is not
-divided. Activations are per GPU (each GPU runs its own batch).
+ZeRO-3 (``zero3=True``) shards parameters, gradients and optimizer states over the GPUs
+(AdaLomo's row and column moments of a matrix stay whole on every rank; its 1-D moments are
+sharded) and adds the gathered full copy of the largest parameter being computed with; with
+LOMO/AdaLomo the gradient of the largest tensor exists in full before it is reduce-scattered,
+so it is not divided. Activations are per GPU (each GPU runs its own batch).
 """
 
 from __future__ import annotations
@@ -214,9 +215,11 @@ def int8_buffer_bytes_of(model: ModelShape) -> int:
     return sum(int8_buffer_bytes(0, n) for n in model.tensor_numels())
 
 
-def adalomo_state_numel(model: ModelShape) -> int:
-    """fp32 elements of AdaLomo's factored second moments (rows + cols, or numel for 1-D)."""
-    return sum(r + c for r, c in model.matrix_shapes())
+def adalomo_state_numel(model: ModelShape, shards: int = 1) -> float:
+    """fp32 elements of AdaLomo's factored second moments (rows + cols, or numel for 1-D)
+    on one of `shards` ranks: sharded, each rank keeps every matrix's row and column moments
+    whole and its slice of the 1-D ones (optim/adalomo_slices.py)."""
+    return sum(r + c if c else r / shards for r, c in model.matrix_shapes())
 
 
 def adalomo_workspace_numel(model: ModelShape) -> int:
@@ -419,7 +422,8 @@ def estimate(
         params = params / gpus + shape.largest_tensor_numel * p  # + the gathered tensor
         if opt in ("adamw", "sgd"):
             grads = grads / gpus
-        states = states / gpus
+        # AdaLomo's factored moments stay whole on every rank.
+        states = adalomo_state_numel(shape, gpus) * FP32 if opt == "adalomo" else states / gpus
     elif opt == "adalomo":
         states += adalomo_workspace_numel(shape) * FP32
     buffer = accumulation_buffer_bytes(shape, opt, precision, accumulation_steps,

@@ -123,19 +123,63 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def _from_mapping(name: str, cfg: Mapping[str, Any]) -> ModelShape:
+# The model types whose layout ModelShape counts exactly (no biases, a dense MLP).
+LLAMA_LAYOUTS = ("llama", "mistral")
+
+
+def _whole_number(name: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: {key} must be a whole number > 0, got {value!r}")
+    return value
+
+
+def _layout_refusal(cfg: Mapping[str, Any], hidden: int, heads: int) -> str | None:
+    """What of the config the LLaMA layout does not count, or None."""
+    kind = cfg.get("model_type")
+    if kind is not None and kind not in LLAMA_LAYOUTS:
+        return f"model_type {kind!r}"
+    experts = next((k for k in ("num_local_experts", "num_experts") if cfg.get(k)), None)
+    if experts:
+        return f"{experts}={cfg[experts]!r} (a mixture of experts)"
+    biased = next((k for k in ("attention_bias", "mlp_bias") if cfg.get(k)), None)
+    if biased:
+        return f"{biased}=true"
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != hidden // heads:
+        return f"head_dim={head_dim!r} (not hidden_size / num_attention_heads = {hidden // heads})"
+    return None
+
+
+def _from_mapping(name: str, cfg: Any) -> ModelShape:
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{name}: a config is a JSON object, got a {type(cfg).__name__}")
     missing = [HF_KEYS[field] for field in REQUIRED_FIELDS if HF_KEYS[field] not in cfg]
     if missing:
         raise ValueError(
             f"{name}: not a LLaMA-style config (missing {', '.join(missing)}); give a "
             "config.json of a LLaMA-architecture model or one of: " + ", ".join(PRESETS)
         )
-    given = {field: cfg.get(key) for field, key in HF_KEYS.items()}
-    given["num_heads"] = given["num_heads"] or 1
+    sizes = {
+        field: _whole_number(name, HF_KEYS[field], cfg[HF_KEYS[field]]) for field in REQUIRED_FIELDS
+    }
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    sizes["num_heads"] = 1 if heads is None else _whole_number(name, "num_attention_heads", heads)
     # Without grouped-query attention a config may leave the key-value heads out (or null).
-    given["num_kv_heads"] = given["num_kv_heads"] or given["num_heads"]
-    tied = bool(given.pop("tie_word_embeddings") or False)
-    sizes = {field: int(value) for field, value in given.items()}
+    sizes["num_kv_heads"] = (
+        sizes["num_heads"]
+        if kv_heads is None
+        else _whole_number(name, "num_key_value_heads", kv_heads)
+    )
+    refusal = _layout_refusal(cfg, sizes["hidden_size"], sizes["num_heads"])
+    if refusal is not None:
+        raise ValueError(
+            f"{name}: {refusal}: estimate counts the LLaMA layout ({', '.join(LLAMA_LAYOUTS)}: "
+            "no biases, a dense MLP, head_dim = hidden_size / num_attention_heads), which "
+            "this model is not: its numbers would be wrong"
+        )
+    tied = cfg.get("tie_word_embeddings") or False
+    if not isinstance(tied, bool):
+        raise ValueError(f"{name}: tie_word_embeddings must be true or false, got {tied!r}")
     return ModelShape(name, **sizes, tie_word_embeddings=tied)
 
 
@@ -157,8 +201,11 @@ def resolve_model(model: str | Mapping[str, Any] | Any) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        with path.open() as f:
-            return _from_mapping(str(model), json.load(f))
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{path} is not a JSON config ({error})") from None
+        return _from_mapping(str(model), config)
     raise ValueError(
         f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}) or the path of a "
         "Hugging Face config.json (or of the folder holding it)"

@@ -456,3 +456,69 @@ def test_accumulation_costs_optimizers_that_keep_gradients_nothing(optimizer: st
 def test_bad_accumulation_arguments_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         est.estimate("llama-7b", "lomo", **kwargs)
+
+
+def test_adalomo_zero3_state_is_what_each_rank_keeps() -> None:
+    """Sharded, each rank keeps a matrix's row and column moments whole and its slice of a
+    1-D parameter's moment (the optimizer's own slice state, built here for rank 0 of 2):
+    only the 1-D moments divide by the ranks."""
+    from support.models import tiny_llama
+
+    from lomo_kernels.distributed import Shard
+    from lomo_kernels.optim.adalomo_slices import init_slice_state
+
+    model, ranks = tiny_llama(), 2
+    held = 0
+    for param in model.parameters():
+        local = param.detach().view(-1)[: param.numel() // ranks]
+        state = init_slice_state(Shard(param, local, 0, param.shape, None))
+        held += sum(v.numel() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    shape = resolve_model(model.config)
+    assert est.adalomo_state_numel(shape, ranks) == held
+    assert held > est.adalomo_state_numel(shape) / ranks  # more than an even share
+
+
+def _config(**changes) -> dict:
+    """A tiny LLaMA config.json's fields, with `changes`."""
+    return {**PRESETS["tiny"].to_hf_config().to_dict(), **changes}
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"num_key_value_heads": -1}, "num_key_value_heads must be a whole number > 0, got -1"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a whole number > 0, got 0"),
+        ({"hidden_size": 64.7}, "hidden_size must be a whole number > 0, got 64.7"),
+        ({"hidden_size": True}, "hidden_size must be a whole number > 0, got True"),
+        ({"vocab_size": None}, "vocab_size must be a whole number > 0, got None"),
+        ({"vocab_size": "abc"}, "vocab_size must be a whole number > 0, got 'abc'"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        # What the LLaMA layout does not count (their numbers would come out low).
+        ({"model_type": "mixtral"}, "model_type 'mixtral': estimate counts the LLaMA layout"),
+        ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+        ({"num_local_experts": 8}, "num_local_experts=8 \\(a mixture of experts\\)"),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"head_dim": 64}, "head_dim=64 \\(not hidden_size / num_attention_heads = 32\\)"),
+    ],
+)
+def test_config_values_estimate_cannot_count_are_refused(tmp_path, changes, match) -> None:
+    """A config.json's bad numbers, and layouts other than LLaMA's, refused naming the field,
+    instead of counted as something else (a truncated size, a default, too few parameters)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config(**changes)))
+    with pytest.raises(ValueError, match=match):
+        resolve_model(str(path))
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(b"42", "a config is a JSON object, got a int"), (b"{bad", "is not a JSON config"),
+     (b"\xff\xfe", "is not a JSON config")],
+)  # fmt: skip
+def test_a_file_that_is_no_json_config_is_refused_naming_it(tmp_path, content, match) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        resolve_model(str(path))
+    assert resolve_model(_config()).num_parameters == PRESETS["tiny"].num_parameters
