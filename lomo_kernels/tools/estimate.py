@@ -188,7 +188,9 @@ def gradient_bytes(
     return model.num_parameters * p
 
 
-ACCUMULATION_DTYPES = ("param", "fp32", "int8")
+# The buffer's dtype as `accumulation_dtype` takes it: the parameter's, or one of these.
+ACCUMULATION_DTYPES = ("param", "fp32", "bf16", "fp16", "int8")
+_ACCUMULATION_WIDTHS = {"fp32": FP32, "bf16": 2, "fp16": 2}
 
 
 def accumulation_buffer_bytes(
@@ -206,7 +208,7 @@ def accumulation_buffer_bytes(
     p = PRECISIONS[_check_choice(precision, tuple(PRECISIONS), "precision")]
     if accumulation_dtype == "int8":
         return int8_buffer_bytes_of(model)
-    return model.num_parameters * (FP32 if accumulation_dtype == "fp32" else p)
+    return model.num_parameters * _ACCUMULATION_WIDTHS.get(accumulation_dtype, p)
 
 
 def int8_buffer_bytes_of(model: ModelShape) -> int:
@@ -547,8 +549,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--accumulation-dtype",
         choices=ACCUMULATION_DTYPES,
         default="param",
-        help="the accumulation buffer's dtype: the parameter's (default), fp32, or int8 "
-        "(8-bit blockwise: about 1 byte per parameter)",
+        help="the accumulation buffer's dtype: the parameter's (default), fp32, bf16, fp16, "
+        "or int8 (8-bit blockwise: about 1 byte per parameter)",
     )
     parser.add_argument(
         "--generation-batch",

@@ -400,7 +400,7 @@ def test_fused_head_lomo_counts_no_vocab_by_hidden_gradient() -> None:
     assert tied.gradients_gib == round(128256 * 2048 * 2 / 2**30, 2)
 
 
-@pytest.mark.parametrize(("dtype", "width"), [("param", 2), ("fp32", 4)])
+@pytest.mark.parametrize(("dtype", "width"), [("param", 2), ("fp32", 4), ("bf16", 2), ("fp16", 2)])
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
 def test_accumulation_buffer_one_per_parameter(optimizer: str, dtype: str, width: int) -> None:
     # The buffer is one element per trainable parameter (LLaMA-7B: 6,738,415,616), of the
@@ -522,3 +522,13 @@ def test_a_file_that_is_no_json_config_is_refused_naming_it(tmp_path, content, m
     with pytest.raises(ValueError, match=match):
         resolve_model(str(path))
     assert resolve_model(_config()).num_parameters == PRESETS["tiny"].num_parameters
+
+
+@pytest.mark.parametrize(("dtype", "width"), [("param", 4), ("bf16", 2), ("fp16", 2)])
+def test_accumulation_buffer_of_another_dtype_than_fp32_weights(dtype: str, width: int) -> None:
+    """fp32 weights with a 16-bit buffer (accumulation_dtype=torch.bfloat16 / float16, which
+    the optimizers take): 2 bytes per parameter, not the weights' 4."""
+    n = resolve_model("llama-7b").num_parameters
+    run = dict(precision="fp32", activations_gib=0.0, accumulation_steps=4)
+    result = est.estimate("llama-7b", "lomo", accumulation_dtype=dtype, **run)
+    assert result.detail["accumulation_buffer_gib"] == round(n * width / 2**30, 2)
