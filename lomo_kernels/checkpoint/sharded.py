@@ -239,7 +239,9 @@ def load_checkpoint(
     # in place below, so whatever can fail in reading them must fail here.
     error = None
     try:
-        _safe_loading().planner_refusal(_load(state, path, files, trust_checkpoint, True))
+        _safe_loading().planner_refusal(
+            _load(state, path, files, trust_checkpoint, read_through=True)
+        )
     except ValueError as refusal:
         error = refusal
     ranks.agree(error)
