@@ -109,22 +109,22 @@ def check_files(
         path = directory / name
         expected = files[name]
         try:
-            mode = (os.stat if follow_links else os.lstat)(path).st_mode
+            info = (os.stat if follow_links else os.lstat)(path)
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
-        if stat.S_ISLNK(mode):
+        if stat.S_ISLNK(info.st_mode):
             raise CheckpointError(
                 f"{path} is a symbolic link, which a load does not follow (it could lead out "
                 "of the checkpoint): copy the checkpoint with its links resolved (cp -rL), or "
                 "pass trust_checkpoint=True for one you trust (a hub cache's snapshot links "
                 "its files)"
             )
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(info.st_mode):
             raise CheckpointError(
                 f"{path} is not a regular file (a directory or a device): a checkpoint holds "
                 "files only, so it is refused"
             )
-        size = path.stat().st_size
+        size = info.st_size  # a regular file's, not a link's
         if size != expected["bytes"]:
             raise CheckpointError(
                 f"{path} holds {size} bytes, its manifest {expected['bytes']}: the file is "

@@ -162,13 +162,12 @@ def _from_mapping(name: str, cfg: Any) -> ModelShape:
     sizes = {
         field: _whole_number(name, HF_KEYS[field], cfg[HF_KEYS[field]]) for field in REQUIRED_FIELDS
     }
-    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    sizes["num_heads"] = 1 if heads is None else _whole_number(name, "num_attention_heads", heads)
+    heads_key, kv_heads_key = HF_KEYS["num_heads"], HF_KEYS["num_kv_heads"]
+    heads, kv_heads = cfg.get(heads_key), cfg.get(kv_heads_key)
+    sizes["num_heads"] = 1 if heads is None else _whole_number(name, heads_key, heads)
     # Without grouped-query attention a config may leave the key-value heads out (or null).
     sizes["num_kv_heads"] = (
-        sizes["num_heads"]
-        if kv_heads is None
-        else _whole_number(name, "num_key_value_heads", kv_heads)
+        sizes["num_heads"] if kv_heads is None else _whole_number(name, kv_heads_key, kv_heads)
     )
     refusal = _layout_refusal(cfg, sizes["hidden_size"], sizes["num_heads"])
     if refusal is not None:

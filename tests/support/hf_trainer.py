@@ -3,6 +3,7 @@ a one-row dataset, CPU training arguments and the logged values."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from support.dependencies import require
@@ -60,3 +61,18 @@ def args(tmp_path, **overrides) -> transformers.TrainingArguments:
 def norm_weight_names(model: torch.nn.Module) -> set[str]:
     """The names of the RMSNorm weights (the parameters Trainer does not decay)."""
     return {n for n, _ in model.named_parameters() if "norm" in n}
+
+
+def assert_skipped_steps_hold_the_warmup(steps: list, lr: float, warmup: int) -> None:
+    """`steps`: each step's (lr it ran with, whether the optimizer skipped it). Some steps
+    were skipped, some applied, and each ran at transformers' own linear warm-up schedule
+    (evaluated here, independently of the run) for the steps applied before it: a skipped
+    step held the schedule, as after a step torch's GradScaler skips."""
+    skipped = [was_skipped for _, was_skipped in steps]
+    assert 0 < sum(skipped) < len(steps)  # some steps overflowed, some did not
+    schedule = transformers.get_linear_schedule_with_warmup(
+        torch.optim.SGD([torch.zeros(1)], lr=lr), warmup, len(steps)
+    ).lr_lambdas[0]
+    applied_before = [sum(1 for s in skipped[:k] if not s) for k in range(len(steps))]
+    expected = [lr * schedule(n) for n in applied_before]
+    assert [step_lr for step_lr, _ in steps] == pytest.approx(expected, rel=1e-12)
