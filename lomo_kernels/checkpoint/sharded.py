@@ -216,6 +216,11 @@ def load_checkpoint(
     it raises refuses the load (on every rank alike).
     """
     path = Path(path)
+    # Lomo's and AdaLomo's micro-batches waiting in their buffers, which a loaded step would
+    # mix with: refused, naming this call, before any file is read.
+    refuse_pending = getattr(optimizer, "_refuse_pending", None)
+    if refuse_pending is not None:
+        refuse_pending("load_checkpoint()")
     manifest = verify_checkpoint(path, follow_links=trust_checkpoint)
     files = manifest["files"]
     state: dict[str, Any] = {MODEL: model_state(model)}

@@ -111,7 +111,11 @@ def _patch_passes() -> bool:
     reorder_hooks = owner.reorder_post_acc_grad_hook_nodes
     end_capture = owner.end_capture
 
+    # Each step below is kept out of Dynamo, as torch's own capture steps are (Dynamo skips
+    # torch's files): in a step compiled whole, Dynamo would otherwise trace them as user
+    # code, a graph of their own and guards on the capture's inputs.
     @functools.wraps(begin_capture)
+    @torch.compiler.disable
     def begin_capture_noting_storages(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         global _capturing_ours, _ours_viewed_by_non_leaves
         self._lomo_ours = _our_inputs(inputs)
@@ -125,6 +129,7 @@ def _patch_passes() -> bool:
         return begin_capture(self, inputs, *args, **kwargs)
 
     @functools.wraps(reorder_accumulate)
+    @torch.compiler.disable
     def reorder_accumulate_grad_nodes(self: Any) -> None:
         ours = _our_hooked_params(self, call_hook)
         held = [
@@ -144,6 +149,7 @@ def _patch_passes() -> bool:
                 node.target = call_accumulate_grad
 
     @functools.wraps(reorder_hooks)
+    @torch.compiler.disable
     def reorder_post_acc_grad_hook_nodes(self: Any) -> None:
         reorder_hooks(self)
         hooked = _our_hooked_params(self, call_hook)
@@ -157,6 +163,7 @@ def _patch_passes() -> bool:
             move_updates_after_last_read(graph, storages, hooked, call_hook)
 
     @functools.wraps(end_capture)
+    @torch.compiler.disable
     def end_capture_with_inductor_pass(self: Any, outputs: Any) -> tuple[Any, Any]:
         runtime_wrapper, compiled = end_capture(self, outputs)
         if not getattr(self, "_lomo_updates_in_graph", False):
@@ -165,6 +172,7 @@ def _patch_passes() -> bool:
         # Inductor compiles the graph on its first call (and again on a recompile), so
         # every call runs with the pass; the patch is only read while compiling.
         @functools.wraps(compiled)
+        @torch.compiler.disable
         def compiled_with_pass(*args: Any, **kwargs: Any) -> Any:
             inductor_config = torch_internals.inductor_config()
             user_passes = inductor_config.post_grad_custom_post_pass

@@ -36,6 +36,15 @@ def check_lr(lr: Any) -> float:
     return value
 
 
+def check_step_count(step_count: Any, name: str = "step_count") -> int:
+    """The completed steps' count: AdaLomo's beta2 and the rounding seed are drawn from it."""
+    if isinstance(step_count, bool) or not isinstance(step_count, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {step_count!r}")
+    if step_count < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {step_count!r}")
+    return int(step_count)
+
+
 def check_weight_decay(weight_decay: Any) -> float:
     value = _finite("weight_decay", weight_decay)
     if value < 0:

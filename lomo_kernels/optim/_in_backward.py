@@ -38,7 +38,7 @@ from ..distributed import DEFAULT_BUCKET_NUMEL, Shard, ShardGrads, sharding_for,
 from ..distributed.zero3 import is_deepspeed_engine
 from ..ops.backends import LOMO, requested_backend
 from . import int8_buffer
-from ._hyper import check_lr, checked_group
+from ._hyper import check_lr, check_step_count, checked_group
 from .accumulation import Accumulation, Buffer, check_accumulation
 from .checkpoint import Checkpoint
 from .device_scalars import DeviceScalars, DeviceScalarTable
@@ -62,6 +62,7 @@ from .validation import (
     parameter_names,
     plain_backward_error,
     refuse_graph,
+    refuse_inference_mode,
     sparse_gradient_error,
     trainable_parameters,
 )
@@ -170,6 +171,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         `accumulation_steps`: micro-batches per step, each one `fused_backward` call; its
         gradients are summed into a buffer per parameter of `accumulation_dtype` (None: the
         parameter's dtype) and the step applied from them (accumulation.py)."""
+        refuse_inference_mode(f"{type(self).__name__}(...)")
         rounding = WriteBackRounding(stochastic_rounding, seed)
         accumulation_steps, accumulation_dtype = check_accumulation(
             accumulation_steps, accumulation_dtype, bool(single_backward)
@@ -256,7 +258,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     clip_grad_value = GroupHyperParameter("clip_grad_value")
 
     # What the step reports tell (reporting.py).
-    step_count = Reported(settable=True)
+    step_count = Reported(check=check_step_count)
     last_grad_norm = Reported()
     clip_coef = Reported()
     grad_norms = Reported()
@@ -312,6 +314,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             restore_engine_checkpoints(engine, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy, pickle) would hold no hooks on the model: refused, not
+        # handed back as an optimizer that fails at its first use.
+        owner = type(self).__name__
+        raise TypeError(
+            f"a {owner} cannot be copied or pickled: it steps its model through hooks on the "
+            f"parameters, which a copy would not hold. Save opt.state_dict() (with the "
+            f"model's), then build a new {owner} on the model and load_state_dict it."
+        )
 
     def __enter__(self) -> InBackwardOptimizer:
         return self
@@ -509,6 +521,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise RuntimeError(GRAD_NORM_WITH_ACCUMULATION_ERROR)
         self._step.begin(Plan.NORM_THEN_UPDATE)
         self._read_graph(loss, whole=False)
+        # This pass replaces an earlier loss's measurement, also where it fails midway (its
+        # sums and flags are then partial).
+        self._step.forget_norm()
         # A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
         # pass after an overflow and tries again): its overflow counts anew.
         self._loss_scaling.begin_attempt()
@@ -542,7 +557,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
         self._close_norm_pass(per_parameter)
-        self._step.norm_measured(loss, self._groups.max_norm, keep_graph=self._sharding is not None)
+        self._step.norm_measured(
+            loss,
+            self._groups.max_norm,
+            keep_graph=self._sharding is not None,
+            scale_setting=self._loss_scaling.setting,
+        )
         return self._reports.last_grad_norm
 
     def _close_norm_pass(self, per_parameter: bool) -> None:
@@ -574,7 +594,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
         self._step.keep_norm_only_for(
-            loss, self._groups.max_norm, same_batch=self._one_loss_per_pass
+            loss,
+            self._groups.max_norm,
+            same_batch=self._one_loss_per_pass,
+            scale_changed=self._loss_scaling.scale_changed_since,
         )
         if not self._step.norm_ready:
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
@@ -593,9 +616,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._accumulate_micro_batch(loss, lr)
             return
         self._check_call(loss, lr)
-        if self._one_loss_per_pass:
-            check_one_loss_pattern(self._step, loss, self._needs_norm_pass())
         self._keep_norm_only_for(loss)
+        if self._one_loss_per_pass:  # after: a norm measured at another threshold or scale
+            check_one_loss_pattern(self._step, loss, self._needs_norm_pass())
         plan = self._update_plan()
         self._step.begin(plan)
         measured = self._step.norm_ready  # by grad_norm(loss), which read this loss's graph
@@ -651,6 +674,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _check_state(self, lr: float | None) -> None:
         """`_check_call` without a loss (a step applied by `step()`)."""
         owner = type(self).__name__
+        refuse_inference_mode(f"a step of {owner}")
         if not self.attached:
             raise RuntimeError(
                 f"this {owner} was detached (detach() or the end of its with block): its "
@@ -905,6 +929,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     read = self._buffer_read(param, buffer)  # one transient at a time
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
+            self._loss_scaling.begin_attempt()  # the step attempt ended with its update
             if not self._step.updated:
                 self._give_back_call_lr()
             self._reports.record_interruption(error, True, self._step.updated)
@@ -951,6 +976,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if sharding is not None:
                 sharding.abandon()
             if phase is Phase.UPDATE:
+                self._loss_scaling.begin_attempt()  # the step attempt ended with its update
                 # Compilation fails before the graph runs: no parameter has been written.
                 aliased = isinstance(error, Exception) and (
                     _compiled_autograd.is_aliased_input_failure(error)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..distributed import Sharding
+from ._hyper import check_step_count
 from .loss_scaler import check_scaler_state
 from .loss_scaling import LossScaling
 from .param_groups import check_saved_groups
@@ -344,9 +345,10 @@ class Checkpoint:
                 raise ValueError(f"{where}[{key!r}] {problem}: the checkpoint is corrupt")
 
     def _check_saved_extra(self, extra: dict[str, Any]) -> None:
-        step = extra.get("step_count")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state_dict['lomo']['step_count'] must be an int >= 0, got {step!r}")
+        try:
+            check_step_count(extra.get("step_count"), "state_dict['lomo']['step_count']")
+        except TypeError as error:  # a corrupt checkpoint's, as its other values are
+            raise ValueError(str(error)) from None
         if extra.get("loss_scaler") is not None:
             check_scaler_state(extra["loss_scaler"], "state_dict['lomo']['loss_scaler']")
         if extra.get("single_backward") is not None:

@@ -59,7 +59,8 @@ class LossScaling:
         names the optimizer in the error."""
 
     def begin_attempt(self) -> None:
-        """A user's norm pass starts a step attempt: its overflow counts anew."""
+        """A user's norm pass starts a step attempt, and a failed update pass ends one: the
+        next norm pass's overflow counts anew."""
 
     def after_norm_pass(self, found_inf: torch.Tensor) -> None:
         """A norm pass found `found_inf` (non-zero: an overflow)."""

@@ -238,10 +238,11 @@ REPORTED_DOCS = {
 
 class Reported:
     """An optimizer attribute that reads its step reports' value of the same name (its
-    `_reports`, a `StepReports`); assigning it is refused unless `settable`."""
+    `_reports`, a `StepReports`); assigning it is refused unless a `check` is given, which
+    returns the value to keep or raises."""
 
-    def __init__(self, settable: bool = False) -> None:
-        self._settable = settable
+    def __init__(self, check: Callable[[Any], Any] | None = None) -> None:
+        self._check = check
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -253,6 +254,6 @@ class Reported:
         return getattr(optimizer._reports, self._name)
 
     def __set__(self, optimizer: Any, value: Any) -> None:
-        if not self._settable:
+        if self._check is None:
             raise AttributeError(f"{self._name} is what the optimizer reports: read-only")
-        setattr(optimizer._reports, self._name, value)
+        setattr(optimizer._reports, self._name, self._check(value))

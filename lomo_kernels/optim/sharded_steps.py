@@ -27,6 +27,7 @@ def check_one_loss_pattern(step: Step, loss: torch.Tensor, needs_norm_pass: bool
         what = (
             "fused_backward got the loss grad_norm already back-propagated"
             if same_graph
-            else "this step needs a norm pass (clip_grad_norm or fp16) before the update"
+            else "this step needs a norm pass (clip_grad_norm or fp16) before the update, at "
+            "its clip threshold and loss scale (one set since grad_norm is measured again)"
         )
         raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +64,11 @@ class Step:
     row_block_params: set[int] = field(default_factory=set)
     whole_params: set[int] = field(default_factory=set)
     # The loss the norm pass measured (weakly: a collected loss whose id() is reused never
-    # matches), with the clip threshold then and, under sharding, its graph.
+    # matches), with the clip threshold and the loss scale's setting then and, under
+    # sharding, its graph.
     _norm_loss: weakref.ref[torch.Tensor] | None = None
     _norm_max_norm: float | None = None
+    _norm_scale_setting: Any = None
     _norm_graph: Any = None
 
     def begin(self, plan: Plan) -> None:
@@ -91,24 +94,40 @@ class Step:
     # The transitions that keep a reference to the loss are host bookkeeping, kept out of a
     # compiled step (a traced weakref would break the graph and its guards recompile).
     @torch.compiler.disable
-    def norm_measured(self, loss: torch.Tensor, max_norm: float | None, keep_graph: bool) -> None:
-        """A norm pass of `loss` with clip threshold `max_norm` completed; `keep_graph`: the
-        graph is remembered, to refuse back-propagating it a second time (ZeRO-3)."""
+    def norm_measured(
+        self,
+        loss: torch.Tensor,
+        max_norm: float | None,
+        keep_graph: bool,
+        scale_setting: Callable[[], object],
+    ) -> None:
+        """A norm pass of `loss` with clip threshold `max_norm` completed, at the loss scale
+        `scale_setting()` tells (`LossScaling.setting`); `keep_graph`: the graph is
+        remembered, to refuse back-propagating it a second time (ZeRO-3)."""
         self.norm_ready = True
         self._norm_loss = weakref.ref(loss)
         self._norm_max_norm = max_norm
+        self._norm_scale_setting = scale_setting()
         self._norm_graph = loss.grad_fn if keep_graph else None
 
     @torch.compiler.disable
     def keep_norm_only_for(
-        self, loss: torch.Tensor, max_norm: float | None, same_batch: bool
+        self,
+        loss: torch.Tensor,
+        max_norm: float | None,
+        same_batch: bool,
+        scale_changed: Callable[[object], bool],
     ) -> None:
         """Keeps the measured norm only if it is of `loss` with the threshold `max_norm`
-        (`same_batch`: any loss counts, the norm pass having had a forward of its own)."""
+        (`same_batch`: any loss counts, the norm pass having had a forward of its own) and
+        the loss scale was not set since (`scale_changed`, `LossScaling.scale_changed_since`:
+        the update pass would scale by another factor than the one whose overflow the norm
+        pass checked)."""
         serves = self._norm_max_norm == max_norm and (
             same_batch or (self._norm_loss is not None and self._norm_loss() is loss)
         )
-        self.norm_ready = self.norm_ready and serves
+        # (The scale's setting is read only for a norm still kept: a changed one may sync.)
+        self.norm_ready = self.norm_ready and serves and not scale_changed(self._norm_scale_setting)
 
     def same_graph_as_norm(self, loss: torch.Tensor) -> bool:
         """Whether `loss` is the one whose graph the measured norm's pass back-propagated."""

@@ -145,6 +145,18 @@ def split_loss_scale_args(args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in args.items() if k != "dtype"}
 
 
+def refuse_inference_mode(call: str) -> None:
+    """Refuses `call` under ``torch.inference_mode()``, before any change: the tensors a step
+    makes there (its device scalars, buffers, moments) could not be written outside it
+    again, and a backward cannot run."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{call} under torch.inference_mode(): no backward runs there, and the tensors the "
+            "optimizer makes there could never be updated outside it. Call it outside "
+            "inference_mode (torch.no_grad() around it is fine). Nothing was changed."
+        )
+
+
 def check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("the loss must be a scalar tensor")

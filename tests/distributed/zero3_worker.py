@@ -200,9 +200,10 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
 
 
 def run_one_loss_pattern(rank: int, checks: dict) -> None:
-    """Both refusals of the one-loss pattern, each before any change: the parameters' owned
+    """The refusals of the one-loss pattern, each before any change: the parameters' owned
     elements (the padding NaN-filled: a NaN there is no change) and everything
-    `optimizer_snapshot` holds, on every rank."""
+    `optimizer_snapshot` holds, on every rank. The third: a norm measured at another clip
+    threshold than the step's, which the update pass's own forward cannot measure again."""
     engine = build()
     model = engine.module
     opt = Lomo(engine, lr=0.05, clip_grad_norm=0.3)
@@ -218,10 +219,18 @@ def run_one_loss_pattern(rank: int, checks: dict) -> None:
         opt.fused_backward(model(rank_batch(0, rank)))  # clip set, no norm pass
     except RuntimeError as exc:
         errors.append(str(exc))
+    changed = changes_since(before, model, opt)
+    opt.grad_norm(model(rank_batch(1, rank)))
+    opt.clip_grad_norm = 0.5  # that norm pass clipped at 0.3
+    before = optimizer_snapshot(model, opt)
+    try:
+        opt.fused_backward(model(rank_batch(1, rank)))
+    except RuntimeError as exc:
+        errors.append(str(exc))
     padding = nan_padding(model)
     checks["one_loss"] = {
         "errors": errors,
-        "changed": changes_since(before, model, opt),
+        "changed": changed or changes_since(before, model, opt),
         "padding": padding,
         "whole_equal": whole_equal(model, whole),
     }

@@ -403,7 +403,10 @@ def test_refusals_before_any_change(tmp_path):
     assert_refused(model, opt, save, RuntimeError, waiting)
     assert not (tmp_path / "ckpt").exists()
     load = lambda: lomo_kernels.load_checkpoint(tmp_path / "saved", model, opt)  # noqa: E731
-    assert_refused(model, opt, load, RuntimeError, waiting)
+    assert_refused(model, opt, load, RuntimeError, rf"load_checkpoint\(\) with {waiting}")
+    # Named as a load before any file is read: a missing checkpoint is not reached.
+    missing = lambda: lomo_kernels.load_checkpoint(tmp_path / "none", model, opt)  # noqa: E731
+    assert_refused(model, opt, missing, RuntimeError, rf"load_checkpoint\(\) with {waiting}")
     # A sparse gradient (here torch.gather's, which no module flag shows): seen in the loss's
     # graph, before the backward adds anything into the buffers.
     embed = model.model.embed_tokens
@@ -412,6 +415,23 @@ def test_refusals_before_any_change(tmp_path):
     ).reshape(*ids.shape, -1)
     sparse = model(**micro_batches(0)[1]).loss / K
     assert_refused(model, opt, lambda: opt.fused_backward(sparse), ValueError, "sparse_grad")
+    assert opt.pending_micro_batches == 1
+
+
+def test_a_load_in_a_loop_that_ends_the_steps_is_refused_as_a_load(tmp_path):
+    """In a loop that decides where steps end (a Trainer's), a save mid-step leaves the
+    pending micro-batches out with a warning; a load is refused all the same, as a load,
+    before any file is read, and without that save-time warning."""
+    import lomo_kernels
+
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    lomo_kernels.save_checkpoint(tmp_path / "saved", model, opt)
+    opt._fused_backward_in_loop(model(**micro_batches(0)[0]).loss / K, None, loop_syncs=False)
+    load = lambda: lomo_kernels.load_checkpoint(tmp_path / "saved", model, opt)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_refused(model, opt, load, RuntimeError, r"load_checkpoint\(\) with 1 micro-batch")
     assert opt.pending_micro_batches == 1
 
 

@@ -203,6 +203,39 @@ def test_lr_from_param_groups_follows_scheduler():
     assert max_rel_diff(ours, ref) <= 1e-6
 
 
+@pytest.mark.parametrize("kind", ["one_cycle", "cyclic"])
+def test_cyclic_schedulers_without_momentum_follow_sgd(kind):
+    """docs/usage.md: OneCycleLR and CyclicLR take cycle_momentum=False (torch refuses their
+    default for an optimizer without momentum, as for SGD without it); the lr and the weights
+    then follow torch's SGD under the same scheduler."""
+
+    def scheduler(opt, cycle_momentum=False):
+        if kind == "one_cycle":
+            return torch.optim.lr_scheduler.OneCycleLR(
+                opt, max_lr=0.1, total_steps=6, cycle_momentum=cycle_momentum
+            )
+        return torch.optim.lr_scheduler.CyclicLR(
+            opt, base_lr=0.01, max_lr=0.1, step_size_up=2, cycle_momentum=cycle_momentum
+        )
+
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        scheduler(opt, cycle_momentum=True)
+    sched = scheduler(opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_sched = scheduler(ref_opt)
+    for step in range(5):
+        opt.fused_backward(ours(**batch(step)).loss)
+        sched.step()
+        ref_opt.zero_grad()
+        ref(**batch(step)).loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
 def test_tied_parameters_updated_once():
     ours, ref = tiny_llama(tie_word_embeddings=True), tiny_llama(tie_word_embeddings=True)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight

@@ -1,6 +1,6 @@
 """The step's transitions: a measured norm serves only the loss it measured, with the
-clip threshold of then (or any loss of the batch where each pass has its own forward), and
-closing the update pass forgets it. End to end in test_lomo_optimizer.py and
+clip threshold and loss scale of then (or any loss of the batch where each pass has its own
+forward), and closing the update pass forgets it. End to end in test_lomo_optimizer.py and
 test_single_backward.py; here the rules alone."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import torch
 
 from lomo_kernels.optim.step import Phase, Plan, Step
 
+SCALE = 1024.0  # the loss scale's setting at the norm pass (`LossScaling.setting`)
+
 
 def measured(loss: torch.Tensor, max_norm: float | None = 1.0, graph: bool = False) -> Step:
     mode = Step()
     mode.begin_pass(Phase.NORM)
     mode.end_pass()
-    mode.norm_measured(loss, max_norm, keep_graph=graph)
+    mode.norm_measured(loss, max_norm, keep_graph=graph, scale_setting=lambda: SCALE)
     return mode
 
 
@@ -22,13 +24,24 @@ def a_loss() -> torch.Tensor:
     return (torch.ones(2, requires_grad=True) * 2).sum()
 
 
-def test_norm_serves_only_its_loss_and_threshold():
+def test_norm_serves_only_its_loss_threshold_and_scale():
     loss, other = a_loss(), a_loss()
-    cases = [(loss, 1.0, False, True), (other, 1.0, False, False), (loss, 2.0, False, False)]
-    cases.append((other, 1.0, True, True))  # a forward per pass: any loss of the batch
-    for candidate, max_norm, same_batch, kept in cases:
+    cases = [
+        (loss, 1.0, False, SCALE, True),
+        (other, 1.0, False, SCALE, False),
+        (loss, 2.0, False, SCALE, False),
+        (loss, 1.0, False, 2 * SCALE, False),  # a scale set since: measured again
+        (other, 1.0, True, SCALE, True),  # a forward per pass: any loss of the batch
+        (other, 1.0, True, 2 * SCALE, False),
+    ]
+    for candidate, max_norm, same_batch, scale, kept in cases:
         mode = measured(loss)
-        mode.keep_norm_only_for(candidate, max_norm, same_batch=same_batch)
+        mode.keep_norm_only_for(
+            candidate,
+            max_norm,
+            same_batch=same_batch,
+            scale_changed=lambda setting, scale=scale: setting != scale,
+        )
         assert mode.norm_ready is kept
 
 
