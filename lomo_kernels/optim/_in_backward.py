@@ -521,22 +521,26 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise RuntimeError(GRAD_NORM_WITH_ACCUMULATION_ERROR)
         self._step.begin(Plan.NORM_THEN_UPDATE)
         self._read_graph(loss, whole=False)
-        # This pass replaces an earlier loss's measurement, also where it fails midway (its
-        # sums and flags are then partial).
-        self._step.forget_norm()
-        # A user's norm pass starts a step attempt (lomo-optim's trainer skips the update
-        # pass after an overflow and tries again): its overflow counts anew.
-        self._loss_scaling.begin_attempt()
-        return self._norm_pass(loss)
+        return self._norm_pass(loss, new_attempt=True)
 
     @property
     def _one_loss_per_pass(self) -> bool:
         """Whether each pass needs a forward of its own (ZeRO-3)."""
         return self._sharding is not None and not self._sharding.second_backward_ok
 
-    def _norm_pass(self, loss: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+    def _norm_pass(
+        self, loss: torch.Tensor, lr: float | None = None, new_attempt: bool = False
+    ) -> torch.Tensor:
+        """A norm pass of `loss`, once nothing refuses it; `new_attempt`: a user's
+        (`grad_norm`), which replaces an earlier loss's measurement, also where it fails
+        midway (its sums and flags are then partial), and starts a step attempt
+        (lomo-optim's trainer skips the update pass after an overflow and tries again): its
+        overflow counts anew."""
         self._check_call(loss, lr)
         self._reports.report_previous_step()
+        if new_attempt:
+            self._step.forget_norm()
+            self._loss_scaling.begin_attempt()
         self._prepare_scalars(lr)
         # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
         # one running sum (a slot per parameter would be one more graph input each).
@@ -593,13 +597,25 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
-        self._step.keep_norm_only_for(
-            loss,
-            self._groups.max_norm,
-            same_batch=self._one_loss_per_pass,
-            scale_changed=self._loss_scaling.scale_changed_since,
+        """Keeps the measured norm for `fused_backward(loss)` only if it serves it: of this
+        loss (under ZeRO-3, of this batch) with the step's clip threshold, at the loss
+        scale the update pass scales by (one the caller set since starts the step attempt
+        anew: measured again, its overflow lowers the scale from there). Under ZeRO-3 a pass
+        that cannot run is refused first, with nothing changed."""
+        step = self._step
+        # (The scale's setting is read only for a norm still kept: a changed one may sync.)
+        scale_set = step.norm_ready and self._loss_scaling.scale_changed_since(
+            step.norm_scale_setting
         )
-        if not self._step.norm_ready:
+        serves = not scale_set and step.norm_serves(
+            loss, self._groups.max_norm, same_batch=self._one_loss_per_pass
+        )
+        if self._one_loss_per_pass:
+            check_one_loss_pattern(step, loss, self._needs_norm_pass(), serves)
+        if scale_set:
+            self._loss_scaling.begin_attempt()
+        if not serves:
+            step.forget_norm()
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -617,8 +633,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return
         self._check_call(loss, lr)
         self._keep_norm_only_for(loss)
-        if self._one_loss_per_pass:  # after: a norm measured at another threshold or scale
-            check_one_loss_pattern(self._step, loss, self._needs_norm_pass())
         plan = self._update_plan()
         self._step.begin(plan)
         measured = self._step.norm_ready  # by grad_norm(loss), which read this loss's graph

@@ -18,16 +18,19 @@ ONE_LOSS_UNDER_SHARDING = (
 )
 
 
-def check_one_loss_pattern(step: Step, loss: torch.Tensor, needs_norm_pass: bool) -> None:
+def check_one_loss_pattern(
+    step: Step, loss: torch.Tensor, needs_norm_pass: bool, norm_serves: bool
+) -> None:
     """Refuses, before any change, a second backward over a ZeRO-3 loss's graph, or an update
-    pass missing the norm pass it needs (`needs_norm_pass`); `step`: the step in progress."""
+    pass missing the norm pass it needs (`needs_norm_pass`; `norm_serves`: whether the
+    measured norm serves it); `step`: the step in progress."""
     same_graph = step.same_graph_as_norm(loss)
-    if same_graph or (needs_norm_pass and not step.norm_ready):
+    if same_graph or (needs_norm_pass and not norm_serves):
         step.forget_norm()
         what = (
             "fused_backward got the loss grad_norm already back-propagated"
             if same_graph
             else "this step needs a norm pass (clip_grad_norm or fp16) before the update, at "
-            "its clip threshold and loss scale (one set since grad_norm is measured again)"
+            "the step's clip threshold and loss scale"
         )
         raise RuntimeError(f"{what}; {ONE_LOSS_UNDER_SHARDING}")

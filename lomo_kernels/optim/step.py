@@ -17,8 +17,8 @@ The optimizer keeps one `Step` for its lifetime and starts each step on it (`beg
 than building a new one: the hooks read its fields, and a compiled backward guards on their
 values, which stay the same from step to step, where a new object each step would be a new
 guard each step. Every reset of the step's state is here: `begin`, `begin_pass`/`end_pass`,
-`begin_update`/`end_update` and the norm's `norm_measured`/`keep_norm_only_for`/
-`forget_norm`.
+`begin_update`/`end_update` and the norm's `norm_measured`/`forget_norm` (`norm_serves`
+and `same_graph_as_norm` only ask).
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ class Step:
     updated: list[torch.Tensor] = field(default_factory=list)
     row_block_params: set[int] = field(default_factory=set)
     whole_params: set[int] = field(default_factory=set)
+    # The loss scale's setting at the norm pass (`LossScaling.setting`): the norm serves an
+    # update pass scaled by the same factor only.
+    norm_scale_setting: Any = None
     # The loss the norm pass measured (weakly: a collected loss whose id() is reused never
-    # matches), with the clip threshold and the loss scale's setting then and, under
-    # sharding, its graph.
+    # matches), with the clip threshold then and, under sharding, its graph.
     _norm_loss: weakref.ref[torch.Tensor] | None = None
     _norm_max_norm: float | None = None
-    _norm_scale_setting: Any = None
     _norm_graph: Any = None
 
     def begin(self, plan: Plan) -> None:
@@ -107,27 +108,19 @@ class Step:
         self.norm_ready = True
         self._norm_loss = weakref.ref(loss)
         self._norm_max_norm = max_norm
-        self._norm_scale_setting = scale_setting()
+        self.norm_scale_setting = scale_setting()
         self._norm_graph = loss.grad_fn if keep_graph else None
 
     @torch.compiler.disable
-    def keep_norm_only_for(
-        self,
-        loss: torch.Tensor,
-        max_norm: float | None,
-        same_batch: bool,
-        scale_changed: Callable[[object], bool],
-    ) -> None:
-        """Keeps the measured norm only if it is of `loss` with the threshold `max_norm`
-        (`same_batch`: any loss counts, the norm pass having had a forward of its own) and
-        the loss scale was not set since (`scale_changed`, `LossScaling.scale_changed_since`:
-        the update pass would scale by another factor than the one whose overflow the norm
-        pass checked)."""
-        serves = self._norm_max_norm == max_norm and (
-            same_batch or (self._norm_loss is not None and self._norm_loss() is loss)
+    def norm_serves(self, loss: torch.Tensor, max_norm: float | None, same_batch: bool) -> bool:
+        """Whether a norm was measured of `loss` with the threshold `max_norm` (`same_batch`:
+        any loss counts, the norm pass having had a forward of its own); the loss scale is
+        the caller's to compare (`norm_scale_setting`)."""
+        return (
+            self.norm_ready
+            and self._norm_max_norm == max_norm
+            and (same_batch or (self._norm_loss is not None and self._norm_loss() is loss))
         )
-        # (The scale's setting is read only for a norm still kept: a changed one may sync.)
-        self.norm_ready = self.norm_ready and serves and not scale_changed(self._norm_scale_setting)
 
     def same_graph_as_norm(self, loss: torch.Tensor) -> bool:
         """Whether `loss` is the one whose graph the measured norm's pass back-propagated."""

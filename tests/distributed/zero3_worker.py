@@ -201,36 +201,43 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
 
 def run_one_loss_pattern(rank: int, checks: dict) -> None:
     """The refusals of the one-loss pattern, each before any change: the parameters' owned
-    elements (the padding NaN-filled: a NaN there is no change) and everything
-    `optimizer_snapshot` holds, on every rank. The third: a norm measured at another clip
-    threshold than the step's, which the update pass's own forward cannot measure again."""
+    elements (the padding NaN-filled: a NaN there is no change), everything
+    `optimizer_snapshot` holds and the last measured norm, on every rank. The third and
+    fourth follow a change of the clip threshold since grad_norm: to another (the update
+    pass's own forward cannot measure again) and to none (no norm pass needed, but the
+    loss is grad_norm's, back-propagated already)."""
     engine = build()
     model = engine.module
     opt = Lomo(engine, lr=0.05, clip_grad_norm=0.3)
-    errors = []
+    errors, changed = [], []
+
+    def refused(call, loss) -> None:
+        before, norm = optimizer_snapshot(model, opt), opt.last_grad_norm
+        try:
+            call(loss)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        changed.append(changes_since(before, model, opt))
+        if opt.last_grad_norm is not norm:
+            changed.append("last_grad_norm")
+
     loss = model(rank_batch(0, rank))
     opt.grad_norm(loss)
-    before, whole = optimizer_snapshot(model, opt), whole_partitions(model)
-    try:
-        opt.fused_backward(loss)
-    except RuntimeError as exc:
-        errors.append(str(exc))
-    try:
-        opt.fused_backward(model(rank_batch(0, rank)))  # clip set, no norm pass
-    except RuntimeError as exc:
-        errors.append(str(exc))
-    changed = changes_since(before, model, opt)
+    whole = whole_partitions(model)
+    refused(opt.fused_backward, loss)
+    refused(opt.fused_backward, model(rank_batch(0, rank)))  # clip set, no norm pass
     opt.grad_norm(model(rank_batch(1, rank)))
     opt.clip_grad_norm = 0.5  # that norm pass clipped at 0.3
-    before = optimizer_snapshot(model, opt)
-    try:
-        opt.fused_backward(model(rank_batch(1, rank)))
-    except RuntimeError as exc:
-        errors.append(str(exc))
+    refused(opt.fused_backward, model(rank_batch(1, rank)))
+    loss = model(rank_batch(2, rank))
+    opt.clip_grad_norm = 0.3
+    opt.grad_norm(loss)
+    opt.clip_grad_norm = None
+    refused(opt.fused_backward, loss)
     padding = nan_padding(model)
     checks["one_loss"] = {
         "errors": errors,
-        "changed": changed or changes_since(before, model, opt),
+        "changed": [c for c in changed if c is not None] or None,
         "padding": padding,
         "whole_equal": whole_equal(model, whole),
     }

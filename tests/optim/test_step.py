@@ -1,6 +1,7 @@
 """The step's transitions: a measured norm serves only the loss it measured, with the
-clip threshold and loss scale of then (or any loss of the batch where each pass has its own
-forward), and closing the update pass forgets it. End to end in test_lomo_optimizer.py and
+clip threshold of then (or any loss of the batch where each pass has its own forward; the
+loss scale is compared by the optimizer: test_step_attempts.py), and closing the update
+pass forgets it. End to end in test_lomo_optimizer.py and
 test_single_backward.py; here the rules alone."""
 
 from __future__ import annotations
@@ -24,25 +25,17 @@ def a_loss() -> torch.Tensor:
     return (torch.ones(2, requires_grad=True) * 2).sum()
 
 
-def test_norm_serves_only_its_loss_threshold_and_scale():
+def test_norm_serves_only_its_loss_and_threshold():
     loss, other = a_loss(), a_loss()
-    cases = [
-        (loss, 1.0, False, SCALE, True),
-        (other, 1.0, False, SCALE, False),
-        (loss, 2.0, False, SCALE, False),
-        (loss, 1.0, False, 2 * SCALE, False),  # a scale set since: measured again
-        (other, 1.0, True, SCALE, True),  # a forward per pass: any loss of the batch
-        (other, 1.0, True, 2 * SCALE, False),
-    ]
-    for candidate, max_norm, same_batch, scale, kept in cases:
+    cases = [(loss, 1.0, False, True), (other, 1.0, False, False), (loss, 2.0, False, False)]
+    cases.append((other, 1.0, True, True))  # a forward per pass: any loss of the batch
+    for candidate, max_norm, same_batch, serves in cases:
         mode = measured(loss)
-        mode.keep_norm_only_for(
-            candidate,
-            max_norm,
-            same_batch=same_batch,
-            scale_changed=lambda setting, scale=scale: setting != scale,
-        )
-        assert mode.norm_ready is kept
+        assert mode.norm_serves(candidate, max_norm, same_batch=same_batch) is serves
+        assert mode.norm_ready and mode.norm_scale_setting == SCALE  # asking changes nothing
+    mode = measured(loss)
+    mode.forget_norm()
+    assert not mode.norm_serves(loss, 1.0, same_batch=True)
 
 
 def test_end_update_reports_the_norm_pass_and_forgets_it():

@@ -5,6 +5,7 @@ each sequence below ends as the same steps without the failed or changed call.""
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -39,13 +40,19 @@ def overflowing_loss_failing_midway(model: torch.nn.Module) -> torch.Tensor:
     return model[2](model[1](hidden)).float().pow(2).mean() * float("inf")
 
 
+def loss_scale(opt) -> float | None:
+    if isinstance(opt, Lomo):
+        return None if opt.loss_scaler is None else opt.loss_scaler.cur_scale
+    return opt.loss_scale
+
+
 def outcome(model, opt) -> tuple:
-    """The parameters and what the optimizer reports of its last step."""
+    """The parameters, what the optimizer reports of its last step, and the loss scale."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a skipped step warns; compared below instead
         opt.flush_report()
     params = [p.detach().clone() for p in model.parameters()]
-    return params, opt.last_step_skipped, opt.last_step_partial, opt.step_count
+    return params, opt.last_step_skipped, opt.last_step_partial, opt.step_count, loss_scale(opt)
 
 
 def assert_same_outcome(a: tuple, b: tuple) -> None:
@@ -78,30 +85,27 @@ def test_a_grad_norm_failing_midway_leaves_no_measurement(name, nonfinite_a):
     assert_same_outcome(run(fail_between=True), expected)
 
 
-def test_an_update_pass_failing_after_an_overflow_ends_the_attempt():
-    """fp16: a step whose norm pass overflows (the scale is lowered at once, as lomo-optim
-    does) and whose update pass then raises; each later overflowing step lowers the scale
-    again, as when the first step did not raise."""
+@pytest.mark.parametrize("k", [1, 2], ids=["update_pass", "apply_from_the_buffers"])
+def test_an_update_failing_after_an_overflow_ends_the_attempt(k):
+    """fp16: a step whose gradients overflow (a norm pass, or the micro-batches, find it and
+    lower the scale at once, as lomo-optim does) and whose update then raises: the update
+    pass (`k` = 1), or the step applied from the buffers (`k` = 2 micro-batches); each later
+    overflowing step lowers the scale again, as when the first step did not raise."""
 
     def scales(interrupt: bool) -> list[float]:
         model = mlp().half()
-        opt = Lomo(model, lr=0.01)
+        opt = Lomo(model, lr=0.01, accumulation_steps=k)
         seen = []
         for step in range(3):
-            loss = loss_of(model, step) * 1e30  # overflows fp16 at any scale
+            for micro_batch in range(k - 1):
+                opt.fused_backward(loss_of(model, k * step + micro_batch) * 1e30)
+            last = loss_of(model, k * step + k - 1) * 1e30  # overflows fp16 at any scale
             if interrupt and step == 0:
-                calls = []
-
-                def hook(grad, calls=calls):
-                    calls.append(1)
-                    if len(calls) == 2:  # the update pass; the norm pass is the first
-                        raise Interrupted("update pass")
-
-                loss.register_hook(hook)
-                with pytest.raises(Interrupted):
-                    opt.fused_backward(loss)
+                failing = mock.patch.object(opt, "_update_whole", side_effect=Interrupted("x"))
+                with failing, pytest.raises(Interrupted):
+                    opt.fused_backward(last)
             else:
-                opt.fused_backward(loss)
+                opt.fused_backward(last)
             seen.append(opt.loss_scaler.cur_scale)
         return seen
 
@@ -111,13 +115,19 @@ def test_an_update_pass_failing_after_an_overflow_ends_the_attempt():
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-@pytest.mark.parametrize("new_scale", [2.0**40, 2.0**10], ids=["overflows", "fits"])
-def test_a_loss_scale_set_after_grad_norm_is_measured_again(name, new_scale):
+@pytest.mark.parametrize(
+    ("new_scale", "factor"),
+    [(2.0**40, 1.0), (2.0**10, 1.0), (2.0**10, 1e30)],
+    ids=["overflows", "fits", "overflows-at-both"],
+)
+def test_a_loss_scale_set_after_grad_norm_is_measured_again(name, new_scale, factor):
     """fp16: grad_norm(loss) at one scale, then the caller sets another (lomo-optim's
     `loss_scaler.cur_scale`, AdaLomo's `loss_scale`) before fused_backward(loss). The update
     pass scales by the new one, so the step is the one fused_backward gives at that scale
     alone: an overflow there is found and the step skipped (it was applied unchecked and
-    reported clean), a scale that fits steps as usual."""
+    reported clean), and lowers Lomo's scale from the value set, also where grad_norm's
+    overflow had lowered it already (`factor`: a loss that overflows at any scale); a scale
+    that fits steps as usual."""
 
     def set_scale(opt) -> None:
         if isinstance(opt, Lomo):
@@ -128,7 +138,7 @@ def test_a_loss_scale_set_after_grad_norm_is_measured_again(name, new_scale):
     def run(grad_norm_first: bool) -> tuple:
         model = mlp().half()
         opt = OPTIMIZERS[name](model, lr=0.01)
-        loss = loss_of(model, 0)
+        loss = loss_of(model, 0) * factor
         if grad_norm_first:
             opt.grad_norm(loss)
         set_scale(opt)
@@ -136,5 +146,33 @@ def test_a_loss_scale_set_after_grad_norm_is_measured_again(name, new_scale):
         return outcome(model, opt)
 
     expected = run(grad_norm_first=False)
-    assert expected[1] is (new_scale == 2.0**40)
+    assert expected[1] is (new_scale == 2.0**40 or factor > 1)
     assert_same_outcome(run(grad_norm_first=True), expected)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("refusal", ["non_scalar", "inference_mode"])
+def test_a_refused_grad_norm_leaves_the_earlier_measurement(name, refusal):
+    """fp16, a loss that overflows: grad_norm(A) (Lomo's scale lowered once), a grad_norm
+    refused before its pass, then fused_backward(A): A's measurement serves it (one norm
+    pass in all, no second lowering of the scale), as without the refused call."""
+
+    def run(refused_between: bool) -> tuple:
+        model = mlp().half()
+        opt = OPTIMIZERS[name](model, lr=0.01)
+        passes = []
+        loss_a = loss_of(model, 0) * 1e30
+        loss_a.register_hook(lambda grad: passes.append(1))
+        opt.grad_norm(loss_a)
+        if refused_between and refusal == "non_scalar":
+            with pytest.raises(ValueError, match="scalar"):
+                opt.grad_norm(torch.stack([loss_of(model, 1), loss_of(model, 2)]))
+        elif refused_between:
+            with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+                opt.grad_norm(loss_a)
+        opt.fused_backward(loss_a)
+        return (*outcome(model, opt), len(passes))
+
+    expected = run(refused_between=False)
+    assert expected[1] and expected[-1] == 2  # skipped; a norm pass and the update pass
+    assert_same_outcome(run(refused_between=True), expected)
