@@ -376,11 +376,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         non-finite flag itself (`Piece.on_grad_sumsq`)."""
         return False
 
-    def _update_plan(self) -> Plan:
+    def _update_plan(self, measured: bool) -> Plan:
         """The plan of the step `fused_backward` starts (step.py), decided once: a norm pass
-        measured (or to measure) first where clipping by norm or fp16 needs one, unless the
-        update pass measures as it goes (single_backward)."""
-        if self._step.norm_ready:
+        measured (`measured`: one serves it) or to measure first where clipping by norm or
+        fp16 needs one, unless the update pass measures as it goes (single_backward)."""
+        if measured:
             return Plan.NORM_THEN_UPDATE
         if not self._needs_detection_pass():
             return Plan.UPDATE
@@ -521,7 +521,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise RuntimeError(GRAD_NORM_WITH_ACCUMULATION_ERROR)
         self._step.begin(Plan.NORM_THEN_UPDATE)
         self._read_graph(loss, whole=False)
-        return self._norm_pass(loss, new_attempt=True)
+        self._check_call(loss)
+        self._reports.report_previous_step()
+        try:
+            return self._norm_pass(loss, new_attempt=True)
+        except BaseException:
+            # Refused by the checks above, the call left an earlier loss's measurement; from
+            # here its preparation reset the device sums and flags that measurement was.
+            self._step.forget_norm()
+            raise
 
     @property
     def _one_loss_per_pass(self) -> bool:
@@ -531,16 +539,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _norm_pass(
         self, loss: torch.Tensor, lr: float | None = None, new_attempt: bool = False
     ) -> torch.Tensor:
-        """A norm pass of `loss`, once nothing refuses it; `new_attempt`: a user's
-        (`grad_norm`), which replaces an earlier loss's measurement, also where it fails
-        midway (its sums and flags are then partial), and starts a step attempt
+        """A norm pass of `loss`, once the call's checks passed and the previous step was
+        reported; `new_attempt`: a user's (`grad_norm`), which starts a step attempt
         (lomo-optim's trainer skips the update pass after an overflow and tries again): its
         overflow counts anew."""
-        self._check_call(loss, lr)
-        self._reports.report_previous_step()
-        if new_attempt:
-            self._step.forget_norm()
-            self._loss_scaling.begin_attempt()
         self._prepare_scalars(lr)
         # Per-parameter sums (grad_norms) in eager backward; a compiled backward keeps the
         # one running sum (a slot per parameter would be one more graph input each).
@@ -560,7 +562,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if donated and retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
-        self._close_norm_pass(per_parameter)
+        self._close_norm_pass(per_parameter, new_attempt)
         self._step.norm_measured(
             loss,
             self._groups.max_norm,
@@ -569,11 +571,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         )
         return self._reports.last_grad_norm
 
-    def _close_norm_pass(self, per_parameter: bool) -> None:
+    def _close_norm_pass(self, per_parameter: bool, new_attempt: bool = False) -> None:
         """The gradients measured into the device scalars (by a norm pass, or by the
         micro-batches into their buffers) made the step's: their global sum of squares,
         inf/nan count and, `per_parameter`, each parameter's sum, all-reduced under sharding,
-        reported, turned into the clip coefficient and given to every device's updates."""
+        reported, turned into the clip coefficient and given to every device's updates
+        (`new_attempt`: `_norm_pass`'s)."""
         self._scalars.close_norm_pass()
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
@@ -593,15 +596,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self._reports.norms_measured(total_sumsq.sqrt(), param_norms, clip_coef)
         self._scalars.share_norm_outcome(found, clip_coef)
-        self._loss_scaling.after_norm_pass(found)
+        self._loss_scaling.after_norm_pass(found, new_attempt)
 
     @torch.compiler.disable
-    def _keep_norm_only_for(self, loss: torch.Tensor) -> None:
-        """Keeps the measured norm for `fused_backward(loss)` only if it serves it: of this
-        loss (under ZeRO-3, of this batch) with the step's clip threshold, at the loss
-        scale the update pass scales by (one the caller set since starts the step attempt
-        anew: measured again, its overflow lowers the scale from there). Under ZeRO-3 a pass
-        that cannot run is refused first, with nothing changed."""
+    def _measured_norm_for(self, loss: torch.Tensor) -> tuple[bool, bool]:
+        """Whether the measured norm serves `fused_backward(loss)`: of this loss (under
+        ZeRO-3, of this batch) with the step's clip threshold, at the loss scale the update
+        pass scales by; and whether the caller set the scale since it was measured. Only
+        asks; under ZeRO-3 it refuses a pass that cannot run."""
         step = self._step
         # (The scale's setting is read only for a norm still kept: a changed one may sync.)
         scale_set = step.norm_ready and self._loss_scaling.scale_changed_since(
@@ -612,10 +614,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         )
         if self._one_loss_per_pass:
             check_one_loss_pattern(step, loss, self._needs_norm_pass(), serves)
+        return serves, scale_set
+
+    @torch.compiler.disable
+    def _keep_measured_norm(self, serves: bool, scale_set: bool) -> None:
+        """Once nothing refuses the step (`_measured_norm_for` said): a norm that does not
+        serve it is dropped, and a scale the caller set since starts the step attempt anew
+        (measured again, its overflow lowers the scale from the value set)."""
         if scale_set:
             self._loss_scaling.begin_attempt()
         if not serves:
-            step.forget_norm()
+            self._step.forget_norm()
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:
@@ -632,20 +641,21 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._accumulate_micro_batch(loss, lr)
             return
         self._check_call(loss, lr)
-        self._keep_norm_only_for(loss)
-        plan = self._update_plan()
-        self._step.begin(plan)
-        measured = self._step.norm_ready  # by grad_norm(loss), which read this loss's graph
+        # measured: by grad_norm(loss), which read this loss's graph.
+        measured, scale_set = self._measured_norm_for(loss)
+        plan = self._update_plan(measured)
         if not measured:
             # The whole graph where no norm pass would meet such a gradient first.
             graph = self._read_graph(loss, whole=plan is not Plan.NORM_THEN_UPDATE)
             eager_backward = not _compiled_autograd.compiled_autograd_active()
             if plan is Plan.SINGLE_BACKWARD and graph.compiled_region and eager_backward:
                 raise RuntimeError(SINGLE_BACKWARD_ORDER_ERROR)
+        self._keep_measured_norm(measured, scale_set)
+        self._step.begin(plan)
+        self._reports.report_previous_step()
         if plan is Plan.NORM_THEN_UPDATE and not measured:
             self._norm_pass(loss, lr)  # same attempt as a grad_norm of another loss
         else:
-            self._reports.report_previous_step()
             self._prepare_scalars(lr)
         self._take_call_lr(lr, on_devices=True)  # nothing can refuse the call now
         single = self._step.begin_update()

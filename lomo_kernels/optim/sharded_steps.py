@@ -26,7 +26,8 @@ def check_one_loss_pattern(
     measured norm serves it); `step`: the step in progress."""
     same_graph = step.same_graph_as_norm(loss)
     if same_graph or (needs_norm_pass and not norm_serves):
-        step.forget_norm()
+        # The measured norm stays: the pattern's own update pass (a forward of its own) may
+        # follow the refused call.
         what = (
             "fused_backward got the loss grad_norm already back-propagated"
             if same_graph

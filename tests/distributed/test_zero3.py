@@ -89,13 +89,12 @@ def test_zero3_persistent_parameters_refreshed(checks):
             assert rank[name]["stale_persistent"] == []
 
 
-# The refusals of the one-loss pattern (sharded_steps.py), in the worker's order: the loss
-# grad_norm already back-propagated, an update pass without its norm pass, one whose norm
-# pass clipped at another threshold, and grad_norm's loss again after clipping was turned
-# off.
+# The refusals of the one-loss pattern (sharded_steps.py), in the worker's order: an update
+# pass without its norm pass; after grad_norm, its loss again, a norm pass at another clip
+# threshold, and its loss again after clipping was turned off.
 ONE_LOSS_REFUSALS = (
-    "fused_backward got the loss grad_norm already back-propagated",
     "this step needs a norm pass (clip_grad_norm or fp16) before the update",
+    "fused_backward got the loss grad_norm already back-propagated",
     "this step needs a norm pass (clip_grad_norm or fp16) before the update",
     "fused_backward got the loss grad_norm already back-propagated",
 )
@@ -120,6 +119,7 @@ def test_zero3_one_loss_pattern_refused_before_any_change(checks):
         for error, refusal in zip(errors, ONE_LOSS_REFUSALS, strict=True):
             assert error.startswith(refusal) and "grad_norm(model(x))" in error, error
         assert result["changed"] is None, result["changed"]
+        assert result["pattern_steps"]  # the refusals left grad_norm's measurement
     assert_nan_padding_planted(results)
 
 

@@ -202,45 +202,47 @@ def run_single_fp16_partial(rank: int, checks: dict) -> None:
 def run_one_loss_pattern(rank: int, checks: dict) -> None:
     """The refusals of the one-loss pattern, each before any change: the parameters' owned
     elements (the padding NaN-filled: a NaN there is no change), everything
-    `optimizer_snapshot` holds and the last measured norm, on every rank. The third and
-    fourth follow a change of the clip threshold since grad_norm: to another (the update
-    pass's own forward cannot measure again) and to none (no norm pass needed, but the
-    loss is grad_norm's, back-propagated already)."""
+    `optimizer_snapshot` holds and the measured norm, on every rank. After grad_norm: its
+    loss again, the clip threshold changed (the update pass's own forward cannot measure
+    again), and turned off (no norm pass needed, but the loss is grad_norm's). Then the
+    pattern's own update pass, which the refusals left its measured norm."""
     engine = build()
     model = engine.module
     opt = Lomo(engine, lr=0.05, clip_grad_norm=0.3)
-    errors, changed = [], []
+    errors = []
 
-    def refused(call, loss) -> None:
-        before, norm = optimizer_snapshot(model, opt), opt.last_grad_norm
+    def refused(loss) -> None:
         try:
-            call(loss)
+            opt.fused_backward(loss)
         except RuntimeError as exc:
             errors.append(str(exc))
-        changed.append(changes_since(before, model, opt))
-        if opt.last_grad_norm is not norm:
-            changed.append("last_grad_norm")
 
-    loss = model(rank_batch(0, rank))
+    before = optimizer_snapshot(model, opt)
+    refused(model(rank_batch(0, rank)))  # clip set, no norm pass
+    changed = [changes_since(before, model, opt)]
+    loss = model(rank_batch(1, rank))
     opt.grad_norm(loss)
-    whole = whole_partitions(model)
-    refused(opt.fused_backward, loss)
-    refused(opt.fused_backward, model(rank_batch(0, rank)))  # clip set, no norm pass
-    opt.grad_norm(model(rank_batch(1, rank)))
-    opt.clip_grad_norm = 0.5  # that norm pass clipped at 0.3
-    refused(opt.fused_backward, model(rank_batch(1, rank)))
-    loss = model(rank_batch(2, rank))
-    opt.clip_grad_norm = 0.3
-    opt.grad_norm(loss)
+    before, whole = optimizer_snapshot(model, opt), whole_partitions(model)
+    norm = opt.last_grad_norm
+    refused(loss)
+    opt.clip_grad_norm = 0.5  # grad_norm's pass clipped at 0.3
+    refused(model(rank_batch(1, rank)))
     opt.clip_grad_norm = None
-    refused(opt.fused_backward, loss)
+    refused(loss)
+    opt.clip_grad_norm = 0.3
     padding = nan_padding(model)
+    changed.append(changes_since(before, model, opt))
+    if opt.last_grad_norm is not norm:
+        changed.append("last_grad_norm")
     checks["one_loss"] = {
         "errors": errors,
         "changed": [c for c in changed if c is not None] or None,
         "padding": padding,
         "whole_equal": whole_equal(model, whole),
     }
+    owned = snapshot(model)
+    opt.fused_backward(model(rank_batch(1, rank)))
+    checks["one_loss"]["pattern_steps"] = not unchanged(model, owned)
 
 
 def run_fp16_overflow(rank: int, checks: dict) -> None:

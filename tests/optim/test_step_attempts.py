@@ -35,7 +35,7 @@ class _RaisingBackward(torch.autograd.Function):
 def overflowing_loss_failing_midway(model: torch.nn.Module) -> torch.Tensor:
     """A loss whose last layer gets inf/nan gradients (measured by a norm pass's hooks) and
     whose backward then raises before the first layer's gradients."""
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7)).to(model[0].weight.dtype)
     hidden = _RaisingBackward.apply(model[0](x))
     return model[2](model[1](hidden)).float().pow(2).mean() * float("inf")
 
@@ -62,13 +62,15 @@ def assert_same_outcome(a: tuple, b: tuple) -> None:
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("nonfinite_a", [False, True], ids=["clean", "nonfinite"])
-def test_a_grad_norm_failing_midway_leaves_no_measurement(name, nonfinite_a):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_grad_norm_failing_midway_leaves_no_measurement(name, nonfinite_a, dtype):
     """grad_norm(A), then a grad_norm(B) that measures inf gradients and raises midway, then
     fused_backward(A): A's step as without B (it measures A again), not skipped on B's flags
-    nor applied on A's stale ones."""
+    nor applied on A's stale ones; in fp16 the failed pass starts no attempt, so A's
+    overflow lowers Lomo's scale once, as without B."""
 
     def run(fail_between: bool) -> tuple:
-        model = mlp()
+        model = mlp().to(dtype)
         opt = OPTIMIZERS[name](model, lr=0.1, clip_grad_norm=1.0)
         loss_a = loss_of(model, 1)
         if nonfinite_a:
@@ -148,6 +150,32 @@ def test_a_loss_scale_set_after_grad_norm_is_measured_again(name, new_scale, fac
     expected = run(grad_norm_first=False)
     assert expected[1] is (new_scale == 2.0**40 or factor > 1)
     assert_same_outcome(run(grad_norm_first=True), expected)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_fused_backward_refused_by_the_graph_leaves_the_measurement(name):
+    """grad_norm(A), then fused_backward(B) refused before any change by the read of its
+    graph (a sparse gradient), then fused_backward(A): A's measurement still serves it (one
+    norm pass in all) and is the one reported, as without the refused call."""
+
+    def run(refused_between: bool) -> tuple:
+        model = mlp()
+        opt = OPTIMIZERS[name](model, lr=0.1)
+        passes = []
+        loss_a = loss_of(model, 0)
+        loss_a.register_hook(lambda grad: passes.append(1))
+        opt.grad_norm(loss_a)
+        if refused_between:
+            rows = torch.tensor([[0, 1], [2, 3]])
+            sparse = torch.gather(model[0].weight, 0, rows, sparse_grad=True).sum()
+            with pytest.raises(ValueError, match="sparse"):
+                opt.fused_backward(sparse)
+        opt.fused_backward(loss_a)
+        return (*outcome(model, opt), float(opt.last_grad_norm), len(passes))
+
+    expected = run(refused_between=False)
+    assert expected[-1] == 2  # a norm pass and the update pass
+    assert_same_outcome(run(refused_between=True), expected)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
