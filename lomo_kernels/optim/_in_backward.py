@@ -605,10 +605,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         pass scales by; and whether the caller set the scale since it was measured. Only
         asks; under ZeRO-3 it refuses a pass that cannot run."""
         step = self._step
-        # (The scale's setting is read only for a norm still kept: a changed one may sync.)
-        scale_set = step.norm_ready and self._loss_scaling.scale_changed_since(
-            step.norm_scale_setting
-        )
+        # Compared from a norm pass until the first call after it (`_keep_measured_norm`),
+        # also where its norm was dropped since (a failed grad_norm): a scale set since
+        # starts the attempt anew all the same. A changed setting may sync: at most once.
+        setting = step.norm_scale_setting
+        scale_set = setting is not None and self._loss_scaling.scale_changed_since(setting)
         serves = not scale_set and step.norm_serves(
             loss, self._groups.max_norm, same_batch=self._one_loss_per_pass
         )
@@ -625,6 +626,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._loss_scaling.begin_attempt()
         if not serves:
             self._step.forget_norm()
+            self._step.norm_scale_setting = None  # compared once (`_measured_norm_for`)
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:

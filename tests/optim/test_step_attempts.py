@@ -87,6 +87,28 @@ def test_a_grad_norm_failing_midway_leaves_no_measurement(name, nonfinite_a, dty
     assert_same_outcome(run(fail_between=True), expected)
 
 
+def test_a_scale_set_after_a_failed_grad_norm_starts_the_attempt_anew():
+    """fp16: grad_norm(A) overflows (the scale lowered once), a grad_norm(B) fails midway,
+    the caller sets the scale back up, and fused_backward(A) overflows there: the scale is
+    lowered from the value set, as without B."""
+
+    def run(fail_between: bool) -> tuple:
+        model = mlp().half()
+        opt = Lomo(model, lr=0.01)
+        loss_a = loss_of(model, 0) * 1e30  # overflows fp16 at any scale
+        opt.grad_norm(loss_a)
+        if fail_between:
+            with pytest.raises(Interrupted):
+                opt.grad_norm(overflowing_loss_failing_midway(model))
+        opt.loss_scaler.cur_scale = 2.0**16
+        opt.fused_backward(loss_a)
+        return outcome(model, opt)
+
+    expected = run(fail_between=False)
+    assert expected[1] and expected[-1] == 2.0**15
+    assert_same_outcome(run(fail_between=True), expected)
+
+
 @pytest.mark.parametrize("k", [1, 2], ids=["update_pass", "apply_from_the_buffers"])
 def test_an_update_failing_after_an_overflow_ends_the_attempt(k):
     """fp16: a step whose gradients overflow (a norm pass, or the micro-batches, find it and
