@@ -562,7 +562,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if donated and retain and compiled_backward_donates_buffers(loss):
                 raise RuntimeError(DONATED_BUFFERS_ERROR) from error
             raise
-        self._close_norm_pass(per_parameter, new_attempt)
+        if new_attempt:  # from the completed pass on: a failed one changed nothing
+            self._loss_scaling.begin_attempt()
+        self._close_norm_pass(per_parameter)
         self._step.norm_measured(
             loss,
             self._groups.max_norm,
@@ -571,12 +573,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         )
         return self._reports.last_grad_norm
 
-    def _close_norm_pass(self, per_parameter: bool, new_attempt: bool = False) -> None:
+    def _close_norm_pass(self, per_parameter: bool) -> None:
         """The gradients measured into the device scalars (by a norm pass, or by the
         micro-batches into their buffers) made the step's: their global sum of squares,
         inf/nan count and, `per_parameter`, each parameter's sum, all-reduced under sharding,
-        reported, turned into the clip coefficient and given to every device's updates
-        (`new_attempt`: `_norm_pass`'s)."""
+        reported, turned into the clip coefficient and given to every device's updates."""
         self._scalars.close_norm_pass()
         total_sumsq = self._scalars.combine(lambda s: s.sumsq)
         found = self._scalars.combine(lambda s: s.norm_found_inf)
@@ -596,7 +597,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         param_norms = None if param_sumsq is None else param_sumsq.sqrt()
         self._reports.norms_measured(total_sumsq.sqrt(), param_norms, clip_coef)
         self._scalars.share_norm_outcome(found, clip_coef)
-        self._loss_scaling.after_norm_pass(found, new_attempt)
+        self._loss_scaling.after_norm_pass(found)
 
     @torch.compiler.disable
     def _measured_norm_for(self, loss: torch.Tensor) -> tuple[bool, bool]:
@@ -625,8 +626,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if scale_set:
             self._loss_scaling.begin_attempt()
         if not serves:
-            self._step.forget_norm()
-            self._step.norm_scale_setting = None  # compared once (`_measured_norm_for`)
+            self._step.forget_norm(scale_setting_too=True)  # compared (`_measured_norm_for`)
             self._reports.last_grad_norm = None  # until this step measures its own (or none)
 
     def fused_backward(self, loss: torch.Tensor, lr: float | None = None) -> None:

@@ -62,9 +62,8 @@ class LossScaling:
         """A user's norm pass starts a step attempt, and a failed update pass ends one: the
         next norm pass's overflow counts anew."""
 
-    def after_norm_pass(self, found_inf: torch.Tensor, new_attempt: bool = False) -> None:
-        """A norm pass found `found_inf` (non-zero: an overflow); `new_attempt`: it started
-        a step attempt (`begin_attempt` first)."""
+    def after_norm_pass(self, found_inf: torch.Tensor) -> None:
+        """A norm pass found `found_inf` (non-zero: an overflow)."""
 
     def after_step(self, found_inf: torch.Tensor, detection: bool) -> None:
         """A step completed with `found_inf`; `detection`: a norm pass preceded it."""
@@ -145,12 +144,10 @@ class DynamicScaling(LossScaling):
     def begin_attempt(self) -> None:
         self._overflow_applied.zero_()
 
-    def after_norm_pass(self, found_inf: torch.Tensor, new_attempt: bool = False) -> None:
+    def after_norm_pass(self, found_inf: torch.Tensor) -> None:
         # As lomo-optim: an overflow found by the norm pass lowers the scale now, so a loop
         # that skips the update pass on has_overflow_serial (its trainer's) still backs off;
         # once per attempt (fused_backward re-measures another loss than grad_norm's).
-        if new_attempt:
-            self.begin_attempt()
         found = found_inf.to(self.scaler.device).reshape(1) != 0
         self.scaler.update(found, apply=found & ~self._overflow_applied)
         self._overflow_applied |= found

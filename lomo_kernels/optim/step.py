@@ -127,10 +127,15 @@ class Step:
         return self.norm_ready and loss.grad_fn is self._norm_graph
 
     @torch.compiler.disable
-    def forget_norm(self) -> None:
+    def forget_norm(self, scale_setting_too: bool = False) -> None:
+        """Drops the measured norm; `scale_setting_too`: its loss scale's setting as well
+        (kept otherwise, for the next step to compare: a scale set since the pass starts
+        the attempt anew even where the norm itself was dropped)."""
         self.norm_ready = False
         self._norm_loss = None
         self._norm_graph = None
+        if scale_setting_too:
+            self.norm_scale_setting = None
 
     def begin_update(self) -> bool:
         """Opens the update pass of the step's plan; returns whether it clips and checks the

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.dependencies import require
+from support.faults import FailingBackward, Interrupted
 from support.models import batch, loss_of, mlp, tiny_llama
 from support.optimizers import OPTIMIZERS
 from support.state import (
@@ -158,10 +159,6 @@ def test_functional_sparse_lookup_refused_before_any_change(name, model_name, mo
 # ------------------------------------------------------------------ mid-backward exceptions
 
 
-class Interrupted(Exception):
-    pass
-
-
 def raise_in_backward(model: torch.nn.Module, how: str, passes: int = 0) -> Any:
     """Makes the backward through the model's first block raise, after `passes` clean ones."""
     first = model[0] if isinstance(model, torch.nn.Sequential) else model.model.layers[0]
@@ -186,20 +183,8 @@ def _hooked(out, fail):
 def _failing(out, fail):
     """The output through a module whose backward raises."""
     if isinstance(out, tuple):
-        return (_FailingBackward.apply(out[0], fail), *out[1:])
-    return _FailingBackward.apply(out, fail)
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.fail()
-        return grad, None
+        return (FailingBackward.apply(out[0], fail), *out[1:])
+    return FailingBackward.apply(out, fail)
 
 
 def assert_reported(model, opt, before, error) -> None:

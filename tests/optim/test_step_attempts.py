@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from support.faults import FailingBackward, Interrupted
 from support.models import loss_of, mlp
 from support.optimizers import OPTIMIZERS
 from support.state import same_bits
@@ -16,27 +17,15 @@ from support.state import same_bits
 from lomo_kernels import Lomo
 
 
-class Interrupted(Exception):
-    pass
-
-
-class _RaisingBackward(torch.autograd.Function):
-    """Identity whose backward raises: the gradients below it never arrive."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise Interrupted("midway")
+def _raise_midway() -> None:
+    raise Interrupted("midway")
 
 
 def overflowing_loss_failing_midway(model: torch.nn.Module) -> torch.Tensor:
     """A loss whose last layer gets inf/nan gradients (measured by a norm pass's hooks) and
     whose backward then raises before the first layer's gradients."""
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7)).to(model[0].weight.dtype)
-    hidden = _RaisingBackward.apply(model[0](x))
+    hidden = FailingBackward.apply(model[0](x), _raise_midway)
     return model[2](model[1](hidden)).float().pow(2).mean() * float("inf")
 
 
