@@ -731,13 +731,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._scalars.fill_lr(self.param_groups)
 
     @torch.compiler.disable  # see _check_call
-    def _give_back_call_lr(self) -> None:
-        """The groups' lr as before the call (`_take_call_lr`), in the device tensors too: its
-        update pass failed before any parameter changed."""
-        if self._lr_before_call is not None:
+    def _update_pass_failed(self, error: BaseException | None, tracked: bool = True) -> None:
+        """An update pass (fused_backward's, or the step from the buffers) raised `error`:
+        the step attempt ends with it; where no parameter changed (`error` None: the graph
+        failed to compile before it ran) the groups' lr is as before the call
+        (`_take_call_lr`), in the device tensors too; else the interruption is reported."""
+        self._loss_scaling.begin_attempt()
+        unchanged = error is None or (tracked and not self._step.updated)
+        if unchanged and self._lr_before_call is not None:
             for group, lr in zip(self.param_groups, self._lr_before_call, strict=True):
                 group["lr"] = lr
             self._scalars.fill_lr(self.param_groups)
+        if error is not None:
+            self._reports.record_interruption(error, tracked, self._step.updated)
 
     @torch.compiler.disable
     def _finish_step(self, detection: bool, single: bool) -> None:
@@ -955,10 +961,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                     read = self._buffer_read(param, buffer)  # one transient at a time
                     self._update_whole(param, read, self._scalars.for_device(param.device))
         except BaseException as error:
-            self._loss_scaling.begin_attempt()  # the step attempt ended with its update
-            if not self._step.updated:
-                self._give_back_call_lr()
-            self._reports.record_interruption(error, True, self._step.updated)
+            self._update_pass_failed(error)
             error.add_note("lomo_kernels: the micro-batches accumulated for this step were dropped")
             raise
         finally:
@@ -1002,18 +1005,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if sharding is not None:
                 sharding.abandon()
             if phase is Phase.UPDATE:
-                self._loss_scaling.begin_attempt()  # the step attempt ended with its update
                 # Compilation fails before the graph runs: no parameter has been written.
                 aliased = isinstance(error, Exception) and (
                     _compiled_autograd.is_aliased_input_failure(error)
                 )
-                if aliased or (tracked and not self._step.updated):
-                    self._give_back_call_lr()  # nothing changed: the call's lr neither
+                self._update_pass_failed(None if aliased else error, tracked)
                 if aliased:
                     raise RuntimeError(
                         _compiled_autograd.EAGER_FORWARD_MESSAGE.format(version=torch.__version__)
                     ) from error
-                self._reports.record_interruption(error, tracked, self._step.updated)
             raise
         finally:
             self._step.end_pass()
