@@ -62,7 +62,7 @@ LOMO_INLINE float code_of(float x, uint32_t random16) {
 
 // A block's new values into tile[head, head + count): fp32(grad) (kFirst: the codes are not
 // read) or code * scale + fp32(grad) (the product is exact); a partial block's other positions
-// 0, which change no largest magnitude, code or square. Returns the bits of the largest
+// 0, which change no largest magnitude or code (and are not measured: add_partial_squares). Returns the bits of the largest
 // magnitude (int8_blocks::kNonFiniteBits or more: the block holds an inf or nan).
 template <class G, bool kFirst>
 uint32_t fill_block_portable(float* __restrict tile, const int8_t* __restrict codes, float scale,
@@ -301,6 +301,17 @@ LOMO_INLINE bool store_nonfinite_block(uint32_t max_bits, int8_t* codes, int64_t
   return true;
 }
 
+// A partial block's squares, its positions alone (its padding times an inf inv would be nan)
+// into the lanes the whole tile's would use, in the same order: position k of the block into
+// lane k % kInt8Lanes.
+LOMO_INLINE void add_partial_squares(const int8_t* codes, const int8_blocks::BlockSpan& span,
+                                     float scale, float inv, double* lanes) {
+  for (int64_t k = span.head; k < span.head + span.count; ++k) {
+    const double v = lomo::mul_rn(lomo::mul_rn(static_cast<float>(codes[k]), scale), inv);
+    lanes[k % kInt8Lanes] += v * v;
+  }
+}
+
 // One block of accumulate_int8_span: codes c and gradient g from the buffer's first element in
 // it, its scale in scale_slot (read unless kFirst, then written).
 template <class G, bool kFirst, bool kStochastic, bool kMeasure>
@@ -327,9 +338,13 @@ LOMO_INLINE void accumulate_block(const int8_blocks::BlockSpan& span, int8_t* c,
   const uint32_t max_bits = fill_block<G, kFirst>(tile, c, old_scale, g, span.head, span.count);
   if (store_nonfinite_block<kMeasure>(max_bits, c, span.count, scale_slot, lanes)) return;
   const int8_blocks::Scale scale = int8_blocks::power_of_two(max_bits);
-  int8_t* out = span.whole() ? c : partial;
-  quantize_block<kStochastic, kMeasure>(tile, out, scale, lo, hi, key, inv, lanes);
-  if (!span.whole()) std::memcpy(c, partial + span.head, static_cast<size_t>(span.count));
+  if (span.whole()) {
+    quantize_block<kStochastic, kMeasure>(tile, c, scale, lo, hi, key, inv, lanes);
+  } else {
+    quantize_block<kStochastic, false>(tile, partial, scale, lo, hi, key, inv, lanes);
+    std::memcpy(c, partial + span.head, static_cast<size_t>(span.count));
+    if constexpr (kMeasure) add_partial_squares(partial, span, scale.scale, inv, lanes);
+  }
   scale_slot = scale.scale;
 }
 

@@ -489,6 +489,32 @@ def test_grad_accumulate_int8_stochastic_ties_every_level(level: str, size: int,
     check_stochastic_ties(cpp_backend, size, offset, None)
 
 
+@pytest.mark.parametrize("inv_scale", [math.inf, -math.inf])
+@pytest.mark.parametrize(("size", "offset"), [(17, 256), (300, 100), (513, 0)])
+def test_grad_accumulate_int8_infinite_inverse_scale_every_level(
+    level: str, size: int, offset: int, inv_scale: float
+) -> None:
+    # Stored values all non-zero (codes of values in [0.5, 1)) times an infinite inv_scale (a
+    # loss scale fallen to 0): every square is inf, so the sum is the reference's inf. A
+    # partial block's padding is no element: its 0 * inf (nan) must not enter the sum.
+    grad = 0.5 + 0.5 * torch.rand(size, generator=torch.Generator().manual_seed(size))
+    inv = torch.tensor([inv_scale])
+    for first in (True, False):
+        # Not first: an all-zero buffer, so the stored values are the gradient's again.
+        codes, scales = (t.zero_() for t in make_int8_buffer(size, offset, seed=size))
+        want = codes.clone(), scales.clone(), torch.zeros(1), torch.zeros(1)
+        reference.grad_accumulate_int8_(
+            want[0], want[1], grad, offset, first, inv, want[2], want[3], False, 0, None
+        )
+        assert want[2].item() == math.inf  # the case is what it claims
+        got = codes.clone(), scales.clone(), torch.zeros(1), torch.zeros(1)
+        cpp_backend.grad_accumulate_int8_(
+            got[0], got[1], grad, offset, first, inv, got[2], got[3], False, 0, None
+        )
+        assert_same_buffer((got[0], want[0]), (got[1], want[1]))
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
 @functools.cache
 def _int8_updated(pdt: str, offset: int, bits: int, sr: bool):
     """The reference's lomo_update_int8_ of a case (option subset `bits`), once for every
