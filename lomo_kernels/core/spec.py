@@ -151,8 +151,9 @@ def _hyper(name: str, value: Any, positive: bool, non_negative: bool) -> float:
 
 
 def _offset(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"lomo_kernels: {name} must be an int >= 0, got {value!r}")
+    # A flat element index, which every backend holds in 64 bits.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"lomo_kernels: {name} must be an int in [0, 2**63), got {value!r}")
     return value
 
 

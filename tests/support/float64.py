@@ -72,7 +72,9 @@ def sumsq_rel_bound(backend: str, n: int) -> float:
     round once, then add into sumsq: 2 roundings. Triton sums each BLOCK in a tree
     (log2(BLOCK) levels), then adds one partial per program with an fp32 atomic: one chain
     of ceil(n / BLOCK) additions, plus the tail's and the final one. Squaring and scaling
-    each term in fp32 adds 2 roundings per term (relative, so they add 2u overall).
+    each term in fp32 adds 2 roundings per term (relative, so they add 2u overall). Relative
+    only for squares in fp32's normal range (every test's values): on the fp32 backends
+    (Triton, CUDA) a square below 2^-126 is subnormal, within 2^-150 absolute (docs/ops.md).
     """
     if backend == "triton":
         from lomo_kernels.ops.lomo.triton_backend import BLOCK
