@@ -483,7 +483,7 @@ def format_estimate(est: Estimate) -> str:
     )
     gradients = "gradients"
     if d["accumulation_buffer_gib"]:
-        gradients += f" (+ buffer {d['accumulation_buffer_gib']:g}, k={d['accumulation_steps']})"
+        gradients += f" (+ buffer {d['accumulation_buffer_gib']:.2f}, k={d['accumulation_steps']})"
     rows = [
         ("parameters", est.parameters_gib),
         (gradients, est.gradients_gib),

@@ -106,13 +106,17 @@ def test_the_step_reports_each_accumulated_gradients_norm():
 
 
 def test_one_micro_batch_per_step_is_the_default_step():
+    # accumulation_steps=1 builds the default optimizer: no accumulation at all (no buffer,
+    # every call a step), whose steps equal it bit for bit. That step's own behaviour is
+    # what the rest of the suite checks against torch, float64 and lomo-optim.
     a, b = tiny_llama(), tiny_llama()
     plain = Lomo(a, lr=0.05, clip_grad_norm=1.0)
     explicit = Lomo(b, lr=0.05, clip_grad_norm=1.0, accumulation_steps=1)
     for step in range(2):
         plain.fused_backward(a(**batch(step)).loss)
         explicit.fused_backward(b(**batch(step)).loss)
-    assert explicit.accumulation_steps == 1
+    assert explicit.accumulation_steps == 1 and explicit.pending_micro_batches == 0
+    assert explicit._accumulation is None and explicit.step_count == 2
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
@@ -244,18 +248,21 @@ def test_fp16_overflow_in_one_micro_batch_skips_the_whole_step():
 
 
 @pytest.mark.parametrize("bad", [1, K - 1])
-def test_bf16_overflow_in_any_micro_batch_skips_the_whole_step(bad):
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_overflow_in_any_micro_batch_skips_the_whole_step(optimizer, dtype, clip, bad):
     # Without clipping or fp16 a one-batch step leaves only the non-finite elements out; an
     # accumulated step knows every micro-batch's flag before it writes anything, so an inf in
     # any (an early one, or the last, measuring one) skips it whole, as torch's GradScaler
-    # does, and says so.
-    model = tiny_llama(torch.bfloat16)
-    opt = Lomo(model, lr=0.05, accumulation_steps=K)
-    start = snapshot(model)
+    # does, and says so: no parameter or moment changes, with or without clipping.
+    model = tiny_llama(dtype)
+    opt = optimizer(model, lr=0.05, clip_grad_norm=clip, accumulation_steps=K)
+    before = tensors(model, opt)
     for i, micro in enumerate(micro_batches(0)):
         loss = model(**micro).loss / K
         opt.fused_backward(loss * float("inf") if i == bad else loss)
-    assert same_bits(start, snapshot(model))
+    assert same_bits(before, tensors(model, opt))
     assert opt.step_count == 1 and opt.pending_micro_batches == 0
     with pytest.warns(RuntimeWarning, match="skipped whole"):
         opt.flush_report()
@@ -587,6 +594,129 @@ def test_dropped_micro_batches_leave_nothing_in_the_next_step(drop):
     assert opt.step_count == fresh_opt.step_count == 1
     assert same_bits(snapshot(model), snapshot(fresh))
     assert torch.equal(opt.last_grad_norm, fresh_opt.last_grad_norm)
+
+
+def test_buffers_stay_from_step_to_step_until_zero_grad_or_detach_frees_them():
+    # One buffer per parameter, allocated at the first step and reused by every later one
+    # (its first gradient overwrites it); zero_grad(set_to_none=False) keeps them, as torch's
+    # keeps .grad; zero_grad() and detach() free them.
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, accumulation_steps=K)
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+
+    def storages() -> dict[int, int]:
+        return {id(p): b.data_ptr() for p, b, _ in opt._accumulation.buffered()}
+
+    opt.fused_backward(model(**micro_batches(0)[0]).loss / K)
+    first = storages()
+    assert len(first) == len(list(model.parameters()))
+    for micro in micro_batches(0)[1:]:
+        opt.fused_backward(model(**micro).loss / K)
+    assert opt.step_count == 1 and opt._accumulation.buffer_bytes() == nbytes
+    opt.fused_backward(model(**micro_batches(1)[0]).loss / K)
+    assert storages() == first  # the next step's buffers are the same tensors
+    opt.zero_grad(set_to_none=False)
+    assert opt.pending_micro_batches == 0 and opt._accumulation.buffer_bytes() == nbytes
+    opt.fused_backward(model(**micro_batches(1)[0]).loss / K)
+    assert storages() == first
+    opt.zero_grad()
+    assert opt.pending_micro_batches == 0 and opt._accumulation.buffer_bytes() == 0
+    opt.fused_backward(model(**micro_batches(1)[0]).loss / K)
+    assert opt._accumulation.buffer_bytes() == nbytes
+    with pytest.warns(RuntimeWarning, match="dropped 1 micro-batch"):
+        opt.detach()
+    assert opt._accumulation.buffer_bytes() == 0
+
+
+def test_model_zero_grad_leaves_the_micro_batches():
+    # The micro-batches live in the buffers, not in .grad: model.zero_grad() between them
+    # changes nothing, and the step equals one without the call, bit for bit.
+    model, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(model, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    ref_opt = Lomo(ref, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    for i, micro in enumerate(micro_batches(0)):
+        opt.fused_backward(model(**micro).loss / K)
+        ref_opt.fused_backward(ref(**micro).loss / K)
+        if i < K - 1:
+            model.zero_grad()
+            assert opt.pending_micro_batches == i + 1
+    assert opt.step_count == 1 and same_bits(snapshot(model), snapshot(ref))
+    assert torch.equal(opt.last_grad_norm, ref_opt.last_grad_norm)
+
+
+@pytest.mark.parametrize(
+    ("gradient", "buffer", "loss_scale", "skipped"),
+    [
+        (60.0, torch.float16, 2**10, False),  # 60 * 2**10 = 61440 <= 65504
+        (80.0, torch.float16, 2**10, True),  # 81920: past the fp16 buffer's range
+        (80.0, torch.float32, 2**10, False),
+        (80.0, torch.float16, 2**9, False),  # 40960
+    ],
+)
+def test_adalomo_fp16_buffer_holds_the_scaled_sum_up_to_65504(gradient, buffer, loss_scale,
+                                                               skipped):  # fmt: skip
+    # AdaLomo's static loss_scale multiplies the loss in every dtype (as lomo-optim's), and a
+    # buffer holds the scaled sum: an fp16 buffer overflows where the accumulated gradient
+    # times the scale passes 65504, and the step is skipped whole with a warning; an fp32
+    # buffer, or a lower scale, applies it. Each micro-batch adds gradient / 2 to each element.
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.ones(4, 4))
+    opt = AdaLomo(module, lr=0.01, accumulation_steps=2, accumulation_dtype=buffer,
+                  loss_scale=loss_scale)  # fmt: skip
+    start = snapshot(module)
+    for _ in range(2):
+        opt.fused_backward(module.weight.sum() * (gradient / 2))
+    assert opt.step_count == 1
+    if skipped:
+        with pytest.warns(RuntimeWarning, match="skipped whole"):
+            opt.flush_report()
+        assert opt.last_step_skipped and unchanged(module, start)
+        return
+    opt.flush_report()
+    assert not opt.last_step_skipped and not unchanged(module, start)
+    # The scaled sums are exact in fp16 here, so the step is the fp32 buffer's bit for bit.
+    twin = torch.nn.Module()
+    twin.weight = torch.nn.Parameter(torch.ones(4, 4))
+    twin_opt = AdaLomo(twin, lr=0.01, accumulation_steps=2, accumulation_dtype=torch.float32,
+                       loss_scale=loss_scale)  # fmt: skip
+    for _ in range(2):
+        twin_opt.fused_backward(twin.weight.sum() * (gradient / 2))
+    assert torch.equal(module.weight, twin.weight)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize(
+    ("optimizer", "dtype"),
+    [(Lomo, torch.bfloat16), (AdaLomo, torch.bfloat16), (Lomo, torch.float16)],
+    ids=["lomo-bf16", "adalomo-bf16", "lomo-fp16"],
+)
+def test_a_save_after_a_step_s_last_micro_batch_resumes_bit_for_bit(tmp_path, how, optimizer,
+                                                                     dtype):  # fmt: skip
+    # Saved between steps (nothing pending), loaded into a new model and optimizer, the next
+    # step is the uninterrupted run's, bit for bit: the step count (which keys the stochastic
+    # rounding), the moments and the fp16 loss scale resume; the buffers hold nothing then.
+    import lomo_kernels
+
+    def build(model):
+        return optimizer(model, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+
+    model = tiny_llama(dtype)
+    opt = build(model)
+    train_accumulating(model, opt, steps=2)
+    resumed = tiny_llama(dtype, seed=1)
+    if how == "state_dict":
+        resumed.load_state_dict(model.state_dict())
+        resumed_opt = build(resumed)
+        resumed_opt.load_state_dict(opt.state_dict())
+    else:
+        lomo_kernels.save_checkpoint(tmp_path / "ckpt", model, opt)
+        resumed_opt = build(resumed)
+        lomo_kernels.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        for micro in micro_batches(2):
+            o.fused_backward(m(**micro).loss / K)
+    assert resumed_opt.step_count == opt.step_count == 3
+    assert same_bits(tensors(model, opt), tensors(resumed, resumed_opt))
 
 
 def test_detach_warns_when_it_drops_pending_micro_batches():

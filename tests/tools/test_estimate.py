@@ -442,6 +442,26 @@ def test_the_8_bit_buffer_counts_its_scales() -> None:
     assert buffer.detail["accumulation_buffer_gib"] == pytest.approx(expected, abs=0.011)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_cli_accumulation_flags_count_the_buffer(capsys, dtype: str) -> None:
+    # The command line's --accumulation-steps/--accumulation-dtype give the estimate the same
+    # buffer as the function's arguments (LLaMA-7B, bf16 weights), in its JSON and its table.
+    from lomo_kernels.tools.cli import main
+
+    args = ["estimate", "--model", "llama-7b", "--optimizer", "lomo", "--precision", "bf16"]
+    args += ["--accumulation-steps", "4", "--accumulation-dtype", dtype]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = est.estimate("llama-7b", "lomo", precision="bf16", accumulation_steps=4,
+                        accumulation_dtype=dtype)  # fmt: skip
+    assert want.detail["accumulation_buffer_gib"] > 0
+    assert out["detail"]["accumulation_buffer_gib"] == want.detail["accumulation_buffer_gib"]
+    assert out["gradients_gib"] == want.gradients_gib and out["total_gib"] == want.total_gib
+    assert main(args) == 0
+    gib = want.detail["accumulation_buffer_gib"]
+    assert f"+ buffer {gib:.2f}, k=4" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_accumulation_costs_optimizers_that_keep_gradients_nothing(optimizer: str) -> None:
     one = est.estimate("llama-7b", optimizer, activations_gib=0.0)
