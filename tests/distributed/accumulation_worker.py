@@ -2,7 +2,9 @@
 test_sharded_accumulation.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and AdaLomo
 with accumulation_steps=4 and a short step applied by opt.step(), each rank accumulating
 its reduced slices; Lomo with the 8-bit buffer too; AdaLomo's damaged moments refused before
-any change, with and without accumulation.
+any change, with and without accumulation; an inf in one micro-batch's gradient on one rank
+only (the whole step skipped on every rank, then a clean step); FSDP2's refused micro-batch
+(gradient sync off) between pending ones.
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
 parameters for the one-process reference, and `checks.json` with what every rank saw.
@@ -16,6 +18,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,12 +29,21 @@ from support.sharded_checks import run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
     ACCUMULATING,
     ACCUMULATING_INT8,
+    ACCUMULATION_STEPS,
     LR,
+    NO_CLIP,
     STEPS,
     rank_batch,
     train_accumulating,
 )
-from support.state import assert_same_state, optimizer_snapshot  # noqa: E402
+from support.state import (  # noqa: E402
+    assert_same_state,
+    changes_since,
+    optimizer_snapshot,
+    same_bits,
+    snapshot,
+    unchanged,
+)
 
 from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
@@ -165,11 +177,153 @@ def run_damaged_moments(engine: str, rank: int, checks: dict) -> None:
         opt.detach()
 
 
+# An inf in one micro-batch's gradient on one rank only: (optimizer, dtype, options).
+# Without clipping in fp32 the all-reduced overflow flag alone carries the decision (no
+# norm is all-reduced that an inf would poison); fp16 lowers the (dynamic) loss scale.
+NO_CLIP_ACCUMULATING = {**NO_CLIP, "accumulation_steps": ACCUMULATION_STEPS}
+OVERFLOWS = {
+    "lomo": (Lomo, torch.float32, ACCUMULATING),
+    "lomo_no_clip": (Lomo, torch.float32, NO_CLIP_ACCUMULATING),
+    "adalomo_no_clip": (AdaLomo, torch.float32, NO_CLIP_ACCUMULATING),
+    "lomo_fp16": (Lomo, torch.float16, NO_CLIP_ACCUMULATING),
+}
+POISONED_MICRO_BATCH = 1  # of the first step's k
+
+
+def build_in(engine: str, dtype: torch.dtype):
+    """`build(engine)` with parameters (and compute) in `dtype`."""
+    if engine == "zero3":
+        built = zero3_worker.build(dtype)
+        return built, built.module
+    model = fsdp2_worker.build(dtype, mp_policy=MixedPrecisionPolicy())
+    return model, model
+
+
+def state_tensors(opt) -> list[torch.Tensor]:
+    """Copies of the optimizer's per-parameter state tensors (AdaLomo's moments)."""
+    return [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def run_overflow(engine: str, label: str, rank: int, checks: dict) -> None:
+    """A step of k micro-batches whose POISONED_MICRO_BATCH-th gets an inf in one element of
+    lm_head's gradient on rank 1 only, written before the optimizer sees it: under ZeRO-3 in
+    the whole gradient's flat element 0, which the reduce-scatter hands to rank 0's slice;
+    under FSDP2 in a row of rank 1's reduced shard. So one rank's buffers alone hold the inf.
+    Every rank must skip the whole step (no shard, no moment changed), report it skipped at
+    the next call, lower an fp16 scale once; the next k clean micro-batches then make the
+    step one process makes after the same skipped step."""
+    cls, dtype, options = OVERFLOWS[label]
+    target, model = build_in(engine, dtype)
+    poisoned = model.llama.lm_head.weight  # 3001 rows: both ranks hold a part
+    inject = {"on": False}
+
+    def poison(p):  # runs before the optimizer's hook (registered first)
+        if inject["on"] and rank == 1:
+            grad = p.grad.to_local() if engine == "fsdp2" else p.grad
+            grad.view(-1)[0 if engine == "zero3" else 5] = float("inf")
+
+    poisoned.register_post_accumulate_grad_hook(poison)
+    initial = consolidated_state_dict(model)
+    opt = cls(target, lr=LR["lomo" if cls is Lomo else "adalomo"], **options)
+    scaler = opt.loss_scaler if dtype == torch.float16 else None
+    scale = lambda: None if scaler is None else scaler.scale.item()  # noqa: E731
+    k = opt.accumulation_steps
+    result: dict = {"scale_initial": scale()}
+    # A clean step first (AdaLomo: moments that are not zero, so a moment the skipped
+    # step changed shows); the poisoned step is the second.
+    for i in range(k):
+        opt.fused_backward(model(rank_batch(100 + i, rank)) / k)
+    opt.flush_report()
+    result["first_skipped"] = opt.last_step_skipped
+    result["scale_before"] = scale()
+    before, moments = snapshot(model), state_tensors(opt)
+    for i in range(k):
+        inject["on"] = i == POISONED_MICRO_BATCH
+        opt.fused_backward(model(rank_batch(i, rank)) / k)
+        inject["on"] = False
+    # The buffers keep the step's sums after it: the inf is in this rank's slice or not.
+    buffer = next(b for p, b, _ in opt._accumulation._buffers.values() if p is poisoned)
+    result.update(
+        {
+            "inf_in_buffer": not bool(torch.isfinite(buffer).all()),
+            "unchanged": unchanged(model, before),
+            "moments": len(moments),
+            "moments_unchanged": same_bits(moments, state_tensors(opt)),
+            "step_count": opt.step_count,
+            "pending": opt.pending_micro_batches,
+            "scale_after_skip": scale(),
+        }
+    )
+    # The next call reports the skipped step (before its own backward); the clean step.
+    opt.fused_backward(model(rank_batch(k, rank)) / k)
+    result["reported_skipped"] = opt.last_step_skipped
+    for i in range(1, k):
+        opt.fused_backward(model(rank_batch(k + i, rank)) / k)
+    opt.flush_report()
+    result.update(
+        {
+            "clean_skipped": opt.last_step_skipped,
+            "clean_updates": not unchanged(model, before),
+            "clean_step_count": opt.step_count,
+            "scale_after_clean": scale(),
+        }
+    )
+    checks[f"overflow_{engine}_{label}"] = result
+    final = consolidated_state_dict(model)
+    if rank == 0:
+        torch.save({"initial": initial, "final": final}, OUT / f"overflow_{engine}_{label}.pt")
+
+
+def run_refused_between_pending(name: str, rank: int, checks: dict) -> None:
+    """FSDP2, accumulation_steps=4: two micro-batches pending, then a micro-batch with
+    FSDP2's gradient sync off (refused before its backward: no gradient reaches a buffer),
+    then the step's last two micro-batches with sync back on. The refusal must leave
+    everything as it was (the pending count and buffers included), and the step equal one
+    process's from the same four micro-batches."""
+    model = fsdp2_worker.build()
+    initial = consolidated_state_dict(model)
+    opt = OPTIMIZERS[name](model, lr=LR[name], **ACCUMULATING)
+    k = opt.accumulation_steps
+    for i in range(2):
+        opt.fused_backward(model(rank_batch(i, rank)) / k)
+    pending = opt.pending_micro_batches
+    before = optimizer_snapshot(model, opt)
+    model.set_requires_gradient_sync(False)
+    error, notes = None, ""
+    try:
+        opt.fused_backward(model(rank_batch(50, rank)) / k)
+    except RuntimeError as exc:
+        error, notes = str(exc), "".join(getattr(exc, "__notes__", []))
+    model.reshard()  # the root keeps its gathered parameters after its forward
+    model.set_requires_gradient_sync(True)
+    result = {
+        "pending_before": pending,
+        "error": error,
+        "notes": notes,
+        "pending_after": opt.pending_micro_batches,
+        "changed": changes_since(before, model, opt),
+        "step_count": opt.step_count,
+    }
+    for i in range(2, k):
+        opt.fused_backward(model(rank_batch(i, rank)) / k)
+    opt.flush_report()
+    result["final_step_count"] = opt.step_count
+    result["final_pending"] = opt.pending_micro_batches
+    checks[f"refused_between_pending_{name}"] = result
+    final = consolidated_state_dict(model)
+    if rank == 0:
+        torch.save({"initial": initial, "final": final}, OUT / f"refused_between_{name}.pt")
+
+
 def main(rank: int, checks: dict) -> None:
     for engine in ("zero3", "fsdp2"):
         for name in OPTIMIZERS:
             run(engine, name, rank, checks)
         run_damaged_moments(engine, rank, checks)
+        for label in OVERFLOWS:
+            run_overflow(engine, label, rank, checks)
+    for name in ("lomo", "adalomo"):
+        run_refused_between_pending(name, rank, checks)
 
 
 if __name__ == "__main__":

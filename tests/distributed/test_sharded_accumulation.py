@@ -2,7 +2,8 @@
 process with the same accumulation on the full micro-batches (full steps, then a short one
 applied by opt.step()): each rank accumulates its reduced slices (a buffer of 1/W of each
 parameter), measures its part of the accumulated norm, and every rank applies the same
-step."""
+step. An inf in one micro-batch on one rank only skips the step on every rank; a micro-batch
+FSDP2 refuses (gradient sync off) between pending ones leaves no trace."""
 
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ from support.sharded_checks import (
 from support.sharded_models import (
     ACCUMULATING,
     ACCUMULATING_INT8,
+    ACCUMULATION_STEPS,
     LR,
+    NO_CLIP,
     STEPS,
     ScaledLlama,
     train_accumulating,
 )
+from support.state import same_bits, snapshot
 
 from lomo_kernels.core.int8_blocks import INT8_BLOCK
 
@@ -216,3 +220,104 @@ def test_sharded_adalomo_damaged_moments_refused_before_any_change(checks, engin
         assert "load a state_dict" in seen["error"]  # what to do
         assert seen["changed"] is None, seen["changed"]
         assert seen["lr"] == [LR["adalomo"]] and seen["pending"] == 0
+
+
+# The worker's overflow runs compared with one process: label -> (optimizer, options). Its
+# "lomo_fp16" run (no clipping) is checked on the ranks only.
+NO_CLIP_ACCUMULATING = {**NO_CLIP, "accumulation_steps": ACCUMULATION_STEPS}
+OVERFLOW_RUNS = {
+    "lomo": ("lomo", ACCUMULATING),
+    # Without clipping no norm is all-reduced: the all-reduced overflow flag alone decides.
+    "lomo_no_clip": ("lomo", NO_CLIP_ACCUMULATING),
+    "adalomo_no_clip": ("adalomo", NO_CLIP_ACCUMULATING),
+}
+POISONED_MICRO_BATCH = 1  # the worker's
+
+
+def train_through_a_skipped_step(model, opt, batch_of, steps=None):
+    """The worker's overflow run in one process: a clean step (batches 100..), a step whose
+    POISONED_MICRO_BATCH-th loss is inf (batches 0..k-1: skipped whole, nothing changed),
+    then a clean step (batches k..2k-1)."""
+    k = opt.accumulation_steps
+
+    def step(first: int, poisoned: int | None = None) -> None:
+        for i in range(k):
+            loss = model(batch_of(first + i)) / k
+            opt.fused_backward(loss * float("inf") if i == poisoned else loss)
+
+    step(100)
+    before = snapshot(model)
+    step(0, POISONED_MICRO_BATCH)
+    assert same_bits(before, snapshot(model)) and opt.step_count == 2
+    with pytest.warns(RuntimeWarning, match="skipped whole"):
+        opt.flush_report()
+    assert opt.last_step_skipped
+    step(k)
+    opt.flush_report()
+    assert opt.step_count == 3 and not opt.last_step_skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", [*OVERFLOW_RUNS, "lomo_fp16"])
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_overflow_on_one_rank_skips_the_accumulated_step_on_every_rank(
+    accumulation_run, checks, engine, label
+):
+    """An inf in one element of one micro-batch's gradient on one rank's slice only (the
+    other rank's buffers are finite): every rank skips the whole step (no shard or moment
+    changed, bit for bit), reports it skipped at the next call, lowers an fp16 scale once;
+    the buffers start afresh, so the next step equals one process's after the same skip."""
+    ranks = [rank[f"overflow_{engine}_{label}"] for rank in checks]
+    assert sorted(r["inf_in_buffer"] for r in ranks) == [False, True]  # one rank's slice
+    for r in ranks:
+        assert not r["first_skipped"]  # the clean step before: an fp16 scale that fits
+        assert r["unchanged"]  # this rank's shards, bit for bit
+        assert r["moments_unchanged"]
+        assert (r["moments"] > 0) == label.startswith("adalomo")
+        assert r["step_count"] == 2 and r["pending"] == 0
+        assert r["reported_skipped"]  # at the next call, before its backward
+        assert not r["clean_skipped"] and r["clean_updates"] and r["clean_step_count"] == 3
+        if label.endswith("fp16"):
+            assert r["scale_before"] == r["scale_initial"]
+            # Lowered once by the skipped step; the clean step leaves it there.
+            assert r["scale_after_skip"] == r["scale_before"] / 2 == r["scale_after_clean"]
+        else:
+            assert r["scale_before"] is None
+    if label in OVERFLOW_RUNS:
+        name, options = OVERFLOW_RUNS[label]
+        saved = torch.load(accumulation_run / f"overflow_{engine}_{label}.pt")
+        model, _ = one_process(
+            name, saved["initial"], 3, train_fn=train_through_a_skipped_step, options=options
+        )
+        assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
+
+
+def one_step(model, opt, batch_of, steps=None):
+    """One step of k micro-batches (batches 0..k-1), each loss / k."""
+    k = opt.accumulation_steps
+    for i in range(k):
+        opt.fused_backward(model(batch_of(i)) / k)
+    opt.flush_report()
+    assert opt.step_count == 1 and opt.pending_micro_batches == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_fsdp2_micro_batch_refused_between_pending_ones_leaves_no_trace(
+    accumulation_run, checks, name
+):
+    """accumulation_steps=4 under FSDP2: two micro-batches pending, then one with gradient
+    sync off, refused before its backward reaches a buffer: the pending ones kept (count and
+    buffers), nothing else changed, on every rank; with sync back on, the step's last two
+    micro-batches make one process's step from the same four."""
+    for rank in checks:
+        seen = rank[f"refused_between_pending_{name}"]
+        assert "gradient synchronisation is off" in seen["error"]
+        assert "2 pending kept" in seen["notes"] and "no parameter was changed" in seen["notes"]
+        assert seen["pending_before"] == seen["pending_after"] == 2
+        assert seen["changed"] is None, seen["changed"]  # parameters, buffers, state: bits
+        assert seen["step_count"] == 0
+        assert seen["final_step_count"] == 1 and seen["final_pending"] == 0
+    saved = torch.load(accumulation_run / f"refused_between_{name}.pt")
+    model, _ = one_process(name, saved["initial"], 1, train_fn=one_step, options=ACCUMULATING)
+    assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
