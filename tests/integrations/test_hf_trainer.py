@@ -29,6 +29,10 @@ from lomo_kernels import Lomo  # noqa: E402
 from lomo_kernels.integrations.hf_trainer import LomoTrainer  # noqa: E402
 from lomo_kernels.integrations.huggingface import in_backward_optimizer  # noqa: E402
 
+# The accumulation test's max_grad_norm: below each step's norm before clipping (asserted),
+# so the clip binds on every step (at max_grad_norm=1.0 it would not on the 4th micro-batch's).
+ACCUMULATED_CLIP = 0.4
+
 
 class RecordingTrainer(LomoTrainer):
     """Records the learning rate the optimizer holds at each step and each logged loss."""
@@ -66,6 +70,8 @@ class MicroBatchRecorder(LomoTrainer):
         assert self._loss_scaled_for_accumulation(num_items_in_batch)
         self.micro_batches = getattr(self, "micro_batches", [])
         self.micro_batches.append((dict(inputs), num_items_in_batch))
+        self.steps = getattr(self, "steps", [])  # the step each micro-batch belongs to
+        self.steps.append(self.state.global_step)
         return super().training_step(model, inputs, num_items_in_batch)
 
 
@@ -86,24 +92,29 @@ def replay(model, opt, micro_batches) -> list[float]:
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
 def test_trainer_accumulates_micro_batches(tmp_path, optim):
     """LomoTrainer with gradient_accumulation_steps=4 against the optimizer's own loop on the
-    same micro-batches, and (Lomo) against transformers' Trainer with torch's SGD; 12 rows
-    end the epoch with a short step of 2 micro-batches."""
+    same micro-batches, and against transformers' Trainer with torch's SGD (Lomo) or
+    AdaLomo's step on each step's micro-batches concatenated (AdaLomo); 12 rows end the
+    epoch with a short step of 2 micro-batches."""
     ours, own, ref = tiny_llama(), tiny_llama(), tiny_llama()
     lr = 0.2 if optim == "lomo" else 0.01
     common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
                   learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.0,
-                  seed=0)  # fmt: skip
+                  max_grad_norm=ACCUMULATED_CLIP, seed=0)  # fmt: skip
     trainer = MicroBatchRecorder(model=ours, args=args(tmp_path / "ours", optim=optim, **common),
                                  train_dataset=distinct_rows(12))  # fmt: skip
     trainer.train()
     opt = trainer._lomo()
     assert opt.accumulation_steps == 4 and opt.step_count == 2 and not opt.pending_micro_batches
     assert len(trainer.micro_batches) == 6
-    # The same optimizer (max_grad_norm=1.0 as clip_grad_norm) in a plain loop: the same ops
+    # The same optimizer (max_grad_norm as clip_grad_norm) in a plain loop: the same ops
     # on the same values, so within the suite's fp32 bound (test_accumulation.py).
-    own_opt = type(opt)(own, lr=lr, clip_grad_norm=1.0, weight_decay=0.0, accumulation_steps=4)
+    own_opt = type(opt)(own, lr=lr, clip_grad_norm=ACCUMULATED_CLIP, weight_decay=0.0,
+                        accumulation_steps=4)  # fmt: skip
     own_norms = replay(own, own_opt, trainer.micro_batches)
     assert own_opt.step_count == 2
+    # The clip binds on both steps, the one the 4th micro-batch closes in backward and the
+    # short one step() applies (norms 0.95 and 1.3 here), each by a coefficient of at most 0.6.
+    assert min(own_norms) > ACCUMULATED_CLIP / 0.6
     assert max_rel_diff(ours, own) <= FP32_BOUND
     assert logged(trainer) == pytest.approx(own_norms, rel=FP32_BOUND)
     assert max_rel_diff(ours, tiny_llama()) > 100 * FP32_BOUND  # the steps moved the model
@@ -113,6 +124,23 @@ def test_trainer_accumulates_micro_batches(tmp_path, optim):
         reference.train()
         assert logged(trainer) == pytest.approx(logged(reference), rel=FP32_BOUND)
         # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+        assert max_rel_diff(ours, ref) <= FP32_BOUND
+    else:
+        # AdaLomo without accumulation on each step's micro-batches concatenated (rows of one
+        # length: the big batch's mean loss is the sum of the micro-batches' losses, each
+        # divided by the step's item count): the same gradient summed in another order, and
+        # an update normalised by its RMS, so within the same fp32 bound
+        # (test_accumulation.py's big-batch test).
+        steps = {}
+        for step, (inputs, _) in zip(trainer.steps, trainer.micro_batches, strict=True):
+            steps.setdefault(step, []).append(inputs)
+        big = type(opt)(ref, lr=lr, clip_grad_norm=ACCUMULATED_CLIP, weight_decay=0.0)
+        big_norms = []
+        for _, step in sorted(steps.items()):
+            big.fused_backward(ref(**{k: torch.cat([i[k] for i in step]) for k in step[0]}).loss)
+            big_norms.append(float(big.last_grad_norm))
+        assert [len(step) for step in steps.values()] == [4, 2]
+        assert logged(trainer) == pytest.approx(big_norms, rel=FP32_BOUND)
         assert max_rel_diff(ours, ref) <= FP32_BOUND
 
 

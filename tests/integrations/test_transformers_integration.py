@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
 import pytest
 import torch
+from support.accumulating import FP32_BOUND
 from support.dependencies import require
 from support.hf_trainer import (
     args,
@@ -29,6 +31,9 @@ from lomo_kernels import AdaLomo, Lomo  # noqa: E402
 LR, STEPS = 0.2, 3
 OPTIONS = {"clip_grad_norm": 1.0, "weight_decay": 0.01}
 CLASSES = {"lomo": Lomo, "adalomo": AdaLomo}
+# The accumulation tests' max_grad_norm: below every step's norm before clipping (0.86 and
+# more in these runs; the tests assert it), so the clip binds on every step.
+ACCUMULATED_CLIP = 0.4
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +115,60 @@ def test_accelerate_accumulation_equals_torchs():
     accelerate_run(ref, torch.optim.SGD(ref.parameters(), lr=LR))
     # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
     assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def same_state(a, b) -> bool:
+    """Whether two state_dicts hold the same values (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_accelerate_save_in_the_middle_of_a_step_leaves_the_micro_batches_out(tmp_path):
+    """usage.md: in an accelerate loop, which decides where steps end (accumulate()), a save
+    while micro-batches wait (state_dict(), accelerator.save_state()) leaves them out with a
+    warning, as torch's checkpoint leaves out .grad, where a plain loop's is refused: the
+    checkpoint is the last step's, and the run goes on with them, as torch's does."""
+    ours, ref = tiny_llama(), tiny_llama()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    lomo = Lomo(ours, lr=LR, clip_grad_norm=ACCUMULATED_CLIP, accumulation_steps=4)
+    model, opt = accelerator.prepare(ours, lomo)
+    for i in range(8):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch(i)).loss, learning_rate=LR)
+            accelerator.clip_grad_norm_(model.parameters(), ACCUMULATED_CLIP)
+            opt.step()
+            opt.zero_grad()
+        if i == 3:  # the first step applied
+            at_step = copy.deepcopy(opt.state_dict())
+        if i == 5:  # 2 micro-batches of the second step wait
+            assert lomo.pending_micro_batches == 2 and lomo.step_count == 1
+            waiting = r"leaves out 2 micro-batches accumulated and not applied \(a step is 4\)"
+            with pytest.warns(RuntimeWarning, match="state_dict\\(\\) " + waiting):
+                mid_step = opt.state_dict()
+            with pytest.warns(RuntimeWarning, match=waiting):
+                accelerator.save_state(str(tmp_path / "checkpoint"))
+            # Saved without them (the last step's state), and still pending.
+            assert same_state(mid_step, at_step)
+            assert lomo.pending_micro_batches == 2 and lomo.step_count == 1
+    assert lomo.step_count == 2 and not lomo.pending_micro_batches
+    ref_accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    ref_model, sgd = ref_accelerator.prepare(ref, torch.optim.SGD(ref.parameters(), lr=LR))
+    norms = []
+    for i in range(8):
+        with ref_accelerator.accumulate(ref_model):
+            ref_accelerator.backward(ref_model(**batch(i)).loss)
+            if ref_accelerator.sync_gradients:
+                norms.append(ref_accelerator.clip_grad_norm_(ref.parameters(), ACCUMULATED_CLIP))
+            sgd.step()
+            sgd.zero_grad()
+    assert len(norms) == 2 and min(norms) > ACCUMULATED_CLIP / 0.6  # the clip binds
+    # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
 
 
 def trained_by_trainer(tmp_path, trainer_class=Trainer, **overrides):
@@ -269,7 +328,9 @@ PASSES = {
 @pytest.mark.parametrize("passes", PASSES)
 def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     """Trainer(optim="lomo", gradient_accumulation_steps=4) against the same Trainer with
-    torch's SGD, micro-batches of 2 rows: the optimizer follows the loop's sync steps."""
+    torch's SGD, micro-batches of 2 rows: the optimizer follows the loop's sync steps. The
+    clip binds on every step, those the k-th micro-batch closes in backward and those
+    `step()` applies (short or carried), so the in-backward clip coefficient is compared."""
     from lomo_kernels.integrations.hf_trainer import LomoTrainer
 
     trainer_class = {"Trainer": Trainer, "LomoTrainer": LomoTrainer}[trainer_class]
@@ -280,7 +341,8 @@ def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
 
     ours, ref = tiny_llama(), tiny_llama()
     common = dict(gradient_accumulation_steps=4, max_steps=max_steps, num_train_epochs=1,
-                  learning_rate=LR, save_strategy="epoch" if saved else "no")  # fmt: skip
+                  learning_rate=LR, max_grad_norm=ACCUMULATED_CLIP,
+                  save_strategy="epoch" if saved else "no")  # fmt: skip
     trainer = trainer_class(model=ours, args=args(tmp_path / "lomo", optim="lomo", **common),
                             train_dataset=data())  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -294,9 +356,133 @@ def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
     assert opt.accumulation_steps == 4 and opt.step_count == steps
     assert opt.pending_micro_batches == 0
+    # Every step's norm before clipping (torch's, logged by the reference) exceeds the
+    # threshold: each step was clipped, by a coefficient of at most 0.6 (max_grad_norm=1.0
+    # would leave the k-th-closed steps, whose norms are 0.92-0.95 here, unclipped).
+    assert len(logged(reference)) == steps
+    assert min(logged(reference)) > ACCUMULATED_CLIP / 0.6
     # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
-    assert max_rel_diff(ours, ref) <= 1e-6
-    assert logged(trainer) == pytest.approx(logged(reference), rel=1e-6)
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+    assert logged(trainer) == pytest.approx(logged(reference), rel=FP32_BOUND)
+
+
+class StepRecorder(Trainer):
+    """Records each micro-batch the training step takes, with the step it belongs to (the
+    Trainer's global_step when it runs) and the step's item count."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.micro_batches = getattr(self, "micro_batches", [])
+        self.micro_batches.append((self.state.global_step, dict(inputs), num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def big_batches(micro_batches):
+    """Each step's micro-batches, concatenated into its big batch (all rows of one length,
+    so the mean loss of the big batch is the sum of the Trainer's per-micro-batch losses,
+    each divided by the step's item count)."""
+    steps = {}
+    for step, inputs, _ in micro_batches:
+        steps.setdefault(step, []).append(inputs)
+    return [
+        {key: torch.cat([inputs[key] for inputs in step]) for key in step[0]}
+        for _, step in sorted(steps.items())
+    ]
+
+
+def test_trainer_adalomo_accumulation_equals_its_big_batch_step(tmp_path):
+    """Trainer(optim="adalomo", gradient_accumulation_steps=4) on 10 micro-batches of 2 rows
+    (steps of 4, 4 and a short one of 2, applied by the Trainer's sync step) against AdaLomo
+    without accumulation stepping on each step's concatenated micro-batches in a plain loop:
+    the factored second moment, the clip (binding on every step) and the decay split act
+    on the accumulated gradient as on the big batch's."""
+    ours, ref = tiny_llama(), tiny_llama()
+    common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+                  learning_rate=LR, max_grad_norm=ACCUMULATED_CLIP)  # fmt: skip
+    trainer = StepRecorder(model=ours, args=args(tmp_path, optim="adalomo", **common),
+                           train_dataset=distinct_rows(20))  # fmt: skip
+    trainer.train()
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is AdaLomo and opt.accumulation_steps == 4
+    assert opt.step_count == STEPS and not opt.pending_micro_batches
+    bigs = big_batches(trainer.micro_batches)
+    assert [len(big["input_ids"]) for big in bigs] == [8, 8, 4]
+    big = AdaLomo(ref, lr=LR, clip_grad_norm=ACCUMULATED_CLIP, weight_decay=0.01,
+                  param_groups=no_decay_on_norms(ref))  # fmt: skip
+    norms = []
+    for step, inputs in enumerate(bigs):  # the Trainer's linear schedule over its 3 steps
+        big.fused_backward(ref(**inputs).loss, schedule(step))
+        norms.append(float(big.last_grad_norm))
+    # The clip binds on every step (a coefficient of at most 0.6): the k-th-closed ones and
+    # the short one.
+    assert min(norms) > ACCUMULATED_CLIP / 0.6
+    # The big batch's gradient is the same sum of the same per-token terms in another order
+    # (fp32 rounding), and AdaLomo's update is normalised by its RMS: a rounding-level
+    # relative change, the suite's fp32 bound (test_accumulation.py's big-batch test).
+    assert max_rel_diff(ours, ref) <= FP32_BOUND
+    assert logged(trainer) == pytest.approx(norms, rel=FP32_BOUND)
+    assert max_rel_diff(ours, tiny_llama()) > 1e4 * FP32_BOUND  # the steps moved the model
+
+
+def replay(model, opt, micro_batches):
+    """The optimizer's own loop on a Trainer's recorded micro-batches: each loss as the
+    Trainer computes it (divided by the step's item count), a step the k-th micro-batch does
+    not close applied by opt.step(), as the Trainer's sync step applies it."""
+    for i, (step, inputs, num_items) in enumerate(micro_batches):
+        opt.fused_backward(model(**inputs, num_items_in_batch=num_items).loss)
+        if opt.pending_micro_batches and (i + 1 == len(micro_batches)
+                                          or micro_batches[i + 1][0] != step):  # fmt: skip
+            opt.step()
+    return opt
+
+
+@pytest.mark.parametrize(
+    "model_dtype, text, buffer",
+    [
+        (torch.float32, "float32", torch.float32),
+        (torch.bfloat16, "fp32", torch.float32),
+        (torch.float32, "bf16", torch.bfloat16),
+        (torch.float32, "int8", torch.int8),
+    ],
+    ids=["fp32-weights-float32", "bf16-weights-fp32", "fp32-weights-bf16", "fp32-weights-int8"],
+)
+def test_trainer_optim_args_accumulation_dtype(tmp_path, model_dtype, text, buffer):
+    """Trainer(optim="lomo", optim_args="accumulation_dtype=...") through
+    enable_transformers() builds the optimizer with that buffer, and the run is that of the
+    same Lomo with that buffer in a plain loop on the recorded micro-batches (12 rows: a
+    step of 4 micro-batches and a short one of 2), bit for bit: the same ops on the same
+    values with the same rounding bits. The parameter's own buffer dtype gives other bits
+    (so the comparison tells the buffers apart); with fp32 weights and an fp32 buffer the run
+    is compared with the same Trainer and torch's SGD instead."""
+    ours, own = tiny_llama(model_dtype), tiny_llama(model_dtype)
+    common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
+                  learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
+                  max_grad_norm=ACCUMULATED_CLIP)  # fmt: skip
+    trainer = StepRecorder(
+        model=ours,
+        args=args(tmp_path / "ours", optim_args=f"accumulation_dtype={text}", **common),
+        train_dataset=distinct_rows(12),
+    )
+    trainer.train()
+    opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
+    assert type(opt) is Lomo and opt.accumulation_dtype == buffer
+    assert opt.step_count == 2 and not opt.pending_micro_batches
+    assert max_rel_diff(ours, tiny_llama(model_dtype)) > 1e4 * FP32_BOUND  # the steps moved it
+    options = dict(lr=LR, clip_grad_norm=ACCUMULATED_CLIP, accumulation_steps=4)
+    own_opt = replay(own, Lomo(own, accumulation_dtype=buffer, **options), trainer.micro_batches)
+    assert own_opt.step_count == 2
+    assert max_rel_diff(ours, own) == 0.0
+    if buffer == model_dtype:  # the default buffer: compared with torch's accumulation
+        ref = tiny_llama()
+        reference = Trainer(model=ref, args=args(tmp_path / "sgd", optim="sgd", **common),
+                            train_dataset=distinct_rows(12))  # fmt: skip
+        reference.train()
+        assert min(logged(reference)) > ACCUMULATED_CLIP / 0.6  # the clip binds on each step
+        # The suite's bound for Lomo against torch.optim.SGD in fp32 (test_accumulation.py).
+        assert max_rel_diff(ours, ref) <= FP32_BOUND
+    else:
+        other = tiny_llama(model_dtype)
+        replay(other, Lomo(other, **options), trainer.micro_batches)
+        assert max_rel_diff(ours, other) > 0.0
 
 
 def test_trainer_refuses_a_loop_that_never_syncs(tmp_path):
