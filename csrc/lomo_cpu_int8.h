@@ -62,8 +62,9 @@ LOMO_INLINE float code_of(float x, uint32_t random16) {
 
 // A block's new values into tile[head, head + count): fp32(grad) (kFirst: the codes are not
 // read) or code * scale + fp32(grad) (the product is exact); a partial block's other positions
-// 0, which change no largest magnitude or code (and are not measured: add_partial_squares). Returns the bits of the largest
-// magnitude (int8_blocks::kNonFiniteBits or more: the block holds an inf or nan).
+// 0, which change no largest magnitude or code (nor are they measured: add_partial_squares).
+// Returns the bits of the largest magnitude (int8_blocks::kNonFiniteBits or more: the block
+// holds an inf or nan).
 template <class G, bool kFirst>
 uint32_t fill_block_portable(float* __restrict tile, const int8_t* __restrict codes, float scale,
                              const typename G::T* __restrict g, int64_t head, int64_t count) {

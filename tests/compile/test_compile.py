@@ -65,7 +65,7 @@ def test_compiled_training_matches_eager(mode, test_device):
     assert not dynamo_utils.counters["graph_break"]
     # The learning rate changes every step but lives in a tensor: after the first steps
     # (norm pass, update pass) nothing is compiled again.
-    assert graphs[2] == graphs[-1]
+    assert graphs[0] >= 1 and graphs[2] == graphs[-1]  # compiled, then never again
 
 
 def test_accumulation_with_a_compiled_forward_matches_eager(test_device):
@@ -82,7 +82,7 @@ def test_accumulation_with_a_compiled_forward_matches_eager(test_device):
         assert torch.equal(a, b)
     assert not torch.equal(eager[0].weight, mlp(test_device)[0].weight)  # it trained
     assert not dynamo_utils.counters["graph_break"]
-    assert graphs[0] == graphs[-1]
+    assert graphs[0] >= 1 and graphs[0] == graphs[-1]  # compiled, then never again
 
 
 def test_inductor_forward_with_fused_backward(test_device):

@@ -152,8 +152,10 @@ def test_accelerate_save_in_the_middle_of_a_step_leaves_the_micro_batches_out(tm
                 mid_step = opt.state_dict()
             with pytest.warns(RuntimeWarning, match=waiting):
                 accelerator.save_state(str(tmp_path / "checkpoint"))
-            # Saved without them (the last step's state), and still pending.
+            # Saved without them (the last step's state, in the file too), and still pending.
             assert same_state(mid_step, at_step)
+            saved = torch.load(tmp_path / "checkpoint" / "optimizer.bin", weights_only=True)
+            assert same_state(saved, at_step)
             assert lomo.pending_micro_batches == 2 and lomo.step_count == 1
     assert lomo.step_count == 2 and not lomo.pending_micro_batches
     ref_accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)

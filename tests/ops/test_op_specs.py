@@ -173,6 +173,25 @@ def test_offsets_are_refused_unless_a_non_negative_int(bad):
             spec.convert(torch.device("cpu"), values)
 
 
+def test_an_8_bit_buffer_s_flat_indices_must_be_int64s():
+    """The spec checks the first element's flat index; a buffer's last one and its end
+    (offset + numel, which the backends index too) must be int64s as well: refused by the
+    op's checks before any backend runs, the largest fitting offset taken."""
+    from lomo_kernels import ops
+    from lomo_kernels.core.int8_blocks import blocks_of
+
+    grad = torch.ones(2)
+    for offset, fits in ((2**63 - 3, True), (2**63 - 2, False), (2**63 - 1, False)):
+        codes, scales = torch.zeros(2, dtype=torch.int8), torch.zeros(blocks_of(offset, 2))
+        if fits:
+            ops.grad_accumulate_int8_(codes, scales, grad, offset=offset, first=True,
+                                      backend="torch")  # fmt: skip
+            assert torch.equal(codes.float() * scales[-1], grad)  # stored: the op ran
+            continue
+        with pytest.raises(ValueError, match=r"end past 2\*\*63 - 1"):
+            ops.grad_accumulate_int8_(codes, scales, grad, offset=offset, first=True)
+
+
 def test_dispatcher_calls_run_the_chosen_backend(monkeypatch):
     """A call through the dispatcher runs the backend chosen for it, else the device's."""
     calls = []

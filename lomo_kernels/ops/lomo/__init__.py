@@ -183,6 +183,11 @@ def check_int8_buffer(
         raise ValueError(
             f"lomo_kernels: codes has {codes.numel()} elements, the data {like.numel()}"
         )
+    if offset + like.numel() >= 2**63:  # every backend indexes offset + j and the end in int64
+        raise ValueError(
+            f"lomo_kernels: {like.numel()} elements at offset {offset} end past 2**63 - 1: a "
+            "slice's flat indices in its parameter must be int64s"
+        )
     blocks = blocks_of(offset, like.numel())
     if scales.numel() != blocks:
         raise ValueError(
