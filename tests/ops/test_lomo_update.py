@@ -161,10 +161,18 @@ def test_sumsq_tensor_inv_scale(backend):
 
 
 def test_clip_coef_from_sumsq():
-    assert ops.clip_coef_from_sumsq(torch.tensor([4.0]), 1.0).item() == pytest.approx(
-        1.0 / (2.0 + 1e-6)
-    )
-    assert ops.clip_coef_from_sumsq(torch.tensor([0.25]), 1.0).item() == 1.0
+    # lomo-optim's and torch's min(1, max_norm / (norm + 1e-6)), in fp32: the eps shows at a
+    # norm of 2 as 1 / (2 + 1e-6) in fp32 (not 1/2), and decides the coefficient at a norm
+    # far below it (1e-8: 0.5 / (1e-8 + 1e-6), not 1).
+    def fp32(x: float) -> float:
+        return torch.tensor(x, dtype=torch.float32).item()
+
+    def coef(sumsq: float, max_norm: float) -> float:
+        return ops.clip_coef_from_sumsq(torch.tensor([sumsq]), max_norm).item()
+
+    assert coef(4.0, 1.0) == fp32(1.0 / fp32(2.0 + 1e-6)) != 0.5
+    assert coef(1e-16, 5e-7) == pytest.approx(5e-7 / (1e-8 + 1e-6), rel=1e-6)
+    assert coef(0.25, 1.0) == 1.0 and coef(0.0, 1.0) == 1.0
     with pytest.raises(ValueError, match="max_norm"):
         ops.clip_coef_from_sumsq(torch.tensor([1.0]), 0.0)
 

@@ -74,7 +74,9 @@ def test_lomo_two_groups_equal_torch_sgd(single_lr):
 def adalomo_f64_steps(model, groups, steps, lr, weight_decay, start=0, state=None):
     """AdaLomo in float64 on the model's own gradients (torch autograd), the clip coefficient
     from the global norm of all of them; written back to the fp32 parameters each step.
-    Steps `start` to `start + steps - 1` from the moments `state`; returns the moments."""
+    Steps `start` to `start + steps - 1` from the moments `state`; returns the moments. A
+    group may set its own eps, clip_threshold, decay_rate and clip_grad_value (AdaLomo's
+    defaults otherwise)."""
     group_of = {id(p): g for g in groups for p in g["params"]}
     state = {} if state is None else state
     for step in range(start, start + steps):
@@ -82,7 +84,6 @@ def adalomo_f64_steps(model, groups, steps, lr, weight_decay, start=0, state=Non
         model(**batch(step)).loss.backward()
         norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
         coef = min(1.0, MAX_NORM / (norm + 1e-6))
-        beta2 = 1.0 - math.pow(step + 1, -0.8)
         with torch.no_grad():
             for p in model.parameters():
                 if id(p) not in state:
@@ -94,10 +95,14 @@ def adalomo_f64_steps(model, groups, steps, lr, weight_decay, start=0, state=Non
                         if p.dim() >= 2
                         else {"exp_avg_sq": torch.zeros(p.shape)}
                     )
-                decay = group_of[id(p)].get("weight_decay", weight_decay)
+                group = group_of[id(p)]
+                beta2 = 1.0 - math.pow(step + 1, group.get("decay_rate", -0.8))
+                own = {k: group[k] for k in ("eps", "clip_threshold") if k in group}
                 new, state[id(p)], _ = adalomo_f64(
-                    p, p.grad, state[id(p)], lr=lr, beta2=beta2, weight_decay=decay, clip_coef=coef
-                )
+                    p, p.grad, state[id(p)], lr=lr, beta2=beta2, clip_coef=coef,
+                    weight_decay=group.get("weight_decay", weight_decay),
+                    clip_value=group.get("clip_grad_value"), **own,
+                )  # fmt: skip
                 p.copy_(new.view_as(p))
     return state
 
@@ -113,6 +118,60 @@ def test_adalomo_two_groups_match_float64():
     # The fp32 kernels' bound (support/adalomo.py: 1e-5 of max(|p|, |update|) per step) over
     # 3 steps; decay on the norm weights would be off by lr * rms(p) * 0.5 (about 5e-3).
     assert max_rel_diff(ours, ref) <= 1e-5
+
+
+def test_adalomo_group_hyper_parameters_match_float64():
+    # A group (the norm weights) with its own eps, clip_threshold, decay_rate and
+    # clip_grad_value, each far enough from the defaults to move its parameters by more than
+    # the bound; the other parameters keep the constructor's (no value clipping).
+    ours, ref = tiny_llama(), tiny_llama()
+    own = {"eps": (1e-30, 3e-2), "clip_threshold": 0.05, "decay_rate": -0.5,
+           "clip_grad_value": 1e-3}  # fmt: skip
+    opt = AdaLomo(ours, lr=0.01, clip_grad_norm=MAX_NORM, param_groups=two_groups(ours, **own))
+    for step in range(3):
+        opt.fused_backward(ours(**batch(step)).loss)
+    adalomo_f64_steps(ref, torch_groups(ref, **own), 3, lr=0.01, weight_decay=0.0)
+    # The fp32 kernels' bound over 3 steps, as in test_adalomo_two_groups_match_float64.
+    assert max_rel_diff(ours, ref) <= 1e-5
+    for name, value in own.items():  # each alone, the defaults else: the bound tells them apart
+        alone = tiny_llama()
+        adalomo_f64_steps(alone, torch_groups(alone, **{name: value}), 3, lr=0.01,
+                          weight_decay=0.0)  # fmt: skip
+        assert max_rel_diff(alone, ref) > 1e-4, name
+
+
+def test_lomo_group_clip_grad_value_equals_torch_sgd():
+    # The norm weights' group clamps its gradients at its own clip_grad_value (the others at
+    # the constructor's), before the global clip coefficient, which comes from the unclamped
+    # gradients (lomo-optim's order): torch's SGD on gradients treated so.
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = Lomo(ours, lr=0.1, clip_grad_norm=MAX_NORM, clip_grad_value=0.05,
+               param_groups=two_groups(ours, clip_grad_value=1e-3))  # fmt: skip
+    sgd = torch.optim.SGD(torch_groups(ref), lr=0.1)
+    clamp_at = {id(p): 1e-3 for p in sgd.param_groups[0]["params"]}
+    for step in range(STEPS):
+        opt.fused_backward(ours(**batch(step)).loss)
+        sgd.zero_grad()
+        ref(**batch(step)).loss.backward()
+        grads = [p.grad for p in ref.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+        for p in ref.parameters():
+            v = clamp_at.get(id(p), 0.05)
+            p.grad.clamp_(-v, v).mul_(coef)
+        sgd.step()
+    # The bound of the one-group comparison with SGD (test_lomo_optimizer.py); the group's
+    # own threshold moves its parameters by lr * coef * (its gradients beyond 1e-3) more.
+    assert max_rel_diff(ours, ref) <= 1e-6
+    lax = tiny_llama()
+    Lomo(lax, lr=0.1, clip_grad_norm=MAX_NORM, clip_grad_value=0.05).fused_backward(
+        lax(**batch(0)).loss
+    )
+    once = tiny_llama()
+    Lomo(once, lr=0.1, clip_grad_norm=MAX_NORM, clip_grad_value=0.05,
+         param_groups=two_groups(once, clip_grad_value=1e-3)).fused_backward(
+        once(**batch(0)).loss)  # fmt: skip
+    assert max_rel_diff(lax, once) > 1e-4  # the group's own threshold acted
 
 
 def regroup(groups, model):

@@ -168,10 +168,15 @@ def test_fp16_inf_in_one_layer_is_a_partial_step():
     counter = {"step": 0}
     poison(target, {1}, counter)
     phases = count_phases(opt)
+    history = opt._single_backward_clip.norm_history
     for step in range(5):
         counter["step"] = step
         before, scale_before = snapshot(model), opt.loss_scaler.scale.item()
+        history_before = history.clone()
         opt.fused_backward(model(**batch(step)).loss)
+        # A clean step's norm enters the history P is the median of; a partial step's
+        # (measured without the tensor left out) does not.
+        assert torch.equal(history, history_before) == (step == 1)
         assert all(torch.isfinite(p).all() for p in model.parameters())
         moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
         index = [id(p) for p in model.parameters()].index(id(target))
