@@ -45,6 +45,17 @@ def test_fp32_equals_torch_sgd(backend, config):
     assert max_rel_diff(ours, ref) <= 1e-6
 
 
+def test_fp32_clip_above_the_norm_changes_nothing(backend):
+    # clip_grad_norm above every step's norm (the tiny LLaMA's are about 2-3): the
+    # coefficient min(1, 100 / norm) is 1, so the steps are plain SGD's (torch's clip does not
+    # scale a gradient up either).
+    ours, ref = tiny_llama(), tiny_llama()
+    opt = train_ours(ours, backend=backend, clip_grad_norm=100.0)
+    assert float(opt.last_grad_norm) < 100.0
+    train_sgd(ref)
+    assert max_rel_diff(ours, ref) <= 1e-6
+
+
 def test_fp32_clip_value_equals_sgd_after_clip_grad_value(backend):
     ours, ref = tiny_llama(), tiny_llama()
     train_ours(ours, backend=backend, clip_grad_value=0.01)
