@@ -63,6 +63,10 @@ def test_num_items_in_batch_and_no_labels_keep_transformers_meaning():
     assert torch.equal(
         fused(input_ids=data["input_ids"]).logits, plain(input_ids=data["input_ids"]).logits
     )
+    # logits_to_keep too (generation asks for the last position's logits only).
+    last = fused(input_ids=data["input_ids"], logits_to_keep=1).logits
+    assert last.shape[1] == 1
+    assert torch.equal(last, plain(input_ids=data["input_ids"], logits_to_keep=1).logits)
     as_tuple = fused(**data, return_dict=False)
     assert isinstance(as_tuple, tuple) and as_tuple[0].item() == fused(**data).loss.item()
     assert unpatch_causal_lm(fused).forward.__func__ is type(fused).forward

@@ -374,3 +374,66 @@ def test_a_gradient_in_parts_is_rounded_without_bias(backend, dtype):
     step = 2.0 if dtype == torch.int8 else 1 / 16
     bound = 6 * (2 * step**2 / 4 / seeds) ** 0.5
     assert (total / seeds - exact).abs().max() <= bound
+
+
+def int8_buffer_holding(values: torch.Tensor, offset: int):
+    """An 8-bit buffer at flat `offset` of its parameter holding `values` (fp32, stored to
+    nearest by the torch backend's accumulate, `first=True`)."""
+    from lomo_kernels import ops
+    from lomo_kernels.optim.int8_buffer import Int8Buffer
+
+    buffer = Int8Buffer.like(values, offset, zeroed=True)
+    ops.grad_accumulate_int8_(buffer.codes, buffer.scales, values, offset=offset, first=True,
+                              stochastic_rounding=False, backend="torch")  # fmt: skip
+    return buffer
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 700), (212, 500), (211, 213), (469, 700)])
+def test_a_part_of_an_unaligned_buffer_is_its_own_elements_and_blocks(start, stop):
+    # A buffer at offset 300 (its first block starts at element -44 of it): a part holds its
+    # elements' codes and the scales of exactly the blocks they touch, at its own offset, and
+    # reads back the whole buffer's values there; block_bounds widens to those blocks' edges.
+    from lomo_kernels.optim import int8_buffer
+
+    values = torch.randn(700, generator=torch.Generator().manual_seed(5)) * torch.logspace(
+        -3, 3, 700
+    )
+    buffer = int8_buffer_holding(values, offset=300)
+    whole = int8_buffer.dequantized(buffer, torch.float32, "torch")
+    part = buffer.part(start, stop)
+    assert part.offset == 300 + start and part.numel() == stop - start
+    first, last = (300 + start) // BLOCK, (300 + stop - 1) // BLOCK  # the parameter's blocks
+    assert torch.equal(part.scales, buffer.scales[first - 300 // BLOCK : last - 300 // BLOCK + 1])
+    assert torch.equal(int8_buffer.dequantized(part, torch.float32, "torch"), whole[start:stop])
+    low, high = buffer.block_bounds(start, stop)
+    assert (low, high) == (max(0, first * BLOCK - 300), min(700, (last + 1) * BLOCK - 300))
+
+
+def test_an_fp16_parameter_reads_its_8_bit_buffer_in_fp32():
+    # The buffer's scales reach past fp16's range (sums of fp16 gradients over micro-batches,
+    # loss-scaled): an fp16 parameter's update (AdaLomo's) reads the values in fp32, not inf.
+    from lomo_kernels.optim import int8_buffer
+
+    values = torch.tensor([1e5, -7e4, 3.0, 0.0])
+    read = int8_buffer.dequantized(int8_buffer_holding(values, 0), torch.float16, "torch")
+    assert read.dtype == torch.float32 and torch.isfinite(read).all()
+    assert read.tolist() == quantise_nearest(values).tolist()
+
+
+def test_the_whole_buffer_measure_is_scaled_and_chunked(monkeypatch):
+    # The step's measurement of a buffer no micro-batch measured: the sum of squares of its
+    # values times the inverse loss scale, whatever the chunk it is dequantised in (here 100
+    # elements, a buffer of 700 at offset 300: parts cut at unaligned blocks), against float64.
+    from lomo_kernels.optim import int8_buffer
+
+    values = torch.randn(700, generator=torch.Generator().manual_seed(6)) * 1e3
+    buffer = int8_buffer_holding(values, offset=300)
+    stored = int8_buffer.dequantized(buffer, torch.float32, "torch").double()
+    inv = torch.tensor([2.0**-10])
+    want = (stored * 2.0**-10).pow(2).sum().item()
+    for chunk in (int8_buffer.MEASURE_CHUNK, 100):
+        monkeypatch.setattr(int8_buffer, "MEASURE_CHUNK", chunk)
+        sumsq, found = torch.zeros(1), torch.zeros(1)
+        int8_buffer.measure_sumsq(buffer, sumsq, found, inv, "torch")
+        # Each chunk's float64 sum is rounded once into the fp32 total: at most 8 roundings.
+        assert sumsq.item() == pytest.approx(want, rel=8 * 2**-24) and found.item() == 0
