@@ -148,6 +148,11 @@ def test_zero3_gradient_traffic_and_bucket_count(checks):
         total = sum(t["padded"])
         oversized = sum(p >= t["bucket_numel"] for p in t["padded"])
         assert len(scatters) <= 2 * total / t["bucket_numel"] + 1 + oversized
+        # Each bucket hands over at most bucket_numel elements (every rank's part of it), but
+        # a gradient alone larger, which gets a bucket of its own.
+        cap = t["bucket_numel"] * size
+        assert sum(b > cap for b in scatters) <= oversized
+        assert max(scatters) <= max(cap, size * max(t["padded"]))
         assert len(scatters) < len(t["numels"])  # bucketing did merge small gradients
         assert not any(kind == "all_reduce" and b > 64 for kind, b in t["calls"])
 
