@@ -11,12 +11,15 @@ from support.accumulating import FP32_BOUND
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
 from support.hf_trainer import (
+    RecordsMicroBatches,
     args,
     assert_skipped_steps_hold_the_warmup,
+    big_batches,
     dataset,
     distinct_rows,
     logged,
     norm_weight_names,
+    replay,
     trainer_batch,
 )
 from support.models import max_rel_diff, tiny_llama
@@ -62,31 +65,13 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
     assert losses[-1] < losses[0] - 0.5
 
 
-class MicroBatchRecorder(LomoTrainer):
-    """Records each micro-batch the training step takes: its inputs and the step's item count
-    (the model divides the summed loss by it: a share of the step's loss)."""
+class MicroBatchRecorder(RecordsMicroBatches, LomoTrainer):
+    """Records each micro-batch the training step takes, each loss scaled as a share of the
+    step's (the model divides the summed loss by the step's item count)."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         assert self._loss_scaled_for_accumulation(num_items_in_batch)
-        self.micro_batches = getattr(self, "micro_batches", [])
-        self.micro_batches.append((dict(inputs), num_items_in_batch))
-        self.steps = getattr(self, "steps", [])  # the step each micro-batch belongs to
-        self.steps.append(self.state.global_step)
         return super().training_step(model, inputs, num_items_in_batch)
-
-
-def replay(model, opt, micro_batches) -> list[float]:
-    """The optimizer's own loop on recorded micro-batches, the epoch's short step applied by
-    opt.step(): each step's norm."""
-    norms = []
-    for inputs, num_items in micro_batches:
-        opt.fused_backward(model(**inputs, num_items_in_batch=num_items).loss)
-        if not opt.pending_micro_batches:
-            norms.append(float(opt.last_grad_norm))
-    if opt.pending_micro_batches:
-        opt.step()
-        norms.append(float(opt.last_grad_norm))
-    return norms
 
 
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
@@ -131,15 +116,13 @@ def test_trainer_accumulates_micro_batches(tmp_path, optim):
         # divided by the step's item count): the same gradient summed in another order, and
         # an update normalised by its RMS, so within the same fp32 bound
         # (test_accumulation.py's big-batch test).
-        steps = {}
-        for step, (inputs, _) in zip(trainer.steps, trainer.micro_batches, strict=True):
-            steps.setdefault(step, []).append(inputs)
+        bigs = big_batches(trainer.micro_batches)
         big = type(opt)(ref, lr=lr, clip_grad_norm=ACCUMULATED_CLIP, weight_decay=0.0)
         big_norms = []
-        for _, step in sorted(steps.items()):
-            big.fused_backward(ref(**{k: torch.cat([i[k] for i in step]) for k in step[0]}).loss)
+        for inputs in bigs:
+            big.fused_backward(ref(**inputs).loss)
             big_norms.append(float(big.last_grad_norm))
-        assert [len(step) for step in steps.values()] == [4, 2]
+        assert [len(inputs["input_ids"]) for inputs in bigs] == [8, 4]  # 4 and 2 micro-batches
         assert logged(trainer) == pytest.approx(big_norms, rel=FP32_BOUND)
         assert max_rel_diff(ours, ref) <= FP32_BOUND
 

@@ -11,11 +11,14 @@ import torch
 from support.accumulating import FP32_BOUND
 from support.dependencies import require
 from support.hf_trainer import (
+    RecordsMicroBatches,
     args,
+    big_batches,
     dataset,
     distinct_rows,
     logged,
     norm_weight_names,
+    replay,
     trainer_batch,
 )
 from support.models import batch, max_rel_diff, tiny_llama
@@ -368,27 +371,8 @@ def test_trainer_accumulation_equals_torchs(tmp_path, passes, trainer_class):
     assert logged(trainer) == pytest.approx(logged(reference), rel=FP32_BOUND)
 
 
-class StepRecorder(Trainer):
-    """Records each micro-batch the training step takes, with the step it belongs to (the
-    Trainer's global_step when it runs) and the step's item count."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.micro_batches = getattr(self, "micro_batches", [])
-        self.micro_batches.append((self.state.global_step, dict(inputs), num_items_in_batch))
-        return super().training_step(model, inputs, num_items_in_batch)
-
-
-def big_batches(micro_batches):
-    """Each step's micro-batches, concatenated into its big batch (all rows of one length,
-    so the mean loss of the big batch is the sum of the Trainer's per-micro-batch losses,
-    each divided by the step's item count)."""
-    steps = {}
-    for step, inputs, _ in micro_batches:
-        steps.setdefault(step, []).append(inputs)
-    return [
-        {key: torch.cat([inputs[key] for inputs in step]) for key in step[0]}
-        for _, step in sorted(steps.items())
-    ]
+class MicroBatchRecorder(RecordsMicroBatches, Trainer):
+    """transformers' Trainer recording each micro-batch its training step takes."""
 
 
 def test_trainer_adalomo_accumulation_equals_its_big_batch_step(tmp_path):
@@ -400,7 +384,7 @@ def test_trainer_adalomo_accumulation_equals_its_big_batch_step(tmp_path):
     ours, ref = tiny_llama(), tiny_llama()
     common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
                   learning_rate=LR, max_grad_norm=ACCUMULATED_CLIP)  # fmt: skip
-    trainer = StepRecorder(model=ours, args=args(tmp_path, optim="adalomo", **common),
+    trainer = MicroBatchRecorder(model=ours, args=args(tmp_path, optim="adalomo", **common),
                            train_dataset=distinct_rows(20))  # fmt: skip
     trainer.train()
     opt = lomo_kernels.integrations.huggingface.in_backward_optimizer(trainer.optimizer)
@@ -425,18 +409,6 @@ def test_trainer_adalomo_accumulation_equals_its_big_batch_step(tmp_path):
     assert max_rel_diff(ours, tiny_llama()) > 1e4 * FP32_BOUND  # the steps moved the model
 
 
-def replay(model, opt, micro_batches):
-    """The optimizer's own loop on a Trainer's recorded micro-batches: each loss as the
-    Trainer computes it (divided by the step's item count), a step the k-th micro-batch does
-    not close applied by opt.step(), as the Trainer's sync step applies it."""
-    for i, (step, inputs, num_items) in enumerate(micro_batches):
-        opt.fused_backward(model(**inputs, num_items_in_batch=num_items).loss)
-        if opt.pending_micro_batches and (i + 1 == len(micro_batches)
-                                          or micro_batches[i + 1][0] != step):  # fmt: skip
-            opt.step()
-    return opt
-
-
 @pytest.mark.parametrize(
     "model_dtype, text, buffer",
     [
@@ -459,7 +431,7 @@ def test_trainer_optim_args_accumulation_dtype(tmp_path, model_dtype, text, buff
     common = dict(gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1,
                   learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
                   max_grad_norm=ACCUMULATED_CLIP)  # fmt: skip
-    trainer = StepRecorder(
+    trainer = MicroBatchRecorder(
         model=ours,
         args=args(tmp_path / "ours", optim_args=f"accumulation_dtype={text}", **common),
         train_dataset=distinct_rows(12),
@@ -470,7 +442,8 @@ def test_trainer_optim_args_accumulation_dtype(tmp_path, model_dtype, text, buff
     assert opt.step_count == 2 and not opt.pending_micro_batches
     assert max_rel_diff(ours, tiny_llama(model_dtype)) > 1e4 * FP32_BOUND  # the steps moved it
     options = dict(lr=LR, clip_grad_norm=ACCUMULATED_CLIP, accumulation_steps=4)
-    own_opt = replay(own, Lomo(own, accumulation_dtype=buffer, **options), trainer.micro_batches)
+    own_opt = Lomo(own, accumulation_dtype=buffer, **options)
+    replay(own, own_opt, trainer.micro_batches)
     assert own_opt.step_count == 2
     assert max_rel_diff(ours, own) == 0.0
     if buffer == model_dtype:  # the default buffer: compared with torch's accumulation

@@ -76,3 +76,42 @@ def assert_skipped_steps_hold_the_warmup(steps: list, lr: float, warmup: int) ->
     applied_before = [sum(1 for s in skipped[:k] if not s) for k in range(len(steps))]
     expected = [lr * schedule(n) for n in applied_before]
     assert [step_lr for step_lr, _ in steps] == pytest.approx(expected, rel=1e-12)
+
+
+class RecordsMicroBatches:
+    """A Trainer mixin recording each micro-batch its training step takes, in
+    `micro_batches`: (the step it belongs to, the Trainer's global_step as it runs; its
+    inputs; the step's item count, which the model divides the summed loss by)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.micro_batches = getattr(self, "micro_batches", [])
+        self.micro_batches.append((self.state.global_step, dict(inputs), num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def replay(model, opt, micro_batches) -> list[float]:
+    """An accumulating optimizer's own loop on a Trainer's recorded micro-batches
+    (`RecordsMicroBatches`): each loss as the Trainer computes it, a step that the k-th
+    micro-batch does not close (short or carried) applied by opt.step() where the Trainer's
+    sync step applies it. Returns each step's norm (clipping on)."""
+    norms = []
+    for i, (step, inputs, num_items) in enumerate(micro_batches):
+        opt.fused_backward(model(**inputs, num_items_in_batch=num_items).loss)
+        if i + 1 == len(micro_batches) or micro_batches[i + 1][0] != step:  # the step ends
+            if opt.pending_micro_batches:
+                opt.step()
+            norms.append(float(opt.last_grad_norm))
+    return norms
+
+
+def big_batches(micro_batches) -> list[dict[str, torch.Tensor]]:
+    """Each step's recorded micro-batches (`RecordsMicroBatches`) concatenated into its big
+    batch (for rows of one length, whose mean loss is the sum of the Trainer's
+    per-micro-batch losses, each divided by the step's item count)."""
+    steps: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for step, inputs, _ in micro_batches:
+        steps.setdefault(step, []).append(inputs)
+    return [
+        {key: torch.cat([inputs[key] for inputs in step]) for key in step[0]}
+        for _, step in sorted(steps.items())
+    ]
