@@ -22,6 +22,7 @@ from support.hf_trainer import (
     trainer_batch,
 )
 from support.models import batch, max_rel_diff, tiny_llama
+from support.state import assert_same_state
 
 require("transformers")
 from accelerate import Accelerator  # noqa: E402
@@ -120,17 +121,6 @@ def test_accelerate_accumulation_equals_torchs():
     assert max_rel_diff(ours, ref) <= 1e-6
 
 
-def same_state(a, b) -> bool:
-    """Whether two state_dicts hold the same values (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def test_accelerate_save_in_the_middle_of_a_step_leaves_the_micro_batches_out(tmp_path):
     """usage.md: in an accelerate loop, which decides where steps end (accumulate()), a save
     while micro-batches wait (state_dict(), accelerator.save_state()) leaves them out with a
@@ -156,9 +146,9 @@ def test_accelerate_save_in_the_middle_of_a_step_leaves_the_micro_batches_out(tm
             with pytest.warns(RuntimeWarning, match=waiting):
                 accelerator.save_state(str(tmp_path / "checkpoint"))
             # Saved without them (the last step's state, in the file too), and still pending.
-            assert same_state(mid_step, at_step)
+            assert_same_state(mid_step, at_step)
             saved = torch.load(tmp_path / "checkpoint" / "optimizer.bin", weights_only=True)
-            assert same_state(saved, at_step)
+            assert_same_state(saved, at_step)
             assert lomo.pending_micro_batches == 2 and lomo.step_count == 1
     assert lomo.step_count == 2 and not lomo.pending_micro_batches
     ref_accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
