@@ -29,9 +29,9 @@ from support.sharded_checks import run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
     ACCUMULATING,
     ACCUMULATING_INT8,
-    ACCUMULATION_STEPS,
     LR,
-    NO_CLIP,
+    OVERFLOW_RUNS,
+    POISONED_MICRO_BATCH,
     STEPS,
     rank_batch,
     train_accumulating,
@@ -177,19 +177,6 @@ def run_damaged_moments(engine: str, rank: int, checks: dict) -> None:
         opt.detach()
 
 
-# An inf in one micro-batch's gradient on one rank only: (optimizer, dtype, options).
-# Without clipping in fp32 the all-reduced overflow flag alone carries the decision (no
-# norm is all-reduced that an inf would poison); fp16 lowers the (dynamic) loss scale.
-NO_CLIP_ACCUMULATING = {**NO_CLIP, "accumulation_steps": ACCUMULATION_STEPS}
-OVERFLOWS = {
-    "lomo": (Lomo, torch.float32, ACCUMULATING),
-    "lomo_no_clip": (Lomo, torch.float32, NO_CLIP_ACCUMULATING),
-    "adalomo_no_clip": (AdaLomo, torch.float32, NO_CLIP_ACCUMULATING),
-    "lomo_fp16": (Lomo, torch.float16, NO_CLIP_ACCUMULATING),
-}
-POISONED_MICRO_BATCH = 1  # of the first step's k
-
-
 def build_in(engine: str, dtype: torch.dtype):
     """`build(engine)` with parameters (and compute) in `dtype`."""
     if engine == "zero3":
@@ -212,7 +199,7 @@ def run_overflow(engine: str, label: str, rank: int, checks: dict) -> None:
     Every rank must skip the whole step (no shard, no moment changed), report it skipped at
     the next call, lower an fp16 scale once; the next k clean micro-batches then make the
     step one process makes after the same skipped step."""
-    cls, dtype, options = OVERFLOWS[label]
+    name, dtype, options = OVERFLOW_RUNS[label]
     target, model = build_in(engine, dtype)
     poisoned = model.llama.lm_head.weight  # 3001 rows: both ranks hold a part
     inject = {"on": False}
@@ -224,7 +211,7 @@ def run_overflow(engine: str, label: str, rank: int, checks: dict) -> None:
 
     poisoned.register_post_accumulate_grad_hook(poison)
     initial = consolidated_state_dict(model)
-    opt = cls(target, lr=LR["lomo" if cls is Lomo else "adalomo"], **options)
+    opt = OPTIMIZERS[name](target, lr=LR[name], **options)
     scaler = opt.loss_scaler if dtype == torch.float16 else None
     scale = lambda: None if scaler is None else scaler.scale.item()  # noqa: E731
     k = opt.accumulation_steps
@@ -320,7 +307,7 @@ def main(rank: int, checks: dict) -> None:
         for name in OPTIMIZERS:
             run(engine, name, rank, checks)
         run_damaged_moments(engine, rank, checks)
-        for label in OVERFLOWS:
+        for label in OVERFLOW_RUNS:
             run_overflow(engine, label, rank, checks)
     for name in ("lomo", "adalomo"):
         run_refused_between_pending(name, rank, checks)

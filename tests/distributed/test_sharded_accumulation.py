@@ -21,9 +21,9 @@ from support.sharded_checks import (
 from support.sharded_models import (
     ACCUMULATING,
     ACCUMULATING_INT8,
-    ACCUMULATION_STEPS,
     LR,
-    NO_CLIP,
+    OVERFLOW_RUNS,
+    POISONED_MICRO_BATCH,
     STEPS,
     ScaledLlama,
     train_accumulating,
@@ -222,18 +222,6 @@ def test_sharded_adalomo_damaged_moments_refused_before_any_change(checks, engin
         assert seen["lr"] == [LR["adalomo"]] and seen["pending"] == 0
 
 
-# The worker's overflow runs compared with one process: label -> (optimizer, options). Its
-# "lomo_fp16" run (no clipping) is checked on the ranks only.
-NO_CLIP_ACCUMULATING = {**NO_CLIP, "accumulation_steps": ACCUMULATION_STEPS}
-OVERFLOW_RUNS = {
-    "lomo": ("lomo", ACCUMULATING),
-    # Without clipping no norm is all-reduced: the all-reduced overflow flag alone decides.
-    "lomo_no_clip": ("lomo", NO_CLIP_ACCUMULATING),
-    "adalomo_no_clip": ("adalomo", NO_CLIP_ACCUMULATING),
-}
-POISONED_MICRO_BATCH = 1  # the worker's
-
-
 def train_through_a_skipped_step(model, opt, batch_of, steps=None):
     """The worker's overflow run in one process: a clean step (batches 100..), a step whose
     POISONED_MICRO_BATCH-th loss is inf (batches 0..k-1: skipped whole, nothing changed),
@@ -258,7 +246,7 @@ def train_through_a_skipped_step(model, opt, batch_of, steps=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", [*OVERFLOW_RUNS, "lomo_fp16"])
+@pytest.mark.parametrize("label", OVERFLOW_RUNS)
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_sharded_overflow_on_one_rank_skips_the_accumulated_step_on_every_rank(
     accumulation_run, checks, engine, label
@@ -283,8 +271,8 @@ def test_sharded_overflow_on_one_rank_skips_the_accumulated_step_on_every_rank(
             assert r["scale_after_skip"] == r["scale_before"] / 2 == r["scale_after_clean"]
         else:
             assert r["scale_before"] is None
-    if label in OVERFLOW_RUNS:
-        name, options = OVERFLOW_RUNS[label]
+    name, dtype, options = OVERFLOW_RUNS[label]
+    if dtype == torch.float32:  # compared with one process (the fp16 run on the ranks only)
         saved = torch.load(accumulation_run / f"overflow_{engine}_{label}.pt")
         model, _ = one_process(
             name, saved["initial"], 3, train_fn=train_through_a_skipped_step, options=options

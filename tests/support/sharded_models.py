@@ -29,6 +29,18 @@ ACCUMULATION_STEPS = 4
 ACCUMULATING = {**OPTIONS, "accumulation_steps": ACCUMULATION_STEPS}
 # The 8-bit blockwise buffer: each rank's buffer holds its slice's blocks, cut at its edges.
 ACCUMULATING_INT8 = {**ACCUMULATING, "accumulation_dtype": torch.int8}
+NO_CLIP_ACCUMULATING = {**NO_CLIP, "accumulation_steps": ACCUMULATION_STEPS}
+# The overflow runs: an inf in the POISONED_MICRO_BATCH-th micro-batch's gradient on one
+# rank only; label -> (optimizer, parameter dtype, options). Without clipping in fp32 the
+# all-reduced overflow flag alone carries the decision (no norm is all-reduced that an inf
+# would poison); fp16 lowers the (dynamic) loss scale.
+POISONED_MICRO_BATCH = 1
+OVERFLOW_RUNS = {
+    "lomo": ("lomo", torch.float32, ACCUMULATING),
+    "lomo_no_clip": ("lomo", torch.float32, NO_CLIP_ACCUMULATING),
+    "adalomo_no_clip": ("adalomo", torch.float32, NO_CLIP_ACCUMULATING),
+    "lomo_fp16": ("lomo", torch.float16, NO_CLIP_ACCUMULATING),
+}
 SHORT_STEP = 2  # micro-batches of the short step that ends train_accumulating
 
 
