@@ -86,12 +86,24 @@ def variants(p: torch.Tensor, g: torch.Tensor, levels: list[str]) -> dict[str, C
 
     def ours() -> None:
         ext.lomo_update_(
-            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None
+            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, False, 0, None, 0
         )
 
     def sr() -> None:
         ext.lomo_update_(
-            p, g, lr, inv_scale, CLIP_VALUE, coef, WEIGHT_DECAY, found, None, True, 7, seed_step
+            p,
+            g,
+            lr,
+            inv_scale,
+            CLIP_VALUE,
+            coef,
+            WEIGHT_DECAY,
+            found,
+            None,
+            True,
+            7,
+            seed_step,
+            0,
         )
 
     # An extension without levels (an older build): its one loop set, as "ours".
@@ -128,7 +140,7 @@ def accumulate_variants(b: torch.Tensor, g: torch.Tensor, levels: list[str]) -> 
     def make(stochastic: bool, measured: torch.Tensor | None) -> Callable[[], None]:
         seed, step = (7, seed_step) if stochastic else (0, None)
         return lambda: ext.grad_accumulate_(
-            b, g, False, inv_scale, measured, found, stochastic, seed, step
+            b, g, False, inv_scale, measured, found, stochastic, seed, step, 0
         )
 
     names = [("acc", False)] + ([("acc_sr", True)] if rounds_stochastically(b.dtype) else [])
@@ -167,7 +179,7 @@ def int8_variants(
     def bf16_sr(measured: bool) -> Callable[[], None]:
         out = sumsq if measured else None
         return lambda: ext.grad_accumulate_(
-            buffer, g, False, inv_scale, out, found, True, 7, seed_step
+            buffer, g, False, inv_scale, out, found, True, 7, seed_step, 0
         )
 
     out = {}

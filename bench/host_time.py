@@ -72,7 +72,7 @@ def kernel_alone(
     (its floats converted as the public function converts them)."""
     kernel = lomo_update_op._kernel(module, param.device.type)
     given = {"param": param, "grad": grad, "lr": lr, "found_inf": flag, "skip_if": flag}
-    defaults = {"weight_decay": 0.0, "stochastic_rounding": False, "seed": 0}
+    defaults = {"weight_decay": 0.0, "stochastic_rounding": False, "seed": 0, "offset": 0}
     args = tuple(given.get(name, defaults.get(name)) for name in LOMO_UPDATE.names)
     return lambda: kernel(*args)
 

@@ -98,6 +98,7 @@ class Case(kernels.Case):
                 stochastic_rounding,
                 1234,
                 None,
+                0,
             )
 
     def fused(self) -> None:
@@ -106,7 +107,7 @@ class Case(kernels.Case):
     def fused_plain(self) -> None:
         for p, g in zip(self.params, self.grads, strict=True):
             cpp_backend.lomo_update_(
-                p, g, self.lr, None, None, None, 0.0, None, None, False, 1234, None
+                p, g, self.lr, None, None, None, 0.0, None, None, False, 1234, None, 0
             )
 
     def fused_sr(self) -> None:

@@ -101,12 +101,20 @@ inline void check_sized(const at::Tensor& t, int64_t numel, c10::DeviceType devi
               " elements (as ", as, ")");
 }
 
+// A slice of `numel` elements at flat `offset` of its parameter: offset >= 0 and every flat
+// index offset + j, and the end, an int64.
+inline void check_offset(int64_t offset, int64_t numel) {
+  TORCH_CHECK(offset >= 0, "lomo_kernels: offset must be >= 0, got ", offset);
+  TORCH_CHECK(offset <= std::numeric_limits<int64_t>::max() - numel, "lomo_kernels: ", numel,
+              " elements at offset ", offset, " end past 2**63 - 1");
+}
+
 // An 8-bit blockwise buffer (int8_blocks.h) of `data`'s elements (param, grad, out): int8
 // codes of its numel and fp32 scales one per block they touch, dense on data's device, at an
 // offset >= 0.
 inline void check_int8_buffer(const op_bindings::Int8Buffer& b, const at::Tensor& data,
                               c10::DeviceType device) {
-  TORCH_CHECK(b.offset >= 0, "lomo_kernels: offset must be >= 0, got ", b.offset);
+  check_offset(b.offset, data.numel());
   check_sized(b.codes, data.numel(), device, "codes", "the data");
   TORCH_CHECK(b.codes.scalar_type() == at::kChar, "lomo_kernels: codes must be int8, got ",
               b.codes.scalar_type());
@@ -223,10 +231,12 @@ inline void check_with_grad(const at::Tensor& t, const at::Tensor& grad, c10::De
 
 inline void check_operands(const op_bindings::LomoUpdate& a, c10::DeviceType device) {
   check_with_grad(a.param, a.grad, device, "param");
+  check_offset(a.offset, a.param.numel());
 }
 
 inline void check_operands(const op_bindings::GradAccumulate& a, c10::DeviceType device) {
   check_with_grad(a.buffer, a.grad, device, "buffer");
+  check_offset(a.offset, a.buffer.numel());
 }
 
 // The AdaLomo passes. The workspace holds the row and column sums of a [rows, cols] view,

@@ -48,11 +48,11 @@ bool any_span(int64_t n, Span&& span) {
 }
 
 template <class P, class G, bool kStochastic>
-bool run_update(typename P::T* p, const typename G::T* g, int64_t n, const lomo::LomoScalars& s,
-                uint32_t key, cpu_isa::Level level) {
+bool run_update(typename P::T* p, const typename G::T* g, int64_t n, int64_t offset,
+                const lomo::LomoScalars& s, uint32_t key, cpu_isa::Level level) {
   const auto span_update = LOMO_AT_LEVEL(level, update_span<P, G, kStochastic>);
   return any_span(n, [&](int64_t begin, int64_t end) {
-    return span_update(p, g, begin, end, s, key);
+    return span_update(p, g, offset, begin, end, s, key);
   });
 }
 
@@ -95,7 +95,7 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
   binding::dispatch_write_back(
       a.param, a.grad, stochastic, [&](auto p_tag, auto g_tag, auto rounding, auto p, auto g) {
         bad = run_update<decltype(p_tag), decltype(g_tag), decltype(rounding)::value>(
-            p, g, a.param.numel(), s, key, level);
+            p, g, a.param.numel(), a.offset, s, key, level);
       });
   binding::bump_version(a.param);
   report_nonfinite(bad, a.found_inf);
@@ -123,12 +123,10 @@ double sum_fixed_chunks(int64_t n, int64_t chunk, bool& bad, Span&& span) {
   return total;
 }
 
-// sum_fixed_chunks of elements in chunks of kGrain. The chunks divide 2^32: none crosses a
-// 2^32 range of flat indices.
+// sum_fixed_chunks of elements in chunks of kGrain (grad_sumsq_'s chunks, which the
+// accumulation's measurement repeats bit for bit).
 template <class Span>
 double sum_chunks(int64_t n, bool& bad, Span&& span) {
-  static_assert((int64_t{1} << 32) % kGrain == 0, "a chunk stays inside one 2^32 range");
-  static_assert(kGrain % 32 == 0, "accumulate_span's blocks of 32 start at multiples of 32");
   return sum_fixed_chunks(n, kGrain, bad, std::forward<Span>(span));
 }
 
@@ -182,7 +180,7 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
                                        decltype(rounding)::value, decltype(measured)::value>);
             total = sum_chunks(a.buffer.numel(), bad,
                                [&](int64_t begin, int64_t count, uint32_t& flag) {
-                                 return span(b, g, begin, count, inv, key, flag);
+                                 return span(b, g, a.offset, begin, count, inv, key, flag);
                                });
           });
         });

@@ -521,18 +521,26 @@ uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint3
   }
 }
 
-// One span [begin, end) of the update; returns non-zero if any unscaled grad was inf/nan.
+// The elements of [begin, end) in the same 2^32 range of flat indices as `begin`, whose flat
+// index is offset + begin: the hash takes the index as two 32-bit halves, and a block that
+// keeps the high half fixed runs on 32-bit lanes.
+LOMO_INLINE int64_t same_high_half_end(int64_t offset, int64_t begin, int64_t end) {
+  const int64_t index = offset + begin;
+  return std::min(end, begin + ((((index >> 32) + 1) << 32) - index));
+}
+
+// One span [begin, end) of the update of a tensor whose element 0 has flat index `offset`
+// in its parameter; returns non-zero if any unscaled grad was inf/nan.
 template <class P, class G, bool kStochastic>
-uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t begin,
-                     int64_t end, const lomo::LomoScalars& s, uint32_t key) {
+uint32_t update_span(typename P::T* param, const typename G::T* grad, int64_t offset,
+                     int64_t begin, int64_t end, const lomo::LomoScalars& s, uint32_t key) {
   uint32_t any_bad = 0;
   while (begin < end) {
-    // The hash takes the index as two 32-bit halves: keep the high half fixed per block
-    // so the loops run on 32-bit lanes.
-    const int64_t stop = kStochastic ? std::min(end, ((begin >> 32) + 1) << 32) : end;
+    const int64_t stop = kStochastic ? same_high_half_end(offset, begin, end) : end;
+    const int64_t index = offset + begin;
     any_bad |= update_block<P, G, kStochastic>(
-        param + begin, grad + begin, stop - begin, static_cast<uint32_t>(begin),
-        static_cast<uint32_t>(begin >> 32), s, key);
+        param + begin, grad + begin, stop - begin, static_cast<uint32_t>(index),
+        static_cast<uint32_t>(index >> 32), s, key);
     begin = stop;
   }
   return any_bad;
@@ -589,33 +597,62 @@ LOMO_INLINE void pair_bits32(uint32_t first, uint32_t hi, uint32_t key, uint32_t
   }
 }
 
-// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad (begin is a
-// multiple of 32 and the chunk lies inside one 2^32 range of flat indices: lomo_cpu.cpp's
-// chunks start at multiples of kGrain, which divides 2^32). Stores round(buffer + grad)
-// (kFirst: round(grad), the buffer not read) to nearest even or stochastically with the
-// accumulation's bits (lomo::pair_bits16). kSquares returns sumsq_span of the stored values
-// (the same lanes, order and flag: grad_sumsq_ of the written chunk, bit for bit); kFlag sets
-// only that flag, from the largest stored magnitude (fp32 rounding is monotone, so its product
-// with inv_scale is inf/nan exactly when one of theirs is); both others return 0.
+// accumulate_span's run over the chunk's elements [i, stop), whose flat indices (from `first`,
+// a multiple of 32) share their high half: the level's vector loop, then the portable one.
+// Element k of the chunk is measured into lane k % kSumLanes, so the squares' total is
+// sumsq_span's of the written chunk bit for bit wherever the run starts.
+template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure, class One>
+LOMO_INLINE void accumulate_run(typename P::T* __restrict b, const typename G::T* __restrict g,
+                                int64_t i, int64_t stop, int64_t first, uint32_t key,
+                                float inv_scale, double* lanes, uint32_t& largest, One&& one) {
+  const uint32_t lo = static_cast<uint32_t>(first), hi = static_cast<uint32_t>(first >> 32);
+  int64_t done = 0;
+#if LOMO_LOOPS_AVX2
+  // The vector loop measures its element 8m + l into its lane l: chunk lane (i + l) % 8.
+  double turned[kSumLanes];
+  for (int l = 0; l < kSumLanes; ++l) turned[l] = lanes[(i + l) % kSumLanes];
+#if LOMO_LOOPS_AVX512
+  done = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, stop - i, lo, hi,
+                                                                key, inv_scale, turned, largest);
+#else
+  done = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, stop - i, lo, hi,
+                                                              key, inv_scale, turned, largest);
+#endif
+  for (int l = 0; l < kSumLanes; ++l) lanes[(i + l) % kSumLanes] = turned[l];
+#endif
+  // The portable loop: stochastically blocks of 32, one hash per pair of elements l and
+  // l + 16, its halves in the order pair_bits16 gives them; then a hash per element.
+  if constexpr (kStochastic) {
+    for (; done + 32 <= stop - i; done += 32) {
+      uint32_t random[32];
+      pair_bits32(lo + static_cast<uint32_t>(done), hi, key, random);
+      for (int k = 0; k < 32; ++k) one(i + done + k, random[k]);
+    }
+  }
+  for (int64_t k = i + done; k < stop; ++k) {
+    one(k, kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k - i), hi, key) : 0u);
+  }
+}
+
+// One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad, whose flat
+// index in the parameter is offset + begin. Stores round(buffer + grad) (kFirst:
+// round(grad), the buffer not read) to nearest even or stochastically with the
+// accumulation's bits (lomo::pair_bits16; the vector loops draw them 32 elements at a time
+// from a multiple of 32 of the flat index: the elements before the first one take a hash
+// each). kSquares returns sumsq_span of the stored values (the same lanes, order and flag:
+// grad_sumsq_ of the written chunk, bit for bit); kFlag sets only that flag, from the
+// largest stored magnitude (fp32 rounding is monotone, so its product with inv_scale is
+// inf/nan exactly when one of theirs is); both others return 0.
 template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure>
-double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t begin,
-                       int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
+double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t offset,
+                       int64_t begin, int64_t n, float inv_scale, uint32_t key, uint32_t& bad) {
   typename P::T* __restrict b = buffer + begin;
   const typename G::T* __restrict g = grad + begin;
-  const uint32_t lo = static_cast<uint32_t>(begin), hi = static_cast<uint32_t>(begin >> 32);
+  const int64_t start = offset + begin;  // the flat index of element 0 of the chunk
   double lanes[kSumLanes] = {};
   uint32_t largest = 0;  // kFlag: the fp32 bits of the largest stored magnitude
-  int64_t i = 0;
-#if LOMO_LOOPS_AVX512
-  i = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
-                                                             lanes, largest);
-#elif LOMO_LOOPS_AVX2
-  i = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b, g, n, lo, hi, key, inv_scale,
-                                                           lanes, largest);
-#endif
-  // The portable loop: element i (a multiple of 32 on entry) measured into lane i % 8, stored
-  // with `random` (16 bits; unused to nearest).
-  const auto one = [&](int64_t k, int lane, uint32_t random) {
+  // Element k of the chunk, stored with `random` (16 bits; unused to nearest).
+  const auto one = [&](int64_t k, uint32_t random) {
     const float gv = G::load(g[k]);
     const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
     typename P::T out;
@@ -627,31 +664,27 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     b[k] = out;
     if constexpr (kMeasure == Measure::kSquares) {
       const double stored = lomo::mul_rn(P::load(out), inv_scale);
-      lanes[lane] += stored * stored;
+      lanes[k % kSumLanes] += stored * stored;
     }
     if constexpr (kMeasure == Measure::kFlag) {
       largest = std::max(largest, lomo::bits_of(P::load(out)) & 0x7FFFFFFFu);
     }
   };
-  // Stochastic: blocks of 32 (lo + i is a multiple of 32 here), one hash per pair of elements
-  // l and l + 16, its halves in the order pair_bits16 gives them.
+  // The elements before the first multiple of 32 of the flat index (a slice's head).
+  int64_t i = 0;
   if constexpr (kStochastic) {
-    for (; i + 32 <= n; i += 32) {
-      uint32_t random[32];
-      pair_bits32(lo + static_cast<uint32_t>(i), hi, key, random);
-      for (int k = 0; k < 32; k += kSumLanes) {
-        for (int l = 0; l < kSumLanes; ++l) one(i + k + l, l, random[k + l]);
-      }
+    for (; i < n && (start + i) % 32 != 0; ++i) {
+      const int64_t index = start + i;
+      one(i, lomo::pair_bits16(static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32),
+                               key));
     }
   }
-  // The rest (everything when rounding to nearest), stochastically a hash per element.
-  const auto bits = [&](int64_t k) {
-    return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
-  };
-  for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (int l = 0; l < kSumLanes; ++l) one(i + l, l, bits(i + l));
+  while (i < n) {
+    const int64_t stop = kStochastic ? same_high_half_end(start, i, n) : n;
+    accumulate_run<P, G, kFirst, kStochastic, kMeasure>(b, g, i, stop, start + i, key, inv_scale,
+                                                        lanes, largest, one);
+    i = stop;
   }
-  for (int l = 0; i < n; ++i, ++l) one(i, l, bits(i));
   if constexpr (kMeasure == Measure::kSquares) return lanes_total(lanes, bad);
   if constexpr (kMeasure == Measure::kFlag) {
     bad |= std::isfinite(lomo::mul_rn(lomo::float_of(largest), inv_scale)) ? 0u : 1u;

@@ -154,12 +154,14 @@ __device__ __forceinline__ void update_pass(typename P::T* __restrict__ param, c
   }
 }
 
+// `offset`: the flat index of param's element 0 in its parameter (a slice's).
 template <class P, class G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
     lomo_update_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
-                      int64_t head, int64_t nvec, int64_t numel, LomoUpdateArgs a) {
+                      int64_t head, int64_t nvec, int64_t numel, int64_t offset,
+                      LomoUpdateArgs a) {
   update_pass<P, kStochastic, VecWidth<P, G>::value>(param, DenseGrad<G>{grad}, head, nvec,
-                                                     numel, 0, a);
+                                                     numel, offset, a);
 }
 
 // A block's sum of squares `acc` added to sumsq (when present) with one atomic per block, and
@@ -213,12 +215,13 @@ __global__ void __launch_bounds__(kThreads)
 // stochastically with the accumulation's stream (lomo::pair_bits16), in one pass; the stored
 // values times inv_scale are measured as grad_sumsq_kernel measures the gradient (into sumsq
 // and found_inf, either may be absent; the flag `measure` is the same for every thread, so the
-// reduction's barrier is too).
+// reduction's barrier is too). `offset`: the flat index of buffer's element 0 in its
+// parameter, whose bits the rounding draws.
 template <class P, class G, bool kFirst, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
     grad_accumulate_kernel(typename P::T* __restrict__ buffer,
                            const typename G::T* __restrict__ grad, int64_t head, int64_t nvec,
-                           int64_t numel, GradAccumulateArgs a) {
+                           int64_t numel, int64_t offset, GradAccumulateArgs a) {
   const float inv = a.inv_scale != nullptr ? __ldg(a.inv_scale) : 1.0f;
   uint32_t key = 0;
   if constexpr (kStochastic) key = cuda_common::rounding_key(a.rounding);
@@ -241,11 +244,11 @@ __global__ void __launch_bounds__(kThreads)
         if constexpr (!kFirst) load_vec(bv, buffer + base);
         load_vec_ro(gv, grad + base);
 #pragma unroll
-        for (int j = 0; j < V; ++j) bv.e[j] = add(bv.e[j], gv.e[j], base + j);
+        for (int j = 0; j < V; ++j) bv.e[j] = add(bv.e[j], gv.e[j], offset + base + j);
         store_vec(bv, buffer + base);
       },
       [&](int64_t i) {
-        buffer[i] = add(kFirst ? typename P::T() : buffer[i], grad[i], i);
+        buffer[i] = add(kFirst ? typename P::T() : buffer[i], grad[i], offset + i);
       });
   if (a.sumsq != nullptr || a.found_inf != nullptr) {
     report_sumsq(acc, any_bad, a.sumsq, a.found_inf);
@@ -519,28 +522,28 @@ AlignedSplit split_aligned(const void* a, size_t a_size, const void* b, size_t b
 }
 
 template <class P, class G, bool kStochastic>
-cudaError_t launch_update(void* param, const void* grad, int64_t numel,
+cudaError_t launch_update(void* param, const void* grad, int64_t numel, int64_t offset,
                           const LomoUpdateArgs& a, cudaStream_t stream) {
   const AlignedSplit split = split_aligned<VecWidth<P, G>::value>(
       param, sizeof(typename P::T), grad, sizeof(typename G::T), numel);
   lomo_update_kernel<P, G, kStochastic><<<split.grid, kThreads, 0, stream>>>(
       static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad), split.head,
-      split.nvec, numel, a);
+      split.nvec, numel, offset, a);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 int lomo_cuda_update(void* param, int param_dtype, const void* grad, int grad_dtype,
-                     int64_t numel, LomoUpdateArgs args, cudaStream_t stream) {
-  if (args.lr == nullptr) return cudaErrorInvalidValue;
+                     int64_t numel, int64_t offset, LomoUpdateArgs args, cudaStream_t stream) {
+  if (args.lr == nullptr || offset < 0) return cudaErrorInvalidValue;
   if (numel <= 0) return cudaSuccess;
   cudaError_t status = cudaErrorInvalidValue;
   lomo::dispatch_write_back(param_dtype, grad_dtype, args.rounding.stochastic != 0,
                             [&](auto p_tag, auto g_tag, auto stochastic) {
                               status = launch_update<decltype(p_tag), decltype(g_tag),
                                                      decltype(stochastic)::value>(
-                                  param, grad, numel, args, stream);
+                                  param, grad, numel, offset, args, stream);
                             });
   return status;
 }
@@ -563,7 +566,9 @@ int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
 }
 
 int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, int grad_dtype,
-                              int64_t numel, GradAccumulateArgs args, cudaStream_t stream) {
+                              int64_t numel, int64_t offset, GradAccumulateArgs args,
+                              cudaStream_t stream) {
+  if (offset < 0) return cudaErrorInvalidValue;
   if (numel <= 0) return cudaSuccess;
   cudaError_t status = cudaErrorInvalidValue;
   lomo::dispatch_write_back(
@@ -577,7 +582,8 @@ int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, 
           grad_accumulate_kernel<P, G, decltype(first)::value, decltype(stochastic)::value>
               <<<split.grid, kThreads, 0, stream>>>(static_cast<typename P::T*>(buffer),
                                                      static_cast<const typename G::T*>(grad),
-                                                     split.head, split.nvec, numel, args);
+                                                     split.head, split.nvec, numel, offset,
+                                                     args);
           status = cudaGetLastError();
         });
       });

@@ -26,8 +26,11 @@ typedef struct {
   LomoRoundingArgs rounding;
 } LomoUpdateArgs;
 
+// The LOMO update of numel elements: a parameter, or the slice of one whose element 0 has flat
+// index `offset` (>= 0) in it; the write-back's stochastic rounding draws the bits of flat
+// index offset + j, as the whole parameter's would.
 int lomo_cuda_update(void* param, int param_dtype, const void* grad, int grad_dtype,
-                     int64_t numel, LomoUpdateArgs args, cudaStream_t stream);
+                     int64_t numel, int64_t offset, LomoUpdateArgs args, cudaStream_t stream);
 
 // The accumulation's arguments: first non-zero: the buffer's old contents are not read;
 // inv_scale, sumsq and found_inf are device pointers to one fp32 value, each may be NULL
@@ -45,8 +48,11 @@ int lomo_cuda_grad_sumsq(const void* grad, int grad_dtype, int64_t numel,
                          const float* inv_scale, float* sumsq, float* found_inf,
                          cudaStream_t stream);
 
+// The accumulation into numel buffer elements, the slice at flat `offset` (>= 0) of its
+// parameter's (0: the whole); stochastic rounding draws the bits of flat index offset + j.
 int lomo_cuda_grad_accumulate(void* buffer, int buffer_dtype, const void* grad, int grad_dtype,
-                              int64_t numel, GradAccumulateArgs args, cudaStream_t stream);
+                              int64_t numel, int64_t offset, GradAccumulateArgs args,
+                              cudaStream_t stream);
 
 // An 8-bit blockwise buffer (lomo_kernels/core/int8_blocks.py): int8 codes, one per element,
 // and fp32 power-of-two scales, one per 256-element block of the parameter's flat index that

@@ -65,7 +65,7 @@ void lomo_update_(const op_bindings::LomoUpdate& a) {
   const OptTensor skip = skip_snapshot(a.skip_if, a.found_inf);
   const int rc = lomo_cuda_update(a.param.data_ptr(), binding::dtype_code(a.param, "param"),
                                   a.grad.const_data_ptr(), binding::dtype_code(a.grad, "grad"),
-                                  a.param.numel(), update_args(a, skip),
+                                  a.param.numel(), a.offset, update_args(a, skip),
                                   c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
   binding::bump_version(a.param);
@@ -92,7 +92,7 @@ void grad_accumulate_(const op_bindings::GradAccumulate& a) {
       accumulate_args(a, binding::rounding_args(a.buffer, a.rounding));
   const int rc = lomo_cuda_grad_accumulate(
       a.buffer.data_ptr(), binding::dtype_code(a.buffer, "buffer"), a.grad.const_data_ptr(),
-      binding::dtype_code(a.grad, "grad"), a.buffer.numel(), args,
+      binding::dtype_code(a.grad, "grad"), a.buffer.numel(), a.offset, args,
       c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(static_cast<cudaError_t>(rc));
   binding::bump_version(a.buffer);

@@ -32,6 +32,8 @@ struct RoundingArgs {
 
 // ----------------------------------------------------------------------------- LOMO
 
+// offset (LomoUpdate, GradAccumulate): the flat index of the dense tensor's element 0 in the
+// parameter it is a slice of; the rounding draws the bits of index offset + j.
 struct LomoUpdate {
   const at::Tensor& param;
   const at::Tensor& grad;
@@ -41,6 +43,7 @@ struct LomoUpdate {
   const OptTensor& found_inf;
   const OptTensor& skip_if;
   RoundingArgs rounding;
+  int64_t offset;
 };
 
 struct GradSumsq {
@@ -58,6 +61,7 @@ struct GradAccumulate {
   const OptTensor& sumsq;
   const OptTensor& found_inf;
   RoundingArgs rounding;
+  int64_t offset;
 };
 
 // The 8-bit blockwise buffer (lomo_kernels/core/int8_blocks.py): int8 codes, one fp32
@@ -116,9 +120,9 @@ inline void def_lomo_ops(py::module_& m, const LomoOps& ops) {
                                     std::optional<double> clip_value, const OptTensor& clip_coef,
                                     double weight_decay, const OptTensor& found_inf,
                                     const OptTensor& skip_if, bool stochastic_rounding,
-                                    uint64_t seed, const OptTensor& seed_step) {
+                                    uint64_t seed, const OptTensor& seed_step, int64_t offset) {
     update({param, grad, lr, {inv_scale, clip_value, clip_coef}, weight_decay, found_inf,
-            skip_if, {stochastic_rounding, seed, seed_step}});
+            skip_if, {stochastic_rounding, seed, seed_step}, offset});
   };
   const auto grad_sumsq = [sumsq](const at::Tensor& grad, const OptTensor& inv_scale,
                                   const at::Tensor& sumsq_out, const OptTensor& found_inf) {
@@ -128,15 +132,15 @@ inline void def_lomo_ops(py::module_& m, const LomoOps& ops) {
                                             bool first, const OptTensor& inv_scale,
                                             const OptTensor& sumsq_out, const OptTensor& found_inf,
                                             bool stochastic_rounding, uint64_t seed,
-                                            const OptTensor& seed_step) {
+                                            const OptTensor& seed_step, int64_t offset) {
     accumulate({buffer, grad, first, inv_scale, sumsq_out, found_inf,
-                {stochastic_rounding, seed, seed_step}});
+                {stochastic_rounding, seed, seed_step}, offset});
   };
   m.def("lomo_update_", lomo_update, "Fused LOMO update of one parameter, in place",
         py::arg("param"), py::arg("grad"), py::arg("lr"), py::arg("inv_scale"),
         py::arg("clip_value"), py::arg("clip_coef"), py::arg("weight_decay"),
         py::arg("found_inf"), py::arg("skip_if"), py::arg("stochastic_rounding"),
-        py::arg("seed"), py::arg("seed_step"));
+        py::arg("seed"), py::arg("seed_step"), py::arg("offset"));
   m.def("grad_sumsq_", grad_sumsq, "sumsq += sum((grad * inv_scale)^2), in place",
         py::arg("grad"), py::arg("inv_scale"), py::arg("sumsq"), py::arg("found_inf"));
   m.def("grad_accumulate_", grad_accumulate,
@@ -144,7 +148,7 @@ inline void def_lomo_ops(py::module_& m, const LomoOps& ops) {
         "squares and inf/nan flag, in place",
         py::arg("buffer"), py::arg("grad"), py::arg("first"), py::arg("inv_scale"),
         py::arg("sumsq"), py::arg("found_inf"), py::arg("stochastic_rounding"),
-        py::arg("seed"), py::arg("seed_step"));
+        py::arg("seed"), py::arg("seed_step"), py::arg("offset"));
   def_int8_ops(m, ops);
 }
 

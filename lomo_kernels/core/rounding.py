@@ -41,47 +41,6 @@ def mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-# Multiplicative inverses of the finaliser's constants modulo 2**32 (both are odd).
-_HASH_INV_1 = pow(_HASH_MUL_1, -1, 1 << 32)
-_HASH_INV_2 = pow(_HASH_MUL_2, -1, 1 << 32)
-
-
-def unmix32_int(x: int) -> int:
-    """The inverse of `mix32_int` (``unmix32_int(mix32_int(x)) == x & MASK32``)."""
-    x &= MASK32
-    x ^= x >> 16
-    x = (x * _HASH_INV_2) & MASK32
-    x ^= (x >> 15) ^ (x >> 30)
-    x = (x * _HASH_INV_1) & MASK32
-    return x ^ (x >> 16)
-
-
-def seed_at_offset(seed: int, offset: int) -> int:
-    """A seed whose rounding bits at flat index ``j`` equal `seed`'s at ``offset + j``, for
-    every ``j`` below the largest power of two dividing `offset` (any ``j`` for 0), with
-    ``offset + j < 2**32``: then ``lo32(offset + j) == offset ^ j``, so the key must change
-    by ``^ offset``, which the seed's low half does through the inverse finaliser. Lets a
-    block of a tensor be rounded as the whole tensor would be."""
-    if not 0 <= offset < 1 << 32:
-        raise ValueError(f"seed_at_offset: offset {offset} is outside [0, 2**32)")
-    seed &= (1 << 64) - 1
-    low = unmix32_int(mix32_int(seed & MASK32) ^ offset)
-    return (seed & ~MASK32 & ((1 << 64) - 1)) | low
-
-
-def aligned_pieces(start: int, stop: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` cut into pieces ``[a, a + 2**k)`` with ``a`` a multiple of ``2**k``
-    (at most two per bit of the length): each piece can take `seed_at_offset` (seed, a)."""
-    pieces = []
-    while start < stop:
-        size = start & -start if start else 1 << (stop - start).bit_length()
-        while size > stop - start:
-            size >>= 1
-        pieces.append((start, start + size))
-        start += size
-    return pieces
-
-
 def seed_parts(seed: int) -> tuple[int, int]:
     """The host's share of a 64-bit seed's rounding key: (mix32(lo32(seed)), hi32(seed) ^ salt).
 
@@ -126,10 +85,9 @@ def pair_bits16(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     accumulation's stream). Elements ``i`` and ``i ^ 16`` (16 apart in an aligned block of
     32) are a pair: with ``u = lo32(i) ^ key``, their hash is ``mix32(v ^ lo32(hi32(i) *
     _PAIR_HI_MUL))`` with ``v`` the bits of ``u`` but bit 4 (``(u >> 5) << 4 | u & 15``), and
-    the one with bit 4 of ``u`` clear takes the low half, the other the high half. Every bit
-    depends on the index only through ``u``, so the key's ``^ offset`` of `seed_at_offset`
-    carries over: a slice at any offset draws the whole tensor's bits. (A vector of 16 hashes
-    then serves 32 consecutive elements without moving a half across lanes.)"""
+    the one with bit 4 of ``u`` clear takes the low half, the other the high half. (A vector
+    of 16 hashes then serves 32 consecutive elements from a multiple of 32 without moving a
+    half across lanes.)"""
     lo = index & MASK32
     hi = index >> 32
     u = lo ^ key

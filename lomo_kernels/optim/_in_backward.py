@@ -217,7 +217,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._row_blocks = RowBlocks(
             model,
             self._step,
-            rounding,
             steps_rows=self.elementwise,
             sharded=sharding is not None,
             clip=self._single_backward_clip,

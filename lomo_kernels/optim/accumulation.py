@@ -156,7 +156,7 @@ class Accumulation:
         `index`: the parameter's index among the trained ones (its rounding seed, and its slot
         of the per-parameter sums, `DeviceScalars.slot_sum`). The buffer is this rank's part
         of the parameter and rounds as the whole parameter's would
-        (`WriteBackRounding.in_pieces`, the 8-bit blocks' flat index); a piece that covers only
+        (the ops draw the bits of each element's flat index in it); a piece that covers only
         part of it (row blocks, which may skip rows) adds into a buffer zeroed at its first
         piece of the step."""
         self.added = True
@@ -261,35 +261,26 @@ class Accumulation:
         measure: tuple[torch.Tensor | None, torch.Tensor],
     ) -> None:
         """One fused accumulate pass of `grad` into the flat `buffer`, which starts at flat
-        `offset` of its parameter: stochastically rounded buffers in aligned pieces, each
-        with the seed under which it rounds as the whole parameter's buffer would.
+        `offset` of its parameter: a stochastically rounded buffer draws the bits of its
+        elements' flat indices, so it rounds as the whole parameter's buffer would.
         `measure`: (sumsq, or None not to measure; found_inf)."""
         stochastic = self.rounding.applies_to(buffer.dtype)
-        seed_step = self._seed_steps[buffer.device] if stochastic else None
-        flat_grad = grad.reshape(-1)
-
-        def piece(a: int, b: int, piece_seed: int) -> None:
-            whole = a == 0 and b == buffer.numel()
-            # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own
-            # and in the op's form, so the public function's per-call conversions are skipped.
-            grad_accumulate_op.call_in_order(
-                backend,
-                (
-                    buffer if whole else buffer[a:b],  # buffer
-                    (flat_grad if whole else flat_grad[a:b]).contiguous(),  # grad
-                    first,  # first
-                    inv_scale,  # inv_scale
-                    *measure,  # sumsq, found_inf
-                    stochastic,  # stochastic_rounding
-                    piece_seed if stochastic else 0,  # seed
-                    seed_step,  # seed_step
-                ),
-            )
-
-        if stochastic:
-            self.rounding.in_pieces(seed, offset, buffer.numel(), piece)
-        else:
-            piece(0, buffer.numel(), 0)
+        # In the op's order (GRAD_ACCUMULATE.names); every value is the optimizer's own and in
+        # the op's form, so the public function's per-call conversions are skipped.
+        grad_accumulate_op.call_in_order(
+            backend,
+            (
+                buffer,  # buffer
+                grad.reshape(-1).contiguous(),  # grad
+                first,  # first
+                inv_scale,  # inv_scale
+                *measure,  # sumsq, found_inf
+                stochastic,  # stochastic_rounding
+                seed if stochastic else 0,  # seed
+                self._seed_steps[buffer.device] if stochastic else None,  # seed_step
+                offset,  # offset
+            ),
+        )
 
     def measure_rest(
         self,

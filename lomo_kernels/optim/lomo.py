@@ -119,7 +119,7 @@ class Lomo(InBackwardOptimizer):
             d: (LOMO.resolve(d, self._backend_name), self._inv_scale_for(d)) for d in self._scalars
         }
         # The update op's public checks (its spec's), once per step, on the step-wide values
-        # every per-tensor call of the step passes (`_apply_piece` skips them per call).
+        # every per-tensor call of the step passes (`_update` skips them per call).
         for device, scalars, index, group in self._scalars.groups_present(self._groups.hyper):
             LOMO_UPDATE.convert(
                 device,
@@ -134,47 +134,23 @@ class Lomo(InBackwardOptimizer):
                     "found_inf": scalars.update_found_inf,
                     "skip_if": scalars.update_found_inf,
                     "stochastic_rounding": self.rounding.stochastic,
-                    "seed": 0,  # per tensor: its index (or slice offset), always valid
+                    "seed": 0,  # per tensor: its index, always valid
                     "seed_step": self.rounding.seed_step(device),
+                    "offset": 0,  # per tensor: a slice's flat offset, always valid
                 },
             )
 
     def _update(self, piece: Piece) -> None:
         """Updates `piece` (the parameter, a block of its rows, or this rank's slice of it)
-        from its gradient, or from its 8-bit accumulation buffer; a stochastically rounded
-        piece rounds as the whole tensor would."""
-        target = piece.written
+        from its gradient, or from its 8-bit accumulation buffer, in one fused call; a
+        stochastically rounded piece rounds as the whole tensor would (the op draws the bits
+        of its elements' flat indices in the parameter)."""
+        target, grad = piece.written, piece.grad
         stochastic = self.rounding.applies_to(target.dtype)
-        param_seed = parameter_seed(self._groups.index_of[id(piece.param)])
-        if isinstance(piece.grad, Int8Buffer):
-            # The op keys its bits by the flat index in the whole parameter itself.
-            seeds = (param_seed, self.rounding.seed_step(target.device)) if stochastic else None
-            self._apply_piece(piece, target, piece.grad, seeds)
-            return
-        if not stochastic:
-            self._apply_piece(piece, target, piece.grad)
-            return
-        flat, flat_grad = target.reshape(-1), piece.grad.reshape(-1)
-        seeds_step = self.rounding.seed_step(target.device)
-
-        def part(a: int, b: int, seed: int) -> None:
-            whole = a == 0 and b == flat.numel()  # the tensors as given (a traced step's)
-            grad = piece.grad if whole else flat_grad[a:b]
-            self._apply_piece(piece, target if whole else flat[a:b], grad, (seed, seeds_step))
-
-        self.rounding.in_pieces(param_seed, piece.offset, flat.numel(), part)
-
-    def _apply_piece(
-        self,
-        piece: Piece,
-        target: torch.Tensor,
-        grad: torch.Tensor | Int8Buffer,
-        seeds: tuple[int, torch.Tensor | None] | None = None,
-    ) -> None:
-        """One fused update call on `target` (`piece`'s, or an aligned part of it) from its
-        gradient `grad` (or 8-bit buffer); `seeds`: (seed, seed_step) of its stochastic
-        rounding, None to round to nearest."""
-        seed, seed_step = (0, None) if seeds is None else seeds
+        seed, seed_step = 0, None
+        if stochastic:
+            seed = parameter_seed(self._groups.index_of[id(piece.param)])
+            seed_step = self.rounding.seed_step(target.device)
         scalars, group, clip_coef = piece.scalars, piece.group, piece.clip_coef
         device = scalars.device  # target's
         if torch.compiler.is_compiling():
@@ -193,9 +169,9 @@ class Lomo(InBackwardOptimizer):
         # LOMO_UPDATE_INT8.names; each name's value: tests/optim/test_lomo_optimizer.py),
         # which saves building a keyword dict per call.
         if isinstance(grad, Int8Buffer):
-            op, read = lomo_update_int8_op, (grad.codes, grad.scales, grad.offset)
+            op, read, last = lomo_update_int8_op, (grad.codes, grad.scales, grad.offset), ()
         else:
-            op, read = lomo_update_op, (grad.contiguous(),)
+            op, read, last = lomo_update_op, (grad.contiguous(),), (piece.offset,)
         op.call_in_order(
             backend,
             (
@@ -208,8 +184,9 @@ class Lomo(InBackwardOptimizer):
                 group["weight_decay"],  # weight_decay
                 scalars.update_found_inf,  # found_inf
                 piece.skip_if,  # skip_if
-                seeds is not None,  # stochastic_rounding
+                stochastic,  # stochastic_rounding
                 seed,  # seed
                 seed_step,  # seed_step
+                *last,  # the dense op's offset: target's flat index in the parameter
             ),
         )

@@ -10,20 +10,17 @@ exactly and never rounded.
 The bits are counter-based: a per-parameter seed (the parameter's index, fixed for a run),
 a per-step value kept in a device tensor (so a compiled backward does not depend on the
 step) and the element's flat index in the whole parameter. A slice (a row block, a ZeRO-3 or
-FSDP2 shard) is cut into aligned pieces that each take `seed_at_offset`, so it rounds
-exactly as the whole tensor would.
+FSDP2 shard) is passed to the ops with its flat offset in the parameter, so it rounds
+exactly as the whole tensor would, in one call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
-from ..core.rounding import aligned_pieces, mix32_int, rounds_stochastically, seed_at_offset
-
-# seed_at_offset keys a piece by the low 32 bits of its flat offset.
-MAX_SLICED_NUMEL = 1 << 32
+from ..core.rounding import mix32_int, rounds_stochastically
 
 
 def step_value(seed: int, step_count: int) -> int:
@@ -46,7 +43,7 @@ def parameter_seed(index: int, part: int = 0) -> int:
     gradient that comes in parts, with bits of its own). In the seed's high half, which the
     kernels mix with the step's value: through the low half two parameters' keys would differ
     by one constant at every step, so some element of each would draw the same bits at every
-    step. The low half is `seed_at_offset`'s."""
+    step."""
     high = mix32_int(index ^ mix32_int(part ^ _PART_SALT)) & 0x7FFFFFFF if part else index
     return high << 32
 
@@ -93,25 +90,3 @@ class WriteBackRounding:
     def seed_step(self, device: torch.device) -> torch.Tensor | None:
         """This step's per-step value on `device` (None before the first step or when off)."""
         return self._seed_steps.get(device)
-
-    def in_pieces(
-        self,
-        param_index: int,
-        offset: int,
-        numel: int,
-        run: Callable[[int, int, int], None],
-    ) -> None:
-        """Calls ``run(start, stop, seed)`` over elements ``[start, stop)`` of a slice that
-        begins at flat `offset` of its parameter (positions relative to the slice), each
-        piece with the seed under which it rounds as the whole parameter would."""
-        if offset == 0:
-            run(0, numel, param_index)
-            return
-        if offset + numel > MAX_SLICED_NUMEL:
-            raise ValueError(
-                f"stochastic rounding of a slice ending at element {offset + numel} of a "
-                f"parameter: slices are keyed by 32-bit offsets (at most {MAX_SLICED_NUMEL} "
-                "elements); pass stochastic_rounding=False for this model"
-            )
-        for a, b in aligned_pieces(offset, offset + numel):
-            run(a - offset, b - offset, seed_at_offset(param_index, a))

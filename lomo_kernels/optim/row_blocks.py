@@ -8,11 +8,10 @@ parameter's owner (`core.ownership.owner_of`) for a `RowBlockStep` (a `GradientS
 means "give the parameter its gradient as usual" (the hook then steps it whole). A step is
 offered only where it equals the whole-tensor step: an attached `Lomo` (SGD is elementwise;
 AdaLomo's statistics span the whole matrix), an eager backward of its own norm or update
-pass, an unsharded parameter registered once in the model (a tied weight gets a second
-contribution), and, with stochastic rounding of a bf16 or fp16 parameter, fewer than 2**32
-elements. A micro-batch of gradient accumulation only adds, which is elementwise for any
+pass, and an unsharded parameter registered once in the model (a tied weight gets a second
+contribution). A micro-batch of gradient accumulation only adds, which is elementwise for any
 optimizer and takes a second contribution too: it takes the blocks of any such parameter,
-AdaLomo's and tied weights' included (unsharded, eager, the same size limit).
+AdaLomo's and tied weights' included (unsharded, eager).
 
 What each pass does with the blocks:
 
@@ -23,7 +22,7 @@ What each pass does with the blocks:
 - update pass after a norm pass, or without clipping: each block gets the fused update with
   the step's coefficient and skip flag; elementwise, so the blocks together are the whole
   tensor's update (stochastic rounding: each block is rounded with the bits its elements
-  have in the whole tensor, `_rounding.seed_at_offset`).
+  have in the whole tensor, the ops' `offset`).
 - single_backward: the coefficient needs the head's whole norm and a non-finite gradient
   leaves the tensor unchanged whole, so the blocks are swept twice: first measured (sum of
   squares and flag, no input gradient), then, with the coefficient and skip flag those give,
@@ -53,7 +52,6 @@ from ..core.gradient_sink import register_sink_finder
 from ..core.ownership import owner_of
 from .head_guard import tied_head_weights
 from .piece import Piece
-from .rounding import MAX_SLICED_NUMEL, WriteBackRounding
 from .single_backward import SingleBackwardClip
 from .step import Phase, Step
 from .validation import gradient_in_parts_error, parameter_names, second_contribution_error
@@ -130,7 +128,6 @@ class RowBlocks:
 
     model: nn.Module
     step: Step
-    rounding: WriteBackRounding
     steps_rows: bool
     sharded: bool  # sharded parameters are never given in rows
     clip: SingleBackwardClip | None
@@ -158,14 +155,11 @@ class RowBlocks:
         return self.steps_rows and id(param) not in self._tied() and self._splits(param)
 
     def _splits(self, param: torch.Tensor) -> bool:
-        """Whether `param`'s gradient may be taken in pieces at all: unsharded, an eager
-        backward, and its stochastic rounding's bits addressable in pieces."""
+        """Whether `param`'s gradient may be taken in pieces at all: unsharded and an eager
+        backward."""
         if self.sharded or torch.compiler.is_compiling():
             return False
-        if _compiled_autograd.compiled_autograd_active():
-            return False
-        rounded = self.rounding.applies_to(param.dtype)
-        return not (rounded and param.numel() > MAX_SLICED_NUMEL)
+        return not _compiled_autograd.compiled_autograd_active()
 
     def _tied(self) -> set[int]:
         """Parameters registered under more than one name in the model, or tied to a patched

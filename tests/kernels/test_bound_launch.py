@@ -65,7 +65,7 @@ n = 2 * m.BLOCK + 5
 grid, arguments = m.lomo_update_args(LOMO_UPDATE.Arguments(
     torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16),
     torch.full((1,), 1e-3), torch.ones(1), 1.0, torch.ones(1), 0.01, torch.zeros(1),
-    torch.zeros(1), True, 7, torch.zeros(1, dtype=torch.int64)))
+    torch.zeros(1), True, 7, torch.zeros(1, dtype=torch.int64), 0))
 calls = []
 compiled._run = lambda *args: calls.append(args)
 compiled.module, compiled.function = "module", 4242  # as loaded on the device

@@ -593,7 +593,7 @@ def test_grad_accumulate_independent_of_thread_count() -> None:
 
     def accumulate() -> tuple[torch.Tensor, torch.Tensor]:
         out, sumsq = buffer.clone(), torch.zeros(1)
-        cpp_backend.grad_accumulate_(out, grad, False, None, sumsq, None, True, 3, None)
+        cpp_backend.grad_accumulate_(out, grad, False, None, sumsq, None, True, 3, None, 0)
         return int_bits(out), sumsq
 
     (b1, s1), (b2, s2) = _at_one_and_two_threads(accumulate)
@@ -604,11 +604,11 @@ def test_grad_accumulate_bumps_versions_and_empty() -> None:
     buffer, grad = _finite_case()
     sumsq, found = torch.zeros(1), torch.zeros(1)
     before = (buffer._version, sumsq._version)
-    cpp_backend.grad_accumulate_(buffer, grad, False, None, sumsq, found, False, 0, None)
+    cpp_backend.grad_accumulate_(buffer, grad, False, None, sumsq, found, False, 0, None, 0)
     assert buffer._version > before[0] and sumsq._version > before[1]
     sumsq = torch.tensor([2.0])
     empty = torch.empty(0, dtype=torch.bfloat16)
-    cpp_backend.grad_accumulate_(empty, torch.empty(0), False, None, sumsq, found, True, 1, None)
+    cpp_backend.grad_accumulate_(empty, torch.empty(0), False, None, sumsq, found, True, 1, None, 0)
     assert sumsq.item() == 2.0
 
 

@@ -330,8 +330,54 @@ def test_grad_accumulate_every_level_matches_reference(
             start = -_lane_order_sumsq(got, 0.5, 0.0)
             again = buffer.clone()
             sumsq = torch.tensor([start])
-            cpp_backend.grad_accumulate_(again, grad, first, inv, sumsq, None, sr, size, None)
+            cpp_backend.grad_accumulate_(again, grad, first, inv, sumsq, None, sr, size, None, 0)
             assert sumsq.item() == _lane_order_sumsq(again, 0.5, start)
+
+
+# Slices at flat offsets: heads of 31, 27 (not a multiple of the squares' 8 lanes) and 24
+# elements before a multiple of 32, none, and slices across and past 2**32; 65_557 elements
+# span three of the threads' chunks, each after the first starting off a multiple of 32.
+SLICE_OFFSETS = [1, 5, 8, 64, 2**32 - 40, 2**32 + 7]
+
+
+@pytest.mark.parametrize("offset", SLICE_OFFSETS)
+@pytest.mark.parametrize("size", [33, 4099, 65_557], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("bdt,gdt", [("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16")])
+def test_grad_accumulate_slices_every_level(
+    level: str, bdt: str, gdt: str, size: int, offset: int
+) -> None:
+    # A slice's stored bits as the reference's, its squares still in grad_sumsq_'s lane order
+    # of the written slice bit for bit (the vector loops start after the head), and the
+    # flag-alone loops' bits the same.
+    buffer = make_param(size, DTYPES[bdt], seed=size, specials=False)
+    grad = make_grad(size, DTYPES[gdt], seed=size + 1, scale=3.0, specials=False)
+    inv = torch.tensor([0.5])
+    for first in (False, True):
+        (got, want), (s_got, _), (f_got, f_want) = accumulate_both(
+            cpp_backend, buffer, grad, first=first, inv_scale=inv, sr=True, seed=size,
+            seed_step=torch.tensor([7], dtype=torch.int64), start=1.25, offset=offset,
+        )  # fmt: skip
+        assert_same_stored(got, want)
+        assert f_got.item() == f_want.item() == 0.0
+        assert s_got.item() == _lane_order_sumsq(got, 0.5, 1.25)
+        (alone, _), _, _ = accumulate_both(
+            cpp_backend, buffer, grad, first=first, inv_scale=inv, sr=True, seed=size,
+            seed_step=torch.tensor([7], dtype=torch.int64), squares=False, offset=offset,
+        )  # fmt: skip
+        assert_same_stored(alone, got)
+
+
+@pytest.mark.parametrize("offset", SLICE_OFFSETS)
+@pytest.mark.parametrize("pdt,gdt", SR_COMBOS, ids=[f"p{p}-g{g}" for p, g in SR_COMBOS])
+def test_update_slices_every_level(level: str, pdt: str, gdt: str, offset: int) -> None:
+    size = 4099
+    param = make_param(size, DTYPES[pdt], seed=size, specials=True)
+    grad = make_grad(size, DTYPES[gdt], seed=size, scale=grad_scale("full"), specials=True)
+    (got, want), (f_got, f_want) = cpp_and_reference(
+        param, grad, option_set("full"), sr=True, seed=3 << 32, offset=offset
+    )
+    assert_same_bits(got, want)
+    assert torch.equal(f_got, f_want)
 
 
 @pytest.mark.parametrize("squares", [True, False], ids=["squares", "flag alone"])
@@ -705,7 +751,7 @@ _CHILD = textwrap.dedent(
         os.environ["LOMO_KERNELS_CPU_ISA"] = value
         p, g = torch.ones(40), torch.ones(40)
         try:
-            cpp.lomo_update_(p, g, lr, None, None, None, 0.0, None, None, False, 0, None)
+            cpp.lomo_update_(p, g, lr, None, None, None, 0.0, None, None, False, 0, None, 0)
         except RuntimeError as exc:
             print("refused", bool(torch.all(p == 1)), str(exc).splitlines()[0])
         else:

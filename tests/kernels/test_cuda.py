@@ -82,7 +82,7 @@ def test_triton_bound_launch_equals_the_jit_launch_on_cuda(dtype):
     param, grad = make_inputs(4097, dtype, dtype)
     g, lr = grad.to(DEVICE), torch.tensor([LR], device=DEVICE)
     found_inf = torch.zeros(1, device=DEVICE)
-    args = (g, lr, None, None, None, 0.01, found_inf, None, False, 0, None)
+    args = (g, lr, None, None, None, 0.01, found_inf, None, False, 0, None, 0)
     triton_backend.lomo_update_(param.to(DEVICE), *args)  # the launcher set up
     _, bound = triton_backend.lomo_update_.bound
     bound.compiled.clear()

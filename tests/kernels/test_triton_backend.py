@@ -77,6 +77,7 @@ ARG_ORDER = (
     "stochastic_rounding",
     "seed",
     "seed_step",
+    "offset",
 )
 
 
@@ -92,6 +93,7 @@ def _options(**overrides: object) -> dict:
         stochastic_rounding=False,
         seed=0,
         seed_step=None,
+        offset=0,
     )
     options.update(overrides)
     return options
@@ -510,7 +512,7 @@ def test_stochastic_rounding_launch_arguments() -> None:
     ]:
         _, args = triton_backend.lomo_update_args(LOMO_UPDATE.Arguments(
             torch.zeros(33, dtype=dtype), torch.zeros(33), torch.ones(1), None, None, None,
-            0.0, None, None, True, 2**63 + 17, step,
+            0.0, None, None, True, 2**63 + 17, step, 0,
         ))  # fmt: skip
         assert args["STOCHASTIC_ROUNDING"] is stochastic
         assert (args["seed_step_ptr"] is step) is stochastic
@@ -880,8 +882,9 @@ def _update_int8_both(
     (ours, theirs, our options, theirs), as `_both`."""
     ours, theirs = param.clone(), param.clone()
     opts_ours, opts_theirs = _materialise(_options(**options)), _materialise(_options(**options))
-    triton_backend.lomo_update_int8_(ours, codes, scales, offset, *_args(opts_ours))
-    reference.lomo_update_int8_(theirs, codes, scales, offset, *_args(opts_theirs))
+    # Without the dense op's trailing offset: the 8-bit op takes the buffer's after scales.
+    triton_backend.lomo_update_int8_(ours, codes, scales, offset, *_args(opts_ours)[:-1])
+    reference.lomo_update_int8_(theirs, codes, scales, offset, *_args(opts_theirs)[:-1])
     return ours, theirs, opts_ours, opts_theirs
 
 
@@ -1012,9 +1015,9 @@ g[3] = float("inf")
 lr = torch.tensor([0.1])
 a, b, fa, fb = p.clone(), p.clone(), torch.zeros(1), torch.zeros(1)
 # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf, skip_if,
-#  stochastic_rounding, seed, seed_step)
-triton_backend.lomo_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0, None)
-reference.lomo_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0, None)
+#  stochastic_rounding, seed, seed_step, offset)
+triton_backend.lomo_update_(a, g, lr, None, None, None, 0.0, fa, None, False, 0, None, 0)
+reference.lomo_update_(b, g, lr, None, None, None, 0.0, fb, None, False, 0, None, 0)
 assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and fa.item() == fb.item() == 1
 s = torch.zeros(1)
 triton_backend.grad_sumsq_(g.nan_to_num(posinf=0.0), None, s, None)

@@ -119,24 +119,26 @@ for arch in (80, 90):
 # The AOT specialisation must be the one the JIT computes for the same launch.
 mismatches = specialisation_mismatches([
     # (param, grad, lr, inv_scale, clip_value, clip_coef, weight_decay, found_inf,
-    #  skip_if, stochastic_rounding, seed, seed_step)
+    #  skip_if, stochastic_rounding, seed, seed_step, offset); offsets divisible by 16 and
+    #  past 2**32, and 1 (neither specialised)
     (k.lomo_update_kernel, m.lomo_update_args(LOMO_UPDATE.Arguments(
         torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5),
         torch.full((1,), 0.1), None, None, None, 0.0, torch.zeros(1), None, True, 7,
-        torch.zeros(1, dtype=torch.int64)))),
+        torch.zeros(1, dtype=torch.int64), 2**32 + 16))),
     (k.lomo_update_kernel, m.lomo_update_args(LOMO_UPDATE.Arguments(
         torch.empty(2 * m.BLOCK + 5, dtype=fp16), torch.empty(2 * m.BLOCK + 5, dtype=fp16),
-        torch.full((1,), 0.1), None, None, None, 0.0, None, None, True, 2**63 + 17, None))),
+        torch.full((1,), 0.1), None, None, None, 0.0, None, None, True, 2**63 + 17, None,
+        1))),
     # (grad, inv_scale, sumsq, found_inf)
     (k.grad_sumsq_kernel, m.grad_sumsq_args(GRAD_SUMSQ.Arguments(
         torch.empty(4 * m.BLOCK + 1, dtype=fp16), torch.full((1,), 0.5), torch.zeros(1),
         None))),
     # (buffer, grad, first, inv_scale, sumsq, found_inf, stochastic_rounding, seed,
-    #  seed_step)
+    #  seed_step, offset)
     (k.grad_accumulate_kernel, m.grad_accumulate_args(GRAD_ACCUMULATE.Arguments(
         torch.empty(2 * m.BLOCK + 5, dtype=bf16), torch.empty(2 * m.BLOCK + 5), False,
         torch.full((1,), 0.5), torch.zeros(1), None, True, 7,
-        torch.zeros(1, dtype=torch.int64)))),
+        torch.zeros(1, dtype=torch.int64), 48))),
 ])
 
 runtime_constexprs = {

@@ -120,7 +120,7 @@ def test_a_launch_is_made_under_its_first_tensor_device(monkeypatch) -> None:
     param, grad = torch.ones(7), torch.full((7,), 2.0)
     lomo = backends.LOMO.importers["triton"]()
     lomo.lomo_update_(param, grad, torch.full((1,), 0.5), None, None, None, 0.0, None, None,
-                      False, 0, None)  # fmt: skip
+                      False, 0, None, 0)  # fmt: skip
     assert len(seen) == 1 and seen[0] is param
     assert torch.equal(param, torch.zeros(7))  # 1 - 0.5 * 2, launched
 

@@ -28,7 +28,8 @@ def _grad_args() -> tuple:
 
 
 def _lomo_update_args(seed_step: torch.Tensor | None) -> tuple:
-    """Stochastic rounding, every option active; `seed_step`: the per-step seed tensor."""
+    """Stochastic rounding, every option active, a slice at flat offset 300; `seed_step`:
+    the per-step seed tensor."""
     param = torch.randn(4103, dtype=torch.bfloat16)
     grad = torch.randn(4103, dtype=torch.float16)
     return (
@@ -42,6 +43,7 @@ def _lomo_update_args(seed_step: torch.Tensor | None) -> tuple:
         True,
         7,
         seed_step,
+        300,
     )
 
 
@@ -50,7 +52,18 @@ def _grad_accumulate_args(first: bool) -> tuple:
     buffer = torch.randn(4103, dtype=torch.bfloat16)
     grad = torch.randn(4103, dtype=torch.float16)
     seed_step = torch.tensor([99], dtype=torch.int64)
-    return (buffer, grad, first, _scalar(0.5), torch.zeros(1), torch.zeros(1), True, 7, seed_step)
+    return (
+        buffer,
+        grad,
+        first,
+        _scalar(0.5),
+        torch.zeros(1),
+        torch.zeros(1),
+        True,
+        7,
+        seed_step,
+        300,
+    )
 
 
 def _int8_buffer(offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,6 @@ from lomo_kernels.core.rounding import (
     pair_bits16,
     random_bits16,
     round_to_dtype,
-    seed_at_offset,
-    seed_key,
 )
 
 ALL_RANDOM16 = torch.arange(1 << 16, dtype=torch.int64)
@@ -170,17 +168,6 @@ def test_accumulation_bits_model(index):
     hashed = mix32_int((((u >> 5) << 4) | (u & 15)) ^ (((index >> 32) * 0x2545F491) & 0xFFFF_FFFF))
     want = hashed >> 16 if u & 16 else hashed & 0xFFFF
     assert pair_bits16(torch.tensor([index]), key).item() == want
-
-
-@pytest.mark.parametrize("offset", [1, 6, 16, 48, 1237, 4096 + 16])
-def test_accumulation_bits_of_a_slice_are_the_whole_tensors(offset):
-    """A piece from `offset` keyed with `seed_at_offset` draws the whole tensor's bits (the
-    property the sharded accumulation relies on), pairs split across the cut included."""
-    seed, size = 2**40 + 77, offset & -offset  # the largest aligned piece from offset
-    whole = pair_bits16(torch.arange(offset + size, dtype=torch.int64), seed_key(seed))
-    piece = pair_bits16(torch.arange(size, dtype=torch.int64),
-                        seed_key(seed_at_offset(seed, offset)))  # fmt: skip
-    assert torch.equal(piece, whole[offset:])
 
 
 # ----------------------------------------------------------------------------- the ops

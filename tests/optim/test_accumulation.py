@@ -841,9 +841,11 @@ def test_compiled_autograd_is_refused_before_any_change():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
-    # A rank's shard starts at an arbitrary flat offset (here odd, 2 + 3 pieces): its buffer
-    # is rounded in aligned pieces with the seeds under which they round as the whole
-    # buffer's elements do, so the ranks together store the whole buffer's bits.
+    # A rank's shard starts at an arbitrary flat offset (here odd): its buffer draws the
+    # bits of its elements' flat indices in one call per micro-batch, so the ranks together
+    # store the whole buffer's bits.
+    from support.recording import RecordingBackend
+
     from lomo_kernels.distributed import Shard
     from lomo_kernels.ops.backends import LOMO
     from lomo_kernels.optim.accumulation import Accumulation
@@ -852,7 +854,8 @@ def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
     gen = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.zeros(4099, dtype=dtype))
     grads = [torch.randn(4099, generator=gen).to(dtype) * 1e-3 for _ in range(3)]
-    module = LOMO.resolve(torch.device("cpu"), backend)
+    calls: list[tuple[str, dict]] = []
+    module = RecordingBackend(LOMO.resolve(torch.device("cpu"), backend), calls)
     stored = []
     for cuts in ((0, 4099), (0, 1237, 4099)):
         parts = []
@@ -867,6 +870,7 @@ def test_slices_accumulate_as_the_whole_buffer(backend, dtype):
         stored.append(torch.cat(parts))
     whole, sliced = stored
     assert torch.equal(whole.view(torch.int16), sliced.view(torch.int16))
+    assert [args["offset"] for _, args in calls] == [0] * 3 + [0] * 3 + [1237] * 3
 
 
 @pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])

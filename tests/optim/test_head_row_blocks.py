@@ -9,6 +9,7 @@ import pytest
 import torch
 from support.float64 import ulp
 from support.models import batch, clone, tiny_llama
+from support.recording import record_lomo_calls
 
 from lomo_kernels import Lomo, patch_causal_lm
 from lomo_kernels.ops import cross_entropy as lce
@@ -25,10 +26,12 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
-def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend):
-    """bf16, 53 x 24 (rows of 24 elements: each chunk's flat range is cut into several
-    aligned pieces): the rows stepped in three chunks are bit-identical to the whole tensor
-    stepped at once, and differ from round-to-nearest (the rounding is stochastic)."""
+def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend, monkeypatch):
+    """bf16, 53 x 24 (rows of 24 elements: chunks at flat offsets 408 and 960, no power of
+    two): the rows stepped in three chunks, one update call each at its flat offset, are
+    bit-identical to the whole tensor stepped at once, and differ from round-to-nearest (the
+    rounding is stochastic)."""
+    calls = record_lomo_calls(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(53, 24, generator=gen).to(torch.bfloat16)
     grad = torch.randn(53, 24, generator=gen) * 3.0
@@ -46,6 +49,9 @@ def test_stochastic_rounding_by_chunks_equals_the_whole_tensor(backend):
         opt._step.end_pass()
         opt.detach()
         results.append(module.weight.detach().clone())
+        offsets = [args["offset"] for op, args in calls if op == "lomo_update_"]
+        assert offsets == [start * 24 for start in chunks[:-1]]
+        calls.clear()
     by_chunks, whole, nearest = results
     assert torch.equal(by_chunks.view(torch.int16), whole.view(torch.int16))
     assert not torch.equal(whole, nearest)

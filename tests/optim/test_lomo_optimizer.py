@@ -7,6 +7,7 @@ import torch
 from support import lomo_optim_runs
 from support.lomo_optim_runs import CONFIGS, STEPS, assert_bf16_parity, train
 from support.models import batch, max_rel_diff, tiny_llama
+from support.recording import record_lomo_calls
 
 import lomo_kernels
 from lomo_kernels import Lomo
@@ -321,36 +322,12 @@ def test_package_exports():
     assert lomo_kernels.Lomo is Lomo
 
 
-class _RecordingBackend:
-    """A resolved backend whose update function notes each call's arguments by the spec's
-    names (the eager path passes them by position, in the spec's order), then runs."""
-
-    def __init__(self, backend, calls: list[dict]) -> None:
-        self._backend = backend
-        self._calls = calls
-
-    def __getattr__(self, name: str):
-        return getattr(self._backend, name)
-
-    def lomo_update_(self, *args, **kwargs) -> None:
-        from lomo_kernels.ops.lomo import LOMO_UPDATE
-
-        self._calls.append({**dict(zip(LOMO_UPDATE.names, args, strict=False)), **kwargs})
-        self._backend.lomo_update_(*args, **kwargs)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16_sr"])
 def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
     """Every argument of Lomo's per-tensor update lands under its own name: the values are
     told apart (two group lrs, clip value 0.5 vs weight decay 0.25, distinct flag tensors,
     the loss scale's inverse, per-parameter seeds)."""
-    from lomo_kernels.ops import backends
-
-    calls: list[dict] = []
-    resolve = backends.LOMO.resolve
-    monkeypatch.setattr(
-        backends.LOMO, "resolve", lambda *a, **k: _RecordingBackend(resolve(*a, **k), calls)
-    )
+    recorded = record_lomo_calls(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
     model.to(dtype)
@@ -366,6 +343,7 @@ def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
         param_groups=[{"params": [model[0].weight], "lr": 0.02}],
     )
     opt.fused_backward(model(torch.randn(5, 12).to(dtype)).float().pow(2).mean())
+    calls = [args for op, args in recorded if op == "lomo_update_"]
     params = list(model.parameters())
     assert [id(c["param"]) for c in calls] == [id(p) for p in reversed(params)]
     scalars = opt._scalars[params[0].device]
@@ -387,3 +365,4 @@ def test_update_call_passes_each_argument_under_its_name(monkeypatch, dtype):
         assert call["stochastic_rounding"] is sr
         assert call["seed"] == (parameter_seed(index) if sr else 0)
         assert call["seed_step"] is (opt.rounding.seed_step(param.device) if sr else None)
+        assert call["offset"] == 0  # a whole parameter

@@ -114,26 +114,32 @@ def _mix32(x: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _pair_bits16(n: int, seed: int, step: int) -> torch.Tensor:
-    """16 bits per flat index below 2**32: the key mix32(lo32(seed)) ^ mix32(hi32(seed) ^
-    0x9E3779B9 ^ lo32(step)); with u = i ^ key, the hash of u without its bit 4, whose low
-    half goes to the element with bit 4 of u clear and the high half to the other."""
+def _pair_bits16(n: int, seed: int, step: int, offset: int = 0) -> torch.Tensor:
+    """16 bits per flat index i in [offset, offset + n): the key mix32(lo32(seed)) ^
+    mix32(hi32(seed) ^ 0x9E3779B9 ^ lo32(step)); with u = lo32(i) ^ key, the hash of u without
+    its bit 4 xor lo32(hi32(i) * 0x2545F491), whose low half goes to the element with bit 4
+    of u clear and the high half to the other."""
     word = lambda v: np.array([v & 0xFFFFFFFF], dtype=np.uint64)  # noqa: E731
     key = _mix32(word(seed)) ^ _mix32(word((seed >> 32) ^ 0x9E3779B9 ^ step))
-    u = np.arange(n, dtype=np.uint64) ^ key
-    h = _mix32((u >> np.uint64(5)) << np.uint64(4) | (u & np.uint64(15)))
+    index = np.arange(n, dtype=np.uint64) + np.uint64(offset)
+    u = (index & _M32) ^ key
+    salt = ((index >> np.uint64(32)) * np.uint64(0x2545F491)) & _M32
+    h = _mix32(((u >> np.uint64(5)) << np.uint64(4) | (u & np.uint64(15))) ^ salt)
     bits = np.where(u & np.uint64(16), h >> np.uint64(16), h & np.uint64(0xFFFF))
     return torch.from_numpy(bits.astype(np.float64))
 
 
-def sr_model(x: torch.Tensor, dtype: torch.dtype, seed: int, step: int) -> torch.Tensor:
+def sr_model(
+    x: torch.Tensor, dtype: torch.dtype, seed: int, step: int, offset: int = 0
+) -> torch.Tensor:
     """The finite fp32 sums x (float64, below fp16's 65504 for fp16) rounded stochastically
-    as the accumulation stores them, with the bits r of `_pair_bits16`: bf16 rounds the
+    as the accumulation stores them into the slice at flat `offset` of a parameter's buffer,
+    with the bits r of `_pair_bits16` at its flat indices: bf16 rounds the
     magnitude up iff its 16 dropped bits plus r reach 2**16; fp16 in its normal range iff its
     13 dropped bits plus r >> 3 reach 2**13; fp16 below 2**-14 (multiples of 2**-24) iff
     2 r + 1 plus its fraction's 17 bits reach 2**17, a tie (fraction an exact multiple of
     2**-17) going down for odd r. The sign (of a zero too) is kept. Float64 throughout."""
-    r = _pair_bits16(x.numel(), seed, step)
+    r = _pair_bits16(x.numel(), seed, step, offset)
     magnitude = x.abs()
     below, _, spacing = neighbours(magnitude, dtype)  # the magnitude truncated
     dropped = (magnitude - below) / spacing  # in [0, 1), an exact binary fraction
@@ -168,17 +174,20 @@ def accumulate_both(
     seed_step: torch.Tensor | None = None,
     start: float = 0.75,
     squares: bool = True,
+    offset: int = 0,
 ) -> tuple[tuple, tuple, tuple]:
-    """`module.grad_accumulate_` (a backend) and the reference's on copies of `buffer`, each
-    with sumsq (from `start`; None without `squares`: the flag alone) and found_inf:
-    ((buffers), (sumsqs), (flags)), backend first."""
+    """`module.grad_accumulate_` (a backend) and the reference's on copies of `buffer` (the
+    slice at flat `offset` of its parameter), each with sumsq (from `start`; None without
+    `squares`: the flag alone) and found_inf: ((buffers), (sumsqs), (flags)), backend first."""
     from lomo_kernels.ops.lomo import reference
 
     buffers, sums, flags = [], [], []
     for m in (module, reference):
         out, sumsq, found = buffer.clone(), torch.tensor([start]), torch.zeros(1)
         measured = sumsq if squares else None
-        m.grad_accumulate_(out, grad, first, inv_scale, measured, found, sr, seed, seed_step)
+        m.grad_accumulate_(
+            out, grad, first, inv_scale, measured, found, sr, seed, seed_step, offset
+        )
         buffers.append(out)
         sums.append(sumsq)
         flags.append(found)

@@ -147,7 +147,8 @@ class Int8Grad:
         self.module, self.codes, self.scales, self.offset = module, codes, scales, offset
 
     def lomo_update_(self, param, _grad, lr, *rest) -> None:
-        self.module.lomo_update_int8_(param, self.codes, self.scales, self.offset, lr, *rest)
+        # rest ends with the dense op's offset: the buffer's is the 8-bit op's.
+        self.module.lomo_update_int8_(param, self.codes, self.scales, self.offset, lr, *rest[:-1])
 
 
 def update_int8_both(

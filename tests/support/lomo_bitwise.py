@@ -89,7 +89,17 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def run_update(
-    module, param, grad, opts, *, found=None, skip=None, sr=False, seed=0, seed_step=None
+    module,
+    param,
+    grad,
+    opts,
+    *,
+    found=None,
+    skip=None,
+    sr=False,
+    seed=0,
+    seed_step=None,
+    offset=0,
 ) -> None:
     module.lomo_update_(
         param,
@@ -104,19 +114,24 @@ def run_update(
         sr,
         seed,
         seed_step,
+        offset,
     )
 
 
-def cpp_and_reference(param, grad, opts, *, sr=False, seed=0, seed_step=None, with_skip=False):
-    """Runs the C++ and reference updates on copies; returns (params, found_inf flags)."""
+def cpp_and_reference(
+    param, grad, opts, *, sr=False, seed=0, seed_step=None, with_skip=False, offset=0
+):
+    """Runs the C++ and reference updates on copies (`param` the slice at flat `offset` of its
+    parameter); returns (params, found_inf flags)."""
     outs, flags = [], []
     for module in (cpp_backend, reference):
         p = param.clone()
         found = torch.zeros(1)
         skip = torch.zeros(1) if with_skip else None
         run_update(
-            module, p, grad, opts, found=found, skip=skip, sr=sr, seed=seed, seed_step=seed_step
-        )
+            module, p, grad, opts, found=found, skip=skip, sr=sr, seed=seed, seed_step=seed_step,
+            offset=offset,
+        )  # fmt: skip
         outs.append(p)
         flags.append(found)
     return outs, flags

@@ -70,6 +70,7 @@ def _update_chunk(
     update,
     source,
     offs,
+    offset,
     mask,
     PARAM_KIND: tl.constexpr,
     GRAD_KIND: tl.constexpr,
@@ -78,18 +79,21 @@ def _update_chunk(
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
     """Updates the elements `offs[mask]` with the gradient of `source`
-    (`rounding_kernels.grad_source`); returns 1 if any gradient was non-finite, else 0."""
+    (`rounding_kernels.grad_source`), rounding them as the parameter's flat indices
+    offset + offs; returns 1 if any gradient was non-finite, else 0."""
     g, finite = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
-    update_elements(update, g, finite, offs, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
+    index = offset + offs
+    update_elements(update, g, finite, offs, index, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
     return tl.reduce((~finite).to(tl.int32), 0, _MAX)
 
 
-@triton.jit(do_not_specialize=["n", "seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize=["n", "offset", "seed_lo", "seed_hi"])
 def lomo_update_kernel(
     param_ptr,
     grad_ptr,
     n_bulk,
     n,
+    offset,
     weight_decay,
     clip_value,
     seed_lo,
@@ -111,7 +115,9 @@ def lomo_update_kernel(
     The runtime scalars are read from device memory. An `inv_scale_ptr`, `clip_coef_ptr`,
     `found_inf_ptr`, `skip_if_ptr` or `seed_step_ptr` that is None selects the code path
     without it (None arguments are compile-time constants). Stochastic rounding's key is
-    `seed_lo ^ mix32(seed_hi ^ step)` (`_rounding.seed_parts`), the step read here.
+    `seed_lo ^ mix32(seed_hi ^ step)` (`_rounding.seed_parts`), the step read here; its
+    bits are those of the flat indices offset + j (`param_ptr` a slice at `offset` of its
+    parameter).
     """
     run = tl.load(skip_if_ptr) == 0 if skip_if_ptr is not None else True
     if run:
@@ -123,14 +129,15 @@ def lomo_update_kernel(
         has_clip_coef = clip_coef_ptr is not None
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
+        start = offset.to(tl.int64)
         bad = _update_chunk(
-            update, source, offs, offs < n_bulk,
+            update, source, offs, start, offs < n_bulk,
             PARAM_KIND, GRAD_KIND, HAS_CLIP_VALUE, has_clip_coef, STOCHASTIC_ROUNDING,
         )  # fmt: skip
         if pid == tl.num_programs(0) - 1:
             tail = n_bulk.to(tl.int64) + tl.arange(0, 16)
             tail_bad = _update_chunk(
-                update, source, tail, tail < n,
+                update, source, tail, start, tail < n,
                 PARAM_KIND, GRAD_KIND, HAS_CLIP_VALUE, has_clip_coef, STOCHASTIC_ROUNDING,
             )  # fmt: skip
             bad = tl.maximum(bad, tail_bad)
@@ -180,6 +187,7 @@ def _accumulate_chunk(
     buffer_ptr,
     grad_ptr,
     offs,
+    offset,
     mask,
     key,
     inv_scale,
@@ -189,12 +197,13 @@ def _accumulate_chunk(
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
     """Adds the gradient into the buffer over `offs[mask]` (stochastic rounding: the
-    accumulation's stream, `rounding_kernels.pair_random16`); returns (sum of squares of the
+    accumulation's stream, `rounding_kernels.pair_random16`, at the parameter's flat
+    indices offset + offs); returns (sum of squares of the
     stored values times inv_scale, 1 if any of those is non-finite else 0)."""
     new = _load_fp32(grad_ptr, offs, mask, GRAD_KIND)
     if not FIRST:
         new += _load_fp32(buffer_ptr, offs, mask, BUFFER_KIND)
-    out = _to_accumulated(new, offs, key, BUFFER_KIND, STOCHASTIC_ROUNDING)
+    out = _to_accumulated(new, offset + offs, key, BUFFER_KIND, STOCHASTIC_ROUNDING)
     tl.store(buffer_ptr + offs, out, mask=mask)
     # The norm is of what the update will read: the stored value, not the fp32 sum.
     stored = _to_fp32(out, BUFFER_KIND) * inv_scale
@@ -203,12 +212,13 @@ def _accumulate_chunk(
     return tl.reduce(stored * stored, 0, _SUM), bad
 
 
-@triton.jit(do_not_specialize=["n", "seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize=["n", "offset", "seed_lo", "seed_hi"])
 def grad_accumulate_kernel(
     buffer_ptr,
     grad_ptr,
     n_bulk,
     n,
+    offset,
     seed_lo,
     seed_hi,
     inv_scale_ptr,
@@ -223,19 +233,21 @@ def grad_accumulate_kernel(
 ):
     """buffer = round(buffer + g) (FIRST: round(g)) on one flat buffer; with `sumsq_ptr`,
     sumsq += sum((stored * inv_scale) ** 2) with one atomic add per program; `found_inf_ptr`
-    raised when a stored value is non-finite."""
+    raised when a stored value is non-finite. `buffer_ptr` holds the slice at flat `offset`
+    of its parameter, whose bits it draws."""
     key = _rounding_key(seed_lo, seed_hi, seed_step_ptr, STOCHASTIC_ROUNDING)
     inv_scale = _factor(inv_scale_ptr)
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
+    start = offset.to(tl.int64)
     total, bad = _accumulate_chunk(
-        buffer_ptr, grad_ptr, offs, offs < n_bulk, key, inv_scale,
+        buffer_ptr, grad_ptr, offs, start, offs < n_bulk, key, inv_scale,
         FIRST, BUFFER_KIND, GRAD_KIND, STOCHASTIC_ROUNDING,
     )  # fmt: skip
     if pid == tl.num_programs(0) - 1:
         tail = n_bulk.to(tl.int64) + tl.arange(0, 16)
         tail_total, tail_bad = _accumulate_chunk(
-            buffer_ptr, grad_ptr, tail, tail < n, key, inv_scale,
+            buffer_ptr, grad_ptr, tail, start, tail < n, key, inv_scale,
             FIRST, BUFFER_KIND, GRAD_KIND, STOCHASTIC_ROUNDING,
         )  # fmt: skip
         total += tail_total

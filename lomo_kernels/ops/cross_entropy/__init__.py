@@ -42,9 +42,8 @@ BackwardArgs = tuple[
 
 
 def chunk_rows(vocab: int, hidden: int) -> int:
-    """Rows per chunk: a power of two (chunk boundaries then fall on multiples of a large
-    power of two, which keeps a chunk's stochastic rounding to a few aligned pieces:
-    `optim/row_blocks.py`), at most CHUNK_ELEMENTS elements, at most the vocabulary."""
+    """Rows per chunk: the largest power of two of at most CHUNK_ELEMENTS elements, at most
+    the vocabulary."""
     rows = max(1, CHUNK_ELEMENTS // max(hidden, 1))
     return min(vocab, 1 << (rows.bit_length() - 1))
 

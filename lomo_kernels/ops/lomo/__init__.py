@@ -63,6 +63,7 @@ def fused_lomo_update_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
+    offset: int = 0,
     backend: str | ModuleType | None = None,
 ) -> None:
     """Applies one LOMO step to `param` in place, reading `grad` and `param` once.
@@ -78,6 +79,9 @@ def fused_lomo_update_(
     per-step part of the rounding seed, read by the kernel: its low 32 bits are XORed into
     the high 32 bits of ``seed``. A training loop keeps ``seed`` fixed per parameter and
     refreshes ``seed_step`` in place each step, so a compiled graph never depends on the step.
+    ``offset``: where `param` is a slice (a shard, a block of rows) of a larger parameter, the
+    flat index of its element 0 in that parameter; the rounding draws the bits of the flat
+    indices ``offset + j``, so the slice rounds exactly as the whole parameter would.
 
     ``found_inf`` (1-element fp32) is only ever raised to 1. When ``skip_if`` is given and
     non-zero on entry the op writes nothing: pass the flag a detection pass filled. If
@@ -98,6 +102,7 @@ def fused_lomo_update_(
     skip = found_inf if skip_if is None else skip_if
     arguments = LOMO_UPDATE.take(public, grad=grad.contiguous(), skip_if=skip)
     arguments = LOMO_UPDATE.convert(param.device, arguments)
+    check_slice_end(arguments["offset"], param)
     if param.numel():
         lomo_update_op(backend, **arguments)
 
@@ -135,6 +140,7 @@ def grad_accumulate_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
+    offset: int = 0,
     backend: str | ModuleType | None = None,
 ) -> None:
     """Adds one micro-batch's gradient into its accumulation buffer in place, in one pass.
@@ -142,7 +148,9 @@ def grad_accumulate_(
     In fp32: ``new = buffer + grad`` (``first=True``: ``new = grad``, the buffer's old contents
     are not read, so it may be uninitialised), stored in the buffer's dtype: fp32 exactly,
     bf16/fp16 to nearest even or stochastically (``stochastic_rounding``, keyed by ``seed``,
-    ``seed_step`` and the element index as `fused_lomo_update_`'s write-back). With ``sumsq``
+    ``seed_step`` and the element's flat index ``offset + j`` as `fused_lomo_update_`'s
+    write-back: a buffer for a slice of a parameter rounds as the whole one's would). With
+    ``sumsq``
     (1-element fp32), ``sumsq += sum((stored * inv_scale) ** 2)``: the norm of what an update
     reading the buffer with that ``inv_scale`` sees. ``found_inf`` is raised to 1 when a
     stored value times ``inv_scale`` is inf/nan; given alone, the CPU kernels track only the
@@ -159,8 +167,20 @@ def grad_accumulate_(
         )
     arguments = GRAD_ACCUMULATE.take(public, grad=grad.contiguous())
     arguments = GRAD_ACCUMULATE.convert(buffer.device, arguments)
+    check_slice_end(arguments["offset"], buffer)
     if buffer.numel():
         grad_accumulate_op(backend, **arguments)
+
+
+def check_slice_end(offset: int, like: torch.Tensor) -> None:
+    """A slice of `like`'s elements at flat `offset` (checked by the spec) of its parameter
+    ends below 2**63: every backend indexes offset + j and the end in int64."""
+    # At offset 0 no tensor reaches 2**63 (and a tracer holds numel as a value of its own).
+    if offset and offset + like.numel() >= 2**63:
+        raise ValueError(
+            f"lomo_kernels: {like.numel()} elements at offset {offset} end past 2**63 - 1: a "
+            "slice's flat indices in its parameter must be int64s"
+        )
 
 
 def check_int8_buffer(
@@ -183,11 +203,7 @@ def check_int8_buffer(
         raise ValueError(
             f"lomo_kernels: codes has {codes.numel()} elements, the data {like.numel()}"
         )
-    if offset + like.numel() >= 2**63:  # every backend indexes offset + j and the end in int64
-        raise ValueError(
-            f"lomo_kernels: {like.numel()} elements at offset {offset} end past 2**63 - 1: a "
-            "slice's flat indices in its parameter must be int64s"
-        )
+    check_slice_end(offset, like)
     blocks = blocks_of(offset, like.numel())
     if scales.numel() != blocks:
         raise ValueError(

@@ -18,7 +18,7 @@ from ...core.int8_blocks import (
     INT8_MAX_CODE,
     INT8_MIN_EXPONENT,
 )
-from ...core.rounding import Rounding, pair_bits16, random_bits16, round_to_dtype, rounding_key
+from ...core.rounding import Rounding, pair_bits16, round_to_dtype, rounding_key
 from ...core.scalars import value_of
 
 
@@ -30,14 +30,16 @@ def _write_back(
     seed: int,
     seed_step: torch.Tensor | None,
     bits: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None = None,
+    offset: int = 0,
 ) -> None:
     """Writes fp32 `new` into `param` in its dtype where `keep` is False; stochastic rounding
-    draws from `bits(index, key)` (None: the write-back's stream, `Rounding.random16`)."""
+    draws from `bits(index, key)` (None: the write-back's stream, `Rounding.random16`) at
+    the flat indices offset + j of the parameter `param` is a slice of."""
     flat = param.view(-1)
     rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
     random16 = None
     if rounding.stochastic:
-        index = torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
+        index = offset + torch.arange(flat.numel(), device=param.device, dtype=torch.int64)
         random16 = rounding.random16(index) if bits is None else bits(index, rounding.key)
     flat.copy_(torch.where(keep, flat, round_to_dtype(new, param.dtype, random16)))
 
@@ -55,18 +57,21 @@ def lomo_update_(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
+    offset: int = 0,
 ) -> None:
-    """One LOMO step on one contiguous parameter, in place.
+    """One LOMO step on one contiguous parameter (or the slice of one at flat `offset`), in
+    place.
 
     g = fp32(grad) * inv_scale; elements with non-finite g leave their parameter unchanged
     and set found_inf; g = clamp(g, -clip_value, clip_value); g *= clip_coef;
     p = p * (1 - lr * weight_decay) - lr * g, rounded back to param.dtype.
     When skip_if is non-zero nothing is written at all. Stochastic rounding draws its bits
-    from the key `_rounding.rounding_key(seed, seed_step)` and the element index.
+    from the key `_rounding.rounding_key(seed, seed_step)` and the element's flat index in
+    the whole parameter, offset + j.
     """
     _lomo_step(param, grad.reshape(-1).to(torch.float32), lr, inv_scale, clip_value,
                clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
-               seed_step, None)  # fmt: skip
+               seed_step, None, offset)  # fmt: skip
 
 
 def _lomo_step(
@@ -83,8 +88,10 @@ def _lomo_step(
     seed: int,
     seed_step: torch.Tensor | None,
     bits: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None,
+    offset: int = 0,
 ) -> None:
-    """`lomo_update_` from the fp32 gradient `g` (flat); `bits` as `_write_back`'s."""
+    """`lomo_update_` from the fp32 gradient `g` (flat); `bits` and `offset` as
+    `_write_back`'s."""
     lr_eff = value_of(lr)
     if inv_scale is not None:
         g = g * value_of(inv_scale)
@@ -98,7 +105,7 @@ def _lomo_step(
     keep = bad
     if skip_if is not None:
         keep = keep | (skip_if.reshape(-1)[0] != 0)
-    _write_back(param, new, keep, stochastic_rounding, seed, seed_step, bits)
+    _write_back(param, new, keep, stochastic_rounding, seed, seed_step, bits, offset)
     if found_inf is not None:
         flag = bad.any().to(found_inf.dtype)
         if skip_if is not None:
@@ -137,8 +144,10 @@ def grad_accumulate_(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
+    offset: int = 0,
 ) -> None:
-    """One micro-batch's gradient added into its accumulation buffer, in place.
+    """One micro-batch's gradient added into its accumulation buffer (or the slice of one at
+    flat `offset` of its parameter, whose bits it draws), in place.
 
     new = fp32(grad) (first: the buffer's old contents are not read) or fp32(buffer) +
     fp32(grad), stored in the buffer's dtype (to nearest even, or stochastically with the
@@ -151,7 +160,7 @@ def grad_accumulate_(
     if not first:
         new = buffer.reshape(-1).to(torch.float32) + new
     _write_back(buffer, new, torch.zeros_like(new, dtype=torch.bool), stochastic_rounding,
-                seed, seed_step, pair_bits16)  # fmt: skip
+                seed, seed_step, pair_bits16, offset)  # fmt: skip
     if sumsq is not None or found_inf is not None:
         if sumsq is None:  # found_inf alone: the sum is measured and dropped
             sumsq = torch.zeros(1, dtype=torch.float32, device=buffer.device)
@@ -269,14 +278,10 @@ def lomo_update_int8_(
 ) -> None:
     """`lomo_update_` with the gradient read from an 8-bit blockwise buffer (code * scale)
     holding `param`, a slice at flat `offset` of its parameter: the write-back's stochastic
-    rounding draws the whole parameter's bits at offset + j (`random_bits16`)."""
-
-    def bits(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
-        return random_bits16(index + offset, key)
-
+    rounding draws the whole parameter's bits at offset + j, as `lomo_update_`'s."""
     _lomo_step(param, int8_dequantized(codes, scales, offset), lr, inv_scale, clip_value,
                clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
-               seed_step, bits)  # fmt: skip
+               seed_step, None, offset)  # fmt: skip
 
 
 def int8_dequantize_(

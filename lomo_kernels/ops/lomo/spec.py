@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from ...core.spec import GRAD_TRANSFORM, Arg, OpSpec
 
+# The flat index of a dense tensor's element 0 in the parameter it is a slice of (a ZeRO-3 or
+# FSDP2 shard, a block of rows): stochastic rounding draws the bits of index offset + j, so a
+# slice rounds as the whole parameter would, in one call. Last, so positional calls keep
+# their meaning.
+_SLICE_OFFSET = Arg("offset", "offset", default=0)
 LOMO_UPDATE = OpSpec(
     "lomo_update_",
     "lomo_update_",
@@ -19,6 +24,7 @@ LOMO_UPDATE = OpSpec(
         Arg("stochastic_rounding", "bool", default=False),
         Arg("seed", "seed", default=0),
         Arg("seed_step", "step", default=None),
+        _SLICE_OFFSET,
     ),
 )
 GRAD_SUMSQ = OpSpec(
@@ -44,6 +50,7 @@ GRAD_ACCUMULATE = OpSpec(
         Arg("stochastic_rounding", "bool", default=False),
         Arg("seed", "seed", default=0),
         Arg("seed_step", "step", default=None),
+        _SLICE_OFFSET,
     ),
 )
 # The 8-bit blockwise buffer (`core/int8_blocks.py`): int8 codes, one fp32 scale per block of

@@ -62,6 +62,7 @@ def lomo_update_args(a: Any) -> runtime.Launch:
         **runtime.grad_kwargs(a.grad, a.inv_scale, a.clip_value),
         "n_bulk": n_bulk,
         "n": n,
+        "offset": a.offset,
         "weight_decay": float(a.weight_decay),
         "lr_ptr": a.lr,
         "clip_coef_ptr": a.clip_coef,
@@ -102,6 +103,7 @@ def grad_accumulate_args(a: Any) -> runtime.Launch:
         "grad_ptr": runtime.storage(a.grad),
         "n_bulk": n_bulk,
         "n": n,
+        "offset": a.offset,
         "seed_lo": rounding["seed_lo"],
         "seed_hi": rounding["seed_hi"],
         "inv_scale_ptr": a.inv_scale,
@@ -290,10 +292,15 @@ def _aot(
 
 
 def aot_update(
-    param_dtype: torch.dtype, grad_dtype: torch.dtype, *, stochastic_rounding: bool = False
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    *,
+    stochastic_rounding: bool = False,
+    offset: int = 0,
 ) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the update with every optional input given,
-    for an aligned parameter whose numel is not a multiple of 16."""
+    for an aligned parameter whose numel is not a multiple of 16 (the slice at `offset` of
+    its parameter)."""
     n = 2 * BLOCK + 5
     flag = torch.zeros(1)
     launch = lomo_update_args(
@@ -310,6 +317,7 @@ def aot_update(
             stochastic_rounding,
             12345,
             torch.zeros(1, dtype=torch.int64),
+            offset,
         )
     )
     return _aot("lomo_update_kernel", launch)
@@ -332,6 +340,7 @@ def aot_grad_accumulate(
     *,
     first: bool = False,
     stochastic_rounding: bool = False,
+    offset: int = 0,
 ) -> tuple[Any, dict, dict, dict]:
     """(kernel, signature, constexprs, attrs) of the accumulation with sumsq, found_inf and
     the per-step seed given, as `aot_update`."""
@@ -347,6 +356,7 @@ def aot_grad_accumulate(
             stochastic_rounding,
             12345,
             torch.zeros(1, dtype=torch.int64),
+            offset,
         )
     )
     return _aot("grad_accumulate_kernel", launch)
