@@ -525,8 +525,10 @@ uint32_t update_block(typename P::T* p, const typename G::T* g, int64_t n, uint3
 // index is offset + begin: the hash takes the index as two 32-bit halves, and a block that
 // keeps the high half fixed runs on 32-bit lanes.
 LOMO_INLINE int64_t same_high_half_end(int64_t offset, int64_t begin, int64_t end) {
-  const int64_t index = offset + begin;
-  return std::min(end, begin + ((((index >> 32) + 1) << 32) - index));
+  // Unsigned: the next multiple of 2^32 after an index near 2^63 is 2^63 itself.
+  const uint64_t index = static_cast<uint64_t>(offset + begin);
+  const uint64_t room = (((index >> 32) + 1) << 32) - index;  // in [1, 2^32]
+  return std::min(end, begin + static_cast<int64_t>(room));
 }
 
 // One span [begin, end) of the update of a tensor whose element 0 has flat index `offset`
@@ -600,38 +602,44 @@ LOMO_INLINE void pair_bits32(uint32_t first, uint32_t hi, uint32_t key, uint32_t
 // accumulate_span's run over the chunk's elements [i, stop), whose flat indices (from `first`,
 // a multiple of 32) share their high half: the level's vector loop, then the portable one.
 // Element k of the chunk is measured into lane k % kSumLanes, so the squares' total is
-// sumsq_span's of the written chunk bit for bit wherever the run starts.
+// sumsq_span's of the written chunk bit for bit wherever the run starts: the run measures
+// its element 8m + l into its lane l of `turned`, the chunk's lanes turned by i % 8 (none
+// to nearest, where a chunk is one run from 0), which keeps every loop's lane a constant.
 template <class P, class G, bool kFirst, bool kStochastic, Measure kMeasure, class One>
 LOMO_INLINE void accumulate_run(typename P::T* __restrict b, const typename G::T* __restrict g,
                                 int64_t i, int64_t stop, int64_t first, uint32_t key,
                                 float inv_scale, double* lanes, uint32_t& largest, One&& one) {
   const uint32_t lo = static_cast<uint32_t>(first), hi = static_cast<uint32_t>(first >> 32);
-  int64_t done = 0;
-#if LOMO_LOOPS_AVX2
-  // The vector loop measures its element 8m + l into its lane l: chunk lane (i + l) % 8.
+  const int64_t n = stop - i;
   double turned[kSumLanes];
   for (int l = 0; l < kSumLanes; ++l) turned[l] = lanes[(i + l) % kSumLanes];
+  int64_t done = 0;
 #if LOMO_LOOPS_AVX512
-  done = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, stop - i, lo, hi,
-                                                                key, inv_scale, turned, largest);
-#else
-  done = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, stop - i, lo, hi,
-                                                              key, inv_scale, turned, largest);
-#endif
-  for (int l = 0; l < kSumLanes; ++l) lanes[(i + l) % kSumLanes] = turned[l];
+  done = accumulate_avx512<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, n, lo, hi, key,
+                                                                inv_scale, turned, largest);
+#elif LOMO_LOOPS_AVX2
+  done = accumulate_avx2<P, G, kFirst, kStochastic, kMeasure>(b + i, g + i, n, lo, hi, key,
+                                                              inv_scale, turned, largest);
 #endif
   // The portable loop: stochastically blocks of 32, one hash per pair of elements l and
   // l + 16, its halves in the order pair_bits16 gives them; then a hash per element.
   if constexpr (kStochastic) {
-    for (; done + 32 <= stop - i; done += 32) {
+    for (; done + 32 <= n; done += 32) {
       uint32_t random[32];
       pair_bits32(lo + static_cast<uint32_t>(done), hi, key, random);
-      for (int k = 0; k < 32; ++k) one(i + done + k, random[k]);
+      for (int k = 0; k < 32; k += kSumLanes) {
+        for (int l = 0; l < kSumLanes; ++l) one(i + done + k + l, turned, l, random[k + l]);
+      }
     }
   }
-  for (int64_t k = i + done; k < stop; ++k) {
-    one(k, kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k - i), hi, key) : 0u);
+  const auto bits = [&](int64_t k) {
+    return kStochastic ? lomo::pair_bits16(lo + static_cast<uint32_t>(k), hi, key) : 0u;
+  };
+  for (; done + kSumLanes <= n; done += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) one(i + done + l, turned, l, bits(done + l));
   }
+  for (int l = 0; done < n; ++done, ++l) one(i + done, turned, l, bits(done));
+  for (int l = 0; l < kSumLanes; ++l) lanes[(i + l) % kSumLanes] = turned[l];
 }
 
 // One chunk of grad_accumulate_: elements [begin, begin + n) of buffer and grad, whose flat
@@ -651,8 +659,9 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   const int64_t start = offset + begin;  // the flat index of element 0 of the chunk
   double lanes[kSumLanes] = {};
   uint32_t largest = 0;  // kFlag: the fp32 bits of the largest stored magnitude
-  // Element k of the chunk, stored with `random` (16 bits; unused to nearest).
-  const auto one = [&](int64_t k, uint32_t random) {
+  // Element k of the chunk, stored with `random` (16 bits; unused to nearest) and measured
+  // into sums[lane].
+  const auto one = [&](int64_t k, double* sums, int lane, uint32_t random) {
     const float gv = G::load(g[k]);
     const float v = kFirst ? gv : lomo::add_rn(P::load(b[k]), gv);
     typename P::T out;
@@ -664,7 +673,7 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
     b[k] = out;
     if constexpr (kMeasure == Measure::kSquares) {
       const double stored = lomo::mul_rn(P::load(out), inv_scale);
-      lanes[k % kSumLanes] += stored * stored;
+      sums[lane] += stored * stored;
     }
     if constexpr (kMeasure == Measure::kFlag) {
       largest = std::max(largest, lomo::bits_of(P::load(out)) & 0x7FFFFFFFu);
@@ -674,9 +683,10 @@ double accumulate_span(typename P::T* buffer, const typename G::T* grad, int64_t
   int64_t i = 0;
   if constexpr (kStochastic) {
     for (; i < n && (start + i) % 32 != 0; ++i) {
-      const int64_t index = start + i;
-      one(i, lomo::pair_bits16(static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32),
-                               key));
+      const uint64_t index = static_cast<uint64_t>(start + i);
+      one(i, lanes, static_cast<int>(i % kSumLanes),
+          lomo::pair_bits16(static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32),
+                            key));
     }
   }
   while (i < n) {

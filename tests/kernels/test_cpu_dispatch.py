@@ -367,6 +367,43 @@ def test_grad_accumulate_slices_every_level(
         assert_same_stored(alone, got)
 
 
+@pytest.mark.parametrize("offset", [3, 5], ids=["head29", "head27"])
+@pytest.mark.parametrize("bdt", SR_DTYPES)
+def test_grad_accumulate_slice_keeps_each_lane(level: str, bdt: str, offset: int) -> None:
+    # grad_sumsq_'s lane test (above) on a slice whose head is not a multiple of the 8 lanes:
+    # the large square at element head + 64 + big of the vector loops' part must land in
+    # lane (head + 64 + big) % 8 of the chunk, as the tiny ones around it. A zero gradient
+    # stores the buffer's values exactly, stochastic rounding or not.
+    head = 32 - offset
+    for big in range(SUMSQ_LANES):
+        buffer = torch.full((200,), 2.0**-14).to(DTYPES[bdt])  # scaled by 0.5: 2^-15
+        buffer[head + 64 + big] = 2.0**13  # scaled: 2^12
+        grad = torch.zeros(200, dtype=DTYPES[bdt])
+        out = torch.tensor([-(2.0**24)])
+        cpp_backend.grad_accumulate_(buffer, grad, False, torch.tensor([0.5]), out, None, True,
+                                     9, None, offset)  # fmt: skip
+        assert out.item() == _lane_order_sumsq(buffer, 0.5, -(2.0**24))
+        assert out.item() != 0.0
+
+
+@pytest.mark.parametrize("squares", [True, False], ids=["squares", "flag alone"])
+@pytest.mark.parametrize("where", [2, 40, 198], ids=["head", "vector body", "tail"])
+@pytest.mark.parametrize("special", ["inf", "nan"])
+def test_grad_accumulate_slice_flags_non_finite(
+    level: str, special: str, where: int, squares: bool
+) -> None:
+    # A non-finite sum in a slice's head (offset 5: 27 elements), its vector part or its tail
+    # raises found_inf as the reference does, from the squares' total or the flag alone.
+    buffer = make_param(200, torch.bfloat16, seed=4, specials=False)
+    grad = make_grad(200, torch.bfloat16, seed=5, scale=1.0, specials=False)
+    grad[where] = float(special)
+    _, _, (f_got, f_want) = accumulate_both(
+        cpp_backend, buffer, grad, inv_scale=torch.tensor([0.5]), sr=True, seed=2,
+        squares=squares, offset=5,
+    )  # fmt: skip
+    assert f_got.item() == f_want.item() == 1.0
+
+
 @pytest.mark.parametrize("offset", SLICE_OFFSETS)
 @pytest.mark.parametrize("pdt,gdt", SR_COMBOS, ids=[f"p{p}-g{g}" for p, g in SR_COMBOS])
 def test_update_slices_every_level(level: str, pdt: str, gdt: str, offset: int) -> None:

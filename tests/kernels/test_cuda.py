@@ -319,6 +319,40 @@ def test_grad_accumulate_matches_the_reference_on_cuda(
 
 
 @pytest.mark.gpu_smoke
+@pytest.mark.parametrize("op", ["update", "accumulate"])
+def test_slices_at_their_offsets_on_cuda(cuda_backend, op):
+    """A bf16 parameter's slices, each at its flat offset (one element; a pair of the
+    accumulation's stream split; 5 past a multiple of 32; the rest), store on CUDA what one
+    call on the whole tensor stores, bit for bit the reference's; a slice past 2**32 too."""
+    gen = torch.Generator().manual_seed(4)
+    n, cuts = 70001, [0, 1, 18, 2085, 70001]
+    values = torch.randn(n, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(n, generator=gen) * 1e-2
+    step = torch.tensor([77], dtype=torch.int64)
+
+    def run(device, backend, target, g, offset):
+        rounding = dict(stochastic_rounding=True, seed=2**40 + 5,
+                        seed_step=step.to(device), offset=offset, backend=backend)  # fmt: skip
+        if op == "update":
+            ops.fused_lomo_update_(target, g.to(device), lr=0.1, weight_decay=0.01, **rounding)
+        else:
+            ops.grad_accumulate_(target, g.to(device, torch.bfloat16), **rounding)
+
+    whole, sliced = values.to(DEVICE), values.to(DEVICE)
+    run(DEVICE, cuda_backend, whole, grad, 0)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        run(DEVICE, cuda_backend, sliced[a:b], grad[a:b], a)
+    reference = values.clone()
+    run("cpu", "torch", reference, grad, 0)
+    assert torch.equal(sliced.cpu().view(torch.int16), whole.cpu().view(torch.int16))
+    assert torch.equal(whole.cpu().view(torch.int16), reference.view(torch.int16))
+    far, far_reference = values[:4099].to(DEVICE), values[:4099].clone()
+    run(DEVICE, cuda_backend, far, grad[:4099], 2**32 - 45)
+    run("cpu", "torch", far_reference, grad[:4099], 2**32 - 45)
+    assert torch.equal(far.cpu().view(torch.int16), far_reference.view(torch.int16))
+
+
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("cls", [Lomo, AdaLomo], ids=["lomo", "adalomo"])
 def test_accumulation_trains_on_cuda_without_host_sync(cls):
     model = tiny_llama(torch.bfloat16).to(DEVICE)

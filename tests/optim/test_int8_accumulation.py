@@ -376,6 +376,40 @@ def test_a_gradient_in_parts_is_rounded_without_bias(backend, dtype):
     assert (total / seeds - exact).abs().max() <= bound
 
 
+def test_a_row_block_re_rounding_a_cut_block_draws_new_bits(backend):
+    # A head's chunks of 5 rows of 32 (160 elements) cut the 8-bit blocks of 256: the second
+    # chunk re-rounds block 0, whose first 160 values the first chunk rounded, and its value
+    # 250 doubles the block's step (1 -> 2). Drawn with the first chunk's bits again, the
+    # second rounding would follow the first's direction (1.5 and 0.7 biased); with fresh
+    # bits each value's mean over seeds is its exact value. Bound as in the test above.
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.int8_buffer import dequantized
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    rows, width, per_chunk = 16, 32, 5
+    param = torch.nn.Parameter(torch.zeros(rows, width))
+    grad = torch.zeros(rows * width)
+    grad[0], grad[1:50], grad[50:100], grad[100:160] = 100.0, 1.5, 0.7, -1.3
+    grad[160] = 250.0
+    grad = grad.view(rows, width)
+    module = LOMO.resolve(torch.device("cpu"), backend)
+    seeds = 600
+    total = torch.zeros(rows * width, dtype=torch.float64)
+    for seed in range(seeds):
+        accumulation = Accumulation(2, torch.int8, WriteBackRounding(True, seed=seed))
+        accumulation.begin_micro_batch(0, [torch.device("cpu")], measuring=False)
+        for start in range(0, rows, per_chunk):
+            stop = min(rows, start + per_chunk)
+            piece = piece_of(param, grad[start:stop], target=param[start:stop],
+                             offset=start * width)  # fmt: skip
+            accumulation.add(piece, 0, None, module)
+        ((_, buffer, _),) = accumulation.buffered()
+        total += dequantized(buffer, torch.float32, module).double().reshape(-1)
+    bound = 6 * (2 * 2.0**2 / 4 / seeds) ** 0.5
+    assert (total / seeds - grad.double().reshape(-1)).abs().max() <= bound
+
+
 def int8_buffer_holding(values: torch.Tensor, offset: int):
     """An 8-bit buffer at flat `offset` of its parameter holding `values` (fp32, stored to
     nearest by the torch backend's accumulate, `first=True`)."""
