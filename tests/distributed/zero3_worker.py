@@ -48,10 +48,10 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}
 def build(dtype: torch.dtype = torch.float32, seed: int = 0):
     torch.manual_seed(seed)
     config = dict(CONFIG)
-    if dtype == torch.float16:
+    if dtype != torch.float32:
         # zero.Init takes the partitions' dtype from the config; DeepSpeed's engine refuses
         # fp16 on CPU, so only the partitioning sees it (the engine keeps the dtype).
-        config["fp16"] = {"enabled": True}
+        config["fp16" if dtype == torch.float16 else "bf16"] = {"enabled": True}
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = ScaledLlama()
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
@@ -272,6 +272,71 @@ def run_fp16_overflow(rank: int, checks: dict) -> None:
     checks["fp16_overflow"]["next_step_updates"] = not unchanged(model, before)
 
 
+def run_stochastic_slices(rank: int, checks: dict) -> None:
+    """bf16 partitions, stochastic rounding (the default): every rank's slices, each updated
+    at its flat offset, must hold what one update of the whole parameter from the same
+    reduced gradient stores (the reference op, the bits of flat index offset + j); each
+    slice updated as if it began its parameter must not (the check can fail)."""
+    from lomo_kernels import ops
+    from lomo_kernels.optim.rounding import parameter_seed
+
+    engine = build(torch.bfloat16)
+    model = engine.module
+    opt = Lomo(engine, lr=0.05, bucket_numel=3000)
+    names = {id(p): n for n, p in model.named_parameters()}
+    seeds = {n: parameter_seed(opt._groups.index_of[id(p)]) for n, p in model.named_parameters()}
+    slices = []  # [name, offset, values before, reduced gradient, the slice]
+
+    def noted(batches):
+        for batch in batches:
+            for shard, grad in batch:
+                slices.append([names[id(shard.param)], shard.offset, shard.local.clone(),
+                               grad.clone(), shard.local])  # fmt: skip
+        return batches
+
+    sharding = opt._sharding
+    grad_ready, finish = sharding.grad_ready, sharding.finish
+    sharding.grad_ready = lambda param, grad: noted(grad_ready(param, grad))
+    sharding.finish = lambda: noted(list(finish()))
+    opt.fused_backward(model(rank_batch(0, rank)))
+    step = opt.rounding.seed_step(torch.device("cpu")).clone()
+    mine = [(name, offset, before, grad, after.clone()) for name, offset, before, grad, after
+            in slices]  # fmt: skip
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    parts: dict[str, list] = {}
+    for name, offset, before, grad, after in (entry for rank_slices in everyone
+                                              for entry in rank_slices):  # fmt: skip
+        if after.numel():
+            parts.setdefault(name, []).append((offset, before, grad, after))
+    mismatched, differs_at_zero, unaligned = [], 0, 0
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        before, grad, after = (torch.cat([piece[k] for piece in pieces]) for k in (1, 2, 3))
+        whole = before.clone()
+        ops.fused_lomo_update_(whole, grad, lr=0.05, stochastic_rounding=True,
+                               seed=seeds[name], seed_step=step, backend="torch")  # fmt: skip
+        if not torch.equal(whole.view(torch.int16), after.view(torch.int16)):
+            mismatched.append(name)
+        for offset, piece_before, piece_grad, piece_after in pieces:
+            if offset % 32 == 0:
+                continue
+            unaligned += 1
+            at_zero = piece_before.clone()
+            ops.fused_lomo_update_(at_zero, piece_grad, lr=0.05, stochastic_rounding=True,
+                                   seed=seeds[name], seed_step=step, backend="torch")  # fmt: skip
+            differs_at_zero += not torch.equal(at_zero.view(torch.int16),
+                                               piece_after.view(torch.int16))  # fmt: skip
+    checks["stochastic_slices"] = {
+        "dtype": str(next(iter(parts.values()))[0][3].dtype),
+        "compared": len(parts),
+        "parameters": len(names),
+        "mismatched": mismatched,
+        "unaligned": unaligned,
+        "differs_at_zero": differs_at_zero,
+    }
+
+
 def run_traffic(rank: int, checks: dict) -> None:
     engine = build()
     model = engine.module
@@ -345,6 +410,7 @@ def main(rank: int, checks: dict) -> None:
     run_one_loss_pattern(rank, checks)
     run_fp16_overflow(rank, checks)
     run_traffic(rank, checks)
+    run_stochastic_slices(rank, checks)
     run_refusals(checks)
 
 
