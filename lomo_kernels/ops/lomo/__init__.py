@@ -150,13 +150,13 @@ def grad_accumulate_(
     bf16/fp16 to nearest even or stochastically (``stochastic_rounding``, keyed by ``seed``,
     ``seed_step`` and the element's flat index ``offset + j`` as `fused_lomo_update_`'s
     write-back: a buffer for a slice of a parameter rounds as the whole one's would). With
-    ``sumsq``
-    (1-element fp32), ``sumsq += sum((stored * inv_scale) ** 2)``: the norm of what an update
-    reading the buffer with that ``inv_scale`` sees. ``found_inf`` is raised to 1 when a
-    stored value times ``inv_scale`` is inf/nan; given alone, the CPU kernels track only the
-    largest stored magnitude for it, a cheaper pass than the squares (what the micro-batches
-    before a step's measuring one run). The buffer holds the loss-scaled sum (as ``.grad``
-    does under torch's GradScaler): ``inv_scale`` unscales only the measurement.
+    ``sumsq`` (1-element fp32), ``sumsq += sum((stored * inv_scale) ** 2)``: the norm of what
+    an update reading the buffer with that ``inv_scale`` sees. ``found_inf`` is raised to 1
+    when a stored value times ``inv_scale`` is inf/nan; given alone, the CPU kernels track
+    only the largest stored magnitude for it, a cheaper pass than the squares (what the
+    micro-batches before a step's measuring one run). The buffer holds the loss-scaled sum
+    (as ``.grad`` does under torch's GradScaler): ``inv_scale`` unscales only the
+    measurement.
     """
     public = locals()  # the arguments, by name
     check_pair(buffer, grad)
