@@ -158,13 +158,15 @@ def test_zero3_gradient_traffic_and_bucket_count(checks):
 
 
 @pytest.mark.slow
-def test_zero3_stochastic_slices_round_as_the_whole_parameter(checks):
-    """bf16 partitions with stochastic rounding: the ranks' slices, gathered, hold bit for bit
-    what the reference op's update of each whole parameter from the same reduced gradient
-    stores; slices that do not start at a multiple of 32, updated as if each began its
-    parameter, store other bits (some: a small slice may draw the same by chance)."""
+@pytest.mark.parametrize("scenario", ["stochastic_slices", "stochastic_accumulation"])
+def test_zero3_stochastic_slices_round_as_the_whole_parameter(checks, scenario):
+    """bf16 partitions with stochastic rounding, an update and an accumulation (two
+    micro-batches into bf16 buffers): the ranks' slices, gathered, hold bit for bit what the
+    reference op stores for each whole parameter from the same reduced gradients; slices
+    that do not start at a multiple of 32, stepped as if each began its parameter, store
+    other bits (some: a small slice may draw the same by chance)."""
     for rank in checks:
-        result = rank["stochastic_slices"]
+        result = rank[scenario]
         assert result["dtype"] == "torch.bfloat16"
         assert result["compared"] == result["parameters"]
         assert result["mismatched"] == []
