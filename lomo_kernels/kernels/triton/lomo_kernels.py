@@ -198,8 +198,8 @@ def _accumulate_chunk(
 ):
     """Adds the gradient into the buffer over `offs[mask]` (stochastic rounding: the
     accumulation's stream, `rounding_kernels.pair_random16`, at the parameter's flat
-    indices offset + offs); returns (sum of squares of the
-    stored values times inv_scale, 1 if any of those is non-finite else 0)."""
+    indices offset + offs); returns (sum of squares of the stored values times inv_scale,
+    1 if any of those is non-finite else 0)."""
     new = _load_fp32(grad_ptr, offs, mask, GRAD_KIND)
     if not FIRST:
         new += _load_fp32(buffer_ptr, offs, mask, BUFFER_KIND)

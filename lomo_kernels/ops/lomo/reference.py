@@ -71,7 +71,7 @@ def lomo_update_(
     """
     _lomo_step(param, grad.reshape(-1).to(torch.float32), lr, inv_scale, clip_value,
                clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
-               seed_step, None, offset)  # fmt: skip
+               seed_step, offset)  # fmt: skip
 
 
 def _lomo_step(
@@ -87,11 +87,10 @@ def _lomo_step(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
-    bits: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None,
-    offset: int = 0,
+    offset: int,
 ) -> None:
-    """`lomo_update_` from the fp32 gradient `g` (flat); `bits` and `offset` as
-    `_write_back`'s."""
+    """`lomo_update_` from the fp32 gradient `g` (flat) of the slice at flat `offset` of its
+    parameter (its write-back's bits: `_write_back`'s)."""
     lr_eff = value_of(lr)
     if inv_scale is not None:
         g = g * value_of(inv_scale)
@@ -105,7 +104,7 @@ def _lomo_step(
     keep = bad
     if skip_if is not None:
         keep = keep | (skip_if.reshape(-1)[0] != 0)
-    _write_back(param, new, keep, stochastic_rounding, seed, seed_step, bits, offset)
+    _write_back(param, new, keep, stochastic_rounding, seed, seed_step, offset=offset)
     if found_inf is not None:
         flag = bad.any().to(found_inf.dtype)
         if skip_if is not None:
@@ -281,7 +280,7 @@ def lomo_update_int8_(
     rounding draws the whole parameter's bits at offset + j, as `lomo_update_`'s."""
     _lomo_step(param, int8_dequantized(codes, scales, offset), lr, inv_scale, clip_value,
                clip_coef, weight_decay, found_inf, skip_if, stochastic_rounding, seed,
-               seed_step, None, offset)  # fmt: skip
+               seed_step, offset)  # fmt: skip
 
 
 def int8_dequantize_(
