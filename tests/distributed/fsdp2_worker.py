@@ -29,6 +29,10 @@ from support.sharded_models import (  # noqa: E402
     rank_batch,
     train_single,
 )
+from support.sliced_rounding import (  # noqa: E402
+    stochastic_accumulation_check,
+    stochastic_update_check,
+)
 from support.state import (  # noqa: E402
     changes_since,
     optimizer_snapshot,
@@ -161,6 +165,28 @@ def run_mixed_precision(label: str, rank: int, steps: int = 2) -> None:
         results[who] = consolidated_state_dict(model)
     if rank == 0:
         torch.save({"initial": initial, **results}, OUT / f"mixed_{label}.pt")
+
+
+def run_stochastic_slices(rank: int, checks: dict) -> None:
+    """bf16 shards throughout, stochastic rounding (the default), weight decay: every rank's
+    rows, each updated at its flat offset, must hold what one update of the whole parameter
+    from the same reduced gradient stores (the reference op, the bits of flat index
+    offset + j)."""
+    model = build(torch.bfloat16, mp_policy=MixedPrecisionPolicy())
+    opt = Lomo(model, lr=0.05, weight_decay=0.01)
+    loss_of = lambda: model(rank_batch(0, rank))  # noqa: E731
+    checks["stochastic_slices"] = stochastic_update_check(opt, model, loss_of, 0.05, 0.01)
+
+
+def run_stochastic_accumulation(rank: int, checks: dict) -> None:
+    """bf16 shards accumulating into bf16 buffers, stochastically rounded (the default):
+    after two micro-batches of three, every rank's buffer rows must hold what the reference
+    op's accumulation of the whole parameter's reduced gradients stores."""
+    model = build(torch.bfloat16, mp_policy=MixedPrecisionPolicy())
+    opt = Lomo(model, lr=0.05, accumulation_steps=3)
+    checks["stochastic_accumulation"] = stochastic_accumulation_check(
+        opt, model, lambda micro_batch: model(rank_batch(micro_batch, rank)) / 3
+    )
 
 
 FP16 = {
@@ -397,6 +423,8 @@ def main(rank: int, checks: dict) -> None:
         run_fp16_overflow(label, rank, checks)
         run_single_fp16_partial(label, rank, checks)
     run_single_fp16(rank, checks)
+    run_stochastic_slices(rank, checks)
+    run_stochastic_accumulation(rank, checks)
     run_refusals(checks)
 
 

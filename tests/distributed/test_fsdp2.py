@@ -29,6 +29,7 @@ from support.sharded_checks import (
     rank_run_fixtures,
 )
 from support.sharded_models import NO_CLIP, PATTERNS
+from support.sliced_rounding import assert_slices_as_whole
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
 
@@ -157,6 +158,18 @@ def test_fsdp2_mixed_precision_matches_plain_update(fsdp2_run, label):
             same = (ours == saved["manual"][name]).double().mean().item()
             as_nearest = (ours == nearest[name]).double().mean().item()
             assert same >= 0.99 and same > as_nearest, (name, same, as_nearest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["stochastic_slices", "stochastic_accumulation"])
+def test_fsdp2_stochastic_slices_round_as_the_whole_parameter(checks, scenario):
+    """bf16 shards with stochastic rounding, an update (weight decay on) and an accumulation
+    (two micro-batches into bf16 buffers): the ranks' rows, gathered, hold bit for bit what
+    the reference op stores for each whole parameter from the same reduced gradients; rows
+    that do not start at a multiple of 32, stepped as if each began its parameter, store
+    other bits."""
+    for rank in checks:
+        assert_slices_as_whole(rank[scenario])
 
 
 @pytest.mark.slow

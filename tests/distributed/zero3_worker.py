@@ -28,6 +28,10 @@ from support.sharded_models import (  # noqa: E402
     train,
     train_single,
 )
+from support.sliced_rounding import (  # noqa: E402
+    stochastic_accumulation_check,
+    stochastic_update_check,
+)
 from support.state import (  # noqa: E402
     bits,
     changes_since,
@@ -272,123 +276,27 @@ def run_fp16_overflow(rank: int, checks: dict) -> None:
     checks["fp16_overflow"]["next_step_updates"] = not unchanged(model, before)
 
 
-def noting_reduced_slices(opt, model) -> list:
-    """Makes `opt`'s sharding note every reduced slice it hands over, before the optimizer
-    uses it: the list it fills with (parameter name, offset, reduced gradient, the slice's
-    values then, the slice)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    noted: list = []
-
-    def note(batches):
-        for batch in batches:
-            for shard, grad in batch:
-                noted.append((names[id(shard.param)], shard.offset, grad.clone(),
-                              shard.local.clone(), shard.local))  # fmt: skip
-        return batches
-
-    sharding = opt._sharding
-    grad_ready, finish = sharding.grad_ready, sharding.finish
-    sharding.grad_ready = lambda param, grad: note(grad_ready(param, grad))
-    sharding.finish = lambda: note(list(finish()))
-    return noted
-
-
-def slices_against_whole(model, entries: list, step) -> dict:
-    """Every rank's `entries`, (parameter name, offset, inputs, output) of each slice it
-    holds, gathered: each whole parameter's output against ``step(name, whole inputs)``, the
-    reference op on the slices' inputs put together (offset 0), bit for bit; and each slice
-    not starting at a multiple of 32 against ``step`` on its own inputs, as if it began its
-    parameter, which must differ somewhere (else the check could not fail)."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, entries)
-    parts: dict[str, list] = {}
-    for name, offset, inputs, output in (e for rank_entries in everyone for e in rank_entries):
-        if output.numel():
-            parts.setdefault(name, []).append((offset, inputs, output))
-    mismatched, differs_at_zero, unaligned = [], 0, 0
-    for name, pieces in parts.items():
-        pieces.sort(key=lambda piece: piece[0])
-        inputs = [torch.cat([piece[1][k] for piece in pieces]) for k in range(len(pieces[0][1]))]
-        output = torch.cat([piece[2] for piece in pieces])
-        if not torch.equal(step(name, *inputs).view(torch.int16), output.view(torch.int16)):
-            mismatched.append(name)
-        for offset, piece_inputs, piece_output in pieces:
-            if offset % 32:
-                unaligned += 1
-                at_zero = step(name, *piece_inputs)
-                differs_at_zero += not torch.equal(at_zero.view(torch.int16),
-                                                   piece_output.view(torch.int16))  # fmt: skip
-    return {
-        "dtype": str(next(iter(parts.values()))[0][2].dtype),
-        "compared": len(parts),
-        "parameters": len(list(model.parameters())),
-        "mismatched": mismatched,
-        "unaligned": unaligned,
-        "differs_at_zero": differs_at_zero,
-    }
-
-
-def seeds_of(opt, model) -> dict[str, int]:
-    """Each parameter's rounding seed, by name (its index among the trained ones)."""
-    from lomo_kernels.optim.rounding import parameter_seed
-
-    return {n: parameter_seed(opt._groups.index_of[id(p)]) for n, p in model.named_parameters()}
-
-
 def run_stochastic_slices(rank: int, checks: dict) -> None:
-    """bf16 partitions, stochastic rounding (the default): every rank's slices, each updated
-    at its flat offset, must hold what one update of the whole parameter from the same
-    reduced gradient stores (the reference op, the bits of flat index offset + j)."""
-    from lomo_kernels import ops
-
+    """bf16 partitions, stochastic rounding (the default), weight decay: every rank's slices,
+    each updated at its flat offset, must hold what one update of the whole parameter from
+    the same reduced gradient stores (the reference op, the bits of flat index offset + j)."""
     engine = build(torch.bfloat16)
+    opt = Lomo(engine, lr=0.05, weight_decay=0.01, bucket_numel=3000)
     model = engine.module
-    opt = Lomo(engine, lr=0.05, bucket_numel=3000)
-    seeds = seeds_of(opt, model)
-    noted = noting_reduced_slices(opt, model)
-    opt.fused_backward(model(rank_batch(0, rank)))
-    seed_step = opt.rounding.seed_step(torch.device("cpu")).clone()
-
-    def update(name, before, grad):
-        out = before.clone()
-        ops.fused_lomo_update_(out, grad, lr=0.05, stochastic_rounding=True, seed=seeds[name],
-                               seed_step=seed_step, backend="torch")  # fmt: skip
-        return out
-
-    entries = [(name, offset, (before, grad), local.clone())
-               for name, offset, grad, before, local in noted]  # fmt: skip
-    checks["stochastic_slices"] = slices_against_whole(model, entries, update)
+    loss_of = lambda: model(rank_batch(0, rank))  # noqa: E731
+    checks["stochastic_slices"] = stochastic_update_check(opt, model, loss_of, 0.05, 0.01)
 
 
 def run_stochastic_accumulation(rank: int, checks: dict) -> None:
     """bf16 partitions accumulating into bf16 buffers, stochastically rounded (the default):
     after two micro-batches of three, every rank's buffer slices must hold what the
     reference op's accumulation of the whole parameter's reduced gradients stores."""
-    from lomo_kernels import ops
-
     engine = build(torch.bfloat16)
     model = engine.module
     opt = Lomo(engine, lr=0.05, bucket_numel=3000, accumulation_steps=3)
-    seeds = seeds_of(opt, model)
-    noted = noting_reduced_slices(opt, model)
-    grads, seed_steps = [], []
-    for micro_batch in range(2):
-        opt.fused_backward(model(rank_batch(micro_batch, rank)) / 3)
-        grads.append({name: grad for name, _, grad, _, _ in noted})
-        seed_steps.append(opt._accumulation._seed_steps[torch.device("cpu")].clone())
-        noted.clear()
-
-    def accumulate(name, first, second):
-        out = first.clone()  # the first micro-batch's bf16 gradient, stored exactly
-        ops.grad_accumulate_(out, second, stochastic_rounding=True, seed=seeds[name],
-                             seed_step=seed_steps[1], backend="torch")  # fmt: skip
-        return out
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    entries = [(names[id(param)], shard.offset,
-                (grads[0][names[id(param)]], grads[1][names[id(param)]]), buffer.clone())
-               for param, buffer, shard in opt._accumulation.buffered()]  # fmt: skip
-    checks["stochastic_accumulation"] = slices_against_whole(model, entries, accumulate)
+    checks["stochastic_accumulation"] = stochastic_accumulation_check(
+        opt, model, lambda micro_batch: model(rank_batch(micro_batch, rank)) / 3
+    )
 
 
 def run_traffic(rank: int, checks: dict) -> None:
