@@ -37,8 +37,8 @@ from lomo_kernels.integrations.huggingface import in_backward_optimizer  # noqa:
 ACCUMULATED_CLIP = 0.4
 
 
-class RecordingTrainer(LomoTrainer):
-    """Records the learning rate the optimizer holds at each step and each logged loss."""
+class RecordingTrainer(RecordsMicroBatches, LomoTrainer):
+    """Records the learning rate the optimizer holds at each step and each micro-batch."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.seen_lrs = getattr(self, "seen_lrs", [])
@@ -48,7 +48,11 @@ class RecordingTrainer(LomoTrainer):
 
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
 def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
-    model = tiny_llama()
+    """12 steps of LomoTrainer (linear schedule, clip by norm 1.0, weight decay 0.01 but on the
+    norm weights) against the same optimizer's own loop on the same batches at the same lrs:
+    the same ops on the same values, so within the suite's fp32 bound, with the clip binding
+    on some steps and the decay moving the parameters by more than that bound."""
+    model, own = tiny_llama(), tiny_llama()
     lr = 0.3 if optim == "lomo" else 0.05
     trainer = RecordingTrainer(
         model=model, args=args(tmp_path, optim=optim, learning_rate=lr), train_dataset=dataset()
@@ -57,12 +61,37 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
     opt = trainer._lomo()
     assert type(opt).__name__ == {"lomo": "Lomo", "adalomo": "AdaLomo"}[optim]
     assert opt.clip_grad_norm == 1.0
-    assert opt.param_groups[0]["weight_decay"] == 0.01
     # Linear decay from lr to 0 over 12 steps: the optimizer used the scheduler's value.
     expected = [lr * (1 - k / 12) for k in range(12)]
     assert trainer.seen_lrs == pytest.approx(expected)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0] - 0.5
+
+    def replay(decay: float, clip: float | None) -> tuple[torch.nn.Module, list[float]]:
+        replayed = tiny_llama()
+        norms = norm_weight_names(replayed)
+        groups = [
+            {"params": [p for n, p in replayed.named_parameters() if n not in norms]},
+            {"params": [p for n, p in replayed.named_parameters() if n in norms],
+             "weight_decay": 0.0},
+        ]  # fmt: skip
+        own_opt = type(opt)(replayed, lr=lr, clip_grad_norm=clip, weight_decay=decay,
+                            param_groups=groups)  # fmt: skip
+        seen = []
+        for step_lr, (_, inputs, num_items) in zip(trainer.seen_lrs, trainer.micro_batches,
+                                                   strict=True):  # fmt: skip
+            own_opt.fused_backward(replayed(**inputs, num_items_in_batch=num_items).loss, step_lr)
+            seen.append(float(own_opt.last_grad_norm or 0.0))
+        return replayed, seen
+
+    own, own_norms = replay(0.01, 1.0)
+    assert max_rel_diff(model, own) <= FP32_BOUND
+    assert logged(trainer) == pytest.approx(own_norms, rel=FP32_BOUND)
+    assert max(own_norms) > 1.0  # the clip binds
+    # Without the decay, or without the clip, the same loop ends elsewhere: farther than the
+    # bound above by a margin (AdaLomo's decay: 7e-5 here).
+    assert max_rel_diff(replay(0.0, 1.0)[0], own) > 10 * FP32_BOUND
+    assert max_rel_diff(replay(0.01, None)[0], own) > 10 * FP32_BOUND
 
 
 class MicroBatchRecorder(RecordsMicroBatches, LomoTrainer):

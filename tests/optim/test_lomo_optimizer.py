@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import lomo_optim_runs
+from support.faults import poison
 from support.lomo_optim_runs import CONFIGS, STEPS, assert_bf16_parity, train
 from support.models import batch, max_rel_diff, tiny_llama
 from support.recording import record_lomo_calls
@@ -309,13 +310,21 @@ def test_state_dict_resume_is_exact_fp16():
 
 
 def test_fp16_scale_grows_after_window_and_drops_on_overflow():
+    """Window 2: the scale doubles after every second clean step; an overflow (step 4) halves
+    it, skips the step and starts the window again (growth at step 6, not 5)."""
     model = tiny_llama(torch.float16)
     opt = Lomo(model, lr=0.01, loss_scale_args={"init_scale": 2.0**10, "scale_window": 2})
-    scales = []
-    for step in range(5):
+    counter = {"step": 0}
+    poison(model.model.layers[0].mlp.up_proj.weight, {4}, counter)
+    scales, skipped = [], []
+    for step in range(7):
+        counter["step"] = step
         opt.fused_backward(model(**batch(step)).loss)
         scales.append(opt.loss_scaler.scale.item())
-    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
+        opt.flush_report()  # the step's outcome, read from the device
+        skipped.append(opt.last_step_skipped)
+    assert scales == [2.0**k for k in (10, 11, 11, 12, 11, 11, 12)]
+    assert skipped == [False] * 4 + [True] + [False] * 2
 
 
 def test_package_exports():

@@ -65,6 +65,10 @@ def test_a_pass_starts_and_ends_with_nothing_seen():
     step.end_pass()
     assert step.phase is Phase.IDLE
     assert (step.updated, step.row_block_params, step.whole_params) == ([], set(), set())
-    step.updated.append(weight)  # left over by a pass that was not closed
+    # Left over by a pass that was not closed (an exception in its backward).
+    step.updated.append(weight)
+    step.row_block_params.add(id(weight))
+    step.whole_params.add(id(weight))
     step.begin_pass(Phase.NORM)
-    assert step.updated == [] and step.phase is Phase.NORM
+    assert step.phase is Phase.NORM
+    assert (step.updated, step.row_block_params, step.whole_params) == ([], set(), set())
