@@ -90,6 +90,25 @@ def test_five_steps_match_float64(backend, shape, dtype):
     run_steps(backend, shape, dtype, OPTIONS["all"], steps=5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", [(7,), (4097,), (3, 5), (17, 33)], ids=_shape_id)
+def test_large_eps0_with_zero_gradients_matches_float64(backend, shape, dtype):
+    """eps[0] = 0.25, where the default 1e-30 vanishes beside any g*g in fp32: u = g*g + eps0
+    on the 1-D and factored paths alike, every third gradient element zero from zero moments
+    (u is eps0 alone there; without it a 1-D v is 0 and the update 0/0), two steps."""
+    eps = (0.25, EPS[1])
+    param = make_param(shape, dtype)
+    state = init_adalomo_state(param)
+    for t in (1, 2):
+        grad = make_grad(shape, dtype, t)
+        grad.view(-1)[::3] = 0.0
+        before, prev = param.clone(), {k: v.clone() for k, v in state.items()}
+        ref, ref_state, delta = adalomo_f64(before, grad, prev, lr=LR, beta2=beta2_at(t), eps=eps)
+        _update_at(t, param, grad, state, backend, eps=eps)
+        check_param(param, ref, before, delta, dtype)
+        check_state(state, ref_state)
+
+
 def test_triton_small_tiles_many_programs(monkeypatch):
     """GPU-like tiling under the interpreter: several column blocks, row groups and row
     iterations per program, so the atomics and loop bounds are exercised."""

@@ -23,7 +23,7 @@ from lomo_kernels.kernels.triton import runtime
 from lomo_kernels.ops import backends
 from lomo_kernels.ops.adalomo import SPECS as ADALOMO_SPECS
 from lomo_kernels.ops.cross_entropy import triton_backend as linear_cross_entropy
-from lomo_kernels.ops.lomo import GRAD_SUMSQ, LOMO_UPDATE
+from lomo_kernels.ops.lomo.spec import SPECS as LOMO_SPECS
 
 
 class _OnCuda:
@@ -68,10 +68,12 @@ def test_a_tensor_on_the_current_device_or_the_cpu_changes_nothing(made_current)
 
 
 def _launchers() -> list:
+    """Every op's Triton launcher (from the specs: an op added there is checked here) and the
+    fused cross-entropy's."""
     lomo = backends.LOMO.importers["triton"]()
     adalomo = backends.ADALOMO.importers["triton"]()
     return [
-        *(getattr(lomo, spec.function) for spec in (LOMO_UPDATE, GRAD_SUMSQ)),
+        *(getattr(lomo, spec.function) for spec in LOMO_SPECS),
         *(getattr(adalomo, spec.function) for spec in ADALOMO_SPECS),
         linear_cross_entropy.forward,
         linear_cross_entropy.backward_chunk,

@@ -139,10 +139,12 @@ def _adalomo_cases() -> list[tuple]:
     ]
 
 
+# Every case of both lists, each on every backend (counted from the lists, so a case added
+# there is checked here).
 CASES = [
     pytest.param(family, index, backend, id=f"{family}{index}-{backend}")
     for backend in BACKENDS
-    for family, count in (("lomo", 5), ("adalomo", 6))
+    for family, count in (("lomo", len(_lomo_cases())), ("adalomo", len(_adalomo_cases())))
     for index in range(count)
 ]
 

@@ -2,8 +2,8 @@
 one call with its flat `offset`: stochastic rounding draws the bits of the parameter's flat
 indices, so the slices together store exactly what one call on the whole tensor stores, on
 every backend (torch reference, C++, Triton through its interpreter). Past 2**32 the bits
-are checked against the float64 model of the accumulation's stream (support/grad_accumulate)
-and, for the update, against the reference. Bad offsets are refused before anything is
+are checked against the float64 models of the accumulation's and the update's streams
+(support/grad_accumulate). Bad offsets are refused before anything is
 written. The CPU levels' slices (heads before a multiple of 32, the squares' lanes) are in
 tests/kernels/test_cpu_dispatch.py."""
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.grad_accumulate import DTYPES, fp32_sum, make_case, sr_model
+from support.grad_accumulate import DTYPES, element_bits16, fp32_sum, make_case, sr_model
 
 from lomo_kernels import ops
 from lomo_kernels.ops.lomo import cpp_backend, reference
@@ -41,8 +41,9 @@ def _accumulate(backend, buffer, grad, first, offset=0):
 
 def _update(backend, param, grad, offset=0):
     found = torch.zeros(1)
+    stochastic = param.dtype != torch.float32  # fp32 stores the result unrounded
     ops.fused_lomo_update_(param, grad, lr=3e-2, inv_scale=0.5, clip_value=4.0, clip_coef=0.75,
-                           weight_decay=0.1, found_inf=found, stochastic_rounding=True,
+                           weight_decay=0.1, found_inf=found, stochastic_rounding=stochastic,
                            seed=SEED, seed_step=torch.tensor([STEP]), offset=offset,
                            backend=backend)  # fmt: skip
     return found
@@ -100,18 +101,22 @@ def test_slices_past_2_32_accumulate_the_models_bits(backend, bdt, offset, n):
 
 @pytest.mark.parametrize("offset,n", FAR, ids=[f"o{o}-n{n}" for o, n in FAR])
 @pytest.mark.parametrize("pdt", ["bf16", "fp16"])
-def test_slices_past_2_32_update_as_the_reference(backend, pdt, offset, n):
+def test_slices_past_2_32_update_with_the_models_bits(backend, pdt, offset, n):
+    """The update's fp32 result (the same op on an fp32 copy, which stores it unrounded)
+    rounded by the float64 model of the update's stream at flat indices offset + j."""
     gen = torch.Generator().manual_seed(n)
     param = torch.randn(n, generator=gen).to(DTYPES[pdt])
     grad = torch.randn(n, generator=gen) * 1e-2
-    got, want = param.clone(), param.clone()
-    _update(backend, got, grad, offset=offset)
-    _update("torch", want, grad, offset=offset)
-    assert torch.equal(_bits(got), _bits(want))
-    # The reference draws the bits of offset + j: at offset 0 they differ.
+    exact = param.float()
+    _update(backend, exact, grad, offset=offset)
+    got = param.clone()
+    assert _update(backend, got, grad, offset=offset).item() == 0.0
+    want = sr_model(exact.double(), DTYPES[pdt], SEED, STEP, offset, stream=element_bits16)
+    assert torch.equal(_bits(got), _bits(want.to(DTYPES[pdt])))
+    # The bits of offset + j: at offset 0 they differ.
     at_zero = param.clone()
-    _update("torch", at_zero, grad)
-    assert not torch.equal(_bits(at_zero), _bits(want))
+    _update(backend, at_zero, grad)
+    assert not torch.equal(_bits(at_zero), _bits(got))
 
 
 @pytest.mark.parametrize("offset", [-1, 2**63, 2**63 - 3], ids=["negative", "2^63", "end"])

@@ -136,23 +136,28 @@ def test_fp16_subnormal_ties_alternate_from_cell_to_cell(cell):
     assert sum(counts) == 2 * cell + 2  # the two exact counts, c + 1/2 and c + 3/2
 
 
+def _assert_nibbles_uniform(bits: torch.Tensor) -> None:
+    """Each 4-bit group of the 16 bits (bits 0-3, 4-7, 8-11, 12-15) is uniform over 2^16
+    draws: chi-square of its 16 buckets, 15 degrees of freedom, below the 0.1% point 37.7 (a
+    stream with fewer random low bits than 16 fails on those groups)."""
+    expected = bits.numel() / 16
+    for shift in (0, 4, 8, 12):
+        counts = torch.bincount((bits >> shift) & 15, minlength=16).double()
+        chi_square = float(((counts - expected) ** 2 / expected).sum())
+        assert chi_square < 37.7, (shift, chi_square)
+
+
 def test_random_bits_are_uniform_over_indices():
-    """The 16 bits per element index are uniform: each of 16 buckets of 2^16 draws holds
-    about a sixteenth (chi-square, 15 degrees of freedom, far below its 0.1% point 37.7)."""
-    bits = random_bits16(torch.arange(1 << 16, dtype=torch.int64), 12345)
-    counts = torch.bincount(bits >> 12, minlength=16).double()
-    expected = (1 << 16) / 16
-    assert float(((counts - expected) ** 2 / expected).sum()) < 37.7
+    """The 16 bits per element index are uniform, every 4 of them (`_assert_nibbles_uniform`)."""
+    _assert_nibbles_uniform(random_bits16(torch.arange(1 << 16, dtype=torch.int64), 12345))
 
 
 def test_accumulation_bits_are_uniform_and_pairs_uncorrelated():
     """The accumulation's stream (one hash per pair of elements i, i ^ 16): uniform 16 bits
-    per element (the chi-square above), and the two halves a pair shares uncorrelated (the
-    sample correlation of 2^15 pairs within 5 standard errors of 0, 5 / sqrt(2^15))."""
+    per element (as above), and the two halves a pair shares uncorrelated (the sample
+    correlation of 2^15 pairs within 5 standard errors of 0, 5 / sqrt(2^15))."""
     bits = pair_bits16(torch.arange(1 << 16, dtype=torch.int64), 12345)
-    counts = torch.bincount(bits >> 12, minlength=16).double()
-    expected = (1 << 16) / 16
-    assert float(((counts - expected) ** 2 / expected).sum()) < 37.7
+    _assert_nibbles_uniform(bits)
     blocks = bits.double().view(-1, 2, 16)  # [block, half, lane]: element 32b + 16h + l
     first, second = blocks[:, 0].reshape(-1), blocks[:, 1].reshape(-1)
     correlation = torch.corrcoef(torch.stack([first, second]))[0, 1].item()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -129,17 +130,34 @@ def _pair_bits16(n: int, seed: int, step: int, offset: int = 0) -> torch.Tensor:
     return torch.from_numpy(bits.astype(np.float64))
 
 
+@functools.cache
+def element_bits16(n: int, seed: int, step: int, offset: int = 0) -> torch.Tensor:
+    """The update's stream: 16 bits per flat index i in [offset, offset + n), the high half of
+    mix32(mix32(lo32(i) ^ key) ^ hi32(i)), with `_pair_bits16`'s key."""
+    word = lambda v: np.array([v & 0xFFFFFFFF], dtype=np.uint64)  # noqa: E731
+    key = _mix32(word(seed)) ^ _mix32(word((seed >> 32) ^ 0x9E3779B9 ^ step))
+    index = np.arange(n, dtype=np.uint64) + np.uint64(offset)
+    h = _mix32(_mix32((index & _M32) ^ key) ^ (index >> np.uint64(32)))
+    return torch.from_numpy((h >> np.uint64(16)).astype(np.float64))
+
+
 def sr_model(
-    x: torch.Tensor, dtype: torch.dtype, seed: int, step: int, offset: int = 0
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    seed: int,
+    step: int,
+    offset: int = 0,
+    stream: Callable[[int, int, int, int], torch.Tensor] = _pair_bits16,
 ) -> torch.Tensor:
     """The finite fp32 sums x (float64, below fp16's 65504 for fp16) rounded stochastically
     as the accumulation stores them into the slice at flat `offset` of a parameter's buffer,
-    with the bits r of `_pair_bits16` at its flat indices: bf16 rounds the
+    with the bits r of `_pair_bits16` at its flat indices (`stream`: `element_bits16` for the
+    update's, which rounds its results by the same rule): bf16 rounds the
     magnitude up iff its 16 dropped bits plus r reach 2**16; fp16 in its normal range iff its
     13 dropped bits plus r >> 3 reach 2**13; fp16 below 2**-14 (multiples of 2**-24) iff
     2 r + 1 plus its fraction's 17 bits reach 2**17, a tie (fraction an exact multiple of
     2**-17) going down for odd r. The sign (of a zero too) is kept. Float64 throughout."""
-    r = _pair_bits16(x.numel(), seed, step, offset)
+    r = stream(x.numel(), seed, step, offset)
     magnitude = x.abs()
     below, _, spacing = neighbours(magnitude, dtype)  # the magnitude truncated
     dropped = (magnitude - below) / spacing  # in [0, 1), an exact binary fraction

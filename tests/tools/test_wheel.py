@@ -61,8 +61,18 @@ def test_nothing_in_the_wheel_exists_for_the_benchmarks_or_the_demo(wheel) -> No
 
 
 def test_the_wheel_has_the_sources_the_extensions_build_from_and_the_command(wheel) -> None:
+    """Every C++/CUDA source and header of csrc/ (as they are: the JIT build reads them from
+    the installed package) and every module of the package, besides the command."""
     names = wheel.namelist()
-    assert "lomo_kernels/csrc/lomo_cpu.cpp" in names
+    for source in sorted((ROOT / "csrc").iterdir()):
+        assert wheel.read(f"lomo_kernels/csrc/{source.name}") == source.read_bytes(), source.name
+    package = ROOT / "lomo_kernels"
+    modules = {
+        f"lomo_kernels/{path.relative_to(package).as_posix()}"
+        for path in package.rglob("*.py")
+        if "__pycache__" not in path.parts and "csrc" not in path.parts
+    }
+    assert modules <= set(names), sorted(modules - set(names))
     assert "lomo_kernels/tools/cli.py" in names and "lomo_kernels/tools/env.py" in names
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "lomo-kernels = lomo_kernels.tools.cli:main" in wheel.read(entry_points).decode()
