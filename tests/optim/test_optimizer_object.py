@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.models import loss_of, mlp
 from support.optimizers import OPTIMIZERS
-from support.state import assert_refused, same_bits
+from support.state import assert_refused, same_bits, tensors
 
 MODES = {
     "plain": {},
@@ -105,3 +105,28 @@ def test_step_count_takes_only_a_count(name, value, error):
     opt.step_count = 7
     opt.fused_backward(loss_of(model, 1))
     assert opt.step_count == 8
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_step_count_set_is_the_next_steps(name):
+    """bf16 weights (stochastic rounding): after one step, step_count = 7 makes the next step
+    step 8 (AdaLomo's beta2, the rounding's seed), the same as a checkpoint saying 7 loaded
+    into the optimizer, and other than the step 2 the count would have made."""
+
+    def second_step(count: int | None, by_checkpoint: bool = False) -> list[torch.Tensor]:
+        model = mlp().to(torch.bfloat16)
+        opt = OPTIMIZERS[name](model, lr=0.1)
+        opt.fused_backward(loss_of(model, 0))
+        if count is not None and by_checkpoint:
+            saved = opt.state_dict()
+            for entry in (saved["lomo"], *(group["lomo"] for group in saved["param_groups"])):
+                entry["step_count"] = count
+            opt.load_state_dict(saved)
+        elif count is not None:
+            opt.step_count = count
+        opt.fused_backward(loss_of(model, 1))
+        return tensors(model, opt)
+
+    set_by_hand = second_step(7)
+    assert same_bits(set_by_hand, second_step(7, by_checkpoint=True))
+    assert not same_bits(set_by_hand, second_step(None))
