@@ -36,6 +36,7 @@ def main() -> None:
         "zero_optimization": {"stage": 3},
         "bf16": {"enabled": args.dtype == "bf16"},
     }
+    torch.manual_seed(0)  # the same initial weights on every rank, and from run to run
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = LlamaForCausalLM(common.llama_config(args))
     engine, *_ = deepspeed.initialize(model=model, config=config)  # no optimizer

@@ -63,6 +63,9 @@ def test_compiled_training_matches_eager(mode, test_device):
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
         assert torch.equal(a, b)
     assert not dynamo_utils.counters["graph_break"]
+    # The backward (with the hooks' updates) ran under compiled autograd where asked.
+    captures = dynamo_utils.counters["compiled_autograd"]["captures"]
+    assert (captures > 0) == (mode == "forward_and_compiled_autograd")
     # The learning rate changes every step but lives in a tensor: after the first steps
     # (norm pass, update pass) nothing is compiled again.
     assert graphs[0] >= 1 and graphs[2] == graphs[-1]  # compiled, then never again
@@ -107,12 +110,14 @@ def test_single_backward_with_compiled_autograd_matches_eager(test_device):
     autograd hands the gradients over in the eager order, so the steps are the eager ones,
     bit for bit (aot_eager computes as eager does)."""
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()
     eager = train(mlp(test_device), 4, single_backward=True)
     compiled = train(
         mlp(test_device), 4, compile_forward=True, compile_backward=True, single_backward=True
     )
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert dynamo_utils.counters["compiled_autograd"]["captures"] > 0
 
 
 def test_single_backward_with_a_compiled_forward_and_eager_backward_is_refused():

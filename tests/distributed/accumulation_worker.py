@@ -107,20 +107,29 @@ def run(engine: str, name: str, rank: int, checks: dict) -> None:
     train_accumulating(model, opt, batch_of, STEPS, after_call=note)
     # This rank's buffers (kept after the step): its slices of the parameters.
     buffer_bytes = opt._accumulation.buffer_bytes()
+    names = {id(p): n for n, p in model.named_parameters()}
+    buffers = {names[id(param)]: [shard.offset, getattr(buffer, "codes", buffer).numel()]
+               for param, buffer, shard in opt._accumulation._buffers.values()}  # fmt: skip
     # A step's first micro-batch, then a checkpoint: refused on every rank, nothing changed.
     opt.fused_backward(model(batch_of(1000)) / opt.accumulation_steps)
+    before = optimizer_snapshot(model, opt)  # the buffers included
     try:
         opt.state_dict()
         refused = ""
     except RuntimeError as error:
         refused = str(error)
+    changed_by_refusal = changes_since(before, model, opt)
+    pending_after_refusal = opt.pending_micro_batches
     opt.zero_grad()
     checks[f"{engine}_{name}"] = {
         "step_count": opt.step_count,
         "norms": norms,
         "refused_mid_step": refused,
+        "changed_by_refusal": changed_by_refusal,
+        "pending_after_refusal": pending_after_refusal,
         "pending_after_zero_grad": opt.pending_micro_batches,
         "buffer_bytes": buffer_bytes,
+        "buffers": buffers,
         "shards": shards(model, rank),
         "batch_sizes": batch_sizes,
     }

@@ -76,10 +76,15 @@ def assert_buffers_are_the_slices(checks: list[dict], key: str, model, int8: boo
     params = dict(model.named_parameters())
     shards = [rank[key]["shards"] for rank in checks]
     for name, param in params.items():
-        # The ranks' slices: consecutive, together each element of the parameter once.
+        # The engine's slices: consecutive, together each element of the parameter once.
         parts = sorted(tuple(shard[name]) for shard in shards)
         assert parts[0][0] == 0 and sum(n for _, n in parts) == param.numel(), (name, parts)
         assert all(a + n == b for (a, n), (b, _) in pairwise(parts)), (name, parts)
+    for rank, shard in zip(checks, shards, strict=True):
+        # The optimizer's buffers: one per parameter the rank holds elements of, at its
+        # slice's offset, with its slice's elements (a rank holding none may keep an empty one).
+        buffers = {n: part for n, part in rank[key]["buffers"].items() if part[1]}
+        assert buffers == {n: part for n, part in shard.items() if part[1]}
 
     def nbytes(name: str, offset: int, n: int) -> int:
         if not int8:
@@ -201,6 +206,10 @@ def test_sharded_checkpoint_mid_accumulation_is_refused_on_every_rank(checks, en
         assert seen["step_count"] == STEPS + 1
         refused = seen["refused_mid_step"]
         assert "1 micro-batch accumulated and not applied (a step is 4)" in refused
+        # Nothing changed (shards, moments, reports, the buffers): the micro-batch still
+        # waits, until zero_grad() drops it.
+        assert seen["changed_by_refusal"] is None, seen["changed_by_refusal"]
+        assert seen["pending_after_refusal"] == 1
         assert seen["pending_after_zero_grad"] == 0
 
 

@@ -86,7 +86,7 @@ def test_zero3_single_backward_fp16_inf_on_one_rank_is_partial(checks):
 def test_zero3_persistent_parameters_refreshed(checks):
     for rank in checks:
         for name in OPTIMIZERS:
-            assert rank[name]["persistent"] > 0  # the check below is not vacuous
+            assert rank[name]["persistent"] > 0  # compared: the check below is not vacuous
             assert rank[name]["stale_persistent"] == []
 
 

@@ -134,7 +134,8 @@ def run_training(name: str, cls, rank: int, checks: dict) -> None:
         and p.ds_status.name == "AVAILABLE"
         and not torch.equal(p.data.reshape(-1), final[n].reshape(-1))
     ]
-    persistent = sum(p.ds_persist for p in model.parameters())
+    # The persistent parameters the check above compared (held whole on every rank).
+    persistent = sum(p.ds_persist and p.ds_status.name == "AVAILABLE" for p in model.parameters())
     checks[name] = {"stale_persistent": stale, "persistent": int(persistent)}
     if rank == 0:
         saved = {"initial": initial, "final": final, "opt": opt_state}

@@ -126,8 +126,8 @@ def test_dpo_pairs_and_held_out_accuracy(model):
 
 
 def test_grpo_example_end_to_end(tmp_path, monkeypatch):
-    """Two GRPO steps with Lomo: the printed curve is the mean of the rewards the rule gave
-    each step's completions, and the plot and the curves are written."""
+    """Two GRPO steps with Lomo: the printed curve is the mean of the rewards each step's
+    completions got, the policy moved, and the plot and the curves are written."""
     require("trl")
     import grpo_arithmetic
 
@@ -135,12 +135,21 @@ def test_grpo_example_end_to_end(tmp_path, monkeypatch):
     rule = grpo_arithmetic.reward
 
     def recorded(completions, answer, **kw):
-        out = rule(completions, answer, **kw)
+        # The rule's reward, plus a half for an odd-length completion: two warm-up steps
+        # leave every answer wrong (every group's rewards equal, so no advantage and no
+        # gradient); this gives the groups' completions different rewards to learn from.
+        out = [r + 0.5 * (len(c) % 2) for r, c in zip(rule(completions, answer, **kw),
+                                                      completions, strict=True)]  # fmt: skip
         given.append(out)
         return out
 
     recorded.__name__ = "reward"
     monkeypatch.setattr(grpo_arithmetic, "reward", recorded)
+    built = []  # the warm-up's model, then GRPO's (loaded from the warm-up's end)
+    pretrained = grpo_arithmetic.pretrained_model
+    monkeypatch.setattr(
+        grpo_arithmetic, "pretrained_model", lambda *a: built.append(pretrained(*a)) or built[-1]
+    )
     plot, out = tmp_path / "grpo.png", tmp_path / "grpo.json"
     curves = grpo_arithmetic.main(
         [
@@ -166,6 +175,11 @@ def test_grpo_example_end_to_end(tmp_path, monkeypatch):
         assert logged == pytest.approx(math.fsum(rewards) / len(rewards), abs=1e-6)
     assert json.loads(out.read_text())["curves"] == curves
     assert plot.exists() == HAS_MATPLOTLIB
+    # Lomo's steps moved the policy from where the warm-up left it.
+    warmed, trained = built
+    moved = [not torch.equal(a, b) for a, b in zip(warmed.parameters(), trained.parameters(),
+                                                   strict=True)]  # fmt: skip
+    assert any(moved)
 
 
 def test_grpo_example_refuses_an_unknown_optimizer():
@@ -188,6 +202,8 @@ def test_dpo_example_end_to_end(tmp_path, model):
     )
     assert len(result["accuracy"]) == len(result["margin"]) == 2
     assert result["accuracy"][0] == 0 and result["margin"][0] == 0
+    # The first step moved the policy off its reference: the second step's rewards differ.
+    assert result["margin"][1] != 0
     assert all(0 <= a <= 1 for a in result["accuracy"])
     _, held = common.task_sentences(max_sum=20)
     rows = dpo_arithmetic.pairs([common.problem(s) for s in held], 1, per_problem=4)
