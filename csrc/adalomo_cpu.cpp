@@ -331,4 +331,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   op_bindings::def_adalomo_ops(m, {&factored_stats_, &factored_moments_, &factored_norm_,
                                   &factored_apply_, &vector_stats_, &vector_apply_});
   cpu_isa::def_bindings(m);
+  m.def("_loops_level", &loops_level, "The level of the CPU loops a call runs now");
 }

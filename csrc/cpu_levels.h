@@ -3,7 +3,8 @@
 // baseline, under a GCC target pragma; LOMO_AT_LEVEL picks a function of the copy a call runs.
 //
 // Define LOMO_CPU_LOOPS as the loops header's name, then include this file once, at file
-// scope, after everything the loops header needs (torch, lomo_math.h, ...). The loops header
+// scope, after everything the loops header needs (torch, lomo_math.h, ...). Each copy also
+// gets copy_level(), its own level, which `loops_level()` reads back. The loops header
 // sees LOMO_LOOPS_AVX2, LOMO_LOOPS_AVX512 and LOMO_LOOPS_AVX512_BF16 (0 or 1) for its
 // hand-written vector loops; portable loops in it are vectorised by the compiler per level.
 #pragma once
@@ -23,6 +24,7 @@ namespace loops_baseline {
 #define LOMO_LOOPS_AVX512 0
 #define LOMO_LOOPS_AVX512_BF16 0
 #include LOMO_CPU_LOOPS
+inline cpu_isa::Level copy_level() { return cpu_isa::kBaseline; }
 }  // namespace loops_baseline
 
 #if LOMO_CPU_MULTI_ISA
@@ -32,6 +34,7 @@ namespace loops_baseline {
 #pragma GCC target("avx2,f16c,prfchw")
 namespace loops_avx2 {
 #include LOMO_CPU_LOOPS
+inline cpu_isa::Level copy_level() { return cpu_isa::kAvx2; }
 }  // namespace loops_avx2
 #pragma GCC pop_options
 
@@ -41,6 +44,7 @@ namespace loops_avx2 {
 #pragma GCC target("avx2,f16c,prfchw,avx512f,avx512bw,avx512dq,avx512vl")
 namespace loops_avx512 {
 #include LOMO_CPU_LOOPS
+inline cpu_isa::Level copy_level() { return cpu_isa::kAvx512; }
 }  // namespace loops_avx512
 #pragma GCC pop_options
 
@@ -50,6 +54,7 @@ namespace loops_avx512 {
 #pragma GCC target("avx2,f16c,prfchw,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
 namespace loops_avx512bf16 {
 #include LOMO_CPU_LOOPS
+inline cpu_isa::Level copy_level() { return cpu_isa::kAvx512Bf16; }
 }  // namespace loops_avx512bf16
 #pragma GCC pop_options
 
@@ -67,3 +72,9 @@ namespace loops_avx512bf16 {
 #else
 #define LOMO_AT_LEVEL(level, ...) (&loops_baseline::__VA_ARGS__)
 #endif
+
+// The level of the copy LOMO_AT_LEVEL picks for the active level, as the copy itself says
+// (each copy's copy_level): a forced level must run its own loops, not only be named.
+inline std::string loops_level() {
+  return cpu_isa::name(LOMO_AT_LEVEL(cpu_isa::active(), copy_level)());
+}

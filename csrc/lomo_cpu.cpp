@@ -289,4 +289,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   op_bindings::def_lomo_ops(m, {&lomo_update_, &grad_sumsq_, &grad_accumulate_,
                                 &grad_accumulate_int8_, &lomo_update_int8_, &int8_dequantize_});
   cpu_isa::def_bindings(m);
+  m.def("_loops_level", &loops_level, "The level of the CPU loops a call runs now");
 }
