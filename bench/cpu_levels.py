@@ -198,7 +198,11 @@ def at_levels(
 
     def settle(key: str) -> None:
         if key.endswith("]"):  # <name>[<level>]
-            ext._set_cpu_isa(key[key.index("[") + 1 : -1])
+            level = key[key.index("[") + 1 : -1]
+            ext._set_cpu_isa(level)
+            running = ext._loops_level()  # as the loops' own copy says
+            if running != level:  # the figure would be another level's
+                raise RuntimeError(f"asked for the {level} CPU loops, but {running} run")
         read_once(tensors)
 
     return time_interleaved(fns, reps, ThreadClock(), settle, warmup=0)

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from support.models import assert_steps_match, causal_lm, max_rel_diff
 from support.state import assert_unchanged_since, optimizer_snapshot
 
 import lomo_kernels
+from lomo_kernels.integrations import causal_lm as patched_head
 
 try:  # a test dependency (`make setup`): a test here fails without it (the `trl` fixture),
     # but the module still collects on a GPU box running only `-m cuda` tests
@@ -37,6 +40,8 @@ def trl():
 
 VOCAB = 96
 STEPS = 3
+# The patched head's fused losses (`causal_lm._head_forward` calls them by these names).
+FUSED_LOSSES = ("causal_lm_loss", "linear_cross_entropy")
 # The fused loss's bound against transformers' unfused loss (test_causal_lm_patch): 64 u.
 LOSS_RTOL = 64 * 2.0**-24
 
@@ -119,10 +124,36 @@ def trained(tmp_path, patch=None, vocab=VOCAB, trainer_class=None, **overrides):
         )
         if patch == "after":
             lomo_kernels.patch_causal_lm(trainer.model)
-        trainer.train()
+        # Every gradient autograd computes for the head's weight (none where Lomo steps it
+        # from the fused loss's vocabulary chunks).
+        trainer.head_gradients = []
+        model.lm_head.weight.register_hook(
+            lambda g: None if g is None else trainer.head_gradients.append(g.shape)
+        )
+        with counting_fused_losses() as trainer.fused_losses:
+            trainer.train()
     finally:
         lomo_kernels.disable_trl()
     return model, trainer
+
+
+@contextlib.contextmanager
+def counting_fused_losses() -> Iterator[list[str]]:
+    """The fused losses the patched head computes (its two entry points), by name."""
+    calls: list[str] = []
+    saved = {name: getattr(patched_head, name) for name in FUSED_LOSSES}
+    for name, function in saved.items():
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls.append(_name)
+            return _function(*args, **kwargs)
+
+        setattr(patched_head, name, counted)
+    try:
+        yield calls
+    finally:
+        for name, function in saved.items():
+            setattr(patched_head, name, function)
 
 
 _UNPATCHED: dict[tuple[str, bool], tuple[torch.nn.Module, object]] = {}
@@ -176,7 +207,11 @@ def test_sft_trainer_with_the_fused_head_matches_trls_own(tmp_path_factory, opti
     assert logged(trainer, "entropy") == pytest.approx(logged(plain, "entropy"), abs=1e-5)
     assert logged(trainer, "mean_token_accuracy") == logged(plain, "mean_token_accuracy")
     assert_steps_match(model, plain_model, llama())
-    # Every step's loss went through the fused loss (the head's forward was never TRL's).
+    # Every step's loss went through the fused loss (at least once a step; never unpatched),
+    # and with Lomo the head's gradient never existed (AdaLomo's factored moments take the
+    # whole gradient, which the fused loss's backward forms).
+    assert len(trainer.fused_losses) >= STEPS and plain.fused_losses == []
+    assert (trainer.head_gradients == []) == (optim == "lomo") and plain.head_gradients
     assert model.lm_head.weight.grad is None
 
 
