@@ -269,6 +269,10 @@ def measure(
     tensor_peak, _ = tensor_balance(lambda: step(ids, labels), device)
     result["tensor_peak_in_step_mb"] = tensor_peak / MIB
     result["state_mb"] = state_bytes(opt) / MIB
+    if config in COMPILED:  # whether the backward ran as a compiled-autograd graph
+        from torch._dynamo.utils import counters
+
+        result["compiled_autograd_captures"] = int(counters["compiled_autograd"]["captures"])
     return result
 
 
