@@ -289,8 +289,7 @@ def test_stochastic_rounding_is_unbiased_and_seeded(pdt: str, below: float) -> N
     # Each element rounds down with probability q = (1 - exact) / spacing: the mean's standard
     # error is spacing * sqrt(q (1 - q) / n). Held to 6 of them plus the rule's quantisation
     # (16 random bits for bf16, 13 for fp16: a bias of at most 2^-13 of a spacing), below a
-    # bias of 2^-8 of a spacing (what rounding with 8 random bits can give), for both dtypes;
-    # the fixed 1e-5 before was 43 standard errors for fp16.
+    # bias of 2^-8 of a spacing (what rounding with 8 random bits can give), for both dtypes.
     spacing = 1.0 - below
     q = (1.0 - exact) / spacing
     bound = 6 * spacing * math.sqrt(q * (1 - q) / n) + spacing * 2**-13
