@@ -36,6 +36,7 @@ from support.adalomo import (  # noqa: E402
 )
 from support.dependencies import require  # noqa: E402
 from support.float64 import ulp  # noqa: E402
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from lomo_kernels.ops import backends  # noqa: E402
@@ -459,7 +460,8 @@ def test_compiled_step_matches_eager_without_graph_breaks():
         )
         return found_inf + 0
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiles = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=compiles)
     for shape in [(17, 33), (100,)]:
         p_eager = make_param(shape, torch.bfloat16)
         p_comp = p_eager.clone()
@@ -469,6 +471,10 @@ def test_compiled_step_matches_eager_without_graph_breaks():
             lr, beta2 = torch.tensor([LR]), torch.tensor([beta2_at(t)])
             step(p_eager, grad, s_eager, lr, beta2, torch.zeros(1))
             compiled(p_comp, grad, s_comp, lr, beta2, torch.zeros(1))
+            if t == 1:
+                first_step_compiles = compiles.frame_count
+        # The shape's first step compiled (a new shape may); its later lr/beta2 did not.
+        assert first_step_compiles >= 1 and compiles.frame_count == first_step_compiles
         assert torch.equal(p_eager, p_comp)
         assert all(torch.equal(s_eager[k], s_comp[k]) for k in s_eager)
 

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from lomo_kernels import ops
 from lomo_kernels.ops import backends
@@ -18,7 +19,8 @@ def test_compiled_function_calls_op_without_graph_break():
         ops.fused_sgd_update_(param, grad, lr=lr, found_inf=found_inf, weight_decay=0.1)
         return found_inf + 0
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiles = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=compiles)
     p_eager = torch.randn(1000, dtype=torch.bfloat16)
     p_comp = p_eager.clone()
     g = torch.randn(1000)
@@ -27,6 +29,7 @@ def test_compiled_function_calls_op_without_graph_break():
         step(p_eager, g, lr_t, torch.zeros(1))
         compiled(p_comp, g, lr_t, torch.zeros(1))
     assert torch.equal(p_eager, p_comp)
+    assert compiles.frame_count == 1
 
 
 def test_env_var_selects_backend(monkeypatch):
