@@ -12,6 +12,7 @@ where a file outside the directory is named, that file never opened.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import sys
 
@@ -63,10 +64,12 @@ def assert_refused_whole(load, match: str) -> None:
     assert_same_state(opt.state_dict(), before)
 
 
+@pytest.mark.parametrize("trust", [False, True], ids=["untrusted", "trusted"])
 @pytest.mark.parametrize("where", ["relative", "absolute"])
-def test_metadata_placing_tensors_outside_the_directory_refused(checkpoint, opened, where):
+def test_metadata_placing_tensors_outside_the_directory_refused(checkpoint, opened, where, trust):
     """A storage entry names a file beside the checkpoint (a real one, of another model:
-    read, it would load that model's weights unchecked)."""
+    read, it would load that model's weights unchecked); refused trusted too (trust lets a
+    load unpickle, never read files its manifest does not list)."""
     outside = checkpoint.parent / "outside.distcp"
     outside.write_bytes((checkpoint / "__0_0.distcp").read_bytes())
     name = "../outside.distcp" if where == "relative" else str(outside)
@@ -79,7 +82,8 @@ def test_metadata_placing_tensors_outside_the_directory_refused(checkpoint, open
     file = rewrite_metadata(checkpoint, redirect)
     opened.clear()
     match = rf"{file} places 'model\..*' in '{name}', which is not a file its manifest lists"
-    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+    load = lambda m, o: load_checkpoint(checkpoint, m, o, trust_checkpoint=trust)  # noqa: E731
+    assert_refused_whole(load, match)
     assert not [p for p in opened if "outside" in p]
 
 
@@ -98,8 +102,10 @@ def test_metadata_placing_a_tensor_in_a_file_the_manifest_leaves_out_refused(che
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
-def test_metadata_placing_a_tensor_past_its_files_end_refused(checkpoint):
-    """A length past the file's end (a load would read a short slice, or a huge one)."""
+@pytest.mark.parametrize("trust", [False, True], ids=["untrusted", "trusted"])
+def test_metadata_placing_a_tensor_past_its_files_end_refused(checkpoint, trust):
+    """A length past the file's end (a load would read a short slice, or a huge one), trusted
+    or not."""
 
     def stretch(metadata):
         index, info = storage_of(metadata, LAST)
@@ -107,7 +113,8 @@ def test_metadata_placing_a_tensor_past_its_files_end_refused(checkpoint):
 
     file = rewrite_metadata(checkpoint, stretch)
     match = rf"{file} places '{LAST}' at bytes \d+\+{1 << 40} of __0_0.distcp, which holds"
-    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+    load = lambda m, o: load_checkpoint(checkpoint, m, o, trust_checkpoint=trust)  # noqa: E731
+    assert_refused_whole(load, match)
 
 
 @pytest.mark.parametrize("bytes_of", ["another tensor's", "no tensor's"])
@@ -158,13 +165,18 @@ def test_a_client_state_that_is_no_torch_file_refused(checkpoint, content):
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
-def test_an_interrupted_read_is_not_called_a_corrupt_checkpoint(checkpoint, monkeypatch):
-    """An interrupt (or a memory or disk error) while the entries are read says nothing of
+@pytest.mark.parametrize(
+    "error",
+    [KeyboardInterrupt(), MemoryError(), OSError(errno.EIO, "Input/output error")],
+    ids=["interrupt", "memory", "disk"],
+)
+def test_an_interrupted_read_is_not_called_a_corrupt_checkpoint(checkpoint, monkeypatch, error):
+    """An interrupt, a memory or a disk error while the entries are read says nothing of
     the checkpoint: it is raised as it is, not as a CheckpointError a caller may catch to
     fall back to an older checkpoint."""
 
     def interrupted(self, read_item):
-        raise KeyboardInterrupt
+        raise error
 
     monkeypatch.setattr(safe_loading.SafePlanner, "resolve_tensor", interrupted)
     model, opt = trained(seed=1, steps=2)
@@ -172,7 +184,7 @@ def test_an_interrupted_read_is_not_called_a_corrupt_checkpoint(checkpoint, monk
     with pytest.raises(BaseException) as raised:
         load_checkpoint(checkpoint, model, opt)
     assert not isinstance(raised.value, CheckpointError)
-    assert "KeyboardInterrupt" in str(raised.value)
+    assert type(error).__name__ in str(raised.value) or isinstance(raised.value, type(error))
     assert_same_state(opt.state_dict(), before)
 
 

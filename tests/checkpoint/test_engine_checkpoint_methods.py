@@ -143,7 +143,23 @@ ENGINE_STATES = {
         {"global_steps": "two", "client_state": {}},
         r"the checkpoint's global_steps is 'two', not an int >= 0",
     ),
+    # A scheduler state that loads (tried on the engine's scheduler, then undone) and a bad
+    # counter after it.
+    "scheduler-then-bad-counter": (
+        "lambda-state",
+        r"the checkpoint's skipped_steps is -1, not an int >= 0",
+    ),
 }
+
+
+def stepped_lambda_state() -> dict:
+    """A LambdaLR's state five steps on: another epoch and lr than a fresh one's."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+    for _ in range(5):
+        opt.step()
+        scheduler.step()
+    return scheduler.state_dict()
 
 
 @pytest.mark.parametrize("saved, match", ENGINE_STATES.values(), ids=ENGINE_STATES)
@@ -155,17 +171,42 @@ def test_engine_state_the_load_cannot_set_refused_before_any_change(tmp_path, sa
     if saved == "step":
         model.save_checkpoint(tmp_path)
     else:
+        if saved == "lambda-state":
+            saved = {"lr_scheduler": stepped_lambda_state(), "global_steps": 2,
+                     "skipped_steps": -1, "client_state": {}}  # fmt: skip
         save_checkpoint(tmp_path / "global_step2", model, opt, client_state=saved)
         (tmp_path / "latest").write_text("global_step2")
     fresh, fresh_opt = trained(1, seed=1)
     with_scheduler(fresh, fresh_opt, "lambda")
-    schedule, steps = fresh.lr_scheduler.state_dict(), getattr(fresh, "global_steps", None)
+    counters = {"global_steps": 7, "global_samples": 70, "skipped_steps": 1}
+    for name, value in counters.items():  # the engine's counters, as DeepSpeed's holds them
+        setattr(fresh, name, value)
+    schedule = fresh.lr_scheduler.state_dict()
     before = fresh_opt.state_dict()
     load = lambda: fresh.load_checkpoint(tmp_path)
     assert_refused(fresh, fresh_opt, load, CheckpointError, match)
     assert_same_state(fresh_opt.state_dict(), before)
     assert fresh.lr_scheduler.state_dict() == schedule
-    assert getattr(fresh, "global_steps", None) == steps
+    assert {name: getattr(fresh, name) for name in counters} == counters
+
+
+def test_a_load_sets_the_engine_counters_and_schedule(tmp_path):
+    """The engine's counters and its scheduler's state come back as saved."""
+    model, opt = trained(2)
+    with_scheduler(model, opt, "lambda")
+    for _ in range(3):
+        model.lr_scheduler.step()
+    counters = {"global_steps": 5, "global_samples": 40, "skipped_steps": 2}
+    for name, value in counters.items():
+        setattr(model, name, value)
+    model.save_checkpoint(tmp_path)
+    fresh, fresh_opt = trained(0, seed=1)
+    with_scheduler(fresh, fresh_opt, "lambda")
+    for name in counters:
+        setattr(fresh, name, 0)
+    fresh.load_checkpoint(tmp_path)
+    assert {name: getattr(fresh, name) for name in counters} == counters
+    assert fresh.lr_scheduler.state_dict() == model.lr_scheduler.state_dict()
 
 
 def test_latest_is_written_without_following_a_link(tmp_path):

@@ -150,11 +150,13 @@ def test_skipped_outputs_leave_the_others_bit_identical(kernels, monkeypatch):
 
 @pytest.mark.gpu_smoke
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_public_function_matches_unfused_cross_entropy(reduction, test_device):
+def test_public_function_matches_unfused_cross_entropy(reduction, test_device, monkeypatch):
     """fp32, through autograd, on the test device (its kernels: Triton on CUDA): the fused
     loss and both gradients against F.cross_entropy on the materialised logits (each off the
     float64 value by the bounds above; compared here with a bound of 64 u of each result's
-    largest magnitude, far above the measured ~2 u)."""
+    largest magnitude, far above the measured ~2 u). Vocabulary chunks of 64 rows: the
+    weight's gradient is put together from several (4 x 64 + 45)."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 24)
     hidden, weight, labels, _ = _problem(3 * 11, 24, 301, torch.float32, seed=1)
     hidden = hidden.view(3, 11, 24).to(test_device)
     weight = weight.to(test_device)
@@ -199,10 +201,12 @@ def test_bad_input_is_refused_with_its_name():
 
 
 @pytest.mark.parametrize("temperature", [0.7, 2.5])
-def test_temperature_through_autograd_matches_float64_log_softmax(temperature):
+def test_temperature_through_autograd_matches_float64_log_softmax(temperature, monkeypatch):
     """The public function at a temperature, through autograd: per-token loss and both
     gradients against torch's float64 log_softmax of the logits over the temperature
-    (64 u of each result's largest magnitude, as the unfused comparison below)."""
+    (64 u of each result's largest magnitude, as the unfused comparison below), the weight's
+    gradient from several vocabulary chunks of 64 rows."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 24)
     hidden, weight, labels, grad = _problem(29, 24, 301, torch.float32, seed=3)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     fused = lce.linear_cross_entropy(h, w, labels, reduction="none", temperature=temperature)

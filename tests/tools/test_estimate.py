@@ -113,12 +113,16 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def test_zero3_shards_states_and_parameters() -> None:
+def test_zero3_shards_states_gradients_and_parameters() -> None:
     one = est.estimate("llama-65b", "adamw")
     eight = est.estimate("llama-65b", "adamw", gpus=8, zero3=True)
     # Both figures are rounded to 0.01 GiB: one eighth of one's rounding plus eight's.
     rounding = 0.005 * (1 + 1 / 8)
     assert eight.optimizer_states_gib == pytest.approx(one.optimizer_states_gib / 8, abs=rounding)
+    # AdamW's bf16 gradients, counted from the parameter count: an eighth on each rank.
+    numel = PRESETS["llama-65b"].num_parameters
+    assert one.gradients_gib == pytest.approx(numel * 2 / 2**30, abs=0.005)
+    assert eight.gradients_gib == pytest.approx(numel * 2 / 8 / 2**30, abs=0.005)
     largest = PRESETS["llama-65b"].largest_tensor_numel * 2 / 2**30
     assert eight.parameters_gib == pytest.approx(one.parameters_gib / 8 + largest, abs=rounding)
     lomo = est.estimate("llama-65b", "lomo", gpus=8, gpu_mem_gib=24, zero3=True)
@@ -163,6 +167,42 @@ def test_cli_json(capsys) -> None:
         main(["estimate", "--model", "nope", "--optimizer", "lomo"])
     assert exc.value.code == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+# (flags, estimate's arguments): every option off its default but --activations-gib, then it.
+CLI_OPTION_SETS = [
+    (["--optimizer", "lomo", "--gpus", "4", "--gpu-mem", "24", "--batch", "3", "--seq", "512",
+      "--no-checkpointing", "--zero3", "--precision", "bf16", "--fused-head",
+      "--accumulation-steps", "4", "--accumulation-dtype", "int8", "--generation-batch", "2",
+      "--generation-tokens", "64", "--reference-model"],
+     dict(optimizer="lomo", gpus=4, gpu_mem_gib=24.0, batch=3, seq=512, checkpointing=False,
+          zero3=True, precision="bf16", fused_head=True, accumulation_steps=4,
+          accumulation_dtype="int8", generation_batch=2, generation_tokens=64,
+          reference_model=True)),
+    (["--optimizer", "adamw", "--activations-gib", "3.5"],
+     dict(optimizer="adamw", activations_gib=3.5)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "arguments"), CLI_OPTION_SETS, ids=["every_option", "acts"])
+def test_cli_passes_every_option_on(capsys, flags: list[str], arguments: dict) -> None:
+    """The command's JSON is `estimate`'s own for the same options, each given by its flag."""
+    from lomo_kernels.tools.cli import main
+
+    assert main(["estimate", "--model", "llama-7b", *flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == json.loads(json.dumps(est.estimate("llama-7b", **arguments).to_json()))
+
+
+def test_every_cli_option_is_an_estimate_argument() -> None:
+    """A parsed value the estimate does not take would be dropped without a word."""
+    import argparse
+    import inspect
+
+    parser = argparse.ArgumentParser()
+    est.add_arguments(parser)
+    destinations = {action.dest for action in parser._actions} - {"help", "json"}
+    assert destinations <= set(inspect.signature(est.estimate).parameters)
 
 
 # -- against measured CPU peaks -------------------------------------------------------------
