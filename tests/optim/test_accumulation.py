@@ -70,8 +70,15 @@ def test_adalomo_equals_its_big_batch_step(backend, clip):
     # AdaLomo's update is normalised by its RMS, so a rounding-level change of the gradient
     # moves the update by a rounding-level relative amount too: the same fp32 bound.
     assert max_rel_diff(ours, ref) <= FP32_BOUND
+    # The update hides a gradient scaled alike at every step: the second moments (the
+    # gradient's squares) are compared too, and clipped, the norm.
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        for name, moment in opt.state[p].items():
+            other = big.state[q][name]
+            assert (moment - other).abs().max() <= FP32_BOUND * other.abs().max(), name
     if clip is not None:  # the accumulated gradient was clipped
         assert float(opt.last_grad_norm) > clip
+        assert abs(float(opt.last_grad_norm) / float(big.last_grad_norm) - 1) <= FP32_BOUND
 
 
 def test_nothing_changes_before_the_last_micro_batch_and_no_grad_is_kept(backend):
@@ -191,11 +198,13 @@ def test_a_gradient_in_parts_is_accumulated_whole(optimizer):
     assert abs(float(parts_opt.last_grad_norm) / float(whole_opt.last_grad_norm) - 1) <= FP32_BOUND
 
 
-def test_step_applies_a_short_step():
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_step_applies_a_short_step(clip):
     # The last step of an epoch with fewer than k micro-batches left (transformers' Trainer):
-    # opt.step() applies what was accumulated, as torch's step() applies the summed .grad.
+    # opt.step() applies what was accumulated, as torch's step() applies the summed .grad;
+    # unclipped, a sum scaled by any factor would show (clipped, the norm does).
     ours, ref = tiny_llama(), tiny_llama()
-    opt = Lomo(ours, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K)
+    opt = Lomo(ours, lr=0.05, clip_grad_norm=clip, accumulation_steps=K)
     micros = micro_batches(0)[:2]
     for micro in micros:
         opt.fused_backward(ours(**micro).loss / 2)
@@ -208,9 +217,12 @@ def test_step_applies_a_short_step():
     sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
     for micro in micros:
         (ref(**micro).loss / 2).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip or float("inf"))
     sgd.step()
     assert max_rel_diff(ours, ref) <= FP32_BOUND
+    if clip is not None:
+        assert norm > clip  # the clip binds
+        assert abs(float(opt.last_grad_norm) / float(norm) - 1) <= FP32_BOUND
 
 
 def test_zero_grad_drops_the_accumulated_micro_batches():

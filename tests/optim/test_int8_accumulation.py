@@ -41,20 +41,21 @@ def quantise_nearest(values: torch.Tensor) -> torch.Tensor:
     return out.to(values.dtype).view_as(values)
 
 
-def train_torch_quantised(model, lr, clip, steps, k=K):
+def train_torch_quantised(model, lr, clip, steps, k=K) -> list[torch.Tensor]:
     """torch's accumulation + clip_grad_norm_ + SGD, each .grad replaced after every
     micro-batch by what the 8-bit buffer holds (the buffer adds the next gradient to its
-    stored values, as .grad does)."""
+    stored values, as .grad does); each step's gradient norm."""
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    norms = []  # each step's norm before clipping
     for step in range(steps):
         for micro in micro_batches(step, k):
             (model(**micro).loss / k).backward()
             for p in model.parameters():
                 p.grad = quantise_nearest(p.grad)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
         sgd.step()
         sgd.zero_grad(set_to_none=True)
+    return norms
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -94,7 +95,37 @@ def test_adalomo_reads_the_quantised_sum(backend):
     train_accumulating(ours, opt, steps=1)
     train_accumulating(ref, emulated, steps=1)
     assert max_rel_diff(ours, ref) <= FP32_BOUND
-    assert float(opt.last_grad_norm) > 0.3  # the quantised sum was clipped
+    assert_clips_the_quantised_sum(ours, opt, 0.3)
+
+
+def assert_clips_the_quantised_sum(model, opt, max_norm: float) -> None:
+    """After one step: the step's norm is that of the quantised sum, and AdaLomo's moments
+    (beta2 = 0 at step 1: u = (coef * g)^2 + eps0 averaged over each row and column, or u
+    itself) are those of that sum clipped by it. The update, normalised by its RMS, hides a
+    sum scaled alike everywhere; the moments do not. From torch's .grad quantised after every
+    micro-batch, in float64; the moments' fp32 sums of n squares are within n + 8 units of
+    2^-24 (relative) of it."""
+    start = tiny_llama()
+    for micro in micro_batches(0):
+        (start(**micro).loss / K).backward()
+        for p in start.parameters():
+            p.grad = quantise_nearest(p.grad)
+    grads = [p.grad.double() for p in start.parameters()]
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+    assert abs(float(opt.last_grad_norm) / norm - 1) <= FP32_BOUND
+    assert norm > max_norm  # the clip binds
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for p, g in zip(model.parameters(), grads, strict=True):
+        u = (coef * g) ** 2 + 1e-30
+        state = opt.state[p]
+        expected = {"exp_avg_sq": (u, 1)} if g.dim() == 1 else {
+            "exp_avg_sq_row": (u.mean(dim=1), g.shape[1]),
+            "exp_avg_sq_col": (u.mean(dim=0), g.shape[0]),
+        }  # fmt: skip
+        assert set(state) == set(expected)
+        for name, (want, n) in expected.items():
+            relative = (state[name].double() - want).abs() / want
+            assert relative.max() <= (n + 8) * 2.0**-24, name
 
 
 def test_stochastic_buffer_follows_the_fp32_buffer():
@@ -140,8 +171,16 @@ def test_fp16_overflow_in_one_micro_batch_skips_the_whole_step():
         opt.fused_backward(loss * float("inf") if i == 1 else loss)
     assert same_bits(before[: len(list(model.parameters()))], snapshot(model))
     assert opt.loss_scaler.loss_scale == scale / 2 and opt.step_count == 1
+    assert opt.pending_micro_batches == 0
     opt.flush_report()
     assert opt.last_step_skipped
+    # The next step trains from clean buffers: finite, as a fresh optimizer's buffers would.
+    start = snapshot(model)
+    for micro in micro_batches(0):
+        opt.fused_backward(model(**micro).loss / K)
+    opt.flush_report()
+    assert not opt.last_step_skipped and not unchanged(model, start)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_short_step_measures_every_buffer():
@@ -154,8 +193,10 @@ def test_short_step_measures_every_buffer():
     for micro in micro_batches(0)[:2]:
         opt.fused_backward(ours(**micro).loss / 2)
     opt.step()
-    train_torch_quantised(ref, 0.05, 0.5, steps=1, k=2)
+    (norm,) = train_torch_quantised(ref, 0.05, 0.5, steps=1, k=2)
     assert max_rel_diff(ours, ref) <= FP32_BOUND
+    # The clip binds, so the parameters alone would not see a sum scaled by any factor.
+    assert norm > 0.5 and abs(float(opt.last_grad_norm) / float(norm) - 1) <= FP32_BOUND
 
 
 @pytest.mark.parametrize("offset", [512, 300])

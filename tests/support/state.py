@@ -6,6 +6,7 @@ must leave every tensor as it was).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -87,6 +88,10 @@ def _copied(value: Any) -> Any:
         return {key: _copied(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_copied(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an Int8Buffer
+        return {
+            field.name: _copied(getattr(value, field.name)) for field in dataclasses.fields(value)
+        }
     return value
 
 
@@ -138,15 +143,22 @@ def _outcome(opt) -> dict[str, Any]:
 
 
 def _accumulation(opt) -> dict[str, Any]:
-    """Gradient accumulation's pending micro-batches: their count and buffers (by parameter
-    index; the accumulated norm and flag measured so far are the device scalars')."""
+    """Gradient accumulation's pending micro-batches: their count, buffers (by parameter
+    index) and, while some are pending, the norm and flag they measured so far (the device
+    scalars' `MEASURED`, which no norm pass can change then: grad_norm is refused)."""
     accumulation = opt._accumulation
     if accumulation is None:
         return {}
     index = opt._groups.index_of
+    measured = {}
+    if accumulation.pending:
+        for device, scalars in opt._scalars.items():
+            kept = _tensor_attributes(scalars)
+            measured[str(device)] = {k: v for k, v in kept.items() if k in MEASURED}
     return {
         "pending": accumulation.pending,
         "buffers": {index[id(p)]: _copied(b) for p, b, _ in accumulation.buffered()},
+        "measured": measured,
     }
 
 
