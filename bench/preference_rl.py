@@ -199,6 +199,12 @@ def measure(
         policy, trainer = _trainer(
             folder.name, kind, config, model, batch, prompt, completion, steps, PeakPerStep()
         )
+        # Whether autograd ever forms the head's whole gradient (a .grad read after training
+        # cannot say: Lomo frees every gradient once used).
+        head_gradients: list[bool] = []
+        policy.lm_head.weight.register_hook(
+            lambda grad: None if grad is None else head_gradients.append(True)
+        )
         baseline = meter.current()
         trainer.train()
     finally:
@@ -216,7 +222,7 @@ def measure(
         "model_mb": sum(p.numel() * p.element_size() for p in policy.parameters()) / MIB,
         "peaks_mb": [p / MIB for p in peaks],
         "peak_above_start_mb": max(peaks) / MIB,
-        "head_grad_exists": policy.lm_head.weight.grad is not None,
+        "head_grad_exists": bool(head_gradients),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -88,6 +88,12 @@ def test_figures_come_from_each_benchmark(checked) -> None:
     assert figures["smoke"]["extensions"]["build s"] > 0
     assert {"tokens/s", "step ms", "peak GiB"} <= set(figures["train-1b"]["lomo"])
     assert {"lomo, fused head", "lomo, unfused"} <= set(figures["24gib"])
+    # Each row is its own run: the fused head's with the fused head, the other without.
+    runs = results_of(checked[0])["parts"]["24gib"]["results"]
+    assert [runs[label]["machine"]["fused_head"] for label in ("fused head", "unfused")] == [
+        True,
+        False,
+    ]
     assert {"unfused", "fused_lomo"} <= set(figures["head"])  # liger and cce need CUDA
     for backend in parts.HOST_TIME_BACKENDS:
         assert figures["host-time"][f"{backend}: p.add_"]["x p.add_"] == 1.0

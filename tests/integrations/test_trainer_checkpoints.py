@@ -15,8 +15,18 @@ from lomo_kernels.integrations.hf_trainer import LomoTrainer
 from lomo_kernels.integrations.trainer_checkpoints import last_whole_checkpoint, missing_part
 
 
-def run(tmp_path, max_steps: int, resume=None) -> LomoTrainer:
-    trainer = LomoTrainer(
+class CountingTrainer(LomoTrainer):
+    """Counts the training steps this run takes itself (not those a resume skips)."""
+
+    steps_taken = 0
+
+    def training_step(self, *args, **kwargs):
+        self.steps_taken += 1
+        return super().training_step(*args, **kwargs)
+
+
+def run(tmp_path, max_steps: int, resume=None) -> CountingTrainer:
+    trainer = CountingTrainer(
         model=tiny_llama(),
         args=args(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2),
         train_dataset=dataset(16),
@@ -35,7 +45,9 @@ def test_resume_true_passes_over_an_unfinished_checkpoint(tmp_path, lost):
     with pytest.warns(UserWarning, match=f"passes over .*checkpoint-4: .*{lost} is missing"):
         resumed = run(interrupted, 6, resume=True)
     assert resumed.state.global_step == 6
-    # Resumed from step 2: the same parameters as the uninterrupted run.
+    # Resumed from step 2 (steps 3 to 6 taken; a run from the start, which the same data
+    # would lead to the same weights, takes 6): the same parameters as the uninterrupted run.
+    assert (resumed.steps_taken, uninterrupted.steps_taken) == (4, 6)
     assert_same_state(resumed.model.state_dict(), uninterrupted.model.state_dict())
 
 
