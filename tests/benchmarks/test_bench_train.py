@@ -88,6 +88,14 @@ def test_one_row_per_optimizer_with_every_figure(report, capsys, test_device) ->
         " notes ",
     ]
     assert [line.split("|")[1].strip() for line in table[3:]] == OPTIMIZERS
+    # Each row's cells are its own figures, in the header's order.
+    for line, r in zip(table[3:], results, strict=True):
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        assert cells[1] == format(r["tokens_per_s"], ",.0f")
+        assert cells[3] == format(r["update_share"], ".0%")
+        assert cells[4:7] == [format(r["peak_mib"], ",.0f"),
+                              format(r["peak_above_model_mib"], ",.0f"),
+                              format(r["state_mib"], ",.1f")]  # fmt: skip
 
 
 def test_step_clock() -> None:

@@ -250,16 +250,23 @@ def test_stochastic_rounding_unbiased_over_steps(backend):
     assert abs(p_up - 0.3) <= 5 * math.sqrt(0.3 * 0.7 / draws.numel())
 
 
-def test_stochastic_rounding_keeps_exact_values_and_specials(backend):
-    # A result that is exactly representable in bf16 must never move.
-    param = torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.bfloat16)
-    grad = torch.zeros(4)
+@pytest.mark.parametrize("dtype", LOW.values(), ids=LOW.keys())
+def test_stochastic_rounding_keeps_exact_values_and_specials(backend, dtype):
+    """A result exactly representable in the dtype never moves, bit for bit: ordinary values,
+    -0.0, the largest finite value, a subnormal and +-inf; a nan stays a nan (its payload is
+    the dtype conversions', which torch's fp16 widening does not keep)."""
+    info = torch.finfo(dtype)
+    values = [1.0, -2.0, 0.5, 0.0, -0.0, info.max, -info.max, info.smallest_normal / 2**3,
+              math.inf, -math.inf, math.nan]  # fmt: skip
+    param = torch.tensor(values, dtype=torch.float32).to(dtype)
+    grad = torch.zeros(len(values))
     for seed in range(20):
         out = param.clone()
         ops.fused_sgd_update_(
             out, grad, lr=1.0, stochastic_rounding=True, seed=seed, backend=backend
         )
-        assert torch.equal(out, param)
+        assert torch.isnan(out[-1]), seed
+        assert torch.equal(out[:-1].view(torch.int16), param[:-1].view(torch.int16)), seed
 
 
 @pytest.mark.parametrize("dtype", LOW.values(), ids=LOW.keys())
