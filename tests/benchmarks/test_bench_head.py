@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from support.allocations import formed_gradients
 
 from bench import head as bench_head
 
@@ -38,10 +39,9 @@ def test_each_variant_updates_the_head_as_the_unfused_step(variant):
     bench_head._unfused(hidden, reference, labels)
     reference_d_hidden = hidden.grad.clone()
     hidden.grad = None
-    # Every gradient autograd forms for the head's weight: the fused loss's whole one, or,
-    # with Lomo stepping the head from its vocabulary chunks, none.
-    formed = []
-    head.weight.register_hook(lambda grad: None if grad is None else formed.append(grad.shape))
+    # The fused loss's whole head gradient, or, with Lomo stepping the head from its
+    # vocabulary chunks, none.
+    formed = formed_gradients(head.weight)
     bench_head._build(variant, head, "cpu")(hidden, head, labels)
     assert formed == ([] if variant == "fused_lomo" else [(VOCAB, HIDDEN)])
     want = reference.weight.detach() - start.weight.detach()

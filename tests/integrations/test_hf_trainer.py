@@ -18,6 +18,7 @@ from support.hf_trainer import (
     dataset,
     distinct_rows,
     logged,
+    no_decay_on_norms,
     norm_weight_names,
     replay,
     trainer_batch,
@@ -69,14 +70,8 @@ def test_trainer_trains_with_schedule_clip_and_decay(tmp_path, optim):
 
     def replay(decay: float, clip: float | None) -> tuple[torch.nn.Module, list[float]]:
         replayed = tiny_llama()
-        norms = norm_weight_names(replayed)
-        groups = [
-            {"params": [p for n, p in replayed.named_parameters() if n not in norms]},
-            {"params": [p for n, p in replayed.named_parameters() if n in norms],
-             "weight_decay": 0.0},
-        ]  # fmt: skip
         own_opt = type(opt)(replayed, lr=lr, clip_grad_norm=clip, weight_decay=decay,
-                            param_groups=groups)  # fmt: skip
+                            param_groups=no_decay_on_norms(replayed))  # fmt: skip
         seen = []
         for step_lr, (_, inputs, num_items) in zip(trainer.seen_lrs, trainer.micro_batches,
                                                    strict=True):  # fmt: skip

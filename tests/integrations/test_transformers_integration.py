@@ -17,7 +17,7 @@ from support.hf_trainer import (
     dataset,
     distinct_rows,
     logged,
-    norm_weight_names,
+    no_decay_on_norms,
     replay,
     trainer_batch,
 )
@@ -175,11 +175,6 @@ def trained_by_trainer(tmp_path, trainer_class=Trainer, **overrides):
     )
     trainer.train()
     return model, trainer, logged(trainer)
-
-
-def no_decay_on_norms(model):
-    """The Trainer's split (a LLaMA has no bias): the RMSNorm weights without decay."""
-    return [{"params": sorted(norm_weight_names(model)), "weight_decay": 0.0}]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from support.allocations import LargestMatrix
+from support.allocations import LargestMatrix, formed_gradients
 from support.dependencies import require
 from support.float64 import FP32_NORM_RTOL
 from support.models import assert_steps_match, causal_lm, max_rel_diff
@@ -126,10 +126,7 @@ def trained(tmp_path, patch=None, vocab=VOCAB, trainer_class=None, **overrides):
             lomo_kernels.patch_causal_lm(trainer.model)
         # Every gradient autograd computes for the head's weight (none where Lomo steps it
         # from the fused loss's vocabulary chunks).
-        trainer.head_gradients = []
-        model.lm_head.weight.register_hook(
-            lambda g: None if g is None else trainer.head_gradients.append(g.shape)
-        )
+        trainer.head_gradients = formed_gradients(model.lm_head.weight)
         with counting_fused_losses() as trainer.fused_losses:
             trainer.train()
     finally:

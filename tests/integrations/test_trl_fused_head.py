@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.allocations import LargestMatrix
+from support.allocations import LargestMatrix, formed_gradients
 from support.models import assert_steps_match, max_rel_diff
 from support.state import same_bits, snapshot
 
@@ -211,10 +211,7 @@ def run(kind, tmp_path, optim, patch, **overrides):
             )
         # Every gradient autograd computes for the head's weight (none when Lomo steps it
         # from its vocabulary chunks inside the fused loss's backward).
-        trainer.head_gradients = []
-        model.lm_head.weight.register_hook(
-            lambda g: None if g is None else trainer.head_gradients.append(g.shape)
-        )
+        trainer.head_gradients = formed_gradients(model.lm_head.weight)
         trainer.train()
     finally:
         lomo_kernels.disable_trl()

@@ -1,5 +1,6 @@
 """Dispatch modes that record the largest tensor a step allocates (a logits-free step must
-create no tokens x vocabulary or vocabulary x hidden tensor)."""
+create no tokens x vocabulary or vocabulary x hidden tensor), and a record of the gradients
+autograd forms for a weight."""
 
 from __future__ import annotations
 
@@ -45,3 +46,12 @@ class LargestMatrix(LargestTensor):
             ):
                 self.largest = (t.numel(), tuple(t.shape), str(func))
         return out
+
+
+def formed_gradients(weight: torch.Tensor) -> list[torch.Size]:
+    """The shape of every gradient autograd forms for `weight` from now on, as formed (none
+    where a fused loss steps the weight from chunks: the hook then sees no gradient). A
+    `.grad` read afterwards cannot tell: the in-backward optimizers free each gradient."""
+    formed: list[torch.Size] = []
+    weight.register_hook(lambda grad: None if grad is None else formed.append(grad.shape))
+    return formed

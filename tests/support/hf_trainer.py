@@ -63,6 +63,11 @@ def norm_weight_names(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters() if "norm" in n}
 
 
+def no_decay_on_norms(model: torch.nn.Module) -> list[dict]:
+    """The Trainer's split (a LLaMA has no bias): the RMSNorm weights without decay."""
+    return [{"params": sorted(norm_weight_names(model)), "weight_decay": 0.0}]
+
+
 def assert_skipped_steps_hold_the_warmup(steps: list, lr: float, warmup: int) -> None:
     """`steps`: each step's (lr it ran with, whether the optimizer skipped it). Some steps
     were skipped, some applied, and each ran at transformers' own linear warm-up schedule

@@ -4,6 +4,8 @@ prediction against process peaks measured on CPU at small scale."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import itertools
 import json
 import sys
@@ -196,9 +198,6 @@ def test_cli_passes_every_option_on(capsys, flags: list[str], arguments: dict) -
 
 def test_every_cli_option_is_an_estimate_argument() -> None:
     """A parsed value the estimate does not take would be dropped without a word."""
-    import argparse
-    import inspect
-
     parser = argparse.ArgumentParser()
     est.add_arguments(parser)
     destinations = {action.dest for action in parser._actions} - {"help", "json"}
