@@ -141,19 +141,19 @@ PassStart start_pass(const Args& a) {
 }
 
 // What a write-back pass (C, C1) reads before its skip test, so that a skipped step checks
-// its arguments too (lr, seed_step): the step's scalars from the workspace sums, and the
-// rounding.
+// its arguments too (lr, seed_step): the step's scalars from the workspace sums over `numel`
+// elements (the whole tensor's), and the rounding.
 struct WriteBack {
   adalomo::StepScalars step;
   bool stochastic;
   uint32_t key;  // the stochastic-rounding key; 0 to round to nearest
 };
 
-WriteBack prepare_write_back(const float* stats, const at::Tensor& param,
+WriteBack prepare_write_back(const float* stats, const at::Tensor& param, int64_t numel,
                              const op_bindings::StepArgs& step,
                              const op_bindings::RoundingArgs& rounding) {
   WriteBack out;
-  out.step = adalomo::step_scalars(stats, static_cast<float>(param.numel()),
+  out.step = adalomo::step_scalars(stats, static_cast<float>(numel),
                                    read_scalar(step.lr, "lr"), static_cast<float>(step.eps1),
                                    static_cast<float>(step.clip_threshold),
                                    static_cast<float>(step.weight_decay));
@@ -258,7 +258,7 @@ void factored_norm_(const op_bindings::FactoredNorm& a) {
   binding::dispatch_dtype(a.grad, "grad", [&](auto g_tag, auto g) {
     const auto span_norm = LOMO_AT_LEVEL(level, norm_span<decltype(g_tag)>);
     partial = map_chunks<double>(a.grad.numel(), [&](int64_t begin, int64_t end) {
-      return span_norm(g, f.R, f.c.data(), f.mean, cols, begin, end, s);
+      return span_norm(g, f.R, f.c.data(), f.mean, cols, a.offset, begin, end, s);
     });
   });
   double total = 0.0;
@@ -269,7 +269,8 @@ void factored_norm_(const op_bindings::FactoredNorm& a) {
 void factored_apply_(const op_bindings::FactoredApply& a) {
   const auto [stats, level, s] = start_pass(a);
   const int64_t cols = a.exp_avg_sq_col.numel();
-  const WriteBack w = prepare_write_back(stats, a.param, a.step, a.rounding);
+  const int64_t matrix = a.exp_avg_sq_row.numel() * cols;
+  const WriteBack w = prepare_write_back(stats, a.param, matrix, a.step, a.rounding);
   if (stats[adalomo::kSkip] != 0.0f) return;
   const Factors f = factors(a.exp_avg_sq_row, a.exp_avg_sq_col, stats);
   binding::dispatch_write_back(a.param, a.grad, w.stochastic, [&](auto p_tag, auto g_tag,
@@ -278,7 +279,7 @@ void factored_apply_(const op_bindings::FactoredApply& a) {
     using G = decltype(g_tag);
     const auto span_apply = LOMO_AT_LEVEL(level, apply_span<P, G, decltype(rounding)::value>);
     at::parallel_for(0, a.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      span_apply(p, g, f.R, f.c.data(), f.mean, cols, begin, end, s, w.step, w.key);
+      span_apply(p, g, f.R, f.c.data(), f.mean, cols, a.offset, begin, end, s, w.step, w.key);
     });
   });
 }
@@ -308,7 +309,7 @@ void vector_stats_(const op_bindings::VectorStats& a) {
 void vector_apply_(const op_bindings::VectorApply& a) {
   const auto [stats, level, s] = start_pass(a);
   const auto [b, omb] = beta_pair(a.beta2);
-  const WriteBack w = prepare_write_back(stats, a.param, a.step, a.rounding);
+  const WriteBack w = prepare_write_back(stats, a.param, a.full_numel, a.step, a.rounding);
   if (stats[adalomo::kSkip] != 0.0f) return;
   const float eps = static_cast<float>(a.eps0);
   float* v = a.exp_avg_sq.data_ptr<float>();
@@ -319,7 +320,7 @@ void vector_apply_(const op_bindings::VectorApply& a) {
     const auto span_apply =
         LOMO_AT_LEVEL(level, vector_apply_span<P, G, decltype(rounding)::value>);
     at::parallel_for(0, a.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      span_apply(p, g, v, begin, end, s, b, omb, eps, w.step, w.key);
+      span_apply(p, g, v, a.offset, begin, end, s, b, omb, eps, w.step, w.key);
     });
   });
 }

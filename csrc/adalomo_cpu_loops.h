@@ -76,20 +76,27 @@ double norm_term(const typename G::T& grad, float r, float c, const adalomo::Gra
   return static_cast<double>(update) * static_cast<double>(update);
 }
 
+// Passes B and C over elements [begin, end) of `grad` (and `param`), which hold the flat
+// elements from `offset` of the [rows, cols] matrix: element k is the matrix's offset + k.
 template <class G>
 double norm_span(const typename G::T* grad, const float* R, const float* c, float mean,
-                 int64_t cols, int64_t begin, int64_t end, const adalomo::GradScalars& s) {
+                 int64_t cols, int64_t offset, int64_t begin, int64_t end,
+                 const adalomo::GradScalars& s) {
   double acc[kLanes] = {};
-  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
+  for_row_segments(offset + begin, offset + end, cols, [&](int64_t i, int64_t j0, int64_t j1,
+                                                           int64_t flat) {
     const float r = adalomo::rsqrt_f(R[i] / mean);
-    const typename G::T* g_row = grad + flat - j0;
+    // The segment's gradient and column factors, from column j0.
+    const typename G::T* g_seg = grad + (flat - offset);
+    const float* c_seg = c + j0;
+    const int64_t width = j1 - j0;
     // Lanes restart at each segment: a fixed order, and a lane loop the compiler vectorises.
-    int64_t j = j0;
-    for (; j + kLanes <= j1; j += kLanes) {
+    int64_t k = 0;
+    for (; k + kLanes <= width; k += kLanes) {
 #pragma omp simd  // independent lanes: vectorised without reassociating any sum
-      for (int l = 0; l < kLanes; ++l) acc[l] += norm_term<G>(g_row[j + l], r, c[j + l], s);
+      for (int l = 0; l < kLanes; ++l) acc[l] += norm_term<G>(g_seg[k + l], r, c_seg[k + l], s);
     }
-    for (int l = 0; j < j1; ++j, ++l) acc[l] += norm_term<G>(g_row[j], r, c[j], s);
+    for (int l = 0; k < width; ++k, ++l) acc[l] += norm_term<G>(g_seg[k], r, c_seg[k], s);
   });
   double total = 0.0;
   for (int l = 0; l < kLanes; ++l) total += acc[l];
@@ -106,19 +113,21 @@ LOMO_INLINE typename P::T rounded(float value, int64_t index, uint32_t key) {
 
 template <class P, class G, bool kStochastic>
 void apply_span(typename P::T* param, const typename G::T* grad, const float* R,
-                const float* c, float mean, int64_t cols, int64_t begin, int64_t end,
-                const adalomo::GradScalars& s, const adalomo::StepScalars& step, uint32_t key) {
-  for_row_segments(begin, end, cols, [&](int64_t i, int64_t j0, int64_t j1, int64_t flat) {
+                const float* c, float mean, int64_t cols, int64_t offset, int64_t begin,
+                int64_t end, const adalomo::GradScalars& s, const adalomo::StepScalars& step,
+                uint32_t key) {
+  for_row_segments(offset + begin, offset + end, cols, [&](int64_t i, int64_t j0, int64_t j1,
+                                                           int64_t flat) {
     const float r = adalomo::rsqrt_f(R[i] / mean);
-    typename P::T* p_row = param + flat - j0;
-    const typename G::T* g_row = grad + flat - j0;
-    const int64_t row_start = flat - j0;  // i * cols
-    for (int64_t j = j0; j < j1; ++j) {
+    // The segment's elements, from column j0; `flat` is the first one's index in the matrix.
+    typename P::T* p_seg = param + (flat - offset);
+    const typename G::T* g_seg = grad + (flat - offset);
+    for (int64_t k = 0; k < j1 - j0; ++k) {
       uint32_t bad;
-      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j]),
-                                        adalomo::grad_g(G::load(g_row[j]), s, bad));
-      p_row[j] = rounded<P, kStochastic>(adalomo::apply(P::load(p_row[j]), update, step),
-                                         row_start + j, key);
+      const float update = lomo::mul_rn(lomo::mul_rn(r, c[j0 + k]),
+                                        adalomo::grad_g(G::load(g_seg[k]), s, bad));
+      p_seg[k] = rounded<P, kStochastic>(adalomo::apply(P::load(p_seg[k]), update, step),
+                                         flat + k, key);
     }
   });
 }
@@ -148,17 +157,19 @@ Partial vector_stats_span(const typename G::T* grad, const typename P::T* param,
   return out;
 }
 
+// Elements [begin, end) of param, grad and v, which hold the vector's from `offset`.
 template <class P, class G, bool kStochastic>
 void vector_apply_span(typename P::T* param, const typename G::T* grad, float* v,
-                       int64_t begin, int64_t end, const adalomo::GradScalars& s, float b,
-                       float omb, float eps0, const adalomo::StepScalars& step, uint32_t key) {
+                       int64_t offset, int64_t begin, int64_t end,
+                       const adalomo::GradScalars& s, float b, float omb, float eps0,
+                       const adalomo::StepScalars& step, uint32_t key) {
   for (int64_t k = begin; k < end; ++k) {
     uint32_t bad;
     const float g = adalomo::grad_g(G::load(grad[k]), s, bad);
     const float v_new = adalomo::moment(v[k], g, b, omb, eps0);
     v[k] = v_new;
     param[k] = rounded<P, kStochastic>(
-        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step), k,
-        key);
+        adalomo::apply(P::load(param[k]), lomo::mul_rn(adalomo::rsqrt_f(v_new), g), step),
+        offset + k, key);
   }
 }

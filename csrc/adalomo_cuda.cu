@@ -106,27 +106,40 @@ struct BlockTile {
   int64_t col0, row0, row1;
 };
 
-__device__ __forceinline__ BlockTile block_tile(int64_t rows, int64_t rows_per_block) {
+// `first_row`: the grid's row 0 is that row of the matrix; `rows` its end.
+__device__ __forceinline__ BlockTile block_tile(int64_t rows, int64_t rows_per_block,
+                                                int64_t first_row = 0) {
   BlockTile t;
   t.warp = threadIdx.x / 32;
   t.lane = threadIdx.x % 32;
   t.col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  t.row0 = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  t.row0 = first_row + static_cast<int64_t>(blockIdx.y) * rows_per_block;
   t.row1 = min(t.row0 + rows_per_block, rows);
   return t;
 }
 
-// Passes B and C: visit(index, update) for each element of this block's tile, with
-// update = rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij.
+// The flat elements [begin, end) of a [rows, cols] matrix that a pass's grad (and param)
+// hold, from element 0 of theirs: the whole matrix, or a slice of it cut across rows.
+struct MatrixSlice {
+  int64_t begin, end;
+  __device__ __forceinline__ int64_t first_row(int64_t cols) const { return begin / cols; }
+  __device__ __forceinline__ int64_t end_row(int64_t cols) const {
+    return (end + cols - 1) / cols;
+  }
+};
+
+// Passes B and C: visit(index in the matrix, index in grad, update) for each element of
+// `slice` in this block's tile, with update = rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij; the
+// grid's rows are the slice's.
 template <class G, class Visit>
 __device__ __forceinline__ void for_each_update(const typename G::T* __restrict__ grad,
                                                 const float* __restrict__ row_state,
                                                 const float* __restrict__ col_state,
                                                 const float* stats, int64_t rows, int64_t cols,
-                                                int64_t rows_per_block,
+                                                MatrixSlice slice, int64_t rows_per_block,
                                                 const adalomo::GradScalars& s, Visit&& visit) {
   const float mean = stats[adalomo::kRSum] / static_cast<float>(rows);
-  const BlockTile t = block_tile(rows, rows_per_block);
+  const BlockTile t = block_tile(slice.end_row(cols), rows_per_block, slice.first_row(cols));
   float c[kColsPerLane];
 #pragma unroll
   for (int k = 0; k < kColsPerLane; ++k) {
@@ -139,10 +152,12 @@ __device__ __forceinline__ void for_each_update(const typename G::T* __restrict_
 #pragma unroll
     for (int k = 0; k < kColsPerLane; ++k) {
       const int64_t j = t.col0 + t.lane + 32 * k;
-      if (j < cols) {
+      const int64_t flat = base + j;
+      if (j < cols && flat >= slice.begin && flat < slice.end) {
         uint32_t b;
-        visit(base + j,
-              __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[base + j]), s, b)));
+        const int64_t at = flat - slice.begin;
+        visit(flat, at,
+              __fmul_rn(__fmul_rn(r, c[k]), adalomo::grad_g(G::load(grad[at]), s, b)));
       }
     }
   }
@@ -228,14 +243,14 @@ template <class G>
 __global__ void __launch_bounds__(kThreads)
 factored_norm_kernel(const typename G::T* __restrict__ grad,
                      const float* __restrict__ row_state, const float* __restrict__ col_state,
-                     float* __restrict__ ws, int64_t rows, int64_t cols,
+                     float* __restrict__ ws, int64_t rows, int64_t cols, MatrixSlice slice,
                      int64_t rows_per_block, AdalomoGradArgs grad_args) {
   float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float acc = 0.0f;
-  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
-                     [&](int64_t, float update) { acc += __fmul_rn(update, update); });
+  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, slice, rows_per_block, s,
+                     [&](int64_t, int64_t, float update) { acc += __fmul_rn(update, update); });
   const float total = block_sum(acc);
   if (threadIdx.x == 0) atomicAdd(stats + adalomo::kUSumsq, total);
 }
@@ -245,7 +260,7 @@ __global__ void __launch_bounds__(kThreads)
 factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                       const float* __restrict__ row_state, const float* __restrict__ col_state,
                       const float* __restrict__ ws, int64_t rows, int64_t cols,
-                      int64_t rows_per_block, AdalomoStepArgs step_args,
+                      MatrixSlice slice, int64_t rows_per_block, AdalomoStepArgs step_args,
                       AdalomoGradArgs grad_args, LomoRoundingArgs rounding) {
   const float* stats = ws + rows + cols;
   if (stats[adalomo::kSkip] != 0.0f) return;
@@ -253,10 +268,10 @@ factored_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __
   const adalomo::StepScalars step =
       resolve_step(step_args, stats, static_cast<float>(rows * cols));
   const uint32_t key = kStochastic ? cuda_common::rounding_key(rounding) : 0u;
-  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, rows_per_block, s,
-                     [&](int64_t k, float update) {
-                       param[k] = lomo::store_rounded<P, kStochastic>(
-                           adalomo::apply(P::load(param[k]), update, step), k, key);
+  for_each_update<G>(grad, row_state, col_state, stats, rows, cols, slice, rows_per_block, s,
+                     [&](int64_t flat, int64_t at, float update) {
+                       param[at] = lomo::store_rounded<P, kStochastic>(
+                           adalomo::apply(P::load(param[at]), update, step), flat, key);
                      });
 }
 
@@ -295,13 +310,14 @@ template <class P, class G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
 vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __restrict__ grad,
                     float* __restrict__ v, const float* __restrict__ ws, int64_t n,
-                    const float* beta2, float eps0, AdalomoStepArgs step_args,
-                    AdalomoGradArgs grad_args, LomoRoundingArgs rounding) {
+                    int64_t offset, int64_t full_numel, const float* beta2, float eps0,
+                    AdalomoStepArgs step_args, AdalomoGradArgs grad_args,
+                    LomoRoundingArgs rounding) {
   if (ws[adalomo::kSkip] != 0.0f) return;
   const adalomo::GradScalars s = resolve(grad_args);
   float b, one_minus_b;
   resolve_beta(beta2, b, one_minus_b);
-  const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(n));
+  const adalomo::StepScalars step = resolve_step(step_args, ws, static_cast<float>(full_numel));
   const uint32_t key = kStochastic ? cuda_common::rounding_key(rounding) : 0u;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < n;
@@ -312,7 +328,7 @@ vector_apply_kernel(typename P::T* __restrict__ param, const typename G::T* __re
     v[k] = v_new;
     const float update = __fmul_rn(adalomo::rsqrt_f(v_new), g);
     param[k] = lomo::store_rounded<P, kStochastic>(
-        adalomo::apply(P::load(param[k]), update, step), k, key);
+        adalomo::apply(P::load(param[k]), update, step), offset + k, key);
   }
 }
 
@@ -354,6 +370,11 @@ int launch_status(bool dispatched) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// The rows a slice of n elements at `offset` touches (its grid's rows).
+int64_t slice_rows(int64_t cols, int64_t offset, int64_t n) {
+  return (offset + n + cols - 1) / cols - offset / cols;
+}
+
 }  // namespace
 
 extern "C" {
@@ -388,14 +409,16 @@ int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
 
 int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
                                const float* exp_avg_sq_col, float* workspace, int64_t rows,
-                               int64_t cols, AdalomoGradArgs grad_args, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return 0;
-  const FactoredGrid g = factored_grid(rows, cols);
+                               int64_t cols, int64_t offset, int64_t n,
+                               AdalomoGradArgs grad_args, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0 || n <= 0) return 0;
+  const FactoredGrid g = factored_grid(slice_rows(cols, offset, n), cols);
+  const MatrixSlice slice{offset, offset + n};
   const bool ok = lomo::dispatch_dtype(grad_dtype, [&](auto g_tag) {
     using G = decltype(g_tag);
     factored_norm_kernel<G><<<g.grid, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), exp_avg_sq_row, exp_avg_sq_col, workspace,
-        rows, cols, g.rows_per_block, grad_args);
+        rows, cols, slice, g.rows_per_block, grad_args);
   });
   return launch_status(ok);
 }
@@ -403,19 +426,21 @@ int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* ex
 int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                                 const float* exp_avg_sq_row, const float* exp_avg_sq_col,
                                 const float* workspace, int64_t rows, int64_t cols,
-                                AdalomoStepArgs step, AdalomoGradArgs grad_args,
-                                LomoRoundingArgs rounding, cudaStream_t stream) {
+                                int64_t offset, int64_t n, AdalomoStepArgs step,
+                                AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
+                                cudaStream_t stream) {
   if (step.lr == nullptr) return kMissingScalar;
-  if (rows <= 0 || cols <= 0) return 0;
-  const FactoredGrid g = factored_grid(rows, cols);
+  if (rows <= 0 || cols <= 0 || n <= 0) return 0;
+  const FactoredGrid g = factored_grid(slice_rows(cols, offset, n), cols);
+  const MatrixSlice slice{offset, offset + n};
   const bool ok = lomo::dispatch_write_back(
       param_dtype, grad_dtype, rounding.stochastic != 0, [&](auto p_tag, auto g_tag, auto sr) {
         using P = decltype(p_tag);
         using G = decltype(g_tag);
         factored_apply_kernel<P, G, decltype(sr)::value><<<g.grid, kThreads, 0, stream>>>(
             static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
-            exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, g.rows_per_block, step,
-            grad_args, rounding);
+            exp_avg_sq_row, exp_avg_sq_col, workspace, rows, cols, slice, g.rows_per_block,
+            step, grad_args, rounding);
       });
   return launch_status(ok);
 }
@@ -440,9 +465,9 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
 
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
-                              const float* beta2, float eps0, AdalomoStepArgs step,
-                              AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
-                              cudaStream_t stream) {
+                              int64_t offset, int64_t full_numel, const float* beta2,
+                              float eps0, AdalomoStepArgs step, AdalomoGradArgs grad_args,
+                              LomoRoundingArgs rounding, cudaStream_t stream) {
   if (beta2 == nullptr || step.lr == nullptr) return kMissingScalar;
   if (n <= 0) return 0;
   const unsigned blocks = vector_blocks(n);
@@ -452,7 +477,8 @@ int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, in
         using G = decltype(g_tag);
         vector_apply_kernel<P, G, decltype(sr)::value><<<blocks, kThreads, 0, stream>>>(
             static_cast<typename P::T*>(param), static_cast<const typename G::T*>(grad),
-            exp_avg_sq, workspace, n, beta2, eps0, step, grad_args, rounding);
+            exp_avg_sq, workspace, n, offset, full_numel, beta2, eps0, step, grad_args,
+            rounding);
       });
   return launch_status(ok);
 }

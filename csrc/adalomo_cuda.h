@@ -45,15 +45,20 @@ int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,
                                   const float* beta2, const float* clip_coef, float eps0,
                                   cudaStream_t stream);
 
+// Passes B and C: grad (and param) hold the n flat elements [offset, offset + n) of the
+// [rows, cols] matrix of the moments (offset 0, n = rows * cols: all of it); the write-back's
+// rms values are the matrix's and its rounding draws the bits of the flat index in it.
 int adalomo_cuda_factored_norm(const void* grad, int grad_dtype, const float* exp_avg_sq_row,
                                const float* exp_avg_sq_col, float* workspace, int64_t rows,
-                               int64_t cols, AdalomoGradArgs grad_args, cudaStream_t stream);
+                               int64_t cols, int64_t offset, int64_t n,
+                               AdalomoGradArgs grad_args, cudaStream_t stream);
 
 int adalomo_cuda_factored_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                                 const float* exp_avg_sq_row, const float* exp_avg_sq_col,
                                 const float* workspace, int64_t rows, int64_t cols,
-                                AdalomoStepArgs step, AdalomoGradArgs grad_args,
-                                LomoRoundingArgs rounding, cudaStream_t stream);
+                                int64_t offset, int64_t n, AdalomoStepArgs step,
+                                AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
+                                cudaStream_t stream);
 
 int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* param,
                               int param_dtype, const float* exp_avg_sq, float* workspace,
@@ -61,8 +66,10 @@ int adalomo_cuda_vector_stats(const void* grad, int grad_dtype, const void* para
                               const float* beta2, float eps0, AdalomoGradArgs grad_args,
                               cudaStream_t stream);
 
+// param, grad and v hold the n elements [offset, offset + n) of a vector of full_numel.
 int adalomo_cuda_vector_apply(void* param, int param_dtype, const void* grad, int grad_dtype,
                               float* exp_avg_sq, const float* workspace, int64_t n,
+                              int64_t offset, int64_t full_numel,
                               const float* beta2, float eps0, AdalomoStepArgs step,
                               AdalomoGradArgs grad_args, LomoRoundingArgs rounding,
                               cudaStream_t stream);

@@ -74,7 +74,8 @@ void factored_norm_(const op_bindings::FactoredNorm& a) {
   check_launch(adalomo_cuda_factored_norm(
       a.grad.const_data_ptr(), dtype_code(a.grad, "grad"), ptr(a.exp_avg_sq_row),
       ptr(a.exp_avg_sq_col), ptr(a.workspace), a.exp_avg_sq_row.numel(),
-      a.exp_avg_sq_col.numel(), grad_args(a.grad, a.grad_args), current_stream()));
+      a.exp_avg_sq_col.numel(), a.offset, a.grad.numel(), grad_args(a.grad, a.grad_args),
+      current_stream()));
 }
 
 void factored_apply_(const op_bindings::FactoredApply& a) {
@@ -83,8 +84,8 @@ void factored_apply_(const op_bindings::FactoredApply& a) {
   check_launch(adalomo_cuda_factored_apply(
       a.param.data_ptr(), dtype_code(a.param, "param"), a.grad.const_data_ptr(),
       dtype_code(a.grad, "grad"), ptr(a.exp_avg_sq_row), ptr(a.exp_avg_sq_col),
-      ptr(a.workspace), a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel(),
-      step_args(a.param, a.step), grad_args(a.param, a.grad_args),
+      ptr(a.workspace), a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel(), a.offset,
+      a.param.numel(), step_args(a.param, a.step), grad_args(a.param, a.grad_args),
       binding::rounding_args(a.param, a.rounding), current_stream()));
 }
 
@@ -107,8 +108,8 @@ void vector_apply_(const op_bindings::VectorApply& a) {
   check_launch(adalomo_cuda_vector_apply(
       a.param.data_ptr(), dtype_code(a.param, "param"), a.grad.const_data_ptr(),
       dtype_code(a.grad, "grad"), ptr(a.exp_avg_sq), ptr(a.workspace), a.param.numel(),
-      scalar_ptr(a.beta2, device, "beta2"), static_cast<float>(a.eps0),
-      step_args(a.param, a.step), grad_args(a.param, a.grad_args),
+      a.offset, a.full_numel, scalar_ptr(a.beta2, device, "beta2"),
+      static_cast<float>(a.eps0), step_args(a.param, a.step), grad_args(a.param, a.grad_args),
       binding::rounding_args(a.param, a.rounding), current_stream()));
 }
 

@@ -264,12 +264,17 @@ inline void check_moments(const at::Tensor& exp_avg_sq_row, const at::Tensor& ex
   check_workspace(workspace, rows + cols, device);
 }
 
-// Passes B and C: grad or param of the moments' rows * cols elements.
+// Passes B and C: grad or param holding the flat elements [offset, offset + numel) of the
+// moments' rows * cols.
 inline void check_tile(const at::Tensor& t, const at::Tensor& exp_avg_sq_row,
-                       const at::Tensor& exp_avg_sq_col, c10::DeviceType device,
+                       const at::Tensor& exp_avg_sq_col, int64_t offset, c10::DeviceType device,
                        const char* what) {
-  check_sized(t, exp_avg_sq_row.numel() * exp_avg_sq_col.numel(), device, what,
-              "the moments' rows * cols");
+  check_dense(t, device, what);
+  check_offset(offset, t.numel());
+  const int64_t matrix = exp_avg_sq_row.numel() * exp_avg_sq_col.numel();
+  TORCH_CHECK(offset + t.numel() <= matrix, "lomo_kernels: ", what, " of ", t.numel(),
+              " elements at offset ", offset, " ends past the moments' rows * cols (", matrix,
+              ")");
 }
 
 inline void check_operands(const op_bindings::FactoredMoments& a, c10::DeviceType device) {
@@ -278,13 +283,13 @@ inline void check_operands(const op_bindings::FactoredMoments& a, c10::DeviceTyp
 
 inline void check_operands(const op_bindings::FactoredNorm& a, c10::DeviceType device) {
   check_moments(a.exp_avg_sq_row, a.exp_avg_sq_col, a.workspace, device);
-  check_tile(a.grad, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "grad");
+  check_tile(a.grad, a.exp_avg_sq_row, a.exp_avg_sq_col, a.offset, device, "grad");
 }
 
 inline void check_operands(const op_bindings::FactoredApply& a, c10::DeviceType device) {
   check_moments(a.exp_avg_sq_row, a.exp_avg_sq_col, a.workspace, device);
-  check_tile(a.param, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "param");
-  check_tile(a.grad, a.exp_avg_sq_row, a.exp_avg_sq_col, device, "grad");
+  check_tile(a.param, a.exp_avg_sq_row, a.exp_avg_sq_col, a.offset, device, "param");
+  check_with_grad(a.param, a.grad, device, "param");
 }
 
 // Passes A1 and C1 of a 1-D parameter.
@@ -302,6 +307,10 @@ inline void check_operands(const op_bindings::VectorStats& a, c10::DeviceType de
 
 inline void check_operands(const op_bindings::VectorApply& a, c10::DeviceType device) {
   check_vector_operands(a, device);
+  check_offset(a.offset, a.param.numel());
+  TORCH_CHECK(a.offset + a.param.numel() <= a.full_numel && a.full_numel > 0, "lomo_kernels: ",
+              a.param.numel(), " elements at offset ", a.offset,
+              " do not fit a parameter of full_numel ", a.full_numel);
 }
 
 }  // namespace binding

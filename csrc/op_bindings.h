@@ -224,12 +224,15 @@ struct FactoredMoments {
   double eps0;
 };
 
+// Passes B and C: grad (and param) hold the flat elements [offset, offset + numel) of the
+// moments' [rows, cols] matrix (the whole of it at offset 0).
 struct FactoredNorm {
   const at::Tensor& grad;
   const at::Tensor& exp_avg_sq_row;
   const at::Tensor& exp_avg_sq_col;
   const at::Tensor& workspace;
   GradArgs grad_args;
+  int64_t offset;
 };
 
 struct FactoredApply {
@@ -241,6 +244,7 @@ struct FactoredApply {
   StepArgs step;
   GradArgs grad_args;
   RoundingArgs rounding;
+  int64_t offset;
 };
 
 struct VectorStats {
@@ -265,6 +269,9 @@ struct VectorApply {
   StepArgs step;
   GradArgs grad_args;
   RoundingArgs rounding;
+  // param, grad and v hold elements [offset, offset + numel) of a vector of full_numel.
+  int64_t offset;
+  int64_t full_numel;
 };
 
 // One extension's implementation of every AdaLomo pass.
@@ -294,9 +301,9 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
   const auto norm = [ops](const at::Tensor& grad, const at::Tensor& exp_avg_sq_row,
                           const at::Tensor& exp_avg_sq_col, const at::Tensor& workspace,
                           const OptTensor& inv_scale, std::optional<double> clip_value,
-                          const OptTensor& clip_coef) {
+                          const OptTensor& clip_coef, int64_t offset) {
     ops.factored_norm({grad, exp_avg_sq_row, exp_avg_sq_col, workspace,
-                       {inv_scale, clip_value, clip_coef}});
+                       {inv_scale, clip_value, clip_coef}, offset});
   };
   const auto apply = [ops](const at::Tensor& param, const at::Tensor& grad,
                            const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
@@ -304,11 +311,11 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
                            double clip_threshold, double weight_decay,
                            const OptTensor& inv_scale, std::optional<double> clip_value,
                            const OptTensor& clip_coef, bool stochastic_rounding, uint64_t seed,
-                           const OptTensor& seed_step) {
+                           const OptTensor& seed_step, int64_t offset) {
     ops.factored_apply({param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace,
                         {lr, eps1, clip_threshold, weight_decay},
                         {inv_scale, clip_value, clip_coef},
-                        {stochastic_rounding, seed, seed_step}});
+                        {stochastic_rounding, seed, seed_step}, offset});
   };
   const auto vector_stats = [ops](const at::Tensor& grad, const at::Tensor& param,
                                   const at::Tensor& exp_avg_sq, const at::Tensor& workspace,
@@ -325,11 +332,12 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
                                   double eps1, double clip_threshold, double weight_decay,
                                   const OptTensor& inv_scale, std::optional<double> clip_value,
                                   const OptTensor& clip_coef, bool stochastic_rounding,
-                                  uint64_t seed, const OptTensor& seed_step) {
+                                  uint64_t seed, const OptTensor& seed_step, int64_t offset,
+                                  int64_t full_numel) {
     ops.vector_apply({param, grad, exp_avg_sq, workspace, beta2, eps0,
                       {lr, eps1, clip_threshold, weight_decay},
                       {inv_scale, clip_value, clip_coef},
-                      {stochastic_rounding, seed, seed_step}});
+                      {stochastic_rounding, seed, seed_step}, offset, full_numel});
   };
   m.def("factored_stats_", stats, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
         py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
@@ -339,13 +347,13 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
         py::arg("beta2"), py::arg("clip_coef"), py::arg("eps0"));
   m.def("factored_norm_", norm, "AdaLomo pass B (>= 2-D)", py::arg("grad"),
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
-        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"));
+        py::arg("inv_scale"), py::arg("clip_value"), py::arg("clip_coef"), py::arg("offset"));
   m.def("factored_apply_", apply, "AdaLomo pass C (>= 2-D)", py::arg("param"),
         py::arg("grad"), py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"),
         py::arg("workspace"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
         py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
         py::arg("clip_coef"), py::arg("stochastic_rounding"), py::arg("seed"),
-        py::arg("seed_step"));
+        py::arg("seed_step"), py::arg("offset"));
   m.def("vector_stats_", vector_stats, "AdaLomo pass A1 (1-D)", py::arg("grad"),
         py::arg("param"), py::arg("exp_avg_sq"), py::arg("workspace"), py::arg("found_inf"),
         py::arg("skip_if"), py::arg("beta2"), py::arg("eps0"), py::arg("inv_scale"),
@@ -355,7 +363,7 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
         py::arg("eps0"), py::arg("lr"), py::arg("eps1"), py::arg("clip_threshold"),
         py::arg("weight_decay"), py::arg("inv_scale"), py::arg("clip_value"),
         py::arg("clip_coef"), py::arg("stochastic_rounding"), py::arg("seed"),
-        py::arg("seed_step"));
+        py::arg("seed_step"), py::arg("offset"), py::arg("full_numel"));
 }
 
 }  // namespace op_bindings

@@ -22,6 +22,7 @@ An argument's kind says what it is to the kernels and how a public call may give
     seed     a Python int in [0, 2**63)
     int      a Python int (a shape)
     offset   a Python int >= 0 a call gives: a slice's flat offset in its parameter
+    count    a Python int >= 0 a call gives: the element count of the parameter a slice is of
     const    a Python int a compiled graph specialises on (a label to ignore, a row count)
     bool     a Python bool
 """
@@ -49,6 +50,7 @@ _SCHEMA_TYPES = {
     "seed": "SymInt",
     "int": "SymInt",
     "offset": "SymInt",
+    "count": "SymInt",
     "const": "int",
     "bool": "bool",
 }
@@ -120,7 +122,7 @@ class Arg:
             return lambda v, device: bool(v)
         if self.kind in ("int", "const"):
             return lambda v, device: int(v)
-        if self.kind == "offset":
+        if self.kind in ("offset", "count"):  # an element index, or a number of elements
             return lambda v, device: _offset(name, v)
         return None
 

@@ -1079,7 +1079,7 @@ def _ada_prepared(
         state = (torch.zeros(rows), torch.zeros(cols))
         ada_reference.factored_stats_(grad, param, workspace, None, None, cols, inv, cv)
         ada_reference.factored_moments_(*state, workspace, _t(ADA_BETA2), cc, ADA_EPS0)
-        ada_reference.factored_norm_(grad, *state, workspace, inv, cv, cc)
+        ada_reference.factored_norm_(grad, *state, workspace, inv, cv, cc, 0)
     else:
         state = (torch.zeros(param.numel()),)
         ada_reference.vector_stats_(
@@ -1117,10 +1117,20 @@ def _ada_apply(
         )
     rounding = (stochastic_rounding, seed, seed_step)
     if param.dim() >= 2:
-        backend.factored_apply_(param, grad, *state, workspace, *step, *transform, *rounding)
+        backend.factored_apply_(param, grad, *state, workspace, *step, *transform, *rounding, 0)
     else:
         backend.vector_apply_(
-            param, grad, *state, workspace, _t(beta2), ADA_EPS0, *step, *transform, *rounding
+            param,
+            grad,
+            *state,
+            workspace,
+            _t(beta2),
+            ADA_EPS0,
+            *step,
+            *transform,
+            *rounding,
+            0,
+            param.numel(),
         )
     return param, state
 

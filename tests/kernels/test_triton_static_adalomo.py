@@ -66,16 +66,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         fi, sk = (torch.zeros(1), torch.zeros(1)) if every_option else (None, None)
         a.factored_stats_(g, p, ws, fi, sk, 4097, inv, cv)
         a.factored_moments_(r, c, ws, scalar(0.9), cc, 1e-30)
-        a.factored_norm_(g, r, c, ws, inv, cv, cc)
+        a.factored_norm_(g, r, c, ws, inv, cv, cc, 0)
         # The per-step seed with the other optional inputs; fp32 ignores stochastic rounding.
         step = torch.zeros(1, dtype=torch.int64) if every_option else None
         v, p1, g1, ws1 = torch.zeros(p.numel()), p.view(-1), g.view(-1), torch.zeros(5)
         a.vector_stats_(g1, p1, v, ws1, fi, sk, scalar(0.9), 1e-30, inv, cv, cc)
         for sr in (False, True):
             a.factored_apply_(p, g, r, c, ws, scalar(0.1), 1e-3, 1.0, 0.1, inv, cv, cc, sr,
-                              2**63 + 17, step)
+                              2**63 + 17, step, 0)
             a.vector_apply_(p1, g1, v, ws1, scalar(0.9), 1e-30, scalar(0.1), 1e-3, 1.0, 0.1, inv,
-                            cv, cc, sr, 2**63 + 17, step)
+                            cv, cc, sr, 2**63 + 17, step, 0, p1.numel())
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")

@@ -423,9 +423,9 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
                 grad, param, workspace, found_inf, None, shape[-1], *grad_args[:2]
             )
             reference.factored_moments_(row, col, workspace, beta2, grad_args[2], 1e-30)
-            reference.factored_norm_(grad, row, col, workspace, *grad_args)
+            reference.factored_norm_(grad, row, col, workspace, *grad_args, 0)
             reference.factored_apply_(
-                param, grad, row, col, workspace, *step_args, *grad_args, *rounding
+                param, grad, row, col, workspace, *step_args, *grad_args, *rounding, 0
             )
         else:
             v = state["exp_avg_sq"]
@@ -433,7 +433,17 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
                 grad, param, v, workspace, found_inf, None, beta2, 1e-30, *grad_args
             )
             reference.vector_apply_(
-                param, grad, v, workspace, beta2, 1e-30, *step_args, *grad_args, *rounding
+                param,
+                grad,
+                v,
+                workspace,
+                beta2,
+                1e-30,
+                *step_args,
+                *grad_args,
+                *rounding,
+                0,
+                param.numel(),
             )
     vectors = workspace.numel()
     largest = max(numel for _, numel in recorder.calls)

@@ -28,7 +28,7 @@ BINDINGS = {
 }
 SPECS = [spec for _, specs in FAMILIES.values() for spec in specs]
 # A valid public value of each kind of argument (tensors and flags: None passes unchecked).
-VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "offset": 0, "bool": False}
+VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "offset": 0, "count": 1, "bool": False}
 
 
 def test_every_op_is_declared_once():
@@ -162,11 +162,11 @@ def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
 
 @pytest.mark.parametrize("bad", [-1, 2.0, True, None, 2**63])
 def test_offsets_are_refused_unless_a_non_negative_int(bad):
-    """The 8-bit buffer's ops and the dense update and accumulation take a slice's flat
-    offset, an int64 element index: refused by name otherwise (2**63 overflowed the torch
-    and C++ backends, and Triton ran it)."""
+    """The 8-bit buffer's ops, the dense update and accumulation, and AdaLomo's factored
+    update passes take a slice's flat offset, an int64 element index: refused by name
+    otherwise (2**63 overflowed the torch and C++ backends, and Triton ran it)."""
     with_offset = [s for s in SPECS if any(a.kind == "offset" for a in s.args)]
-    assert len(with_offset) == 5
+    assert len(with_offset) == 8
     for spec in with_offset:
         values = {a.name: VALID.get(a.kind) for a in spec.args}
         values["offset"] = bad

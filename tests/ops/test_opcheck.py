@@ -123,10 +123,20 @@ def _adalomo_cases() -> list[tuple]:
             (g2, p2, ws2, torch.zeros(1), None, cols, inv_scale, clip_value),
         ),
         (OPS.adalomo_factored_moments_, (row, col, ws2, beta2, clip_coef, 1e-30)),
-        (OPS.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args)),
+        (OPS.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args, 0)),
         (
             OPS.adalomo_factored_apply_,
-            (p2, g2, row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args, False, 0, None),
+            (p2, g2, row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args, False, 0, None, 0),
+        ),
+        # A shard's slice: flat elements [7, 41) of the [rows, cols] matrix, cut mid-row.
+        (OPS.adalomo_factored_norm_, (g2.reshape(-1)[7:41].clone(), row, col, ws2, *grad_args, 7)),
+        (
+            OPS.adalomo_factored_apply_,
+            (
+                p2.reshape(-1)[7:41].to(torch.bfloat16),
+                g2.reshape(-1)[7:41].clone(),
+                *(row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args, True, 5, step, 7),
+            ),
         ),
         (
             OPS.adalomo_vector_stats_,
@@ -134,7 +144,29 @@ def _adalomo_cases() -> list[tuple]:
         ),
         (
             OPS.adalomo_vector_apply_,
-            (p1, g1, v, ws1, beta2, 1e-30, lr, 1e-3, 1.0, 0.0, *grad_args, True, 5, step),
+            (p1, g1, v, ws1, beta2, 1e-30, lr, 1e-3, 1.0, 0.0, *grad_args, True, 5, step, 0, n),
+        ),
+        # A shard's slice: elements [9, 33) of a vector of 40.
+        (
+            OPS.adalomo_vector_apply_,
+            (
+                p1[9:].clone(),
+                g1[9:].clone(),
+                v[9:].clone(),
+                ws1,
+                beta2,
+                1e-30,
+                lr,
+                1e-3,
+                1.0,
+                0.0,
+                *grad_args,
+                True,
+                5,
+                step,
+                9,
+                40,
+            ),  # fmt: skip
         ),
     ]
 

@@ -44,7 +44,7 @@ def prepared_write_back(shape, pdt: str, gdt: str):
         )
         adalomo_reference.factored_moments_(row, col, workspace, k["beta2"], k["clip_coef"], 1e-30)
         adalomo_reference.factored_norm_(
-            grad, row, col, workspace, k["inv_scale"], clip, k["clip_coef"]
+            grad, row, col, workspace, k["inv_scale"], clip, k["clip_coef"], 0
         )
     else:
         adalomo_reference.vector_stats_(
@@ -66,10 +66,12 @@ def adalomo_write_back(
     tail += (a["clip_coef"], sr, seed, seed_step)
     if param.dim() >= 2:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        module.factored_apply_(param, grad, row, col, workspace, a["lr"], *tail)
+        module.factored_apply_(param, grad, row, col, workspace, a["lr"], *tail, 0)
     else:
         v = state["exp_avg_sq"]
-        module.vector_apply_(param, grad, v, workspace, a["beta2"], a["eps0"], a["lr"], *tail)
+        module.vector_apply_(
+            param, grad, v, workspace, a["beta2"], a["eps0"], a["lr"], *tail, 0, param.numel()
+        )
     return param, state
 
 

@@ -103,23 +103,26 @@ def _apply(
     write_back,
     update,
     offs,
+    index,
     mask,
     PARAM_KIND: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,
 ):
-    """p = p * decay - scale * update at the flat indices `offs` (`_write_back`), stored in
-    the parameter's dtype, rounded to nearest even or stochastically under the key
+    """p = p * decay - scale * update at the offsets `offs` of the parameter's pointer
+    (`_write_back`), stored in its dtype, rounded to nearest even or stochastically under the
+    key with the bits of flat indices `index` in the whole parameter
     (`rounding_kernels.to_storage`)."""
     param_ptr, scale, decay, key = write_back
     new = _load_fp32(param_ptr, offs, mask, PARAM_KIND) * decay - scale * update
-    out = _to_storage(new, offs, key, PARAM_KIND, STOCHASTIC_ROUNDING)
+    out = _to_storage(new, index, key, PARAM_KIND, STOCHASTIC_ROUNDING)
     tl.store(param_ptr + offs, out, mask=mask)
 
 
 @triton.jit
-def _row_group(rows, rows_per_prog, BLOCK_M: tl.constexpr):
-    """(first row, end row, iterations) of this program's row group."""
-    row_start = tl.program_id(1).to(tl.int64) * rows_per_prog
+def _row_group(rows, rows_per_prog, first_row, BLOCK_M: tl.constexpr):
+    """(first row, end row, iterations) of this program's row group; the grid's rows start
+    at `first_row` and end at `rows`."""
+    row_start = first_row + tl.program_id(1).to(tl.int64) * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, rows)
     return row_start, row_end, tl.cdiv(row_end - row_start, BLOCK_M)
 
@@ -164,7 +167,7 @@ def factored_stats_kernel(
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
         inv_scale = _factor(inv_scale_ptr)
-        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, 0, BLOCK_M)
         cols_idx, col_mask = _column_block(cols, BLOCK_N)
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -242,17 +245,27 @@ def _update_tiles(
     stats_ptr,
     rows,
     cols,
+    offset,
+    n,
     rows_per_prog,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """(tiles, iterations) of this program's part of r_i * c_j * g_ij (passes B and C): tiles
-    holds the row group, the column block and its c_j = rsqrt(C_j), and mean(R)."""
-    row_start, row_end, n_iter = _row_group(rows, rows_per_prog, BLOCK_M)
+    """(tiles, iterations) of this program's part of r_i * c_j * g_ij (passes B and C) over
+    the flat elements [offset, offset + n) of the [rows, cols] matrix, which grad (and param)
+    hold from their element 0: tiles holds the row group (of the rows the slice touches),
+    the column block and its c_j = rsqrt(C_j), mean(R) and the slice's bounds."""
+    begin = offset.to(tl.int64)
+    end = begin + n
+    first_row = begin // cols
+    row_start, row_end, n_iter = _row_group(
+        (end + cols - 1) // cols, rows_per_prog, first_row, BLOCK_M
+    )
     cols_idx, col_mask = _column_block(cols, BLOCK_N)
     c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
     mean = tl.load(stats_ptr + R_SUM) / rows
-    return (row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c), n_iter
+    tiles = (row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c, begin, end)
+    return tiles, n_iter
 
 
 @triton.jit
@@ -265,19 +278,20 @@ def _factored_update(
     HAS_CLIP_COEF: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """(update, offsets, mask) of tile `it` of `tiles` ([BLOCK_M, BLOCK_N]): r_i * c_j * g_ij,
-    with r_i = rsqrt(R_i / mean(R))."""
-    row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c = tiles
+    """(update, flat indices in the matrix, offsets in grad, mask) of tile `it` of `tiles`
+    ([BLOCK_M, BLOCK_N]): r_i * c_j * g_ij, with r_i = rsqrt(R_i / mean(R))."""
+    row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c, begin, end = tiles
     rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows_idx < row_end
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows_idx[:, None] * cols + cols_idx[None, :]
+    index = rows_idx[:, None] * cols + cols_idx[None, :]
+    mask = row_mask[:, None] & col_mask[None, :] & (index >= begin) & (index < end)
+    offs = index - begin
     r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
     g, _ = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
-    return (r[:, None] * c[None, :]) * g, offs, mask
+    return (r[:, None] * c[None, :]) * g, index, offs, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset", "n"])
 def factored_norm_kernel(
     grad_ptr,
     row_state_ptr,
@@ -285,6 +299,8 @@ def factored_norm_kernel(
     ws_ptr,
     rows,
     cols,
+    offset,
+    n,
     rows_per_prog,
     inv_scale_ptr,
     clip_value,
@@ -295,23 +311,33 @@ def factored_norm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2)."""
+    """Pass B: U_SUMSQ += sum((rsqrt(R_i / mean(R)) * rsqrt(C_j) * g_ij)^2) over the slice
+    `grad` of the matrix's flat elements [offset, offset + n)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         tiles, n_iter = _update_tiles(
-            row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
+            row_state_ptr,
+            col_state_ptr,
+            stats_ptr,
+            rows,
+            cols,
+            offset,
+            n,
+            rows_per_prog,
+            BLOCK_M,
+            BLOCK_N,
         )
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for it in range(0, n_iter):
-            update, _, mask = _factored_update(
+            update, _, _, mask = _factored_update(
                 source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
             acc += tl.where(mask, update * update, 0.0)
         tl.atomic_add(stats_ptr + U_SUMSQ, tl.sum(acc), sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize=["offset", "n", "seed_lo", "seed_hi"])
 def factored_apply_kernel(
     param_ptr,
     grad_ptr,
@@ -320,6 +346,8 @@ def factored_apply_kernel(
     ws_ptr,
     rows,
     cols,
+    offset,
+    n,
     rows_per_prog,
     numel_f,
     lr_ptr,
@@ -340,9 +368,10 @@ def factored_apply_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Pass C: p = p * decay - scale * r_i * c_j * g_ij (nothing written when skipped),
-    rounded as the LOMO update rounds (key `seed_lo ^ mix32(seed_hi ^ step)`, the step read
-    here from `seed_step_ptr`)."""
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij over the slice `param` of the
+    matrix's flat elements [offset, offset + n) (nothing written when skipped), rounded as
+    the LOMO update rounds (key `seed_lo ^ mix32(seed_hi ^ step)`, the step read here from
+    `seed_step_ptr`, the bits of each element's flat index in the matrix)."""
     stats_ptr = ws_ptr + rows + cols
     if tl.load(stats_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
@@ -350,13 +379,22 @@ def factored_apply_kernel(
         rounding = (seed_lo, seed_hi, seed_step_ptr)
         write_back = _write_back(param_ptr, stats_ptr, numel_f, step, rounding, STOCHASTIC_ROUNDING)
         tiles, n_iter = _update_tiles(
-            row_state_ptr, col_state_ptr, stats_ptr, rows, cols, rows_per_prog, BLOCK_M, BLOCK_N
+            row_state_ptr,
+            col_state_ptr,
+            stats_ptr,
+            rows,
+            cols,
+            offset,
+            n,
+            rows_per_prog,
+            BLOCK_M,
+            BLOCK_N,
         )
         for it in range(0, n_iter):
-            update, offs, mask = _factored_update(
+            update, index, offs, mask = _factored_update(
                 source, tiles, it, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF, BLOCK_M
             )
-            _apply(write_back, update, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
+            _apply(write_back, update, offs, index, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
 
 
 # ----------------------------------------------------------------------------- 1-D
@@ -416,13 +454,14 @@ def vector_stats_kernel(
         tl.atomic_max(ws_ptr + SKIP, 1.0)
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize=["offset", "seed_lo", "seed_hi"])
 def vector_apply_kernel(
     param_ptr,
     grad_ptr,
     v_ptr,
     ws_ptr,
     n,
+    offset,
     numel_f,
     beta2_ptr,
     eps0,
@@ -444,7 +483,8 @@ def vector_apply_kernel(
     BLOCK: tl.constexpr,
 ):
     """Pass C1: v = v_new, p = p * decay - scale * g * rsqrt(v_new) (nothing when skipped),
-    rounded as in pass C."""
+    rounded as in pass C with the bits of index offset + j (param a slice at `offset` of a
+    vector of numel_f elements)."""
     if tl.load(ws_ptr + SKIP) == 0:
         source = _grad_source(grad_ptr, inv_scale_ptr, clip_value, clip_coef_ptr)
         step = (lr_ptr, eps1, clip_threshold, weight_decay)
@@ -455,4 +495,5 @@ def vector_apply_kernel(
             source, v_ptr, offs, mask, beta2_ptr, eps0, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF
         )
         tl.store(v_ptr + offs, v_new, mask=mask)
-        _apply(write_back, update, offs, mask, PARAM_KIND, STOCHASTIC_ROUNDING)
+        index = offset.to(tl.int64) + offs
+        _apply(write_back, update, offs, index, mask, PARAM_KIND, STOCHASTIC_ROUNDING)

@@ -314,11 +314,13 @@ def run_adalomo_passes_(
     param = arguments["param"]
     if param.dim() >= 2:
         arguments["cols"] = param.shape[-1]
+        arguments["offset"] = 0  # the whole tensor (slices: `optim/adalomo_slices.py`)
         between = None
         if on_grad_sumsq is not None:
             between = functools.partial(on_grad_sumsq, measured_view(arguments["workspace"]))
         _FACTORED_PASSES(backend, arguments, between)
     else:
+        arguments.update(offset=0, full_numel=param.numel())  # the whole tensor
         _VECTOR_PASSES(backend, arguments)
 
 
@@ -329,7 +331,8 @@ def _check_factored(
     col: torch.Tensor | None,
     workspace: torch.Tensor,
 ) -> None:
-    """The arguments of a factored pass; `param_or_grad` is grad itself in pass B."""
+    """The arguments of a factored pass over a whole tensor; `param_or_grad` is grad itself
+    in pass B."""
     check_pair(param_or_grad, grad)
     if param_or_grad.dim() < 2:
         raise ValueError("lomo_kernels: factored passes need a tensor with >= 2 dims")
@@ -340,6 +343,38 @@ def _check_factored(
     if col is not None:
         _check_state("exp_avg_sq_col", col, cols, device)
     _check_workspace(workspace, param_or_grad.shape, device)
+
+
+def _check_factored_update(
+    param_or_grad: torch.Tensor,
+    grad: torch.Tensor,
+    row: torch.Tensor,
+    col: torch.Tensor,
+    workspace: torch.Tensor,
+    offset: int,
+) -> None:
+    """The arguments of pass B or C: a tensor of the moments' shape at offset 0 (as
+    `_check_factored`), or a 1-D slice of their [rows, cols] matrix at flat `offset`."""
+    if param_or_grad.dim() >= 2:
+        if offset:
+            raise ValueError(
+                f"lomo_kernels: offset {offset} is for a 1-D slice of the moments' matrix, got "
+                f"a tensor of shape {tuple(param_or_grad.shape)}: pass its flat view"
+            )
+        _check_factored(param_or_grad, grad, row, col, workspace)
+        return
+    check_pair(param_or_grad, grad)
+    device = param_or_grad.device
+    rows, cols = row.numel(), col.numel()
+    _check_state("exp_avg_sq_row", row, rows, device)
+    _check_state("exp_avg_sq_col", col, cols, device)
+    _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
+    # (the offset's type and sign are the spec's to check)
+    if isinstance(offset, int) and offset + param_or_grad.numel() > rows * cols:
+        raise ValueError(
+            f"lomo_kernels: a slice of {param_or_grad.numel()} elements at offset {offset!r} "
+            f"does not fit the moments' {rows} x {cols} matrix"
+        )
 
 
 def _run(op: FusedOp, backend: str | None, device: torch.device, public: dict, **derived) -> None:
@@ -408,10 +443,14 @@ def adalomo_factored_norm_(
     inv_scale: Scalar | None = 1.0,
     clip_value: float | None = None,
     clip_coef: Scalar | None = None,
+    offset: int = 0,
     backend: str | None = None,
 ) -> None:
-    """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot."""
-    _check_factored(grad, grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    """Pass B: adds ``sum((g * rsqrt(R_i / mean(R)) * rsqrt(C_j))^2)`` to the U_SUMSQ slot.
+
+    `grad` has the moments' shape, or is a 1-D slice of their [rows, cols] matrix holding its
+    flat elements [offset, offset + numel) (a shard's part of the sum)."""
+    _check_factored_update(grad, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, offset)
     _run(factored_norm_op, backend, grad.device, locals())
 
 
@@ -432,15 +471,19 @@ def adalomo_factored_apply_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
+    offset: int = 0,
     backend: str | None = None,
 ) -> None:
     """Pass C: ``param = param * decay - scale * update`` unless SKIP is set.
 
     ``lr_t = lr * max(eps1, rms(param))``, ``scale = lr_t / max(1, rms(update) /
-    clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums; the
-    write-back rounds as `adalomo_update_`'s.
+    clip_threshold)``, ``decay = 1 - lr_t * weight_decay``, from the workspace sums over the
+    moments' whole [rows, cols] matrix; the write-back rounds as `adalomo_update_`'s. `param`
+    and `grad` have the moments' shape, or are 1-D slices of that matrix holding its flat
+    elements [offset, offset + numel): the rounding then draws the bits of each element's
+    index in the whole matrix, so slices step as the whole tensor would.
     """
-    _check_factored(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace)
+    _check_factored_update(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, offset)
     check_rounding(param, stochastic_rounding)
     _run(factored_apply_op, backend, param.device, locals())
 
@@ -487,12 +530,26 @@ def adalomo_vector_apply_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     seed_step: torch.Tensor | None = None,
+    offset: int = 0,
+    full_numel: int | None = None,
     backend: str | None = None,
 ) -> None:
     """Pass C1: ``v = v_new``, ``param = param * decay - scale * g * rsqrt(v_new)`` unless
-    SKIP is set (scalars and rounding as in `adalomo_factored_apply_`)."""
+    SKIP is set (scalars and rounding as in `adalomo_factored_apply_`).
+
+    A shard's slice: `param`, `grad` and `exp_avg_sq` hold elements [offset, offset + numel)
+    of a 1-D parameter of `full_numel` elements (default: `param`'s own), whose sums the
+    workspace holds; the rounding draws the bits of each element's index in it."""
     _check_vector(param, grad, exp_avg_sq, workspace)
     check_rounding(param, stochastic_rounding)
+    if full_numel is None:
+        full_numel = param.numel()
+    # (the offset's type and sign are the spec's to check)
+    if isinstance(offset, int) and offset + param.numel() > full_numel:
+        raise ValueError(
+            f"lomo_kernels: a slice of {param.numel()} elements at offset {offset} does not "
+            f"fit a parameter of full_numel={full_numel} elements"
+        )
     _run(vector_apply_op, backend, param.device, locals())
 
 

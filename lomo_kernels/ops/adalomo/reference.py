@@ -22,6 +22,7 @@ pass A sums ``k = clamp(h, +-clip_value)^2`` per row and column, and the moments
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -246,6 +247,61 @@ def moment_factors(
     return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
 
 
+def row_pieces(offset: int, n: int, cols: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Splits flat elements [offset, offset + n) of a [*, cols] matrix into 2-D pieces.
+
+    Yields (start in the slice, first row, rows, first column, columns): a partial first row,
+    whole rows, a partial last row (each present only when non-empty); each piece is
+    contiguous in the slice.
+    """
+    pos, end = offset, offset + n
+    while pos < end:
+        row, col = divmod(pos, cols)
+        if col or end - pos < cols:
+            width = min(cols - col, end - pos)
+            yield pos - offset, row, 1, col, width
+            pos += width
+        else:
+            rows = (end - pos) // cols
+            yield pos - offset, row, rows, 0, cols
+            pos += rows * cols
+
+
+@dataclass(frozen=True)
+class SliceTile:
+    """A tile of at most CHUNK elements of a flat slice of a [rows, cols] matrix: rows
+    [r0, r1) and columns [c0, c1) of the matrix, inside one piece of `row_pieces` (its
+    elements `span` of the slice, `width` columns from `piece_col`)."""
+
+    span: slice
+    width: int
+    piece_row: int
+    piece_col: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This tile of a flat tensor holding the slice's elements (a view)."""
+        piece = flat[self.span].view(-1, self.width)
+        return piece[self.r0 - self.piece_row : self.r1 - self.piece_row,
+                     self.c0 - self.piece_col : self.c1 - self.piece_col]  # fmt: skip
+
+    def index(self, cols: int, device: torch.device) -> torch.Tensor:
+        """The tile's flat element indices in the whole matrix."""
+        return tile_index(self.r0, self.r1, self.c0, self.c1, cols, device)
+
+
+def slice_tiles(offset: int, n: int, cols: int) -> Iterator[SliceTile]:
+    """Tiles of at most CHUNK elements covering flat elements [offset, offset + n) of a
+    [*, cols] matrix; the whole matrix (offset 0) in `_tiles`' order."""
+    for start, row, rows, col, width in row_pieces(offset, n, cols):
+        span = slice(start, start + rows * width)
+        for r0, r1, c0, c1 in _tiles(rows, width):
+            yield SliceTile(span, width, row, col, row + r0, row + r1, col + c0, col + c1)
+
+
 def _factored_updates(
     grad: torch.Tensor,
     exp_avg_sq_row: torch.Tensor,
@@ -254,15 +310,17 @@ def _factored_updates(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
-) -> Iterator[tuple[slice, slice, torch.Tensor]]:
-    """(row slice, column slice, r_i * c_j * g_ij) per tile (passes B and C)."""
-    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    offset: int,
+) -> Iterator[tuple[SliceTile, torch.Tensor]]:
+    """(tile, r_i * c_j * g_ij) per tile of the slice `grad` at flat `offset` of the
+    moments' [rows, cols] matrix (passes B and C)."""
+    cols = exp_avg_sq_col.numel()
     r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, _stats_slots(workspace)[R_SUM])
     transform = GradTransform(inv_scale, clip_value, clip_coef)
-    g2 = grad.view(rows, cols)
-    for r0, r1, c0, c1 in _tiles(rows, cols):
-        g, _ = transform(g2[r0:r1, c0:c1])
-        yield slice(r0, r1), slice(c0, c1), (r[r0:r1, None] * c[None, c0:c1]) * g
+    flat = grad.reshape(-1)
+    for tile in slice_tiles(offset, flat.numel(), cols):
+        g, _ = transform(tile.of(flat))
+        yield tile, (r[tile.r0 : tile.r1, None] * c[None, tile.c0 : tile.c1]) * g
 
 
 def factored_norm_(
@@ -273,11 +331,12 @@ def factored_norm_(
     inv_scale: torch.Tensor | None,
     clip_value: float | None,
     clip_coef: torch.Tensor | None,
+    offset: int,
 ) -> None:
-    """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2)."""
+    """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2) over the slice `grad` at flat `offset`."""
     stats = _stats_slots(workspace)
-    for _, _, update in _factored_updates(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
+    for _, update in _factored_updates(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef, offset
     ):
         stats[U_SUMSQ] += (update * update).sum(dtype=F64)
 
@@ -298,22 +357,22 @@ def factored_apply_(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
+    offset: int,
 ) -> None:
-    """Pass C: p = p * decay - scale * r_i * c_j * g_ij, unless skipped; rounded as
-    `Rounding` says."""
+    """Pass C: p = p * decay - scale * r_i * c_j * g_ij over the slice `param` at flat
+    `offset`, unless skipped; the rms values are the whole matrix's (rows * cols elements),
+    rounded as `Rounding` says, keyed by the flat index in the whole matrix."""
+    n_cols = exp_avg_sq_col.numel()
     skip, scale, decay = _write_back_scalars(
-        workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
+        workspace, exp_avg_sq_row.numel() * n_cols, lr, eps1, clip_threshold, weight_decay
     )
     rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
-    n_cols = exp_avg_sq_col.numel()
-    p2 = param.view(exp_avg_sq_row.numel(), n_cols)
-    for rows, cols, update in _factored_updates(
-        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef
+    flat = param.view(-1)
+    for place, update in _factored_updates(
+        grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef, offset
     ):
-        tile = p2[rows, cols]
-        index = None
-        if rounding.stochastic:
-            index = tile_index(rows.start, rows.stop, cols.start, cols.stop, n_cols, param.device)
+        tile = place.of(flat)
+        index = place.index(n_cols, param.device) if rounding.stochastic else None
         new = tile.to(torch.float32) * decay - scale * update
         store_rounded(tile, new, skip, rounding, index)
 
@@ -396,11 +455,15 @@ def vector_apply_(
     stochastic_rounding: bool,
     seed: int,
     seed_step: torch.Tensor | None,
+    offset: int,
+    full_numel: int,
 ) -> None:
     """Pass C1: v = v_new and p = p * decay - scale * g * rsqrt(v_new), unless skipped;
-    rounded as `Rounding` says."""
+    rounded as `Rounding` says. `param` (and grad, v) hold elements [offset, offset + numel)
+    of a vector of `full_numel`: the rms values are its, the rounding keyed by the index in
+    it."""
     skip, scale, decay = _write_back_scalars(
-        workspace, param.numel(), lr, eps1, clip_threshold, weight_decay
+        workspace, full_numel, lr, eps1, clip_threshold, weight_decay
     )
     rounding = Rounding(param.dtype, stochastic_rounding, seed, seed_step)
     p1, v1 = param.view(-1), exp_avg_sq.view(-1)
@@ -410,7 +473,9 @@ def vector_apply_(
         tile = p1[span]
         index = None
         if rounding.stochastic:
-            index = torch.arange(span.start, span.stop, device=param.device, dtype=torch.int64)
+            index = offset + torch.arange(
+                span.start, span.stop, device=param.device, dtype=torch.int64
+            )
         new = tile.to(torch.float32) * decay - scale * update
         store_rounded(tile, new, skip, rounding, index)
         v1[span] = torch.where(skip, v1[span], v_new)

@@ -47,8 +47,16 @@ FACTORED_MOMENTS = OpSpec(
         _EPS0,
     ),
 )
+# Passes B and C may take a flat slice of the [rows, cols] matrix the moments describe: grad
+# (and param) hold its elements [offset, offset + numel) (a ZeRO-3 or FSDP2 shard, cut
+# across rows), read against their rows' R and columns' C; the write-back's rms values are
+# the whole matrix's (the workspace holds its sums) and its rounding draws the bits of the
+# flat index in it. Last, so positional calls keep their meaning.
+_SLICE_OFFSET = Arg("offset", "offset", default=0)
 FACTORED_NORM = OpSpec(
-    "adalomo_factored_norm_", "factored_norm_", (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM)
+    "adalomo_factored_norm_",
+    "factored_norm_",
+    (_GRAD, _ROW, _COL, _WORKSPACE, *GRAD_TRANSFORM, _SLICE_OFFSET),
 )
 # The write-back's rounding, as the LOMO update's (`lomo.LOMO_UPDATE`).
 _ROUNDING = (
@@ -68,6 +76,7 @@ FACTORED_APPLY = OpSpec(
         *_STEP,
         *GRAD_TRANSFORM,
         *_ROUNDING,
+        _SLICE_OFFSET,
     ),
 )
 VECTOR_STATS = OpSpec(
@@ -97,6 +106,10 @@ VECTOR_APPLY = OpSpec(
         *_STEP,
         *GRAD_TRANSFORM,
         *_ROUNDING,
+        # A 1-D slice: param, grad and v hold elements [offset, offset + numel) of a vector of
+        # full_numel elements (its rms values' count); None in the public function: param's.
+        _SLICE_OFFSET,
+        Arg("full_numel", "count", default=None),
     ),
 )
 _FACTORED = (FACTORED_STATS, FACTORED_MOMENTS, FACTORED_NORM, FACTORED_APPLY)

@@ -94,14 +94,21 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
 
 
 def _update_launch(a: Any, device: torch.device) -> runtime.Launch:
-    """(grid, arguments) both factored update passes (B, C) take: the moments, the workspace
-    and the tiling of their [rows, cols]."""
-    grid, sizes = _tiling(a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel(), device)
+    """(grid, arguments) both factored update passes (B, C) take: the moments, the workspace,
+    the slice of their [rows, cols] matrix that grad holds, and the tiling of the rows it
+    touches."""
+    rows, cols = a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel()
+    n = a.grad.numel()
+    touched = runtime.cdiv(a.offset + n, cols) - a.offset // cols
+    grid, sizes = _tiling(touched, cols, device)
     return grid, {
         "row_state_ptr": a.exp_avg_sq_row,
         "col_state_ptr": a.exp_avg_sq_col,
         "ws_ptr": a.workspace,
         **sizes,
+        "rows": rows,
+        "offset": a.offset,
+        "n": n,
     }
 
 
@@ -129,12 +136,12 @@ def _clip_coef_kwargs(a: Any) -> dict[str, Any]:
     return {"clip_coef_ptr": a.clip_coef, "HAS_CLIP_COEF": a.clip_coef is not None}
 
 
-def _write_back_kwargs(a: Any) -> dict[str, Any]:
+def _write_back_kwargs(a: Any, numel: int) -> dict[str, Any]:
     """The write-back's hyper-parameters and rounding (passes C, C1), rounded as the LOMO
     update's: stochastic for bf16 and fp16 parameters when asked, the per-step value read on
-    the device."""
+    the device; `numel`: the whole tensor's, of its rms values."""
     return {
-        "numel_f": float(a.param.numel()),
+        "numel_f": float(numel),
         "lr_ptr": a.lr,
         "eps1": float(a.eps1),
         "clip_threshold": float(a.clip_threshold),
@@ -193,7 +200,7 @@ def factored_apply_args(a: Any) -> runtime.Launch:
     return grid, {
         **tiles,
         **runtime.param_kwargs(a.param),
-        **_write_back_kwargs(a),
+        **_write_back_kwargs(a, a.exp_avg_sq_row.numel() * a.exp_avg_sq_col.numel()),
         **_grad_kwargs(a),
         **_clip_coef_kwargs(a),
     }
@@ -214,7 +221,13 @@ def vector_stats_args(a: Any) -> runtime.Launch:
 def vector_apply_args(a: Any) -> runtime.Launch:
     """Pass C1: the write-back of a 1-D tensor and its second moment, rounded as pass C."""
     grid, vector = _vector_launch(a)
-    return grid, {**vector, **_write_back_kwargs(a), **_grad_kwargs(a), **_clip_coef_kwargs(a)}
+    return grid, {
+        **vector,
+        "offset": a.offset,
+        **_write_back_kwargs(a, a.full_numel),
+        **_grad_kwargs(a),
+        **_clip_coef_kwargs(a),
+    }
 
 
 # The passes, one launch each. The kernel module is looked up at each launch (`_kernels`).
