@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..core.rounding import Rounding
 from ..distributed import Shard, unwrap_engine
 from ..ops.adalomo import (
     adalomo_step_arguments,
@@ -18,7 +17,6 @@ from ..ops.adalomo import (
     init_adalomo_state,
     run_adalomo_passes_,
 )
-from ..ops.adalomo.reference import GradTransform
 from ..ops.adalomo.workspace import workspace_numel
 from ..ops.backends import ADALOMO
 from ._hyper import check_loss_scale
@@ -320,28 +318,25 @@ class AdaLomo(InBackwardOptimizer):
     def _update_shards(self, batch: PieceBatch) -> None:
         # Row/column statistics span ranks: the whole batch is stepped together, with two
         # small all-reduces (see adalomo_slices.py).
-        t = self.step_count + 1
         steps = []
         for piece in batch.pieces:
             shard, index, group = piece.shard, piece.group_index, piece.group
+            device = shard.local.device
             clip_coef = piece.clip_coef if piece.clip_coef is not None else batch.scalars.clip_coef
+            arguments = {
+                **self._step_arguments[device, index],
+                "lr": batch.scalars.lr[index],
+                "clip_coef": clip_coef if group["clip_grad_norm"] is not None else None,
+                **self._rounding_arguments(shard.param),
+            }
             steps.append(
                 SliceStep(
                     shard=shard,
                     grad=piece.grad,
                     state=self.state[shard.param],
-                    lr=batch.scalars.lr[index],
-                    beta2=1.0 - math.pow(t, group["decay_rate"]),
-                    eps=group["eps"],
-                    clip_threshold=group["clip_threshold"],
-                    weight_decay=group["weight_decay"],
-                    transform=GradTransform(
-                        self._inv_scale_for(shard.local.device),
-                        group["clip_grad_value"],
-                        clip_coef if group["clip_grad_norm"] is not None else None,
-                    ),
+                    arguments=arguments,
                     skip=piece.skip_if,
-                    rounding=Rounding(shard.local.dtype, **self._rounding_arguments(shard.param)),
+                    backend=self._backends[device],
                 )
             )
         found_inf = batch.scalars.update_found_inf

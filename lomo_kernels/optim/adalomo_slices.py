@@ -3,53 +3,58 @@
 A rank owns a flat slice ``[offset, offset + n)`` of each parameter, which for a matrix
 [rows, cols] cuts across rows. AdaLomo needs, per parameter: the row and column sums of
 ``g*g`` before the clip coefficient (factored, >= 2 dims; the coefficient and eps0 are
-applied to the means, as by the reference's moments pass), ``sum(update^2)`` and
-``sum(p^2)`` over the whole tensor, and whether any gradient element is non-finite. Each
-rank adds up its slice's share; per batch of slices (a reduce-scatter bucket, an FSDP2 unit)
-two small all-reduces, asked of the sharding (the row/column sums and flags, then the update
-sums, which need the new moments), give every rank the single-process totals, so the moments
-R [rows] and C [cols], replicated on every rank, stay identical everywhere, and 1-D moments v
-live with their slice. The math is the reference passes' own (`ops.adalomo.reference`:
-moments, factors, step scalars and rounding), here applied to slices in fp32 blocks of at
-most CHUNK elements; this module adds only the slicing and the partial sums.
+applied to the means, as by the moments pass), ``sum(update^2)`` and ``sum(p^2)`` over the
+whole tensor, and whether any gradient element is non-finite. Each rank adds up its slice's
+share with the fused passes (`ops.adalomo`); per batch of slices (a reduce-scatter bucket, an
+FSDP2 unit) two small all-reduces, asked of the sharding (the row/column sums and flags, then
+the update sums, which need the new moments), give every rank the single-process totals, so
+the moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
+1-D moments v live with their slice.
+
+Per slice, each phase is a few launches whatever its size: pass A on each of the at most
+three pieces a flat slice makes of a matrix (a partial first row, whole rows, a partial last
+row; `reference.row_pieces`), then the norm and the write-back on the slice itself, which
+take its flat offset (pass A1 and C1 for a 1-D slice). The moments of R and C are vector
+operations, as in one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
-from ..core.rounding import NEAREST, Rounding
+from ..core.scalars import value_of
 from ..distributed.shard import Shard
-from ..ops.adalomo.reference import (
-    CHUNK,
-    GradTransform,
-    mean_u,
-    moment_factors,
-    step_scalars,
-    store_rounded,
-    update_moment_,
-    vector_update,
+from ..ops.adalomo import (
+    factored_apply_op,
+    factored_norm_op,
+    factored_stats_op,
+    vector_apply_op,
+    vector_stats_op,
 )
+from ..ops.adalomo.reference import mean_u, row_pieces, update_moment_
+from ..ops.adalomo.workspace import NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ, workspace_numel
+
+F64 = torch.float64
 
 
 @dataclass
 class SliceStep:
-    """One parameter slice's step: its reduced gradient, its moments and the scalars."""
+    """One parameter slice's step: its reduced gradient, its moments and the passes'
+    step-wide arguments (`ops.adalomo_step_arguments`' values, converted, with the
+    parameter's rounding arguments); `backend`: a name, or the module `ADALOMO.resolve`
+    gave (None: the device's)."""
 
     shard: Shard
     grad: torch.Tensor
     state: dict[str, torch.Tensor]
-    lr: torch.Tensor
-    beta2: float
-    eps: tuple[float, float]
-    clip_threshold: float
-    weight_decay: float
-    transform: GradTransform
+    arguments: dict[str, Any]
     skip: torch.Tensor | None = None  # non-zero: this slice's parameter is not updated
-    rounding: Rounding = NEAREST  # keyed by the flat index in the whole parameter
+    backend: str | ModuleType | None = None
 
 
 def init_slice_state(shard: Shard) -> dict[str, torch.Tensor]:
@@ -64,97 +69,58 @@ def init_slice_state(shard: Shard) -> dict[str, torch.Tensor]:
     return {"exp_avg_sq": torch.zeros(shard.local.numel(), **options)}
 
 
-def row_pieces(offset: int, n: int, cols: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """Splits flat elements [offset, offset + n) of a [*, cols] matrix into 2-D blocks.
-
-    Yields (start in the slice, first row, rows, first column, columns): a partial first row,
-    whole rows, a partial last row (each present only when non-empty).
-    """
-    pos, end = offset, offset + n
-    while pos < end:
-        row, col = divmod(pos, cols)
-        if col or end - pos < cols:
-            width = min(cols - col, end - pos)
-            yield pos - offset, row, 1, col, width
-            pos += width
-        else:
-            rows = (end - pos) // cols
-            yield pos - offset, row, rows, 0, cols
-            pos += rows * cols
+def _matrix(step: SliceStep) -> tuple[int, int] | None:
+    """(rows, cols) of a factored parameter's matrix; None for a 1-D one."""
+    shape = step.shard.full_shape
+    if len(shape) < 2:
+        return None
+    return step.shard.full_numel // shape[-1], shape[-1]
 
 
-def _factored(step: SliceStep) -> bool:
-    return len(step.shard.full_shape) >= 2
+def _stats(workspace: torch.Tensor) -> torch.Tensor:
+    return workspace[workspace.numel() - NUM_SLOTS :]
 
 
-def _pieces(step: SliceStep) -> Iterator[tuple[slice, int, int, int, int]]:
-    """The slice in blocks of at most CHUNK elements: (span in the slice, first row, rows,
-    first column, columns); a 1-D parameter's blocks are single rows."""
-    n = step.grad.numel()
-    if not _factored(step):
-        for start in range(0, n, CHUNK):
-            width = min(CHUNK, n - start)
-            yield slice(start, start + width), 0, 1, start, width
-        return
-    cols = step.shard.full_shape[-1]
-    per = max(1, CHUNK // cols)
-    for start, row, nrows, col, width in row_pieces(step.shard.offset, n, cols):
-        for r0 in range(0, nrows, per):
-            rows = min(per, nrows - r0)
-            begin = start + r0 * width
-            yield slice(begin, begin + rows * width), row + r0, rows, col, width
+def _run(op: Any, step: SliceStep, **tensors: Any) -> None:
+    op.call_from(step.backend, {**step.arguments, **tensors})
 
 
-def _factors(step: SliceStep) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, c) of the whole parameter from its (new) moments R and C."""
-    big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
-    return moment_factors(big_r, big_c, big_r.sum(dtype=torch.float64).to(torch.float32))
-
-
-def _block_updates(
-    step: SliceStep, skip: torch.Tensor, write_moments: bool
-) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(span in the slice, unnormalised update) of each block, from the new moments: R and C
-    already written, a 1-D slice's v computed here and, with `write_moments`, stored unless
-    `skip`."""
-    grad = step.grad.reshape(-1)
-    if _factored(step):
-        r, c = _factors(step)
-    for span, row, nrows, col, width in _pieces(step):
-        if _factored(step):
-            g, _ = step.transform(grad[span])
-            factors = r[row : row + nrows, None] * c[None, col : col + width]
-            yield span, (factors * g.view(nrows, width)).reshape(-1)
-            continue
-        v = step.state["exp_avg_sq"][span]
-        update, v_new, _ = vector_update(step.transform, grad[span], v, step.beta2, step.eps[0])
-        if write_moments:
-            v.copy_(torch.where(skip, v, v_new))
-        yield span, update
-
-
-def _first_sums(step: SliceStep) -> torch.Tensor:
-    """This rank's share of [row sums, col sums of clamp(h)^2] (factored) + [sum p^2,
-    non-finite count]."""
-    device = step.grad.device
-    tail = torch.zeros(2, dtype=torch.float64, device=device)
-    rows = cols = 0
-    if _factored(step):
-        cols = step.shard.full_shape[-1]
-        rows = step.shard.full_numel // cols
-    sums = torch.zeros(rows + cols, dtype=torch.float64, device=device)
-    grad, local = step.grad.reshape(-1), step.shard.local
-    for span, row, nrows, col, width in _pieces(step):
-        h = step.transform.scaled(grad[span])
-        p = local[span].to(torch.float32)
-        tail[0] += (p * p).sum(dtype=torch.float64)
-        tail[1] += (~torch.isfinite(h)).sum(dtype=torch.float64)
-        if rows:
-            g = step.transform.clamped(h)
-            block = (g * g).view(nrows, width)
-            sums[row : row + nrows] += block.sum(dim=1, dtype=torch.float64)
-            sums[rows + col : rows + col + width] += block.sum(dim=0, dtype=torch.float64)
-    return torch.cat([sums, tail])
+def _first_sums(step: SliceStep, workspace: torch.Tensor) -> torch.Tensor:
+    """This rank's share, in float64, of [row sums, col sums of clamp(h)^2] (factored) +
+    [sum p^2, non-finite flag]; a 1-D slice's sum of update^2 is left in `workspace`."""
+    grad, local = step.grad.reshape(-1), step.shard.local.reshape(-1)
+    flags = {"found_inf": None, "skip_if": None}  # decided once the ranks' flags are summed
+    matrix = _matrix(step)
+    if matrix is None:
+        if local.numel():
+            _run(
+                vector_stats_op,
+                step,
+                grad=grad,
+                param=local,
+                workspace=workspace,
+                exp_avg_sq=step.state["exp_avg_sq"],
+                **flags,
+            )
+        return _stats(workspace)[[P_SUMSQ, SKIP]].to(F64)
+    rows, cols = matrix
+    sums = torch.zeros(rows + cols + 2, dtype=F64, device=grad.device)
+    for start, row, nrows, col, width in row_pieces(step.shard.offset, local.numel(), cols):
+        span = slice(start, start + nrows * width)
+        piece = torch.zeros(nrows + width + NUM_SLOTS, dtype=torch.float32, device=grad.device)
+        _run(
+            factored_stats_op,
+            step,
+            grad=grad[span],
+            param=local[span],
+            workspace=piece,
+            cols=width,
+            **flags,
+        )
+        sums[row : row + nrows] += piece[:nrows]
+        sums[rows + col : rows + col + width] += piece[nrows : nrows + width]
+        sums[rows + cols :] += _stats(piece)[[P_SUMSQ, SKIP]]
+    return sums
 
 
 def adalomo_slices_(
@@ -168,29 +134,26 @@ def adalomo_slices_(
     `skip_if` non-zero: nothing is written; a step's own `skip` non-zero: nothing of that
     parameter (the same flag on every rank, as single_backward gives). A parameter with a
     non-finite gradient element on any rank keeps its values and moments everywhere and
-    raises `found_inf`. Each phase walks the slices in blocks of at most CHUNK elements,
-    recomputing g (and the update) from the gradient, so the fp32 temporaries stay a few
-    blocks in size whatever the parameter.
+    raises `found_inf`.
     """
     if not steps:
         return
     device = steps[0].grad.device
     skip_in = skip_if.reshape(-1)[0] != 0
-    totals = torch.cat([_first_sums(step) for step in steps])
+    workspaces = [
+        torch.zeros(workspace_numel(s.shard.full_shape), dtype=torch.float32, device=device)
+        for s in steps
+    ]
+    totals = torch.cat([_first_sums(s, w) for s, w in zip(steps, workspaces, strict=True)])
     all_reduce_sum_(totals)
 
     # Phase 2: new R and C (identical on every rank), then this rank's sum of update^2.
-    at = 0
-    skips, p_sumsqs, second = [], [], []
-    for step in steps:
-        if _factored(step):
-            cols = step.shard.full_shape[-1]
-            rows = step.shard.full_numel // cols
-            # As in the workspace: fp32 sums, the reference's means of u.
+    at, second = 0, []
+    for step, workspace in zip(steps, workspaces, strict=True):
+        stats, matrix = _stats(workspace), _matrix(step)
+        if matrix is not None:
+            rows, cols = matrix
             sums = totals[at : at + rows + cols].to(torch.float32)
-            coef, eps0 = step.transform.clip_coef, step.eps[0]
-            row_mean = mean_u(sums[:rows], cols, coef, eps0)
-            col_mean = mean_u(sums[rows:], rows, coef, eps0)
             at += rows + cols
         p_sumsq, bad = totals[at], totals[at + 1] > 0
         at += 2
@@ -199,37 +162,53 @@ def adalomo_slices_(
             skip = skip | (step.skip.reshape(-1)[0] != 0)
         flag = found_inf.view(-1)
         flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
-        if _factored(step):
-            update_moment_(step.state["exp_avg_sq_row"], row_mean, step.beta2, skip)
-            update_moment_(step.state["exp_avg_sq_col"], col_mean, step.beta2, skip)
-        # A skipped slice's moments keep their old values; its update is never written.
-        u_sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        for _, update in _block_updates(step, skip, write_moments=False):
-            u_sumsq += (update * update).sum(dtype=torch.float64)
-        skips.append(skip)
-        p_sumsqs.append(p_sumsq)
-        second.append(u_sumsq)
-    u_sumsqs = torch.stack(second)
+        stats[SKIP] = skip.to(torch.float32)
+        stats[P_SUMSQ] = p_sumsq.to(torch.float32)
+        if matrix is not None:
+            # The moments pass's own math on the summed workspace's row and column sums.
+            args = step.arguments
+            coef = None if args["clip_coef"] is None else value_of(args["clip_coef"])
+            beta2, eps0 = value_of(args["beta2"]), args["eps0"]
+            big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
+            update_moment_(big_r, mean_u(sums[:rows], cols, coef, eps0), beta2, skip)
+            update_moment_(big_c, mean_u(sums[rows:], rows, coef, eps0), beta2, skip)
+            stats[R_SUM] = big_r.sum(dtype=F64)
+            if step.grad.numel():
+                _run(
+                    factored_norm_op,
+                    step,
+                    grad=step.grad.reshape(-1),
+                    workspace=workspace,
+                    exp_avg_sq_row=big_r,
+                    exp_avg_sq_col=big_c,
+                    offset=step.shard.offset,
+                )
+        second.append(stats[U_SUMSQ])  # a 1-D slice's: pass A1's
+    u_sumsqs = torch.stack(second).to(F64)
     all_reduce_sum_(u_sumsqs)
 
-    # Phase 3: the write-back (and a 1-D slice's v), with the whole parameter's RMS values.
-    for i, step in enumerate(steps):
-        local = step.shard.local
+    # Phase 3: the write-back (and a 1-D slice's v), with the whole parameter's sums.
+    for i, (step, workspace) in enumerate(zip(steps, workspaces, strict=True)):
+        local = step.shard.local.reshape(-1)
         if not local.numel():
             continue
-        scale, decay = step_scalars(
-            p_sumsqs[i].to(torch.float32),
-            u_sumsqs[i].to(torch.float32),
-            step.shard.full_numel,
-            step.lr,
-            step.eps[1],
-            step.clip_threshold,
-            step.weight_decay,
+        _stats(workspace)[U_SUMSQ] = u_sumsqs[i].to(torch.float32)
+        tensors = {"param": local, "grad": step.grad.reshape(-1), "workspace": workspace}
+        if _matrix(step) is None:
+            _run(
+                vector_apply_op,
+                step,
+                **tensors,
+                exp_avg_sq=step.state["exp_avg_sq"],
+                offset=step.shard.offset,
+                full_numel=step.shard.full_numel,
+            )
+            continue
+        _run(
+            factored_apply_op,
+            step,
+            **tensors,
+            exp_avg_sq_row=step.state["exp_avg_sq_row"],
+            exp_avg_sq_col=step.state["exp_avg_sq_col"],
+            offset=step.shard.offset,
         )
-        for span, update in _block_updates(step, skips[i], write_moments=True):
-            index = None
-            if step.rounding.stochastic:
-                first = step.shard.offset + span.start
-                index = torch.arange(first, first + update.numel(), device=local.device)
-            new = local[span].to(torch.float32) * decay - scale * update
-            store_rounded(local[span], new, skips[i], step.rounding, index)

@@ -14,13 +14,32 @@ import pytest
 import torch
 from support.adalomo import adalomo_f64, beta2_at, check_param, check_state, make_param
 
-from lomo_kernels.core.rounding import Rounding
 from lomo_kernels.distributed.shard import Shard
 from lomo_kernels.ops import adalomo_update_
-from lomo_kernels.ops.adalomo.reference import CHUNK, GradTransform
+from lomo_kernels.ops.adalomo import adalomo_step_arguments
+from lomo_kernels.ops.adalomo.reference import CHUNK
 from lomo_kernels.optim.adalomo_slices import SliceStep, adalomo_slices_, init_slice_state
 
 SHAPES = [(CHUNK // 100 + 7, 300), (3, CHUNK + 5), (2 * CHUNK + 3,)]
+
+
+def slice_arguments(
+    *,
+    lr: float,
+    beta2: float,
+    weight_decay: float = 0.0,
+    clip_threshold: float = 1.0,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    seed_step=None,
+) -> dict:
+    """The passes' step-wide arguments of a slice step, converted as an optimizer's."""
+    return adalomo_step_arguments(
+        torch.device("cpu"), True, lr=lr, beta2=beta2, eps=(1e-30, 1e-3),
+        clip_threshold=clip_threshold, weight_decay=weight_decay, inv_scale=None,
+        clip_value=None, clip_coef=None, found_inf=None, skip_if=None,
+        stochastic_rounding=stochastic_rounding, seed=seed, seed_step=seed_step,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -34,15 +53,7 @@ def test_whole_parameter_slice_equals_float64_model(shape, dtype):
     kwargs = {"lr": 0.01, "beta2": beta2_at(2), "weight_decay": 0.1, "clip_threshold": 0.8}
     ref, ref_state, delta = adalomo_f64(param, grad, state, **kwargs)
     step = SliceStep(
-        shard=shard,
-        grad=grad.view(-1),
-        state=state,
-        lr=torch.tensor([kwargs["lr"]]),
-        beta2=kwargs["beta2"],
-        eps=(1e-30, 1e-3),
-        clip_threshold=kwargs["clip_threshold"],
-        weight_decay=kwargs["weight_decay"],
-        transform=GradTransform(None, None, None),
+        shard=shard, grad=grad.view(-1), state=state, arguments=slice_arguments(**kwargs)
     )
     found = torch.zeros(1)
     adalomo_slices_([step], torch.zeros(1), found, lambda t: None)
@@ -98,11 +109,13 @@ def run_sliced(param, grad, dtype, stochastic: bool, seed, step_value) -> torch.
     def work(r: int, all_reduce_sum_) -> None:
         a, b = bounds[r]
         shard = Shard(param=param, local=sliced[a:b], offset=a, full_shape=param.shape, group=None)
+        arguments = slice_arguments(
+            lr=1e-4, beta2=0.5, stochastic_rounding=stochastic and dtype != torch.float32,
+            seed=seed, seed_step=step_value,
+        )  # fmt: skip
         step = SliceStep(
             shard=shard, grad=grad.view(-1)[a:b].float(), state=init_slice_state(shard),
-            lr=torch.tensor([1e-4]), beta2=0.5, eps=(1e-30, 1e-3), clip_threshold=1.0,
-            weight_decay=0.0, transform=GradTransform(None, None, None),
-            rounding=Rounding(dtype, stochastic, seed, step_value),
+            arguments=arguments,
         )  # fmt: skip
         adalomo_slices_([step], torch.zeros(1), torch.zeros(1), all_reduce_sum_)
 
