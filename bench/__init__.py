@@ -33,6 +33,7 @@ STUDIES: dict[str, str] = {
     "head_sweeps": "the fused head's backward: what one more sweep over the vocabulary costs",
     "preference_rl": "peak memory of a TRL DPO and GRPO step: fused head + Lomo, TRL's head",
     "quality": "fine-tuning quality of bf16/fp16 weights: the share of the fp32-weights gain kept",
+    "adalomo_slices": "one rank's AdaLomo step on its slice of a sharded matrix, per backend",
     "zero3": "ZeRO-3 on 2 ranks: per-rank peak memory and step time, ours against DeepSpeed's",
     "fsdp2": "FSDP2 on 2 ranks: per-rank peak memory and step time per optimizer",
 }
