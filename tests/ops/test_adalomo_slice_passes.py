@@ -5,7 +5,8 @@ vector, on every backend.
 The write-back is elementwise given the workspace's sums, so slices cut anywhere (mid-row,
 inside one row, whole rows) step bit for bit as the whole tensor does, stochastic rounding
 included (each element draws the bits of its index in the whole tensor). The norm of a slice
-is its share of the whole's sum of update^2, against float64 sums of the fp32 updates.
+is its share of the whole's sum of update^2, against float64 sums of the fp32 updates. On the
+test device (LOMO_TEST_DEVICE; the GPU check runs the ones marked gpu_smoke on a GPU).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _factored_setup(dtype, backend, device):
     return param, grad, row, col, workspace
 
 
+@pytest.mark.gpu_smoke  # the GPU check runs these on the device
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_factored_write_back_of_slices_equals_the_whole(backend, test_device, dtype, stochastic):
@@ -93,6 +95,7 @@ def _fp32_updates(grad, row, col, workspace) -> torch.Tensor:
     return (r[:, None] * c[None, :]) * grad.float()
 
 
+@pytest.mark.gpu_smoke  # the GPU check runs these on the device
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_factored_norm_of_a_slice_is_its_share(backend, test_device, dtype):
     """Each slice adds the sum of its own elements' update^2: within the bound of summing
@@ -110,6 +113,7 @@ def test_factored_norm_of_a_slice_is_its_share(backend, test_device, dtype):
         assert abs(got - expected) <= (b - a + 1) * 2.0**-24 * expected, (a, b)
 
 
+@pytest.mark.gpu_smoke  # the GPU check runs these on the device
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_vector_write_back_of_slices_equals_the_whole(backend, test_device, dtype, stochastic):
