@@ -14,8 +14,8 @@ the moments R [rows] and C [cols], replicated on every rank, stay identical ever
 Per slice, each phase is a few launches whatever its size: pass A on each of the at most
 three pieces a flat slice makes of a matrix (a partial first row, whole rows, a partial last
 row; `reference.row_pieces`), then the norm and the write-back on the slice itself, which
-take its flat offset (pass A1 and C1 for a 1-D slice). The moments of R and C are vector
-operations, as in one process.
+take its flat offset (pass A1 and C1 for a 1-D slice); the moments pass runs on the summed
+row and column sums, as in one process.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from typing import Any
 
 import torch
 
-from ..core.scalars import value_of
 from ..distributed.shard import Shard
 from ..ops.adalomo import (
     factored_apply_op,
+    factored_moments_op,
     factored_norm_op,
     factored_stats_op,
     vector_apply_op,
     vector_stats_op,
 )
-from ..ops.adalomo.reference import mean_u, row_pieces, update_moment_
-from ..ops.adalomo.workspace import NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ, workspace_numel
+from ..ops.adalomo.reference import row_pieces
+from ..ops.adalomo.workspace import NUM_SLOTS, P_SUMSQ, SKIP, U_SUMSQ, workspace_numel
 
 F64 = torch.float64
 
@@ -153,7 +153,7 @@ def adalomo_slices_(
         stats, matrix = _stats(workspace), _matrix(step)
         if matrix is not None:
             rows, cols = matrix
-            sums = totals[at : at + rows + cols].to(torch.float32)
+            workspace[: rows + cols] = totals[at : at + rows + cols]  # the moments pass's sums
             at += rows + cols
         p_sumsq, bad = totals[at], totals[at + 1] > 0
         at += 2
@@ -165,23 +165,17 @@ def adalomo_slices_(
         stats[SKIP] = skip.to(torch.float32)
         stats[P_SUMSQ] = p_sumsq.to(torch.float32)
         if matrix is not None:
-            # The moments pass's own math on the summed workspace's row and column sums.
-            args = step.arguments
-            coef = None if args["clip_coef"] is None else value_of(args["clip_coef"])
-            beta2, eps0 = value_of(args["beta2"]), args["eps0"]
-            big_r, big_c = step.state["exp_avg_sq_row"], step.state["exp_avg_sq_col"]
-            update_moment_(big_r, mean_u(sums[:rows], cols, coef, eps0), beta2, skip)
-            update_moment_(big_c, mean_u(sums[rows:], rows, coef, eps0), beta2, skip)
-            stats[R_SUM] = big_r.sum(dtype=F64)
+            # R, C (unless skipped) and sum(R), from every rank's sums: the same on all.
+            moments = {k: step.state[k] for k in ("exp_avg_sq_row", "exp_avg_sq_col")}
+            _run(factored_moments_op, step, workspace=workspace, **moments)
             if step.grad.numel():
                 _run(
                     factored_norm_op,
                     step,
                     grad=step.grad.reshape(-1),
                     workspace=workspace,
-                    exp_avg_sq_row=big_r,
-                    exp_avg_sq_col=big_c,
                     offset=step.shard.offset,
+                    **moments,
                 )
         second.append(stats[U_SUMSQ])  # a 1-D slice's: pass A1's
     u_sumsqs = torch.stack(second).to(F64)
