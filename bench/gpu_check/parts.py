@@ -8,7 +8,7 @@ allows with a minute to spare, 10 s left for the machine line and the files; wit
 --budget-s, the same shares of it:
 
     smoke      165  the CUDA extensions' first nvcc build (both at once, a minute or two on a
-                    fresh machine) and ~350 tests in pytest-xdist workers
+                    fresh machine) and ~520 tests in pytest-xdist workers
     train-1b   105  seven processes (six optimizers, the forward-backward baseline), each
                     ~10 s of start-up and six 1B steps
     24gib       90  two runs of bench train, each starting two processes (the baseline,
