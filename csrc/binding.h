@@ -109,6 +109,14 @@ inline void check_offset(int64_t offset, int64_t numel) {
               " elements at offset ", offset, " end past 2**63 - 1");
 }
 
+// A slice of `numel` elements at flat `offset` of a whole of `whole` elements (`what`): the
+// offset as check_offset takes it, and the slice's end within the whole.
+inline void check_slice_fits(int64_t offset, int64_t numel, int64_t whole, const char* what) {
+  check_offset(offset, numel);
+  TORCH_CHECK(offset + numel <= whole, "lomo_kernels: ", numel, " elements at offset ", offset,
+              " end past ", what, " (", whole, " elements)");
+}
+
 // An 8-bit blockwise buffer (int8_blocks.h) of `data`'s elements (param, grad, out): int8
 // codes of its numel and fp32 scales one per block they touch, dense on data's device, at an
 // offset >= 0.
@@ -270,11 +278,8 @@ inline void check_tile(const at::Tensor& t, const at::Tensor& exp_avg_sq_row,
                        const at::Tensor& exp_avg_sq_col, int64_t offset, c10::DeviceType device,
                        const char* what) {
   check_dense(t, device, what);
-  check_offset(offset, t.numel());
-  const int64_t matrix = exp_avg_sq_row.numel() * exp_avg_sq_col.numel();
-  TORCH_CHECK(offset + t.numel() <= matrix, "lomo_kernels: ", what, " of ", t.numel(),
-              " elements at offset ", offset, " ends past the moments' rows * cols (", matrix,
-              ")");
+  check_slice_fits(offset, t.numel(), exp_avg_sq_row.numel() * exp_avg_sq_col.numel(),
+                   "the moments' rows * cols");
 }
 
 inline void check_operands(const op_bindings::FactoredMoments& a, c10::DeviceType device) {
@@ -307,10 +312,8 @@ inline void check_operands(const op_bindings::VectorStats& a, c10::DeviceType de
 
 inline void check_operands(const op_bindings::VectorApply& a, c10::DeviceType device) {
   check_vector_operands(a, device);
-  check_offset(a.offset, a.param.numel());
-  TORCH_CHECK(a.offset + a.param.numel() <= a.full_numel && a.full_numel > 0, "lomo_kernels: ",
-              a.param.numel(), " elements at offset ", a.offset,
-              " do not fit a parameter of full_numel ", a.full_numel);
+  TORCH_CHECK(a.full_numel > 0, "lomo_kernels: full_numel must be > 0, got ", a.full_numel);
+  check_slice_fits(a.offset, a.param.numel(), a.full_numel, "full_numel");
 }
 
 }  // namespace binding

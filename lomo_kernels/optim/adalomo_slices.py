@@ -37,7 +37,14 @@ from ..ops.adalomo import (
     vector_stats_op,
 )
 from ..ops.adalomo.reference import row_pieces
-from ..ops.adalomo.workspace import NUM_SLOTS, P_SUMSQ, SKIP, U_SUMSQ, workspace_numel
+from ..ops.adalomo.workspace import (
+    NUM_SLOTS,
+    P_SUMSQ,
+    SKIP,
+    U_SUMSQ,
+    stats_slots,
+    workspace_numel,
+)
 
 F64 = torch.float64
 
@@ -77,10 +84,6 @@ def _matrix(step: SliceStep) -> tuple[int, int] | None:
     return step.shard.full_numel // shape[-1], shape[-1]
 
 
-def _stats(workspace: torch.Tensor) -> torch.Tensor:
-    return workspace[workspace.numel() - NUM_SLOTS :]
-
-
 def _run(op: Any, step: SliceStep, **tensors: Any) -> None:
     op.call_from(step.backend, {**step.arguments, **tensors})
 
@@ -102,7 +105,7 @@ def _first_sums(step: SliceStep, workspace: torch.Tensor) -> torch.Tensor:
                 exp_avg_sq=step.state["exp_avg_sq"],
                 **flags,
             )
-        return _stats(workspace)[[P_SUMSQ, SKIP]].to(F64)
+        return stats_slots(workspace)[[P_SUMSQ, SKIP]].to(F64)
     rows, cols = matrix
     sums = torch.zeros(rows + cols + 2, dtype=F64, device=grad.device)
     for start, row, nrows, col, width in row_pieces(step.shard.offset, local.numel(), cols):
@@ -119,7 +122,7 @@ def _first_sums(step: SliceStep, workspace: torch.Tensor) -> torch.Tensor:
         )
         sums[row : row + nrows] += piece[:nrows]
         sums[rows + col : rows + col + width] += piece[nrows : nrows + width]
-        sums[rows + cols :] += _stats(piece)[[P_SUMSQ, SKIP]]
+        sums[rows + cols :] += stats_slots(piece)[[P_SUMSQ, SKIP]]
     return sums
 
 
@@ -150,7 +153,7 @@ def adalomo_slices_(
     # Phase 2: new R and C (identical on every rank), then this rank's sum of update^2.
     at, second = 0, []
     for step, workspace in zip(steps, workspaces, strict=True):
-        stats, matrix = _stats(workspace), _matrix(step)
+        stats, matrix = stats_slots(workspace), _matrix(step)
         if matrix is not None:
             rows, cols = matrix
             workspace[: rows + cols] = totals[at : at + rows + cols]  # the moments pass's sums
@@ -186,7 +189,7 @@ def adalomo_slices_(
         local = step.shard.local.reshape(-1)
         if not local.numel():
             continue
-        _stats(workspace)[U_SUMSQ] = u_sumsqs[i].to(torch.float32)
+        stats_slots(workspace)[U_SUMSQ] = u_sumsqs[i].to(torch.float32)
         tensors = {"param": local, "grad": step.grad.reshape(-1), "workspace": workspace}
         if _matrix(step) is None:
             _run(

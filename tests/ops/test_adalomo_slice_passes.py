@@ -48,6 +48,18 @@ VECTOR = 4099
 VECTOR_CUTS = (0, 1, 2047, VECTOR)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEP = {"lr": 1e-3, "eps1": 1e-3, "clip_threshold": 1.0, "weight_decay": 0.1}
+# The write-back's dtypes and roundings: to nearest, and stochastically where the dtype has it.
+WRITE_BACKS = [
+    pytest.param(dtype, stochastic, id=f"{name}-{'stochastic' if stochastic else 'nearest'}")
+    for name, dtype in DTYPES.items()
+    for stochastic in (False, True)
+    if not (stochastic and dtype == torch.float32)
+]
+
+
+def _rounding(stochastic: bool, device: str) -> dict:
+    return {"stochastic_rounding": stochastic, "seed": 7,
+            "seed_step": torch.tensor([3], device=device)}  # fmt: skip
 
 
 def _spans(cuts):
@@ -68,14 +80,10 @@ def _factored_setup(dtype, backend, device):
 
 
 @pytest.mark.gpu_smoke  # the GPU check runs these on the device
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("dtype", "stochastic"), WRITE_BACKS)
 def test_factored_write_back_of_slices_equals_the_whole(backend, test_device, dtype, stochastic):
-    if stochastic and dtype == torch.float32:
-        pytest.skip("stochastic rounding applies to bf16 and fp16 parameters")
     param, grad, row, col, workspace = _factored_setup(dtype, backend, test_device)
-    rounding = {"stochastic_rounding": stochastic, "seed": 7,
-                "seed_step": torch.tensor([3], device=test_device)}  # fmt: skip
+    rounding = _rounding(stochastic, test_device)
     whole = param.clone()
     adalomo_factored_apply_(whole, grad, row, col, workspace, **STEP, **rounding, backend=backend)
     assert not torch.equal(whole, param)  # it stepped
@@ -114,18 +122,14 @@ def test_factored_norm_of_a_slice_is_its_share(backend, test_device, dtype):
 
 
 @pytest.mark.gpu_smoke  # the GPU check runs these on the device
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("dtype", "stochastic"), WRITE_BACKS)
 def test_vector_write_back_of_slices_equals_the_whole(backend, test_device, dtype, stochastic):
-    if stochastic and dtype == torch.float32:
-        pytest.skip("stochastic rounding applies to bf16 and fp16 parameters")
     param = make_param((VECTOR,), dtype, seed=13).to(test_device)
     grad = (make_param((VECTOR,), dtype, seed=14) * 0.5).to(test_device)
     v, workspace = init_adalomo_state(param)["exp_avg_sq"], adalomo_workspace(param)
     v += 0.25
     adalomo_vector_stats_(grad, param, v, workspace, beta2=0.5, backend=backend)
-    rounding = {"stochastic_rounding": stochastic, "seed": 9,
-                "seed_step": torch.tensor([5], device=test_device)}  # fmt: skip
+    rounding = _rounding(stochastic, test_device)
     whole, whole_v = param.clone(), v.clone()
     adalomo_vector_apply_(whole, grad, whole_v, workspace, beta2=0.5, **STEP, **rounding,
                           backend=backend)  # fmt: skip

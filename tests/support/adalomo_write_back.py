@@ -11,7 +11,7 @@ import torch
 
 from lomo_kernels.ops.adalomo import adalomo_workspace, init_adalomo_state
 from lomo_kernels.ops.adalomo import reference as adalomo_reference
-from lomo_kernels.ops.adalomo.workspace import NUM_SLOTS, P_SUMSQ, R_SUM
+from lomo_kernels.ops.adalomo.workspace import P_SUMSQ, R_SUM, stats_slots
 from support.fp16_edges import EDGE_LR16, FP16_EDGE_PAIRS, fp16_edge_pairs_fp32
 from support.lomo_bitwise import DTYPES, assert_same_bits
 
@@ -123,7 +123,7 @@ def edge_write_back_case(pdt: str, gdt: str, shape):
     param, grad = param.view(shape), grad.view(shape)
     state = {key: torch.ones_like(value) for key, value in init_adalomo_state(param).items()}
     workspace = adalomo_workspace(param)
-    stats = workspace[workspace.numel() - NUM_SLOTS :]
+    stats = stats_slots(workspace)
     stats[P_SUMSQ] = numel * lr_t * lr_t  # rms(p) = lr_t, exactly
     stats[R_SUM] = state["exp_avg_sq_row"].numel() if len(shape) >= 2 else 0.0
     hyper = dict(

@@ -369,11 +369,16 @@ def _check_factored_update(
     _check_state("exp_avg_sq_row", row, rows, device)
     _check_state("exp_avg_sq_col", col, cols, device)
     _check_state("workspace", workspace, rows + cols + NUM_SLOTS, device)
-    # (the offset's type and sign are the spec's to check)
-    if isinstance(offset, int) and offset + param_or_grad.numel() > rows * cols:
+    _check_slice_fits(param_or_grad, offset, rows * cols, f"the moments' {rows} x {cols} matrix")
+
+
+def _check_slice_fits(part: torch.Tensor, offset: int, whole: int, what: str) -> None:
+    """Refuses a slice `part` at flat `offset` that ends past the `whole` elements of `what`
+    (the offset's type and sign are the spec's to check)."""
+    if isinstance(offset, int) and offset + part.numel() > whole:
         raise ValueError(
-            f"lomo_kernels: a slice of {param_or_grad.numel()} elements at offset {offset!r} "
-            f"does not fit the moments' {rows} x {cols} matrix"
+            f"lomo_kernels: a slice of {part.numel()} elements at offset {offset!r} does not "
+            f"fit {what}"
         )
 
 
@@ -544,12 +549,7 @@ def adalomo_vector_apply_(
     check_rounding(param, stochastic_rounding)
     if full_numel is None:
         full_numel = param.numel()
-    # (the offset's type and sign are the spec's to check)
-    if isinstance(offset, int) and offset + param.numel() > full_numel:
-        raise ValueError(
-            f"lomo_kernels: a slice of {param.numel()} elements at offset {offset} does not "
-            f"fit a parameter of full_numel={full_numel} elements"
-        )
+    _check_slice_fits(param, offset, full_numel, f"a parameter of full_numel={full_numel} elements")
     _run(vector_apply_op, backend, param.device, locals())
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ...core.rounding import NEAREST, Rounding, round_to_dtype
 from ...core.scalars import value_of
-from .workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ
+from .workspace import G_SUMSQ, P_SUMSQ, R_SUM, SKIP, U_SUMSQ, stats_slots
 
 # Elements per tile: large enough to amortise per-op overhead, small enough to bound the
 # fp32 temporaries (a few of 256 KiB each).
@@ -84,10 +84,6 @@ class GradTransform:
         return g, torch.isfinite(h)
 
 
-def _stats_slots(workspace: torch.Tensor) -> torch.Tensor:
-    return workspace[workspace.numel() - NUM_SLOTS :]
-
-
 def _skip_on_entry(stats: torch.Tensor, skip_if: torch.Tensor | None) -> torch.Tensor:
     skip = stats[SKIP] != 0
     if skip_if is not None:
@@ -134,7 +130,7 @@ def _write_back_scalars(
     weight_decay: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(skip, scale, decay) of a write-back pass (C, C1), from the workspace's sums."""
-    stats = _stats_slots(workspace)
+    stats = stats_slots(workspace)
     scale, decay = step_scalars(
         stats[P_SUMSQ], stats[U_SUMSQ], numel, lr, eps1, clip_threshold, weight_decay
     )
@@ -179,7 +175,7 @@ def factored_stats_(
     rows = grad.numel() // cols
     g2, p2 = grad.view(rows, cols), param.view(rows, cols)
     row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
-    stats = _stats_slots(workspace)
+    stats = stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
     transform = GradTransform(inv_scale, clip_value, None)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)
@@ -226,7 +222,7 @@ def factored_moments_(
 ) -> None:
     """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
     rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
-    stats = _stats_slots(workspace)
+    stats = stats_slots(workspace)
     skip = stats[SKIP] != 0
     b = value_of(beta2)
     coef = None if clip_coef is None else value_of(clip_coef)
@@ -315,7 +311,7 @@ def _factored_updates(
     """(tile, r_i * c_j * g_ij) per tile of the slice `grad` at flat `offset` of the
     moments' [rows, cols] matrix (passes B and C)."""
     cols = exp_avg_sq_col.numel()
-    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, _stats_slots(workspace)[R_SUM])
+    r, c = moment_factors(exp_avg_sq_row, exp_avg_sq_col, stats_slots(workspace)[R_SUM])
     transform = GradTransform(inv_scale, clip_value, clip_coef)
     flat = grad.reshape(-1)
     for tile in slice_tiles(offset, flat.numel(), cols):
@@ -334,7 +330,7 @@ def factored_norm_(
     offset: int,
 ) -> None:
     """Pass B: U_SUMSQ += sum((r_i * c_j * g_ij)^2) over the slice `grad` at flat `offset`."""
-    stats = _stats_slots(workspace)
+    stats = stats_slots(workspace)
     for _, update in _factored_updates(
         grad, exp_avg_sq_row, exp_avg_sq_col, workspace, inv_scale, clip_value, clip_coef, offset
     ):
@@ -424,7 +420,7 @@ def vector_stats_(
     clip_coef: torch.Tensor | None,
 ) -> None:
     """Pass A1: U_SUMSQ += sum(g^2 / v_new), P_SUMSQ += sum(p^2); v itself is not written."""
-    stats = _stats_slots(workspace)
+    stats = stats_slots(workspace)
     skip_in = _skip_on_entry(stats, skip_if)
     p1 = param.view(-1)
     bad = torch.zeros((), dtype=torch.bool, device=grad.device)

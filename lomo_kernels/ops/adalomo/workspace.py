@@ -28,6 +28,11 @@ def workspace_numel(shape: torch.Size) -> int:
     return NUM_SLOTS
 
 
+def stats_slots(workspace: torch.Tensor) -> torch.Tensor:
+    """The NUM_SLOTS slots after a workspace's row and column sums (a view)."""
+    return workspace[workspace.numel() - NUM_SLOTS :]
+
+
 def measured_view(workspace: torch.Tensor) -> torch.Tensor:
     """The 2-element view [G_SUMSQ, SKIP] of a workspace after pass A (run without skip_if):
     the gradient's sum of squares and its non-finite flag, adjacent so that one add
