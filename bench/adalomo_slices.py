@@ -8,9 +8,8 @@ A [size, size] matrix cut into `ranks` flat slices; the benchmarked slice is the
 rank's, shifted by 123 elements so that it starts mid-row, as a reduce-scatter cuts it.
 `optim.adalomo_slices_` steps it with stochastic rounding (bf16, fp16), the all-reduce the
 identity (one process stands for every rank: the all-reduces' cost is the sharding's, not
-measured here). Per
-backend B, `slice[B]`: its fused passes (pass A on the at most three pieces a flat slice
-makes of a matrix, the norm and the write-back on the slice at its offset); on the torch
+measured here). Per backend B, `slice[B]`: its fused passes (pass A, the norm and the
+write-back on the slice at its offset, the moments pass on the summed sums); on the torch
 backend each pass runs as torch ops per tile of at most 64K elements, the form the sharded
 step took before the passes took a slice. Each cell: the median, and the torch ops one step
 dispatches (a fused pass counts once whatever the backend runs inside it). For scale,

@@ -164,44 +164,80 @@ WriteBack prepare_write_back(const float* stats, const at::Tensor& param, int64_
 
 // ----------------------------------------------------------------------------- factored
 
-void factored_stats_(const op_bindings::FactoredStats& a) {
-  const auto [stats, level, s] = start_pass(a);
-  const int64_t cols = a.cols, rows = a.grad.numel() / cols;
-  if (skipped_on_entry(stats, a.skip_if)) {
-    stats[adalomo::kSkip] = 1.0f;
-    return;
+// Calls f(first row, first column, rows, columns, start in the slice) for each rectangle
+// the flat elements [offset, offset + n) of a [*, cols] matrix make: a partial first row,
+// whole rows, a partial last row, each present only when non-empty (reference.row_pieces).
+template <class F>
+void for_pieces(int64_t offset, int64_t n, int64_t cols, F&& f) {
+  const int64_t end = offset + n;
+  for (int64_t pos = offset; pos < end;) {
+    const int64_t row = pos / cols, col = pos % cols;
+    const bool partial = col != 0 || end - pos < cols;
+    const int64_t rows = partial ? 1 : (end - pos) / cols;
+    const int64_t width = partial ? std::min(cols - col, end - pos) : cols;
+    f(row, col, rows, width, pos - offset);
+    pos += rows * width;
   }
-  const Blocks blocks = make_blocks(rows, cols);
+}
+
+// Pass A over one rectangle of `rows` x `width` elements, its first at g and p, rows
+// `stride` apart: its row and column sums are added to row_sums[0, rows) and
+// col_sums[0, width) (the workspace's entries of its first row and column), its blocks' sums
+// of h^2 and p^2 appended to `parts` in block order.
+template <class BlockStats, class GT, class PT>
+void stats_rect(BlockStats block_stats, const GT* g, const PT* p, int64_t stride, int64_t rows,
+                int64_t width, const adalomo::GradScalars& s, float* row_sums, float* col_sums,
+                std::vector<Partial>& parts) {
+  const Blocks blocks = make_blocks(rows, width);
   const int64_t n_blocks = blocks.row_blocks * blocks.col_blocks;
   // Partials: row sums per column block, column sums per row block, h^2 and p^2 per block.
   std::vector<double> row_part(static_cast<size_t>(blocks.col_blocks * rows), 0.0);
-  std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * cols), 0.0);
-  std::vector<Partial> parts(static_cast<size_t>(n_blocks));
-  binding::dispatch_param_grad(a.param, a.grad, [&](auto p_tag, auto g_tag, auto p, auto g) {
-    const auto block_stats = LOMO_AT_LEVEL(level, stats_block<decltype(p_tag), decltype(g_tag)>);
-    at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
-        const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
-        const int64_t c0 = blocks.col_begin(cb, cols), c1 = blocks.col_begin(cb + 1, cols);
-        block_stats(g, p, cols, r0, r1, c0, c1, s, row_part.data() + cb * rows,
-                    col_part.data() + rb * cols + c0, parts[b]);
-      }
-    });
+  std::vector<double> col_part(static_cast<size_t>(blocks.row_blocks * width), 0.0);
+  const size_t first_part = parts.size();
+  parts.resize(first_part + static_cast<size_t>(n_blocks));
+  at::parallel_for(0, n_blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t rb = b / blocks.col_blocks, cb = b % blocks.col_blocks;
+      const int64_t r0 = blocks.row_begin(rb, rows), r1 = blocks.row_begin(rb + 1, rows);
+      const int64_t c0 = blocks.col_begin(cb, width), c1 = blocks.col_begin(cb + 1, width);
+      block_stats(g, p, stride, r0, r1, c0, c1, s, row_part.data() + cb * rows,
+                  col_part.data() + rb * width + c0, parts[first_part + b]);
+    }
   });
-  float* ws = a.workspace.data_ptr<float>();
-  at::parallel_for(0, rows + cols, kGrain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, rows + width, kGrain, [&](int64_t first, int64_t last) {
     for (int64_t k = first; k < last; ++k) {
       double total = 0.0;
       if (k < rows) {
         for (int64_t cb = 0; cb < blocks.col_blocks; ++cb) total += row_part[cb * rows + k];
+        add_to(row_sums + k, total);
       } else {
         for (int64_t rb = 0; rb < blocks.row_blocks; ++rb) {
-          total += col_part[rb * cols + (k - rows)];
+          total += col_part[rb * width + (k - rows)];
         }
+        add_to(col_sums + (k - rows), total);
       }
-      add_to(ws + k, total);
     }
+  });
+}
+
+// grad and param hold the flat elements [offset, offset + numel) of the [rows, cols] matrix
+// whose sums the workspace holds (the whole of it at offset 0).
+void factored_stats_(const op_bindings::FactoredStats& a) {
+  const auto [stats, level, s] = start_pass(a);
+  const int64_t cols = a.cols, rows = binding::factored_rows(a.workspace, cols);
+  if (skipped_on_entry(stats, a.skip_if)) {
+    stats[adalomo::kSkip] = 1.0f;
+    return;
+  }
+  float* ws = a.workspace.data_ptr<float>();
+  std::vector<Partial> parts;
+  binding::dispatch_param_grad(a.param, a.grad, [&](auto p_tag, auto g_tag, auto p, auto g) {
+    const auto block_stats = LOMO_AT_LEVEL(level, stats_block<decltype(p_tag), decltype(g_tag)>);
+    for_pieces(a.offset, a.grad.numel(), cols,
+               [&](int64_t row, int64_t col, int64_t n_rows, int64_t width, int64_t start) {
+                 stats_rect(block_stats, g + start, p + start, cols, n_rows, width, s, ws + row,
+                            ws + rows + col, parts);
+               });
   });
   commit_parts(parts, stats, adalomo::kGSumsq, a.found_inf);
 }

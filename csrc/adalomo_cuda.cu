@@ -163,18 +163,20 @@ __device__ __forceinline__ void for_each_update(const typename G::T* __restrict_
   }
 }
 
-// Pass A. g is clamped but not scaled by the clip coefficient (the moments kernel applies
-// it), so grad_args.clip_coef is unused; h = grad * inv_scale is also summed squared.
+// Pass A over the elements of `slice` (grad and param hold them from their element 0; the
+// grid's rows are the slice's). g is clamped but not scaled by the clip coefficient (the
+// moments kernel applies it), so grad_args.clip_coef is unused; h = grad * inv_scale is also
+// summed squared.
 template <class P, class G>
 __global__ void __launch_bounds__(kThreads)
 factored_stats_kernel(const typename G::T* __restrict__ grad,
                       const typename P::T* __restrict__ param, float* __restrict__ ws,
                       float* found_inf, const float* skip_if, int64_t rows, int64_t cols,
-                      int64_t rows_per_block, AdalomoGradArgs grad_args) {
+                      MatrixSlice slice, int64_t rows_per_block, AdalomoGradArgs grad_args) {
   float* stats = ws + rows + cols;
   if (!block_runs(stats, skip_if)) return;
   const adalomo::GradScalars s = resolve(grad_args);
-  const BlockTile t = block_tile(rows, rows_per_block);
+  const BlockTile t = block_tile(slice.end_row(cols), rows_per_block, slice.first_row(cols));
   float col_acc[kColsPerLane] = {};
   float p_acc = 0.0f, h_acc = 0.0f;
   uint32_t bad = 0;
@@ -184,15 +186,17 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
 #pragma unroll
     for (int k = 0; k < kColsPerLane; ++k) {
       const int64_t j = t.col0 + t.lane + 32 * k;
-      if (j < cols) {
+      const int64_t flat = base + j;
+      if (j < cols && flat >= slice.begin && flat < slice.end) {
+        const int64_t at = flat - slice.begin;
         uint32_t b;
-        const float h = adalomo::scaled_grad(G::load(grad[base + j]), s, b);
+        const float h = adalomo::scaled_grad(G::load(grad[at]), s, b);
         const float g = adalomo::clamp_grad(h, s);
         const float k2 = __fmul_rn(g, g);
         row_acc += k2;
         col_acc[k] += k2;
         h_acc = fmaf(h, h, h_acc);  // as grad_sumsq_ on CUDA
-        const float p = P::load(param[base + j]);
+        const float p = P::load(param[at]);
         p_acc += __fmul_rn(p, p);
         bad |= b;
       }
@@ -382,15 +386,17 @@ extern "C" {
 int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
                                 int param_dtype, float* workspace, float* found_inf,
                                 const float* skip_if, int64_t rows, int64_t cols,
-                                AdalomoGradArgs grad_args, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return 0;
-  const FactoredGrid g = factored_grid(rows, cols);
+                                int64_t offset, int64_t n, AdalomoGradArgs grad_args,
+                                cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0 || n <= 0) return 0;
+  const FactoredGrid g = factored_grid(slice_rows(cols, offset, n), cols);
+  const MatrixSlice slice{offset, offset + n};
   const bool ok = lomo::dispatch_param_grad(param_dtype, grad_dtype, [&](auto p, auto g_tag) {
     using P = decltype(p);
     using G = decltype(g_tag);
     factored_stats_kernel<P, G><<<g.grid, kThreads, 0, stream>>>(
         static_cast<const typename G::T*>(grad), static_cast<const typename P::T*>(param),
-        workspace, found_inf, skip_if, rows, cols, g.rows_per_block, grad_args);
+        workspace, found_inf, skip_if, rows, cols, slice, g.rows_per_block, grad_args);
   });
   return launch_status(ok);
 }

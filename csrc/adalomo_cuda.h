@@ -33,11 +33,13 @@ typedef struct {
 } AdalomoStepArgs;
 
 // Pass A: uses inv_scale and the clip value of grad_args and ignores clip_coef (the moments
-// kernel applies it).
+// kernel applies it). grad and param hold the n flat elements [offset, offset + n) of the
+// [rows, cols] matrix whose sums the workspace holds (offset 0, n = rows * cols: all of it).
 int adalomo_cuda_factored_stats(const void* grad, int grad_dtype, const void* param,
                                 int param_dtype, float* workspace, float* found_inf,
                                 const float* skip_if, int64_t rows, int64_t cols,
-                                AdalomoGradArgs grad_args, cudaStream_t stream);
+                                int64_t offset, int64_t n, AdalomoGradArgs grad_args,
+                                cudaStream_t stream);
 
 // clip_coef: NULL for 1.
 int adalomo_cuda_factored_moments(float* exp_avg_sq_row, float* exp_avg_sq_col,

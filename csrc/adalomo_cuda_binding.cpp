@@ -46,14 +46,14 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 void factored_stats_(const op_bindings::FactoredStats& a) {
   binding::check_operands(a, c10::kCUDA);
-  const int64_t rows = a.grad.numel() / a.cols;
+  const int64_t rows = binding::factored_rows(a.workspace, a.cols);
   const c10::Device device = a.param.device();
   const c10::cuda::CUDAGuard guard(device);
   check_launch(adalomo_cuda_factored_stats(
       a.grad.const_data_ptr(), dtype_code(a.grad, "grad"), a.param.const_data_ptr(),
       dtype_code(a.param, "param"), ptr(a.workspace), scalar_ptr(a.found_inf, device, "found_inf"),
-      scalar_ptr(a.skip_if, device, "skip_if"), rows, a.cols, grad_args(a.param, a.grad_args),
-      current_stream()));
+      scalar_ptr(a.skip_if, device, "skip_if"), rows, a.cols, a.offset, a.grad.numel(),
+      grad_args(a.param, a.grad_args), current_stream()));
 }
 
 void factored_moments_(const op_bindings::FactoredMoments& a) {

@@ -254,13 +254,23 @@ inline void check_workspace(const at::Tensor& workspace, int64_t sums, c10::Devi
   check_fp32(workspace, sums + adalomo::kNumSlots, device, "workspace");
 }
 
-// Pass A: grad and param viewed as [rows, cols] with `cols` columns.
+// Pass A's matrix rows: those the workspace holds sums of (rows + cols + the slots).
+inline int64_t factored_rows(const at::Tensor& workspace, int64_t cols) {
+  return workspace.numel() - adalomo::kNumSlots - cols;
+}
+
+// Pass A: grad and param hold the flat elements [offset, offset + numel) of a [rows, cols]
+// matrix with `cols` columns, its rows the workspace's (the whole matrix at offset 0).
 inline void check_operands(const op_bindings::FactoredStats& a, c10::DeviceType device) {
   check_dense(a.grad, device, "grad");
   check_dense(a.param, device, "param");
-  TORCH_CHECK(a.cols > 0 && a.grad.numel() == a.param.numel() && a.grad.numel() % a.cols == 0,
+  TORCH_CHECK(a.cols > 0 && a.grad.numel() == a.param.numel(),
               "lomo_kernels: bad factored shape");
-  check_workspace(a.workspace, a.grad.numel() / a.cols + a.cols, device);
+  const int64_t rows = factored_rows(a.workspace, a.cols);
+  TORCH_CHECK(rows > 0, "lomo_kernels: a workspace of ", a.workspace.numel(),
+              " elements holds no row of a matrix of ", a.cols, " columns");
+  check_workspace(a.workspace, rows + a.cols, device);
+  check_slice_fits(a.offset, a.grad.numel(), rows * a.cols, "the workspace's rows * cols");
 }
 
 // The moments and the workspace of the moments pass and passes B and C.

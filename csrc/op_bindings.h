@@ -204,7 +204,8 @@ struct StepArgs {
 };
 
 // Pass A applies no clip coefficient (the moments pass does): its grad_args.clip_coef is
-// absent.
+// absent. grad and param hold the flat elements [offset, offset + numel) of a [rows, cols]
+// matrix, its rows those the workspace holds sums of (the whole matrix at offset 0).
 struct FactoredStats {
   const at::Tensor& grad;
   const at::Tensor& param;
@@ -213,6 +214,7 @@ struct FactoredStats {
   const OptTensor& skip_if;
   int64_t cols;
   GradArgs grad_args;
+  int64_t offset;
 };
 
 struct FactoredMoments {
@@ -289,9 +291,9 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
   const auto stats = [ops](const at::Tensor& grad, const at::Tensor& param,
                            const at::Tensor& workspace, const OptTensor& found_inf,
                            const OptTensor& skip_if, int64_t cols, const OptTensor& inv_scale,
-                           std::optional<double> clip_value) {
-    ops.factored_stats(
-        {grad, param, workspace, found_inf, skip_if, cols, {inv_scale, clip_value, kAbsent}});
+                           std::optional<double> clip_value, int64_t offset) {
+    ops.factored_stats({grad, param, workspace, found_inf, skip_if, cols,
+                        {inv_scale, clip_value, kAbsent}, offset});
   };
   const auto moments = [ops](const at::Tensor& exp_avg_sq_row, const at::Tensor& exp_avg_sq_col,
                              const at::Tensor& workspace, const at::Tensor& beta2,
@@ -341,7 +343,7 @@ inline void def_adalomo_ops(py::module_& m, const AdalomoOps& ops) {
   };
   m.def("factored_stats_", stats, "AdaLomo pass A (>= 2-D)", py::arg("grad"),
         py::arg("param"), py::arg("workspace"), py::arg("found_inf"), py::arg("skip_if"),
-        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"));
+        py::arg("cols"), py::arg("inv_scale"), py::arg("clip_value"), py::arg("offset"));
   m.def("factored_moments_", moments, "AdaLomo row/column moments",
         py::arg("exp_avg_sq_row"), py::arg("exp_avg_sq_col"), py::arg("workspace"),
         py::arg("beta2"), py::arg("clip_coef"), py::arg("eps0"));

@@ -5,17 +5,17 @@ A rank owns a flat slice ``[offset, offset + n)`` of each parameter, which for a
 ``g*g`` before the clip coefficient (factored, >= 2 dims; the coefficient and eps0 are
 applied to the means, as by the moments pass), ``sum(update^2)`` and ``sum(p^2)`` over the
 whole tensor, and whether any gradient element is non-finite. Each rank adds up its slice's
-share with the fused passes (`ops.adalomo`); per batch of slices (a reduce-scatter bucket, an
-FSDP2 unit) two small all-reduces, asked of the sharding (the row/column sums and flags, then
-the update sums, which need the new moments), give every rank the single-process totals, so
-the moments R [rows] and C [cols], replicated on every rank, stay identical everywhere, and
-1-D moments v live with their slice.
+share with the fused passes (`ops.adalomo`), which take the slice at its offset: pass A
+writes the rows and columns it touches into a workspace laid out for the whole matrix. Per
+batch of slices (a reduce-scatter bucket, an FSDP2 unit) two all-reduces, asked of the
+sharding (the batch's workspaces, then the factored slices' update sums, which need the new
+moments), give every rank the single-process totals, so the moments R [rows] and C [cols],
+replicated on every rank, stay identical everywhere, and 1-D moments v live with their
+slice.
 
-Per slice, each phase is a few launches whatever its size: pass A on each of the at most
-three pieces a flat slice makes of a matrix (a partial first row, whole rows, a partial last
-row; `reference.row_pieces`), then the norm and the write-back on the slice itself, which
-take its flat offset (pass A1 and C1 for a 1-D slice); the moments pass runs on the summed
-row and column sums, as in one process.
+Per slice, each pass is one launch whatever the slice's size: pass A, the moments, the norm
+and the write-back (A1 and C1 for a 1-D slice). What spans the batch, its workspaces, the
+skip decisions and the sums each all-reduce carries, is a few ops for the whole batch.
 """
 
 from __future__ import annotations
@@ -36,15 +36,7 @@ from ..ops.adalomo import (
     vector_apply_op,
     vector_stats_op,
 )
-from ..ops.adalomo.reference import row_pieces
-from ..ops.adalomo.workspace import (
-    NUM_SLOTS,
-    P_SUMSQ,
-    SKIP,
-    U_SUMSQ,
-    stats_slots,
-    workspace_numel,
-)
+from ..ops.adalomo.workspace import SKIP, U_SUMSQ, stats_slots, workspace_numel
 
 F64 = torch.float64
 
@@ -88,42 +80,38 @@ def _run(op: Any, step: SliceStep, **tensors: Any) -> None:
     op.call_from(step.backend, {**step.arguments, **tensors})
 
 
-def _first_sums(step: SliceStep, workspace: torch.Tensor) -> torch.Tensor:
-    """This rank's share, in float64, of [row sums, col sums of clamp(h)^2] (factored) +
-    [sum p^2, non-finite flag]; a 1-D slice's sum of update^2 is left in `workspace`."""
+def _first_sums(step: SliceStep, workspace: torch.Tensor) -> None:
+    """This rank's share of its parameter's sums into `workspace` (pass A, or A1 for a 1-D
+    slice, whose sum of update^2 is then already this share's)."""
     grad, local = step.grad.reshape(-1), step.shard.local.reshape(-1)
+    if not local.numel():
+        return
     flags = {"found_inf": None, "skip_if": None}  # decided once the ranks' flags are summed
+    tensors = {"grad": grad, "param": local, "workspace": workspace, **flags}
     matrix = _matrix(step)
     if matrix is None:
-        if local.numel():
-            _run(
-                vector_stats_op,
-                step,
-                grad=grad,
-                param=local,
-                workspace=workspace,
-                exp_avg_sq=step.state["exp_avg_sq"],
-                **flags,
-            )
-        return stats_slots(workspace)[[P_SUMSQ, SKIP]].to(F64)
-    rows, cols = matrix
-    sums = torch.zeros(rows + cols + 2, dtype=F64, device=grad.device)
-    for start, row, nrows, col, width in row_pieces(step.shard.offset, local.numel(), cols):
-        span = slice(start, start + nrows * width)
-        piece = torch.zeros(nrows + width + NUM_SLOTS, dtype=torch.float32, device=grad.device)
-        _run(
-            factored_stats_op,
-            step,
-            grad=grad[span],
-            param=local[span],
-            workspace=piece,
-            cols=width,
-            **flags,
-        )
-        sums[row : row + nrows] += piece[:nrows]
-        sums[rows + col : rows + col + width] += piece[nrows : nrows + width]
-        sums[rows + cols :] += stats_slots(piece)[[P_SUMSQ, SKIP]]
-    return sums
+        _run(vector_stats_op, step, **tensors, exp_avg_sq=step.state["exp_avg_sq"])
+    else:
+        _run(factored_stats_op, step, **tensors, cols=matrix[1], offset=step.shard.offset)
+
+
+def _decide_skips(
+    steps: list[SliceStep],
+    workspaces: list[torch.Tensor],
+    skip_if: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """Each parameter's SKIP slot from the summed flags: skipped where `skip_if` or its own
+    `skip` is set, or any rank saw a non-finite gradient element (which raises `found_inf`
+    unless `skip_if` is set)."""
+    skip_in = skip_if.reshape(-1)[:1] != 0
+    bad = torch.stack([stats_slots(w)[SKIP] for w in workspaces]) > 0
+    own = [(skip_if if s.skip is None else s.skip).reshape(-1)[:1] for s in steps]
+    skip = bad | skip_in | (torch.cat(own) != 0)
+    flag = found_inf.view(-1)
+    flag.copy_(torch.where((bad & ~skip_in).any(), torch.clamp(flag, min=1.0), flag))
+    slots = [stats_slots(w)[SKIP : SKIP + 1] for w in workspaces]
+    torch._foreach_copy_(slots, list(skip.to(torch.float32).split(1)))
 
 
 def adalomo_slices_(
@@ -141,55 +129,37 @@ def adalomo_slices_(
     """
     if not steps:
         return
-    device = steps[0].grad.device
-    skip_in = skip_if.reshape(-1)[0] != 0
-    workspaces = [
-        torch.zeros(workspace_numel(s.shard.full_shape), dtype=torch.float32, device=device)
-        for s in steps
-    ]
-    totals = torch.cat([_first_sums(s, w) for s, w in zip(steps, workspaces, strict=True)])
-    all_reduce_sum_(totals)
-
-    # Phase 2: new R and C (identical on every rank), then this rank's sum of update^2.
-    at, second = 0, []
+    sizes = [workspace_numel(s.shard.full_shape) for s in steps]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=steps[0].grad.device)
+    workspaces = list(flat.split(sizes))
     for step, workspace in zip(steps, workspaces, strict=True):
-        stats, matrix = stats_slots(workspace), _matrix(step)
-        if matrix is not None:
-            rows, cols = matrix
-            workspace[: rows + cols] = totals[at : at + rows + cols]  # the moments pass's sums
-            at += rows + cols
-        p_sumsq, bad = totals[at], totals[at + 1] > 0
-        at += 2
-        skip = skip_in | bad
-        if step.skip is not None:
-            skip = skip | (step.skip.reshape(-1)[0] != 0)
-        flag = found_inf.view(-1)
-        flag.copy_(torch.where(bad & ~skip_in, torch.clamp(flag, min=1.0), flag))
-        stats[SKIP] = skip.to(torch.float32)
-        stats[P_SUMSQ] = p_sumsq.to(torch.float32)
-        if matrix is not None:
-            # R, C (unless skipped) and sum(R), from every rank's sums: the same on all.
-            moments = {k: step.state[k] for k in ("exp_avg_sq_row", "exp_avg_sq_col")}
-            _run(factored_moments_op, step, workspace=workspace, **moments)
-            if step.grad.numel():
-                _run(
-                    factored_norm_op,
-                    step,
-                    grad=step.grad.reshape(-1),
-                    workspace=workspace,
-                    offset=step.shard.offset,
-                    **moments,
-                )
-        second.append(stats[U_SUMSQ])  # a 1-D slice's: pass A1's
-    u_sumsqs = torch.stack(second).to(F64)
-    all_reduce_sum_(u_sumsqs)
+        _first_sums(step, workspace)
+    # Every rank's sums, in float64: row and column sums, p^2 (and a 1-D slice's update^2),
+    # the non-finite counts.
+    totals = flat.to(F64)
+    all_reduce_sum_(totals)
+    flat.copy_(totals)
+    _decide_skips(steps, workspaces, skip_if, found_inf)
 
-    # Phase 3: the write-back (and a 1-D slice's v), with the whole parameter's sums.
-    for i, (step, workspace) in enumerate(zip(steps, workspaces, strict=True)):
+    # New R and C (identical on every rank), then this rank's sum of update^2.
+    factored = [(s, w) for s, w in zip(steps, workspaces, strict=True) if _matrix(s) is not None]
+    for step, workspace in factored:
+        moments = {k: step.state[k] for k in ("exp_avg_sq_row", "exp_avg_sq_col")}
+        _run(factored_moments_op, step, workspace=workspace, **moments)
+        if step.grad.numel():
+            grad, offset = step.grad.reshape(-1), step.shard.offset
+            _run(factored_norm_op, step, grad=grad, workspace=workspace, offset=offset, **moments)
+    if factored:
+        u_slots = [stats_slots(w)[U_SUMSQ : U_SUMSQ + 1] for _, w in factored]
+        u_sumsqs = torch.cat(u_slots).to(F64)
+        all_reduce_sum_(u_sumsqs)
+        torch._foreach_copy_(u_slots, list(u_sumsqs.to(torch.float32).split(1)))
+
+    # The write-back (and a 1-D slice's v), with the whole parameter's sums.
+    for step, workspace in zip(steps, workspaces, strict=True):
         local = step.shard.local.reshape(-1)
         if not local.numel():
             continue
-        stats_slots(workspace)[U_SUMSQ] = u_sumsqs[i].to(torch.float32)
         tensors = {"param": local, "grad": step.grad.reshape(-1), "workspace": workspace}
         if _matrix(step) is None:
             _run(

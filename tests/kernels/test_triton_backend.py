@@ -1077,7 +1077,7 @@ def _ada_prepared(
         cols = shape[-1]
         rows = param.numel() // cols
         state = (torch.zeros(rows), torch.zeros(cols))
-        ada_reference.factored_stats_(grad, param, workspace, None, None, cols, inv, cv)
+        ada_reference.factored_stats_(grad, param, workspace, None, None, cols, inv, cv, 0)
         ada_reference.factored_moments_(*state, workspace, _t(ADA_BETA2), cc, ADA_EPS0)
         ada_reference.factored_norm_(grad, *state, workspace, inv, cv, cc, 0)
     else:

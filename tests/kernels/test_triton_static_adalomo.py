@@ -64,7 +64,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         ws, r, c = torch.zeros(workspace_numel(p.shape)), torch.zeros(64), torch.zeros(4097)
         inv, cv, cc = (scalar(0.5), 1.0, scalar(0.3)) if every_option else (None, None, None)
         fi, sk = (torch.zeros(1), torch.zeros(1)) if every_option else (None, None)
-        a.factored_stats_(g, p, ws, fi, sk, 4097, inv, cv)
+        a.factored_stats_(g, p, ws, fi, sk, 4097, inv, cv, 0)
         a.factored_moments_(r, c, ws, scalar(0.9), cc, 1e-30)
         a.factored_norm_(g, r, c, ws, inv, cv, cc, 0)
         # The per-step seed with the other optional inputs; fp32 ignores stochastic rounding.

@@ -420,7 +420,7 @@ def test_reference_backend_is_chunked_and_sync_free(shape):
         if len(shape) >= 2:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             reference.factored_stats_(
-                grad, param, workspace, found_inf, None, shape[-1], *grad_args[:2]
+                grad, param, workspace, found_inf, None, shape[-1], *grad_args[:2], 0
             )
             reference.factored_moments_(row, col, workspace, beta2, grad_args[2], 1e-30)
             reference.factored_norm_(grad, row, col, workspace, *grad_args, 0)
@@ -598,7 +598,7 @@ types = {"grad_ptr": "*i16", "param_ptr": "*i16", "ws_ptr": "*fp32",
          "col_state_ptr": "*fp32", "v_ptr": "*fp32", "lr_ptr": "*fp32",
          "beta2_ptr": "*fp32", "inv_scale_ptr": "*fp32",
          "clip_coef_ptr": "*fp32", "rows": "i64", "cols": "i64",
-         "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64",
+         "rows_per_prog": "i64", "n_row_blocks": "i64", "n": "i64", "offset": "i64",
          "seed_step_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32"}
 flags = {"GRAD_KIND": 2, "PARAM_KIND": 2, "HAS_CLIP_VALUE": True, "HAS_CLIP_COEF": True}
 grad_flags = {f: v for f, v in flags.items() if f != "PARAM_KIND"}

@@ -1,11 +1,11 @@
-"""AdaLomo's update passes on a shard's slice (ZeRO-3, FSDP2): the factored norm and
+"""AdaLomo's passes on a shard's slice (ZeRO-3, FSDP2): the factored pass A, norm and
 write-back at a flat offset of the moments' matrix, the 1-D write-back at an offset of a
 vector, on every backend.
 
 The write-back is elementwise given the workspace's sums, so slices cut anywhere (mid-row,
 inside one row, whole rows) step bit for bit as the whole tensor does, stochastic rounding
-included (each element draws the bits of its index in the whole tensor). The norm of a slice
-is its share of the whole's sum of update^2, against float64 sums of the fp32 updates. On the
+included (each element draws the bits of its index in the whole tensor). A slice's pass A
+and norm add its share of the whole's sums, against float64 sums over its own elements. On the
 test device (LOMO_TEST_DEVICE; the GPU check runs the ones marked gpu_smoke on a GPU).
 """
 
@@ -33,7 +33,14 @@ from lomo_kernels.ops import (  # noqa: E402
     init_adalomo_state,
 )
 from lomo_kernels.ops.adalomo import adalomo_step_arguments  # noqa: E402
-from lomo_kernels.ops.adalomo.workspace import NUM_SLOTS, R_SUM, U_SUMSQ  # noqa: E402
+from lomo_kernels.ops.adalomo.workspace import (  # noqa: E402
+    G_SUMSQ,
+    NUM_SLOTS,
+    P_SUMSQ,
+    R_SUM,
+    SKIP,
+    U_SUMSQ,
+)
 from lomo_kernels.optim.adalomo_slices import (  # noqa: E402
     SliceStep,
     adalomo_slices_,
@@ -121,6 +128,63 @@ def test_factored_norm_of_a_slice_is_its_share(backend, test_device, dtype):
         assert abs(got - expected) <= (b - a + 1) * 2.0**-24 * expected, (a, b)
 
 
+def _slice_mask(a: int, b: int, device) -> torch.Tensor:
+    """1.0 at the slice [a, b) of the flat [ROWS, COLS] matrix, else 0 (float64)."""
+    mask = torch.zeros(ROWS * COLS, dtype=torch.float64, device=device)
+    mask[a:b] = 1.0
+    return mask.view(ROWS, COLS)
+
+
+@pytest.mark.gpu_smoke  # the GPU check runs these on the device
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_factored_stats_of_a_slice_are_its_share(backend, test_device, dtype):
+    """Pass A of a slice at its offset adds, in the whole matrix's workspace, the row and
+    column sums of g^2 over its own elements only (rows it does not touch stay 0), and its
+    share of sum(p^2) and sum(h^2): each entry within the bound of summing its m fp32
+    squares ((m + 1) units of fp32 rounding, relative, for positive terms) of the float64
+    sum of those squares over exactly the slice's elements. Slices cut mid-row, inside one
+    row and across whole rows."""
+    param = make_param((ROWS, COLS), dtype, seed=11).to(test_device)
+    grad = (make_param((ROWS, COLS), dtype, seed=12) * 0.5).to(test_device)
+    g2 = grad.float().square().double()  # the fp32 square of each element, exactly
+    p2 = param.float().square().double()
+    unit = 2.0**-24
+    for a, b in _spans(CUTS):
+        mine = adalomo_workspace(param)
+        adalomo_factored_stats_(grad.view(-1)[a:b].clone(), param.view(-1)[a:b].clone(), mine,
+                                offset=a, full_shape=param.shape, backend=backend)  # fmt: skip
+        mask = _slice_mask(a, b, test_device)
+        for got, terms, count in (
+            (mine[:ROWS], (g2 * mask).sum(1), mask.sum(1)),
+            (mine[ROWS : ROWS + COLS], (g2 * mask).sum(0), mask.sum(0)),
+        ):
+            bound = (count + 1) * unit * terms
+            assert ((got.double() - terms).abs() <= bound).all(), (a, b)
+            assert torch.equal(got[count == 0], torch.zeros_like(got[count == 0]))
+        slots = mine[ROWS + COLS :].double()
+        for slot, squares in ((P_SUMSQ, p2), (G_SUMSQ, g2)):
+            expected = (squares * mask).sum().item()
+            assert abs(slots[slot].item() - expected) <= (b - a + 1) * unit * expected, (a, b)
+        assert slots[SKIP].item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_factored_stats_of_a_slice_flag_its_own_non_finite_gradient(backend, dtype):
+    """A non-finite gradient element marks the slice that holds it, and only that one,
+    skipped and raises found_inf."""
+    param = make_param((ROWS, COLS), dtype, seed=11)
+    grad = make_param((ROWS, COLS), dtype, seed=12)
+    bad_at = 3 * COLS + 500  # inside row 3's inner slice
+    grad.view(-1)[bad_at] = float("inf")
+    for a, b in _spans(CUTS):
+        mine, found = adalomo_workspace(param), torch.zeros(1)
+        adalomo_factored_stats_(grad.view(-1)[a:b], param.view(-1)[a:b], mine, found_inf=found,
+                                offset=a, full_shape=param.shape, backend=backend)  # fmt: skip
+        holds_it = a <= bad_at < b
+        assert mine[ROWS + COLS + SKIP].item() == float(holds_it), (a, b)
+        assert found.item() == float(holds_it), (a, b)
+
+
 @pytest.mark.gpu_smoke  # the GPU check runs these on the device
 @pytest.mark.parametrize(("dtype", "stochastic"), WRITE_BACKS)
 def test_vector_write_back_of_slices_equals_the_whole(backend, test_device, dtype, stochastic):
@@ -156,6 +220,11 @@ def test_a_slice_that_does_not_fit_is_refused_before_any_change():
         lambda: adalomo_factored_norm_(grad.view(-1)[5:], row, col, workspace, offset=6),
         # an offset with a tensor of the moments' shape
         lambda: adalomo_factored_apply_(param, grad, row, col, workspace, **STEP, offset=1),
+        # pass A: past the matrix's end, and an offset without the parameter's shape
+        lambda: adalomo_factored_stats_(
+            grad.view(-1)[5:], flat[5:], workspace, offset=6, full_shape=param.shape
+        ),  # fmt: skip
+        lambda: adalomo_factored_stats_(grad.view(-1)[5:], flat[5:], workspace, offset=5),
     ]
     for call in cases:
         with pytest.raises(ValueError, match="offset"):
@@ -164,6 +233,9 @@ def test_a_slice_that_does_not_fit_is_refused_before_any_change():
     with pytest.raises(ValueError, match="full_numel=10"):
         adalomo_vector_apply_(vector, vector, v, torch.zeros(NUM_SLOTS), beta2=0.5, **STEP,
                               offset=3, full_numel=10)  # fmt: skip
+    with pytest.raises(ValueError, match="workspace"):  # not the workspace of full_shape
+        adalomo_factored_stats_(grad.view(-1)[5:], flat[5:], workspace[1:], offset=5,
+                                full_shape=param.shape)  # fmt: skip
     assert torch.equal(param, before) and not vector.any() and torch.equal(v, torch.ones(8))
 
 
@@ -177,38 +249,66 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _sliced_step_ops(rows: int, shape_cols: int, vector: bool) -> Counter[str]:
+# Ops that only view a tensor: no kernel runs for them.
+VIEWS = {"aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default",
+         "aten._reshape_alias.default", "aten.as_strided.default"}  # fmt: skip
+
+
+def _sliced_step_ops(rows: int, shape_cols: int, vector: bool, slices: int = 1) -> Counter[str]:
     """Torch ops one rank's sliced AdaLomo step runs (the C++ backend: a fused pass is one
-    op), its slice cut mid-row at both ends (a 1-D parameter: at both ends too)."""
+    op) on a bucket of `slices` parameters, each slice cut mid-row at both ends (a 1-D
+    parameter: at both ends too)."""
     shape = (rows * shape_cols,) if vector else (rows, shape_cols)
-    param = make_param(shape, torch.bfloat16, seed=3)
-    grad = make_param(shape, torch.bfloat16, seed=4)
-    a, b = shape_cols // 3, param.numel() - shape_cols // 2
-    shard = Shard(param=param, local=param.view(-1)[a:b], offset=a, full_shape=param.shape,
-                  group=None)  # fmt: skip
+    a, b = shape_cols // 3, rows * shape_cols - shape_cols // 2
     arguments = adalomo_step_arguments(
-        torch.device("cpu"), True, lr=1e-3, beta2=0.5, eps=(1e-30, 1e-3), clip_threshold=1.0,
-        weight_decay=0.0, inv_scale=None, clip_value=None, clip_coef=None, found_inf=None,
-        skip_if=None, stochastic_rounding=True, seed=1, seed_step=None,
+        torch.device("cpu"), not vector, lr=1e-3, beta2=0.5, eps=(1e-30, 1e-3),
+        clip_threshold=1.0, weight_decay=0.0, inv_scale=None, clip_value=None, clip_coef=None,
+        found_inf=None, skip_if=None, stochastic_rounding=True, seed=1, seed_step=None,
     )  # fmt: skip
-    step = SliceStep(shard=shard, grad=grad.view(-1)[a:b], state=init_slice_state(shard),
-                     arguments=arguments, backend="cpp")  # fmt: skip
+    steps, params = [], []
+    for i in range(slices):
+        param = make_param(shape, torch.bfloat16, seed=3 + i)
+        grad = make_param(shape, torch.bfloat16, seed=40 + i)
+        shard = Shard(param=param, local=param.view(-1)[a:b], offset=a, full_shape=param.shape,
+                      group=None)  # fmt: skip
+        steps.append(SliceStep(shard=shard, grad=grad.view(-1)[a:b],
+                               state=init_slice_state(shard), arguments=arguments,
+                               backend="cpp"))  # fmt: skip
+        params.append(param)
+    flags = torch.zeros(1), torch.zeros(1)
     with _CountOps() as counter:
-        adalomo_slices_([step], torch.zeros(1), torch.zeros(1), lambda t: None)
-    assert not torch.equal(param.view(-1)[a:b], make_param(shape, torch.bfloat16, seed=3)
-                           .view(-1)[a:b])  # fmt: skip
+        adalomo_slices_(steps, *flags, lambda t: None)
+    for i, param in enumerate(params):
+        before = make_param(shape, torch.bfloat16, seed=3 + i)
+        assert not torch.equal(param.view(-1)[a:b], before.view(-1)[a:b])
     return counter.counts
+
+
+def _fused(counts: Counter[str]) -> dict[str, int]:
+    return {name.split(".")[1]: n for name, n in counts.items() if name.startswith("lomo_")}
 
 
 @pytest.mark.parametrize("vector", [False, True], ids=["factored", "1-D"])
 def test_a_sliced_step_runs_as_many_ops_whatever_the_slice_size(vector):
     """A rank's slice is stepped by fused passes over the slice, not by torch ops per block
-    of it: a slice 8 times longer (past several 64K-element blocks) runs the same ops."""
+    or piece of it: a slice 8 times longer (past several 64K-element blocks) runs the same
+    ops, each pass one op on the whole slice."""
     small = _sliced_step_ops(16, 1031, vector)
     assert _sliced_step_ops(128, 1031, vector) == small
-    fused = {name.split(".")[1]: n for name, n in small.items() if name.startswith("lomo_")}
     if vector:
-        assert fused == {"adalomo_vector_stats_": 1, "adalomo_vector_apply_": 1}
-    else:  # pass A on each piece (a partial first row, whole rows, a partial last row)
-        assert fused == {"adalomo_factored_stats_": 3, "adalomo_factored_moments_": 1,
-                         "adalomo_factored_norm_": 1, "adalomo_factored_apply_": 1}  # fmt: skip
+        assert _fused(small) == {"adalomo_vector_stats_": 1, "adalomo_vector_apply_": 1}
+    else:
+        passes = ("stats", "moments", "norm", "apply")
+        assert _fused(small) == {f"adalomo_factored_{name}_": 1 for name in passes}
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["factored", "1-D"])
+def test_a_bucket_runs_each_slice_s_passes_and_the_rest_once(vector):
+    """A bucket of four slices runs each slice's fused passes and, besides views, exactly
+    the ops of a bucket of one: the workspaces, skip decisions and all-reduced sums are
+    handled for the whole bucket at once (on a GPU each such op is a launch)."""
+    one, four = _sliced_step_ops(16, 1031, vector), _sliced_step_ops(16, 1031, vector, slices=4)
+    assert _fused(four) == {name: 4 * n for name, n in _fused(one).items()}
+    rest = {name for name in one.keys() | four.keys() if not name.startswith("lomo_")}
+    launched = {name: (one[name], four[name]) for name in rest - VIEWS}
+    assert all(a == b for a, b in launched.values()), launched

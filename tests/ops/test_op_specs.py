@@ -96,9 +96,11 @@ PUBLIC = {
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_public_functions_take_the_spec_arguments_and_defaults(spec: OpSpec):
     """Every argument of the op is a parameter of its public function (but a shape the
-    function reads off a tensor), with the spec's default; and `backend=` besides."""
+    function reads off a tensor), with the spec's default; and `backend=` besides (and pass
+    A's `full_shape`, the shape of the parameter a 1-D slice is of, which no tensor holds)."""
     parameters = inspect.signature(PUBLIC[spec]).parameters
-    assert set(parameters) - set(spec.names) == {"backend"}
+    shapes = {"full_shape"} if spec is adalomo.FACTORED_STATS else set()
+    assert set(parameters) - set(spec.names) == {"backend"} | shapes
     for arg in spec.args:
         if arg.kind == "int":
             assert arg.name not in parameters
@@ -163,10 +165,10 @@ def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
 @pytest.mark.parametrize("bad", [-1, 2.0, True, None, 2**63])
 def test_offsets_are_refused_unless_a_non_negative_int(bad):
     """The 8-bit buffer's ops, the dense update and accumulation, and AdaLomo's factored
-    update passes take a slice's flat offset, an int64 element index: refused by name
+    passes take a slice's flat offset, an int64 element index: refused by name
     otherwise (2**63 overflowed the torch and C++ backends, and Triton ran it)."""
     with_offset = [s for s in SPECS if any(a.kind == "offset" for a in s.args)]
-    assert len(with_offset) == 8
+    assert len(with_offset) == 9
     for spec in with_offset:
         values = {a.name: VALID.get(a.kind) for a in spec.args}
         values["offset"] = bad

@@ -120,7 +120,7 @@ def _adalomo_cases() -> list[tuple]:
     return [
         (
             OPS.adalomo_factored_stats_,
-            (g2, p2, ws2, torch.zeros(1), None, cols, inv_scale, clip_value),
+            (g2, p2, ws2, torch.zeros(1), None, cols, inv_scale, clip_value, 0),
         ),
         (OPS.adalomo_factored_moments_, (row, col, ws2, beta2, clip_coef, 1e-30)),
         (OPS.adalomo_factored_norm_, (g2, row, col, ws2, *grad_args, 0)),
@@ -129,6 +129,14 @@ def _adalomo_cases() -> list[tuple]:
             (p2, g2, row, col, ws2, lr, 1e-3, 1.0, 0.1, *grad_args, False, 0, None, 0),
         ),
         # A shard's slice: flat elements [7, 41) of the [rows, cols] matrix, cut mid-row.
+        (
+            OPS.adalomo_factored_stats_,
+            (
+                g2.reshape(-1)[7:41].clone(),
+                p2.reshape(-1)[7:41].clone(),
+                *(ws2, torch.zeros(1), None, cols, inv_scale, clip_value, 7),
+            ),
+        ),
         (OPS.adalomo_factored_norm_, (g2.reshape(-1)[7:41].clone(), row, col, ws2, *grad_args, 7)),
         (
             OPS.adalomo_factored_apply_,

@@ -40,7 +40,7 @@ def prepared_write_back(shape, pdt: str, gdt: str):
     if param.dim() >= 2:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         adalomo_reference.factored_stats_(
-            grad, param, workspace, None, None, shape[-1], k["inv_scale"], clip
+            grad, param, workspace, None, None, shape[-1], k["inv_scale"], clip, 0
         )
         adalomo_reference.factored_moments_(row, col, workspace, k["beta2"], k["clip_coef"], 1e-30)
         adalomo_reference.factored_norm_(

@@ -144,7 +144,7 @@ def _vector_block(n, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------- factored
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset", "n"])
 def factored_stats_kernel(
     grad_ptr,
     param_ptr,
@@ -153,6 +153,8 @@ def factored_stats_kernel(
     skip_if_ptr,
     rows,
     cols,
+    offset,
+    n,
     rows_per_prog,
     inv_scale_ptr,
     clip_value,
@@ -163,11 +165,17 @@ def factored_stats_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Pass A: row/column sums of g^2 (g clamped, no clip coefficient), sum of
-    h^2 = (grad * inv_scale)^2, sum of p^2, non-finite flag."""
+    h^2 = (grad * inv_scale)^2, sum of p^2, non-finite flag, over the flat elements
+    [offset, offset + n) of the [rows, cols] matrix, which grad (and param) hold from their
+    element 0; the grid's row groups are of the rows the slice touches."""
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
         inv_scale = _factor(inv_scale_ptr)
-        row_start, row_end, n_iter = _row_group(rows, rows_per_prog, 0, BLOCK_M)
+        begin = offset.to(tl.int64)
+        end = begin + n
+        row_start, row_end, n_iter = _row_group(
+            (end + cols - 1) // cols, rows_per_prog, begin // cols, BLOCK_M
+        )
         cols_idx, col_mask = _column_block(cols, BLOCK_N)
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -178,8 +186,9 @@ def factored_stats_kernel(
         for it in range(0, n_iter):
             rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows_idx < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows_idx[:, None] * cols + cols_idx[None, :]
+            index = rows_idx[:, None] * cols + cols_idx[None, :]
+            mask = row_mask[:, None] & col_mask[None, :] & (index >= begin) & (index < end)
+            offs = index - begin
             h, finite = _scaled(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
             g = _clamp(h, clip_value, HAS_CLIP_VALUE)
             k = tl.where(mask, g * g, 0.0)

@@ -28,7 +28,7 @@ reads a device value on the host, so a step never synchronises. Kernels per devi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -401,6 +401,8 @@ def adalomo_factored_stats_(
     clip_value: float | None = None,
     found_inf: torch.Tensor | None = None,
     skip_if: torch.Tensor | None = None,
+    offset: int = 0,
+    full_shape: Sequence[int] | None = None,
     backend: str | None = None,
 ) -> None:
     """Pass A of a >= 2-D parameter: one read of grad and param.
@@ -410,9 +412,30 @@ def adalomo_factored_stats_(
     of ``g*g``, ``sum(h^2)`` (G_SUMSQ, as `grad_sumsq_` measures it) and ``sum(param^2)``
     into `workspace`; a non-finite h sets its SKIP slot and raises `found_inf`. With
     ``skip_if`` non-zero it sets SKIP and raises nothing (the sums are then not used).
-    """
-    _check_factored(param, grad, None, None, workspace)
-    _run(factored_stats_op, backend, param.device, locals(), cols=param.shape[-1])
+
+    A shard's slice: `grad` and `param` are 1-D and hold the flat elements [offset, offset +
+    numel) of a parameter of `full_shape`, whose workspace this is (a rank's share of the
+    sums: the rows and columns it touches, its part of every slot)."""
+    if full_shape is None:
+        if offset:
+            raise ValueError(
+                f"lomo_kernels: offset {offset!r} is for a 1-D slice of a parameter: pass its "
+                "full_shape too"
+            )
+        _check_factored(param, grad, None, None, workspace)
+        cols = param.shape[-1]
+    else:
+        full_shape = torch.Size(full_shape)
+        if len(full_shape) < 2 or param.dim() != 1:
+            raise ValueError(
+                "lomo_kernels: full_shape is for a 1-D slice of a parameter with >= 2 dims, got "
+                f"a slice of shape {tuple(param.shape)} of full_shape {tuple(full_shape)}"
+            )
+        check_pair(param, grad)
+        _check_workspace(workspace, full_shape, param.device)
+        _check_slice_fits(param, offset, full_shape.numel(), f"full_shape {tuple(full_shape)}")
+        cols = full_shape[-1]
+    _run(factored_stats_op, backend, param.device, locals(), cols=cols)
 
 
 def adalomo_factored_moments_(

@@ -28,7 +28,7 @@ import torch
 
 from ...core.rounding import NEAREST, Rounding, round_to_dtype
 from ...core.scalars import value_of
-from .workspace import G_SUMSQ, P_SUMSQ, R_SUM, SKIP, U_SUMSQ, stats_slots
+from .workspace import G_SUMSQ, NUM_SLOTS, P_SUMSQ, R_SUM, SKIP, U_SUMSQ, stats_slots
 
 # Elements per tile: large enough to amortise per-op overhead, small enough to bound the
 # fp32 temporaries (a few of 256 KiB each).
@@ -161,88 +161,6 @@ def tile_index(r0: int, r1: int, c0: int, c1: int, cols: int, device: torch.devi
 # ----------------------------------------------------------------------------- factored
 
 
-def factored_stats_(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    workspace: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    skip_if: torch.Tensor | None,
-    cols: int,
-    inv_scale: torch.Tensor | None,
-    clip_value: float | None,
-) -> None:
-    """Pass A: row and column sums of k = clamp(h)^2, sum of h^2, sum of p^2, non-finite flag."""
-    rows = grad.numel() // cols
-    g2, p2 = grad.view(rows, cols), param.view(rows, cols)
-    row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
-    stats = stats_slots(workspace)
-    skip_in = _skip_on_entry(stats, skip_if)
-    transform = GradTransform(inv_scale, clip_value, None)
-    bad = torch.zeros((), dtype=torch.bool, device=grad.device)
-    for r0, r1, c0, c1 in _tiles(rows, cols):
-        h = transform.scaled(g2[r0:r1, c0:c1])
-        h64 = h.to(F64)  # squared in float64, as ops.grad_sumsq_ measures it
-        stats[G_SUMSQ] += (h64 * h64).sum()
-        g = transform.clamped(h)
-        k = g * g
-        row_acc[r0:r1] += k.sum(dim=1, dtype=F64)
-        col_acc[c0:c1] += k.sum(dim=0, dtype=F64)
-        p = p2[r0:r1, c0:c1].to(torch.float32)
-        stats[P_SUMSQ] += (p * p).sum(dtype=F64)
-        bad = bad | ~torch.isfinite(h).all()
-    _record_flags(stats, found_inf, skip_in, bad)
-
-
-def mean_u(acc: torch.Tensor, count: int, coef: torch.Tensor | None, eps0: float) -> torch.Tensor:
-    """Mean of u = (c*g)^2 + eps0 from `acc`, the sum of g^2 over `count` elements.
-
-    ``c * (c * m)``, not ``(c * c) * m``: c is small only when the sums are large, and c*c
-    alone could underflow. c == 0 gives 0 even for an overflowed (inf) m.
-    """
-    m = acc / count
-    if coef is not None:
-        m = coef * (coef * torch.where(coef == 0, torch.zeros_like(m), m))
-    return m + eps0
-
-
-def update_moment_(
-    state: torch.Tensor, mean: torch.Tensor, b: torch.Tensor | float, skip: torch.Tensor
-) -> None:
-    """state = b * state + (1 - b) * mean, unless `skip`."""
-    state.copy_(torch.where(skip, state, state * b + mean * (1.0 - b)))
-
-
-def factored_moments_(
-    exp_avg_sq_row: torch.Tensor,
-    exp_avg_sq_col: torch.Tensor,
-    workspace: torch.Tensor,
-    beta2: torch.Tensor,
-    clip_coef: torch.Tensor | None,
-    eps0: float,
-) -> None:
-    """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
-    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
-    stats = stats_slots(workspace)
-    skip = stats[SKIP] != 0
-    b = value_of(beta2)
-    coef = None if clip_coef is None else value_of(clip_coef)
-    for state, acc, count in (
-        (exp_avg_sq_row, workspace[:rows], cols),
-        (exp_avg_sq_col, workspace[rows : rows + cols], rows),
-    ):
-        update_moment_(state, mean_u(acc, count, coef, eps0), b, skip)
-    stats[R_SUM] = exp_avg_sq_row.sum(dtype=F64)
-
-
-def moment_factors(
-    exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor, row_sum: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, c): rsqrt(R / mean(R)) and rsqrt(C), `row_sum` the fp32 sum of R; vectors, not
-    tensor-sized."""
-    mean = row_sum / exp_avg_sq_row.numel()
-    return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
-
-
 def row_pieces(offset: int, n: int, cols: int) -> Iterator[tuple[int, int, int, int, int]]:
     """Splits flat elements [offset, offset + n) of a [*, cols] matrix into 2-D pieces.
 
@@ -296,6 +214,91 @@ def slice_tiles(offset: int, n: int, cols: int) -> Iterator[SliceTile]:
         span = slice(start, start + rows * width)
         for r0, r1, c0, c1 in _tiles(rows, width):
             yield SliceTile(span, width, row, col, row + r0, row + r1, col + c0, col + c1)
+
+
+def factored_stats_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    workspace: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    skip_if: torch.Tensor | None,
+    cols: int,
+    inv_scale: torch.Tensor | None,
+    clip_value: float | None,
+    offset: int,
+) -> None:
+    """Pass A: row and column sums of k = clamp(h)^2, sum of h^2, sum of p^2, non-finite flag,
+    over the slice `grad` (and `param`) at flat `offset` of the [rows, cols] matrix the
+    workspace holds the sums of (its rows: the workspace's length less cols and the slots)."""
+    rows = workspace.numel() - cols - NUM_SLOTS
+    row_acc, col_acc = workspace[:rows], workspace[rows : rows + cols]
+    stats = stats_slots(workspace)
+    skip_in = _skip_on_entry(stats, skip_if)
+    transform = GradTransform(inv_scale, clip_value, None)
+    bad = torch.zeros((), dtype=torch.bool, device=grad.device)
+    g_flat, p_flat = grad.reshape(-1), param.reshape(-1)
+    for tile in slice_tiles(offset, g_flat.numel(), cols):
+        h = transform.scaled(tile.of(g_flat))
+        h64 = h.to(F64)  # squared in float64, as ops.grad_sumsq_ measures it
+        stats[G_SUMSQ] += (h64 * h64).sum()
+        g = transform.clamped(h)
+        k = g * g
+        row_acc[tile.r0 : tile.r1] += k.sum(dim=1, dtype=F64)
+        col_acc[tile.c0 : tile.c1] += k.sum(dim=0, dtype=F64)
+        p = tile.of(p_flat).to(torch.float32)
+        stats[P_SUMSQ] += (p * p).sum(dtype=F64)
+        bad = bad | ~torch.isfinite(h).all()
+    _record_flags(stats, found_inf, skip_in, bad)
+
+
+def mean_u(acc: torch.Tensor, count: int, coef: torch.Tensor | None, eps0: float) -> torch.Tensor:
+    """Mean of u = (c*g)^2 + eps0 from `acc`, the sum of g^2 over `count` elements.
+
+    ``c * (c * m)``, not ``(c * c) * m``: c is small only when the sums are large, and c*c
+    alone could underflow. c == 0 gives 0 even for an overflowed (inf) m.
+    """
+    m = acc / count
+    if coef is not None:
+        m = coef * (coef * torch.where(coef == 0, torch.zeros_like(m), m))
+    return m + eps0
+
+
+def update_moment_(
+    state: torch.Tensor, mean: torch.Tensor, b: torch.Tensor | float, skip: torch.Tensor
+) -> None:
+    """state = b * state + (1 - b) * mean, unless `skip`."""
+    state.copy_(torch.where(skip, state, state * b + mean * (1.0 - b)))
+
+
+def factored_moments_(
+    exp_avg_sq_row: torch.Tensor,
+    exp_avg_sq_col: torch.Tensor,
+    workspace: torch.Tensor,
+    beta2: torch.Tensor,
+    clip_coef: torch.Tensor | None,
+    eps0: float,
+) -> None:
+    """R = b*R + (1-b)*row_mean(u), C = b*C + (1-b)*col_mean(u) unless skipped; R_SUM = sum(R)."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    stats = stats_slots(workspace)
+    skip = stats[SKIP] != 0
+    b = value_of(beta2)
+    coef = None if clip_coef is None else value_of(clip_coef)
+    for state, acc, count in (
+        (exp_avg_sq_row, workspace[:rows], cols),
+        (exp_avg_sq_col, workspace[rows : rows + cols], rows),
+    ):
+        update_moment_(state, mean_u(acc, count, coef, eps0), b, skip)
+    stats[R_SUM] = exp_avg_sq_row.sum(dtype=F64)
+
+
+def moment_factors(
+    exp_avg_sq_row: torch.Tensor, exp_avg_sq_col: torch.Tensor, row_sum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, c): rsqrt(R / mean(R)) and rsqrt(C), `row_sum` the fp32 sum of R; vectors, not
+    tensor-sized."""
+    mean = row_sum / exp_avg_sq_row.numel()
+    return torch.rsqrt(exp_avg_sq_row / mean), torch.rsqrt(exp_avg_sq_col)
 
 
 def _factored_updates(

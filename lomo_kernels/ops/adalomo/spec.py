@@ -23,6 +23,14 @@ _STEP = (
     Arg("weight_decay", "hyper", default=0.0),
 )
 
+# Passes A, B and C may take a flat slice of the [rows, cols] matrix the moments describe:
+# grad (and param) hold its elements [offset, offset + numel) (a ZeRO-3 or FSDP2 shard, cut
+# across rows), summed into (pass A) or read against their rows' and columns' entries; the
+# write-back's rms values are the whole matrix's (the workspace holds its sums) and its
+# rounding draws the bits of the flat index in it. Last, so positional calls keep their
+# meaning.
+_SLICE_OFFSET = Arg("offset", "offset", default=0)
+
 FACTORED_STATS = OpSpec(
     "adalomo_factored_stats_",
     "factored_stats_",
@@ -33,6 +41,7 @@ FACTORED_STATS = OpSpec(
         *_FLAGS,
         Arg("cols", "int"),
         *GRAD_TRANSFORM[:2],
+        _SLICE_OFFSET,
     ),
 )
 FACTORED_MOMENTS = OpSpec(
@@ -47,12 +56,6 @@ FACTORED_MOMENTS = OpSpec(
         _EPS0,
     ),
 )
-# Passes B and C may take a flat slice of the [rows, cols] matrix the moments describe: grad
-# (and param) hold its elements [offset, offset + numel) (a ZeRO-3 or FSDP2 shard, cut
-# across rows), read against their rows' R and columns' C; the write-back's rms values are
-# the whole matrix's (the workspace holds its sums) and its rounding draws the bits of the
-# flat index in it. Last, so positional calls keep their meaning.
-_SLICE_OFFSET = Arg("offset", "offset", default=0)
 FACTORED_NORM = OpSpec(
     "adalomo_factored_norm_",
     "factored_norm_",

@@ -25,6 +25,7 @@ from .spec import (
     VECTOR_APPLY,
     VECTOR_STATS,
 )
+from .workspace import NUM_SLOTS
 
 __all__ = [
     "factored_apply_",
@@ -93,22 +94,27 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[tuple[int, int]
     }
 
 
+def _slice_tiling(
+    rows: int, cols: int, offset: int, n: int, device: torch.device
+) -> runtime.Launch:
+    """(grid, launch sizes) of a factored pass over the flat elements [offset, offset + n) of
+    a [rows, cols] matrix, tiling the rows they touch."""
+    touched = runtime.cdiv(offset + n, cols) - offset // cols
+    grid, sizes = _tiling(touched, cols, device)
+    return grid, {**sizes, "rows": rows, "offset": offset, "n": n}
+
+
 def _update_launch(a: Any, device: torch.device) -> runtime.Launch:
     """(grid, arguments) both factored update passes (B, C) take: the moments, the workspace,
     the slice of their [rows, cols] matrix that grad holds, and the tiling of the rows it
     touches."""
     rows, cols = a.exp_avg_sq_row.numel(), a.exp_avg_sq_col.numel()
-    n = a.grad.numel()
-    touched = runtime.cdiv(a.offset + n, cols) - a.offset // cols
-    grid, sizes = _tiling(touched, cols, device)
+    grid, sizes = _slice_tiling(rows, cols, a.offset, a.grad.numel(), device)
     return grid, {
         "row_state_ptr": a.exp_avg_sq_row,
         "col_state_ptr": a.exp_avg_sq_col,
         "ws_ptr": a.workspace,
         **sizes,
-        "rows": rows,
-        "offset": a.offset,
-        "n": n,
     }
 
 
@@ -157,9 +163,11 @@ def _kernels() -> ModuleType:
 # Each pass's grid and kernel arguments, from the op's arguments `a` (its spec's
 # ``Arguments``: `spec.py`).
 def factored_stats_args(a: Any) -> runtime.Launch:
-    """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag.
-    No clip coefficient: the moments pass applies it."""
-    grid, sizes = _tiling(a.grad.numel() // a.cols, a.cols, a.grad.device)
+    """Pass A: row/column sums of g^2, sums of (grad * inv_scale)^2 and p^2, non-finite flag,
+    over the slice grad holds of the [rows, cols] matrix whose sums the workspace holds. No
+    clip coefficient: the moments pass applies it."""
+    rows = a.workspace.numel() - a.cols - NUM_SLOTS
+    grid, sizes = _slice_tiling(rows, a.cols, a.offset, a.grad.numel(), a.grad.device)
     return grid, {
         **runtime.param_kwargs(a.param),
         "ws_ptr": a.workspace,
