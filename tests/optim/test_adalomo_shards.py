@@ -62,6 +62,52 @@ def test_whole_parameter_slice_equals_float64_model(shape, dtype):
     check_state(state, ref_state)
 
 
+def _bucket(grad_inf_at: int | None = None) -> tuple[list[SliceStep], list[torch.Tensor]]:
+    """Three whole-parameter slices in one bucket (two matrices, one vector): the second
+    matrix's gradient non-finite where asked."""
+    steps, params = [], []
+    for i, shape in enumerate([(37, 300), (5, 1031), (4099,)]):
+        param, grad = (
+            make_param(shape, torch.bfloat16, seed=i),
+            make_param(shape, torch.bfloat16, seed=9 + i),
+        )
+        if i == 1 and grad_inf_at is not None:
+            grad.view(-1)[grad_inf_at] = float("inf")
+        shard = Shard(param=param, local=param.view(-1), offset=0, full_shape=param.shape,
+                      group=None)  # fmt: skip
+        arguments = slice_arguments(lr=0.01, beta2=0.5)
+        steps.append(SliceStep(shard=shard, grad=grad.view(-1), state=init_slice_state(shard),
+                               arguments=arguments))  # fmt: skip
+        params.append(param)
+    return steps, params
+
+
+def test_a_bucket_skips_each_parameter_on_its_own_flags():
+    """In one bucket, a parameter with its own skip flag and one with a non-finite gradient
+    element keep their values and moments (the latter raises found_inf); the third steps
+    bit for bit as in a bucket of its own. The bucket's skip_if skips all, raising nothing."""
+    alone, alone_params = _bucket()
+    adalomo_slices_(alone[2:], torch.zeros(1), torch.zeros(1), lambda t: None)
+    steps, params = _bucket(grad_inf_at=777)
+    before = [p.clone() for p in params]
+    moments = [{k: v.clone() for k, v in s.state.items()} for s in steps]
+    steps[0].skip = torch.ones(1)
+    found = torch.zeros(1)
+    adalomo_slices_(steps, torch.zeros(1), found, lambda t: None)
+    assert found.item() == 1.0
+    for i in (0, 1):
+        assert torch.equal(params[i], before[i]), i
+        assert all(torch.equal(steps[i].state[k], v) for k, v in moments[i].items()), i
+    assert torch.equal(params[2], alone_params[2]) and not torch.equal(params[2], before[2])
+    assert torch.equal(steps[2].state["exp_avg_sq"], alone[2].state["exp_avg_sq"])
+
+    steps, params = _bucket(grad_inf_at=777)
+    before, found = [p.clone() for p in params], torch.zeros(1)
+    adalomo_slices_(steps, torch.ones(1), found, lambda t: None)
+    assert found.item() == 0.0
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 # Longest a thread "rank" waits for the other at the all-reduce (a step here takes
 # milliseconds): past it, the wait fails instead of hanging the run.
 BARRIER_TIMEOUT_S = 60
