@@ -373,6 +373,21 @@ def custom_op_overload(op: Any, qualname: str) -> Any:
     return getattr(getattr(torch.ops, namespace), name).default
 
 
+# ---------------------------------------------------------------------- tensor lists
+
+
+def copy_each_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i: one op for the whole list (on a GPU, a
+    launch or a few rather than one per tensor) where torch has ``torch._foreach_copy_``,
+    else one copy each."""
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is not None:
+        copy_all(targets, sources)
+        return
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
+
+
 # ---------------------------------------------------------------------- oneDNN
 
 

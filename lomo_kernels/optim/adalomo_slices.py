@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..core.torch_internals import copy_each_
 from ..distributed.shard import Shard
 from ..ops.adalomo import (
     factored_apply_op,
@@ -111,7 +112,7 @@ def _decide_skips(
     flag = found_inf.view(-1)
     flag.copy_(torch.where((bad & ~skip_in).any(), torch.clamp(flag, min=1.0), flag))
     slots = [stats_slots(w)[SKIP : SKIP + 1] for w in workspaces]
-    torch._foreach_copy_(slots, list(skip.to(torch.float32).split(1)))
+    copy_each_(slots, list(skip.to(torch.float32).split(1)))
 
 
 def adalomo_slices_(
@@ -153,7 +154,7 @@ def adalomo_slices_(
         u_slots = [stats_slots(w)[U_SUMSQ : U_SUMSQ + 1] for _, w in factored]
         u_sumsqs = torch.cat(u_slots).to(F64)
         all_reduce_sum_(u_sumsqs)
-        torch._foreach_copy_(u_slots, list(u_sumsqs.to(torch.float32).split(1)))
+        copy_each_(u_slots, list(u_sumsqs.to(torch.float32).split(1)))
 
     # The write-back (and a 1-D slice's v), with the whole parameter's sums.
     for step, workspace in zip(steps, workspaces, strict=True):

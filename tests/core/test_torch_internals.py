@@ -338,3 +338,17 @@ def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unch
         assert "donated buffer" in str(refused.value.__cause__)  # torch's own, chained
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "one-by-one"])
+def test_copy_each_copies_every_pair_with_or_without_torch_s_list_copy(foreach, monkeypatch):
+    """The list copy of the sliced AdaLomo step's flags and sums: the same values whether
+    torch has its one-op list copy or not (a release without it copies one by one)."""
+    from lomo_kernels.core.torch_internals import copy_each_
+
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_")
+    flat = torch.zeros(9)
+    targets = [flat[0:1], flat[4:5], flat[8:9]]
+    copy_each_(targets, list(torch.tensor([1.5, -2.0, 3.25]).split(1)))
+    assert flat.tolist() == [1.5, 0, 0, 0, -2.0, 0, 0, 0, 3.25]
