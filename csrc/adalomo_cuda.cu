@@ -126,6 +126,7 @@ struct MatrixSlice {
   __device__ __forceinline__ int64_t end_row(int64_t cols) const {
     return (end + cols - 1) / cols;
   }
+  __device__ __forceinline__ bool holds(int64_t flat) const { return flat >= begin && flat < end; }
 };
 
 // Passes B and C: visit(index in the matrix, index in grad, update) for each element of
@@ -153,7 +154,7 @@ __device__ __forceinline__ void for_each_update(const typename G::T* __restrict_
     for (int k = 0; k < kColsPerLane; ++k) {
       const int64_t j = t.col0 + t.lane + 32 * k;
       const int64_t flat = base + j;
-      if (j < cols && flat >= slice.begin && flat < slice.end) {
+      if (j < cols && slice.holds(flat)) {
         uint32_t b;
         const int64_t at = flat - slice.begin;
         visit(flat, at,
@@ -187,7 +188,7 @@ factored_stats_kernel(const typename G::T* __restrict__ grad,
     for (int k = 0; k < kColsPerLane; ++k) {
       const int64_t j = t.col0 + t.lane + 32 * k;
       const int64_t flat = base + j;
-      if (j < cols && flat >= slice.begin && flat < slice.end) {
+      if (j < cols && slice.holds(flat)) {
         const int64_t at = flat - slice.begin;
         uint32_t b;
         const float h = adalomo::scaled_grad(G::load(grad[at]), s, b);

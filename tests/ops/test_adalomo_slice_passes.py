@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from support.adalomo import make_param  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench.adalomo_slices import VIEWS  # noqa: E402
 from lomo_kernels.distributed.shard import Shard  # noqa: E402
 from lomo_kernels.ops import (  # noqa: E402
     adalomo_factored_apply_,
@@ -247,11 +248,6 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
-
-
-# Ops that only view a tensor: no kernel runs for them.
-VIEWS = {"aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default",
-         "aten._reshape_alias.default", "aten.as_strided.default"}  # fmt: skip
 
 
 def _sliced_step_ops(rows: int, shape_cols: int, vector: bool, slices: int = 1) -> Counter[str]:

@@ -135,6 +135,34 @@ def _column_block(cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _slice_rows(offset, n, cols, rows_per_prog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, iterations) of this program's tiles of the flat elements [offset, offset + n)
+    of a [*, cols] matrix, which a pass's tensors hold from their element 0: rows holds the
+    row group (of the rows the slice touches), the column block and the slice's bounds, as
+    `_slice_tile` reads them."""
+    begin = offset.to(tl.int64)
+    end = begin + n
+    row_start, row_end, n_iter = _row_group(
+        (end + cols - 1) // cols, rows_per_prog, begin // cols, BLOCK_M
+    )
+    cols_idx, col_mask = _column_block(cols, BLOCK_N)
+    return (row_start, row_end, cols, cols_idx, col_mask, begin, end), n_iter
+
+
+@triton.jit
+def _slice_tile(rows, it, BLOCK_M: tl.constexpr):
+    """(row indices, row mask, flat indices in the matrix, offsets in the tensors, mask) of
+    tile `it` ([BLOCK_M, BLOCK_N]) of `_slice_rows`' rows: the mask holds the slice's
+    elements only."""
+    row_start, row_end, cols, cols_idx, col_mask, begin, end = rows
+    rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows_idx < row_end
+    index = rows_idx[:, None] * cols + cols_idx[None, :]
+    mask = row_mask[:, None] & col_mask[None, :] & (index >= begin) & (index < end)
+    return rows_idx, row_mask, index, index - begin, mask
+
+
+@triton.jit
 def _vector_block(n, BLOCK: tl.constexpr):
     """(offsets, mask) of this program's block of a 1-D tensor."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -171,12 +199,8 @@ def factored_stats_kernel(
     stats_ptr = ws_ptr + rows + cols
     if _runs(stats_ptr, skip_if_ptr):
         inv_scale = _factor(inv_scale_ptr)
-        begin = offset.to(tl.int64)
-        end = begin + n
-        row_start, row_end, n_iter = _row_group(
-            (end + cols - 1) // cols, rows_per_prog, begin // cols, BLOCK_M
-        )
-        cols_idx, col_mask = _column_block(cols, BLOCK_N)
+        tile_rows, n_iter = _slice_rows(offset, n, cols, rows_per_prog, BLOCK_M, BLOCK_N)
+        cols_idx, col_mask = tile_rows[3], tile_rows[4]
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         p_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # Per row (reduced within the tile rows each iteration): a second tile-sized
@@ -184,11 +208,7 @@ def factored_stats_kernel(
         h_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         bad = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for it in range(0, n_iter):
-            rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows_idx < row_end
-            index = rows_idx[:, None] * cols + cols_idx[None, :]
-            mask = row_mask[:, None] & col_mask[None, :] & (index >= begin) & (index < end)
-            offs = index - begin
+            rows_idx, row_mask, _, offs, mask = _slice_tile(tile_rows, it, BLOCK_M)
             h, finite = _scaled(grad_ptr, inv_scale, offs, mask, GRAD_KIND)
             g = _clamp(h, clip_value, HAS_CLIP_VALUE)
             k = tl.where(mask, g * g, 0.0)
@@ -262,19 +282,13 @@ def _update_tiles(
 ):
     """(tiles, iterations) of this program's part of r_i * c_j * g_ij (passes B and C) over
     the flat elements [offset, offset + n) of the [rows, cols] matrix, which grad (and param)
-    hold from their element 0: tiles holds the row group (of the rows the slice touches),
-    the column block and its c_j = rsqrt(C_j), mean(R) and the slice's bounds."""
-    begin = offset.to(tl.int64)
-    end = begin + n
-    first_row = begin // cols
-    row_start, row_end, n_iter = _row_group(
-        (end + cols - 1) // cols, rows_per_prog, first_row, BLOCK_M
-    )
-    cols_idx, col_mask = _column_block(cols, BLOCK_N)
+    hold from their element 0: tiles holds the slice's rows (`_slice_rows`), the column
+    block's c_j = rsqrt(C_j) and mean(R)."""
+    tile_rows, n_iter = _slice_rows(offset, n, cols, rows_per_prog, BLOCK_M, BLOCK_N)
+    cols_idx, col_mask = tile_rows[3], tile_rows[4]
     c = tl.math.rsqrt(tl.load(col_state_ptr + cols_idx, mask=col_mask, other=1.0))
     mean = tl.load(stats_ptr + R_SUM) / rows
-    tiles = (row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c, begin, end)
-    return tiles, n_iter
+    return (row_state_ptr, mean, c, tile_rows), n_iter
 
 
 @triton.jit
@@ -289,12 +303,8 @@ def _factored_update(
 ):
     """(update, flat indices in the matrix, offsets in grad, mask) of tile `it` of `tiles`
     ([BLOCK_M, BLOCK_N]): r_i * c_j * g_ij, with r_i = rsqrt(R_i / mean(R))."""
-    row_state_ptr, mean, row_start, row_end, cols, cols_idx, col_mask, c, begin, end = tiles
-    rows_idx = row_start + it * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows_idx < row_end
-    index = rows_idx[:, None] * cols + cols_idx[None, :]
-    mask = row_mask[:, None] & col_mask[None, :] & (index >= begin) & (index < end)
-    offs = index - begin
+    row_state_ptr, mean, c, tile_rows = tiles
+    rows_idx, row_mask, index, offs, mask = _slice_tile(tile_rows, it, BLOCK_M)
     r = tl.math.rsqrt(tl.load(row_state_ptr + rows_idx, mask=row_mask, other=1.0) / mean)
     g, _ = _grad(source, offs, mask, GRAD_KIND, HAS_CLIP_VALUE, HAS_CLIP_COEF)
     return (r[:, None] * c[None, :]) * g, index, offs, mask
