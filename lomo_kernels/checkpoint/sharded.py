@@ -218,7 +218,7 @@ def load_checkpoint(
     path = Path(path)
     # Lomo's and AdaLomo's micro-batches waiting in their buffers, which a loaded step would
     # mix with: refused, naming this call, before any file is read.
-    refuse_pending = getattr(optimizer, "_refuse_pending", None)
+    refuse_pending = getattr(optimizer, "refuse_pending_micro_batches", None)
     if refuse_pending is not None:
         refuse_pending("load_checkpoint()")
     manifest = verify_checkpoint(path, follow_links=trust_checkpoint)

@@ -792,7 +792,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     # -- checkpoint (checkpoint.py) -----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        self._refuse_pending("state_dict()", saving=True)
+        self.refuse_pending_micro_batches("state_dict()", saving=True)
         return self._checkpoint.state_dict(self)
 
     def consolidated_state_dict(self) -> dict[str, Any]:
@@ -801,25 +801,27 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Loads into the same optimizer built on the unsharded model in one process. Without
         sharding it is `state_dict()`.
         """
-        self._refuse_pending("consolidated_state_dict()", saving=True)
+        self.refuse_pending_micro_batches("consolidated_state_dict()", saving=True)
         return self._checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads `state_dict` after checking the whole of it: a checkpoint of another
         optimizer class, model or sharding, or with non-finite values, is refused with
         nothing applied (lomo-optim's state_dicts are taken too)."""
-        self._refuse_pending("load_state_dict()")
+        self.refuse_pending_micro_batches("load_state_dict()")
         self._checkpoint.load_state_dict(self, state_dict)
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises the error `load_state_dict(state_dict)` would refuse it with; changes
         nothing (a sharded load checks on every rank before any rank applies)."""
+        self.refuse_pending_micro_batches("load_state_dict()")
         self._checkpoint.check_state_dict(self, state_dict)
 
     # -- accumulation (accumulation.py) -----------------------------------------------
-    def _refuse_pending(self, call: str, saving: bool = False) -> None:
-        """Refuses `call` while micro-batches wait in the buffers: a checkpoint would leave
-        them out (or a loaded one mix with them). A save in a loop that decides where steps
+    def refuse_pending_micro_batches(self, call: str, saving: bool = False) -> None:
+        """Raises a RuntimeError naming `call` (a checkpoint's save or load) while
+        micro-batches wait in the buffers: a checkpoint would leave them out (or a loaded one
+        mix with them); does nothing otherwise. A save in a loop that decides where steps
         end (a Trainer's save at the end of an IterableDataset's pass, whose micro-batches it
         carries into the next step) leaves them out with a warning, as a checkpoint of
         torch's leaves out ``.grad``."""

@@ -416,6 +416,12 @@ def test_refusals_before_any_change(tmp_path):
     assert_refused(model, opt, opt.state_dict, RuntimeError, waiting)
     assert_refused(model, opt, opt.consolidated_state_dict, RuntimeError, waiting)
     assert_refused(model, opt, lambda: opt.load_state_dict({}), RuntimeError, waiting)
+    # check_state_dict raises what load_state_dict would, even for a checkpoint it would take.
+    saved = Lomo(tiny_llama(), lr=0.05, clip_grad_norm=1.0, accumulation_steps=K).state_dict()
+    check = lambda: opt.check_state_dict(saved)  # noqa: E731
+    assert_refused(model, opt, check, RuntimeError, rf"load_state_dict\(\) with {waiting}")
+    own = lambda: opt.refuse_pending_micro_batches("my_save()")  # noqa: E731
+    assert_refused(model, opt, own, RuntimeError, rf"my_save\(\) with {waiting}")
     # Sharded checkpoints mid-step: a save refused before anything is written, a load before
     # anything is read into the model or the optimizer.
     save = lambda: lomo_kernels.save_checkpoint(tmp_path / "ckpt", model, opt)  # noqa: E731
