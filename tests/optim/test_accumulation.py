@@ -38,6 +38,23 @@ def test_lomo_equals_torch_accumulation(backend, clip):
     assert max_rel_diff(ours, ref) <= FP32_BOUND
 
 
+@pytest.mark.parametrize("k", [1, K])
+def test_a_gradient_left_from_before_is_not_summed_in(k):
+    """A `.grad` left on the parameters (a loop switched from another optimizer without
+    zero_grad, a gradient set by hand) is dropped by the step's first call, not summed into
+    its first micro-batch (or its only one): the step equals that of a model without it."""
+    ours, ref = tiny_llama(), tiny_llama()
+    for p in ours.parameters():
+        p.grad = torch.full_like(p, 1e3)
+    opts = [Lomo(model, lr=0.05, accumulation_steps=k) for model in (ours, ref)]
+    for model, opt in zip((ours, ref), opts, strict=True):
+        for micro in micro_batches(0, k):
+            opt.fused_backward(model(**micro).loss / k)
+    assert all(opt.step_count == 1 for opt in opts)
+    assert all(p.grad is None for p in ours.parameters())
+    assert max_rel_diff(ours, ref) == 0.0
+
+
 def test_lomo_weight_decay_and_clip_value_on_the_accumulated_gradient(backend):
     # torch: clip_grad_value_ and SGD's coupled decay act on the summed .grad once.
     ours, ref = tiny_llama(), tiny_llama()
@@ -804,6 +821,34 @@ def test_logits_free_head_accumulates_from_row_blocks(monkeypatch, optimizer):
     assert max_rel_diff(patched, plain) <= FP32_BOUND
 
 
+@pytest.mark.parametrize("optimizer", [Lomo, AdaLomo])
+def test_embedding_rows_the_measuring_micro_batch_does_not_use_are_measured(monkeypatch, optimizer):
+    # The patched input embedding hands its gradient over as chunks of the rows a batch used
+    # (64 and 32 rows here); a micro-batch skips the chunks it uses no id of. The measuring
+    # (last) one must not: its ids here all fall in the first chunk, so the second chunk's
+    # rows hold only the earlier micro-batches' gradients, which the step's norm and clip
+    # coefficient count as the unpatched model's do.
+    from lomo_kernels import patch_causal_lm
+    from lomo_kernels.ops import cross_entropy as lce
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)
+    patched, plain = patch_causal_lm(tiny_llama()), tiny_llama()
+    micros = micro_batches(0)
+    assert all((micro["input_ids"] >= 64).any() for micro in micros[:-1])
+    last = micros[-1]["input_ids"] % 64
+    micros[-1] = {"input_ids": last, "labels": last}
+    lr = 0.05 if optimizer is Lomo else 1e-3
+    opts = [optimizer(m, lr=lr, clip_grad_norm=0.5, accumulation_steps=K) for m in (patched, plain)]
+    for model, opt in zip((patched, plain), opts, strict=True):
+        for micro in micros:
+            opt.fused_backward(model(**micro).loss / K)
+    ours, ref = (float(opt.last_grad_norm) for opt in opts)
+    assert ref > 0.5  # the clip binds: a norm missing rows would scale the whole step
+    # A sum in another order: a few fp32 ulps (FP32_BOUND, relative), as above.
+    assert abs(ours / ref - 1) <= FP32_BOUND
+    assert max_rel_diff(patched, plain) <= FP32_BOUND
+
+
 def lookup_in_reentrant_checkpoint(model) -> None:
     """Runs `model`'s input embedding inside torch.utils.checkpoint(use_reentrant=True): the
     lookup's node is then in a graph of its own, which the read of the loss's graph does not
@@ -902,3 +947,21 @@ def test_no_host_sync_in_micro_batches_or_the_step(optimizer, dtype):
     _, opt = train_without_host_sync(optimizer, dtype, steps=8, lr=lr, clip_grad_norm=1.0,
                                      accumulation_steps=4)  # fmt: skip
     assert opt.step_count == 2
+
+
+def test_sharded_update_batches_are_whole_parameters_up_to_the_bucket(monkeypatch):
+    """The step from sharded buffers hands the update runs of whole parameters whose full
+    sizes sum to at most the bucket (one larger than the bucket: a run of its own), in the
+    order the gradients came, which every rank shares; None: one run of all."""
+    from types import SimpleNamespace
+
+    from lomo_kernels.optim.accumulation import Accumulation
+    from lomo_kernels.optim.rounding import WriteBackRounding
+
+    accumulation = Accumulation(K, None, WriteBackRounding(True, 0))
+    sizes = [3, 4, 2, 9, 1, 1, 5]
+    entries = [(i, None, SimpleNamespace(full_numel=n)) for i, n in enumerate(sizes)]
+    monkeypatch.setattr(accumulation, "buffered", lambda: entries)
+    runs = [[shard.full_numel for _, _, shard in run] for run in accumulation.batches(7)]
+    assert runs == [[3, 4], [2], [9], [1, 1, 5]]
+    assert [[i for i, _, _ in run] for run in accumulation.batches(None)] == [list(range(7))]
