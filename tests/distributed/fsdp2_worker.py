@@ -196,20 +196,54 @@ FP16 = {
 }
 
 
-def poisoned_fp16_model(label: str, rank: int) -> tuple[type, ScaledLlama, torch.Tensor, dict]:
-    """The FP16[label] model, with an inf written into a gradient row only rank 1 holds
-    while `inject["on"]`: (optimizer class, model, the poisoned parameter, inject)."""
-    cls, dtype, policy = FP16[label]
+# The gradient element `poisoned_model` makes inf: row 3 of rank 1's rows, column 5.
+POISONED = (3, 5)
+
+
+def poisoned_model(
+    rank: int, dtype: torch.dtype, policy: MixedPrecisionPolicy
+) -> tuple[ScaledLlama, torch.Tensor, dict]:
+    """A model with an inf written into a gradient row only rank 1 holds (`POISONED`) while
+    `inject["on"]`: (model, the poisoned parameter, inject)."""
     model = build(dtype, mp_policy=policy)
     target = model.llama.lm_head.weight  # 3001 rows: both ranks hold some
     inject = {"on": True}
 
     def poison(p):  # runs before the optimizer's hook (registered first)
         if inject["on"] and rank == 1:
-            p.grad.to_local()[3, 5] = float("inf")
+            p.grad.to_local()[POISONED] = float("inf")
 
     target.register_post_accumulate_grad_hook(poison)
-    return cls, model, target, inject
+    return model, target, inject
+
+
+def poisoned_fp16_model(label: str, rank: int) -> tuple[type, ScaledLlama, torch.Tensor, dict]:
+    """The FP16[label] model poisoned as `poisoned_model`: (optimizer class, model, the
+    poisoned parameter, inject)."""
+    cls, dtype, policy = FP16[label]
+    return cls, *poisoned_model(rank, dtype, policy)
+
+
+def run_partial_without_norm_pass(rank: int, checks: dict) -> None:
+    """fp32 Lomo without clipping (no norm pass): an inf in a gradient element only rank 1
+    holds leaves that element alone unchanged, and every rank reports the step partial."""
+    model, target, _ = poisoned_model(rank, torch.float32, MixedPrecisionPolicy())
+    opt = Lomo(model, lr=LR["lomo"])
+    before, element = snapshot(model), owned(target)[POISONED].clone()
+    phases = count_phases(opt)
+    opt.fused_backward(model(rank_batch(0, rank)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.flush_report()
+    checks["partial_without_norm_pass"] = {
+        "phases": list(phases),
+        "unchanged": unchanged_names(before, model),
+        "element_unchanged": same_bits([owned(target)[POISONED]], [element]),
+        "finite": finite_everywhere(model, opt),
+        "partial": opt.last_step_partial,
+        "skipped": opt.last_step_skipped,
+        "warned": any("elements were left unchanged" in str(w.message) for w in caught),
+    }
 
 
 def state_tensors(opt) -> list[torch.Tensor]:
@@ -422,6 +456,7 @@ def main(rank: int, checks: dict) -> None:
     for label in FP16:
         run_fp16_overflow(label, rank, checks)
         run_single_fp16_partial(label, rank, checks)
+    run_partial_without_norm_pass(rank, checks)
     run_single_fp16(rank, checks)
     run_stochastic_slices(rank, checks)
     run_stochastic_accumulation(rank, checks)

@@ -114,6 +114,20 @@ def test_fsdp2_single_backward_fp16_inf_on_one_rank_is_partial(checks, label):
 
 
 @pytest.mark.slow
+def test_fsdp2_inf_on_one_rank_without_a_norm_pass_is_partial_on_every_rank(checks):
+    """Lomo in fp32 without clipping runs no norm pass: rank 1 alone puts an inf into one
+    element of its rows of lm_head's gradient. That element alone is left unchanged (the
+    step is elementwise, as in one process), and every rank, not only rank 1, reports the
+    step partial: the ranks' overflow flags are all-reduced after the update pass."""
+    results = [rank["partial_without_norm_pass"] for rank in checks]
+    for rank, result in enumerate(results):
+        assert result["phases"] == ["update"] and result["finite"]
+        assert result["unchanged"] == [], result["unchanged"]
+        assert result["partial"] and not result["skipped"] and result["warned"], rank
+    assert results[1]["element_unchanged"] and not results[0]["element_unchanged"]
+
+
+@pytest.mark.slow
 def test_fsdp2_gradients_averaged_not_summed(fsdp2_run):
     """Without clipping the update is proportional to the gradient: a reduce-scatter that
     summed over the ranks (gloo's old AVG pitfall) would double it and fail here."""
