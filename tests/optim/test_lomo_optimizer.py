@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from support import lomo_optim_runs
@@ -214,6 +216,21 @@ def test_lr_from_param_groups_follows_scheduler():
         ref_sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert max_rel_diff(ours, ref) <= 1e-6
+
+
+def test_a_scheduler_stepped_after_fused_backward_alone_does_not_warn():
+    """lomo-optim's loop calls no opt.step(): the step happens in fused_backward, which tells
+    torch's schedulers so, or their first step() would warn that it came before the
+    optimizer's."""
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            opt.fused_backward(model(**batch(step)).loss)
+            sched.step()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**2
 
 
 @pytest.mark.parametrize("kind", ["one_cycle", "cyclic"])
