@@ -631,10 +631,13 @@ def test_dropped_micro_batches_leave_nothing_in_the_next_step(drop):
     assert torch.equal(opt.last_grad_norm, fresh_opt.last_grad_norm)
 
 
-def test_buffers_stay_from_step_to_step_until_zero_grad_or_detach_frees_them():
+def test_buffers_stay_from_step_to_step_until_zero_grad_or_detach_frees_them(monkeypatch):
     # One buffer per parameter, allocated at the first step and reused by every later one
-    # (its first gradient overwrites it); zero_grad(set_to_none=False) keeps them, as torch's
-    # keeps .grad; zero_grad() and detach() free them.
+    # (its first gradient overwrites it: no clearing pass); zero_grad(set_to_none=False)
+    # keeps them, as torch's keeps .grad; zero_grad() and detach() free them.
+    from support.recording import record_lomo_calls
+
+    calls = record_lomo_calls(monkeypatch)
     model = tiny_llama()
     opt = Lomo(model, lr=0.05, accumulation_steps=K)
     nbytes = 4 * sum(p.numel() for p in model.parameters())
@@ -651,8 +654,12 @@ def test_buffers_stay_from_step_to_step_until_zero_grad_or_detach_frees_them():
     for micro in micro_batches(0)[1:]:
         opt.fused_backward(model(**micro).loss / K)
     assert opt.step_count == 1 and opt._accumulation.buffer_bytes() == nbytes
+    calls.clear()
     opt.fused_backward(model(**micro_batches(1)[0]).loss / K)
     assert same_tensors(buffers(), first)  # the next step's buffers are the same tensors
+    # Each written by one accumulate pass that overwrites it (`first`), none zeroed before.
+    firsts = [args["first"] for op, args in calls if op == "grad_accumulate_"]
+    assert firsts == [True] * len(first)
     opt.zero_grad(set_to_none=False)
     assert opt.pending_micro_batches == 0 and opt._accumulation.buffer_bytes() == nbytes
     opt.fused_backward(model(**micro_batches(1)[0]).loss / K)
