@@ -8,7 +8,6 @@ and final parameters (and optimizer state) for the reference to compare with, an
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support.sharded_checks import count_phases, record_order, run_worker  # noqa: E402
+from support.sharded_checks import count_phases, record_order, reported_warnings, run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
     LR,
     NO_CLIP,
@@ -232,9 +231,7 @@ def run_partial_without_norm_pass(rank: int, checks: dict) -> None:
     before, element = snapshot(model), owned(target)[POISONED].clone()
     phases = count_phases(opt)
     opt.fused_backward(model(rank_batch(0, rank)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.flush_report()
+    reported = reported_warnings(opt)
     checks["partial_without_norm_pass"] = {
         "phases": list(phases),
         "unchanged": unchanged_names(before, model),
@@ -242,7 +239,7 @@ def run_partial_without_norm_pass(rank: int, checks: dict) -> None:
         "finite": finite_everywhere(model, opt),
         "partial": opt.last_step_partial,
         "skipped": opt.last_step_skipped,
-        "warned": any("elements were left unchanged" in str(w.message) for w in caught),
+        "warned": any("elements were left unchanged" in m for m in reported),
     }
 
 
@@ -318,9 +315,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
     moments = {k: v.clone() for k, v in opt.state[target].items()}
     phases = count_phases(opt)
     opt.fused_backward(model(rank_batch(0, rank)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.flush_report()
+    reported = reported_warnings(opt)
     result = {
         "phases": list(phases),
         "held": held,
@@ -332,7 +327,7 @@ def run_single_fp16_partial(label: str, rank: int, checks: dict) -> None:
         "scale_after": None if scaler is None else scaler.scale.item(),
         "partial": opt.last_step_partial,
         "skipped": opt.last_step_skipped,
-        "warned": any("partial" in str(w.message) for w in caught),
+        "warned": any("partial" in m for m in reported),
         "norm": float(opt.last_grad_norm),
         "norm_history": opt._single_backward_clip.norm_history.tolist(),
         "later": [],

@@ -246,6 +246,14 @@ def one_process_single(
     return model, norms
 
 
+def reported_warnings(opt) -> list[str]:
+    """The messages of the warnings `opt.flush_report()` gives for the last step."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.flush_report()
+    return [str(w.message) for w in caught]
+
+
 def record_order(opt, model) -> list[str]:
     """The parameter names in the order the sharded optimizer consumes them (filled as it runs)."""
     names = {id(p): n for n, p in model.named_parameters()}
