@@ -117,6 +117,24 @@ def test_metadata_placing_a_tensor_past_its_files_end_refused(checkpoint, trust)
     assert_refused_whole(load, match)
 
 
+@pytest.mark.parametrize("trust", [False, True], ids=["untrusted", "trusted"])
+def test_metadata_placing_a_tensor_behind_a_stream_transform_refused(checkpoint, trust):
+    """A storage entry read through a stream transform (zstd decompression, torch's one
+    registered extension): a save writes none, and a transform turns a few bytes of the file
+    into any number (a decompression bomb), so it is refused before any file is read."""
+
+    def compress(metadata):
+        index, info = storage_of(metadata, LAST)
+        metadata.storage_data[index] = dataclasses.replace(
+            info, transform_descriptors=["stream.zstd/1"]
+        )
+
+    file = rewrite_metadata(checkpoint, compress)
+    match = rf"{file} places '{LAST}' behind the transforms \['stream.zstd/1'\]"
+    load = lambda m, o: load_checkpoint(checkpoint, m, o, trust_checkpoint=trust)  # noqa: E731
+    assert_refused_whole(load, match)
+
+
 @pytest.mark.parametrize("bytes_of", ["another tensor's", "no tensor's"])
 def test_tensor_bytes_unlike_the_metadata_refused_before_any_change(checkpoint, bytes_of):
     """Consistent metadata and manifest, every shape right, but the model entry read last
