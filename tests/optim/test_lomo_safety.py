@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -98,10 +99,12 @@ def test_bf16_overflow_with_clip_norm_changes_nothing():
 def test_bf16_overflow_without_check_is_contained_and_reported():
     """An inf in one gradient element, no norm pass: that element keeps its value, every
     other element of every parameter takes the step a clean run takes (bit for bit: same
-    gradients elsewhere, same rounding bits), and the step reports the overflow."""
+    gradients elsewhere, same rounding bits), and the step reports the overflow; the next,
+    clean step reports none (the update pass's flag is the step's own)."""
     model, clean = tiny_llama(torch.bfloat16), tiny_llama(torch.bfloat16)
     target = model.model.layers[0].self_attn.o_proj.weight
-    poison(target, {0}, {"step": 0})
+    counter = {"step": 0}
+    poison(target, {0}, counter)
     before = target.detach().clone()
     opt, clean_opt = Lomo(model, lr=0.05), Lomo(clean, lr=0.05)
     for trained, trainer in ((model, opt), (clean, clean_opt)):
@@ -117,6 +120,13 @@ def test_bf16_overflow_without_check_is_contained_and_reported():
             assert torch.equal(p, q), name
     with pytest.warns(RuntimeWarning, match="inf/nan gradient elements"):
         opt.flush_report()
+    assert opt.last_step_partial
+    counter["step"] = 1
+    opt.fused_backward(model(**batch(1)).loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.flush_report()
+    assert not opt.last_step_partial and not opt.last_step_skipped
 
 
 @pytest.mark.parametrize(
