@@ -70,3 +70,21 @@ def test_overflow_at_the_minimum_is_flagged_as_lomo_optim_raises(monkeypatch, ca
     ours.update(torch.tensor([1.0]))
     assert ours.overflow_at_min.item() == 1 and ours.loss_scale == 2.0
     capsys.readouterr()
+
+
+def test_a_loaded_state_holds_no_outcome_of_the_steps_before_it():
+    """A checkpoint holds the scale and the counters, not the last step's outcome: after
+    `load_state_dict` the scaler is as a fresh one that loaded the same state (no overflow
+    reported, none at the minimum, the inverse scale the loaded scale's), whatever steps the
+    loading scaler took before."""
+    saved = DynamicLossScaler(torch.device("cpu"), init_scale=2.0**10).state_dict()
+    loading = DynamicLossScaler(torch.device("cpu"), init_scale=4.0, min_scale=4.0)
+    loading.update(torch.tensor([1.0]))  # an overflow at the minimum scale
+    assert loading.has_overflow_serial and loading.overflow_at_min.item() == 1
+    fresh = DynamicLossScaler(torch.device("cpu"))
+    for scaler in (loading, fresh):
+        scaler.load_state_dict(saved)
+    assert loading.state_dict() == fresh.state_dict() == saved
+    for scaler in (loading, fresh):
+        assert not scaler.has_overflow_serial and scaler.overflow_at_min.item() == 0
+        assert scaler.inv_scale.item() == 2.0**-10 and scaler.times_set == 1
