@@ -359,6 +359,38 @@ def test_bad_loss_scale_in_state_dict_refused(scale):
     assert_refused(fresh_model, fresh, lambda: fresh.load_state_dict(state), ValueError, "scale")
 
 
+# A saved scaler's counters and settings that would scale wrongly: a negative hysteresis
+# never reaches 1, so with delayed_shift > 1 an overflow would never lower the scale again.
+BAD_SCALER_ENTRIES = {
+    "negative_hysteresis": ("hysteresis", -1, "negative hysteresis or iteration counter"),
+    "negative_iteration": ("cur_iter", -3, "negative hysteresis or iteration counter"),
+    "overflow_before_start": ("last_overflow_iter", -2, "negative hysteresis or iteration"),
+    "factor_one": ("scale_factor", 1.0, "scale_factor must be > 1"),
+    "window_zero": ("scale_window", 0, "scale_window and delayed_shift must be >= 1"),
+    "shift_zero": ("delayed_shift", 0, "scale_window and delayed_shift must be >= 1"),
+    "min_scale_zero": ("min_scale", 0.0, "min_scale must be finite and > 0"),
+    "not_a_number": ("cur_iter", "ten", "a value is not a number"),
+    "missing": ("hysteresis", None, "must be a dict with the keys"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SCALER_ENTRIES.keys())
+def test_bad_loss_scaler_entry_in_state_dict_refused(case):
+    key, value, match = BAD_SCALER_ENTRIES[case]
+    _, opt = trained("lomo", dtype=torch.float16)
+    state = opt.state_dict()
+    scaler = state["lomo"]["loss_scaler"]
+    if value is None:
+        del scaler[key]
+    else:
+        scaler[key] = value
+    fresh_model = mlp().half()
+    fresh = Lomo(fresh_model)
+    before = fresh.loss_scaler.state_dict()
+    assert_refused(fresh_model, fresh, lambda: fresh.load_state_dict(state), ValueError, match)
+    assert fresh.loss_scaler.state_dict() == before
+
+
 @pytest.mark.parametrize("writer,reader", [("lomo", "adalomo"), ("adalomo", "lomo")])
 @pytest.mark.parametrize("marked", [True, False], ids=["marked", "older_checkpoint"])
 def test_state_dict_of_the_other_optimizer_refused(writer, reader, marked):
