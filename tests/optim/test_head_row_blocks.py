@@ -158,6 +158,21 @@ def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("clip", [1.0, None], ids=["norm_pass", "graph_read"])
+def test_the_chunked_head_run_twice_for_one_loss_is_refused_before_any_change(clip):
+    """Two forwards of the patched model summed into one loss: the head's op (and the input
+    embedding's) hands over blocks twice, which would step the weights twice (weight decay
+    applied twice). The norm pass refuses the second set of blocks as it arrives; without
+    one, the read of the graph refuses it. Every parameter unchanged either way."""
+    model = patch_causal_lm(tiny_llama())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Lomo(model, lr=0.05, weight_decay=0.01, clip_grad_norm=clip)
+    loss = model(**batch(2)).loss + model(**batch(3)).loss
+    with pytest.raises(RuntimeError, match=r"'.*\.weight' is stepped in backward from"):
+        opt.fused_backward(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize(
     "options", [{"clip_grad_norm": None}, {"clip_grad_norm": 1.0, "single_backward": True}]
 )
