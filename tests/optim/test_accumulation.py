@@ -12,6 +12,7 @@ import torch
 from support.accumulating import FP32_BOUND, STEPS, K, micro_batches, piece_of, train_accumulating
 from support.float64 import ulp
 from support.models import batch, max_rel_diff, tiny_llama
+from support.recording import record_lomo_calls
 from support.state import assert_refused, same_bits, snapshot, tensors, unchanged
 
 from lomo_kernels import AdaLomo, Lomo
@@ -635,8 +636,6 @@ def test_buffers_stay_from_step_to_step_until_zero_grad_or_detach_frees_them(mon
     # One buffer per parameter, allocated at the first step and reused by every later one
     # (its first gradient overwrites it: no clearing pass); zero_grad(set_to_none=False)
     # keeps them, as torch's keeps .grad; zero_grad() and detach() free them.
-    from support.recording import record_lomo_calls
-
     calls = record_lomo_calls(monkeypatch)
     model = tiny_llama()
     opt = Lomo(model, lr=0.05, accumulation_steps=K)
