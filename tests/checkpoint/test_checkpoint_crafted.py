@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import re
 import sys
+import zlib
 
 import pytest
 import torch
@@ -206,7 +208,11 @@ def test_an_interrupted_read_is_not_called_a_corrupt_checkpoint(checkpoint, monk
     assert_same_state(opt.state_dict(), before)
 
 
-@pytest.mark.parametrize("name", ["../secret.txt", "/etc/hostname", "sub/file", ".."])
+# A backslash is a separator on Windows: refused everywhere, as the same manifest could be
+# read there.
+@pytest.mark.parametrize(
+    "name", ["../secret.txt", "/etc/hostname", "sub/file", "..", "..\\secret.txt"]
+)
 def test_a_manifest_naming_paths_refused_opening_nothing_outside(checkpoint, opened, name):
     secret = checkpoint.parent / "secret.txt"
     secret.write_text("not part of the checkpoint")
@@ -214,7 +220,7 @@ def test_a_manifest_naming_paths_refused_opening_nothing_outside(checkpoint, ope
     manifest["files"][name] = {"bytes": 26, "crc32": 0}
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     opened.clear()
-    match = rf"lists '{name}', which is not a file of {checkpoint} itself"
+    match = rf"lists {re.escape(repr(name))}, which is not a file of {checkpoint} itself"
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
     assert not [p for p in opened if "secret" in p or "hostname" in p]
 
@@ -230,12 +236,42 @@ def test_a_manifest_leaving_out_a_file_every_save_writes_refused(checkpoint, lef
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
-def test_a_manifest_with_malformed_records_refused(checkpoint):
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
+def _malformed_record(manifest: dict) -> str:
     manifest["files"][".metadata"] = {"bytes": "12", "crc32": None}
+    return r"the record of '.metadata' is .*"
+
+
+def _another_format(manifest: dict) -> str:
+    manifest["format"] = 2  # a later layout, which this reader cannot vouch for
+    return "format 2"
+
+
+@pytest.mark.parametrize("malform", [_malformed_record, _another_format])
+def test_a_malformed_manifest_refused(checkpoint, malform):
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    problem = malform(manifest)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
-    match = r"manifest.json is unreadable \(the record of '.metadata' is .*\): the checkpoint"
+    match = rf"manifest.json is unreadable \({problem}\): the checkpoint is corrupt"
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
+def test_each_files_crc_covers_all_its_bytes_and_a_flip_anywhere_is_refused(tmp_path, monkeypatch):
+    """Files are checksummed in chunks; with chunks of 64 bytes every file here takes several,
+    and each record must still be the file's size and the CRC-32 of all its bytes (zlib's,
+    over the whole file): a byte flipped in a shard's first chunk is refused."""
+    monkeypatch.setattr("lomo_kernels.checkpoint.manifest._CHUNK", 64)
+    path = save_checkpoint(tmp_path / "ckpt", *trained(), client_state={"step": 1})
+    records = json.loads((path / "manifest.json").read_text())["files"]
+    for name, record in records.items():
+        data = (path / name).read_bytes()
+        assert len(data) > 64, name  # more than one chunk
+        assert record == {"bytes": len(data), "crc32": zlib.crc32(data)}, name
+    shard = next(name for name in records if name.endswith(".distcp"))
+    data = bytearray((path / shard).read_bytes())
+    data[10] ^= 0x10
+    (path / shard).write_bytes(bytes(data))
+    match = rf"{shard} does not match its manifest's CRC-32"
+    assert_refused_whole(lambda m, o: load_checkpoint(path, m, o), match)
 
 
 def test_a_torch_optimizers_state_is_unchanged_by_a_refused_load(tmp_path):
