@@ -236,22 +236,30 @@ def test_a_manifest_leaving_out_a_file_every_save_writes_refused(checkpoint, lef
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
+UNREADABLE = r"manifest.json is unreadable \({}\): the checkpoint is corrupt"
+
+
 def _malformed_record(manifest: dict) -> str:
     manifest["files"][".metadata"] = {"bytes": "12", "crc32": None}
-    return r"the record of '.metadata' is .*"
+    return UNREADABLE.format(r"the record of '.metadata' is .*")
 
 
 def _another_format(manifest: dict) -> str:
     manifest["format"] = 2  # a later layout, which this reader cannot vouch for
-    return "format 2"
+    return UNREADABLE.format("format 2")
 
 
-@pytest.mark.parametrize("malform", [_malformed_record, _another_format])
+def _no_world_size(manifest: dict) -> str:
+    # No rank's client_state file would then be required to be listed.
+    manifest["world_size"] = 0
+    return "manifest.json gives no world size: the checkpoint is corrupt"
+
+
+@pytest.mark.parametrize("malform", [_malformed_record, _another_format, _no_world_size])
 def test_a_malformed_manifest_refused(checkpoint, malform):
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    problem = malform(manifest)
+    match = malform(manifest)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
-    match = rf"manifest.json is unreadable \({problem}\): the checkpoint is corrupt"
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
