@@ -210,6 +210,23 @@ def test_frozen_parameters_left_out_and_loaded_non_strict(tmp_path):
         assert p.requires_grad is False or torch.equal(p, q), name
 
 
+def test_entries_the_run_lacks_refused_strict_and_skipped_non_strict(tmp_path):
+    """The reverse of frozen parameters left out: a checkpoint holding a model entry this run
+    does not have (a persistent buffer its model lacks) is refused naming it, and loaded
+    without it with strict=False, as torch's load_state_dict(strict=False) skips it."""
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05)
+    step(model, opt, 0)
+    model.register_buffer("extra", torch.ones(3))
+    path = save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh, fresh_opt = build("lomo", seed=1)
+    match = "holds the parameter or buffer 'model.extra', which this run does not have"
+    refused_unchanged(path, fresh, fresh_opt, CheckpointError, match)
+    load_checkpoint(path, fresh, fresh_opt, strict=False)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_saving_again_replaces_the_checkpoint_only_when_whole(tmp_path):
     model, opt = build("lomo")
     path = save_checkpoint(tmp_path / "ckpt", model, opt, client_state=1)

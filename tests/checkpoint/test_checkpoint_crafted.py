@@ -30,6 +30,7 @@ from support.crafted import (
 )
 from support.models import batch, tiny_llama
 from support.state import assert_refused, assert_same_state
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from lomo_kernels import CheckpointError, load_checkpoint, save_checkpoint
 from lomo_kernels.checkpoint import safe_loading
@@ -135,6 +136,18 @@ def test_metadata_placing_a_tensor_behind_a_stream_transform_refused(checkpoint,
     match = rf"{file} places '{LAST}' behind the transforms \['stream.zstd/1'\]"
     load = lambda m, o: load_checkpoint(checkpoint, m, o, trust_checkpoint=trust)  # noqa: E731
     assert_refused_whole(load, match)
+
+
+def test_metadata_giving_a_tensor_entry_as_bytes_refused(checkpoint):
+    """A model entry recorded as pickled bytes instead of a tensor would be loaded in place
+    of the parameter, not into it."""
+
+    def as_bytes(metadata):
+        metadata.state_dict_metadata[LAST] = BytesStorageMetadata()
+
+    rewrite_metadata(checkpoint, as_bytes)
+    match = rf"the checkpoint's '{LAST}' is not a tensor: it was written for another model"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
 @pytest.mark.parametrize("bytes_of", ["another tensor's", "no tensor's"])
