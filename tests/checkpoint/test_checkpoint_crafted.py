@@ -187,6 +187,20 @@ def test_a_linked_file_refused_unless_trusted(checkpoint, tmp_path):
     assert_same_state(fresh_opt.state_dict(), opt.state_dict())
 
 
+def test_a_directory_in_place_of_a_file_refused(checkpoint):
+    """A directory where the manifest lists a file, its record matching the directory's size:
+    refused as not a regular file (read, it would fail with an OSError outside the ranks'
+    agreement; a FIFO there would block the load)."""
+    file = checkpoint / "client_state_0.pt"
+    file.unlink()
+    file.mkdir()
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][file.name]["bytes"] = file.stat().st_size
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    match = rf"{file} is not a regular file \(a directory or a device\)"
+    assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
+
+
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04truncated"], ids=["empty", "truncated"])
 def test_a_client_state_that_is_no_torch_file_refused(checkpoint, content):
     """A client state that torch.load fails on (not for a class it refuses): a CheckpointError
