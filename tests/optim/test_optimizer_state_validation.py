@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from support.models import loss_of, mlp, tiny_llama
 from support.optimizers import OPTIMIZERS
 from support.state import (
     assert_refused,
+    assert_same_state,
     assert_unchanged_since,
     optimizer_snapshot,
     same_bits,
@@ -423,6 +425,26 @@ def test_valid_state_dict_round_trip_still_loads(name):
     ):
         assert opt.state[p].keys() == fresh.state[q].keys()
         assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
+
+
+def test_state_dict_and_load_state_dict_copy_the_moments():
+    """AdaLomo's moments are updated in place each step: a state_dict holds copies (the
+    optimizer's later steps leave it as it was), and a load takes copies (two optimizers
+    loaded from one state_dict do not share moments, and neither changes the dict)."""
+    _, opt = trained("adalomo")
+    saved = opt.state_dict()
+    kept = copy.deepcopy(saved)
+    opt.fused_backward(loss_of(opt.model, 2))
+    assert_same_state(saved, kept)
+    pairs = [(model, AdaLomo(model, lr=0.05)) for model in (mlp(), mlp())]
+    for _, other in pairs:
+        other.load_state_dict(saved)
+    results = []
+    for model, other in pairs:  # the first's step must not move the second's moments
+        other.fused_backward(loss_of(model, 2))
+        results.append(tensors(model, other))
+    assert same_bits(*results)
+    assert_same_state(saved, kept)
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
