@@ -308,6 +308,15 @@ def add_state(state):
     state["state"][99] = {"exp_avg_sq": torch.zeros(3)}
 
 
+def add_moment(state):
+    state["state"][0]["exp_avg"] = torch.zeros(3)  # another optimizer's moment
+
+
+def drop_moment(state):
+    moments = state["state"][0]
+    del moments[sorted(moments)[0]]
+
+
 def reshape_moment(state):
     moments = state["state"][0]
     key = sorted(moments)[0]
@@ -321,6 +330,8 @@ BAD_STATES = {
     "adalomo missing index": ("adalomo", drop_state, r"\[1\].*is missing"),
     "adalomo extra index": ("adalomo", add_state, r"indices \[99\]"),
     "adalomo moment shape": ("adalomo", reshape_moment, "has shape"),
+    "adalomo extra moment": ("adalomo", add_moment, r"has the keys \['exp_avg', "),
+    "adalomo missing moment": ("adalomo", drop_moment, r"has the keys \['exp_avg_sq_row'\]"),
     # Finite in float64, inf once kept in fp32.
     "adalomo moment past fp32": ("adalomo", cast_moments(torch.float64, 1e300), "holds inf/nan"),
     "adalomo integer moments": ("adalomo", cast_moments(torch.int64), "not a floating-point"),
