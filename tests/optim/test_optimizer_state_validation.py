@@ -338,6 +338,9 @@ BAD_STATES = {
     "adalomo complex moments": ("adalomo", cast_moments(torch.complex64), "not a floating-point"),
     "lomo extra index": ("lomo", add_state, "Lomo keeps none"),
     "step_count negative": ("lomo", edit_lomo("step_count", -1), "step_count"),
+    # A corrupt checkpoint's value, refused as its others are (ValueError, which a sharded
+    # load's ranks agree on), not as a caller's wrong type.
+    "step_count not an int": ("lomo", edit_lomo("step_count", 2.5), r"step_count.*got 2\.5"),
     "group lr nan": ("lomo", edit_group("lr", float("nan")), "lr must be finite"),
     "group weight_decay negative": ("adalomo", edit_group("weight_decay", -1.0), ">= 0"),
     "group key missing": ("adalomo", lambda s: s["param_groups"][0].pop("eps"), "another"),
