@@ -390,7 +390,9 @@ def frozen_bias_mlp():
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_lomo_optim_state_loads_its_hyper_parameters(name, lomo_optim):
     writer = {"lomo": lomo_optim.Lomo, "adalomo": lomo_optim.AdaLomo}[name]
-    saved = writer(frozen_bias_mlp(), lr=0.02, clip_grad_norm=2.0, clip_grad_value=-1.0)
+    # lomo-optim's AdaLomo decays only where weight_decay > 0: a negative value means off.
+    decay = {"weight_decay": -0.5} if name == "adalomo" else {}
+    saved = writer(frozen_bias_mlp(), lr=0.02, clip_grad_norm=2.0, clip_grad_value=-1.0, **decay)
     model = frozen_bias_mlp()
     opt = OPTIMIZERS[name](model, lr=0.05, weight_decay=0.01)
     opt.fused_backward(loss_of(model, 0))
@@ -434,6 +436,18 @@ def test_lomo_optim_state_with_a_bad_value_refused(lomo_optim):
     opt = AdaLomo(model, lr=0.05)
     assert_refused(model, opt, lambda: opt.load_state_dict(saved), ValueError, "eps must be")
     assert opt.param_groups[0]["eps"] == (1e-30, 1e-3)
+
+
+def test_lomo_optim_keys_with_per_parameter_state_refused(lomo_optim):
+    """lomo-optim keeps no per-parameter state: a dict with its group keys and a "state"
+    entry is neither its nor ours, refused instead of loaded with the state ignored."""
+    saved = lomo_optim.AdaLomo(mlp(), lr=0.02).state_dict()
+    saved["state"] = {0: {"exp_avg_sq_row": torch.ones(8), "exp_avg_sq_col": torch.ones(6)}}
+    model = mlp()
+    opt = AdaLomo(model, lr=0.05)
+    opt.fused_backward(loss_of(model, 0))
+    load = lambda: opt.load_state_dict(saved)  # noqa: E731
+    assert_refused(model, opt, load, ValueError, "differs from this optimizer's in the hyper")
 
 
 def test_lomo_optim_state_not_mistaken_for_ours():
