@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 # (class, options, parameter dtype): two passes with clipping; fp16 with the dynamic loss
 # scaler; AdaLomo's moments with the single-backward norm history; bf16 stochastic rounding,
-# whose seed follows the step count.
+# whose seed follows the step count; AdaLomo's moments over two param groups.
 SETUPS = {
     "lomo": (Lomo, {"lr": 0.05, "clip_grad_norm": 1.0, "weight_decay": 0.01}, torch.float32),
     "lomo_fp16": (Lomo, {"lr": 0.05}, torch.float16),
@@ -38,6 +38,18 @@ SETUPS = {
         torch.float32,
     ),
     "adalomo_bf16": (AdaLomo, {"lr": 0.01}, torch.bfloat16),
+    # Two param groups: torch's state_dict API keys the state by name, group by group.
+    "adalomo_groups": (
+        AdaLomo,
+        {
+            "lr": 0.01,
+            "param_groups": [
+                {"params": ["model.norm.weight", "lm_head.weight"], "weight_decay": 0.0}
+            ],
+            "weight_decay": 0.01,
+        },
+        torch.float32,
+    ),
 }
 STEPS, SAVE_AT = 4, 2
 
@@ -114,7 +126,7 @@ def test_torch_distributed_checkpoint_api_round_trip(setup, tmp_path):
 def test_lomo_is_never_stepped_with_zero_gradients(tmp_path):
     """torch's state_dict API initialises an optimizer with an empty state by setting a zero
     gradient on every parameter and calling step() (a whole model's gradients at once);
-    Lomo's state counts as initialised, so neither happens."""
+    Lomo's state counts as initialised, before and after a load, so neither happens."""
     model, opt = build("lomo")
     calls = []
     opt.step = lambda closure=None: calls.append(closure)
@@ -129,6 +141,7 @@ def test_lomo_is_never_stepped_with_zero_gradients(tmp_path):
         get_state_dict(model, opt)
         save_checkpoint(tmp_path / "ckpt", model, opt)
         load_checkpoint(tmp_path / "ckpt", model, opt)
+        get_state_dict(model, opt)  # the loaded state counts as initialised too
     finally:
         torch.zeros_like = zero_like
     assert calls == []
