@@ -4,6 +4,7 @@ trains. The per-token outputs (`fused_lm_head=True`) and their statistics agains
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 
@@ -72,6 +73,19 @@ def test_a_bypassed_head_is_refused_before_any_change(name, mode, bypass):
         opt.fused_backward(BYPASSES[bypass](model, batch(1)))
     assert_unchanged_since(before, model, opt)
     assert opt.step_count == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_copy_of_a_patched_model_is_guarded_too(name):
+    """A deep copy keeps the patch (its forward and mark) but is registered only once its
+    patched forward runs: the optimizer built on it guards its head from the first step,
+    here a bypassed one."""
+    model = copy.deepcopy(lomo_kernels.patch_causal_lm(tiny_llama()))
+    opt = OPTIMIZERS[name](model, lr=0.05)
+    before = optimizer_snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="'lm_head.weight'.*not through the fused loss"):
+        opt.fused_backward(own_loss(model, batch(1)))
+    assert_unchanged_since(before, model, opt)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -359,3 +359,15 @@ def test_an_lr_given_to_fused_backward_wins_for_its_step():
     given.fused_backward(a(**batch(2)).loss, 0.4)
     exponential.step()
     assert given.param_groups[0]["lr"] == 0.2  # 0.4 (the given lr) x 0.5
+
+
+def test_an_attribute_set_sets_every_group():
+    """lomo-optim's attributes (opt.lr, opt.weight_decay, ...) read the first group and, set,
+    set every group, checked first."""
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.05, param_groups=[{"params": ["model.norm.weight"], "lr": 0.5}])
+    opt.lr, opt.weight_decay = 0.1, 0.02
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.1, 0.02)] * 2
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        opt.weight_decay = -1.0
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.02, 0.02]
