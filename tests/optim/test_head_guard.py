@@ -88,6 +88,18 @@ def test_a_copy_of_a_patched_model_is_guarded_too(name):
     assert_unchanged_since(before, model, opt)
 
 
+def test_only_the_heads_the_optimizer_trains_are_guarded():
+    """A loss that also reads another patched model's head the ordinary way (a second model,
+    which this optimizer does not train) steps: the guard keeps the memory the patch saves
+    for the model being trained, and the other model's head gets its .grad as in torch."""
+    model = lomo_kernels.patch_causal_lm(tiny_llama())
+    other = lomo_kernels.patch_causal_lm(tiny_llama(seed=1))
+    opt = Lomo(model, lr=0.05)
+    loss = model(**batch(0)).loss + own_loss(other, batch(0))
+    assert_step_moves(model, lambda: opt.fused_backward(loss))
+    assert other.lm_head.weight.grad is not None
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_refused_by_grad_norm_too_and_with_tied_weights(name):
     model, opt = stepped_model(name, "clip_norm", tie=True)
