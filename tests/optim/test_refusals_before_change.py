@@ -420,13 +420,18 @@ def test_lomo_optim_state_of_the_other_class_refused(writer, reader, lomo_optim)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_lomo_optim_state_of_another_model_refused(name, lomo_optim):
+@pytest.mark.parametrize("other", ["smaller", "larger"])
+def test_lomo_optim_state_of_another_model_refused(name, other, lomo_optim):
     writer = {"lomo": lomo_optim.Lomo, "adalomo": lomo_optim.AdaLomo}[name]
-    saved = writer(torch.nn.Linear(3, 3), lr=0.02)
+    if other == "smaller":
+        written, count = torch.nn.Linear(3, 3), 2
+    else:
+        written, count = torch.nn.Sequential(mlp(), torch.nn.Linear(3, 3)), 6
+    saved = writer(written, lr=0.02)
     model = mlp()
     opt = OPTIMIZERS[name](model, lr=0.05)
     load = lambda: opt.load_state_dict(saved.state_dict())  # noqa: E731
-    assert_refused(model, opt, load, ValueError, "lists 2 parameters, this model has 4")
+    assert_refused(model, opt, load, ValueError, f"lists {count} parameters, this model has 4")
 
 
 def test_lomo_optim_state_with_a_bad_value_refused(lomo_optim):
