@@ -441,6 +441,16 @@ def test_valid_state_dict_round_trip_still_loads(name):
         assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
 
 
+@pytest.mark.parametrize("writer,reader", [("adalomo", "lomo"), ("lomo", "adalomo")])
+def test_state_dict_of_the_other_class_refused_naming_it(writer, reader):
+    _, written = trained(writer)
+    model = mlp()
+    opt = OPTIMIZERS[reader](model, lr=0.05)
+    load = lambda: opt.load_state_dict(written.state_dict())  # noqa: E731
+    match = f"written by {type(written).__name__}; {type(opt).__name__} keeps other state"
+    assert_refused(model, opt, load, ValueError, match)
+
+
 def test_state_dict_and_load_state_dict_copy_the_moments():
     """AdaLomo's moments are updated in place each step: a state_dict holds copies (the
     optimizer's later steps leave it as it was), and a load takes copies (two optimizers
