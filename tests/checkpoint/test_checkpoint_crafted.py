@@ -282,7 +282,11 @@ def _no_world_size(manifest: dict) -> str:
     return "manifest.json gives no world size: the checkpoint is corrupt"
 
 
-@pytest.mark.parametrize("malform", [_malformed_record, _another_format, _no_world_size])
+@pytest.mark.parametrize(
+    "malform",
+    [_malformed_record, _another_format, _no_world_size],
+    ids=["malformed record", "another format", "no world size"],
+)
 def test_a_malformed_manifest_refused(checkpoint, malform):
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     match = malform(manifest)
@@ -290,7 +294,9 @@ def test_a_malformed_manifest_refused(checkpoint, malform):
     assert_refused_whole(lambda m, o: load_checkpoint(checkpoint, m, o), match)
 
 
-def test_each_files_crc_covers_all_its_bytes_and_a_flip_anywhere_is_refused(tmp_path, monkeypatch):
+def test_each_files_crc_covers_all_its_bytes_and_a_flip_in_its_first_chunk_is_refused(
+    tmp_path, monkeypatch
+):
     """Files are checksummed in chunks; with chunks of 64 bytes every file here takes several,
     and each record must still be the file's size and the CRC-32 of all its bytes (zlib's,
     over the whole file): a byte flipped in a shard's first chunk is refused."""

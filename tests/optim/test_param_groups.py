@@ -362,8 +362,8 @@ def test_an_lr_given_to_fused_backward_wins_for_its_step():
 
 
 def test_an_attribute_set_sets_every_group():
-    """lomo-optim's attributes (opt.lr, opt.weight_decay, ...) read the first group and, set,
-    set every group, checked first."""
+    """lomo-optim's attributes (opt.lr, opt.weight_decay, ...) read the first group; an
+    assignment is checked, then sets every group."""
     model = tiny_llama()
     opt = Lomo(model, lr=0.05, param_groups=[{"params": ["model.norm.weight"], "lr": 0.5}])
     opt.lr, opt.weight_decay = 0.1, 0.02
