@@ -69,6 +69,10 @@ def test_every_part_ok_with_positive_figures(checked) -> None:
     results = results_of(checked[0])
     assert results["device"] == "cpu" and results["machine"]["cpu_cores"] > 0
     assert list(results["parts"]) == NAMES
+    # Without --budget-s the CPU run gets twice the GPU's budget, each part twice its share.
+    assert results["budget_s"] == gpu_check.CPU_BUDGET_S == 2 * gpu_check.FULL_BUDGET_S
+    budgets = {part.name: 2 * part.budget_s for part in parts.PARTS}
+    assert {name: part["budget_s"] for name, part in results["parts"].items()} == budgets
     for name, part in results["parts"].items():
         assert part["status"] == "ok", (name, part["problems"], part["notes"])
         assert part["problems"] == []
