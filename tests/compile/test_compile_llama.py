@@ -28,7 +28,6 @@ from support.compiled_runs import (
     check_compiled_run,
     eager_reference,
     fresh_counters,
-    make_optimizer,
     measure_torch_rounding,
     tiny_llama,
     train,
@@ -36,7 +35,7 @@ from support.compiled_runs import (
 from support.state import assert_refused
 from torch._dynamo import compiled_autograd
 
-from lomo_kernels import Lomo
+from lomo_kernels import AdaLomo, Lomo
 
 pytestmark = pytest.mark.slow  # Inductor compiles on 2 cores: ~10-40 s per case
 
@@ -105,23 +104,26 @@ def test_bf16_compiled_autograd_default_rounding(references, torch_rounding, opt
 
 
 # The refusal depends on the backward graph's structure (views of weights saved by an eager
-# forward), not on the dtype; each case traces a failing compile (60-150 s on 2 cores), so
-# each optimizer runs once and each dtype once.
+# forward), not on the dtype; each backward traced costs 40-150 s on 2 cores, so each
+# optimizer runs once, each dtype once, and each way a step begins once: Lomo unclipped
+# (the refused update pass is the step's only backward), AdaLomo clipped (its norm pass
+# compiles and runs, then the update pass is refused).
 @pytest.mark.parametrize(
-    ("opt_name", "dtype"),
+    ("opt_name", "dtype", "clip"),
     [
-        pytest.param("lomo", torch.bfloat16, id="lomo-bf16"),
-        pytest.param("adalomo", torch.float32, id="adalomo-fp32"),
+        pytest.param("lomo", torch.bfloat16, None, id="lomo-bf16-one_pass"),
+        pytest.param("adalomo", torch.float32, 1.0, id="adalomo-fp32-norm_pass_first"),
     ],
 )
 def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
-    references, opt_name, dtype
+    references, opt_name, dtype, clip
 ):
     """The loop's first step with an eager forward (`train`'s "eager_ca"), given an lr: the
     refused update pass leaves everything as it was, the groups' lr included."""
     model = copy.deepcopy(references[opt_name, dtype, "cpu"][0])
     fresh_counters()
-    opt = make_optimizer(opt_name, model, LR[dtype])
+    cls = Lomo if opt_name == "lomo" else AdaLomo
+    opt = cls(model, lr=LR[dtype], clip_grad_norm=clip, weight_decay=0.01)
     loss = model(**next(iter(batches(model)))).loss
 
     def step() -> None:
