@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 
 import pytest
 from support.hf_trainer import args, dataset
@@ -92,3 +93,20 @@ def test_latest_naming_a_folder_elsewhere_is_not_whole(tmp_path, tag):
     expected = rf"passes over .*checkpoint-10: .*latest names '{re.escape(tag)}', not a"
     with pytest.warns(UserWarning, match=expected):
         assert last_whole_checkpoint(str(tmp_path), sharded=True) == str(older)
+
+
+def test_only_what_transformers_names_a_checkpoint_is_one(tmp_path):
+    """A copy beside the checkpoints ("checkpoint-12-backup") and a file named like one are
+    no checkpoints, as for transformers' own `get_last_checkpoint`: the whole checkpoint-5
+    is taken, with no folder passed over."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    for name in ("checkpoint-5", "checkpoint-12-backup"):
+        (tmp_path / name).mkdir()
+        for part in ("trainer_state.json", "scheduler.pt", "optimizer.pt"):
+            (tmp_path / name / part).write_text("{}")
+    (tmp_path / "checkpoint-20").write_text("")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "passes over" warning
+        found = last_whole_checkpoint(str(tmp_path), sharded=False)
+    assert found == get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-5")
