@@ -280,6 +280,27 @@ def test_trainer_decays_as_transformers_and_logs_the_pre_clip_norm(tmp_path):
     assert logged(trainer) == pytest.approx(norms, rel=FP32_NORM_RTOL)
 
 
+def test_trainer_leaves_frozen_parameters_out(tmp_path):
+    """A frozen embedding (requires_grad False) is in neither of Trainer's groups and keeps
+    its values; the rest trains as torch's SGD with the same groups, clip and schedule."""
+    model, ref = tiny_llama(), tiny_llama()
+    for m in (model, ref):
+        m.get_input_embeddings().weight.requires_grad_(False)
+    frozen = model.get_input_embeddings().weight.detach().clone()
+    trainer = LomoTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=3, learning_rate=0.2, weight_decay=0.3, max_grad_norm=0.5),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    grouped = [p for group in trainer._lomo().param_groups for p in group["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(grouped) == len(trainable) and {id(p) for p in grouped} == set(map(id, trainable))
+    assert torch.equal(model.get_input_embeddings().weight, frozen)
+    sgd_with_transformers_split(ref, 3, lr=0.2, weight_decay=0.3, max_norm=0.5)
+    assert max_rel_diff(model, ref) <= 1e-6  # as the test above
+
+
 def count_backwards(monkeypatch):
     calls = []
     original = torch.Tensor.backward
@@ -292,10 +313,13 @@ def count_backwards(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("optim_args, per_step", [(None, 2), ("single_backward=True", 1)])
+@pytest.mark.parametrize(
+    "optim_args, per_step", [(None, 2), ("single_backward=False", 2), ("single_backward=True", 1)]
+)
 def test_trainer_clipping_mode_from_optim_args(tmp_path, monkeypatch, optim_args, per_step):
-    """Exact clipping by default (a norm pass: two backward passes), one backward with
-    single_backward=True; both log the step's norm before clipping."""
+    """Exact clipping by default and with single_backward=False (a norm pass: two backward
+    passes), one backward with single_backward=True; both log the step's norm before
+    clipping."""
     model = tiny_llama()
     trainer = LomoTrainer(
         model=model,
@@ -306,7 +330,7 @@ def test_trainer_clipping_mode_from_optim_args(tmp_path, monkeypatch, optim_args
     )
     calls = count_backwards(monkeypatch)
     trainer.train()
-    assert trainer._lomo().single_backward == (optim_args is not None)
+    assert trainer._lomo().single_backward == (per_step == 1)
     assert len(calls) == 3 * per_step
     # The first step starts from the same weights in both modes: the same norm.
     first = sgd_with_transformers_split(tiny_llama(), 1, lr=0.2, weight_decay=0.01, max_norm=0.5)
