@@ -197,10 +197,13 @@ def _reference(hidden, weight, labels):
     return torch.where(counted, entropy, 0.0), top1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("blocks", [(4096, 1024), (7, 5)], ids=["one_block", "many_blocks"])
-def test_token_metrics_against_float64(monkeypatch, blocks):
+def test_token_metrics_against_float64(monkeypatch, blocks, dtype):
     """Entropy within 1e-5 of float64 and the first argmax (a tie in the data: the earlier
-    index wins, as argmax), over one block and over blocks of 7 words x 5 tokens."""
+    index wins, as argmax), over one block and over blocks of 7 words x 5 tokens. bf16
+    inputs too: on the CPU their logits are formed in fp32, so the same bound holds (logits
+    rounded to bf16 would be off by about 1e-3)."""
     monkeypatch.setattr(metrics, "BLOCK_VOCAB", blocks[0])
     monkeypatch.setattr(metrics, "BLOCK_TOKENS", blocks[1])
     gen = torch.Generator().manual_seed(0)
@@ -211,6 +214,7 @@ def test_token_metrics_against_float64(monkeypatch, blocks):
     labels[0, :2] = -100
     labels[1, 4] = 31
     hidden[1, 4] = weight[3] * 4
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
     entropy, top1 = metrics.token_metrics(hidden, weight, labels)
     ref_entropy, ref_top1 = _reference(hidden, weight, labels)
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=1e-5)
