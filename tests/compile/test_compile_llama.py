@@ -28,6 +28,7 @@ from support.compiled_runs import (
     check_compiled_run,
     eager_reference,
     fresh_counters,
+    make_optimizer,
     measure_torch_rounding,
     tiny_llama,
     train,
@@ -35,7 +36,7 @@ from support.compiled_runs import (
 from support.state import assert_refused
 from torch._dynamo import compiled_autograd
 
-from lomo_kernels import AdaLomo, Lomo
+from lomo_kernels import Lomo
 
 pytestmark = pytest.mark.slow  # Inductor compiles on 2 cores: ~10-40 s per case
 
@@ -122,8 +123,7 @@ def test_eager_forward_with_compiled_autograd_is_refused_before_any_update(
     refused update pass leaves everything as it was, the groups' lr included."""
     model = copy.deepcopy(references[opt_name, dtype, "cpu"][0])
     fresh_counters()
-    cls = Lomo if opt_name == "lomo" else AdaLomo
-    opt = cls(model, lr=LR[dtype], clip_grad_norm=clip, weight_decay=0.01)
+    opt = make_optimizer(opt_name, model, LR[dtype], clip_grad_norm=clip)
     loss = model(**next(iter(batches(model)))).loss
 
     def step() -> None:

@@ -73,12 +73,16 @@ def batches(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
 
 
 def make_optimizer(
-    name: str, model: torch.nn.Module, lr: float, **options: Any
+    name: str,
+    model: torch.nn.Module,
+    lr: float,
+    clip_grad_norm: float | None = 1.0,
+    **options: Any,
 ) -> torch.optim.Optimizer:
     if name == "sgd":  # the baseline: torch's own step, after a whole backward
         return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=0.01)
     cls = Lomo if name == "lomo" else AdaLomo
-    return cls(model, lr=lr, clip_grad_norm=1.0, weight_decay=0.01, **options)
+    return cls(model, lr=lr, clip_grad_norm=clip_grad_norm, weight_decay=0.01, **options)
 
 
 def backward_and_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
