@@ -77,6 +77,23 @@ def test_token_statistics_at_a_temperature_against_float64(monkeypatch, temperat
     assert torch.equal(stats["is_top1"], ref["is_top1"])
 
 
+def test_token_statistics_computes_only_the_fields_asked_and_refuses_unknown_ones():
+    """A subset of the statistics is the whole call's values of those fields alone; a field
+    that is not computed (a misspelt or newer TRL name) is refused naming it, not answered
+    with zeros."""
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 5, 16, generator=gen), torch.randn(23, 16, generator=gen)
+    labels = torch.randint(0, 23, (2, 5), generator=gen)
+    every = token_metrics.token_statistics(hidden, weight, labels)
+    asked = ("mean_logits", "is_top1")
+    some = token_metrics.token_statistics(hidden, weight, labels, fields=asked)
+    assert set(some) == set(asked)
+    for name in asked:
+        assert torch.equal(some[name], every[name]), name
+    with pytest.raises(ValueError, match=r"\['mean_logit'\] are not computed .*mean_logits"):
+        token_metrics.token_statistics(hidden, weight, labels, fields=("entropy", "mean_logit"))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_patched_forward_answers_what_trls_head_is_asked(temperature):
     """add_fused_lm_head(model, temperature, outputs=...) after enable_trl(): the patched
