@@ -423,6 +423,12 @@ def run_refusals(checks: dict) -> None:
         return build(mesh=mesh)
 
     expect_refusal(hsdp, refused, "hsdp")
+
+    def own_rank_only():  # a 1-D mesh of this rank alone: each rank's gradients its own
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        return build(mesh=mesh["shard"])
+
+    expect_refusal(own_rank_only, refused, "partial_world")
     checks["refusals"] = refused
 
     model = build()  # gradient accumulation: refused at the step, before any change

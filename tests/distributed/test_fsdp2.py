@@ -40,6 +40,7 @@ REFUSALS = {
     "root_not_sharded": "Apply fully_shard to the root module",
     "shard_dim_1": "only Shard(0) is supported",
     "hsdp": "only a 1-D FSDP2 mesh is supported",
+    "partial_world": "sharded over 1 of 2 ranks",
 }
 
 
