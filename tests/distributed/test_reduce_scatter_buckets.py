@@ -58,3 +58,37 @@ def test_buckets_are_handed_over_oldest_first(group, max_inflight):
     assert sorted(arrival, key=list(grads).index)[:6] == arrival[:6]
     for shard, reduced in (pair for bucket in handed for pair in bucket):
         assert torch.equal(reduced, grads[id(shard)])
+
+
+def test_abandon_waits_for_every_collective_in_flight(group, monkeypatch):
+    # After a failed backward nothing may still be writing: abandon() waits for each launched
+    # collective (on a GPU its input may otherwise be freed and reused while it reads it) and
+    # hands nothing over; the next backward starts clean.
+    from lomo_kernels.distributed import reduce_scatter as module
+
+    launched = []
+
+    class Work:
+        def __init__(self) -> None:
+            self.waited = False
+            launched.append(self)
+
+        def wait(self) -> bool:
+            self.waited = True
+            return True
+
+    def deferred(output, packed, **kwargs):  # the reduction itself, left to wait() to finish
+        output.copy_(packed)
+        return Work()
+
+    monkeypatch.setattr(module, "reduce_scatter", deferred)
+    reducer = ReduceScatterBuckets(bucket_numel=10, max_inflight=3)
+    reducer.begin()
+    handed = []
+    for shard, grad in _shards(group, [4, 5, 6, 3, 3, 12]):
+        handed += reducer.add(shard, grad, grad.numel())
+    assert handed == [] and len(launched) == 3  # (4, 5), (6, 3) and (12) in flight, (3) open
+    reducer.abandon()
+    assert all(work.waited for work in launched)
+    assert list(reducer.finish()) == []  # the open bucket was dropped too
+    reducer.begin()  # no "previous backward pass left gradients unreduced"
