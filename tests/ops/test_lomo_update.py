@@ -13,6 +13,7 @@ import torch
 from support.float64 import assert_within_ulp, lomo_update_f64, sumsq_rel_bound
 from support.lomo_update import DTYPES, LR, OPTIONS, SIZES, bound_kwargs, make_inputs
 from support.rounding import LOW, assert_unbiased_neighbours
+from support.state import same_bits
 
 from lomo_kernels import ops
 
@@ -224,8 +225,7 @@ def assert_draws_unbiased(backend, draw) -> None:
     deviations. On Triton: the C++ backend's draws bit for bit (AGAINST_CPP)."""
     if backend == "triton":
         for i in AGAINST_CPP:
-            ours, cpp = draw("triton", i), draw("cpp", i)
-            assert torch.equal(ours.view(torch.int16), cpp.view(torch.int16)), i
+            assert same_bits([draw("triton", i)], [draw("cpp", i)]), i
         return
     draws = torch.stack([draw(backend, i) for i in range(DRAWS)]).double()
     p_up = (draws > 1.0).double().mean().item()
@@ -249,7 +249,7 @@ def test_stochastic_rounding_same_bits_on_every_backend():
     for step in (None, 0, 12345, 2**40 + 3):
         outs = [_sr_step(name, 4099, seed=99, step=step) for name in BACKENDS]
         for out in outs[1:]:
-            assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+            assert same_bits([out], outs[:1]), step
 
 
 def test_stochastic_rounding_seed_step_streams(backend):
