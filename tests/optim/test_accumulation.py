@@ -971,3 +971,41 @@ def test_sharded_update_batches_are_whole_parameters_up_to_the_bucket(monkeypatc
     runs = [[shard.full_numel for _, _, shard in run] for run in accumulation.batches(7)]
     assert runs == [[3, 4], [2], [9], [1, 1, 5]]
     assert [[i for i, _, _ in run] for run in accumulation.batches(None)] == [list(range(7))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_blocks_accumulate_as_the_whole_buffer(backend, dtype):
+    # The logits-free head hands a weight's gradient over in blocks of rows, in order: each
+    # block adds into the one buffer with the bits of its elements' flat indices, so the
+    # blocks store the bits a whole gradient stores, micro-batch after micro-batch. The
+    # whole gradient's add is the op's own with the parameter's seed and the micro-batch's
+    # value (`micro_batch_value`): the stream the buffer is specified to draw.
+    from lomo_kernels import ops
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation, micro_batch_value
+    from lomo_kernels.optim.rounding import WriteBackRounding, parameter_seed
+
+    rows, width, index, seed, step_count = 37, 13, 7, 11, 5
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(rows, width, dtype=dtype))
+    grads = [torch.randn(rows, width, generator=gen).to(dtype) * 1e-3 for _ in range(3)]
+    cpu = [torch.device("cpu")]
+    module = LOMO.resolve(cpu[0], backend)
+    stored = []
+    for cuts in ((0, rows), (0, 16, 32, rows)):
+        accumulation = Accumulation(4, None, WriteBackRounding(True, seed=seed))
+        for grad in grads:
+            accumulation.begin_micro_batch(step_count, cpu, measuring=False)
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                piece = piece_of(param, grad[a:b], target=param.detach()[a:b], offset=a * width)
+                accumulation.add(piece, index, None, module)
+            accumulation.pending += 1
+        stored += [buffer for _, buffer, _ in accumulation.buffered()]
+    expected = torch.empty_like(param)
+    for micro_batch, grad in enumerate(grads):
+        seed_step = torch.tensor([micro_batch_value(seed, step_count, micro_batch)])
+        ops.grad_accumulate_(expected, grad, first=micro_batch == 0, stochastic_rounding=True,
+                             seed=parameter_seed(index), seed_step=seed_step,
+                             backend=backend)  # fmt: skip
+    whole, blocks = stored
+    assert same_bits([whole, blocks], [expected, expected])
