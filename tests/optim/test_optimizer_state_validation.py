@@ -349,6 +349,21 @@ BAD_STATES = {
         edit_lomo("single_backward", {"norm_history": [1.0, float("nan"), 1.0]}),
         "norm_history",
     ),
+    "norm history negative": (
+        "lomo",
+        edit_lomo("single_backward", {"norm_history": [1.0, -0.5, 1.0]}),
+        "norm_history",
+    ),
+    "norm history of two": (
+        "lomo",
+        edit_lomo("single_backward", {"norm_history": [1.0, 1.0]}),
+        "norm_history",
+    ),
+    "norm history of strings": (
+        "lomo",
+        edit_lomo("single_backward", {"norm_history": ["1.0", "1.0", "1.0"]}),
+        "norm_history",
+    ),
 }
 
 
