@@ -215,3 +215,22 @@ def test_a_refused_grad_norm_leaves_the_earlier_measurement(name, refusal):
     expected = run(refused_between=False)
     assert expected[1] and expected[-1] == 2  # skipped; a norm pass and the update pass
     assert_same_outcome(run(refused_between=True), expected)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_overflow_measured_of_another_loss_does_not_skip_an_unclipped_step(name):
+    """grad_norm(A) measures inf/nan gradients, then fused_backward(B) of another loss
+    without clipping in fp32 (a step that needs no norm pass, so measures none): B's step as
+    without the grad_norm, applied, not skipped on A's flag."""
+
+    def run(measure_first: bool) -> tuple:
+        model = mlp()
+        opt = OPTIMIZERS[name](model, lr=0.1)
+        if measure_first:
+            opt.grad_norm(loss_of(model, 0) * float("inf"))
+        opt.fused_backward(loss_of(model, 1))
+        return outcome(model, opt)
+
+    expected = run(measure_first=False)
+    assert expected[1:3] == (False, False)  # neither skipped nor partial
+    assert_same_outcome(run(measure_first=True), expected)
