@@ -158,6 +158,28 @@ def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_a_whole_gradient_before_the_head_blocks_is_refused_before_any_change():
+    """The head weight used once more after the fused loss, inside a reentrant checkpoint:
+    the read of the loss's graph does not reach that use, whose backward runs first and
+    hands the whole gradient over before the head's blocks come. The norm pass refuses the
+    blocks then, naming the parameter, with every parameter unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = patch_causal_lm(tiny_llama())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
+    weight, one = model.lm_head.weight, torch.ones((), requires_grad=True)
+    head_loss = model(**batch(2)).loss
+    reused = checkpoint(lambda s: weight.square().sum() * s, one, use_reentrant=True)
+    # Runs after the optimizer's own hook, so only where that one took the whole gradient.
+    taken = []
+    weight.register_post_accumulate_grad_hook(lambda p: taken.append("whole"))
+    with pytest.raises(RuntimeError, match="'lm_head.weight' is stepped in backward from"):
+        opt.fused_backward(head_loss + reused * 1e-3)
+    assert taken == ["whole"]  # the whole gradient came first, the blocks were refused
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("clip", [1.0, None], ids=["norm_pass", "graph_read"])
 def test_the_chunked_head_run_twice_for_one_loss_is_refused_before_any_change(clip):
     """Two forwards of the patched model summed into one loss: the head's op (and the input
