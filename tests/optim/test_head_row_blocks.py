@@ -241,12 +241,16 @@ def test_used_rows_are_the_dense_gradients_nonzero_rows():
     assert bool((dense[others] == 0).all())
 
 
-@pytest.mark.parametrize("optimizer,tie", [("adalomo", False), ("lomo", True)])
-def test_adalomo_and_tied_weights_get_whole_gradients(monkeypatch, optimizer, tie):
+@pytest.mark.parametrize(
+    "optimizer,tie,given",
+    [("adalomo", False, "model"), ("lomo", True, "model"), ("lomo", True, "parameters")],
+)
+def test_adalomo_and_tied_weights_get_whole_gradients(monkeypatch, optimizer, tie, given):
     """AdaLomo (statistics over the whole matrix) and a tied head/embedding (two
     contributions) fall back to the materialised head gradient and the dense embedding
     gradient, stepped by the hooks; their equality with unpatched training is
-    test_causal_lm_patch's."""
+    test_causal_lm_patch's. The tie is found in the model's parameter names or, for an
+    optimizer given the parameters (which list a tied weight once), in the patched head."""
     from lomo_kernels import AdaLomo
     from lomo_kernels.ops import embedding as embedding_backward
 
@@ -256,7 +260,36 @@ def test_adalomo_and_tied_weights_get_whole_gradients(monkeypatch, optimizer, ti
     monkeypatch.setattr(embedding_backward, "step_used_rows", lambda *a: by_rows.append(rows(*a)))
     model = patch_causal_lm(tiny_llama(tie_word_embeddings=tie))
     before = [p.detach().clone() for p in model.parameters()]
-    opt = (AdaLomo if optimizer == "adalomo" else Lomo)(model, lr=0.05, clip_grad_norm=1.0)
+    trained = model if given == "model" else model.parameters()
+    opt = (AdaLomo if optimizer == "adalomo" else Lomo)(trained, lr=0.05, clip_grad_norm=1.0)
     opt.fused_backward(model(**batch(4)).loss)
     assert materialised == [1, 1] and by_rows == []  # the norm pass and the update pass
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_norm_pass_measures_the_embedding_s_used_rows_in_one_block(monkeypatch):
+    """A norm pass only measures, so the input embedding hands over its used rows' sums
+    (at most tokens x hidden) in one block instead of scattering them into chunks of its
+    dense rows, which the update pass writes (64 and 32 rows here)."""
+    from lomo_kernels.optim.row_blocks import RowBlockStep
+
+    model = patch_causal_lm(tiny_llama())
+    embedding = model.model.embed_tokens
+    seen = []
+    apply = RowBlockStep.apply
+
+    def recording(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        if self._piece.param is embedding.weight:
+            seen.append((self._blocks.step.phase, start, stop, tuple(grad.shape)))
+        apply(self, start, stop, grad)
+
+    monkeypatch.setattr(RowBlockStep, "apply", recording)
+    opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
+    inputs = batch(4)
+    ids, pad = torch.unique(inputs["input_ids"]), embedding.padding_idx
+    used = ids.numel() if pad is None else int((ids != pad).sum())  # no padding row
+    opt.fused_backward(model(**inputs).loss)
+    vocab = embedding.num_embeddings
+    assert [s for s in seen if s[0] is Phase.NORM] == [(Phase.NORM, 0, vocab, (used, HIDDEN))]
+    chunks = [s[1:3] for s in seen if s[0] is Phase.UPDATE]
+    assert chunks and all(stop - start <= CHUNK_ROWS for start, stop in chunks)
