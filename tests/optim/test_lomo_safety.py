@@ -86,6 +86,23 @@ def test_fp16_overflow_at_min_scale_raises():
         opt.fused_backward(model(**batch(1)).loss)
 
 
+def test_fp16_overflow_at_min_scale_without_raising_skips_the_step_and_trains_on():
+    """raise_error_at_min_scale=False: the overflow at the minimum scale is a skipped step
+    like any other, reported at the next call, which trains; the scale stays at the minimum."""
+    model = tiny_llama(torch.float16)
+    opt = Lomo(model, lr=0.05, loss_scale_args={"init_scale": 1.0, "min_scale": 1.0,
+                                                "raise_error_at_min_scale": False})  # fmt: skip
+    counter = {"step": 0}
+    poison(model.lm_head.weight, {0}, counter)
+    before = snapshot(model)
+    opt.fused_backward(model(**batch(0)).loss)
+    assert unchanged(model, before)
+    counter["step"] = 1
+    opt.fused_backward(model(**batch(1)).loss)
+    assert opt.last_step_skipped and opt.loss_scaler.loss_scale == 1.0
+    assert not unchanged(model, before)
+
+
 def test_bf16_overflow_with_clip_norm_changes_nothing():
     model = tiny_llama(torch.bfloat16)
     opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
