@@ -10,6 +10,7 @@ import torch
 from support.float64 import ulp
 from support.models import batch, clone, tiny_llama
 from support.recording import record_lomo_calls
+from support.state import snapshot, unchanged
 
 from lomo_kernels import Lomo, patch_causal_lm
 from lomo_kernels.ops import cross_entropy as lce
@@ -78,13 +79,13 @@ def test_fp16_overflow_in_one_head_chunk_changes_nothing_in_the_exact_mode(monke
     """The norm pass meets the overflow in the head's second chunk before any update: every
     parameter keeps its bits, the loss scale halves, the step is reported skipped."""
     model = patch_causal_lm(tiny_llama(torch.float16))
-    before = [p.detach().clone() for p in model.parameters()]
+    before = snapshot(model)
     opt = Lomo(model, lr=0.05, clip_grad_norm=1.0, weight_decay=0.01)
     materialised = _inject_inf_in_second_chunk(monkeypatch)
     opt.fused_backward(model(**batch(0)).loss)
     opt.flush_report()
     assert not materialised
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert unchanged(model, before)
     assert opt.last_step_skipped and opt.loss_scaler.scale.item() == 2.0**15
     assert model.lm_head.weight.grad is None
 
@@ -150,12 +151,12 @@ def test_a_second_gradient_for_the_chunked_head_is_refused_before_any_change():
     """The head weight used once more besides the fused loss: the exact mode's norm pass
     refuses it, naming the parameter, with every parameter unchanged."""
     model = patch_causal_lm(tiny_llama())
-    before = [p.detach().clone() for p in model.parameters()]
+    before = snapshot(model)
     opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
     loss = model(**batch(2)).loss + model.lm_head.weight.square().sum() * 1e-3
     with pytest.raises(RuntimeError, match="'lm_head.weight' is stepped in backward from"):
         opt.fused_backward(loss)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert unchanged(model, before)
 
 
 def test_a_whole_gradient_before_the_head_blocks_is_refused_before_any_change():
@@ -166,7 +167,7 @@ def test_a_whole_gradient_before_the_head_blocks_is_refused_before_any_change():
     from torch.utils.checkpoint import checkpoint
 
     model = patch_causal_lm(tiny_llama())
-    before = [p.detach().clone() for p in model.parameters()]
+    before = snapshot(model)
     opt = Lomo(model, lr=0.05, clip_grad_norm=1.0)
     weight, one = model.lm_head.weight, torch.ones((), requires_grad=True)
     head_loss = model(**batch(2)).loss
@@ -177,7 +178,7 @@ def test_a_whole_gradient_before_the_head_blocks_is_refused_before_any_change():
     with pytest.raises(RuntimeError, match="'lm_head.weight' is stepped in backward from"):
         opt.fused_backward(head_loss + reused * 1e-3)
     assert taken == ["whole"]  # the whole gradient came first, the blocks were refused
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert unchanged(model, before)
 
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["norm_pass", "graph_read"])
@@ -187,12 +188,12 @@ def test_the_chunked_head_run_twice_for_one_loss_is_refused_before_any_change(cl
     applied twice). The norm pass refuses the second set of blocks as it arrives; without
     one, the read of the graph refuses it. Every parameter unchanged either way."""
     model = patch_causal_lm(tiny_llama())
-    before = [p.detach().clone() for p in model.parameters()]
+    before = snapshot(model)
     opt = Lomo(model, lr=0.05, weight_decay=0.01, clip_grad_norm=clip)
     loss = model(**batch(2)).loss + model(**batch(3)).loss
     with pytest.raises(RuntimeError, match=r"'.*\.weight' is stepped in backward from"):
         opt.fused_backward(loss)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert unchanged(model, before)
 
 
 @pytest.mark.parametrize(
@@ -204,16 +205,16 @@ def test_a_second_gradient_is_refused_before_any_change_without_a_norm_pass(opti
     read before the backward: a block-stepped weight (the head, the input embedding) that the
     loss also uses elsewhere is refused, naming it, with every parameter unchanged."""
     model = patch_causal_lm(tiny_llama())
-    before = [p.detach().clone() for p in model.parameters()]
+    before = snapshot(model)
     opt = Lomo(model, lr=0.05, **options)
     weight = model.get_submodule(f"model.{reused}" if reused == "embed_tokens" else reused).weight
     loss = model(**batch(2)).loss + weight.square().sum() * 1e-3
     with pytest.raises(RuntimeError, match=f"'.*{reused}.weight' is stepped .* Nothing was"):
         opt.fused_backward(loss)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert unchanged(model, before)
     # The same model steps once the loss uses each weight once.
     opt.fused_backward(model(**batch(2)).loss)
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not unchanged(model, before)
 
 
 def test_used_rows_are_the_dense_gradients_nonzero_rows():
