@@ -203,6 +203,41 @@ def make_step(config: str, model: Any) -> tuple[Callable[[Any, Any], None], Any,
     return step, opt, notes
 
 
+def _prepared(
+    config: str, batch: int, seq: int, model: str, dtype: str, device: str, fused_head: bool
+) -> tuple[Callable[[], None], Any, dict[str, Any]]:
+    """`config`'s step on a fresh model and batch (seed 0), its optimizer and the run's facts."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    net = build_model(model, dtype, device, fused_head=fused_head)
+    params = list(net.parameters())
+    ids = torch.randint(0, net.config.vocab_size, (batch, seq), device=device)
+    labels = ids.clone()
+    facts: dict[str, Any] = {
+        "config": config,
+        "model": resolve_model(model).name,
+        "dtype": dtype,
+        "device": device,
+        "batch": batch,
+        "seq": seq,
+        "fused_head": fused_head,
+        "model_mb": sum(p.numel() * p.element_size() for p in params) / MIB,
+        "num_parameters": sum(p.numel() for p in params),
+        "largest_param_numel": max(p.numel() for p in params),
+        "embedding_numel": net.get_input_embeddings().weight.numel(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn_implementation": net.config._attn_implementation,
+    }
+    step, opt, notes = make_step(config, net)
+    facts.update(notes)
+    return lambda: step(ids, labels), opt, facts
+
+
 def measure(
     config: str,
     batch: int,
@@ -218,42 +253,15 @@ def measure(
         require_metered_process()
     if steps < 2:
         raise ValueError("steps must be >= 2: step 0 is not measured")
-    import torch
-    import transformers
-
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(0)
-    net = build_model(model, dtype, device, fused_head=fused_head)
-    params = list(net.parameters())
-    ids = torch.randint(0, net.config.vocab_size, (batch, seq), device=device)
-    labels = ids.clone()
-    result: dict[str, Any] = {
-        "config": config,
-        "model": resolve_model(model).name,
-        "dtype": dtype,
-        "device": device,
-        "batch": batch,
-        "seq": seq,
-        "steps": steps,
-        "fused_head": fused_head,
-        "model_mb": sum(p.numel() * p.element_size() for p in params) / MIB,
-        "num_parameters": sum(p.numel() for p in params),
-        "largest_param_numel": max(p.numel() for p in params),
-        "embedding_numel": net.get_input_embeddings().weight.numel(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attn_implementation": net.config._attn_implementation,
-    }
-    step, opt, notes = make_step(config, net)
-    result.update(notes)
+    step, opt, result = _prepared(config, batch, seq, model, dtype, device, fused_head)
+    result["steps"] = steps
     meter = Meter(device)
     baseline = meter.current()
     peaks, transient = [], []
     for i in range(steps):
         start = meter.current()
         meter.reset_peak()
-        step(ids, labels)
+        step()
         if i > 0:
             peak = meter.peak()
             peaks.append(peak - baseline)
@@ -266,14 +274,45 @@ def measure(
     result["peak_above_step_start_mb"] = max(transient) / MIB
     # One more step, profiled (after the others: the profiler's own memory stays out of
     # the figures above): the peak of the tensors it allocates.
-    tensor_peak, _ = tensor_balance(lambda: step(ids, labels), device)
-    result["tensor_peak_in_step_mb"] = tensor_peak / MIB
+    result["tensor_peak_in_step_mb"] = tensor_balance(step, device)[0] / MIB
     result["state_mb"] = state_bytes(opt) / MIB
     if config in COMPILED:  # whether the backward ran as a compiled-autograd graph
         from torch._dynamo.utils import counters
 
         result["compiled_autograd_captures"] = int(counters["compiled_autograd"]["captures"])
     return result
+
+
+def tensor_peaks(
+    runs: Sequence[tuple[str, int, int]],
+    model: str = DEFAULT_MODEL,
+    dtype: str = "bf16",
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """`measure`'s `tensor_peak_in_step_mb` and model facts for each (config, batch, seq) of
+    `runs`, one after another in this process: each on its own model, its step 0 run
+    unmeasured first. The profiler counts only the allocations of the profiled step, which
+    do not depend on what ran before it in the process (unlike VmHWM), so one interpreter
+    serves every run. Eager configurations only: Dynamo's caches would carry over."""
+    import gc
+
+    results = []
+    for config, batch, seq in runs:
+        if config in COMPILED:
+            raise ValueError(f"{config}: a compiled configuration needs its own process")
+        step, opt, facts = _prepared(config, batch, seq, model, dtype, device, False)
+        step()  # step 0: lazy state, first-call allocations
+        facts["tensor_peak_in_step_mb"] = tensor_balance(step, device)[0] / MIB
+        results.append(facts)
+        del step, opt
+        gc.collect()  # the previous run's model, optimizer and hooks go before the next
+    return results
+
+
+def tensor_peaks_isolated(runs: Sequence[tuple[str, int, int]], **settings: Any) -> list[Any]:
+    """`tensor_peaks` in one fresh interpreter; `settings`: its model, dtype and device."""
+    arguments = {"runs": [list(run) for run in runs], **settings}
+    return run_isolated(tensor_peaks, arguments, metered=False, timeout=TIMEOUT_S, what="peaks")
 
 
 def measure_isolated(config: str, batch: int, seq: int, **settings: Any) -> dict[str, Any]:

@@ -4,8 +4,10 @@ Target: the peak above the model during a LOMO step stays within the activations
 forward keeping its graph) plus one gradient of the largest parameter. Held exactly on the
 tensors a step allocates (the profiler's allocator events, `meter.tensor_balance`): a
 deterministic count, unlike the process's peak (VmHWM also holds allocator slack, code
-pages and Python objects; `python -m bench.memory` reports it, with +5% for that slack). Each figure
-comes from a fresh process (bench/memory.py).
+pages and Python objects; `python -m bench.memory` reports it, with +5% for that slack). The
+eager figures come from one fresh process, each on its own model (`bench.memory.tensor_peaks`:
+the profiler counts only the profiled step's allocations); the compiled-autograd pair, which
+also compares VmHWM, from a process each.
 
 The model is bf16 where the CPU multiplies bf16 natively and fp32 elsewhere: without native
 bf16 (AVX2-only x86) torch's fallback GEMM holds an fp32 copy of the 32000 x 1024 head (125
@@ -26,7 +28,7 @@ from support.dependencies import require
 from bench.common.machine import fast_dtype
 
 SHAPES = [(1, 64), (2, 256)]
-STEPS = 3  # step 0 is not measured; two measured steps agree to < 0.1 MB here
+STEPS = 3  # the compiled pair: step 0 is not measured; two measured steps agree to < 0.1 MB
 DTYPE = fast_dtype()
 BYTES = {"bf16": 2, "fp32": 4}[DTYPE]
 
@@ -49,10 +51,10 @@ def bench() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def measured(bench: ModuleType) -> dict[tuple[str, int, int], dict[str, Any]]:
-    """forward_graph and lomo at both shapes, and SGD at the small one, one process each."""
+    """forward_graph and lomo at both shapes, and SGD at the small one, in one process."""
     runs = [(c, b, s) for b, s in SHAPES for c in ("forward_graph", "lomo")]
     runs.append(("sgd", *SHAPES[0]))
-    return {key: bench.measure_isolated(*key, steps=STEPS, dtype=DTYPE) for key in runs}
+    return dict(zip(runs, bench.tensor_peaks_isolated(runs, dtype=DTYPE), strict=True))
 
 
 @pytest.mark.parametrize(("batch", "seq"), SHAPES)
@@ -93,9 +95,30 @@ def test_fused_backward_holds_far_less_than_sgd(
 COMPILED_TOLERANCE = 1.10
 
 
-def test_compiled_autograd_step_keeps_lomo_memory(bench: ModuleType) -> None:
+@pytest.fixture(scope="module")
+def eager_20m(bench: ModuleType) -> dict[str, Any]:
+    """Lomo on the 20M model at 1x64, `bench.memory.measure` in a fresh process."""
+    return bench.measure_isolated("lomo", 1, 64, steps=STEPS, model="llama-20m", dtype=DTYPE)
+
+
+def test_one_process_figure_equals_a_fresh_process(
+    bench: ModuleType, eager_20m: dict[str, Any]
+) -> None:
+    """`tensor_peaks`' figure of a run that follows others in its process (step 0 then the
+    profiled step) is the fresh process's (three steps then the profiled one), to the byte."""
+    runs = [("sgd", 1, 64), ("forward_graph", 1, 64), ("lomo", 1, 64)]
+    after_others = bench.tensor_peaks_isolated(runs, model="llama-20m", dtype=DTYPE)[-1]
+    key = "tensor_peak_in_step_mb"
+    assert after_others[key] == eager_20m[key] > 0
+    with pytest.raises(ValueError, match="needs its own process"):
+        bench.tensor_peaks([("lomo_compiled_autograd", 1, 64)])
+
+
+def test_compiled_autograd_step_keeps_lomo_memory(
+    bench: ModuleType, eager_20m: dict[str, Any]
+) -> None:
     """Light version of `bench.memory` lomo vs lomo_compiled_autograd (a 20M model)."""
-    eager = bench.measure_isolated("lomo", 1, 64, steps=STEPS, model="llama-20m", dtype=DTYPE)
+    eager = eager_20m
     compiled = bench.measure_isolated(
         "lomo_compiled_autograd", 1, 64, steps=STEPS, model="llama-20m", dtype=DTYPE
     )
