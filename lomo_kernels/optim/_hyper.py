@@ -72,12 +72,24 @@ def check_clip_grad_value(clip_grad_value: Any) -> float | None:
     return value if value > 0 else None
 
 
+# eps[0] is added to the squared gradient: at least float32's smallest normal number keeps a
+# zero row or column's second moment positive (a subnormal flushes to 0 where denormals do).
+EPS0_FLOOR = torch.finfo(torch.float32).tiny
+
+
 def check_eps(eps: Any) -> tuple[float, float]:
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"eps must be two finite numbers >= 0, got {eps!r}")
     values = tuple(_finite("eps", e) for e in eps)
     if min(values) < 0:
         raise ValueError(f"eps must be two finite numbers >= 0, got {eps!r}")
+    if values[0] < EPS0_FLOOR:
+        raise ValueError(
+            f"eps[0] must be >= {EPS0_FLOOR:.3g} (float32's smallest normal number), got "
+            f"{values[0]!r}: where a gradient's row or column is all zeros (an embedding row "
+            "no token used) its second moment is eps[0], and 0 makes that update 0/0 = nan; "
+            "lomo-optim's default is 1e-30"
+        )
     return values
 
 

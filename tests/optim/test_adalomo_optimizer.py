@@ -137,6 +137,7 @@ def test_loss_falls_bf16():
         ({"decay_rate": 0.5}, "decay_rate"),
         ({"clip_threshold": 0.0}, "clip_threshold"),
         ({"loss_scale": 0.0}, "loss_scale"),
+        ({"eps": (0.0, 1e-3)}, r"eps\[0\] must be >= 1.18e-38"),
     ],
 )
 def test_bad_arguments_raise_before_hooks(kwargs, message):

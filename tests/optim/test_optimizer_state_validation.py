@@ -85,6 +85,8 @@ BAD_GROUP_EDITS = {
 ADALOMO_BAD_GROUP_EDITS = {
     "eps nan": ("eps", (NAN, 1e-3), ValueError, "eps must be finite"),
     "eps one value": ("eps", 1e-3, ValueError, "eps must be two"),
+    "eps0 zero": ("eps", (0.0, 1e-3), ValueError, r"eps\[0\] must be >="),
+    "eps0 subnormal": ("eps", (1e-40, 1e-3), ValueError, r"eps\[0\] must be >="),
     "clip_threshold 0": ("clip_threshold", 0.0, ValueError, "clip_threshold must be > 0"),
     "decay_rate positive": ("decay_rate", 0.5, ValueError, "decay_rate must be < 0"),
 }
@@ -107,6 +109,44 @@ def test_bad_param_group_edit_refused_before_any_change(name, key, value, error,
     opt.param_groups[0][key] = value
     loss = loss_of(model, 1)
     assert_refused(model, opt, lambda: getattr(opt, call)(loss), error, f"param_groups.0.: {match}")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_lr_zero_is_a_step_that_moves_no_weight(name):
+    """lr 0, a warm-up schedule's first value (transformers' linear warm-up starts there),
+    given to the constructor or by the call, is accepted: the step is counted (AdaLomo's
+    moments advance, as torch's Adam's do) and no weight moves, decay included."""
+    model = mlp()
+    opt = OPTIMIZERS[name](model, lr=0.0, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.fused_backward(loss_of(model, 0))
+    opt.param_groups[0]["lr"] = 0.5
+    opt.fused_backward(loss_of(model, 1), lr=0.0)
+    assert opt.step_count == 2 and opt.param_groups[0]["lr"] == 0.0
+    assert same_bits(before, list(model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_adalomo_at_the_eps0_floor_keeps_zero_rows_and_columns(backend, dtype):
+    """eps[0] at its floor (float32's smallest normal number; 0 is refused): an embedding's
+    rows no token used, and a weight's row and column of zero gradients, keep their values
+    exactly (update 0, no 0/0), and every weight stays finite, on every backend."""
+    from lomo_kernels.optim._hyper import EPS0_FLOOR
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4)).to(dtype)
+    embedding, linear = model[0].weight, model[1].weight
+    unused_rows = embedding[[0, *range(3, 10)]].detach().clone()
+    row, column = linear[0].detach().clone(), linear[:, 0].detach().clone()
+    rest = linear[1:, 1:].detach().clone()
+    opt = AdaLomo(model, lr=0.01, eps=(EPS0_FLOOR, 0.0), backend=backend)
+    for _ in range(2):
+        hidden = model[0](torch.tensor([[1, 2]])) * torch.tensor([0.0] + [1.0] * 7).to(dtype)
+        opt.fused_backward(model[1](hidden)[..., 1:].float().pow(2).sum())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert torch.equal(embedding[[0, *range(3, 10)]], unused_rows)
+    assert torch.equal(linear[0], row) and torch.equal(linear[:, 0], column)
+    assert (linear[1:, 1:] != rest).any()  # the other weights trained
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
