@@ -113,6 +113,31 @@ REFUSED = {
         "mixed with tensors",
     ),
     "not_a_leaf": (lambda m: [m.lm_head.weight * 2], ValueError, "'param_0' is not a leaf"),
+    "group_without_params": (
+        lambda m: [{"params": [m.lm_head.weight]}, {"lr": 0.1}],
+        TypeError,
+        "param group 1 has no 'params'",
+    ),
+    "group_params_a_dict": (
+        lambda m: [{"params": {"w": m.lm_head.weight}}],
+        TypeError,
+        r"param group 0\['params'\] must be parameters or \(name, parameter\) pairs, got dict",
+    ),
+    "param_names_short": (
+        lambda m: [{"params": [m.lm_head.weight, m.model.norm.weight], "param_names": ["head"]}],
+        ValueError,
+        r"param group 0\['param_names'\] must name each of its 2 parameters",
+    ),
+    "param_names_not_strings": (
+        lambda m: [{"params": [m.lm_head.weight], "param_names": [0]}],
+        ValueError,
+        "must name each of its 1 parameters",
+    ),
+    "group_params_a_number": (
+        lambda m: [{"params": 3}],
+        TypeError,
+        r"param group 0\['params'\] must be parameters or .* got int",
+    ),
     "two_groups": (
         lambda m: [{"params": [m.lm_head.weight]}, {"params": [m.lm_head.weight]}],
         ValueError,
@@ -164,7 +189,8 @@ def test_param_groups_given_twice_refused():
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_later_refusals_name_the_given_names(name):
-    """A check at the step names the tensor as given: param_<i>, or the pair's name."""
+    """A check at the step names the tensor as given: param_<i>, the pair's name, or its
+    name in a group's param_names."""
     model = tiny_llama()
     opt = OPTIMIZERS[name](model.parameters(), lr=0.05)
     model.model.norm.weight.requires_grad_(False)
@@ -177,6 +203,13 @@ def test_later_refusals_name_the_given_names(name):
     opt = OPTIMIZERS[name](model.named_parameters(), lr=0.05)
     opt.param_groups[0]["lr"] = float("nan")
     with pytest.raises(ValueError, match="lr must be"):
+        opt.fused_backward(model(**batch(0)).loss)
+    opt.detach()
+    # A group's "param_names" (torch's key) name its tensors.
+    head = model.lm_head.weight
+    opt = OPTIMIZERS[name]([{"params": [head], "param_names": ["the head"]}], lr=0.05)
+    head.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="'the head' was frozen"):
         opt.fused_backward(model(**batch(0)).loss)
 
 

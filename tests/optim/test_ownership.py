@@ -51,3 +51,19 @@ def test_the_record_goes_with_the_optimizer_and_a_second_one_is_refused_while_it
     second = AdaLomo(net, lr=0.1)
     assert all(owner_of(p) is second for p in net.parameters() if p.requires_grad)
     second.detach()
+
+
+def test_a_released_claim_leaves_the_next_optimizers_claim_alone():
+    """An optimizer detached, then collected after a second one claimed the same parameters:
+    its collection gives back only its own record, not the second optimizer's."""
+    net = model()
+    first = Lomo(net, lr=0.1)
+    first.detach()
+    second = AdaLomo(net, lr=0.1)
+    del first
+    gc.collect()
+    trained = [p for p in net.parameters() if p.requires_grad]
+    assert all(owner_of(p) is second for p in trained)
+    with pytest.raises(ValueError, match=r"already updated in backward by a live AdaLomo"):
+        Lomo(net, lr=0.1)
+    second.detach()
