@@ -162,6 +162,32 @@ def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
             spec.convert(device, values)
 
 
+# Each rule's edge values accepted, and the nearest values outside it refused (as floats:
+# a device tensor's value is not read).
+RULE_EDGES = {
+    "non_negative": ([0.0, 5.0], [-1e-30], "must be"),
+    "positive": ([1e-30, 5.0], [0.0, -1.0], "must be"),
+    "unit_interval": ([0.0, 1.0], [-1e-30, 1.0000001], r"must be in \[0, 1\]"),
+}
+RULED = [(s, a) for s in SPECS for a in s.args if a.rule and a.kind in ("scalar", "hyper")]
+
+
+@pytest.mark.parametrize(("spec", "arg"), RULED, ids=lambda x: x.name)
+def test_each_argument_rule_holds_at_its_edges(spec: OpSpec, arg):
+    """beta2 is 0 at AdaLomo's first step (1 - 1**decay_rate) and 1 where the moments stop;
+    a loss scale's inverse or a learning rate of 0 is valid: every rule takes its edges and
+    refuses, by the argument's name, what lies past them."""
+    accepted, refused, message = RULE_EDGES[arg.rule]
+    device = torch.device("cpu")
+    values = {a.name: VALID.get(a.kind) for a in spec.args}
+    for value in accepted:
+        converted = spec.convert(device, {**values, arg.name: value})[arg.name]
+        assert float(converted) == value, (arg.name, value)
+    for value in refused:
+        with pytest.raises(ValueError, match=rf"{arg.name} {message}"):
+            spec.convert(device, {**values, arg.name: value})
+
+
 @pytest.mark.parametrize("bad", [-1, 2.0, True, None, 2**63])
 def test_offsets_are_refused_unless_a_non_negative_int(bad):
     """The 8-bit buffer's ops, the dense update and accumulation, and AdaLomo's factored
@@ -280,3 +306,17 @@ def test_lomo_runs_the_update_public_checks_once_per_step(clip_grad_norm):
     with pytest.raises(ValueError, match="clip_coef must be a 1-element"):
         opt.fused_backward(model(x).square().mean())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_converted_floats_are_reused_and_their_cache_stays_bounded():
+    """A float converts to one device tensor per value, reused by later calls (one fill, not
+    one per call); a schedule making a new value every step does not grow the cache past
+    its bound."""
+    from lomo_kernels.core import scalars
+
+    device = torch.device("cpu")
+    first = scalars.device_scalar("lr", 0.125, device)
+    assert scalars.device_scalar("lr", 0.125, device) is first
+    for step in range(3 * scalars._CACHE_LIMIT):
+        scalars.device_scalar("lr", 1e-3 * (1 + step), device)
+        assert len(scalars._CACHE) <= scalars._CACHE_LIMIT
