@@ -8,11 +8,12 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lomo_kernels.core.spec import REQUIRED, OpSpec
+from lomo_kernels.core.spec import REQUIRED, Arg, OpSpec
 from lomo_kernels.kernels.cpp.extension import CSRC, EXTENSIONS
 from lomo_kernels.ops import adalomo, backends, cross_entropy, definition, lomo
 from lomo_kernels.ops import embedding as embedding_backward
@@ -320,3 +321,62 @@ def test_converted_floats_are_reused_and_their_cache_stays_bounded():
     for step in range(3 * scalars._CACHE_LIMIT):
         scalars.device_scalar("lr", 1e-3 * (1 + step), device)
         assert len(scalars._CACHE) <= scalars._CACHE_LIMIT
+
+
+def test_an_argument_of_an_unknown_kind_is_refused_where_it_is_declared():
+    with pytest.raises(ValueError, match="unknown argument kind 'scaler' of 'lr'"):
+        Arg("lr", "scaler")
+
+
+def _kind_cases(arg: Arg) -> tuple[list[tuple[Any, Any]], list[tuple[Any, type, str]]]:
+    """(given, converted) pairs accepted for `arg`, and (given, error, message) refused."""
+    cpu, name = torch.device("cpu"), arg.name
+    other_device = torch.ones(1, device="meta")
+    if arg.kind == "flag":
+        flag = torch.zeros(1)
+        missing = [(None, TypeError, f"{name} is required")] if arg.required else []
+        return [(flag, flag)] + ([] if arg.required else [(None, None)]), [
+            *missing,
+            (True, TypeError, f"{name} must be a torch.Tensor"),
+            (torch.zeros(2), ValueError, f"{name} must be a 1-element float32"),
+            (other_device, ValueError, f"{name} is on meta but the parameter is on {cpu}"),
+        ]
+    if arg.kind == "step":
+        step = torch.zeros(1, dtype=torch.int64)
+        return [(step, step), (None, None)], [
+            (torch.zeros(1), ValueError, f"{name} must be a 1-element int64"),
+        ]
+    if arg.kind == "clip":
+        return [(None, None), (0.5, 0.5)], [(0.0, ValueError, f"{name} must be")]
+    if arg.kind == "seed":
+        return [(7, 7), (2**63 - 1, 2**63 - 1)], [
+            (2**63, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+            (-1, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+        ]
+    if arg.kind == "bool":
+        return [(1, True), (0, False)], []
+    if arg.kind == "int":
+        return [(3.0, 3)], []
+    if arg.kind in ("scalar", "factor"):
+        return [], [(other_device, ValueError, f"{name} is on meta but the parameter is on")]
+    return [], []
+
+
+CONVERTED = [(s, a) for s in SPECS for a in s.args if any(_kind_cases(a))]
+
+
+@pytest.mark.parametrize(("spec", "arg"), CONVERTED, ids=lambda x: x.name)
+def test_each_argument_kind_is_converted_or_refused_by_name(spec: OpSpec, arg: Arg):
+    """Flags and steps are 1-element device tensors of their dtype on the parameter's device
+    (a required one must be given), a clip value is positive, a seed a 64-bit int >= 0, bools
+    and ints are converted; a scalar on another device is refused, not copied."""
+    accepted, refused = _kind_cases(arg)
+    values = {a.name: torch.zeros(1) if a.required else VALID.get(a.kind) for a in spec.args}
+    for given, expected in accepted:
+        converted = spec.convert(torch.device("cpu"), {**values, arg.name: given})[arg.name]
+        assert converted is expected or (
+            converted == expected and type(converted) is type(expected)
+        )
+    for given, error, message in refused:
+        with pytest.raises(error, match=message):
+            spec.convert(torch.device("cpu"), {**values, arg.name: given})
