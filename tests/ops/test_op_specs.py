@@ -380,3 +380,13 @@ def test_each_argument_kind_is_converted_or_refused_by_name(spec: OpSpec, arg: A
     for given, error, message in refused:
         with pytest.raises(error, match=message):
             spec.convert(torch.device("cpu"), {**values, arg.name: given})
+
+
+def test_a_call_binds_positional_and_keyword_arguments_by_name():
+    """A call of an op may give its first arguments by position and the rest by name (as the
+    dispatcher and torch.library pass them)."""
+    spec = SPECS[0]
+    first, *rest = spec.names
+    bound = spec.bind(("p",), {name: name.upper() for name in rest})
+    assert bound == {first: "p", **{name: name.upper() for name in rest}}
+    assert spec.bind(tuple(spec.names), {}) == dict(zip(spec.names, spec.names, strict=True))
