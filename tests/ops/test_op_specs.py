@@ -32,6 +32,12 @@ SPECS = [spec for _, specs in FAMILIES.values() for spec in specs]
 VALID = {"scalar": 1.0, "hyper": 1.0, "seed": 0, "int": 1, "offset": 0, "count": 1, "bool": False}
 
 
+def valid_values(spec: OpSpec) -> dict[str, Any]:
+    """A valid value of each of `spec`'s non-tensor arguments (None for tensors), a required
+    flag given: the call a test then changes one argument of."""
+    return {a.name: torch.zeros(1) if a.required else VALID.get(a.kind) for a in spec.args}
+
+
 def test_every_op_is_declared_once():
     """The registered schemas are the specs' (one spec per op of the namespace)."""
     registered = torch.ops.lomo_kernels
@@ -157,7 +163,7 @@ def test_public_conversion_refuses_bad_values_by_name(spec: OpSpec):
     device = torch.device("cpu")
     checked = [a for a in spec.args if a.kind in SCALAR_KINDS]
     for arg in checked:
-        values = {a.name: VALID.get(a.kind) for a in spec.args}
+        values = valid_values(spec)
         values[arg.name] = float("nan")
         with pytest.raises(ValueError, match=rf"{arg.name} must be finite"):
             spec.convert(device, values)
@@ -180,7 +186,7 @@ def test_each_argument_rule_holds_at_its_edges(spec: OpSpec, arg):
     refuses, by the argument's name, what lies past them."""
     accepted, refused, message = RULE_EDGES[arg.rule]
     device = torch.device("cpu")
-    values = {a.name: VALID.get(a.kind) for a in spec.args}
+    values = valid_values(spec)
     for value in accepted:
         converted = spec.convert(device, {**values, arg.name: value})[arg.name]
         assert float(converted) == value, (arg.name, value)
@@ -197,7 +203,7 @@ def test_offsets_are_refused_unless_a_non_negative_int(bad):
     with_offset = [s for s in SPECS if any(a.kind == "offset" for a in s.args)]
     assert len(with_offset) == 9
     for spec in with_offset:
-        values = {a.name: VALID.get(a.kind) for a in spec.args}
+        values = valid_values(spec)
         values["offset"] = bad
         with pytest.raises(ValueError, match=r"offset must be an int in \[0, 2\*\*63\)"):
             spec.convert(torch.device("cpu"), values)
@@ -371,7 +377,7 @@ def test_each_argument_kind_is_converted_or_refused_by_name(spec: OpSpec, arg: A
     (a required one must be given), a clip value is positive, a seed a 64-bit int >= 0, bools
     and ints are converted; a scalar on another device is refused, not copied."""
     accepted, refused = _kind_cases(arg)
-    values = {a.name: torch.zeros(1) if a.required else VALID.get(a.kind) for a in spec.args}
+    values = valid_values(spec)
     for given, expected in accepted:
         converted = spec.convert(torch.device("cpu"), {**values, arg.name: given})[arg.name]
         assert converted is expected or (

@@ -54,8 +54,9 @@ def test_the_record_goes_with_the_optimizer_and_a_second_one_is_refused_while_it
 
 
 def test_a_released_claim_leaves_the_next_optimizers_claim_alone():
-    """An optimizer detached, then collected after a second one claimed the same parameters:
-    its collection gives back only its own record, not the second optimizer's."""
+    """An optimizer detached (its record given back then, once), then collected after a
+    second one claimed the same parameters: the second keeps every claim, and a third is
+    still refused."""
     net = model()
     first = Lomo(net, lr=0.1)
     first.detach()
