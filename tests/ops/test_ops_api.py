@@ -67,14 +67,32 @@ def test_unavailable_backend_warns_once_and_falls_back(monkeypatch):
     assert len(messages) == 1 and "TRITON_INTERPRET" in messages[0]
 
 
+def sparse_csr(dense: torch.Tensor) -> torch.Tensor:
+    """`dense` in the CSR layout, without torch's note that the layout is in beta."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        return dense.to_sparse_csr()
+
+
 BAD_CALLS = {
     "sparse grad": (lambda: (torch.zeros(4, 4), torch.zeros(4, 4).to_sparse(), {}), "sparse"),
+    "sparse CSR grad": (
+        lambda: (torch.zeros(4, 4), sparse_csr(torch.zeros(4, 4)), {}),
+        "sparse",
+    ),
+    "sparse param": (lambda: (torch.zeros(4, 4).to_sparse(), torch.zeros(4, 4), {}), "dense"),
     "int param": (lambda: (torch.zeros(4, dtype=torch.int32), torch.zeros(4), {}), "int32"),
     "float64 grad": (lambda: (torch.zeros(4), torch.zeros(4, dtype=torch.float64), {}), "float64"),
     "size mismatch": (lambda: (torch.zeros(4), torch.zeros(5), {}), "shape"),
     "non-contiguous param": (lambda: (torch.zeros(4, 4).t(), torch.zeros(4, 4), {}), "contiguous"),
     "negative lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": -1.0}), "lr must be >= 0"),
     "nan lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": float("nan")}), "finite"),
+    # A bool is an int to Python, and math.isfinite("0.1") raises a TypeError of its own.
+    "bool lr": (lambda: (torch.zeros(4), torch.zeros(4), {"lr": True}), "lr must be a number"),
+    "str clip_value": (
+        lambda: (torch.zeros(4), torch.zeros(4), {"clip_value": "2"}),
+        "clip_value must be a number",
+    ),
     "clip_value 0": (
         lambda: (torch.zeros(4), torch.zeros(4), {"clip_value": 0.0}),
         "clip_value must be > 0",
@@ -107,7 +125,7 @@ def test_bad_input_raises_before_writing(case):
     before = param.clone()
     with pytest.raises((TypeError, ValueError), match=message):
         ops.fused_sgd_update_(param, grad, **kwargs)
-    assert torch.equal(param, before)
+    assert torch.equal(param.to_dense(), before.to_dense())  # a sparse param's values too
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])

@@ -19,6 +19,8 @@ from lomo_kernels.core.rounding import (
     pair_bits16,
     random_bits16,
     round_to_dtype,
+    rounding_key,
+    seed_key,
 )
 
 ALL_RANDOM16 = torch.arange(1 << 16, dtype=torch.int64)
@@ -51,16 +53,26 @@ FP16_CASES = [
 
 
 def test_fp16_beyond_the_range_and_specials_round_as_the_cast():
-    values = torch.tensor(
-        [65504.0, 65519.0, 65520.0, 1e6, float("inf"), -float("inf"), float("nan"), -0.0, 0.0]
-    )
-    for r in (0, 1, 12345, 65535):
-        out = fp16_stochastic(values, torch.full(values.shape, r, dtype=torch.int64))
-        expected = values.to(torch.float16)
-        got = out.to(torch.float16)
-        assert torch.equal(got.view(torch.int16)[:6], expected.view(torch.int16)[:6])
-        assert bool(got[6].isnan())
-        assert torch.equal(got[7:].view(torch.int16), expected[7:].view(torch.int16))
+    """From the fp32 number just above 65504 (fp16's largest finite value) on, infinities,
+    nan and zeros: the nearest cast's result under every one of the 2^16 draws (rounded up
+    stochastically, 65504 plus an fp32 ulp would become inf one draw in 8192)."""
+    above = torch.nextafter(torch.tensor(65504.0), torch.tensor(math.inf)).item()
+    values = [65504.0, above, -above, 65519.0, 65520.0, 1e6, math.inf, -math.inf, -0.0, 0.0]
+    for value in values:
+        every_draw = torch.tensor([value]).expand(1 << 16)
+        got = fp16_stochastic(every_draw, ALL_RANDOM16).to(torch.float16)
+        expected = torch.tensor([value]).to(torch.float16)
+        assert bool((got.view(torch.int16) == expected.view(torch.int16)).all()), value
+    nan = torch.tensor([math.nan]).expand(1 << 16)
+    assert bool(fp16_stochastic(nan, ALL_RANDOM16).isnan().all())
+
+
+@pytest.mark.parametrize("x", FP16_CASES, ids=repr)
+def test_fp16_stochastic_returns_fp16_values(x):
+    """`fp16_stochastic` returns fp32 numbers that fp16 holds exactly (the kernels store them
+    with a cast that must not round again), sign bit and all."""
+    out = fp16_stochastic(torch.tensor([x]).expand(1 << 16), ALL_RANDOM16)
+    assert torch.equal(out.view(torch.int32), out.half().float().view(torch.int32))
 
 
 # fp32 values across bf16's finite range: normals of every region (the top binade, the
@@ -173,6 +185,50 @@ def test_accumulation_bits_model(index):
     hashed = mix32_int((((u >> 5) << 4) | (u & 15)) ^ (((index >> 32) * 0x2545F491) & 0xFFFF_FFFF))
     want = hashed >> 16 if u & 16 else hashed & 0xFFFF
     assert pair_bits16(torch.tensor([index]), key).item() == want
+
+
+@pytest.mark.parametrize("index", [0, 1, 12345, 2**32 - 1, 2**32, 2**32 + 21, 2**40 + 7, 2**62 + 3])
+def test_write_back_bits_model(index):
+    """random_bits16 against its definition on Python ints: the hash of lo32(i) ^ key, hashed
+    again with the index's high half (a slice past 2**32 elements draws bits of its own)."""
+    key = 0x9C3A_51E7
+    want = mix32_int(mix32_int((index & 0xFFFF_FFFF) ^ key) ^ (index >> 32)) >> 16
+    assert random_bits16(torch.tensor([index]), key).item() == want
+
+
+# Seeds with either 32-bit half empty, both full, and the largest the optimizers take.
+KEY_SEEDS = [0, 3, 12345, 2**32, 2**32 + 11, 2**62 + 5, 2**63 - 1]
+
+
+@pytest.mark.parametrize("seed", KEY_SEEDS)
+def test_rounding_key_folds_the_step_into_the_seeds_high_half(seed):
+    """The key of (seed, step) is the key of the seed with the step's low 32 bits XORed into
+    its high half, computed on the host (`seed_key`) and from a device tensor holding the
+    step (`rounding_key`, the kernels' form); step 0 is the seed's own key."""
+    assert seed_key(seed, 0) == seed_key(seed) == rounding_key(seed, None)
+    for step in (1, 7, 2**31 + 5, 2**32 - 1, 2**40 + 9):
+        folded = seed_key(seed ^ ((step & 0xFFFF_FFFF) << 32))
+        assert seed_key(seed, step) == folded
+        assert int(rounding_key(seed, torch.tensor([step]))) == folded
+
+
+def test_every_bit_of_the_seed_and_the_step_changes_the_key():
+    """No bit of the 64-bit seed or the 32-bit step is lost on the way into the key (two seeds
+    or steps with one key would round alike everywhere)."""
+    seed = 0x0123_4567_89AB_CDEF
+    base = seed_key(seed)
+    assert all(seed_key(seed ^ (1 << bit)) != base for bit in range(64))
+    assert all(seed_key(seed, 1 << bit) != base for bit in range(32))
+
+
+def test_key_bits_are_balanced():
+    """The keys of 64 seeds x 64 steps are 4096 distinct words whose bits are ones half the
+    time, within 5 standard errors (5 * 0.5 / sqrt(32 * 4096) = 0.0069): a key that ORs its
+    parts would be ones three times in four."""
+    keys = [seed_key(seed, step) for seed in range(64) for step in range(64)]
+    assert len(set(keys)) == len(keys)
+    ones = sum(bin(key).count("1") for key in keys) / (32 * len(keys))
+    assert abs(ones - 0.5) < 5 * 0.5 / math.sqrt(32 * len(keys))
 
 
 # ----------------------------------------------------------------------------- the ops
