@@ -129,6 +129,30 @@ def test_bf16_round_to_nearest_even_ties(backend):
     assert torch.equal(param, expected)
 
 
+# bf16 nan parameters: quiet and signalling (bit 6 clear), both signs, payload bit 0 clear.
+BF16_NANS = [0x7FC0, 0xFFC0, 0x7FA0, 0xFF82, 0x7FFE]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's, Triton
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_bf16_nan_parameters_stay_their_quiet_nans(backend, stochastic):
+    # A nan parameter with a finite gradient is written back (only a non-finite gradient
+    # keeps its element): fp32 arithmetic on the CPU keeps the nan's sign and payload and
+    # sets its quiet bit, and the write-back keeps the top 16 bits with the quiet bit set
+    # (core/rounding.py), so the stored bits are the parameter's own with bit 6 set.
+    nans = torch.tensor(BF16_NANS, dtype=torch.int32).to(torch.int16)
+    finite = torch.tensor([1.0, -3.0, 0.25], dtype=torch.bfloat16)
+    param = torch.cat([nans.view(torch.bfloat16), finite]).repeat(5)  # 40: a vector trip and a tail
+    grad = torch.linspace(-1.0, 1.0, param.numel())
+    original = param.clone()
+    ops.fused_sgd_update_(param, grad, lr=0.5, weight_decay=0.1, stochastic_rounding=stochastic,
+                          seed=3, backend=backend)  # fmt: skip
+    was_nan = original.isnan()
+    assert torch.equal(param.isnan(), was_nan)
+    quiet = original.view(torch.int16)[was_nan] | 0x40
+    assert torch.equal(param.view(torch.int16)[was_nan], quiet)
+
+
 # ----------------------------------------------------------------------------- norm ops
 
 

@@ -66,6 +66,24 @@ def test_fp16_beyond_the_range_and_specials_round_as_the_cast():
     assert bool(fp16_stochastic(nan, ALL_RANDOM16).isnan().all())
 
 
+# fp32 nan bit patterns: quiet and signalling, both signs, payloads in the high half only,
+# in the low half only (truncated, 0x7F800001 would read as inf) and in both.
+FP32_NANS = [0x7FC00000, 0xFFC00000, 0x7FA00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF, 0xFFBF0000]
+
+
+@pytest.mark.parametrize("bits", FP32_NANS, ids=hex)
+def test_bf16_nan_keeps_sign_and_high_payload_and_is_quiet(bits):
+    """A nan rounds to the bf16 nan of its top 16 bits with the quiet bit (bit 6) set, to
+    nearest and under every one of the 2^16 draws: never inf, never another sign, the same
+    bits as the kernels store (the backends' bitwise tests compare against these)."""
+    expected = ((bits >> 16) | 0x40) - (0x10000 if bits >> 31 else 0)
+    value = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    nearest = round_to_dtype(value, torch.bfloat16).view(torch.int16)
+    assert nearest.tolist() == [expected]
+    drawn = ROUNDED_BY_EVERY_DRAW["bf16"](value.expand(1 << 16)).view(torch.int16)
+    assert bool((drawn == expected).all())
+
+
 @pytest.mark.parametrize("x", FP16_CASES, ids=repr)
 def test_fp16_stochastic_returns_fp16_values(x):
     """`fp16_stochastic` returns fp32 numbers that fp16 holds exactly (the kernels store them

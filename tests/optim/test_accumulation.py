@@ -483,6 +483,7 @@ def test_a_load_in_a_loop_that_ends_the_steps_is_refused_as_a_load(tmp_path):
     [
         ({"accumulation_steps": 0}, "accumulation_steps must be an int >= 1"),
         ({"accumulation_steps": 2.0}, "accumulation_steps must be an int >= 1"),
+        ({"accumulation_steps": True}, "accumulation_steps must be an int >= 1"),  # an int
         ({"accumulation_steps": 2, "accumulation_dtype": torch.int16}, "accumulation_dtype"),
         ({"accumulation_dtype": torch.float32}, "leave it out"),
         ({"accumulation_steps": 2, "single_backward": True}, "single_backward"),
@@ -965,12 +966,112 @@ def test_sharded_update_batches_are_whole_parameters_up_to_the_bucket(monkeypatc
     from lomo_kernels.optim.rounding import WriteBackRounding
 
     accumulation = Accumulation(K, None, WriteBackRounding(True, 0))
-    sizes = [3, 4, 2, 9, 1, 1, 5]
+    sizes = [8, 3, 4, 2, 9, 1, 1, 5]
     entries = [(i, None, SimpleNamespace(full_numel=n)) for i, n in enumerate(sizes)]
     monkeypatch.setattr(accumulation, "buffered", lambda: entries)
     runs = [[shard.full_numel for _, _, shard in run] for run in accumulation.batches(7)]
-    assert runs == [[3, 4], [2], [9], [1, 1, 5]]
-    assert [[i for i, _, _ in run] for run in accumulation.batches(None)] == [list(range(7))]
+    assert runs == [[8], [3, 4], [2], [9], [1, 1, 5]]
+    assert [[i for i, _, _ in run] for run in accumulation.batches(None)] == [list(range(8))]
+
+
+@pytest.mark.parametrize("setup", ["whole", "int8", "parts", "row-blocks"])
+def test_the_last_micro_batch_measures_as_it_adds(monkeypatch, setup):
+    # The norm the step clips by is measured by the last micro-batch's pass as it adds each
+    # gradient into its buffer (no norm pass): the step reads no buffer again to measure it,
+    # whether the gradients come whole (into the parameter's dtype or 8-bit buffers), in
+    # parts (reentrant checkpoint segments: the second part measures the buffer anew) or in
+    # row blocks (the logits-free head and embedding). A step applied early by step()
+    # measures every buffer there instead (its micro-batches did not measure), which shows
+    # the count sees those reads.
+    from lomo_kernels import patch_causal_lm
+    from lomo_kernels.ops import cross_entropy as lce
+    from lomo_kernels.optim import int8_buffer
+    from lomo_kernels.optim.device_scalars import DeviceScalars
+
+    reads = []
+
+    def counted(read):
+        def wrapper(*args, **kwargs):
+            reads.append(read.__name__)
+            return read(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(DeviceScalars, "measure", counted(DeviceScalars.measure))
+    monkeypatch.setattr(int8_buffer, "measure_sumsq", counted(int8_buffer.measure_sumsq))
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 64 * 32)  # the head's rows in two blocks
+    if setup == "parts":
+        model = LayerInTwoSegments(reentrant=True)
+        gen = torch.Generator().manual_seed(0)
+        losses = [lambda: model(torch.randn(5, 6, generator=gen).requires_grad_()) / K] * K
+    else:
+        model = patch_causal_lm(tiny_llama()) if setup == "row-blocks" else tiny_llama()
+        losses = [lambda m=m: model(**m).loss / K for m in micro_batches(0)]
+    dtype = torch.int8 if setup == "int8" else None
+    opt = Lomo(model, lr=0.05, clip_grad_norm=0.5, accumulation_steps=K, accumulation_dtype=dtype)
+    for loss in losses:
+        opt.fused_backward(loss())
+    assert opt.step_count == 1 and reads == []
+    for loss in losses[:-1]:
+        opt.fused_backward(loss())
+    opt.step()
+    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    assert opt.step_count == 2 and len(reads) == trained
+
+
+def test_each_part_of_a_gradient_draws_the_same_bits_in_every_micro_batch(backend):
+    # A gradient that arrives in parts (reentrant checkpoint segments, a tied head's two
+    # uses) adds each part into the buffer with bits of its own: the first with the
+    # parameter's seed, the j-th with parameter_seed(index, j), counted anew in every
+    # micro-batch. The second part comes here in two blocks of rows, which are one part:
+    # they round as that part's whole gradient would.
+    from lomo_kernels import ops
+    from lomo_kernels.ops.backends import LOMO
+    from lomo_kernels.optim.accumulation import Accumulation, micro_batch_value
+    from lomo_kernels.optim.rounding import WriteBackRounding, parameter_seed
+
+    index, seed, step_count = 5, 13, 2
+    gen = torch.Generator().manual_seed(1)
+    param = torch.nn.Parameter(torch.zeros(29, 7, dtype=torch.bfloat16))
+    parts = [[torch.randn(29, 7, generator=gen) * 1e-3 for _ in range(2)] for _ in range(3)]
+    cpu = torch.device("cpu")
+    module = LOMO.resolve(cpu, backend)
+    accumulation = Accumulation(4, None, WriteBackRounding(True, seed=seed))
+    expected = torch.empty_like(param)
+    for micro_batch, grads in enumerate(parts):
+        accumulation.begin_micro_batch(step_count, [cpu], measuring=False)
+        seed_step = torch.tensor([micro_batch_value(seed, step_count, micro_batch)])
+        for part, grad in enumerate(grads):
+            for a, b in ((0, 29),) if part == 0 else ((0, 16), (16, 29)):
+                rows = piece_of(param, grad[a:b], target=param.detach()[a:b], offset=a * 7)
+                accumulation.add(rows, index, None, module)
+            ops.grad_accumulate_(expected, grad, first=micro_batch == part == 0,
+                                 stochastic_rounding=True, seed=parameter_seed(index, part),
+                                 seed_step=seed_step, backend=backend)  # fmt: skip
+        accumulation.pending += 1
+    [(_, buffer, _)] = accumulation.buffered()
+    assert same_bits([buffer], [expected])
+
+
+def test_every_micro_batch_of_every_step_draws_its_own_bits():
+    # The accumulation's per-micro-batch value keys its stochastic rounding: two micro-batches
+    # (of one step, or of two steps or seeds) with the same value would round their adds
+    # with the same bits, element by element; it is 31 bits, as the write-back's step value
+    # (so the kernels' 63-bit seed holds it), and differs from that value of the same step.
+    from lomo_kernels.optim.accumulation import micro_batch_value
+    from lomo_kernels.optim.rounding import step_value
+
+    seeds, steps, micro_batches = (0, 1, 7, 2**40 + 3), range(8), range(33)
+    values = {
+        (seed, step, m): micro_batch_value(seed, step, m)
+        for seed in seeds
+        for step in steps
+        for m in micro_batches
+    }
+    assert len(set(values.values())) == len(values)
+    assert all(0 <= v < 2**31 for v in values.values())
+    write_back = {step_value(seed, step) for seed in seeds for step in steps}
+    assert not write_back & set(values.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
