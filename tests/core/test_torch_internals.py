@@ -340,6 +340,21 @@ def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unch
         assert torch.equal(a, b)
 
 
+def test_donated_buffer_check_of_an_eager_graph_is_false(monkeypatch):
+    """Asked of a graph with no compiled node, the check walks all of it, inputs that need
+    no gradient included (an empty slot in a node's inputs), and finds none."""
+    from lomo_kernels.core.torch_internals import compiled_backward_donates_buffers
+
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)
+    weight = torch.randn(3, requires_grad=True)
+    loss = (weight * torch.randn(3)).sum()  # the product's node: [weight's, an empty slot]
+    assert [node is None for node, _ in loss.grad_fn.next_functions[0][0].next_functions] == [
+        False,
+        True,
+    ]
+    assert compiled_backward_donates_buffers(loss) is False
+
+
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "one-by-one"])
 def test_copy_each_copies_every_pair_with_or_without_torch_s_list_copy(foreach, monkeypatch):
     """The list copy of the sliced AdaLomo step's flags and sums: the same values whether

@@ -118,6 +118,22 @@ def test_an_optimizer_given_the_parameters_refuses_too():
     assert_unchanged_since(before, model, opt)
 
 
+def test_logits_asked_for_earlier_do_not_excuse_a_later_bypass():
+    """A call without labels marks only the logits it forms as asked for: a bypass after it
+    (and after one under torch.no_grad(), as generation runs, whose logits have no node to
+    mark) is refused all the same."""
+    model = lomo_kernels.patch_causal_lm(tiny_llama())
+    data = batch(0)
+    assert model(input_ids=data["input_ids"]).logits.grad_fn is not None
+    with torch.no_grad():
+        assert model(input_ids=data["input_ids"]).logits.grad_fn is None
+    opt = Lomo(model, lr=0.05)
+    before = optimizer_snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="not through the fused loss"):
+        opt.fused_backward(own_loss(model, data))
+    assert_unchanged_since(before, model, opt)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_what_is_not_a_bypass_trains(name):
     """Logits the patched forward returned for a call without labels (the caller's own

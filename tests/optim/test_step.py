@@ -36,12 +36,17 @@ def test_norm_serves_only_its_loss_and_threshold():
     mode = measured(loss)
     mode.forget_norm()
     assert not mode.norm_serves(loss, 1.0, same_batch=True)
+    # The scale's setting stays for the next call to compare, unless dropped with the norm.
+    assert mode.norm_scale_setting == SCALE
+    mode.forget_norm(scale_setting_too=True)
+    assert mode.norm_scale_setting is None
 
 
 def test_end_update_reports_the_norm_pass_and_forgets_it():
     loss = a_loss()
     mode = measured(loss, graph=True)
     assert mode.phase is Phase.IDLE and mode.same_graph_as_norm(loss)
+    assert not mode.same_graph_as_norm(a_loss())  # another forward's graph
     mode.begin(Plan.NORM_THEN_UPDATE)
     assert mode.begin_update() is False
     assert mode.end_update() is True
@@ -72,3 +77,13 @@ def test_a_pass_starts_and_ends_with_nothing_seen():
     step.begin_pass(Phase.NORM)
     assert step.phase is Phase.NORM
     assert (step.updated, step.row_block_params, step.whole_params) == ([], set(), set())
+
+
+def test_a_new_step_has_no_norm():
+    """Before its first norm pass the optimizer has measured nothing: no loss, no threshold
+    (None, as without clipping) and no batch is served, and no graph is the norm's."""
+    step = Step()
+    loss = a_loss()
+    assert step.phase is Phase.IDLE and step.plan is None and not step.norm_ready
+    assert not step.norm_serves(loss, None, same_batch=True)
+    assert not step.same_graph_as_norm(torch.ones(2).sum())  # a loss without a graph
