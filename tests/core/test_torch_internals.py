@@ -340,19 +340,20 @@ def test_norm_pass_over_a_backward_that_reuses_its_saved_buffers_is_refused_unch
         assert torch.equal(a, b)
 
 
-def test_donated_buffer_check_of_an_eager_graph_is_false(monkeypatch):
+def test_donated_buffer_check_of_an_eager_graph_is_false():
     """Asked of a graph with no compiled node, the check walks all of it, inputs that need
     no gradient included (an empty slot in a node's inputs), and finds none."""
     from lomo_kernels.core.torch_internals import compiled_backward_donates_buffers
 
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)
     weight = torch.randn(3, requires_grad=True)
     loss = (weight * torch.randn(3)).sum()  # the product's node: [weight's, an empty slot]
     assert [node is None for node, _ in loss.grad_fn.next_functions[0][0].next_functions] == [
         False,
         True,
     ]
-    assert compiled_backward_donates_buffers(loss) is False
+    # torch's own patch: a monkeypatched config entry is deleted on undo, which hides it.
+    with torch._functorch.config.patch(donated_buffer=True):
+        assert compiled_backward_donates_buffers(loss) is False
 
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "one-by-one"])
