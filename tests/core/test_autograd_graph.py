@@ -4,16 +4,9 @@ and leaves are known from how they were built."""
 from __future__ import annotations
 
 import torch
+from support.graphs import diamonds
 
 from lomo_kernels.core.autograd_graph import graph_nodes, leaf_inputs
-
-
-def diamonds(weight: torch.Tensor, levels: int) -> torch.Tensor:
-    """Each level reaches the one below it twice: 2^levels paths over 3 nodes a level."""
-    x = weight
-    for _ in range(levels):
-        x = x * 2 + x * 3
-    return x.sum()
 
 
 def test_each_node_is_yielded_once_however_many_paths_reach_it():

@@ -1059,8 +1059,9 @@ def test_a_kept_buffer_first_written_in_part_holds_nothing_of_the_last_step(back
     # The buffers stay from step to step; a step whose first gradient covers only some rows
     # of a buffer (the head's row blocks) adds into it zeroed: the rows it does not write
     # read zero, not the last step's sum, and the rows it writes hold its gradient alone.
+    from support.int8_model import dequantised
+
     from lomo_kernels.ops.backends import LOMO
-    from lomo_kernels.optim import int8_buffer
     from lomo_kernels.optim.accumulation import Accumulation
     from lomo_kernels.optim.rounding import WriteBackRounding
 
@@ -1069,25 +1070,26 @@ def test_a_kept_buffer_first_written_in_part_holds_nothing_of_the_last_step(back
     param = torch.nn.Parameter(torch.zeros(24, 32))
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(24, 32, generator=gen) for _ in range(2)]
-    accumulation = Accumulation(K, dtype, WriteBackRounding(False, 0))
-    stored = []
-    for step, rows in enumerate((24, 8)):  # the whole weight, then its first 8 rows only
+
+    def added(accumulation, step, rows):
+        """The buffer's values (float64) after the step's first add, of the first `rows`."""
         accumulation.begin_micro_batch(step, [cpu], measuring=False)
         piece = piece_of(param, grads[step][:rows], target=param.detach()[:rows], offset=0)
         accumulation.add(piece, 0, None, module)
         [(_, buffer, _)] = accumulation.buffered()
-        read = int8_buffer.dequantized(buffer, torch.float32, module) if dtype else buffer
-        stored.append(read.clone())
-        accumulation.release()  # the step applied; the buffers kept
-    assert torch.equal(stored[1][8:], torch.zeros(16, 32))
-    # Whole 8-bit blocks (8 rows of 32), so the first rows hold what the first step's add
-    # stored of the same values would: checked against a fresh buffer's add.
-    fresh = Accumulation(K, dtype, WriteBackRounding(False, 0))
-    fresh.begin_micro_batch(0, [cpu], measuring=False)
-    fresh.add(piece_of(param, grads[1]), 0, None, module)
-    [(_, whole, _)] = fresh.buffered()
-    whole = int8_buffer.dequantized(whole, torch.float32, module) if dtype else whole
-    assert torch.equal(stored[1][:8], whole[:8])
+        if dtype is None:
+            return buffer.double().reshape(-1)
+        return dequantised(buffer.codes, buffer.scales, buffer.offset)
+
+    kept = Accumulation(K, dtype, WriteBackRounding(False, 0))
+    added(kept, 0, 24)  # the whole weight
+    kept.release()  # the step applied; the buffers kept
+    later = added(kept, 1, 8).view(24, 32)  # its first 8 rows only
+    assert torch.equal(later[8:], torch.zeros(16, 32, dtype=torch.float64))
+    # 8 rows of 32 are whole 8-bit blocks: they store what a fresh buffer's add of the whole
+    # gradient stores in them.
+    fresh = added(Accumulation(K, dtype, WriteBackRounding(False, 0)), 1, 24).view(24, 32)
+    assert torch.equal(later[:8], fresh[:8])
 
 
 def test_every_micro_batch_of_every_step_draws_its_own_bits():
