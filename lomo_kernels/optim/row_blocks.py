@@ -184,8 +184,10 @@ class RowBlocks:
             return  # traced backward: no row blocks there
         if id(param) in self.step.row_block_params:
             raise second_contribution_error(self._name(param))
-        # A micro-batch adds each part into the buffer: the parts sum to the gradient.
+        # A micro-batch adds each part into the buffer: the parts sum to the gradient. A
+        # sharded one is no exception: under ZeRO-3 each part would be reduced and stepped
+        # on its own (FSDP2 sums the parts before its reduce, so its hook gets one).
         accumulating = self.step.phase is Phase.ACCUMULATE
-        if id(param) in self.step.whole_params and not (self.sharded or accumulating):
+        if id(param) in self.step.whole_params and not accumulating:
             raise gradient_in_parts_error(self._name(param))
         self.step.whole_params.add(id(param))

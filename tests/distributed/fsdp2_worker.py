@@ -19,12 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support.sharded_checks import count_phases, record_order, reported_warnings, run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
+    GRADIENT_IN_PARTS,
     LR,
     NO_CLIP,
     OPTIONS,
     PATTERNS,
     SINGLE,
+    LayerInTwoCheckpoints,
     ScaledLlama,
+    parts_batch,
     rank_batch,
     train_single,
 )
@@ -444,6 +447,26 @@ def run_refusals(checks: dict) -> None:
     checks["no_sync_changed"] = changes_since(before, model, opt)
 
 
+def run_gradient_in_parts(rank: int) -> None:
+    """A layer in two reentrant checkpoint segments: FSDP2 sums the parts of its gradient
+    before its reduce, so the step is the whole gradient's (saved for the one-process
+    reference, whose segments are non-reentrant)."""
+    for label, (name, options) in GRADIENT_IN_PARTS.items():
+        torch.manual_seed(0)
+        model = LayerInTwoCheckpoints()
+        fully_shard(model)
+        initial = consolidated_state_dict(model)
+        opt = OPTIMIZERS[name](model, lr=0.05, **options)
+        for _ in range(2):
+            x = parts_batch(rank).requires_grad_()
+            if opt.clip_grad_norm is not None:
+                opt.grad_norm(model(x))
+            opt.fused_backward(model(x))
+        final = consolidated_state_dict(model)
+        if rank == 0:
+            torch.save({"initial": initial, "final": final}, OUT / f"parts_{label}.pt")
+
+
 def main(rank: int, checks: dict) -> None:
     for name in OPTIMIZERS:
         for pattern in PATTERNS:
@@ -461,6 +484,7 @@ def main(rank: int, checks: dict) -> None:
     run_single_fp16(rank, checks)
     run_stochastic_slices(rank, checks)
     run_stochastic_accumulation(rank, checks)
+    run_gradient_in_parts(rank)
     run_refusals(checks)
 
 

@@ -28,7 +28,14 @@ from support.sharded_checks import (
     one_process_single,
     rank_run_fixtures,
 )
-from support.sharded_models import NO_CLIP, PATTERNS
+from support.sharded_models import (
+    GRADIENT_IN_PARTS,
+    NO_CLIP,
+    PATTERNS,
+    WORLD,
+    LayerInTwoCheckpoints,
+    parts_batch,
+)
 from support.sliced_rounding import assert_slices_as_whole
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
@@ -57,6 +64,26 @@ def test_fsdp2_training_equals_one_process(fsdp2_run, name, pattern):
     # Each whole parameter's gradient norm of the last norm pass, on every rank: one entry
     # per parameter as in one process (the ranks' sums of squares of their rows, reduced).
     assert_grad_norms_match(saved["grad_norms"], opt.grad_norms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", GRADIENT_IN_PARTS)
+def test_fsdp2_gradient_in_parts_equals_one_process_with_it_whole(fsdp2_run, label):
+    """A layer in two reentrant checkpoint segments (its gradient in two parts, refused in
+    one process and under ZeRO-3): FSDP2 sums the parts before its reduce, so two steps
+    equal one process's with non-reentrant segments on both ranks' rows (clip and weight
+    decay with Lomo, weight decay with AdaLomo)."""
+    saved = torch.load(fsdp2_run / f"parts_{label}.pt")
+    name, options = GRADIENT_IN_PARTS[label]
+    model = LayerInTwoCheckpoints(reentrant=False)
+    model.load_state_dict(saved["initial"])
+    opt = OPTIMIZERS[name](model, lr=0.05, **options)
+    x = torch.cat([parts_batch(rank) for rank in range(WORLD)])
+    for _ in range(2):
+        if opt.clip_grad_norm is not None:
+            opt.grad_norm(model(x))
+        opt.fused_backward(model(x))
+    assert_within_update_tolerance(saved["final"], model.state_dict(), saved["initial"])
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ differently from a plain construction).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,23 @@ def test_zero3_one_loss_pattern_refused_before_any_change(checks):
         assert result["changed"] is None, result["changed"]
         assert result["pattern_steps"]  # the refusals left grad_norm's measurement
     assert_nan_padding_planted(results)
+
+
+@pytest.mark.slow
+def test_zero3_gradient_in_parts_refused_as_in_one_process(checks):
+    """A layer in two reentrant checkpoint segments: every rank refuses its second part,
+    naming use_reentrant=False, as one process does (ZeRO-3 reduces each part on its own,
+    so stepping them would decay, clip and normalise the layer twice). With a norm pass
+    nothing changed; without one, nothing changed that the report leaves out."""
+    for rank in checks:
+        results = rank["gradient_in_parts"]
+        for label, result in results.items():
+            error = result["error"]
+            assert error is not None, label
+            assert re.search(r"'layer\.(weight|bias)' got a second gradient", error), error
+            assert "use_reentrant=False" in error, error
+            assert set(result["changed_names"]) <= set(result["reported_names"]), result
+        assert results["lomo_clip"]["changed"] is None, results["lomo_clip"]["changed"]
 
 
 @pytest.mark.slow

@@ -17,12 +17,21 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support.sharded_checks import count_phases, record_order, reported_warnings, run_worker  # noqa: E402
+from support.sharded_checks import (  # noqa: E402
+    OPTIMIZERS,
+    count_phases,
+    record_order,
+    reported_warnings,
+    run_worker,
+)
 from support.sharded_models import (  # noqa: E402
+    GRADIENT_IN_PARTS,
     LR,
     OPTIONS,
     SINGLE,
+    LayerInTwoCheckpoints,
     ScaledLlama,
+    parts_batch,
     rank_batch,
     train,
     train_single,
@@ -247,6 +256,40 @@ def run_one_loss_pattern(rank: int, checks: dict) -> None:
     checks["one_loss"]["pattern_steps"] = not unchanged(model, owned)
 
 
+def run_gradient_in_parts(rank: int, checks: dict) -> None:
+    """A gradient in parts is refused as in one process: each part reduced and stepped on
+    its own would decay, clip and (AdaLomo) normalise the layer per part. With a norm pass
+    nothing changes; without one the report names every parameter that changed."""
+    results = {}
+    for label, (name, options) in GRADIENT_IN_PARTS.items():
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=CONFIG):
+            model = LayerInTwoCheckpoints()
+        engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
+        opt = OPTIMIZERS[name](engine, lr=0.05, **options)
+        x = parts_batch(rank)
+        before, owned_before = optimizer_snapshot(model, opt), snapshot(model)
+        error = None
+        try:
+            if opt.clip_grad_norm is not None:
+                opt.grad_norm(model(x.requires_grad_()))
+            opt.fused_backward(model(x.requires_grad_()))
+        except RuntimeError as exc:
+            error = str(exc)
+        names = [n for n, _ in model.named_parameters()]
+        results[label] = {
+            "error": error,
+            "changed": changes_since(before, model, opt),
+            "changed_names": [
+                n
+                for n, a, p in zip(names, owned_before, model.parameters(), strict=True)
+                if not torch.equal(a, owned(p))
+            ],
+            "reported_names": list(opt.last_step_partial_names or []),
+        }
+    checks["gradient_in_parts"] = results
+
+
 def run_fp16_overflow(rank: int, checks: dict) -> None:
     engine = build(torch.float16)
     model = engine.module
@@ -368,6 +411,7 @@ def main(rank: int, checks: dict) -> None:
     run_single("adalomo", AdaLomo, rank, checks)
     run_single_fp16_partial(rank, checks)
     run_one_loss_pattern(rank, checks)
+    run_gradient_in_parts(rank, checks)
     run_fp16_overflow(rank, checks)
     run_traffic(rank, checks)
     run_stochastic_slices(rank, checks)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from support.float64 import ulp
-from support.models import batch, clone, tiny_llama
+from support.models import batch, clone, max_rel_diff, tiny_llama
 from support.recording import record_lomo_calls
 from support.state import snapshot, unchanged
 
+import lomo_kernels
 from lomo_kernels import Lomo, patch_causal_lm
 from lomo_kernels.ops import cross_entropy as lce
 from lomo_kernels.ops.cross_entropy import blocked_backend as blocked
@@ -294,3 +295,61 @@ def test_the_norm_pass_measures_the_embedding_s_used_rows_in_one_block(monkeypat
     assert [s for s in seen if s[0] is Phase.NORM] == [(Phase.NORM, 0, vocab, (used, HIDDEN))]
     chunks = [s[1:3] for s in seen if s[0] is Phase.UPDATE]
     assert chunks and all(stop - start <= CHUNK_ROWS for start, stop in chunks)
+
+
+class TiedCustomLM(torch.nn.Module):
+    """A small language model of the user's own whose head is tied to its input embedding
+    (``head.weight = embed.weight``) and whose loss is the public logits-free function: the
+    weight gets the embedding's gradient and the head's, so no row block may step it."""
+
+    def __init__(self, vocab: int = 96, width: int = HIDDEN) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.mix = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        with torch.no_grad():
+            for p in (self.embed.weight, self.mix.weight, self.mix.bias):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(ids)))
+        return lomo_kernels.ops.linear_cross_entropy(hidden, self.head.weight, labels)
+
+
+def test_a_tied_weight_of_a_custom_model_is_stepped_whole_as_sgd_steps_it():
+    """The tie is found in the model's parameter names (no patched head to tell it): the
+    weight is stepped once, from its summed gradient, and three steps equal torch's SGD on
+    the same model and loss (the fp32 bound of the optimizer tests against SGD). Stepped
+    from the head's chunks, the embedding's gradient would come second."""
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 96, (2, 9), generator=gen),) * 2 for _ in range(3)]
+    ours, ref = TiedCustomLM(), TiedCustomLM()
+    opt = Lomo(ours, lr=0.05)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for ids, labels in data:
+        opt.fused_backward(ours(ids, labels.roll(-1, dims=1)))
+        sgd.zero_grad()
+        ref(ids, labels.roll(-1, dims=1)).backward()
+        sgd.step()
+    assert max_rel_diff(ours, ref) <= 1e-6
+    assert not torch.equal(ours.embed.weight, TiedCustomLM().embed.weight)
+
+
+def test_a_plain_backward_through_the_fused_head_alone_is_refused():
+    """With the head the only trained parameter, a plain ``loss.backward()`` is refused by
+    the head's hook, every time it is tried (the head's chunks are not taken outside
+    fused_backward, so no pass notes them as stepped); nothing changes, and the optimizer
+    steps as usual afterwards."""
+    model = patch_causal_lm(tiny_llama())
+    for p in model.parameters():
+        p.requires_grad_(p is model.lm_head.weight)
+    opt = Lomo(model, lr=0.05)
+    before, head = snapshot(model), model.lm_head.weight.detach().clone()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"outside opt\.fused_backward\(loss\)"):
+            model(**batch(0)).loss.backward()
+    assert unchanged(model, before) and opt.attached
+    opt.fused_backward(model(**batch(0)).loss)
+    assert not torch.equal(model.lm_head.weight, head)
