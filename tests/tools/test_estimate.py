@@ -52,6 +52,7 @@ DEFAULT_TOTALS = {"adamw": 101.83, "sgd": 51.62, "lomo": 14.21}
 @pytest.mark.parametrize("optimizer", list(PAPER))
 def test_defaults_model_the_activations_no_natural_setting_gives_the_papers(optimizer: str) -> None:
     e = est.estimate("llama-7b", optimizer)
+    assert (e.detail["batch_per_gpu"], e.detail["seq"]) == (1, 2048)  # LLaMA's context
     assert e.detail["activations"] == "modelled"
     assert e.activations_gib == 1.42
     assert e.total_gib == DEFAULT_TOTALS[optimizer]
@@ -97,17 +98,49 @@ def test_adalomo_state_matches_the_optimizer() -> None:
     model = tiny_llama()
     opt = AdaLomo(model, lr=1e-3)
     opt.fused_backward(model(**_batch()).loss)
-    held = sum(
-        v.numel()
-        for s in opt.state.values()
-        for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    )
+    moments = [
+        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+    ]
+    held = sum(v.numel() for v in moments)
     shape = resolve_model(model.config)
     assert est.adalomo_state_numel(shape) == held
     # and the workspaces it keeps from step to step, one per distinct parameter shape
     workspaces = sum(w.numel() for w in opt._workspaces.values())
     assert est.adalomo_workspace_numel(shape) == workspaces
+    # In bytes: the moments as the optimizer holds them, fp32 whatever the weights are.
+    held_bytes = sum(v.numel() * v.element_size() for v in moments)
+    for precision in ("mixed", "bf16", "fp32"):
+        assert est.optimizer_state_bytes(shape, "adalomo", precision) == held_bytes
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lomo"])
+def test_pure_precision_states_are_what_the_optimizers_hold(optimizer: str, precision: str):
+    """Without a master copy, the states the estimate counts are the bytes the optimizers
+    hold after a step of a tiny LLaMA in that dtype: torch's AdamW its two moments in the
+    weights' dtype, torch's SGD (momentum 0) and Lomo nothing."""
+    from support.models import tiny_llama
+
+    from lomo_kernels import Lomo
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    model = tiny_llama().to(dtype)
+    if optimizer == "lomo":
+        opt = Lomo(model, lr=1e-3)
+        opt.fused_backward(model(**_batch()).loss)
+    else:
+        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+        opt = cls(model.parameters(), lr=1e-3)
+        model(**_batch()).loss.backward()
+        opt.step()
+    held = sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    shape = resolve_model(model.config)
+    assert est.optimizer_state_bytes(shape, optimizer, precision) == held
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -441,18 +474,20 @@ def test_fused_head_lomo_counts_no_vocab_by_hidden_gradient() -> None:
 
 @pytest.mark.parametrize(("dtype", "width"), [("param", 2), ("fp32", 4), ("bf16", 2), ("fp16", 2)])
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
-def test_accumulation_buffer_one_per_parameter(optimizer: str, dtype: str, width: int) -> None:
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_buffer_one_per_parameter(optimizer: str, dtype: str, width: int, k) -> None:
     # The buffer is one element per trainable parameter (LLaMA-7B: 6,738,415,616), of the
-    # parameter's bf16 or fp32, counted with the gradients; sharded over the ranks by ZeRO-3.
+    # parameter's bf16 or fp32, counted with the gradients, from the second micro-batch per
+    # step on and whatever their number; sharded over the ranks by ZeRO-3.
     n = resolve_model("llama-7b").num_parameters
     one = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0)
     four = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0,
-                        accumulation_steps=4, accumulation_dtype=dtype)  # fmt: skip
+                        accumulation_steps=k, accumulation_dtype=dtype)  # fmt: skip
     buffer_gib = round(n * width / 2**30, 2)
     assert four.detail["accumulation_buffer_gib"] == buffer_gib
     assert four.gradients_gib == pytest.approx(one.gradients_gib + buffer_gib, abs=0.011)
     sharded = est.estimate("llama-7b", optimizer, precision="bf16", activations_gib=0.0, gpus=8,
-                           zero3=True, accumulation_steps=4, accumulation_dtype=dtype)  # fmt: skip
+                           zero3=True, accumulation_steps=k, accumulation_dtype=dtype)  # fmt: skip
     assert sharded.detail["accumulation_buffer_gib"] == round(n * width / 8 / 2**30, 2)
 
 
