@@ -261,16 +261,24 @@ class ParameterLayout:
         self.sharded = sharded
         self.entries = [(p, p.dtype, p.device, p.shape) for p in params]
         self.embeddings = trained_embeddings(model)
+        # Sharding engines swap the registered tensors (so identity tells nothing) but keep
+        # their names: what a sharded step compares.
+        self.trained_names = self._trained_names() if sharded else set()
         if not sharded:  # sharding engines keep parameters in buffers of their own
             frozen = [p for p in model.parameters() if not p.requires_grad]
             refuse_shared_memory(params, frozen, parameter_names(model))
+
+    def _trained_names(self) -> set[str]:
+        named = self.model.named_parameters(remove_duplicate=False)
+        return {name for name, p in named if p.requires_grad}
 
     def check(self, owner: str) -> None:
         """Refuses a step when the model's parameters changed since construction.
 
         Without sharding the model is walked (parameters unfrozen or replaced); FSDP2 and
-        ZeRO-3 swap the registered tensors themselves, so there only freezing is checked.
-        `owner` names the optimizer class in the error.
+        ZeRO-3 swap the registered tensors themselves, so there freezing is checked and the
+        trainable parameters' names (one unfrozen since would get no step, and its gradient
+        would be kept). `owner` names the optimizer class in the error.
         """
         problem = None
         for p, dtype, device, shape in self.entries:
@@ -301,17 +309,24 @@ class ParameterLayout:
                     )
                 else:
                     problem = (added, "is trainable but has no hook (unfrozen or replaced)")
+        if problem is None and self.sharded:
+            added = sorted(self._trained_names() - self.trained_names)
+            if added:
+                problem = (added[0], "is trainable but has no hook (unfrozen or replaced)")
         if problem is not None:
             self._refuse_changed(*problem, owner)
         refuse_sparse_embeddings(self.embeddings)
 
-    def _refuse_changed(self, param: torch.Tensor | None, what: str, owner: str) -> None:
+    def _refuse_changed(self, param: torch.Tensor | str | None, what: str, owner: str) -> None:
+        """Raises the refusal of a step on `param` (a parameter, its name, or None: the
+        first one no longer in the model)."""
         names = parameter_names(self.model)
         if param is None:
             gone = {id(p) for p, *_ in self.entries} - set(names)
             param = next(p for p, *_ in self.entries if id(p) in gone)
+        name = param if isinstance(param, str) else names.get(id(param), "?")
         raise RuntimeError(
-            f"parameter {names.get(id(param), '?')!r} {what} since the {owner} was built, so "
+            f"parameter {name!r} {what} since the {owner} was built, so "
             "its hooks and state no longer match the model: call opt.detach() and build a new "
             "optimizer (load its state_dict() to keep the step count)"
         )

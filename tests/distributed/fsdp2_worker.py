@@ -30,6 +30,7 @@ from support.sharded_models import (  # noqa: E402
     parts_batch,
     rank_batch,
     train_single,
+    unfrozen_after_construction,
 )
 from support.sliced_rounding import (  # noqa: E402
     stochastic_accumulation_check,
@@ -467,6 +468,17 @@ def run_gradient_in_parts(rank: int) -> None:
             torch.save({"initial": initial, "final": final}, OUT / f"parts_{label}.pt")
 
 
+def run_unfrozen(rank: int, checks: dict) -> None:
+    """A parameter unfrozen after the optimizer was built: refused before any change."""
+    torch.manual_seed(0)
+    model = LayerInTwoCheckpoints(reentrant=False)
+    fully_shard(model)
+    before = snapshot(model)
+    error = unfrozen_after_construction(model, lambda: Lomo(model, lr=0.05), rank)
+    model.reshard()  # the root keeps its gathered parameters after its forward
+    checks["unfrozen"] = {"error": error, "unchanged": unchanged(model, before)}
+
+
 def main(rank: int, checks: dict) -> None:
     for name in OPTIMIZERS:
         for pattern in PATTERNS:
@@ -485,6 +497,7 @@ def main(rank: int, checks: dict) -> None:
     run_stochastic_slices(rank, checks)
     run_stochastic_accumulation(rank, checks)
     run_gradient_in_parts(rank)
+    run_unfrozen(rank, checks)
     run_refusals(checks)
 
 

@@ -23,6 +23,7 @@ from support.sharded_checks import (
     assert_ranks_agree,
     assert_setups_refused,
     assert_single_backward_run,
+    assert_unfrozen_refused,
     assert_within_update_tolerance,
     one_process,
     one_process_single,
@@ -240,3 +241,11 @@ def test_fsdp2_gradient_accumulation_refused(checks):
     for rank in checks:
         assert "cannot accumulate gradients" in rank["no_sync"]
         assert rank["no_sync_changed"] is None, rank["no_sync_changed"]
+
+
+@pytest.mark.slow
+def test_fsdp2_parameter_unfrozen_after_construction_refused_before_any_change(checks):
+    """As in one process: a parameter frozen when the optimizer was built has no hook, so it
+    would get no step (and keep its gradient). Sharded, the check compares the trainable
+    parameters' names (FSDP2 swaps the registered tensors themselves)."""
+    assert_unfrozen_refused(checks)

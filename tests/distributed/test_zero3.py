@@ -20,6 +20,7 @@ from support.sharded_checks import (
     assert_grad_norms_match,
     assert_setups_refused,
     assert_single_backward_run,
+    assert_unfrozen_refused,
     assert_within_update_tolerance,
     one_process,
     rank_run_fixtures,
@@ -201,3 +202,11 @@ def test_zero3_unreplicated_opt_in_trains_each_rank_alone(checks):
     for run in runs:
         assert run["rel_diff_to_sgd"] <= 1e-6, run
     assert runs[0]["checksum"] != runs[1]["checksum"]
+
+
+@pytest.mark.slow
+def test_zero3_parameter_unfrozen_after_construction_refused_before_any_change(checks):
+    """As in one process: a parameter frozen when the optimizer was built has no hook, so it
+    would get no step (and keep its gradient). Sharded, the check compares the trainable
+    parameters' names (FSDP2 swaps the registered tensors themselves)."""
+    assert_unfrozen_refused(checks)

@@ -35,6 +35,7 @@ from support.sharded_models import (  # noqa: E402
     rank_batch,
     train,
     train_single,
+    unfrozen_after_construction,
 )
 from support.sliced_rounding import (  # noqa: E402
     stochastic_accumulation_check,
@@ -290,6 +291,17 @@ def run_gradient_in_parts(rank: int, checks: dict) -> None:
     checks["gradient_in_parts"] = results
 
 
+def run_unfrozen(rank: int, checks: dict) -> None:
+    """A parameter unfrozen after the optimizer was built: refused before any change."""
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=CONFIG):
+        model = LayerInTwoCheckpoints(reentrant=False)
+    engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
+    before = snapshot(model)
+    error = unfrozen_after_construction(model, lambda: Lomo(engine, lr=0.05), rank)
+    checks["unfrozen"] = {"error": error, "unchanged": unchanged(model, before)}
+
+
 def run_fp16_overflow(rank: int, checks: dict) -> None:
     engine = build(torch.float16)
     model = engine.module
@@ -412,6 +424,7 @@ def main(rank: int, checks: dict) -> None:
     run_single_fp16_partial(rank, checks)
     run_one_loss_pattern(rank, checks)
     run_gradient_in_parts(rank, checks)
+    run_unfrozen(rank, checks)
     run_fp16_overflow(rank, checks)
     run_traffic(rank, checks)
     run_stochastic_slices(rank, checks)

@@ -28,6 +28,7 @@ from support.sharded_models import (
     LR,
     OPTIONS,
     SINGLE,
+    UNFROZEN_REFUSAL,
     ScaledLlama,
     global_batch,
     train,
@@ -396,3 +397,12 @@ def assert_checkpoint_resumes(saved: dict, name: str, steps: int = 3) -> None:
     step(reference, ref_opt)
     step(resumed, opt)
     assert_within_update_tolerance(resumed.state_dict(), reference.state_dict(), before)
+
+
+def assert_unfrozen_refused(checks: list[dict]) -> None:
+    """Every rank refused the step of a parameter unfrozen after the optimizer was built
+    (`sharded_models.unfrozen_after_construction`) and changed nothing."""
+    for rank in checks:
+        result = rank["unfrozen"]
+        assert result["error"] is not None and UNFROZEN_REFUSAL in result["error"], result
+        assert result["unchanged"]

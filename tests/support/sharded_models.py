@@ -175,3 +175,24 @@ GRADIENT_IN_PARTS = {
     "lomo_clip": ("lomo", {"clip_grad_norm": 0.3, "weight_decay": 0.1}),
     "adalomo": ("adalomo", {"weight_decay": 0.1}),
 }
+
+
+# A parameter frozen when the optimizer was built and unfrozen since: refused as in one
+# process (it has no hook, so it would get no step and keep its gradient).
+UNFROZEN_REFUSAL = "'layer.bias' is trainable but has no hook (unfrozen or replaced)"
+
+
+def unfrozen_after_construction(model: nn.Module, build_optimizer, rank: int) -> str | None:
+    """Freezes `model.layer` (of a sharded LayerInTwoCheckpoints, non-reentrant), builds the
+    optimizer (`build_optimizer()`), unfreezes the layer and runs a step: the refusal's
+    message, or None."""
+    for p in model.layer.parameters():
+        p.requires_grad_(False)
+    opt = build_optimizer()
+    for p in model.layer.parameters():
+        p.requires_grad_(True)
+    try:
+        opt.fused_backward(model(parts_batch(rank)))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
