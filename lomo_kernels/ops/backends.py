@@ -126,7 +126,8 @@ class BackendRegistry:
                 chosen = module
                 break
             warn_key = (candidate, device.type)
-            if (name == candidate or candidate == order[0]) and warn_key not in self.warned:
+            # The backend asked for (first in `order`), or automatic's first.
+            if candidate == order[0] and warn_key not in self.warned:
                 self.warned.add(warn_key)
                 warnings.warn(
                     f"lomo_kernels: {self.family}backend {candidate!r} unavailable for "

@@ -67,6 +67,134 @@ def test_unavailable_backend_warns_once_and_falls_back(monkeypatch):
     assert len(messages) == 1 and "TRITON_INTERPRET" in messages[0]
 
 
+@pytest.mark.parametrize(("given", "name"), [(" Cpp ", "cpp"), ("TORCH", "torch"), ("", "auto")])
+def test_backend_names_are_read_as_written_by_hand(monkeypatch, given, name):
+    """The variable and the argument are trimmed and case-blind; an empty variable (as
+    ``LOMO_KERNELS_BACKEND= make test`` sets it) is automatic."""
+    monkeypatch.setenv(backends.ENV_VAR, given)
+    assert backends.requested_backend(None) == name
+    if given:
+        monkeypatch.delenv(backends.ENV_VAR)
+        assert backends.requested_backend(given) == name
+
+
+class _FakeTriton:
+    """A Triton backend module that loads (a compiled build's answer)."""
+
+    __name__ = "fake_triton"
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+
+def _registry(**importers) -> backends.BackendRegistry:
+    reference = {"torch": lambda: backends.LOMO.reference}
+    return backends.BackendRegistry("test ", {**reference, **importers})
+
+
+def test_a_backend_that_cannot_import_falls_back_to_the_reference(monkeypatch):
+    """A broken optional dependency never breaks a call: the module's import error is the
+    warning's reason and the next backend in line (here the reference) runs."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+
+    def broken():
+        raise ImportError("no module named 'broken_extension'")
+
+    registry = _registry(cpp=broken)
+    with pytest.warns(RuntimeWarning, match=r"'cpp' unavailable.*import failed.*broken_ext"):
+        chosen = registry.resolve(torch.device("cpu"))
+    assert chosen is backends.LOMO.reference
+
+
+def test_a_device_without_kernels_gets_the_reference(monkeypatch):
+    """A device type with neither C++ nor Triton kernels (here `meta`) runs the reference,
+    automatically and, with a warning naming why, when Triton is asked for."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    registry = _registry(triton=lambda: _FakeTriton, cpp=lambda: backends.LOMO.reference)
+    assert registry.resolve(torch.device("meta")) is backends.LOMO.reference
+    with pytest.warns(RuntimeWarning, match="no Triton kernels for meta tensors"):
+        assert registry.resolve(torch.device("meta"), "triton") is backends.LOMO.reference
+
+
+def test_compiled_triton_serves_cuda_tensors_without_the_interpreter(monkeypatch):
+    """TRITON_INTERPRET only decides for CPU tensors: a Triton build that loads serves CUDA
+    tensors with or without it, first in CUDA's automatic order."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    registry = _registry(triton=lambda: _FakeTriton, cpp=lambda: backends.LOMO.reference)
+    assert registry.load("triton", "cuda") == (_FakeTriton, "")
+    assert registry.resolve(torch.device("cuda")) is _FakeTriton
+    module, reason = registry.load("triton", "cpu")
+    assert module is None and "TRITON_INTERPRET=1" in reason
+
+
+class _Unavailable:
+    """A C++ or Triton backend module that does not load here, counting the questions."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = f"unavailable_{name}"
+        self.asked = 0
+
+    def is_available(self, *device_type: str) -> bool:
+        self.asked += 1
+        return False
+
+    def unavailable_reason(self, *device_type: str) -> str:
+        return f"{self.__name__} is not built"
+
+
+def test_each_unavailable_backend_is_named_once_and_the_choice_is_kept(monkeypatch):
+    """The backend asked for, or automatic's first, is named in a warning when it does not
+    load, once per device type however often it is tried again; one further down the order
+    falls through silently. A choice is made once per name and device type."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton, cpp = _Unavailable("triton"), _Unavailable("cpp")
+    registry = _registry(triton=lambda: triton, cpp=lambda: cpp)
+    cpu = torch.device("cpu")
+
+    def named(resolve) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert resolve() is backends.LOMO.reference
+        return [str(w.message).split("'")[1] for w in caught]
+
+    # Triton asked for: named; cpp, tried next, not (it was not asked for).
+    assert named(lambda: registry.resolve(cpu, "triton")) == ["triton"]
+    assert named(lambda: registry.resolve(cpu, "triton")) == []  # the kept choice
+    registry.cache.clear()
+    assert named(lambda: registry.resolve(cpu, "triton")) == []  # tried anew, named once
+    assert named(lambda: registry.resolve(cpu)) == ["cpp"]  # automatic: cpp first on CPU
+    assert triton.asked == 2 and cpp.asked == 3
+
+
+def test_a_dispatching_block_leaves_no_choice_behind():
+    cpu = torch.device("cpu")
+    with backends.dispatching_to(cpu, "torch"):
+        assert backends.chosen_backend(backends.LOMO) is backends.LOMO.reference
+    assert backends.chosen_backend(backends.LOMO) is None
+
+
+def test_a_module_of_no_backend_has_no_backend_name():
+    with pytest.raises(KeyError, match="not a lomo_kernels backend module"):
+        backends.backend_name(warnings)
+
+
+def test_the_fused_heads_kernels_are_triton_on_cuda_where_it_loads(monkeypatch):
+    """CPU tensors: blocked torch operations. CUDA tensors: the Triton kernels where Triton
+    loads (its answer faked here), else the blocked operations too."""
+    from lomo_kernels.kernels.triton import runtime
+    from lomo_kernels.ops.cross_entropy import blocked_backend, triton_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for loads in (True, False):
+        monkeypatch.setattr(runtime, "is_available", lambda loads=loads: loads)
+        assert backends.linear_cross_entropy_kernels(cpu) is blocked_backend
+        expected = triton_backend if loads else blocked_backend
+        assert backends.linear_cross_entropy_kernels(cuda) is expected
+
+
 def sparse_csr(dense: torch.Tensor) -> torch.Tensor:
     """`dense` in the CSR layout, without torch's note that the layout is in beta."""
     with warnings.catch_warnings():
