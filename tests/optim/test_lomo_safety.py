@@ -208,6 +208,37 @@ def test_meta_device_refused():
         Lomo(model)
 
 
+@pytest.mark.parametrize("layout", ["transposed view", "sparse"])
+def test_a_parameter_that_is_not_contiguous_and_dense_is_refused_at_construction(layout):
+    """The kernels walk a parameter's memory flat: a transposed view (its elements out of
+    order) or a sparse tensor is refused by name, with the way out."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    weight = model[1].weight.detach()
+    model[1].weight = torch.nn.Parameter(
+        weight.t().contiguous().t() if layout == "transposed view" else weight.to_sparse()
+    )
+    with pytest.raises(ValueError, match="'1.weight' is not a contiguous dense tensor"):
+        Lomo(model)
+    model[0](torch.ones(1, 4)).sum().backward()  # no hook attached: a plain backward runs
+    assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("loss_of", "match"),
+    [
+        (lambda out: out, "the loss must be a scalar tensor"),  # one value per row
+        (lambda out: float(out.sum().detach()), "the loss must be a scalar tensor"),
+        (lambda out: out.sum().detach(), "does not require grad"),
+    ],
+    ids=["per-row", "float", "detached"],
+)
+def test_a_loss_that_cannot_step_is_refused_before_any_change(loss_of, match):
+    model = tiny_llama()
+    opt = Lomo(model, lr=0.1)
+    out = model(**batch(0)).logits[:, 0, 0]
+    assert_refused(model, opt, lambda: opt.fused_backward(loss_of(out)), ValueError, match)
+
+
 @pytest.mark.parametrize("lr", [-1.0, float("inf")])
 def test_bad_lr_at_step_raises_before_any_change(lr):
     """Nothing changes: the parameters, and the groups' lr (in state_dict) and the device
