@@ -260,6 +260,7 @@ class ParameterLayout:
         self.model = model
         self.sharded = sharded
         self.entries = [(p, p.dtype, p.device, p.shape) for p in params]
+        self.built_names = parameter_names(model)  # names a parameter gone since
         self.embeddings = trained_embeddings(model)
         # Sharding engines swap the registered tensors (so identity tells nothing) but keep
         # their names: what a sharded step compares.
@@ -324,7 +325,8 @@ class ParameterLayout:
         if param is None:
             gone = {id(p) for p, *_ in self.entries} - set(names)
             param = next(p for p, *_ in self.entries if id(p) in gone)
-        name = param if isinstance(param, str) else names.get(id(param), "?")
+        name = param if isinstance(param, str) else names.get(id(param))
+        name = name or self.built_names.get(id(param), "?")
         raise RuntimeError(
             f"parameter {name!r} {what} since the {owner} was built, so "
             "its hooks and state no longer match the model: call opt.detach() and build a new "

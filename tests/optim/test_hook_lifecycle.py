@@ -136,6 +136,10 @@ def replace(model):
     model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone())
 
 
+def replace_with_frozen(model):
+    model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone(), requires_grad=False)
+
+
 def transpose_data(model):
     model[2].weight.data = model[2].weight.data.t().contiguous().t()
 
@@ -152,6 +156,7 @@ CHANGES = {
     "unfrozen": (unfreeze, "'0.bias' is trainable but has no hook"),
     "frozen": (freeze, "was frozen"),
     "replaced": (replace, "'2.weight' is trainable but has no hook"),
+    "replaced_frozen": (replace_with_frozen, r"'2.weight' is no longer in the model \(replaced\)"),
     "non_contiguous": (transpose_data, "no longer contiguous"),
     "cast": (cast, "was torch.float32"),
     "resized": (resize, r"'2.weight' was of shape \(3, 8\) and is now \(2, 8\)"),
@@ -227,6 +232,21 @@ def test_shared_memory_spans(trained, frozen, overlap) -> None:
             refuse_shared_memory(views[0], views[1], names)
     else:
         refuse_shared_memory(views[0], views[1], names)
+
+
+def test_shared_memory_spans_are_compared_within_a_device() -> None:
+    # Addresses mean something on their own device only: a span on another device (meta
+    # tensors here, every one at address 0) overlaps none on the CPU, and an overlap on its
+    # own device is found after the CPU's spans, trained over trained or frozen over trained.
+    cpu = torch.nn.Parameter(torch.zeros(8))
+    meta = [torch.nn.Parameter(torch.zeros(8, device="meta")) for _ in range(2)]
+    labels = ["cpu", "meta0", "meta1"]
+    names = {id(p): name for p, name in zip([cpu, *meta], labels, strict=True)}
+    refuse_shared_memory([cpu], meta[:1], names)
+    refuse_shared_memory([cpu, meta[0]], [], names)
+    for trained, frozen in (([cpu, *meta], []), ([cpu, meta[0]], meta[1:])):
+        with pytest.raises(ValueError, match="'meta0' and 'meta1' share memory"):
+            refuse_shared_memory(trained, frozen, names)
 
 
 def square_layers(flat: torch.Tensor | None = None) -> torch.nn.Module:

@@ -196,9 +196,22 @@ def test_bad_configuration_raises_before_any_change(case):
 
 
 def test_sparse_embedding_refused():
+    """By the module's name, and by "the module" where the embedding is the model itself."""
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
-    with pytest.raises(ValueError, match="sparse"):
+    with pytest.raises(ValueError, match="module '0' produces sparse.*set 0.sparse = False"):
         Lomo(model)
+    with pytest.raises(ValueError, match="set the module.sparse = False"):
+        Lomo(torch.nn.Embedding(10, 4, sparse=True))
+
+
+def test_a_frozen_sparse_embedding_is_no_concern():
+    """Only a trained embedding's gradient would be sparse: a frozen one gives none."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    opt = Lomo(model, lr=0.1)
+    before = model[1].weight.detach().clone()
+    opt.fused_backward(model(torch.tensor([1, 2, 3])).sum())
+    assert not torch.equal(model[1].weight, before)
 
 
 def test_meta_device_refused():
