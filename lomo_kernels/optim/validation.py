@@ -251,6 +251,9 @@ def refuse_shared_memory(
             reach_trained = (device, end, p)
 
 
+_NO_HOOK = "is trainable but has no hook (unfrozen or replaced)"
+
+
 class ParameterLayout:
     """The trainable parameters the hooks, state and buffers were built for, with their
     dtype, device and shape then: a step on a model whose parameters changed since is
@@ -260,14 +263,14 @@ class ParameterLayout:
         self.model = model
         self.sharded = sharded
         self.entries = [(p, p.dtype, p.device, p.shape) for p in params]
-        self.built_names = parameter_names(model)  # names a parameter gone since
+        self.built_names = parameter_names(model)  # also names a parameter gone since
         self.embeddings = trained_embeddings(model)
         # Sharding engines swap the registered tensors (so identity tells nothing) but keep
         # their names: what a sharded step compares.
         self.trained_names = self._trained_names() if sharded else set()
         if not sharded:  # sharding engines keep parameters in buffers of their own
             frozen = [p for p in model.parameters() if not p.requires_grad]
-            refuse_shared_memory(params, frozen, parameter_names(model))
+            refuse_shared_memory(params, frozen, self.built_names)
 
     def _trained_names(self) -> set[str]:
         named = self.model.named_parameters(remove_duplicate=False)
@@ -309,11 +312,11 @@ class ParameterLayout:
                         "their own values, detach both and build one with param_groups=[...]"
                     )
                 else:
-                    problem = (added, "is trainable but has no hook (unfrozen or replaced)")
+                    problem = (added, _NO_HOOK)
         if problem is None and self.sharded:
             added = sorted(self._trained_names() - self.trained_names)
             if added:
-                problem = (added[0], "is trainable but has no hook (unfrozen or replaced)")
+                problem = (added[0], _NO_HOOK)
         if problem is not None:
             self._refuse_changed(*problem, owner)
         refuse_sparse_embeddings(self.embeddings)
@@ -325,8 +328,10 @@ class ParameterLayout:
         if param is None:
             gone = {id(p) for p, *_ in self.entries} - set(names)
             param = next(p for p, *_ in self.entries if id(p) in gone)
-        name = param if isinstance(param, str) else names.get(id(param))
-        name = name or self.built_names.get(id(param), "?")
+        if isinstance(param, str):
+            name = param
+        else:
+            name = names.get(id(param)) or self.built_names.get(id(param), "?")
         raise RuntimeError(
             f"parameter {name!r} {what} since the {owner} was built, so "
             "its hooks and state no longer match the model: call opt.detach() and build a new "

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from support.models import LayerInTwoCheckpoints  # noqa: E402
 from support.sharded_checks import count_phases, record_order, reported_warnings, run_worker  # noqa: E402
 from support.sharded_models import (  # noqa: E402
     GRADIENT_IN_PARTS,
@@ -25,7 +26,6 @@ from support.sharded_models import (  # noqa: E402
     OPTIONS,
     PATTERNS,
     SINGLE,
-    LayerInTwoCheckpoints,
     ScaledLlama,
     parts_batch,
     rank_batch,
@@ -453,7 +453,6 @@ def run_gradient_in_parts(rank: int) -> None:
     before its reduce, so the step is the whole gradient's (saved for the one-process
     reference, whose segments are non-reentrant)."""
     for label, (name, options) in GRADIENT_IN_PARTS.items():
-        torch.manual_seed(0)
         model = LayerInTwoCheckpoints()
         fully_shard(model)
         initial = consolidated_state_dict(model)
@@ -470,7 +469,6 @@ def run_gradient_in_parts(rank: int) -> None:
 
 def run_unfrozen(rank: int, checks: dict) -> None:
     """A parameter unfrozen after the optimizer was built: refused before any change."""
-    torch.manual_seed(0)
     model = LayerInTwoCheckpoints(reentrant=False)
     fully_shard(model)
     before = snapshot(model)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.models import LayerInTwoCheckpoints
 from support.sharded_checks import (
     OPTIMIZERS,
     assert_checkpoint_resumes,
@@ -34,7 +35,6 @@ from support.sharded_models import (
     NO_CLIP,
     PATTERNS,
     WORLD,
-    LayerInTwoCheckpoints,
     parts_batch,
 )
 from support.sliced_rounding import assert_slices_as_whole

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from support.models import LayerInTwoCheckpoints  # noqa: E402
 from support.sharded_checks import (  # noqa: E402
     OPTIMIZERS,
     count_phases,
@@ -29,7 +30,6 @@ from support.sharded_models import (  # noqa: E402
     LR,
     OPTIONS,
     SINGLE,
-    LayerInTwoCheckpoints,
     ScaledLlama,
     parts_batch,
     rank_batch,
@@ -263,18 +263,17 @@ def run_gradient_in_parts(rank: int, checks: dict) -> None:
     nothing changes; without one the report names every parameter that changed."""
     results = {}
     for label, (name, options) in GRADIENT_IN_PARTS.items():
-        torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=CONFIG):
             model = LayerInTwoCheckpoints()
         engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
         opt = OPTIMIZERS[name](engine, lr=0.05, **options)
-        x = parts_batch(rank)
+        x = parts_batch(rank).requires_grad_()
         before, owned_before = optimizer_snapshot(model, opt), snapshot(model)
         error = None
         try:
             if opt.clip_grad_norm is not None:
-                opt.grad_norm(model(x.requires_grad_()))
-            opt.fused_backward(model(x.requires_grad_()))
+                opt.grad_norm(model(x))
+            opt.fused_backward(model(x))
         except RuntimeError as exc:
             error = str(exc)
         names = [n for n, _ in model.named_parameters()]
@@ -293,7 +292,6 @@ def run_gradient_in_parts(rank: int, checks: dict) -> None:
 
 def run_unfrozen(rank: int, checks: dict) -> None:
     """A parameter unfrozen after the optimizer was built: refused before any change."""
-    torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=CONFIG):
         model = LayerInTwoCheckpoints(reentrant=False)
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from support.dependencies import require
 from support.faults import FailingBackward, Interrupted
-from support.models import batch, loss_of, mlp, tiny_llama
+from support.models import LayerInTwoCheckpoints, batch, loss_of, mlp, tiny_llama
 from support.optimizers import OPTIMIZERS
 from support.state import (
     assert_refused,
@@ -463,24 +463,6 @@ def test_lomo_optim_state_not_mistaken_for_ours():
     Lomo(mlp()).load_state_dict(own)
 
 
-class LayerInTwoCheckpoints(torch.nn.Module):
-    """One layer applied in two reentrant checkpoint segments: each segment runs a backward
-    of its own, so the layer's gradient reaches its hook in two parts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = torch.nn.Linear(6, 6)
-        self.head = torch.nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = torch.utils.checkpoint.checkpoint(
-                lambda t: torch.tanh(self.layer(t)), x, use_reentrant=True
-            )
-        return self.head(x).float().pow(2).mean()
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_in_parts_refused_or_reported(name, mode):
@@ -490,7 +472,7 @@ def test_gradient_in_parts_refused_or_reported(name, mode):
     options, dtype, norm_pass = MODES[mode]
     model = LayerInTwoCheckpoints().to(dtype)
     opt = OPTIMIZERS[name](model, lr=0.05, weight_decay=0.1, **options)
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(0), dtype=dtype)
     loss = model(x.requires_grad_())
     match = "'layer.bias' got a second gradient in the same backward.*use_reentrant=False"
     if norm_pass:

@@ -88,6 +88,27 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
+class LayerInTwoCheckpoints(torch.nn.Module):
+    """One layer (40 x 40) applied in two checkpoint segments, then a head, seeded.
+    Reentrant segments each run a backward of their own, so the layer's gradient reaches
+    its hook in two parts (refused in one process and under ZeRO-3; FSDP2 sums the parts
+    before its reduce); non-reentrant ones give it whole (the reference)."""
+
+    def __init__(self, reentrant: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.layer = torch.nn.Linear(40, 40)
+        self.head = torch.nn.Linear(40, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(
+                lambda t: torch.tanh(self.layer(t)), x, use_reentrant=self.reentrant
+            )
+        return self.head(x).float().pow(2).mean()
+
+
 def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
     """The loss of step `step`'s batch: `mlp`'s inputs, or `batch` for a causal LM."""
     if isinstance(model, torch.nn.Sequential):

@@ -145,26 +145,6 @@ def train_single(model: nn.Module, opt, batch_of, steps: int = STEPS) -> list[fl
 PATTERNS = {"per_pass": train, "one_loss": train_one_loss}
 
 
-class LayerInTwoCheckpoints(nn.Module):
-    """One layer applied in two checkpoint segments, then a head. Reentrant segments each
-    run a backward of their own, so the layer's gradient reaches it in two parts (refused in
-    one process and under ZeRO-3; FSDP2 sums the parts before its reduce); non-reentrant
-    ones give it whole (the reference)."""
-
-    def __init__(self, reentrant: bool = True) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.layer = nn.Linear(40, 40)
-        self.head = nn.Linear(40, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = torch.utils.checkpoint.checkpoint(
-                lambda t: torch.tanh(self.layer(t)), x, use_reentrant=self.reentrant
-            )
-        return self.head(x).pow(2).mean()
-
-
 def parts_batch(rank: int) -> torch.Tensor:
     """Rank `rank`'s 5 rows for LayerInTwoCheckpoints (the global batch: both ranks')."""
     return torch.randn(5, 40, generator=torch.Generator().manual_seed(rank))

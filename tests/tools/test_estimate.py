@@ -90,6 +90,12 @@ def test_parameter_counts_match_transformers(name: str) -> None:
     assert shape.largest_tensor_numel == max(numels)
 
 
+def _moments(states) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps per parameter in `states` (its moments; not the
+    0-dim step counts)."""
+    return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
 def test_adalomo_state_matches_the_optimizer() -> None:
     from support.models import tiny_llama
 
@@ -98,9 +104,7 @@ def test_adalomo_state_matches_the_optimizer() -> None:
     model = tiny_llama()
     opt = AdaLomo(model, lr=1e-3)
     opt.fused_backward(model(**_batch()).loss)
-    moments = [
-        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
-    ]
+    moments = _moments(opt.state.values())
     held = sum(v.numel() for v in moments)
     shape = resolve_model(model.config)
     assert est.adalomo_state_numel(shape) == held
@@ -133,12 +137,7 @@ def test_pure_precision_states_are_what_the_optimizers_hold(optimizer: str, prec
         opt = cls(model.parameters(), lr=1e-3)
         model(**_batch()).loss.backward()
         opt.step()
-    held = sum(
-        v.numel() * v.element_size()
-        for s in opt.state.values()
-        for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    )
+    held = sum(v.numel() * v.element_size() for v in _moments(opt.state.values()))
     shape = resolve_model(model.config)
     assert est.optimizer_state_bytes(shape, optimizer, precision) == held
 
@@ -566,7 +565,7 @@ def test_adalomo_zero3_state_is_what_each_rank_keeps() -> None:
     for param in model.parameters():
         local = param.detach().view(-1)[: param.numel() // ranks]
         state = init_slice_state(Shard(param, local, 0, param.shape, None))
-        held += sum(v.numel() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        held += sum(v.numel() for v in _moments([state]))
     shape = resolve_model(model.config)
     assert est.adalomo_state_numel(shape, ranks) == held
     assert held > est.adalomo_state_numel(shape) / ranks  # more than an even share
