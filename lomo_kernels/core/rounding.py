@@ -174,6 +174,16 @@ def rounds_stochastically(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
+def check_stochastic_rounding(stored: torch.Tensor, stochastic: bool, what: str) -> None:
+    """Refuses stochastic rounding of a tensor (`what`: 'parameter', 'buffer') whose dtype
+    stores fp32 values exactly."""
+    if stochastic and not rounds_stochastically(stored.dtype):
+        raise ValueError(
+            f"lomo_kernels: stochastic_rounding applies to bfloat16 and float16 {what}s (a "
+            f"{stored.dtype} {what} stores fp32 values exactly): pass stochastic_rounding=False"
+        )
+
+
 class Rounding:
     """How a write-back rounds fp32 results into the parameter's dtype: to nearest even, or
     stochastically (bf16 and fp16 parameters) with 16 bits per element drawn from the key

@@ -307,13 +307,43 @@ def test_adalomo_stochastic_rounding_same_draws_on_every_backend(dtype, shape):
         assert bool(((out[differ] - outs[0][differ]).abs() == 1).all())
 
 
-def test_stochastic_rounding_of_fp32_is_refused_before_any_change():
-    param = torch.ones(4)
-    with pytest.raises(ValueError, match="stochastic_rounding applies to bfloat16 and float16"):
-        ops.fused_sgd_update_(param, torch.ones(4), lr=0.1, stochastic_rounding=True)
-    with pytest.raises(ValueError, match="stochastic_rounding applies to bfloat16 and float16"):
-        _adalomo_step(param, torch.ones(4), None, stochastic_rounding=True)
-    assert torch.equal(param, torch.ones(4))
+def _factored_apply(param, grad, **kwargs):
+    state, workspace = ops.init_adalomo_state(param), ops.adalomo_workspace(param)
+    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+    ops.adalomo_factored_apply_(param, grad, row, col, workspace, lr=0.1, **kwargs)
+
+
+def _vector_apply(param, grad, **kwargs):
+    v, workspace = ops.init_adalomo_state(param)["exp_avg_sq"], ops.adalomo_workspace(param)
+    ops.adalomo_vector_apply_(param, grad, v, workspace, lr=0.1, beta2=0.5, **kwargs)
+
+
+def _int8_update(param, grad, **kwargs):
+    codes, scales = torch.ones_like(param, dtype=torch.int8), torch.ones(1)
+    ops.lomo_update_int8_(param, codes, scales, lr=0.1, **kwargs)
+
+
+# Every public op that writes a rounded tensor: its call and the written tensor's shape.
+WRITERS = {
+    "fused_sgd_update_": (lambda t, g, **kw: ops.fused_sgd_update_(t, g, lr=0.1, **kw), (4,)),
+    "lomo_update_int8_": (_int8_update, (4,)),
+    "grad_accumulate_": (ops.grad_accumulate_, (4,)),
+    "adalomo_update_": (lambda t, g, **kw: _adalomo_step(t, g, None, **kw), (4,)),
+    "adalomo_factored_apply_": (_factored_apply, (3, 4)),
+    "adalomo_vector_apply_": (_vector_apply, (4,)),
+}
+
+
+@pytest.mark.parametrize("op", WRITERS)
+def test_stochastic_rounding_of_fp32_is_refused_before_any_change(op):
+    """An fp32 tensor stores every fp32 result exactly: asking to round it stochastically is
+    a mistake, refused by every op that writes one, before anything changes."""
+    call, shape = WRITERS[op]
+    written = torch.ones(shape)
+    what = "buffer" if op == "grad_accumulate_" else "parameter"
+    with pytest.raises(ValueError, match=f"applies to bfloat16 and float16 {what}s"):
+        call(written, torch.ones(shape), stochastic_rounding=True)
+    assert torch.equal(written, torch.ones(shape))
 
 
 # ----------------------------------------------------------------------------- optimizers

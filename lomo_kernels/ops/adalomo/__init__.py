@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...core.checks import check_pair
-from ...core.rounding import rounds_stochastically
+from ...core.rounding import check_stochastic_rounding
 from ...core.scalars import Scalar
 from ...core.spec import Conversion
 from ..backends import ADALOMO
@@ -192,7 +192,7 @@ def adalomo_update_(
     computes the coefficient from that very sum, see `optim.single_backward`).
     """
     check_pair(param, grad)
-    check_rounding(param, stochastic_rounding)
+    check_stochastic_rounding(param, stochastic_rounding, "parameter")
     factored = param.dim() >= 2
     arguments = adalomo_step_arguments(
         param.device,
@@ -267,16 +267,6 @@ def adalomo_step_arguments(
             "seed_step": seed_step,
         },
     )
-
-
-def check_rounding(param: torch.Tensor, stochastic_rounding: bool) -> None:
-    """Refuses stochastic rounding of a parameter that stores fp32 results exactly."""
-    if stochastic_rounding and not rounds_stochastically(param.dtype):
-        raise ValueError(
-            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
-            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
-            "stochastic_rounding=False"
-        )
 
 
 def check_adalomo_state(
@@ -512,7 +502,7 @@ def adalomo_factored_apply_(
     index in the whole matrix, so slices step as the whole tensor would.
     """
     _check_factored_update(param, grad, exp_avg_sq_row, exp_avg_sq_col, workspace, offset)
-    check_rounding(param, stochastic_rounding)
+    check_stochastic_rounding(param, stochastic_rounding, "parameter")
     _run(factored_apply_op, backend, param.device, locals())
 
 
@@ -569,7 +559,7 @@ def adalomo_vector_apply_(
     of a 1-D parameter of `full_numel` elements (default: `param`'s own), whose sums the
     workspace holds; the rounding draws the bits of each element's index in it."""
     _check_vector(param, grad, exp_avg_sq, workspace)
-    check_rounding(param, stochastic_rounding)
+    check_stochastic_rounding(param, stochastic_rounding, "parameter")
     if full_numel is None:
         full_numel = param.numel()
     _check_slice_fits(param, offset, full_numel, f"a parameter of full_numel={full_numel} elements")

@@ -26,7 +26,7 @@ import torch
 
 from ...core.checks import check_finite, check_pair
 from ...core.int8_blocks import blocks_of
-from ...core.rounding import rounds_stochastically
+from ...core.rounding import check_stochastic_rounding
 from ...core.scalars import Scalar
 from ..backends import LOMO
 from ..definition import define
@@ -92,12 +92,7 @@ def fused_lomo_update_(
     """
     public = locals()  # the arguments, by name
     check_pair(param, grad)
-    if stochastic_rounding and not rounds_stochastically(param.dtype):
-        raise ValueError(
-            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
-            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
-            "stochastic_rounding=False"
-        )
+    check_stochastic_rounding(param, stochastic_rounding, "parameter")
     # Without an explicit skip flag, found_inf's value on entry decides (GradScaler pattern).
     skip = found_inf if skip_if is None else skip_if
     arguments = LOMO_UPDATE.take(public, grad=grad.contiguous(), skip_if=skip)
@@ -160,11 +155,7 @@ def grad_accumulate_(
     """
     public = locals()  # the arguments, by name
     check_pair(buffer, grad)
-    if stochastic_rounding and not rounds_stochastically(buffer.dtype):
-        raise ValueError(
-            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 buffers (a "
-            f"{buffer.dtype} buffer stores the fp32 sum exactly): pass stochastic_rounding=False"
-        )
+    check_stochastic_rounding(buffer, stochastic_rounding, "buffer")
     arguments = GRAD_ACCUMULATE.take(public, grad=grad.contiguous())
     arguments = GRAD_ACCUMULATE.convert(buffer.device, arguments)
     check_slice_end(arguments["offset"], buffer)
@@ -267,12 +258,7 @@ def lomo_update_int8_(
     parameter), whose stochastic write-back draws the whole parameter's bits."""
     public = locals()  # the arguments, by name
     check_pair(param, param)
-    if stochastic_rounding and not rounds_stochastically(param.dtype):
-        raise ValueError(
-            "lomo_kernels: stochastic_rounding applies to bfloat16 and float16 parameters "
-            f"(a {param.dtype} parameter stores the fp32 result exactly): pass "
-            "stochastic_rounding=False"
-        )
+    check_stochastic_rounding(param, stochastic_rounding, "parameter")
     skip = found_inf if skip_if is None else skip_if
     arguments = LOMO_UPDATE_INT8.convert(param.device, LOMO_UPDATE_INT8.take(public, skip_if=skip))
     check_int8_buffer(codes, scales, arguments["offset"], param)
