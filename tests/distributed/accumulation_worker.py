@@ -33,6 +33,7 @@ from support.sharded_models import (  # noqa: E402
     OVERFLOW_RUNS,
     POISONED_MICRO_BATCH,
     STEPS,
+    ScaledLlama,
     rank_batch,
     train_accumulating,
 )
@@ -60,12 +61,13 @@ OPTIMIZERS = {
 }
 
 
-def build(engine: str):
-    """The sharded model (what the optimizer is built on, the module that runs forward)."""
+def build(engine: str, model_class: type = ScaledLlama):
+    """The sharded `model_class` (what the optimizer is built on, the module that runs
+    forward)."""
     if engine == "zero3":
-        built = zero3_worker.build()
+        built = zero3_worker.build(model_class=model_class)
         return built, built.module
-    model = fsdp2_worker.build()
+    model = fsdp2_worker.build(model_class=model_class)
     return model, model
 
 

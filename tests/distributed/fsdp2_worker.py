@@ -54,10 +54,16 @@ OUT = Path(sys.argv[1])
 OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
 
 
-def build(dtype: torch.dtype = torch.float32, seed: int = 0, **fsdp_kwargs) -> ScaledLlama:
-    """ScaledLlama with fully_shard on each decoder layer and on the root (same on all ranks)."""
+def build(
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    model_class: type = ScaledLlama,
+    **fsdp_kwargs,
+) -> ScaledLlama:
+    """`model_class` (a ScaledLlama) with fully_shard on each decoder layer and on the root
+    (same on all ranks)."""
     torch.manual_seed(seed)
-    model = ScaledLlama().to(dtype)
+    model = model_class().to(dtype)
     for layer in model.llama.model.layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)

@@ -58,7 +58,7 @@ OUT = Path(sys.argv[1])
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
 
 
-def build(dtype: torch.dtype = torch.float32, seed: int = 0):
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, model_class: type = ScaledLlama):
     torch.manual_seed(seed)
     config = dict(CONFIG)
     if dtype != torch.float32:
@@ -66,7 +66,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0):
         # fp16 on CPU, so only the partitioning sees it (the engine keeps the dtype).
         config["fp16" if dtype == torch.float16 else "bf16"] = {"enabled": True}
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = ScaledLlama()
+        model = model_class()
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
     return engine
 

@@ -52,16 +52,49 @@ class ScaledLlama(nn.Module):
         self.llama = LlamaForCausalLM(self.config())
         self.temperature = nn.Parameter(torch.ones(1))
 
-    @staticmethod
-    def config() -> LlamaConfig:
+    TIED = False  # whether the head is the embedding's Parameter
+
+    @classmethod
+    def config(cls) -> LlamaConfig:
         return causal_lm_config(
-            vocab_size=3001, hidden_size=40, intermediate_size=73, tie_word_embeddings=False
+            vocab_size=3001, hidden_size=40, intermediate_size=73, tie_word_embeddings=cls.TIED
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.llama(input_ids=input_ids).logits * self.temperature
         shift = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
         return nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+class TiedScaledLlama(ScaledLlama):
+    """ScaledLlama whose head is its embedding (one Parameter, trained once per step)."""
+
+    TIED = True
+
+
+# The options the sharded runs of test_sharded_options.py combine: clipping by value and by
+# norm together (each binds at this model's gradients), and a group of the norms and the
+# temperature with its own lr and no decay; FROZEN: the prefix of the parameters frozen.
+COMBINED = {"clip_grad_norm": 0.3, "clip_grad_value": 0.002, "weight_decay": 0.05}
+FROZEN = "llama.model.layers.0."
+
+
+def freeze_first_layer(model: nn.Module) -> None:
+    """Freezes the first decoder layer (a model's frozen part, kept bit for bit)."""
+    for name, param in model.named_parameters():
+        if name.startswith(FROZEN):
+            param.requires_grad_(False)
+
+
+def combined_options(model: nn.Module, name: str, accumulate: bool, **changes) -> dict:
+    """COMBINED with the group of `model`'s trainable norms and temperature (by name, half of
+    LR[name], no decay) and, with `accumulate`, ACCUMULATION_STEPS; `changes` replace any."""
+    grouped = [
+        n for n, p in model.named_parameters() if p.requires_grad and ("norm" in n or "temp" in n)
+    ]
+    group = {"params": grouped, "lr": LR[name] / 2, "weight_decay": 0.0}
+    steps = {"accumulation_steps": ACCUMULATION_STEPS} if accumulate else {}
+    return {**COMBINED, "param_groups": [group], **steps, **changes}
 
 
 class FusedHeadLlama(nn.Module):
@@ -176,3 +209,8 @@ def unfrozen_after_construction(model: nn.Module, build_optimizer, rank: int) ->
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+# How the option runs train (test_sharded_options.py): a norm pass and an update pass per
+# step (a forward each), or k micro-batches per step.
+TRAININGS = {"per_step": train, "accumulating": train_accumulating}
