@@ -45,6 +45,7 @@ from .state import (
     flat_where_saved_flat,
     model_state,
     optimizer_state,
+    with_saved_group_extras,
 )
 
 _REPLACED = ".replaced"
@@ -233,6 +234,8 @@ def load_checkpoint(
         state[MODEL] = flat_where_saved_flat(state[MODEL], saved)
         if not strict:
             state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
+        if optimizer is not None:
+            state[OPTIMIZER] = with_saved_group_extras(state[OPTIMIZER], saved, optimizer)
         check_against_metadata(state, saved, strict_model=strict)
         client_state = _client_state(path, manifest, trust_checkpoint)
         if check_client_state is not None:

@@ -94,6 +94,30 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return get_optimizer_state_dict(module, optimizer)
 
 
+# A param group's entries that make the optimizer what it is: its hyper-parameters (its
+# defaults' keys) and these. Any other (a scheduler's 'initial_lr', a key of the user's) is
+# taken as the checkpoint holds it, as torch's load_state_dict takes a group's keys.
+_GROUP_STRUCTURE = ("params", "param_names", "lomo")
+
+
+def with_saved_group_extras(
+    state: dict[str, Any], saved: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """`state` (`optimizer_state`'s) with each param group's extra entries, those that are
+    neither the optimizer's hyper-parameters nor `_GROUP_STRUCTURE`, as the checkpoint's
+    (`saved`: its metadata) group holds them: loaded where it holds one (into a placeholder
+    where this run has none), left out where it does not (torch's load then drops it)."""
+    own = {*optimizer.defaults, *_GROUP_STRUCTURE}
+    groups = []
+    for index, group in enumerate(state["param_groups"]):
+        prefix = f"{OPTIMIZER}.param_groups.{index}."
+        held = {key[len(prefix) :] for key in saved if key.startswith(prefix)}
+        kept = {key: value for key, value in group.items() if key in own or key in held}
+        extras = {key: None for key in held - own - kept.keys() if "." not in key}
+        groups.append({**kept, **extras})
+    return {**state, "param_groups": groups}
+
+
 def apply_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:

@@ -148,6 +148,40 @@ def test_lomo_is_never_stepped_with_zero_gradients(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("scheduled", ["at_save", "at_load"])
+def test_a_scheduler_s_group_entry_is_loaded_as_torch_loads_it(scheduled, tmp_path):
+    """A param group's entries other than the optimizer's own, such as the 'initial_lr' a
+    torch lr scheduler adds, are taken as the checkpoint holds them, as torch's
+    load_state_dict takes a group's keys from the state_dict: a checkpoint written with a
+    scheduler loads into an optimizer with none (yet), one written without into an
+    optimizer with one. The result is what load_state_dict of the saved state_dict gives,
+    and the resumed run goes on as the saved one."""
+
+    def scheduled_now(opt) -> None:
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+
+    model, opt = build("adalomo_groups")
+    if scheduled == "at_save":
+        scheduled_now(opt)
+    for index in range(SAVE_AT):
+        step(model, opt, index)
+    path = save_checkpoint(tmp_path / "ckpt", model, opt)
+    resumed, in_memory = build("adalomo_groups", seed=1), build("adalomo_groups", seed=1)
+    if scheduled == "at_load":
+        scheduled_now(resumed[1])
+        scheduled_now(in_memory[1])
+    load_checkpoint(path, *resumed)
+    in_memory[0].load_state_dict(model.state_dict())
+    in_memory[1].load_state_dict(opt.state_dict())
+    assert_same_state(state_of(*resumed), state_of(*in_memory))
+    groups = resumed[1].param_groups
+    assert all(("initial_lr" in group) == (scheduled == "at_save") for group in groups)
+    for index in range(SAVE_AT, STEPS):
+        step(model, opt, index)
+        step(*resumed, index)
+    assert_same_state(state_of(*resumed), state_of(model, opt))
+
+
 @pytest.fixture
 def adalomo_checkpoint(tmp_path):
     model, opt = build("adalomo_single")
