@@ -46,6 +46,7 @@ from .state import (
     model_state,
     optimizer_state,
     with_saved_group_extras,
+    without_unsaved_aliases,
 )
 
 _REPLACED = ".replaced"
@@ -231,7 +232,7 @@ def load_checkpoint(
     try:
         reader, _ = _safe_loading().reader_and_planner(path, files, trust_checkpoint)
         saved = reader.read_metadata().state_dict_metadata
-        state[MODEL] = flat_where_saved_flat(state[MODEL], saved)
+        state[MODEL] = without_unsaved_aliases(flat_where_saved_flat(state[MODEL], saved), saved)
         if not strict:
             state[MODEL] = {k: v for k, v in state[MODEL].items() if f"{MODEL}.{k}" in saved}
         if optimizer is not None:

@@ -79,6 +79,24 @@ def flat_where_saved_flat(state: dict[str, Any], saved: dict[str, Any]) -> dict[
     return adapted
 
 
+def without_unsaved_aliases(state: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a model's, by name) without the names the checkpoint does not hold of a
+    tensor it holds under another name: a tied weight, which ZeRO-3 saves once, under the
+    Parameter's first name, and torch's state dict holds under each of its names."""
+
+    def memory(tensor: Any) -> tuple[int, int] | None:
+        if type(tensor) is not torch.Tensor or not tensor.numel():
+            return None
+        return tensor.data_ptr(), tensor.numel()
+
+    held = {memory(t) for name, t in state.items() if f"{MODEL}.{name}" in saved} - {None}
+    return {
+        name: tensor
+        for name, tensor in state.items()
+        if f"{MODEL}.{name}" in saved or memory(tensor) not in held
+    }
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state_dict keyed by parameter name (its tensors are copies: loading
     into them changes nothing until `apply_optimizer_state`)."""

@@ -3,10 +3,12 @@ test_sharded_options.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and A
 TiedScaledLlama (the head is the embedding) with its first decoder layer frozen, a param
 group of its own for the norms and the temperature, and clipping by value and by norm
 together (`combined_options`); each optimizer with a norm pass and an update pass per step,
-and with accumulation (k micro-batches per step, then a short step applied by opt.step()).
+and with accumulation (k micro-batches per step, then a short step applied by opt.step());
+a checkpoint at the end of the first (`lomo_kernels.save_checkpoint`).
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
-parameters for the one-process reference, and `checks.json` with each rank's step count.
+parameters (and of the first, the optimizer's consolidated state and the checkpoint) for the
+one-process reference, and `checks.json` with each rank's step count.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from support.sharded_models import (  # noqa: E402
     rank_batch,
 )
 
+import lomo_kernels  # noqa: E402
 from lomo_kernels.distributed import consolidated_state_dict  # noqa: E402
 
 torch.set_num_threads(1)
@@ -46,9 +49,12 @@ def run(engine: str, name: str, training: str, rank: int, checks: dict) -> None:
     TRAININGS[training](model, opt, lambda step: rank_batch(step, rank))
     key = f"{engine}_{name}_{training}"
     checks[key] = {"step_count": opt.step_count}
-    final = consolidated_state_dict(model)
+    final = {"initial": initial, "final": consolidated_state_dict(model)}
+    if training == "per_step":  # and a checkpoint of the end, for one process to resume
+        lomo_kernels.save_checkpoint(OUT / f"{key}_checkpoint", target, opt)
+        final["optimizer"] = opt.consolidated_state_dict()
     if rank == 0:
-        torch.save({"initial": initial, "final": final}, OUT / f"{key}.pt")
+        torch.save(final, OUT / f"{key}.pt")
 
 
 def main(rank: int, checks: dict) -> None:

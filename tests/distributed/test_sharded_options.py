@@ -21,6 +21,9 @@ from support.sharded_models import (
     freeze_first_layer,
     global_batch,
 )
+from support.state import assert_same_state
+
+import lomo_kernels
 
 deepspeed = require("deepspeed")
 
@@ -67,3 +70,40 @@ def test_combined_options_equal_one_process(options_run, checks, engine, name, t
     unclamped, _ = one_process(name, training, initial, clip_grad_value=None)
     with pytest.raises(AssertionError, match="over bound"):
         assert_within_update_tolerance(trained(unclamped.state_dict()), trained(reference), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_checkpoint_of_combined_options_resumes_in_one_process(options_run, engine, name):
+    """The sharded run's checkpoint (the head tied to the embedding: ZeRO-3 saves it once,
+    under its first name) loads into one process as the consolidated state does, and the
+    next step from it is that one's, bit for bit."""
+    key = f"{engine}_{name}_per_step"
+    saved = torch.load(options_run / f"{key}.pt")
+
+    def resumed(load) -> tuple:
+        model = TiedScaledLlama()
+        freeze_first_layer(model)
+        opt = OPTIMIZERS[name](model, lr=LR[name], **combined_options(model, name, False))
+        load(model, opt)
+        state = {"model": clone_state(model), "optimizer": opt.state_dict()}
+        TRAININGS["per_step"](model, opt, lambda step: global_batch(STEPS + step), 1)
+        return state, {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def consolidated(model, opt) -> None:
+        model.load_state_dict(saved["final"])
+        opt.load_state_dict(saved["optimizer"])
+
+    from_checkpoint = resumed(
+        lambda model, opt: lomo_kernels.load_checkpoint(
+            options_run / f"{key}_checkpoint", model, opt
+        )
+    )
+    expected = resumed(consolidated)
+    assert_same_state(from_checkpoint[0]["model"], saved["final"])
+    assert_same_state(from_checkpoint, expected)
+
+
+def clone_state(model) -> dict:
+    return {name: value.clone() for name, value in model.state_dict().items()}
