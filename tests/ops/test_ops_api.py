@@ -256,6 +256,44 @@ def test_bad_input_raises_before_writing(case):
     assert torch.equal(param.to_dense(), before.to_dense())  # a sparse param's values too
 
 
+# The ops that take one data tensor (a gradient, or what they write), each as a call of that
+# tensor and the other tensors it writes (an fp32 sum, an 8-bit buffer of 4 elements).
+ONE_TENSOR_OPS = {
+    "grad_sumsq_": lambda t, out: ops.grad_sumsq_(t, out["sumsq"]),
+    "grad_accumulate_int8_": lambda t, out: ops.grad_accumulate_int8_(
+        out["codes"], out["scales"], t
+    ),
+    "int8_dequantize_": lambda t, out: ops.int8_dequantize_(t, out["codes"], out["scales"]),
+    "lomo_update_int8_": lambda t, out: ops.lomo_update_int8_(
+        t, out["codes"], out["scales"], lr=0.1
+    ),
+}
+BAD_TENSORS = {
+    "float64": (lambda: torch.ones(4, dtype=torch.float64), "float64 is not supported"),
+    "int32": (lambda: torch.ones(4, dtype=torch.int32), "int32 is not supported"),
+    "sparse": (lambda: torch.ones(4).to_sparse(), "sparse"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_TENSORS)
+@pytest.mark.parametrize("op", ONE_TENSOR_OPS)
+def test_one_tensor_ops_refuse_what_no_kernel_takes_before_writing(op, bad):
+    """A tensor of a dtype no kernel takes, or a sparse one, is refused by name before
+    anything is written (the tensor itself where the op writes it, or its sum or buffer)."""
+    make, message = BAD_TENSORS[bad]
+    tensor = make()
+    out = {
+        "sumsq": torch.zeros(1),
+        "codes": torch.ones(4, dtype=torch.int8),
+        "scales": torch.ones(1),
+    }
+    before = {"tensor": tensor.to_dense().clone(), **{k: v.clone() for k, v in out.items()}}
+    with pytest.raises(TypeError, match=message):
+        ONE_TENSOR_OPS[op](tensor, out)
+    after = {"tensor": tensor.to_dense(), **out}
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 @pytest.mark.parametrize("shape", [(6, 4), (24,), (2, 12)], ids=["transposed", "flat", "other"])
 def test_gradient_of_another_shape_is_refused_before_any_change(backend, shape):
