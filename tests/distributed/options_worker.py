@@ -3,8 +3,9 @@ test_sharded_options.py under torchrun, gloo, CPU): ZeRO-3 and FSDP2, Lomo and A
 TiedScaledLlama (the head is the embedding) with its first decoder layer frozen, a param
 group of its own for the norms and the temperature, and clipping by value and by norm
 together (`combined_options`); each optimizer with a norm pass and an update pass per step,
-and with accumulation (k micro-batches per step, then a short step applied by opt.step());
-a checkpoint at the end of the first (`lomo_kernels.save_checkpoint`).
+and with accumulation (k micro-batches per step, then a short step applied by opt.step()) and
+reentrant activation checkpointing; a checkpoint at the end of the first
+(`lomo_kernels.save_checkpoint`).
 
 Writes, on rank 0, to the directory in argv[1]: each run's consolidated initial and final
 parameters (and of the first, the optimizer's consolidated state and the checkpoint) for the
@@ -42,13 +43,19 @@ OUT = Path(sys.argv[1])
 
 def run(engine: str, name: str, training: str, rank: int, checks: dict) -> None:
     target, model = build(engine, TiedScaledLlama)
+    if training == "accumulating":  # its layers recomputed in backward, as large models train
+        model.llama.activation_checkpointing_enable({"use_reentrant": True})
+        model.train()
     freeze_first_layer(model)
     initial = consolidated_state_dict(model)
     options = combined_options(model, name, accumulate=training == "accumulating")
     opt = OPTIMIZERS[name](target, lr=LR[name], **options)
     TRAININGS[training](model, opt, lambda step: rank_batch(step, rank))
     key = f"{engine}_{name}_{training}"
-    checks[key] = {"step_count": opt.step_count}
+    checks[key] = {
+        "step_count": opt.step_count,
+        "recomputed": model.llama.is_activation_checkpointing,
+    }
     final = {"initial": initial, "final": consolidated_state_dict(model)}
     if training == "per_step":  # and a checkpoint of the end, for one process to resume
         lomo_kernels.save_checkpoint(OUT / f"{key}_checkpoint", target, opt)

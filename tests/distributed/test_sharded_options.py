@@ -1,7 +1,9 @@
 """The optimizer's options together under ZeRO-3 and FSDP2 on 2 ranks (torchrun, gloo, CPU)
 against one process on the full batch: the head tied to the embedding, the first decoder
 layer frozen, a param group with its own lr and no decay, clipping by value and by norm
-together, with a norm pass per step and with accumulation (options_worker.py)."""
+together, with a norm pass per step and with accumulation (and reentrant activation
+checkpointing, which the reference runs without: the recomputed forward is the same), and the
+checkpoint of the first loaded in one process (options_worker.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def test_combined_options_equal_one_process(options_run, checks, engine, name, t
     steps = STEPS + (training == "accumulating")  # the short step applied by opt.step()
     assert opt.step_count == steps
     assert [rank[key]["step_count"] for rank in checks] == [steps] * len(checks)
+    recomputed = training == "accumulating"
+    assert [rank[key]["recomputed"] for rank in checks] == [recomputed] * len(checks)
     frozen = [name for name in initial if name.startswith(FROZEN)]
     assert frozen and all(torch.equal(final[name], initial[name]) for name in frozen)
     reference = model.state_dict()
