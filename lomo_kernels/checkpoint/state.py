@@ -11,6 +11,7 @@ process (into flat views of the parameters); not under FSDP2, whose shards are r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,26 +115,55 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 # A param group's entries that make the optimizer what it is: its hyper-parameters (its
 # defaults' keys) and these. Any other (a scheduler's 'initial_lr', a key of the user's) is
-# taken as the checkpoint holds it, as torch's load_state_dict takes a group's keys.
+# taken as the checkpoint holds it, as torch's load_state_dict takes a group's keys; so are
+# the entries an optimizer names optional (`optional_group_entries`: dotted paths).
 _GROUP_STRUCTURE = ("params", "param_names", "lomo")
 
 
 def with_saved_group_extras(
     state: dict[str, Any], saved: dict[str, Any], optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """`state` (`optimizer_state`'s) with each param group's extra entries, those that are
-    neither the optimizer's hyper-parameters nor `_GROUP_STRUCTURE`, as the checkpoint's
-    (`saved`: its metadata) group holds them: loaded where it holds one (into a placeholder
-    where this run has none), left out where it does not (torch's load then drops it)."""
+    """`state` (`optimizer_state`'s) with each param group's extra and optional entries (see
+    `_GROUP_STRUCTURE`) as the checkpoint's (`saved`: its metadata) group holds them: loaded
+    where it holds one (into a placeholder where this run has none), left out where it does
+    not (the optimizer's load then goes without it, as its load_state_dict would)."""
     own = {*optimizer.defaults, *_GROUP_STRUCTURE}
+    optional = tuple(getattr(optimizer, "optional_group_entries", ()))
+
+    def decided_by_checkpoint(key: str) -> bool:
+        return key.split(".", 1)[0] not in own or any(
+            key == path or key.startswith(f"{path}.") for path in optional
+        )
+
     groups = []
     for index, group in enumerate(state["param_groups"]):
         prefix = f"{OPTIMIZER}.param_groups.{index}."
         held = {key[len(prefix) :] for key in saved if key.startswith(prefix)}
-        kept = {key: value for key, value in group.items() if key in own or key in held}
-        extras = {key: None for key in held - own - kept.keys() if "." not in key}
-        groups.append({**kept, **extras})
+        group = copy.deepcopy({key: value for key, value in group.items() if key != "params"})
+        for key, _ in list(flat_entries(group)):
+            if decided_by_checkpoint(key) and key not in held:
+                _set_entry(group, key, None, remove=True)
+        for key in held:
+            if decided_by_checkpoint(key):
+                _set_entry(group, key, None)
+        groups.append({**group, "params": state["param_groups"][index]["params"]})
     return {**state, "param_groups": groups}
+
+
+def _set_entry(tree: dict[str, Any], key: str, value: Any, remove: bool = False) -> None:
+    """Sets (or removes) the entry at dotted `key` of nested dicts `tree`, making the dicts on
+    its way; a dict left empty by a removal goes too."""
+    name, _, rest = key.partition(".")
+    if not rest:
+        if remove:
+            tree.pop(name, None)
+        elif name not in tree:
+            tree[name] = value
+        return
+    below = tree.setdefault(name, {})
+    _set_entry(below, rest, value, remove)
+    if remove and not below:
+        del tree[name]
 
 
 def apply_optimizer_state(

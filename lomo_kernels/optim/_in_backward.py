@@ -135,6 +135,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # Whether `_update` reads an 8-bit accumulation buffer itself (`Piece.grad` an
     # `Int8Buffer`); else it is handed the buffer dequantised (int8_buffer.py).
     reads_int8_buffers: ClassVar[bool] = False
+    # The param groups' checkpoint entries a sharded load takes as the checkpoint holds them,
+    # as load_state_dict does: the one-backward clip's norm history, of a run with or without
+    # single_backward (checkpoint/state.py).
+    optional_group_entries: ClassVar[tuple[str, ...]] = ("lomo.single_backward",)
 
     def __init__(
         self,

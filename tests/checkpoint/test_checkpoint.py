@@ -148,38 +148,60 @@ def test_lomo_is_never_stepped_with_zero_gradients(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("scheduled", ["at_save", "at_load"])
-def test_a_scheduler_s_group_entry_is_loaded_as_torch_loads_it(scheduled, tmp_path):
-    """A param group's entries other than the optimizer's own, such as the 'initial_lr' a
-    torch lr scheduler adds, are taken as the checkpoint holds them, as torch's
-    load_state_dict takes a group's keys from the state_dict: a checkpoint written with a
-    scheduler loads into an optimizer with none (yet), one written without into an
-    optimizer with one. The result is what load_state_dict of the saved state_dict gives,
-    and the resumed run goes on as the saved one."""
+def scheduled(opt) -> None:
+    """A torch lr scheduler on `opt` (it adds 'initial_lr' to each param group)."""
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
 
-    def scheduled_now(opt) -> None:
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
 
-    model, opt = build("adalomo_groups")
-    if scheduled == "at_save":
-        scheduled_now(opt)
+# A set-up the saved run and the resumed one differ in, where torch's load_state_dict (and
+# ours) takes the state_dict's entries: a scheduler's group entry, the one-backward clip's
+# norm history. (setup, the saved run's change, the resumed run's change): each change is
+# the optimizer's options, and a function of the optimizer called before the run.
+SWITCHES = {
+    "scheduler_at_save": ("adalomo_groups", ({}, scheduled), ({}, None)),
+    "scheduler_at_load": ("adalomo_groups", ({}, None), ({}, scheduled)),
+    "single_backward_at_save": (
+        "lomo",
+        ({"single_backward": True}, None),
+        ({"single_backward": False}, None),
+    ),
+    "single_backward_at_load": (
+        "adalomo_single",
+        ({"single_backward": False}, None),
+        ({"single_backward": True}, None),
+    ),
+}
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_a_switched_set_up_loads_as_load_state_dict_loads_it(switch, tmp_path):
+    """Entries the saved run has and the resumed one lacks, or the other way round, where
+    load_state_dict takes the state_dict's: a param group's entries other than the
+    optimizer's own (the 'initial_lr' a torch lr scheduler adds) and the one-backward clip's
+    norm history. load_checkpoint loads the checkpoint as load_state_dict of the saved
+    state_dict does, and the resumed run goes on as the saved one."""
+    setup, (saved_options, saved_call), (options, call) = SWITCHES[switch]
+    model, opt = build(setup, **saved_options)
+    if saved_call is not None:
+        saved_call(opt)
     for index in range(SAVE_AT):
         step(model, opt, index)
     path = save_checkpoint(tmp_path / "ckpt", model, opt)
-    resumed, in_memory = build("adalomo_groups", seed=1), build("adalomo_groups", seed=1)
-    if scheduled == "at_load":
-        scheduled_now(resumed[1])
-        scheduled_now(in_memory[1])
+    resumed, in_memory = build(setup, seed=1, **options), build(setup, seed=1, **options)
+    if call is not None:
+        call(resumed[1])
+        call(in_memory[1])
     load_checkpoint(path, *resumed)
     in_memory[0].load_state_dict(model.state_dict())
     in_memory[1].load_state_dict(opt.state_dict())
     assert_same_state(state_of(*resumed), state_of(*in_memory))
-    groups = resumed[1].param_groups
-    assert all(("initial_lr" in group) == (scheduled == "at_save") for group in groups)
+    if switch.startswith("scheduler"):
+        groups = resumed[1].param_groups
+        assert all(("initial_lr" in group) == (switch == "scheduler_at_save") for group in groups)
     for index in range(SAVE_AT, STEPS):
-        step(model, opt, index)
+        step(*in_memory, index)
         step(*resumed, index)
-    assert_same_state(state_of(*resumed), state_of(model, opt))
+    assert_same_state(state_of(*resumed), state_of(*in_memory))
 
 
 @pytest.fixture
