@@ -136,9 +136,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # `Int8Buffer`); else it is handed the buffer dequantised (int8_buffer.py).
     reads_int8_buffers: ClassVar[bool] = False
     # The param groups' checkpoint entries a sharded load takes as the checkpoint holds them,
-    # as load_state_dict does: the one-backward clip's norm history, of a run with or without
-    # single_backward (checkpoint/state.py).
-    optional_group_entries: ClassVar[tuple[str, ...]] = ("lomo.single_backward",)
+    # as load_state_dict does (checkpoint/state.py): the one-backward clip's norm history, of
+    # a run with or without single_backward, and the loss scaler's state, of a run in fp16 or
+    # in another dtype (none).
+    optional_group_entries: ClassVar[tuple[str, ...]] = (
+        "lomo.single_backward",
+        "lomo.loss_scaler",
+    )
 
     def __init__(
         self,

@@ -155,21 +155,18 @@ def scheduled(opt) -> None:
 
 # A set-up the saved run and the resumed one differ in, where torch's load_state_dict (and
 # ours) takes the state_dict's entries: a scheduler's group entry, the one-backward clip's
-# norm history. (setup, the saved run's change, the resumed run's change): each change is
-# the optimizer's options, and a function of the optimizer called before the run.
+# norm history, the fp16 loss scaler's state. Each: the saved run's and the resumed run's
+# (setup, options, a function of the optimizer called before the run or None).
 SWITCHES = {
-    "scheduler_at_save": ("adalomo_groups", ({}, scheduled), ({}, None)),
-    "scheduler_at_load": ("adalomo_groups", ({}, None), ({}, scheduled)),
-    "single_backward_at_save": (
-        "lomo",
-        ({"single_backward": True}, None),
-        ({"single_backward": False}, None),
-    ),
+    "scheduler_at_save": (("adalomo_groups", {}, scheduled), ("adalomo_groups", {}, None)),
+    "scheduler_at_load": (("adalomo_groups", {}, None), ("adalomo_groups", {}, scheduled)),
+    "single_backward_at_save": (("lomo", {"single_backward": True}, None), ("lomo", {}, None)),
     "single_backward_at_load": (
-        "adalomo_single",
-        ({"single_backward": False}, None),
-        ({"single_backward": True}, None),
+        ("adalomo_single", {"single_backward": False}, None),
+        ("adalomo_single", {}, None),
     ),
+    "fp16_to_fp32": (("lomo_fp16", {}, None), ("lomo", {}, None)),
+    "fp32_to_fp16": (("lomo", {}, None), ("lomo_fp16", {}, None)),
 }
 
 
@@ -177,20 +174,20 @@ SWITCHES = {
 def test_a_switched_set_up_loads_as_load_state_dict_loads_it(switch, tmp_path):
     """Entries the saved run has and the resumed one lacks, or the other way round, where
     load_state_dict takes the state_dict's: a param group's entries other than the
-    optimizer's own (the 'initial_lr' a torch lr scheduler adds) and the one-backward clip's
-    norm history. load_checkpoint loads the checkpoint as load_state_dict of the saved
-    state_dict does, and the resumed run goes on as the saved one."""
-    setup, (saved_options, saved_call), (options, call) = SWITCHES[switch]
-    model, opt = build(setup, **saved_options)
-    if saved_call is not None:
-        saved_call(opt)
+    optimizer's own (the 'initial_lr' a torch lr scheduler adds), the one-backward clip's norm
+    history and the fp16 loss scaler's state. load_checkpoint loads the checkpoint as
+    load_state_dict of the saved state_dict does, and the resumed run goes on as that one."""
+    (setup, options, call), (resumed_setup, resumed_options, resumed_call) = SWITCHES[switch]
+    model, opt = build(setup, **options)
+    if call is not None:
+        call(opt)
     for index in range(SAVE_AT):
         step(model, opt, index)
     path = save_checkpoint(tmp_path / "ckpt", model, opt)
-    resumed, in_memory = build(setup, seed=1, **options), build(setup, seed=1, **options)
-    if call is not None:
-        call(resumed[1])
-        call(in_memory[1])
+    resumed, in_memory = (build(resumed_setup, seed=1, **resumed_options) for _ in range(2))
+    if resumed_call is not None:
+        resumed_call(resumed[1])
+        resumed_call(in_memory[1])
     load_checkpoint(path, *resumed)
     in_memory[0].load_state_dict(model.state_dict())
     in_memory[1].load_state_dict(opt.state_dict())
