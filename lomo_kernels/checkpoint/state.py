@@ -12,6 +12,7 @@ process (into flat views of the parameters); not under FSDP2, whose shards are r
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -210,6 +211,19 @@ def flat_entries(state: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str
             yield from flat_entries(value, (*prefix, str(index)))
 
 
+_WHOLE_INTO_ZERO3 = (
+    " (this ZeRO-3 run holds its parameters flat, the checkpoint whole, as one process and "
+    "FSDP2 save them: a ZeRO-3 run resumes from a ZeRO-3 checkpoint only; load this one in "
+    "one process or under FSDP2, or start ZeRO-3 from its weights, loaded into the model "
+    "before deepspeed.initialize)"
+)
+
+
+def _whole_into_flat(saved_shape: tuple[int, ...], value: torch.Tensor) -> bool:
+    """Whether a tensor saved whole meets this run's flat ZeRO-3 partitioned one."""
+    return len(saved_shape) > 1 and value.dim() == 1 and math.prod(saved_shape) == value.numel()
+
+
 def check_against_metadata(
     state: dict[str, Any], saved: dict[str, Any], *, strict_model: bool = True
 ) -> None:
@@ -235,6 +249,7 @@ def check_against_metadata(
             raise CheckpointError(
                 f"the checkpoint's {key!r} has shape {tuple(size)}, this run's "
                 f"{tuple(value.shape)}: it was written for another model or sharding engine"
+                + (_WHOLE_INTO_ZERO3 if _whole_into_flat(tuple(size), value) else "")
             )
     kinds = {MODEL: strict_model, OPTIMIZER: OPTIMIZER in state}  # a model-only load
     for key in saved:

@@ -163,6 +163,16 @@ def reference(checks: dict, one_process_ckpt: Path) -> None:
     except ValueError as error:
         checks["other_class"] = str(error)
     checks["other_class_changed"] = changes_since(before, model, opt)
+    # The one-process checkpoint (parameters whole) under ZeRO-3 (flat partitions): refused,
+    # saying where it does load, nothing changed.
+    model, opt = build("zero3", "adalomo_single")
+    before = optimizer_snapshot(model.module, opt)
+    try:
+        lomo_kernels.load_checkpoint(one_process_ckpt, model, opt)
+        checks["whole_into_zero3"] = None
+    except ValueError as error:
+        checks["whole_into_zero3"] = str(error)
+    checks["whole_into_zero3_changed"] = changes_since(before, model.module, opt)
 
 
 def refused_on_one_rank(checks: dict) -> None:

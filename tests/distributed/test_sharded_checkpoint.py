@@ -176,6 +176,15 @@ def test_other_optimizer_class_refused_on_every_rank(reference):
     assert [rank["other_class_changed"] for rank in checks] == [None, None]
 
 
+def test_one_process_checkpoint_under_zero3_refused_saying_where_it_loads(reference):
+    """ZeRO-3 holds its parameters flat; a checkpoint saved whole (one process, FSDP2) does
+    not reshard into that: refused on every rank, nothing changed, naming where it loads."""
+    checks = read_checks(reference)
+    assert checks[0]["whole_into_zero3"] == checks[1]["whole_into_zero3"]
+    assert "a ZeRO-3 run resumes from a ZeRO-3 checkpoint only" in checks[0]["whole_into_zero3"]
+    assert [rank["whole_into_zero3_changed"] for rank in checks] == [None, None]
+
+
 def assert_client_state_refused_alike(reference, name: str, says: str) -> None:
     """Both ranks refused the crafted rank-1 client_state of `name` with the same message,
     naming the file (`says` what of it), and changed nothing."""
