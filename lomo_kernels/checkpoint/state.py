@@ -87,7 +87,8 @@ def without_unsaved_aliases(state: dict[str, Any], saved: dict[str, Any]) -> dic
     Parameter's first name, and torch's state dict holds under each of its names."""
 
     def memory(tensor: Any) -> tuple[int, int] | None:
-        if type(tensor) is not torch.Tensor or not tensor.numel():
+        # A meta tensor has no memory to share (its data_ptr is 0).
+        if type(tensor) is not torch.Tensor or not tensor.numel() or tensor.is_meta:
             return None
         return tensor.data_ptr(), tensor.numel()
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lomo_kernels import AdaLomo, CheckpointError, Lomo, load_checkpoint, save_checkpoint
 from lomo_kernels.checkpoint import MANIFEST
+from lomo_kernels.checkpoint.state import without_unsaved_aliases
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -348,3 +349,14 @@ def test_check_state_dict_refuses_as_load_would_and_changes_nothing():
         with pytest.raises(ValueError, match="holds negative values"):
             check(bad)
     assert_unchanged_since(before, model, opt)
+
+
+def test_only_a_tied_name_the_checkpoint_lacks_is_left_out():
+    """A load leaves out a name the checkpoint lacks only where the checkpoint holds the same
+    tensor under another (a tied weight, saved once by ZeRO-3): another tensor of the same
+    size, or meta tensors (which all report memory at 0), must still be found missing."""
+    weight = torch.ones(4, 3)
+    state = {"embed": weight, "head": weight, "other": torch.ones(4, 3)}
+    state.update(a=torch.empty(2, device="meta"), b=torch.empty(2, device="meta"))
+    saved = {"model.embed": None, "model.a": None}
+    assert set(without_unsaved_aliases(state, saved)) == {"embed", "other", "a", "b"}
