@@ -141,29 +141,30 @@ def with_saved_group_extras(
     for index, group in enumerate(state["param_groups"]):
         prefix = f"{OPTIMIZER}.param_groups.{index}."
         held = {key[len(prefix) :] for key in saved if key.startswith(prefix)}
-        group = copy.deepcopy({key: value for key, value in group.items() if key != "params"})
+        group = copy.deepcopy(group)
         for key, _ in list(flat_entries(group)):
             if decided_by_checkpoint(key) and key not in held:
-                _set_entry(group, key, None, remove=True)
+                _set_entry(group, key, remove=True)
         for key in held:
             if decided_by_checkpoint(key):
-                _set_entry(group, key, None)
-        groups.append({**group, "params": state["param_groups"][index]["params"]})
+                _set_entry(group, key)
+        groups.append(group)
     return {**state, "param_groups": groups}
 
 
-def _set_entry(tree: dict[str, Any], key: str, value: Any, remove: bool = False) -> None:
-    """Sets (or removes) the entry at dotted `key` of nested dicts `tree`, making the dicts on
-    its way; a dict left empty by a removal goes too."""
+def _set_entry(tree: dict[str, Any], key: str, remove: bool = False) -> None:
+    """Places a placeholder (None, which the load replaces) at dotted `key` of nested dicts
+    `tree` where it has no entry, making the dicts on its way; or removes the entry, and a
+    dict the removal leaves empty."""
     name, _, rest = key.partition(".")
     if not rest:
         if remove:
             tree.pop(name, None)
-        elif name not in tree:
-            tree[name] = value
+        else:
+            tree.setdefault(name, None)
         return
     below = tree.setdefault(name, {})
-    _set_entry(below, rest, value, remove)
+    _set_entry(below, rest, remove)
     if remove and not below:
         del tree[name]
 

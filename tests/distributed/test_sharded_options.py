@@ -89,7 +89,8 @@ def test_checkpoint_of_combined_options_resumes_in_one_process(options_run, engi
     def resumed(load) -> tuple:
         model = TiedScaledLlama()
         freeze_first_layer(model)
-        opt = OPTIMIZERS[name](model, lr=LR[name], **combined_options(model, name, False))
+        options = combined_options(model, name, accumulate=False)
+        opt = OPTIMIZERS[name](model, lr=LR[name], **options)
         load(model, opt)
         state = {"model": clone_state(model), "optimizer": opt.state_dict()}
         TRAININGS["per_step"](model, opt, lambda step: global_batch(STEPS + step), 1)
